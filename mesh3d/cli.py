@@ -1,0 +1,85 @@
+"""The ``mesh3d`` command line.
+
+Usage::
+
+    mesh3d --version
+    mesh3d info            # torch version, backends, devices and the launcher this process sees
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from collections.abc import Callable, Sequence
+
+import mesh3d
+
+__all__ = ["main", "build_parser", "environment_report"]
+
+
+def environment_report() -> dict[str, str]:
+    """What ``mesh3d info`` prints, as ordered key/value pairs."""
+    import torch
+    import torch.distributed as dist
+
+    from mesh3d.launcher import detect_launcher
+
+    backends = [name for name in ("gloo", "nccl", "mpi", "ucc") if getattr(dist, f"is_{name}_available", lambda: False)()]
+    try:
+        info = detect_launcher()
+        launcher = f"{info.launcher} (rank {info.rank} of {info.world_size}, local rank {info.local_rank})"
+        if info.master_addr:
+            launcher += f", rendezvous {info.master_addr}:{info.master_port}"
+    except ValueError as err:
+        launcher = f"misconfigured: {err}"
+    cuda = torch.cuda.is_available()
+    return {
+        "mesh3d": mesh3d.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "distributed": "available" if dist.is_available() else "unavailable",
+        "backends": ", ".join(backends) or "none",
+        "cuda": f"{torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}" if cuda else "not available",
+        "default backend": "nccl" if cuda else "gloo",
+        "launcher": launcher,
+    }
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    report = environment_report()
+    width = max(map(len, report))
+    for key, value in report.items():
+        print(f"{key:<{width}}  {value}")
+    return 0
+
+
+#: Subcommands register here: name -> (help, add_arguments, run).
+SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "info": ("print the environment: torch, backends, devices, launcher", lambda p: None, _cmd_info),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mesh3d", description="3D-parallel training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"mesh3d {mesh3d.__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (help_text, add_arguments, run) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(run=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "run", None) is None:
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

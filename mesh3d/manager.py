@@ -1,0 +1,273 @@
+"""DistributedManager: the one owner of the process group and the (batch, domain, model) mesh.
+
+Usage::
+
+    from mesh3d import DistributedManager
+    dm = DistributedManager.initialize(batch=2, domain=2, model=-1)   # torchrun, SLURM or plain python
+    dm.mesh                      # DeviceMesh of shape (2, 2, 2), names ("batch", "domain", "model")
+    dm.group("model")            # this rank's process group on the model axis
+    DistributedManager.shutdown()
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import ClassVar
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from mesh3d._torch_private import flatten_mesh, group_options
+from mesh3d.launcher import LaunchInfo, detect_launcher
+from mesh3d.mesh_shape import AXES, resolve_mesh_shape
+
+__all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT"]
+
+#: Meshes derived from the 3-D mesh: ``batch_domain`` is where parameter gradients are
+#: reduced (averaged over batch, summed over domain) and where FSDP shards; ``world``
+#: spans every rank. Both are built once, eagerly, because creating a group is a
+#: collective that every rank must join: building one lazily on a subset of ranks hangs.
+DERIVED_AXES: tuple[str, str] = ("batch_domain", "world")
+
+#: Collectives that wait longer than this raise instead of hanging the job. Ten minutes
+#: is NCCL's default; gloo's own default is 30 minutes, too long to notice a hang.
+DEFAULT_TIMEOUT = timedelta(minutes=10)
+
+_MESH3D_TIMEOUT_ENV = "MESH3D_TIMEOUT"
+
+
+def _as_timeout(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        env = os.environ.get(_MESH3D_TIMEOUT_ENV)
+        if env is None:
+            return DEFAULT_TIMEOUT
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ValueError(f"{_MESH3D_TIMEOUT_ENV}={env!r} must be a number of seconds") from None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
+        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta")
+    return timeout
+
+
+def _choose_backend(backend: str | None) -> str:
+    if backend is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if "nccl" in backend and not torch.cuda.is_available():
+        raise ValueError(
+            f"backend={backend!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
+            f"(torch {torch.__version__}); use backend='gloo' for CPU, or leave backend=None to choose automatically"
+        )
+    return backend
+
+
+def _choose_device(backend: str, local_rank: int) -> torch.device:
+    if "nccl" in backend:
+        # Map local ranks onto visible GPUs; more ranks than GPUs on a node shares them round-robin.
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+class DistributedManager:
+    """Singleton owning the process group and the named 3-D ``DeviceMesh``.
+
+    ``DistributedManager()`` returns the initialized instance (a clear error before
+    :meth:`initialize`). Axis names everywhere are ``"batch"``, ``"domain"``, ``"model"``
+    and the derived ``"batch_domain"`` and ``"world"``.
+    """
+
+    _instance: ClassVar[DistributedManager | None] = None
+
+    mesh: DeviceMesh
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    launcher: str
+    timeout: timedelta
+
+    def __new__(cls) -> DistributedManager:
+        if cls._instance is None:
+            raise RuntimeError(
+                "DistributedManager is not initialized: call DistributedManager.initialize(batch=..., domain=..., "
+                "model=...) first; it works under torchrun, SLURM and in a plain `python` process"
+            )
+        return cls._instance
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @classmethod
+    def initialize(
+        cls,
+        batch: int = -1,
+        domain: int = 1,
+        model: int = 1,
+        *,
+        backend: str | None = None,
+        timeout: float | timedelta | None = None,
+    ) -> DistributedManager:
+        """Join (or start) the process group and build the (batch, domain, model) mesh.
+
+        At most one size may be -1; it is inferred from the world size. Every check on
+        the arguments runs before any collective, so a bad request raises ``ValueError``
+        on every rank instead of hanging. ``timeout`` (seconds or timedelta; default
+        ``MESH3D_TIMEOUT`` or 10 minutes) bounds every collective on the mesh's groups.
+        """
+        timeout = _as_timeout(timeout)
+        reuse = dist.is_available() and dist.is_initialized()
+        if reuse:
+            info = LaunchInfo(
+                "existing", dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+            )
+        else:
+            info = detect_launcher()
+        shape = resolve_mesh_shape(info.world_size, batch, domain, model)
+
+        if cls._instance is not None:
+            current = tuple(cls._instance.mesh.shape)
+            if current == shape:
+                return cls._instance
+            raise RuntimeError(
+                f"DistributedManager is already initialized with (batch, domain, model)={current}; asked for {shape}. "
+                "Call DistributedManager.shutdown() before initializing a different mesh"
+            )
+
+        if reuse:
+            backend = str(dist.get_backend())
+        else:
+            backend = _choose_backend(backend)
+        device = _choose_device(backend, info.local_rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+        created_default_group = False
+        if not reuse:
+            cls._init_default_group(info, backend, device, timeout)
+            created_default_group = True
+
+        self = object.__new__(cls)
+        self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
+        self.device, self.backend, self.launcher, self.timeout = device, backend, info.launcher, timeout
+        self._created_default_group = created_default_group
+        try:
+            self._build_meshes(shape)
+        except BaseException:
+            if created_default_group:
+                dist.destroy_process_group()
+            raise
+        cls._instance = self
+        return self
+
+    @staticmethod
+    def _init_default_group(info: LaunchInfo, backend: str, device: torch.device, timeout: timedelta) -> None:
+        device_id = device if device.type == "cuda" else None  # CPU device_id is rejected by torch 2.13
+        if info.world_size == 1 and info.master_addr is None:
+            # A world of one needs no rendezvous: an in-process store avoids binding a port.
+            store = dist.HashStore()
+            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
+            return
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{info.master_addr}:{info.master_port}",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timeout,
+            device_id=device_id,
+        )
+
+    def _build_meshes(self, shape: tuple[int, int, int]) -> None:
+        options = group_options(self.backend, self.timeout)
+        override = None if options is None else (self.backend, options)
+        per_axis = None if override is None else {name: override for name in AXES}
+        self.mesh = init_device_mesh(self.device.type, shape, mesh_dim_names=AXES, backend_override=per_axis)
+        self._meshes: dict[str, DeviceMesh] = {name: self.mesh[name] for name in AXES}
+        self._meshes["batch_domain"] = flatten_mesh(self.mesh["batch", "domain"], "batch_domain", override)
+        self._meshes["world"] = flatten_mesh(self.mesh, "world", override)
+
+    @classmethod
+    def is_initialized(cls) -> bool:
+        """Whether :meth:`initialize` has run (and :meth:`shutdown` has not since)."""
+        return cls._instance is not None
+
+    @classmethod
+    def shutdown(cls) -> None:
+        """Destroy the groups the manager created and forget the singleton.
+
+        A default process group that the user initialized before :meth:`initialize` is
+        left alone; one the manager created is destroyed. Safe to call when not initialized.
+        """
+        self = cls._instance
+        if self is None:
+            return
+        cls._instance = None
+        default = dist.group.WORLD
+        seen: set[int] = set()
+        for mesh in self._meshes.values():
+            group = mesh.get_group()
+            if group is default or id(group) in seen:
+                continue
+            seen.add(id(group))
+            dist.destroy_process_group(group)
+        if self._created_default_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ------------------------------------------------------------------ per-axis views
+
+    def _axis(self, axis: str) -> DeviceMesh:
+        try:
+            return self._meshes[axis]
+        except KeyError:
+            valid = ", ".join(repr(name) for name in (*AXES, *DERIVED_AXES))
+            raise ValueError(f"unknown mesh axis {axis!r}; valid axes are {valid}") from None
+
+    def axis_mesh(self, axis: str) -> DeviceMesh:
+        """The 1-D mesh of this rank's group on ``axis`` (a base or derived axis)."""
+        return self._axis(axis)
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        """This rank's process group on ``axis``."""
+        return self._axis(axis).get_group()
+
+    def axis_size(self, axis: str) -> int:
+        """How many ranks share this rank's group on ``axis``."""
+        return self._axis(axis).size()
+
+    def axis_rank(self, axis: str) -> int:
+        """This rank's index within its group on ``axis`` (its coordinate on a base axis)."""
+        return self._axis(axis).get_local_rank()
+
+    def axis_ranks(self, axis: str) -> list[int]:
+        """The global ranks in this rank's group on ``axis``, ordered by axis index."""
+        return dist.get_process_group_ranks(self.group(axis))
+
+    @property
+    def shape(self) -> dict[str, int]:
+        """Axis sizes, e.g. ``{"batch": 2, "domain": 2, "model": 2}``."""
+        return {name: self.axis_size(name) for name in AXES}
+
+    @property
+    def coordinates(self) -> dict[str, int]:
+        """This rank's coordinate on each base axis, e.g. ``{"batch": 1, "domain": 0, "model": 1}``."""
+        return {name: self.axis_rank(name) for name in AXES}
+
+    @property
+    def batch_domain_mesh(self) -> DeviceMesh:
+        """1-D mesh over batch×domain: FSDP shards here; gradients average over batch and sum over domain."""
+        return self._meshes["batch_domain"]
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        """1-D mesh over every rank."""
+        return self._meshes["world"]
+
+    def __repr__(self) -> str:
+        shape = ", ".join(f"{k}={v}" for k, v in self.shape.items())
+        return (
+            f"DistributedManager({shape}, rank={self.rank}/{self.world_size}, device={self.device}, "
+            f"backend={self.backend!r}, launcher={self.launcher!r})"
+        )

@@ -1,0 +1,3 @@
+"""Shared pytest configuration: registers the multi-rank pool plugin (tests/rankpool)."""
+
+pytest_plugins = ["rankpool.plugin"]

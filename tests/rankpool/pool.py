@@ -1,0 +1,224 @@
+"""A pool of long-lived gloo ranks that runs test bodies on every rank.
+
+Starting 8 processes that import torch costs ~20 s on two cores. Instead, ranks are
+forked from a forkserver that imported torch once (~1 s for 8 ranks), join one gloo
+group, and then run many test bodies each. A body that fails reports every failing
+rank's traceback; a body that hangs is stopped after its timeout, the stacks of the
+ranks that did not answer are shown, and the pool is rebuilt for the next test.
+
+Usage::
+
+    pool = RankPool(4)
+    results = pool.run(body, 2, x=3)     # body(2, x=3) on every rank; results[r] from rank r
+    pool.close()
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from multiprocessing.connection import wait
+from typing import Any
+
+from rankpool.worker import DUMP_SIGNAL, worker_main
+
+__all__ = ["RankPool", "RankFailure", "RankTimeout", "DEFAULT_TIMEOUT_S"]
+
+#: Default seconds a body may take on all ranks before it counts as hung.
+DEFAULT_TIMEOUT_S = 120.0
+_START_TIMEOUT_S = 120.0
+_STACK_DUMP_WAIT_S = 1.0
+_LOG_TAIL_CHARS = 6000
+
+_context: Any = None
+
+
+def _forkserver_context() -> Any:
+    """One forkserver for the session, with torch (and mesh3d) imported before any fork."""
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(["torch", "torch.distributed", "mesh3d", "rankpool.worker"])
+    return _context
+
+
+class RankFailure(AssertionError):
+    """One or more ranks raised; the message holds each failing rank's traceback."""
+
+
+class RankTimeout(AssertionError):
+    """Some ranks did not answer in time; the message holds their stacks."""
+
+
+class RankPool:
+    """``world_size`` ranks in one gloo group, kept alive across test bodies."""
+
+    def __init__(self, world_size: int, pg_timeout_s: float = 300.0) -> None:
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
+        self._procs: list[Any] = []
+        self._conns: list[Any] = []
+        self._logs: list[str] = []
+        self._task_id = 0
+        self._store: Any = None
+        self._log_dir = tempfile.mkdtemp(prefix=f"mesh3d-pool{world_size}-")
+        self.starts = 0
+
+    # ------------------------------------------------------------------ lifecycle
+
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def _start(self) -> None:
+        import torch.distributed as dist
+
+        ctx = _forkserver_context()
+        store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        # Held for the pool's life: every new_group (each mesh a test builds) rendezvouses through it.
+        self._store = store
+        self.starts += 1
+        self._logs = [os.path.join(self._log_dir, f"start{self.starts}-rank{r}.log") for r in range(self.world_size)]
+        for rank in range(self.world_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(
+                target=worker_main,
+                args=(rank, self.world_size, store.port, child_end, self._logs[rank], self.pg_timeout_s),
+                name=f"mesh3d-rank{rank}of{self.world_size}",
+                daemon=True,
+            )
+            proc.start()
+            child_end.close()
+            self._procs.append(proc)
+            self._conns.append(parent_end)
+        deadline = time.monotonic() + _START_TIMEOUT_S
+        replies = self._collect(deadline)
+        missing = [r for r in range(self.world_size) if r not in replies]
+        if missing:
+            detail = self._describe_unanswered(missing, "", offsets=[0] * self.world_size)
+            self.close()
+            raise RuntimeError(f"rank pool of {self.world_size} failed to start; ranks {missing} not ready\n{detail}")
+
+    def close(self) -> None:
+        """Stop every rank (politely if idle, by force otherwise)."""
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except (OSError, BrokenPipeError):
+                pass
+        for proc in self._procs:
+            proc.join(timeout=2)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
+
+    def _kill(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self._procs:
+            proc.join(timeout=5)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns, self._store = [], [], None
+
+    # ------------------------------------------------------------------ running bodies
+
+    def _collect(self, deadline: float) -> dict[int, Any]:
+        """Wait for one message per rank until ``deadline``; a dead rank is recorded as such."""
+        replies: dict[int, Any] = {}
+        by_conn = {conn: rank for rank, conn in enumerate(self._conns)}
+        by_sentinel = {proc.sentinel: rank for rank, proc in enumerate(self._procs)}
+        while len(replies) < self.world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            waiting = [c for c, r in by_conn.items() if r not in replies]
+            waiting += [s for s, r in by_sentinel.items() if r not in replies]
+            for ready in wait(waiting, timeout=remaining):
+                if ready in by_conn:
+                    rank = by_conn[ready]
+                    try:
+                        replies[rank] = ready.recv()
+                    except (EOFError, OSError):
+                        self._procs[rank].join(timeout=5)  # the pipe closes just before the exit code is known
+                        replies[rank] = ("died", None, self._procs[rank].exitcode)
+                else:
+                    rank = by_sentinel[ready]
+                    if rank not in replies and not self._conns[rank].poll():
+                        self._procs[rank].join(timeout=1)
+                        replies[rank] = ("died", None, self._procs[rank].exitcode)
+        return replies
+
+    def _log_since(self, rank: int, offset: int) -> str:
+        try:
+            with open(self._logs[rank], errors="replace") as f:
+                f.seek(offset)
+                text = f.read()
+        except OSError:
+            return ""
+        return text[-_LOG_TAIL_CHARS:]
+
+    def _describe_unanswered(self, ranks: list[int], name: str, offsets: list[int]) -> str:
+        for rank in ranks:
+            proc = self._procs[rank]
+            if proc.is_alive() and proc.pid is not None:
+                os.kill(proc.pid, DUMP_SIGNAL)
+        time.sleep(_STACK_DUMP_WAIT_S)
+        parts = [f"--- rank {rank} (output and stacks since {name or 'start'}) ---\n{self._log_since(rank, offsets[rank])}"
+                 for rank in ranks]
+        return "\n".join(parts)
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank and return each rank's result, by rank.
+
+        ``fn`` must be importable (a module-level function). Raises :class:`RankFailure`
+        with every failing rank's traceback, or :class:`RankTimeout` with the stacks of
+        the ranks that had not answered after ``timeout`` seconds; after either, the
+        ranks are restarted so the next body starts from a clean group.
+        """
+        if not self.alive:
+            self._kill()
+            self._start()
+        payload = pickle.dumps((fn, args, kwargs))
+        self._task_id += 1
+        task_id = self._task_id
+        name = getattr(fn, "__qualname__", repr(fn))
+        offsets = [os.path.getsize(log) if os.path.exists(log) else 0 for log in self._logs]
+        for conn in self._conns:
+            conn.send(("run", task_id, payload))
+        started = time.monotonic()
+        replies = self._collect(started + timeout)
+        unanswered = [r for r in range(self.world_size) if r not in replies]
+        if unanswered:
+            answered = sorted(replies)
+            detail = self._describe_unanswered(unanswered, name, offsets)
+            self._kill()
+            raise RankTimeout(
+                f"{name} timed out after {timeout:.1f} s on {self.world_size} ranks: ranks {unanswered} did not answer "
+                f"(ranks {answered} did). A rank waiting in a collective that another rank never joined looks like "
+                f"this. The pool will be restarted.\n{detail}"
+            )
+        failures = []
+        for rank in range(self.world_size):
+            status, _, value = replies[rank]
+            if status == "error":
+                failures.append(f"--- rank {rank} ---\n{value}")
+            elif status == "died":
+                failures.append(f"--- rank {rank} died (exit code {value}) ---\n{self._log_since(rank, offsets[rank])}")
+        if failures:
+            # A failed body may have left ranks out of step in the group: start afresh.
+            self._kill()
+            raise RankFailure(
+                f"{name} failed on {len(failures)} of {self.world_size} ranks:\n" + "\n".join(failures)
+            )
+        return [replies[rank][2] for rank in range(self.world_size)]

@@ -1,0 +1,77 @@
+"""The loop each pooled rank runs: join the gloo group once, then run test bodies forever.
+
+A rank's stdout/stderr go to its own log file, and SIGUSR1 makes it dump every
+thread's stack there, so the parent can show where a hung rank is stuck.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import pickle
+import signal
+import sys
+import traceback
+from datetime import timedelta
+from typing import Any
+
+#: Sent by the parent to a rank that has not answered in time.
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def _redirect_output(log_path: str) -> Any:
+    log = open(log_path, "a", buffering=1)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    faulthandler.enable(file=log, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=log, all_threads=True)
+    return log
+
+
+def _reset_process_state() -> None:
+    """Undo what a test body may have left behind, so the next body starts clean."""
+    import torch
+
+    if "mesh3d" in sys.modules:
+        from mesh3d.manager import DistributedManager
+
+        DistributedManager.shutdown()
+    torch.set_default_dtype(torch.float32)
+
+
+def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path: str, pg_timeout_s: float) -> None:
+    """Entry point of one pooled rank (runs in a process forked from the forkserver)."""
+    log = _redirect_output(log_path)
+    import torch
+    import torch.distributed as dist
+
+    # Several ranks share two cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    os.environ["LOCAL_RANK"] = str(rank)
+    store = dist.TCPStore("127.0.0.1", store_port, None, is_master=False, timeout=timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
+    )
+    conn.send(("ready", rank))
+    while True:
+        message = conn.recv()
+        if message[0] == "stop":
+            break
+        _, task_id, payload = message
+        try:
+            fn, args, kwargs = pickle.loads(payload)
+            print(f"--- task {task_id}: {getattr(fn, '__qualname__', fn)}", flush=True)
+            reply = ("ok", task_id, fn(*args, **kwargs))
+        except BaseException:  # noqa: BLE001 - every failure is reported to the parent
+            reply = ("error", task_id, traceback.format_exc())
+        try:
+            _reset_process_state()
+        except BaseException:  # noqa: BLE001
+            reply = ("error", task_id, "cleanup after the test body failed:\n" + traceback.format_exc())
+        try:
+            conn.send(reply)
+        except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
+            conn.send(("error", task_id, "could not send the result back:\n" + traceback.format_exc()))
+    dist.destroy_process_group()
+    log.close()
