@@ -20,7 +20,7 @@ if [ "$(cat "$VENV/.mesh3d-installed" 2>/dev/null)" != "$_want" ]; then
   echo "mesh3d: installing $TORCH_PIN and mesh3d[test] into $VENV" >&2
   "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test]" 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true
-  "$PY" -c "import mesh3d, torch, safetensors, einops, pytest, hypothesis" \
+  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis" \
     || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
   echo "$_want" > "$VENV/.mesh3d-installed"
 fi
