@@ -10,6 +10,8 @@ from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.log import get_logger
 from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
+from mesh3d.parallelize import parallelize
+from mesh3d.plan import Plan
 
 __version__ = "0.1.0"
 
@@ -17,8 +19,10 @@ __all__ = [
     "AXES",
     "DistributedManager",
     "LaunchInfo",
+    "Plan",
     "__version__",
     "detect_launcher",
     "get_logger",
+    "parallelize",
     "resolve_mesh_shape",
 ]

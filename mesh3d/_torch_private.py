@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["flatten_mesh", "group_options"]
+__all__ = ["checkpoint_module", "flatten_mesh", "group_options", "unflatten_mesh"]
 
 
 def group_options(backend: str, timeout: timedelta) -> object | None:
@@ -43,3 +43,29 @@ def flatten_mesh(mesh: DeviceMesh, name: str, backend_override: object | None = 
     if backend_override is None:
         return mesh._flatten(name)
     return mesh._flatten(name, backend_override=backend_override)
+
+
+def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, ...], backend_override: object | None = None) -> DeviceMesh:
+    """Split 1-D ``mesh`` into a mesh of shape ``sizes`` named ``names``, sharing its root.
+
+    Why private: HSDP needs a 2-D (replicate, shard) mesh over the batch×domain ranks that
+    shares its root with the 3-D mesh (so it composes with tensor parallelism). Slicing the
+    root can only give the existing axes; ``DeviceMesh._unflatten`` is the only way to split
+    one axis into two with any split the user picks.
+    """
+    if backend_override is None:
+        return mesh._unflatten(0, sizes, names)
+    return mesh._unflatten(0, sizes, names, backend_override={name: backend_override for name in names})
+
+
+def checkpoint_module(module: object) -> None:
+    """Activation checkpointing on ``module`` without changing its parameter names.
+
+    Why private: ``torch.distributed._composable.checkpoint`` is the only activation
+    checkpointing API that keeps fully-qualified names (``checkpoint_wrapper`` inserts
+    ``_checkpoint_wrapped_module.`` into every name, which breaks checkpoints keyed by name)
+    and composes with ``fully_shard``.
+    """
+    from torch.distributed._composable import checkpoint
+
+    checkpoint(module)
