@@ -6,6 +6,7 @@ Usage::
     dm = DistributedManager.initialize(batch=-1, domain=2, model=2)
 """
 
+from mesh3d.grad import clip_grad_norm_, global_mean_loss, grad_norm
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.log import get_logger
 from mesh3d.manager import DistributedManager
@@ -21,8 +22,11 @@ __all__ = [
     "LaunchInfo",
     "Plan",
     "__version__",
+    "clip_grad_norm_",
     "detect_launcher",
     "get_logger",
+    "global_mean_loss",
+    "grad_norm",
     "parallelize",
     "resolve_mesh_shape",
 ]

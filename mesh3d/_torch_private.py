@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["checkpoint_module", "flatten_mesh", "group_options", "unflatten_mesh"]
+__all__ = ["checkpoint_module", "clear_dtensor_caches", "flatten_mesh", "group_options", "unflatten_mesh"]
 
 
 def group_options(backend: str, timeout: timedelta) -> object | None:
@@ -69,3 +69,29 @@ def checkpoint_module(module: object) -> None:
     from torch.distributed._composable import checkpoint
 
     checkpoint(module)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions and redistribute planners.
+
+    Why private: ``DeviceMesh.__eq__`` compares ranks, layout and names but not process
+    groups, and DTensor caches (sharding propagation ``lru_cache``s, the redistribute planner
+    cache keyed by ``weakref.ref(mesh)``) return results that hold the FIRST equal mesh they
+    saw. After ``DistributedManager.shutdown()`` and a new mesh of the same shape, those results
+    point at destroyed groups ("Could not resolve the process group registered under the
+    name 9"). No public API clears them.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    cached_meta = getattr(type(propagator), "_propagate_tensor_meta_cached", None)
+    if cached_meta is not None and hasattr(cached_meta, "cache_clear"):
+        cached_meta.cache_clear()
+    _redistribute._planner_cache.clear()
+    # The C++ fast path keeps its own sharding cache (this is the one that bites first:
+    # nn.Parameter(dtensor) inside fully_shard goes through it).
+    clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_cpp is not None:
+        clear_cpp()

@@ -30,7 +30,9 @@ __all__ = ["apply_batch_parallel", "batch_mesh"]
 
 # HSDP/DDP meshes split the batch×domain mesh; splitting creates process groups (a collective),
 # so each split is made once per manager and reused by later parallelize calls.
-_split_meshes: dict[tuple[int, int, int], DeviceMesh] = {}
+# Holding the flat mesh in the key's value pins its id: a manager shut down and made again
+# gets a new flat mesh (whose groups are new), never a stale split of destroyed groups.
+_split_meshes: dict[tuple[int, int, int], tuple[DeviceMesh, DeviceMesh]] = {}
 
 
 def batch_mesh(plan: Plan, dm) -> DeviceMesh:
@@ -40,22 +42,24 @@ def batch_mesh(plan: Plan, dm) -> DeviceMesh:
         return flat
     total = flat.size()
     shard = 1 if plan.batch == "ddp" else hsdp_shard_size(plan, dm.shape)
-    key = (id(dm), total // shard, shard)
-    if key not in _split_meshes:
-        for stale in [k for k in _split_meshes if k[0] != id(dm)]:
+    key = (id(flat), total // shard, shard)
+    cached = _split_meshes.get(key)
+    if cached is None or cached[0] is not flat:
+        for stale in [k for k, (f, _) in _split_meshes.items() if f is not flat]:
             del _split_meshes[stale]
         options = group_options(dm.backend, dm.timeout)
         override = None if options is None else (dm.backend, options)
         names = (f"bd_replicate{total // shard}", f"bd_shard{shard}")
-        _split_meshes[key] = unflatten_mesh(flat, (total // shard, shard), names, override)
-    return _split_meshes[key]
+        _split_meshes[key] = (flat, unflatten_mesh(flat, (total // shard, shard), names, override))
+    return _split_meshes[key][1]
 
 
 def apply_batch_parallel(model: nn.Module, plan: Plan, units: list[str], dm) -> None:
     """``fully_shard`` every unit bottom-up (``units`` is deepest first, root ``""`` last), in place."""
     mesh = batch_mesh(plan, dm)
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)
-    offload = CPUOffloadPolicy() if plan.cpu_offload else OffloadPolicy()
+    # Pinned memory needs an accelerator; on a CPU mesh offloading is a no-op move anyway.
+    offload = CPUOffloadPolicy(pin_memory=dm.device.type != "cpu") if plan.cpu_offload else OffloadPolicy()
     for fqn in units:
         module = model.get_submodule(fqn)
         # The root's parameters are needed right after forward (backward starts there), so

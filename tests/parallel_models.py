@@ -110,3 +110,10 @@ def loss_sum(kind: str, model: nn.Module, x, y):
     if kind == "transformer":
         return F.cross_entropy(out.flatten(0, 1), y.flatten(), reduction="none").view(y.shape).mean(1).sum()
     return ((out - y) ** 2).mean(1).sum()
+
+
+def example_plan():
+    """The transformer plan as a factory (for `mesh3d explain ... parallel_models:example_plan`)."""
+    from mesh3d import Plan
+
+    return Plan(model=transformer_plan_model())
