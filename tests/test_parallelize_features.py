@@ -113,7 +113,8 @@ def test_clip_grad_norm_over_mixed_meshes_matches_one_process(ranks):
 
 
 def _precision_offload_checkpoint():
-    """Mixed precision (bf16 compute, fp32 reduce) vs fp32 one process; AC and CPU offload in fp64, exact."""
+    """Mixed precision (bf16 compute, fp32 reduce) vs fp32 one process; AC, CPU offload and the
+    "replicate" style in fp64, exact."""
     import parallel_models as pm
     from torch.distributed._composable.contract import _get_registry
 
@@ -125,10 +126,17 @@ def _precision_offload_checkpoint():
         ("bf16", dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), torch.float32, (2e-2, 2e-3)),
         ("checkpoint", dict(checkpoint=["layers.*"]), torch.float64, (RTOL, ATOL)),
         ("offload", dict(cpu_offload=True), torch.float64, (RTOL, ATOL)),
+        ("replicate_style", dict(extra={"layers.*.ln[12]": "replicate", "norm": "replicate"}), torch.float64, (RTOL, ATOL)),
     ):
         torch.set_default_dtype(dtype)
         model, ref = pm.make("transformer", seed=9, dtype=dtype)
-        model = parallelize(model, Plan(model=pm.transformer_plan_model(), **kwargs))
+        styles = {**pm.transformer_plan_model(), **kwargs.pop("extra", {})}
+        model = parallelize(model, Plan(model=styles, **kwargs))
+        if name == "replicate_style":  # LayerNorm weights: Replicate on the model axis, FSDP-sharded on batch
+            from torch.distributed.tensor import Replicate
+
+            placements = model.norm.weight.placements
+            assert model.norm.weight.device_mesh.ndim == 2 and isinstance(placements[1], Replicate), placements
         if name == "checkpoint":
             assert all("checkpoint" in _get_registry(model.layers[i]) for i in range(2))
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
@@ -165,7 +173,7 @@ def _init_across_shapes(world):
     reference = pm.full_params(plain)
     shapes = [(world // m, 1, m) for m in divisors(world)] + ([(2, 2, 2)] if world == 8 else [])
     for shape in shapes:
-        for mode in ("fsdp", "hsdp", "ddp"):
+        for mode in ("fsdp", "hsdp"):  # ddp holds whole tensors: the trivial case
             DistributedManager.initialize(*shape)
             with torch.device("meta"):
                 model = pm.Transformer()
