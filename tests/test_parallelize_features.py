@@ -182,6 +182,11 @@ def _init_across_shapes(world):
             for name, want in reference.items():
                 assert torch.equal(got[name], want), (shape, mode, name)
             DistributedManager.shutdown()
+    # seed= on a model that is already materialized re-initializes it the same way.
+    DistributedManager.initialize(world // 2, 1, 2)
+    model = parallelize(pm.Transformer(), Plan(model=pm.transformer_plan_model()), seed=7)
+    assert all(torch.equal(pm.full(p), reference[n]) for n, p in model.named_parameters())
+    DistributedManager.shutdown()
     # The weights look like reset_parameters() made them, and differ between layers.
     bound = 1 / pm.DIM**0.5
     w = reference["layers.0.attn.wq.weight"]

@@ -114,3 +114,32 @@ def test_plan_rejects_bad_fields(kwargs, fragment):
     with pytest.raises((ValueError, TypeError), match=None) as info:
         Plan(**kwargs)
     assert fragment in str(info.value)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=40, deadline=None)
+@given(out=st.integers(1, 48), inp=st.integers(1, 48), model=st.sampled_from([1, 2, 3, 4, 6, 8]),
+       style=st.sampled_from(["colwise", "rowwise"]), embedding=st.booleans())
+def test_divisibility_check_is_exact(out, inp, model, style, embedding):
+    """Local, no ranks: the plan is refused exactly when the sharded dim is not divisible,
+    and the message lists exactly the divisors of that dim."""
+    from torch import nn
+
+    from mesh3d.plan_validation import resolve_plan
+
+    layer = nn.Embedding(out, inp) if embedding else nn.Linear(inp, out)
+    root = nn.Sequential(layer)
+    dim_size = {("colwise", False): out, ("rowwise", False): inp, ("colwise", True): inp, ("rowwise", True): out}[
+        (style, embedding)]
+    sizes = {"batch": 1, "domain": 1, "model": model}
+    if dim_size % model == 0:
+        resolve_plan(Plan(model={"0": style}), root, sizes)
+    else:
+        with pytest.raises(ValueError) as info:
+            resolve_plan(Plan(model={"0": style}), root, sizes)
+        divisors = ", ".join(str(d) for d in range(1, dim_size + 1) if dim_size % d == 0)
+        assert f"sizes that would work: {divisors}" in str(info.value)
+        assert f"0.weight of shape {tuple(layer.weight.shape)}" in str(info.value)
