@@ -67,6 +67,11 @@ def make_style(style: str | ParallelStyle, module: nn.Module, src_data_rank: int
         made = RowwiseParallel(input_layouts=Replicate())
         made.src_data_rank = src_data_rank
         return made
+    if style == "sequence":
+        # Local outputs like colwise/rowwise, so residual adds see plain (sequence-sharded) tensors.
+        made = SequenceParallel(use_local_output=True)
+        made.src_data_rank = src_data_rank
+        return made
     made: ParallelStyle = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,

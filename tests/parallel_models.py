@@ -20,9 +20,11 @@ class Attention(nn.Module):
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim) for _ in range(4))
 
     def forward(self, x):
-        b, t, _ = x.shape
-        # -1 heads: under tensor parallelism each model rank holds n_heads / model of them.
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        q, k, v = (w(x) for w in (self.wq, self.wk, self.wv))
+        # Shapes from the projections: under sequence parallelism x holds a sequence shard and
+        # the projections gather it. -1 heads: each model rank holds n_heads / model of them.
+        b, t = q.shape[:2]
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
@@ -117,3 +119,21 @@ def example_plan():
     from mesh3d import Plan
 
     return Plan(model=transformer_plan_model())
+
+
+def sequence_parallel_plan() -> dict:
+    """Megatron-style sequence parallelism: norms work on sequence shards, projections gather/scatter."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    seq = Shard(1)
+    return {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq),
+        "layers.*.ln[12]": "sequence",
+        "layers.*.attn.w[qkv]": ColwiseParallel(input_layouts=seq),
+        "layers.*.attn.wo": RowwiseParallel(output_layouts=seq),
+        "layers.*.mlp.up": ColwiseParallel(input_layouts=seq),
+        "layers.*.mlp.down": RowwiseParallel(output_layouts=seq),
+        "norm": "sequence",
+        "head": ColwiseParallel(input_layouts=seq, output_layouts=Replicate()),
+    }

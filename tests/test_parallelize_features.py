@@ -127,16 +127,22 @@ def _precision_offload_checkpoint():
         ("checkpoint", dict(checkpoint=["layers.*"]), torch.float64, (RTOL, ATOL)),
         ("offload", dict(cpu_offload=True), torch.float64, (RTOL, ATOL)),
         ("replicate_style", dict(extra={"layers.*.ln[12]": "replicate", "norm": "replicate"}), torch.float64, (RTOL, ATOL)),
+        ("sequence_parallel", dict(styles="sequence"), torch.float64, (RTOL, ATOL)),
     ):
         torch.set_default_dtype(dtype)
         model, ref = pm.make("transformer", seed=9, dtype=dtype)
         styles = {**pm.transformer_plan_model(), **kwargs.pop("extra", {})}
+        if kwargs.pop("styles", None) == "sequence":
+            styles = pm.sequence_parallel_plan()
         model = parallelize(model, Plan(model=styles, **kwargs))
         if name == "replicate_style":  # LayerNorm weights: Replicate on the model axis, FSDP-sharded on batch
             from torch.distributed.tensor import Replicate
 
             placements = model.norm.weight.placements
             assert model.norm.weight.device_mesh.ndim == 2 and isinstance(placements[1], Replicate), placements
+        seen_seq = []
+        model.layers[0].ln1.register_forward_hook(
+            lambda mod, inp, out: seen_seq.append(getattr(inp[0], "_local_tensor", inp[0]).shape[1]))
         if name == "checkpoint":
             assert all("checkpoint" in _get_registry(model.layers[i]) for i in range(2))
         opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, ref))
@@ -146,6 +152,8 @@ def _precision_offload_checkpoint():
             (pm.loss_sum("transformer", model, x[2 * b:2 * b + 2], y[2 * b:2 * b + 2]) / 2).backward()
             (pm.loss_sum("transformer", ref, x, y) / 4).backward()
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        # Sequence parallelism: the norm sees a sequence shard (local tensor), the others the whole sequence.
+        assert set(seen_seq) == {pm.SEQ // 2 if name == "sequence_parallel" else pm.SEQ}, (name, seen_seq)
         for pname, want in pm.full_params(ref).items():
             got = pm.full(dict(model.named_parameters())[pname])
             assert got.dtype == dtype
