@@ -97,8 +97,11 @@ def _check_style(fqn: str, module: nn.Module, style: str | ParallelStyle, model_
                 f"model axis sizes that would work: {_divisors_text(shape[dim])}"
             )
     elif kind in ("sequence", "replicate"):
-        if not any(True for _ in module.parameters(recurse=False)) and kind == "replicate":
-            raise ValueError(f"style 'replicate' on module {fqn!r} ({type(module).__name__}): it has no parameters of its own")
+        if kind == "replicate" and not any(True for _ in module.parameters()):
+            raise ValueError(
+                f"style 'replicate' on module {fqn!r} ({type(module).__name__}) has nothing to replicate: "
+                "it has no parameters; put it on a module that owns parameters"
+            )
 
 
 def _check_heads(fqn: str, model: nn.Module, kind: str | None, model_size: int) -> None:
