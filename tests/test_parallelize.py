@@ -8,6 +8,8 @@ to catch any real error (a wrong gradient scale or a missing reduction is off by
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 
 from mesh3d.mesh_shape import divisors
@@ -18,7 +20,8 @@ STEPS = 3
 RTOL, ATOL = 1e-9, 1e-10
 
 
-def _train_pair(kind, plan_kwargs, steps=STEPS, per_rank=2, seed=0):
+def _train_pair(kind, plan_kwargs, steps=STEPS, per_rank=2, seed=0, dtype=torch.float64, tol=(RTOL, ATOL),
+                exclude=()):
     """Train a parallelized model and a one-process copy side by side; return the max errors."""
     import torch.distributed as dist
 
@@ -27,7 +30,7 @@ def _train_pair(kind, plan_kwargs, steps=STEPS, per_rank=2, seed=0):
 
     dm = DistributedManager()
     B = dm.axis_size("batch")
-    model, ref = pm.make(kind, seed)
+    model, ref = pm.make(kind, seed, dtype=dtype)
     model_plan = pm.transformer_plan_model() if kind == "transformer" else pm.MLP_PLAN
     plan = Plan(model=model_plan if dm.axis_size("model") > 1 else {}, **plan_kwargs)
     model = parallelize(model, plan)
@@ -38,7 +41,7 @@ def _train_pair(kind, plan_kwargs, steps=STEPS, per_rank=2, seed=0):
     b = dm.axis_rank("batch")
     worst = {"loss": 0.0, "param": 0.0}
     for step in range(steps):
-        x, y = pm.batch_for(kind, B * per_rank, seed=100 + step)
+        x, y = pm.batch_for(kind, B * per_rank, seed=100 + step, dtype=dtype)
         xs, ys = x[b * per_rank:(b + 1) * per_rank], y[b * per_rank:(b + 1) * per_rank]
         loss = pm.loss_sum(kind, model, xs, ys) / per_rank
         loss.backward()
@@ -51,11 +54,13 @@ def _train_pair(kind, plan_kwargs, steps=STEPS, per_rank=2, seed=0):
         seen = loss.detach().clone()
         dist.all_reduce(seen, group=dm.group("batch"))
         seen /= B
-        torch.testing.assert_close(seen, ref_loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"loss at step {step}: {m}")
+        torch.testing.assert_close(seen, ref_loss.detach(), rtol=tol[0], atol=tol[1], msg=lambda m: f"loss at step {step}: {m}")
         worst["loss"] = max(worst["loss"], abs(seen.item() - ref_loss.item()))
     got, want = pm.full_params(model), pm.full_params(ref)
     for name in want:
-        torch.testing.assert_close(got[name], want[name], rtol=RTOL, atol=ATOL, msg=lambda m: f"parameter {name}: {m}")
+        if any(fnmatch.fnmatch(name, pattern) for pattern in exclude):
+            continue
+        torch.testing.assert_close(got[name], want[name], rtol=tol[0], atol=tol[1], msg=lambda m: f"parameter {name}: {m}")
         worst["param"] = max(worst["param"], (got[name] - want[name]).abs().max().item())
     return worst
 
@@ -98,3 +103,23 @@ def test_equivalence_world_4(ranks):
 
 def test_equivalence_world_8(ranks):
     _run_matrix(ranks, 8)
+
+
+def _fp32_cases():
+    """The issue's fp32 bar (rtol 1e-4) on FSDP+TP and HSDP+TP, both models, AdamW default eps.
+
+    The attention KEY bias is left out of the parameter comparison: softmax ignores it, so its
+    true gradient is exactly 0 and both runs see only fp32 rounding noise (~1e-9), which AdamW
+    normalizes into lr-sized random moves (0.8 relative here). Its fp64 comparison above is tight.
+    """
+    from mesh3d import DistributedManager
+
+    DistributedManager.initialize(batch=2, domain=1, model=2)
+    return {(mode, kind): _train_pair(kind, {"batch": mode}, dtype=torch.float32, tol=(1e-4, 1e-5),
+                                          exclude=("layers.*.attn.wk.bias",))
+            for mode in ("fsdp", "hsdp") for kind in ("transformer", "mlp")}
+
+
+def test_equivalence_fp32_at_issue_tolerance(ranks):
+    results = ranks.run(4, _fp32_cases, timeout=120)
+    assert len(results[0]) == 4
