@@ -6,10 +6,13 @@ Usage::
     dm = DistributedManager.initialize(batch=-1, domain=2, model=2)
 """
 
+from mesh3d.grad import clip_grad_norm_, global_mean_loss, grad_norm
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.log import get_logger
 from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
+from mesh3d.parallelize import parallelize
+from mesh3d.plan import Plan
 
 __version__ = "0.1.0"
 
@@ -17,8 +20,13 @@ __all__ = [
     "AXES",
     "DistributedManager",
     "LaunchInfo",
+    "Plan",
     "__version__",
+    "clip_grad_norm_",
     "detect_launcher",
     "get_logger",
+    "global_mean_loss",
+    "grad_norm",
+    "parallelize",
     "resolve_mesh_shape",
 ]

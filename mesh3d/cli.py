@@ -4,6 +4,7 @@ Usage::
 
     mesh3d --version
     mesh3d info            # torch version, backends, devices and the launcher this process sees
+    mesh3d explain pkg.mod:make_model pkg.mod:plan --batch 2 --model 2
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def _cmd_info(args: argparse.Namespace) -> int:
 #: Subcommands register here: name -> (help, add_arguments, run).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "info": ("print the environment: torch, backends, devices, launcher", lambda p: None, _cmd_info),
+    "explain": (
+        "print what a parallelize Plan does to each module of a model: placements and bytes per rank",
+        lambda p: __import__("mesh3d.plan_explain", fromlist=["x"]).add_explain_arguments(p),
+        lambda a: __import__("mesh3d.plan_explain", fromlist=["x"]).run_explain(a),
+    ),
 }
 
 

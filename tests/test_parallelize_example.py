@@ -1,0 +1,29 @@
+"""Smoke test: examples/train_transformer.py under torchrun (4 CPU ranks, batch=2 × model=2, 2 steps).
+
+The one subprocess test of this feature (starting ranks costs ~10 s here). fp32 with AdamW over
+2 steps: the printed parallel and one-process losses agree to 1e-4 relative (they differ only in
+summation order; the equivalence suite checks fp64 bit-tight elsewhere).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_example_trains_like_one_process():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           str(ROOT / "examples" / "train_transformer.py"), "--batch", "2", "--model", "2", "--steps", "2"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    pairs = [(float(a), float(b)) for a, b in re.findall(r"loss ([\d.]+)\s+one-process ([\d.]+)", done.stdout)]
+    assert len(pairs) == 2, done.stdout
+    for got, want in pairs:
+        assert abs(got - want) <= 1e-4 * want, pairs
+    assert pairs[-1][1] < pairs[0][1]  # it trains
