@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mesh3d._torch_private import flatten_mesh, group_options
+from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
 
@@ -215,6 +215,9 @@ class DistributedManager:
             dist.destroy_process_group(group)
         if self._created_default_group and dist.is_initialized():
             dist.destroy_process_group()
+        # DeviceMesh equality ignores process groups, so DTensor's caches would hand a later
+        # mesh of the same shape these destroyed groups; forget them with the groups.
+        clear_dtensor_caches()
 
     # ------------------------------------------------------------------ per-axis views
 

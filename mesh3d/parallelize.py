@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mesh3d._torch_private import checkpoint_module, clear_dtensor_caches
+from mesh3d._torch_private import checkpoint_module
 from mesh3d.batch_parallel import apply_batch_parallel
 from mesh3d.init import InitFn, capture_init_specs, materialize
 from mesh3d.manager import DistributedManager
@@ -80,9 +80,6 @@ def parallelize(
     specs = capture_init_specs(model) if (meta or seed is not None) else None
     check_same_plan_everywhere(plan, model, dm)
 
-    # A mesh made after a shutdown compares equal to the old one of the same shape; DTensor's
-    # caches would hand back the old one (with destroyed groups). Start from clean caches.
-    clear_dtensor_caches()
     if not meta:
         model.to(dm.device)
     apply_tp(model, resolved.styles, dm.axis_mesh("model"), meta=meta)
