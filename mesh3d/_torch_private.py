@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["flatten_mesh", "group_options"]
+__all__ = ["flatten_mesh", "group_options", "local_shape_and_global_offset"]
 
 
 def group_options(backend: str, timeout: timedelta) -> object | None:
@@ -43,3 +43,21 @@ def flatten_mesh(mesh: DeviceMesh, name: str, backend_override: object | None = 
     if backend_override is None:
         return mesh._flatten(name)
     return mesh._flatten(name, backend_override=backend_override)
+
+
+def local_shape_and_global_offset(
+    global_shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[object, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (shape, global offset) of this rank's local block of a DTensor.
+
+    Why private: torch has no public API that maps (global shape, mesh, placements) to
+    the box a rank holds, and the rules for uneven shards and ``_StridedShard`` (FSDP2
+    over TP) are subtle enough that re-deriving them invites the offset bugs DCP had.
+    ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` is what
+    DTensor itself and DCP's planner use. The checkpointer double-checks its answer
+    against the local tensor's shape on every save and load.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(int(n) for n in shape), tuple(int(o) for o in offset)
