@@ -6,6 +6,7 @@ Usage::
     dm = DistributedManager.initialize(batch=-1, domain=2, model=2)
 """
 
+from mesh3d import checkpoint
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.log import get_logger
 from mesh3d.manager import DistributedManager
@@ -18,6 +19,7 @@ __all__ = [
     "DistributedManager",
     "LaunchInfo",
     "__version__",
+    "checkpoint",
     "detect_launcher",
     "get_logger",
     "resolve_mesh_shape",

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["flatten_mesh", "group_options", "local_shape_and_global_offset"]
+__all__ = ["clear_dtensor_caches", "flatten_mesh", "group_options", "local_shape_and_global_offset"]
 
 
 def group_options(backend: str, timeout: timedelta) -> object | None:
@@ -61,3 +62,30 @@ def local_shape_and_global_offset(
 
     shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     return tuple(int(n) for n in shape), tuple(int(o) for o in offset)
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached redistribution plans (call after destroying a mesh's groups).
+
+    Why private: ``torch.distributed.tensor._redistribute._gen_transform_infos`` is an
+    unbounded ``functools.cache`` keyed by DTensorSpec, and DeviceMesh equality ignores
+    process groups. After ``DistributedManager.shutdown()`` and a new ``initialize`` in the
+    same process, an equal-looking new mesh hits a cached plan that still names the old,
+    destroyed group: "Could not resolve the process group registered under the name 6".
+    The sharding propagator's caches hold output specs with the old mesh object too.
+    """
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    _redistribute._gen_transform_infos.cache_clear()
+    # Sharding propagation caches output specs, which hold the (old) mesh object itself.
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        fn = getattr(propagator, name, None)
+        cache = getattr(fn, "cache", fn)
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    # The C++ dispatch fast path keeps its own sharding cache (torch 2.13); this is the culprit
+    # for FSDP2 parameters (nn.Parameter(dtensor) detaches through it).
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
