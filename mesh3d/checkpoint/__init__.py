@@ -10,9 +10,22 @@ Usage::
 Nothing is pickled: tensors are in safetensors files, everything else is JSON.
 """
 
+from mesh3d.checkpoint.coalesce import coalesce
 from mesh3d.checkpoint.errors import CheckpointError, CheckpointFormatError
 from mesh3d.checkpoint.index import read_index, validate_index
+from mesh3d.checkpoint.inspect import describe, verify
 from mesh3d.checkpoint.load import LoadInfo, load
 from mesh3d.checkpoint.save import save
 
-__all__ = ["CheckpointError", "CheckpointFormatError", "LoadInfo", "load", "read_index", "save", "validate_index"]
+__all__ = [
+    "CheckpointError",
+    "CheckpointFormatError",
+    "LoadInfo",
+    "coalesce",
+    "describe",
+    "load",
+    "read_index",
+    "save",
+    "validate_index",
+    "verify",
+]
