@@ -95,7 +95,7 @@ def _check_chunks(name: str, entry: dict[str, Any], files: dict[str, Any], block
         if numel == 0:
             raise _fail(where, "empty chunks are never written; this one has a zero-size shape")
         rel = chunk.get("file")
-        if rel not in files:
+        if not isinstance(rel, str) or rel not in files:
             raise _fail(where, f"names file {rel!r:.200} which is not listed in 'files'")
         key = chunk.get("key")
         if not isinstance(key, str) or not key:
@@ -186,7 +186,7 @@ def validate_index(doc: Any) -> dict[str, Any]:
             raise _fail(where, f"role must be one of {ROLES}, got {entry.get('role')!r:.100}")
         if entry["role"] == "optimizer" and not (isinstance(entry.get("param"), str) and isinstance(entry.get("state_key"), str)):
             raise _fail(where, "optimizer tensors need string 'param' and 'state_key'")
-        if entry.get("dtype") not in ITEMSIZE:
+        if not isinstance(entry.get("dtype"), str) or entry["dtype"] not in ITEMSIZE:
             raise _fail(where, f"unknown dtype {entry.get('dtype')!r:.100}; known: {sorted(ITEMSIZE)}")
         shape = _int_list(entry.get("shape"), f"{where} shape")
         if chunk_numel(shape) * ITEMSIZE[entry["dtype"]] > MAX_BYTES:

@@ -110,9 +110,11 @@ def read_header(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...], tuple[
             dtype = entry["dtype"]
             shape = tuple(int(x) for x in entry["shape"])
             b, e = (int(x) for x in entry["data_offsets"])
+            if any(n < 0 for n in shape):
+                raise ValueError
         except (TypeError, KeyError, ValueError):
             raise CheckpointFormatError(f"{path}: malformed header entry for tensor {name!r}: {entry!r}") from None
-        if dtype not in ITEMSIZE:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
             raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
         if not 0 <= b <= e or start + e > size or e - b != math.prod(shape) * ITEMSIZE[dtype]:
             raise CheckpointFormatError(
