@@ -27,7 +27,7 @@ from mesh3d.checkpoint.comm import raise_if_any_failed
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.index import read_index
 from mesh3d.checkpoint.reader import ShardReader
-from mesh3d.checkpoint.st_format import DTYPES, TORCH_TO_ST
+from mesh3d.checkpoint.st_format import TORCH_TO_ST
 from mesh3d.checkpoint.state import apply_state, decode_value, optimizer_name, optimizer_template
 
 __all__ = ["load", "LoadInfo"]
@@ -83,10 +83,7 @@ def _plan(index: dict[str, Any], model_sd: dict[str, torch.Tensor], osd: dict[st
                               f"{' ...' if len(unexpected) > 10 else ''}; pass strict=False to load the intersection")
     for name, target in wanted.items():
         if name in saved:
-            template = target
-            if saved[name]["role"] == "optimizer" and target.dtype != DTYPES[saved[name]["dtype"]]:
-                template = target  # mismatch is reported below
-            _check_match(name, saved[name], template)
+            _check_match(name, saved[name], target)
             targets[name] = target
     return targets, missing, unexpected
 
@@ -96,12 +93,11 @@ def _materialize(name: str, target: torch.Tensor, reader: ShardReader) -> torch.
     buf = torch.empty(box.shape, dtype=target.dtype)
     if box.numel:
         reader.read_into(name, box, buf)
-    device = target.device
     if isinstance(target, DTensor):
         local = buf.to(target.to_local().device)
         return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
                                   shape=target.shape, stride=target.stride())
-    return buf.to(device)
+    return buf.to(target.device)
 
 
 def _optimizer_state(index: dict[str, Any], osd: dict[str, Any], loaded: dict[str, torch.Tensor],
