@@ -97,3 +97,24 @@ def test_cli_inspect_verify_coalesce(tmp_path, capsys):
     assert "checksum mismatch" in capsys.readouterr().err
     assert main(["ckpt", "coalesce", str(tmp_path / "ck"), str(tmp_path / "hf2")]) == 1
     assert not (tmp_path / "hf2").exists() and [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+
+
+def test_manager_latest_and_keep_last(tmp_path):
+    from mesh3d.checkpoint import CheckpointManager
+
+    manager = CheckpointManager(tmp_path / "ckpt", keep_last=2)
+    module = nn.Linear(3, 2).double()
+    assert manager.load(module) is None
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / ".step-00000009.tmp-abc123").mkdir()  # garbage from a killed save
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            module.weight.fill_(step)
+        manager.save(module, step=step, extra={"step": step})
+    assert manager.steps() == [2, 3] and sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000002", "step-00000003"]
+    fresh = nn.Linear(3, 2).double()
+    assert manager.load(fresh).step == 3 and fresh.weight[0, 0].item() == 3.0
+    (tmp_path / "ckpt" / "latest").write_text("step-0000")  # a torn pointer falls back to a scan
+    assert manager.latest() == str(tmp_path / "ckpt" / "step-00000003")
+    os.remove(tmp_path / "ckpt" / "step-00000003" / "index.json")  # uncommitted: not a checkpoint
+    assert manager.load(fresh).step == 2

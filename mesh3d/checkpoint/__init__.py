@@ -15,11 +15,13 @@ from mesh3d.checkpoint.errors import CheckpointError, CheckpointFormatError
 from mesh3d.checkpoint.index import read_index, validate_index
 from mesh3d.checkpoint.inspect import describe, verify
 from mesh3d.checkpoint.load import LoadInfo, load
+from mesh3d.checkpoint.manager import CheckpointManager
 from mesh3d.checkpoint.save import save
 
 __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
+    "CheckpointManager",
     "LoadInfo",
     "coalesce",
     "describe",
