@@ -131,15 +131,15 @@ class ShardReader:
                 groups.append([b])
         fd = self._fd(chunk["file"], name)
         base = chunk["data_offsets"][0]
-        buffers: list[tuple[int, bytearray]] = []
+        buffers: list[tuple[int, torch.Tensor]] = []
         for group in groups:
             lo, hi = group[0] * block, min((group[-1] + 1) * block, chunk_bytes)
-            buf = bytearray(hi - lo)
-            got = os.preadv(fd, [buf], base + lo)
+            buf = torch.empty(hi - lo, dtype=torch.uint8)  # not bytearray: that would memset first
+            got = os.preadv(fd, [buf.numpy()], base + lo)
             if got != len(buf):
                 raise CheckpointError(f"shard file {os.path.join(self.path, chunk['file'])}: short read for tensor "
                                       f"{name!r} (file truncated while reading?)")
-            view = memoryview(buf)
+            view = memoryview(buf.numpy())
             for b in group:
                 s = b * block - lo
                 if zlib.crc32(view[s : s + block]) != chunk["crc32"][b]:
@@ -152,11 +152,11 @@ class ShardReader:
         strides = _strides(cbox.shape)
         if len(buffers) == 1:
             lo, buf = buffers[0]
-            flat = torch.frombuffer(buf, dtype=torch.uint8)[span0 - lo : span1 - lo]
+            flat = buf[span0 - lo : span1 - lo]
         else:
             flat = torch.empty(span1 - span0, dtype=torch.uint8)
             for s, n in runs:
                 lo, buf = next((lo, b) for lo, b in buffers if lo <= s < lo + len(b))
-                flat[s - span0 : s - span0 + n] = torch.frombuffer(buf, dtype=torch.uint8)[s - lo : s - lo + n]
+                flat[s - span0 : s - span0 + n] = buf[s - lo : s - lo + n]
         values = flat.view(dtype) if flat.numel() else torch.empty(0, dtype=dtype)
         return values.as_strided(ov.shape, strides) if cbox.shape else values.reshape(())
