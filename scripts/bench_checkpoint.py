@@ -7,7 +7,7 @@ state). In one run, with barriers around each timed phase (wall = slowest rank):
 - save: mesh3d (fsynced, atomic) vs DCP ``dcp.save`` (FileSystemWriter, sync_files) vs
   ``safetensors.torch.save_file`` of each rank's local shards (+ fsync) vs a durable
   disk-write ceiling (os.write of the same bytes + fsync);
-- load on the same mesh, and resharded onto HSDP (2 x 2: each rank needs half of every
+- load (all-or-nothing default, and ``in_place=True``) on the same mesh, and resharded onto HSDP (2 x 2: each rank needs half of every
   tensor): mesh3d vs DCP (``dcp.load`` + ``set_model_state_dict``), plus mesh3d's read
   amplification (bytes read / bytes needed, summed over ranks);
 - coalesce to one HF ``model.safetensors`` in a fresh process: throughput and peak RSS
@@ -54,6 +54,7 @@ def _timed(fn, cleanup=None) -> float:
     """Best of REPEATS (first calls pay one-time costs: imports, DTensor dispatch caches)."""
     best = float("inf")
     for i in range(REPEATS):
+        os.sync()  # start each run with no dirty pages left by the previous contender's writes
         dist.barrier()
         start = time.perf_counter()
         fn(i)
@@ -132,6 +133,17 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
     info = {}
     last = REPEATS - 1
     out["load_mesh3d"] = _timed(lambda i: info.update(i=checkpoint.load(f"{work}/m3-{last}", model)))
+    out["load_mesh3d_in_place"] = _timed(lambda i: checkpoint.load(f"{work}/m3-{last}", model, in_place=True))
+
+    if os.environ.get("BENCH_PROFILE") and rank == 0:  # where does a mesh3d load spend its time?
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.runcall(checkpoint.load, f"{work}/m3-{last}", model)
+        pstats.Stats(prof, stream=sys.stderr).sort_stats("tottime").print_stats(12)
+    elif os.environ.get("BENCH_PROFILE"):
+        checkpoint.load(f"{work}/m3-{last}", model)
 
     def dcp_load(m):
         state = get_model_state_dict(m)
@@ -146,6 +158,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
     clear_dtensor_caches()
     hsdp = build((2, 2, 1))
     out["reshard_load_mesh3d"] = _timed(lambda i: info.update(r=checkpoint.load(f"{work}/m3-{last}", hsdp)))
+    out["reshard_load_mesh3d_in_place"] = _timed(lambda i: checkpoint.load(f"{work}/m3-{last}", hsdp, in_place=True))
     out["reshard_load_dcp"] = _timed(lambda i: dcp_load(hsdp))
     io = torch.tensor([info["r"].bytes_read, info["r"].bytes_needed], dtype=torch.int64)
     dist.all_reduce(io)
@@ -210,6 +223,8 @@ def main() -> None:
             "save_mesh3d_vs_disk_ceiling": out["save_disk_ceiling"] / out["save_mesh3d"],
             "load_mesh3d_vs_dcp_same_mesh": out["load_dcp"] / out["load_mesh3d"],
             "load_mesh3d_vs_dcp_resharded": out["reshard_load_dcp"] / out["reshard_load_mesh3d"],
+            "load_mesh3d_in_place_vs_dcp_same_mesh": out["load_dcp"] / out["load_mesh3d_in_place"],
+            "load_mesh3d_in_place_vs_dcp_resharded": out["reshard_load_dcp"] / out["reshard_load_mesh3d_in_place"],
         },
         "read_amplification": {
             "same_mesh": out["same_mesh_bytes_read"] / out["same_mesh_bytes_needed"],

@@ -96,6 +96,14 @@ def test_missing_file_mismatches_and_bad_requests(tmp_path):
     os.remove(os.path.join(broken, "model/r00000-of-00001.safetensors"))
     _assert_load_fails(broken, "missing shard file")
     _assert_load_fails(str(tmp_path / "nowhere"), "index.json does not exist")
+    flipped = str(tmp_path / "flipped")
+    shutil.copytree(path, flipped)
+    shard = os.path.join(flipped, "optimizer/r00000-of-00001.safetensors")
+    data = bytearray(open(shard, "rb").read())
+    data[-5] ^= 0x01  # a single bit, in the last optimizer tensor
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch in .*optimizer/r00000-of-00001.safetensors for tensor"):
+        checkpoint.load(flipped, *_fresh()[:2], in_place=True)  # in place: still loud, on every rank
 
     class Bigger(Net):
         def __init__(self):
@@ -124,7 +132,7 @@ def test_missing_file_mismatches_and_bad_requests(tmp_path):
         checkpoint.save(path, model)
     with pytest.raises(CheckpointError, match="JSON-serializable"):
         checkpoint.save(str(tmp_path / "other"), model, extra={"bad": object()})
-    assert not os.path.exists(tmp_path / "other") and sorted(os.listdir(tmp_path)) == ["broken", "ck"]
+    assert not os.path.exists(tmp_path / "other") and sorted(os.listdir(tmp_path)) == ["broken", "ck", "flipped"]
 
 
 STAGES = ("staged", "mid_shard", "shards_written", "before_index", "index_written", "committed")

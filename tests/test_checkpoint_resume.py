@@ -31,7 +31,7 @@ def _load_and_continue(root: str, source: str, config: str) -> dict[str, torch.T
     from mesh3d import checkpoint
 
     model, opt = build(config, seed=77)  # different init: everything must come from the checkpoint
-    info = checkpoint.load(os.path.join(root, f"resume-{source}"), model, opt)
+    info = checkpoint.load(os.path.join(root, f"resume-{source}"), model, opt, in_place=True)
     train_steps(model, opt, range(info.extra["next_batch"], STEPS))
     state = full_state(model, opt)
     shutdown()
