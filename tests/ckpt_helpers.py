@@ -57,7 +57,15 @@ class Net(nn.Module):
         return self.down(torch.relu(self.up(self.emb(idx))))
 
 
-def build(config: str, seed: int, lr: float = 0.05) -> tuple[nn.Module, torch.optim.Optimizer]:
+def make_optimizer(model: nn.Module, kind: str, lr: float = 0.05) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=0.01)
+    if kind == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, betas=(0.8, 0.95))
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def build(config: str, seed: int, lr: float = 0.05, optim: str = "adamw") -> tuple[nn.Module, torch.optim.Optimizer]:
     """Initialize the manager for ``config`` and build the parallel Net (fp64) and its AdamW."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -77,7 +85,7 @@ def build(config: str, seed: int, lr: float = 0.05) -> tuple[nn.Module, torch.op
         for sub in (model.emb, model.up, model.down, model):
             fully_shard(sub, mesh=mesh)
     # fp64: AdamW divides by sqrt(v)+eps; fp32 summation-order noise near eps would hide real bugs.
-    return model, torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    return model, make_optimizer(model, optim, lr)
 
 
 def train_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:

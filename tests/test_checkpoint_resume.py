@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from ckpt_helpers import Net, build, full_state, shutdown, train_steps
+from ckpt_helpers import Net, build, full_state, make_optimizer, shutdown, train_steps
 
 STEPS, SPLIT = 5, 2
 
@@ -74,3 +74,41 @@ def test_train_save_reshard_resume_equals_uninterrupted(ranks, tmp_path):
         torch.testing.assert_close(got[key], want[key], rtol=1e-10, atol=1e-12)
     # The step counts really moved on (a dropped optimizer state would restart them at 0).
     assert float(got["optimizer.up.weight.step"]) == STEPS
+
+
+def _other_optimizers(root: str, phase: str) -> dict[str, dict[str, torch.Tensor]]:
+    """SGD (momentum, nesterov) and Adam: save on FSDP(2), reload on TP(2), continue."""
+    from mesh3d import checkpoint
+
+    states = {}
+    for kind in ("sgd", "adam"):
+        if phase == "save":
+            model, opt = build("fsdp_b2", seed=3, optim=kind)
+            train_steps(model, opt, range(SPLIT))
+            checkpoint.save(os.path.join(root, f"opt-{kind}"), model, opt, step=SPLIT)
+        else:
+            model, opt = build("tp2", seed=8, optim=kind)
+            checkpoint.load(os.path.join(root, f"opt-{kind}"), model, opt)
+            train_steps(model, opt, range(SPLIT, STEPS))
+            states[kind] = full_state(model, opt)
+        shutdown()
+    return states
+
+
+def test_sgd_momentum_and_adam_resume_across_meshes(ranks, tmp_path):
+    ranks.run(2, _other_optimizers, str(tmp_path), "save")
+    results = ranks.run(2, _other_optimizers, str(tmp_path), "load")
+    for kind in ("sgd", "adam"):
+        torch.manual_seed(3)
+        model = Net().double()
+        with torch.no_grad():
+            model.counts.add_(3)
+        opt = make_optimizer(model, kind)
+        train_steps(model, opt, range(STEPS))
+        want = full_state(model, opt)
+        assert any(k.endswith("momentum_buffer" if kind == "sgd" else "exp_avg_sq") for k in want)
+        for states in results:
+            assert set(states[kind]) == set(want)
+            for key in want:
+                torch.testing.assert_close(states[kind][key], want[key], rtol=1e-10, atol=1e-12,
+                                           msg=lambda m: f"{kind} {key}: {m}")
