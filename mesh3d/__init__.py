@@ -6,6 +6,9 @@ Usage::
     dm = DistributedManager.initialize(batch=-1, domain=2, model=2)
 """
 
+import importlib
+from types import ModuleType
+
 from mesh3d.grad import clip_grad_norm_, global_mean_loss, grad_norm
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.log import get_logger
@@ -22,6 +25,7 @@ __all__ = [
     "LaunchInfo",
     "Plan",
     "__version__",
+    "checkpoint",
     "clip_grad_norm_",
     "detect_launcher",
     "get_logger",
@@ -30,3 +34,13 @@ __all__ = [
     "parallelize",
     "resolve_mesh_shape",
 ]
+
+#: Subpackages loaded on first use: ``import mesh3d`` stays cheap (the checkpointer pulls in
+#: torch.distributed.checkpoint's state-dict helpers), yet ``mesh3d.checkpoint.save`` works.
+_LAZY_SUBPACKAGES = ("checkpoint",)
+
+
+def __getattr__(name: str) -> ModuleType:
+    if name in _LAZY_SUBPACKAGES:
+        return importlib.import_module(f"mesh3d.{name}")
+    raise AttributeError(f"module 'mesh3d' has no attribute {name!r}")

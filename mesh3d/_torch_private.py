@@ -8,10 +8,18 @@ from __future__ import annotations
 
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["checkpoint_module", "clear_dtensor_caches", "flatten_mesh", "group_options", "unflatten_mesh"]
+__all__ = [
+    "checkpoint_module",
+    "clear_dtensor_caches",
+    "flatten_mesh",
+    "group_options",
+    "local_shape_and_global_offset",
+    "unflatten_mesh",
+]
 
 
 def group_options(backend: str, timeout: timedelta) -> object | None:
@@ -71,27 +79,51 @@ def checkpoint_module(module: object) -> None:
     checkpoint(module)
 
 
+def local_shape_and_global_offset(
+    global_shape: tuple[int, ...], mesh: DeviceMesh, placements: tuple[object, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The (shape, global offset) of this rank's local block of a DTensor.
+
+    Why private: torch has no public API that maps (global shape, mesh, placements) to
+    the box a rank holds, and the rules for uneven shards and ``_StridedShard`` (FSDP2
+    over TP) are subtle enough that re-deriving them invites the offset bugs DCP had.
+    ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset`` is what
+    DTensor itself and DCP's planner use. The checkpointer double-checks its answer
+    against the local tensor's shape on every save and load.
+    """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
+    return tuple(int(n) for n in shape), tuple(int(o) for o in offset)
+
+
 def clear_dtensor_caches() -> None:
-    """Forget DTensor's cached sharding decisions and redistribute planners.
+    """Forget DTensor's cached sharding decisions and redistribution plans.
 
     Why private: ``DeviceMesh.__eq__`` compares ranks, layout and names but not process
-    groups, and DTensor caches (sharding propagation ``lru_cache``s, the redistribute planner
-    cache keyed by ``weakref.ref(mesh)``) return results that hold the FIRST equal mesh they
+    groups, and DTensor caches (sharding propagation ``lru_cache``s, the redistribute plan
+    cache, the C++ dispatch fast path) return results that hold the FIRST equal mesh they
     saw. After ``DistributedManager.shutdown()`` and a new mesh of the same shape, those results
     point at destroyed groups ("Could not resolve the process group registered under the
     name 9"). No public API clears them.
     """
-    import torch
     from torch.distributed.tensor import DTensor, _redistribute
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    propagator.propagate_op_sharding.cache_clear()
-    cached_meta = getattr(type(propagator), "_propagate_tensor_meta_cached", None)
-    if cached_meta is not None and hasattr(cached_meta, "cache_clear"):
-        cached_meta.cache_clear()
-    _redistribute._planner_cache.clear()
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        fn = getattr(propagator, name, None)
+        cache = getattr(fn, "cache", fn)
+        if hasattr(cache, "cache_clear"):
+            cache.cache_clear()
+    for name in ("_gen_transform_infos",):
+        fn = getattr(_redistribute, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    planner_cache = getattr(_redistribute, "_planner_cache", None)
+    if planner_cache is not None:
+        planner_cache.clear()
     # The C++ fast path keeps its own sharding cache (this is the one that bites first:
     # nn.Parameter(dtensor) inside fully_shard goes through it).
-    clear_cpp = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
-    if clear_cpp is not None:
-        clear_cpp()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()

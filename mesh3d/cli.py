@@ -5,6 +5,7 @@ Usage::
     mesh3d --version
     mesh3d info            # torch version, backends, devices and the launcher this process sees
     mesh3d explain pkg.mod:make_model pkg.mod:plan --batch 2 --model 2
+    mesh3d ckpt inspect|verify|coalesce PATH [OUT]
 """
 
 from __future__ import annotations
@@ -56,6 +57,12 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _ckpt_cli():  # imported lazily: `mesh3d info` must not pay for torch.distributed.checkpoint
+    from mesh3d.checkpoint import cli
+
+    return cli
+
+
 #: Subcommands register here: name -> (help, add_arguments, run).
 SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "info": ("print the environment: torch, backends, devices, launcher", lambda p: None, _cmd_info),
@@ -64,6 +71,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
         lambda p: __import__("mesh3d.plan_explain", fromlist=["x"]).add_explain_arguments(p),
         lambda a: __import__("mesh3d.plan_explain", fromlist=["x"]).run_explain(a),
     ),
+    "ckpt": ("inspect, verify or coalesce (to Hugging Face safetensors) a mesh3d checkpoint",
+             lambda p: _ckpt_cli().add_arguments(p), lambda a: _ckpt_cli().run(a)),
 }
 
 

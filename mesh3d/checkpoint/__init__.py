@@ -1,0 +1,33 @@
+"""Distributed checkpoints: sharded plain safetensors plus a JSON index, reshardable onto any mesh.
+
+Usage::
+
+    from mesh3d import checkpoint
+    checkpoint.save("ckpt/step-100", model, optimizer, step=100, extra={"seed": 0})   # all ranks
+    info = checkpoint.load("ckpt/step-100", model, optimizer)                        # any mesh shape
+    checkpoint.coalesce("ckpt/step-100", "export/hf")                                # one process
+
+Nothing is pickled: tensors are in safetensors files, everything else is JSON.
+"""
+
+from mesh3d.checkpoint.coalesce import coalesce
+from mesh3d.checkpoint.errors import CheckpointError, CheckpointFormatError
+from mesh3d.checkpoint.index import read_index, validate_index
+from mesh3d.checkpoint.inspect import describe, verify
+from mesh3d.checkpoint.load import LoadInfo, load
+from mesh3d.checkpoint.manager import CheckpointManager
+from mesh3d.checkpoint.save import save
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointManager",
+    "LoadInfo",
+    "coalesce",
+    "describe",
+    "load",
+    "read_index",
+    "save",
+    "validate_index",
+    "verify",
+]

@@ -1,0 +1,21 @@
+"""The one exception type the checkpointer raises for bad checkpoints or bad requests.
+
+Usage::
+
+    try:
+        checkpoint.load(path, model)
+    except CheckpointError as err:
+        print(err)          # names the file and the tensor
+"""
+
+from __future__ import annotations
+
+__all__ = ["CheckpointError", "CheckpointFormatError"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded; the message says which file/tensor and why."""
+
+
+class CheckpointFormatError(CheckpointError, ValueError):
+    """``index.json`` (or a shard header) is malformed: the checkpoint is refused before any read."""

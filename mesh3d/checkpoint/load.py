@@ -1,0 +1,182 @@
+"""``load``: restore model and optimizer state onto any mesh shape, reading only what is needed.
+
+Every rank validates the index and matches it against its own state (names, dtypes,
+global shapes) with no communication; one bounded all-gather then agrees on failure so a
+bad checkpoint raises the same error on every rank instead of hanging. Each rank reads
+exactly the boxes its DTensors (or plain tensors) hold, verifying checksums, then hands
+the state to torch's public ``set_model_state_dict`` / ``set_optimizer_state_dict``.
+
+Usage::
+
+    info = checkpoint.load("ckpt/step-100", model, optimizer)
+    info.step, info.extra, info.bytes_read / info.bytes_needed
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from mesh3d.checkpoint.chunks import local_box
+from mesh3d.checkpoint.comm import raise_if_any_failed
+from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.index import read_index
+from mesh3d.checkpoint.reader import ShardReader
+from mesh3d.checkpoint.st_format import TORCH_TO_ST
+from mesh3d.checkpoint.state import apply_state, decode_value, optimizer_name, optimizer_template
+
+__all__ = ["load", "LoadInfo"]
+
+
+@dataclass
+class LoadInfo:
+    """What :func:`load` restored: the saved ``step`` and ``extra``, and this rank's I/O."""
+
+    path: str
+    step: int | None
+    extra: Any
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    mesh: dict[str, Any] | None = None
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+
+
+def _check_match(name: str, saved: dict[str, Any], target: torch.Tensor) -> None:
+    dtype = TORCH_TO_ST.get(target.dtype)
+    if saved["dtype"] != dtype:
+        raise CheckpointError(f"tensor {name!r}: checkpoint has dtype {saved['dtype']}, the model has {dtype} "
+                              "(cast the model, or coalesce with a dtype cast)")
+    if list(target.shape) != saved["shape"]:
+        raise CheckpointError(f"tensor {name!r}: checkpoint has shape {saved['shape']}, the model has {list(target.shape)}")
+
+
+def _plan(index: dict[str, Any], model_sd: dict[str, torch.Tensor], osd: dict[str, Any] | None,
+          strict: bool) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+    """Target tensor (template) for every checkpoint tensor to load; missing and unexpected names."""
+    saved = index["tensors"]
+    targets: dict[str, torch.Tensor] = {}
+    wanted = dict(model_sd)
+    if osd is not None:
+        if index.get("optimizer") is None:
+            raise CheckpointError("an optimizer was given but the checkpoint has no optimizer state")
+        for fqn, state in osd["state"].items():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and (isinstance(value, DTensor) or value.dim() > 0):
+                    wanted[optimizer_name(fqn, key)] = value
+        for name, entry in saved.items():  # state the template lacks takes its parameter's layout
+            if entry["role"] == "optimizer" and name not in wanted and entry["param"] in model_sd:
+                param = model_sd[entry["param"]]
+                if list(param.shape) == entry["shape"]:
+                    wanted[name] = param
+    roles = {"model"} | ({"optimizer"} if osd is not None else set())
+    missing = sorted(n for n in wanted if n not in saved)
+    unexpected = sorted(n for n, e in saved.items() if e["role"] in roles and n not in wanted)
+    if strict and (missing or unexpected):
+        raise CheckpointError(f"keys do not match (strict=True): missing from the checkpoint {missing[:10]}"
+                              f"{' ...' if len(missing) > 10 else ''}, unexpected in the checkpoint {unexpected[:10]}"
+                              f"{' ...' if len(unexpected) > 10 else ''}; pass strict=False to load the intersection")
+    for name, target in wanted.items():
+        if name in saved:
+            _check_match(name, saved[name], target)
+            targets[name] = target
+    return targets, missing, unexpected
+
+
+def _materialize(name: str, target: torch.Tensor, reader: ShardReader, in_place: bool) -> torch.Tensor:
+    box = local_box(name, target)
+    local = target.to_local() if isinstance(target, DTensor) else target
+    if in_place and local.device.type == "cpu" and local.is_contiguous():
+        # The state-dict tensor shares storage with the parameter/buffer/moment: read straight
+        # into it (no fresh allocation, no page faults), as DCP does.
+        if box.numel:
+            reader.read_into(name, box, local.detach())
+        return target
+    buf = torch.empty(box.shape, dtype=target.dtype)
+    if box.numel:
+        reader.read_into(name, box, buf)
+    if isinstance(target, DTensor):
+        local = buf.to(target.to_local().device)
+        return DTensor.from_local(local, target.device_mesh, target.placements, run_check=False,
+                                  shape=target.shape, stride=target.stride())
+    return buf.to(target.device)
+
+
+def _optimizer_state(index: dict[str, Any], osd: dict[str, Any], loaded: dict[str, torch.Tensor],
+                     model_sd: dict[str, torch.Tensor]) -> dict[str, Any]:
+    meta = index["optimizer"]
+    state: dict[str, dict[str, Any]] = {}
+    for name, tensor in loaded.items():
+        entry = index["tensors"][name]
+        if entry["role"] == "optimizer":
+            state.setdefault(entry["param"], {})[entry["state_key"]] = tensor
+    for fqn, values in meta["scalars"].items():
+        if fqn in model_sd:
+            device = model_sd[fqn].device
+            for key, value in values.items():
+                state.setdefault(fqn, {})[key] = decode_value(value, device)
+    saved_groups = meta["param_groups"]
+    target_groups = osd["param_groups"]
+    if len(saved_groups) != len(target_groups):
+        raise CheckpointError(f"the checkpoint's optimizer has {len(saved_groups)} param groups, the target has "
+                              f"{len(target_groups)}")
+    groups = []
+    for i, (saved, target) in enumerate(zip(saved_groups, target_groups)):
+        if sorted(saved["params"]) != sorted(target["params"]):
+            raise CheckpointError(f"optimizer param group {i}: the checkpoint's parameters differ from the target's "
+                                  f"(e.g. {sorted(set(saved['params']) ^ set(target['params']))[:5]})")
+        group = {k: decode_value(v) for k, v in saved.items() if k != "params"}
+        group["params"] = list(target["params"])
+        groups.append(group)
+    return {"state": state, "param_groups": groups}
+
+
+def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+         strict: bool = True, in_place: bool = False) -> LoadInfo:
+    """Load a checkpoint saved on any mesh into ``model`` (and ``optimizer``); all ranks call it.
+
+    Works in a plain process without torch.distributed for an unparallelized module.
+    By default a load is all or nothing: tensors are read into fresh buffers and applied
+    only after every read and checksum succeeded on every rank. ``in_place=True`` reads
+    straight into the model's and optimizer's own storage (faster, less memory, like DCP);
+    a corrupt checkpoint then still raises on every rank, but may leave the state partly
+    overwritten.
+    """
+    path = os.path.abspath(os.fspath(path))
+    error, index, targets, info = None, None, {}, None
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model_sd: dict[str, torch.Tensor] = {}
+    osd = None
+    try:
+        index = read_index(path)
+        model_sd = get_model_state_dict(model)
+        osd = optimizer_template(model, optimizer) if optimizer is not None else None
+        targets, missing, unexpected = _plan(index, model_sd, osd, strict)
+        info = LoadInfo(path, index["step"], index.get("extra"), mesh=index.get("mesh"), missing=missing,
+                        unexpected=unexpected)
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    raise_if_any_failed(error, f"loading {path}")
+
+    loaded: dict[str, torch.Tensor] = {}
+    optim_sd = None
+    try:
+        with ShardReader(path, index) as reader:
+            for name, target in targets.items():
+                loaded[name] = _materialize(name, target, reader, in_place)
+            info.bytes_read, info.bytes_needed = reader.stats["bytes_read"], reader.stats["bytes_needed"]
+        if osd is not None:
+            optim_sd = _optimizer_state(index, osd, loaded, model_sd)
+        error = None
+    except Exception as err:
+        error = f"{type(err).__name__}: {err}"
+    raise_if_any_failed(error, f"loading {path}")
+    model_part = {n: t for n, t in loaded.items() if index["tensors"][n]["role"] == "model"}
+    apply_state(model, model_part, optimizer, optim_sd, strict)
+    return info

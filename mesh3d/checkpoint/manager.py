@@ -1,0 +1,101 @@
+"""``CheckpointManager``: ``root/step-NNNNNNNN`` directories, a ``latest`` pointer, keep-last-N.
+
+``latest`` is updated (tmp + fsync + rename) only after a checkpoint is committed, and a
+step directory counts only if its ``index.json`` exists, so a crash at any point leaves
+the previous checkpoint as the one to resume from. Pruning removes the oldest complete
+checkpoints beyond ``keep_last`` and this manager's stale staging directories.
+
+Usage::
+
+    manager = CheckpointManager("runs/exp1/ckpt", keep_last=3)
+    info = manager.load(model, optimizer)          # None on a fresh run
+    manager.save(model, optimizer, step=100)       # all ranks
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from typing import Any
+
+import torch
+from torch import nn
+
+from mesh3d.checkpoint.comm import raise_if_any_failed, world
+from mesh3d.checkpoint.index import INDEX_NAME
+from mesh3d.checkpoint.load import LoadInfo, load
+from mesh3d.checkpoint.save import save, write_file_atomic
+
+__all__ = ["CheckpointManager"]
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_STAGING = re.compile(r"^\.step-\d+\.tmp-[0-9a-f]+$")
+
+
+class CheckpointManager:
+    """Numbered checkpoints under ``root`` with a ``latest`` pointer and retention."""
+
+    def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
+        if not isinstance(keep_last, int) or keep_last < 1:
+            raise ValueError(f"keep_last={keep_last!r} must be an int >= 1")
+        self.root, self.keep_last = os.path.abspath(os.fspath(root)), keep_last
+
+    def path_for(self, step: int) -> str:
+        return os.path.join(self.root, f"step-{step:08d}")
+
+    def steps(self) -> list[int]:
+        """Steps of the complete checkpoints under root, ascending."""
+        if not os.path.isdir(self.root):
+            return []
+        found = []
+        for name in os.listdir(self.root):
+            m = _STEP_DIR.match(name)
+            if m and os.path.isfile(os.path.join(self.root, name, INDEX_NAME)):
+                found.append(int(m.group(1)))
+        return sorted(found)
+
+    def latest(self) -> str | None:
+        """The newest complete checkpoint: the ``latest`` pointer if it is valid, else a scan."""
+        pointer = os.path.join(self.root, "latest")
+        try:
+            name = open(pointer).read().strip()
+            if _STEP_DIR.match(name) and os.path.isfile(os.path.join(self.root, name, INDEX_NAME)):
+                return os.path.join(self.root, name)
+        except OSError:
+            pass
+        steps = self.steps()
+        return self.path_for(steps[-1]) if steps else None
+
+    def save(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
+             extra: Any = None) -> str:
+        """Save ``root/step-<step>`` (all ranks), then point ``latest`` at it and prune (rank 0)."""
+        rank, _ = world()
+        if rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+        path = save(self.path_for(step), model, optimizer, step=step, extra=extra)
+        error = None
+        if rank == 0:
+            try:
+                write_file_atomic(os.path.join(self.root, "latest"), f"{os.path.basename(path)}\n".encode())
+                self._prune(step)
+            except OSError as err:
+                error = f"{type(err).__name__}: {err}"
+        raise_if_any_failed(error, f"updating {self.root}/latest")
+        return path
+
+    def _prune(self, newest: int) -> None:
+        for step in self.steps()[: -self.keep_last]:
+            if step != newest:
+                shutil.rmtree(self.path_for(step), ignore_errors=True)
+        for name in os.listdir(self.root):
+            if _STAGING.match(name):  # left by a killed save; our own save has already committed
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+
+    def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+             strict: bool = True) -> LoadInfo | None:
+        """Load the newest complete checkpoint, or return None when there is none."""
+        path = self.latest()
+        if path is None:
+            return None
+        return load(path, model, optimizer, strict=strict)

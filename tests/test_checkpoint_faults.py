@@ -1,0 +1,214 @@
+"""Fault tests: flipped bytes and truncation in every kind of file, missing files, key /
+shape / dtype mismatches, saves killed at every stage, and errors raised on every rank.
+
+A failed load must raise CheckpointError naming the file or tensor, and must leave the
+model untouched (nothing is applied before every read and checksum succeeded).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import shutil
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_helpers import Net, build, shutdown, synthetic_steps
+from mesh3d import checkpoint
+from mesh3d.checkpoint import CheckpointError
+
+
+def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    synthetic_steps(model, opt, range(2))
+    return model, opt
+
+
+def _fresh() -> tuple[nn.Module, torch.optim.Optimizer, dict[str, torch.Tensor]]:
+    torch.manual_seed(1)
+    model = Net().double()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return model, opt, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _files(path: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _assert_load_fails(path: str, match: str | None = None) -> str:
+    model, opt, before = _fresh()
+    with pytest.raises(CheckpointError) as err:
+        checkpoint.load(path, model, opt)
+    for k, v in model.state_dict().items():  # never a partial or silent wrong load
+        assert torch.equal(v, before[k]), k
+    if match:
+        assert match in str(err.value), str(err.value)
+    return str(err.value)
+
+
+def test_flipped_bytes_and_truncation_in_every_file(tmp_path):
+    model, opt = _trained()
+    good = str(tmp_path / "good")
+    checkpoint.save(good, model, opt, step=2)
+    files = _files(good)
+    assert files == ["index.json", "model/r00000-of-00001.safetensors", "optimizer/r00000-of-00001.safetensors"]
+    rng = random.Random(0)
+    for rel in files:
+        file = os.path.join(good, rel)
+        data = open(file, "rb").read()
+        # Length prefix, JSON header, header padding, tensor data, last byte: 40 positions per file.
+        positions = sorted({0, 3, 7, 8, 9, len(data) // 2, len(data) - 1, *rng.sample(range(len(data)), 33)})
+        for pos in positions:
+            with open(file, "r+b") as f:
+                f.seek(pos)
+                f.write(bytes([data[pos] ^ 0xFF]))
+            _assert_load_fails(good)
+            with pytest.raises(CheckpointError):
+                checkpoint.verify(good)
+            with open(file, "wb") as f:
+                f.write(data)
+        for size in (0, 4, 8, 100, len(data) // 2, len(data) - 1):
+            with open(file, "r+b") as f:
+                f.truncate(size)
+            message = _assert_load_fails(good)
+            assert rel.split("/")[-1] in message, message
+            with open(file, "wb") as f:
+                f.write(data)
+    # After restoring every byte the checkpoint is whole again (the failures were real).
+    model2, opt2, _ = _fresh()
+    checkpoint.load(good, model2, opt2)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), model2.state_dict().values()))
+
+
+def test_missing_file_mismatches_and_bad_requests(tmp_path):
+    model, opt = _trained()
+    path = str(tmp_path / "ck")
+    checkpoint.save(path, model, opt, step=2, extra={"note": "x"})
+    broken = str(tmp_path / "broken")
+    shutil.copytree(path, broken)
+    os.remove(os.path.join(broken, "model/r00000-of-00001.safetensors"))
+    _assert_load_fails(broken, "missing shard file")
+    _assert_load_fails(str(tmp_path / "nowhere"), "index.json does not exist")
+    flipped = str(tmp_path / "flipped")
+    shutil.copytree(path, flipped)
+    shard = os.path.join(flipped, "optimizer/r00000-of-00001.safetensors")
+    data = bytearray(open(shard, "rb").read())
+    data[-5] ^= 0x01  # a single bit, in the last optimizer tensor
+    open(shard, "wb").write(bytes(data))
+    with pytest.raises(CheckpointError, match="checksum mismatch in .*optimizer/r00000-of-00001.safetensors for tensor"):
+        checkpoint.load(flipped, *_fresh()[:2], in_place=True)  # in place: still loud, on every rank
+
+    class Bigger(Net):
+        def __init__(self):
+            super().__init__()
+            self.extra_layer = nn.Linear(2, 2)
+
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \['extra_layer.bias', 'extra_layer.weight'\]"):
+        checkpoint.load(path, Bigger().double())
+    relaxed = Bigger().double()
+    info = checkpoint.load(path, relaxed, strict=False)
+    assert info.missing == ["extra_layer.bias", "extra_layer.weight"]
+    assert torch.equal(relaxed.up.weight, model.up.weight)
+    small = nn.Module()
+    small.up = nn.Linear(6, 10).double()
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint \[\], unexpected in the checkpoint \['counts', 'down.bias'"):
+        checkpoint.load(path, small)
+    checkpoint.load(path, small, strict=False)
+    assert torch.equal(small.up.weight, model.up.weight)
+    wrong_shape = Net().double()
+    wrong_shape.emb = nn.Embedding(14, 6).double()
+    with pytest.raises(CheckpointError, match=r"tensor 'emb.weight': checkpoint has shape \[13, 6\], the model has \[14, 6\]"):
+        checkpoint.load(path, wrong_shape)
+    with pytest.raises(CheckpointError, match=r"tensor 'emb.weight': checkpoint has dtype F64, the model has F32"):
+        checkpoint.load(path, Net())
+    with pytest.raises(CheckpointError, match="already exists"):
+        checkpoint.save(path, model)
+    with pytest.raises(CheckpointError, match="JSON-serializable"):
+        checkpoint.save(str(tmp_path / "other"), model, extra={"bad": object()})
+    assert not os.path.exists(tmp_path / "other") and sorted(os.listdir(tmp_path)) == ["broken", "ck", "flipped"]
+
+
+STAGES = ("staged", "mid_shard", "shards_written", "before_index", "index_written", "committed")
+
+
+def _digest(path: str) -> dict[str, str]:
+    return {rel: hashlib.sha256(open(os.path.join(path, rel), "rb").read()).hexdigest() for rel in _files(path)}
+
+
+def test_save_killed_at_every_stage_leaves_nothing_or_a_complete_checkpoint(tmp_path):
+    """A forked child saves step-2 next to step-1 and dies (os._exit) at each stage of the protocol."""
+    save_module = sys.modules["mesh3d.checkpoint.save"]  # the module (the package re-exports the function)
+
+    model, opt = _trained()
+    root = tmp_path / "run"
+    root.mkdir()
+    checkpoint.save(str(root / "step-1"), model, opt, step=1)
+    before = _digest(str(root / "step-1"))
+    for stage in STAGES:
+        target = root / f"step-2-{stage}"
+        pid = os.fork()
+        if pid == 0:  # child: crash on purpose; never return into pytest
+            try:
+                save_module._CRASH_AT = stage
+                checkpoint.save(str(target), model, opt, step=2)
+            finally:
+                os._exit(3)
+        deadline = time.time() + 60
+        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
+            time.sleep(0.01)
+        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 17, (stage, done)
+        if stage == "committed":
+            assert checkpoint.load(str(target), *_fresh()[:2]).step == 2
+            checkpoint.verify(str(target))
+        else:
+            assert not os.path.exists(target), stage
+        assert _digest(str(root / "step-1")) == before, stage
+        checkpoint.verify(str(root / "step-1"))
+    leftovers = [n for n in os.listdir(root) if n.startswith(".")]
+    assert len(leftovers) == len(STAGES) - 1  # staging garbage only, never at a checkpoint path
+
+
+def _errors_on_every_rank(root: str) -> list[str]:
+    """Bad input seen by one rank only must raise the same error everywhere, without hanging."""
+    model, opt = build("fsdp_b2", seed=5)
+    rank = torch.distributed.get_rank()
+    messages = []
+    try:  # only rank 1 passes a non-JSON extra
+        checkpoint.save(os.path.join(root, "a"), model, opt, extra={"x": object() if rank == 1 else 1})
+    except CheckpointError as err:
+        messages.append(str(err))
+    checkpoint.save(os.path.join(root, "b"), model, opt)
+    torch.distributed.barrier()
+    if rank == 0:  # corrupt bytes that only rank 1 reads (its own shard, same mesh)
+        file = os.path.join(root, "b", "model", "r00001-of-00002.safetensors")
+        data = bytearray(open(file, "rb").read())
+        data[-3] ^= 0xFF
+        open(file, "wb").write(bytes(data))
+    torch.distributed.barrier()
+    try:
+        checkpoint.load(os.path.join(root, "b"), model, opt)
+    except CheckpointError as err:
+        messages.append(str(err))
+    try:
+        checkpoint.load(os.path.join(root, "missing"), model, opt)
+    except CheckpointError as err:
+        messages.append(str(err))
+    shutdown()
+    return messages
+
+
+def test_errors_raise_on_every_rank(ranks, tmp_path):
+    results = ranks.run(2, _errors_on_every_rank, str(tmp_path), timeout=60)
+    for messages in results:
+        assert len(messages) == 3, messages
+        assert "rank 1: CheckpointError: extra must be JSON-serializable" in messages[0]
+        assert "rank 1: CheckpointError: checksum mismatch in" in messages[1] and "r00001-of-00002" in messages[1]
+        assert "index.json does not exist" in messages[2]
+    assert not os.path.exists(tmp_path / "a")
