@@ -11,7 +11,7 @@ from datetime import timedelta
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["flatten_mesh", "group_options"]
+__all__ = ["disable_torch_function_subclass", "flatten_mesh", "group_options"]
 
 
 def group_options(backend: str, timeout: timedelta) -> object | None:
@@ -43,3 +43,16 @@ def flatten_mesh(mesh: DeviceMesh, name: str, backend_override: object | None = 
     if backend_override is None:
         return mesh._flatten(name)
     return mesh._flatten(name, backend_override=backend_override)
+
+
+def disable_torch_function_subclass():
+    """Context manager under which tensor subclasses' ``__torch_function__`` is not called.
+
+    Why private: ``torch._C.DisableTorchFunctionSubclass`` is what ``Tensor.__torch_function__``
+    itself uses to run an op on a subclass's data without recursing; torch exposes no public
+    equivalent. mesh3d's ``DomainTensor`` needs it to unwrap its local shard and to run
+    metadata queries (``.shape``, ``.dtype``) on it.
+    """
+    import torch
+
+    return torch._C.DisableTorchFunctionSubclass()
