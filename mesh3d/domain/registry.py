@@ -60,11 +60,13 @@ def register(*funcs: Callable) -> Callable[[Callable], Callable]:
 
 
 def op_name(func: Callable) -> str:
+    """A readable name such as ``torch.flip``, ``torch.Tensor.add`` or ``torch.nn.functional.conv2d``."""
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    name = name.replace("_VariableFunctionsClass.", "").replace("TensorBase.", "Tensor.")
     module = getattr(func, "__module__", None) or ""
-    if "Tensor" in name or module.startswith("torch._C"):
-        return f"torch.{name}" if not name.startswith("Tensor") else f"torch.{name}"
-    return f"{module}.{name}" if module else name
+    if module.startswith("torch._C") or not module:
+        return f"torch.{name}"
+    return f"{module}.{name}"
 
 
 def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:
@@ -85,13 +87,13 @@ def flat_tensors(obj: Any) -> list[torch.Tensor]:
 def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
 
-    rule = RULES.get(func)
-    if rule is not None:
-        return rule(*args, **kwargs)
     if func in _METADATA:
         with disable_torch_function_subclass():
             return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
     domain_args = [t for t in flat_tensors((args, kwargs)) if isinstance(t, DomainTensor)]
+    rule = RULES.get(func)
+    if rule is not None and any(t.spec.dim is not None for t in domain_args):
+        return rule(*args, **kwargs)
     if all(t.spec.dim is None for t in domain_args):
         # Replicated values: identical on every rank, so the plain op is the one-process op.
         spec = domain_args[0].spec

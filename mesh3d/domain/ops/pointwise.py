@@ -108,7 +108,8 @@ def local_unless_sharded(func, x: DomainTensor, dims, what: str, *args, **kwargs
             f"{op_name(func)} acts along dim {x.spec.dim}, which is sharded over the domain ({what}); "
             "call .full_tensor() first or shard a different dim"
         )
-    return elementwise(func, x, *args, **kwargs)
+    # The other arguments (weights) act along non-sharded dims only: run on the local shard as is.
+    return wrap(func(unwrap(x), *args, **kwargs), x.spec)
 
 
 @register(F.linear)

@@ -22,7 +22,7 @@ from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.registry import register
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
 
-__all__ = ["reduce"]
+__all__ = ["domain_reduce"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -38,7 +38,7 @@ def _finish(x: DomainTensor, r: torch.Tensor, dims: list[int], keepdim: bool) ->
     return wrap(r, DomainSpec(None, None, x.spec.comm))
 
 
-def reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
+def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
     """Reduce ``x`` over ``dim`` (all dims when None): one-process value, no gather."""
     dims = _dims(x, dim)
     local = unwrap(x)
@@ -89,7 +89,7 @@ def _reduction_rule(kind: str):
         if dtype is not None:
             input = elementwise(torch.Tensor.to, input, dtype)
         corr = 1.0 if correction is None and unbiased is None else (correction if correction is not None else float(unbiased))
-        return reduce(input, kind, dim, keepdim, corr)
+        return domain_reduce(input, kind, dim, keepdim, corr)
 
     return rule
 
@@ -112,8 +112,8 @@ def _extreme_rule(sign: int):
                 "torch.maximum(a, b); arg-indices over a sharded dim are not supported"
             )
         if sign > 0:
-            return reduce(input, "amax")
-        return -reduce(elementwise(torch.neg, input), "amax")
+            return domain_reduce(input, "amax")
+        return -domain_reduce(elementwise(torch.neg, input), "amax")
 
     return rule
 
@@ -125,21 +125,21 @@ register(torch.min, torch.Tensor.min)(_extreme_rule(-1))
 def _loss(elementwise_loss: torch.Tensor, reduction: str) -> torch.Tensor:
     if reduction == "none":
         return elementwise_loss
-    return reduce(elementwise_loss, "mean" if reduction == "mean" else "sum")
+    return domain_reduce(elementwise_loss, "mean" if reduction == "mean" else "sum")
 
 
 @register(F.mse_loss)
-def _mse(input, target, size_average=None, reduce_=None, reduction="mean", weight=None):
+def _mse(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
     return _loss(elementwise(F.mse_loss, input, target, reduction="none"), reduction)
 
 
 @register(F.l1_loss)
-def _l1(input, target, size_average=None, reduce_=None, reduction="mean"):
+def _l1(input, target, size_average=None, reduce=None, reduction="mean"):
     return _loss(elementwise(F.l1_loss, input, target, reduction="none"), reduction)
 
 
 @register(F.cross_entropy)
-def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce_=None,
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
     if input.spec.dim is None or input.spec.dim < 2:
         raise NotImplementedError("F.cross_entropy: shard a spatial dim (>= 2) of the (N, C, ...) input, not N or C")
