@@ -12,7 +12,7 @@ See docs/domain.md.
 """
 
 from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
-from mesh3d.domain.api import domain_comm, from_local, full_tensor, scatter, shard
+from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.split import balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
 
@@ -23,6 +23,7 @@ __all__ = [
     "domain_comm",
     "from_local",
     "full_tensor",
+    "redistribute",
     "scatter",
     "shard",
     "split_sizes",

@@ -22,7 +22,7 @@ from mesh3d.domain.exchange import DomainComm, build_plan, gather_rows
 from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
 
-__all__ = ["domain_comm", "from_local", "full_tensor", "scatter", "shard"]
+__all__ = ["domain_comm", "from_local", "full_tensor", "redistribute", "scatter", "shard"]
 
 _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
 
@@ -122,3 +122,13 @@ def full_tensor(x: DomainTensor) -> torch.Tensor:
     if x.spec.dim is None:
         return unwrap(x)
     return _FullTensor.apply(unwrap(x), x.spec)
+
+
+def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainTensor:
+    """The same tensor with new per-rank sizes along its sharded dim (only moved rows travel)."""
+    new = split_sizes(sum(x.spec.sizes), x.spec.comm.size, sizes)
+    if new == x.spec.sizes:
+        return x
+    needs = tuple(tuple(range(o, o + s)) for o, s in zip(offsets_of(new), new))
+    plan = build_plan(x.spec.sizes, needs, x.spec.comm.index)
+    return wrap(gather_rows(unwrap(x), x.spec.dim, plan, x.spec.comm), x.spec.with_sizes(new))

@@ -58,12 +58,21 @@ def _sharded(ts: list) -> list[DomainTensor]:
 def _check_same_sharding(func, sharded: list[DomainTensor]) -> DomainTensor:
     ref = sharded[0]
     for t in sharded[1:]:
-        if (t.ndim - t.spec.dim, t.spec.sizes) != (ref.ndim - ref.spec.dim, ref.spec.sizes):
+        if t.ndim - t.spec.dim != ref.ndim - ref.spec.dim or sum(t.spec.sizes) != sum(ref.spec.sizes):
             raise ValueError(
-                f"{op_name(func)}: domain tensors sharded differently (dim {ref.spec.dim} sizes {ref.spec.sizes} vs "
-                f"dim {t.spec.dim} sizes {t.spec.sizes}); shard both with the same dim and sizes"
+                f"{op_name(func)}: domain tensors sharded along different dims or lengths (dim {ref.spec.dim} sizes "
+                f"{ref.spec.sizes} vs dim {t.spec.dim} sizes {t.spec.sizes}); shard both along the same dim"
             )
     return ref
+
+
+def _same_layout(ref: DomainTensor, o):
+    """Operands sharded along the same dim but with other sizes (e.g. a U-Net skip) move rows to ``ref``'s."""
+    if isinstance(o, DomainTensor) and o.spec.dim is not None and o.spec.sizes != ref.spec.sizes:
+        from mesh3d.domain.api import redistribute
+
+        return redistribute(o, ref.spec.sizes)
+    return o
 
 
 def elementwise(func, *args, **kwargs):
@@ -74,6 +83,7 @@ def elementwise(func, *args, **kwargs):
     out_dim = ref.spec.dim + (out_ndim - ref.ndim)
 
     def prepare(o):
+        o = _same_layout(ref, o)
         if not isinstance(o, torch.Tensor) or (isinstance(o, DomainTensor) and o.spec.dim is not None):
             return unwrap(o)
         aligned = out_dim - (out_ndim - o.ndim)
@@ -133,7 +143,7 @@ def _cat(tensors, dim=0):
     for t in tensors:
         if not isinstance(t, DomainTensor):
             raise ValueError("torch.cat: every input must be a domain tensor sharded the same way; shard the plain one")
-    return wrap(torch.cat([unwrap(t) for t in tensors], dim), ref.spec)
+    return wrap(torch.cat([unwrap(_same_layout(ref, t)) for t in tensors], dim), ref.spec)
 
 
 @register(torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)

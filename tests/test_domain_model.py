@@ -1,0 +1,76 @@
+"""A small U-Net trained 3 Adam steps on domain meshes (1,2,1) and (1,4,1), uneven shards, vs one process.
+
+fp64 because Adam divides by sqrt(v): summation-order noise in a near-zero gradient would move a
+weight by ~lr at fp32 (see torch_pitfalls.md); tolerance 1e-9 on losses and parameters.
+Gradient rule: after backward, parameter grads are SUMMED over the domain group (what parallelize does).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from domain_cases import domain_sum, max_err
+
+H, W = 14, 10
+
+
+class TinyUNet(nn.Module):
+    """Strided, dilated+circular, transposed convs, GroupNorm, max pooling, bilinear upsampling, a skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(inplace=True))
+        self.down = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.mid = nn.Sequential(nn.Conv2d(8, 8, 3, padding=2, dilation=2, padding_mode="circular"),
+                                 nn.GroupNorm(4, 8), nn.SiLU())
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.up_t = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.dec = nn.Conv2d(16, 2, (4, 3), padding="same")
+
+    def forward(self, x):
+        e = self.enc(x)
+        m = self.mid(self.down(e) + self.pool(e))
+        u = self.up(m) + self.up_t(m)
+        return self.dec(torch.cat([e, u], dim=1))
+
+
+def _train_body(sizes, steps=3):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    ref = TinyUNet().double()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 2, H, W, dtype=torch.float64)
+    target = torch.randn(2, 2, H, W, dtype=torch.float64)
+    xs, ts = domain.shard(x, dim=2, sizes=sizes), domain.shard(target, dim=2, sizes=sizes)
+    loss_errs = []
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        loss_ref = torch.nn.functional.mse_loss(ref(x), target)
+        loss_ref.backward()
+        opt_ref.step()
+
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs), ts)  # replicated: the one-process value on every rank
+        loss.backward()
+        for p in model.parameters():
+            p.grad = domain_sum(p.grad)
+        opt.step()
+        loss_errs.append(abs(float(loss) - float(loss_ref)))
+    param_err = max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    return max(loss_errs), param_err
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, (9, 5)), (2, None), (4, (5, 1, 6, 2)), (4, (1, 4, 4, 5))])
+def test_unet_trains_like_one_process(ranks, world, sizes):
+    for loss_err, param_err in ranks.run(world, _train_body, sizes, timeout=90):
+        assert loss_err < 1e-9
+        assert param_err < 1e-9
