@@ -25,7 +25,10 @@ import torch.distributed as dist
 
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["DomainComm", "ExchangePlan", "build_plan", "gather_rows"]
+__all__ = ["TRAFFIC", "DomainComm", "ExchangePlan", "build_plan", "gather_rows"]
+
+#: Bytes this process has sent through ``gather_rows`` (forward and backward); benchmarks read it.
+TRAFFIC = {"bytes_sent": 0}
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,15 @@ class ExchangePlan:
     own_idx: tuple[int, ...]
     send: tuple[tuple[int, tuple[int, ...]], ...]  # (peer index, local rows to send)
     recv: tuple[tuple[int, tuple[int, ...]], ...]  # (peer index, result positions to fill)
+
+    @property
+    def own_run(self) -> tuple[int, int, int] | None:
+        """(result start, local start, count) when the own rows are one contiguous run (the usual halo case)."""
+        n = len(self.own_pos)
+        if n and self.own_pos[-1] - self.own_pos[0] == n - 1 and self.own_idx[-1] - self.own_idx[0] == n - 1 \
+                and all(b - a == 1 for a, b in zip(self.own_idx, self.own_idx[1:])):
+            return self.own_pos[0], self.own_idx[0], n
+        return None
 
     @property
     def bytes_rows(self) -> int:
@@ -110,6 +122,7 @@ def _exchange(
 ) -> None:
     """Send and receive all buffers at once (one batched round of point-to-point messages)."""
     ops = [dist.P2POp(dist.isend, buf, comm.ranks[q], comm.group) for q, buf in outgoing if buf.numel()]
+    TRAFFIC["bytes_sent"] += sum(buf.numel() * buf.element_size() for _, buf in outgoing)
     ops += [dist.P2POp(dist.irecv, buf, comm.ranks[q], comm.group) for q, buf in incoming if buf.numel()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
@@ -130,7 +143,10 @@ class _GatherRows(torch.autograd.Function):
             shape[dim] = len(pos)
             incoming.append((q, local.new_empty(shape)))
         _exchange(comm, outgoing, incoming)
-        if plan.own_pos:
+        run = plan.own_run
+        if run is not None:  # a plain slice copy: no index tensors
+            out.narrow(dim, run[0], run[2]).copy_(local.narrow(dim, run[1], run[2]))
+        elif plan.own_pos:
             out.index_copy_(dim, _index(plan.own_pos, device), local.index_select(dim, _index(plan.own_idx, device)))
         for (q, pos), (_, buf) in zip(plan.recv, incoming):
             out.index_copy_(dim, _index(pos, device), buf)
@@ -149,7 +165,10 @@ class _GatherRows(torch.autograd.Function):
             shape[dim] = len(idx)
             incoming.append((q, grad.new_empty(shape)))
         _exchange(comm, outgoing, incoming)
-        if plan.own_pos:
+        run = plan.own_run
+        if run is not None:
+            grad_local.narrow(dim, run[1], run[2]).add_(grad.narrow(dim, run[0], run[2]))
+        elif plan.own_pos:
             grad_local.index_add_(dim, _index(plan.own_idx, device), grad.index_select(dim, _index(plan.own_pos, device)))
         for (q, idx), (_, buf) in zip(plan.send, incoming):
             grad_local.index_add_(dim, _index(idx, device), buf)
