@@ -74,3 +74,46 @@ def test_unet_trains_like_one_process(ranks, world, sizes):
     for loss_err, param_err in ranks.run(world, _train_body, sizes, timeout=90):
         assert loss_err < 1e-9
         assert param_err < 1e-9
+
+
+def _mesh_train_body(shape, sizes, steps=3):
+    """Domain inside a (batch, domain, model) mesh: peers must be the domain sub-mesh, not global rank +- 1.
+
+    Each batch rank trains on its own sample; gradients are summed over domain then averaged over batch,
+    which must equal one process training on the whole batch (mean loss).
+    """
+    import torch.distributed as dist
+
+    from mesh3d import DistributedManager, domain
+
+    dm = DistributedManager.initialize(*shape)
+    torch.manual_seed(0)
+    ref = TinyUNet().double()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    nb = dm.axis_size("batch")
+    x = torch.randn(nb, 2, H, W, dtype=torch.float64)
+    target = torch.randn(nb, 2, H, W, dtype=torch.float64)
+    b = dm.axis_rank("batch")
+    xs = domain.shard(x[b:b + 1], dim=2, sizes=sizes)
+    ts = domain.shard(target[b:b + 1], dim=2, sizes=sizes)
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), target).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs), ts).backward()
+        for p in model.parameters():
+            p.grad = domain_sum(p.grad)
+            if nb > 1:
+                dist.all_reduce(p.grad, group=dm.group("batch"))
+                p.grad /= nb
+        opt.step()
+    return max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize(("shape", "sizes"), [((2, 2, 1), (10, 4)), ((1, 2, 2), (3, 11))])
+def test_unet_on_multi_axis_meshes(ranks, shape, sizes):
+    for param_err in ranks.run(4, _mesh_train_body, shape, sizes, timeout=90):
+        assert param_err < 1e-9
