@@ -63,8 +63,10 @@ def _train_body(sizes, steps=3):
         loss.backward()
         for p in model.parameters():
             p.grad = domain_sum(p.grad)
+        # raw gradients too (Adam is scale-invariant: it would hide a gradient off by a factor of D)
+        loss_errs.append(max(max_err(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters())))
         opt.step()
-        loss_errs.append(abs(float(loss) - float(loss_ref)))
+        loss_errs.append(abs(float(loss.detach()) - float(loss_ref.detach())))
     param_err = max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
     return max(loss_errs), param_err
 
@@ -116,4 +118,59 @@ def _mesh_train_body(shape, sizes, steps=3):
 @pytest.mark.parametrize(("shape", "sizes"), [((2, 2, 1), (10, 4)), ((1, 2, 2), (3, 11))])
 def test_unet_on_multi_axis_meshes(ranks, shape, sizes):
     for param_err in ranks.run(4, _mesh_train_body, shape, sizes, timeout=90):
+        assert param_err < 1e-9
+
+
+class TinyViT(nn.Module):
+    """Patch embedding (strided conv), token flatten, LayerNorm, global SDPA, MLP, mean-pooled head."""
+
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(2, dim, 2, stride=2)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # No key bias: its gradient is analytically zero (softmax ignores a per-query constant), so it is
+        # pure rounding noise that Adam would blow up to +-lr, differently in each process.
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        # The head runs on a replicated value (after global pooling): its gradient must still come out
+        # right after the domain sum (each rank keeps 1/D of it).
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        t = self.embed(x).flatten(2).transpose(1, 2)  # (B, tokens, dim), tokens sharded over the domain
+        h = self.norm1(t)
+        t = t + torch.nn.functional.scaled_dot_product_attention(self.q(h), self.k(h), self.v(h))
+        t = t + self.mlp(self.norm2(t))
+        return self.head(t.mean(dim=1))  # replicated (B, 3)
+
+
+
+def _vit_body(sizes, steps=3):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    ref = TinyViT().double()
+    model = copy.deepcopy(ref)
+    # SGD, not Adam: Adam is scale-invariant and would hide a gradient off by a factor of D
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(2, 2, H, W, dtype=torch.float64)
+    y = torch.randn(2, 3, dtype=torch.float64)
+    xs = domain.shard(x, dim=2, sizes=sizes)
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs), y).backward()
+        for p in model.parameters():
+            p.grad = domain_sum(p.grad)
+        opt.step()
+    return max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, (8, 6)), (4, (2, 6, 4, 2))])
+def test_vit_on_sharded_token_grid_trains_like_one_process(ranks, world, sizes):
+    for param_err in ranks.run(world, _vit_body, sizes, timeout=90):
         assert param_err < 1e-9

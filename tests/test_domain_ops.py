@@ -17,6 +17,19 @@ TOL = 1e-10
 H = 9
 
 
+class _GatherThenLinear(torch.nn.Module):
+    """A head applied after .full_tensor(): its grads must still domain-sum to the one-process grads."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(6, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        from mesh3d.domain import DomainTensor
+
+        return self.head(x.full_tensor() if isinstance(x, DomainTensor) else x)
+
+
 def _cases():
     """name -> (make_module_or_fn, input shape, sharded dim)."""
     nn = torch.nn
@@ -27,6 +40,7 @@ def _cases():
         "mean_keepdim": (lambda: (lambda x: x.mean(dim=(2, 3), keepdim=True)), (2, 4, H, 6), 2),
         "channel_sum": (lambda: (lambda x: x.sum(dim=1)), (2, 4, H, 6), 2),
         "replicated_into_shards": (lambda: (lambda x: x / x.abs().amax() + x.mean()), (2, 4, H, 6), 2),
+        "head_after_full_tensor": (_GatherThenLinear, (2, 4, H, 6), 2),
         "linear_channels_last": (lambda: nn.Linear(6, 5, dtype=torch.float64), (2, 4, H, 6), 2),
         "conv1x1": (lambda: nn.Conv2d(4, 3, 1, dtype=torch.float64), (2, 4, H, 6), 2),
         "groupnorm": (lambda: nn.GroupNorm(2, 4, dtype=torch.float64), (2, 4, H, 6), 2),

@@ -117,11 +117,16 @@ class _FullTensor(torch.autograd.Function):
         return grad.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]), None
 
 
-def full_tensor(x: DomainTensor) -> torch.Tensor:
-    """The whole tensor on every domain rank, as a plain tensor (differentiable)."""
+def full_tensor(x: DomainTensor) -> DomainTensor:
+    """The whole tensor on every domain rank (differentiable), as a *replicated* domain tensor.
+
+    Replicated, not plain: parameters applied to it afterwards (a head after gathering) then get
+    1/D of their gradient on each rank, so the domain sum of gradients stays the one-process one.
+    ``.to_local()`` gives the plain tensor.
+    """
     if x.spec.dim is None:
-        return unwrap(x)
-    return _FullTensor.apply(unwrap(x), x.spec)
+        return x
+    return wrap(_FullTensor.apply(unwrap(x), x.spec), DomainSpec(None, None, x.spec.comm))
 
 
 def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainTensor:

@@ -82,3 +82,24 @@ def sum_grad(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
 def all_reduce_max(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Element-wise max over the domain (not differentiable by itself; used to pick winners)."""
     return _all_reduce(t, comm, dist.ReduceOp.MAX)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, factor):
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity whose backward multiplies the gradient by ``factor``.
+
+    Used where a parameter meets a *replicated* value (e.g. a classifier head after global pooling):
+    every domain rank computes the same thing, so each contributes 1/D of the parameter's gradient
+    and the domain sum of parameter gradients is the one-process gradient.
+    """
+    return _ScaleGrad.apply(t, factor)

@@ -96,8 +96,19 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         return rule(*args, **kwargs)
     if all(t.spec.dim is None for t in domain_args):
         # Replicated values: identical on every rank, so the plain op is the one-process op.
+        from mesh3d.domain.collectives import scale_grad
+
         spec = domain_args[0].spec
-        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        size = spec.comm.size
+
+        def prepare(o):
+            # Parameters meeting a replicated value: each of the D ranks computes the same thing, so
+            # each keeps 1/D of their gradient (the domain sum then gives the one-process gradient).
+            if isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor) and o.requires_grad and size > 1:
+                return scale_grad(o, 1.0 / size)
+            return unwrap(o)
+
+        out = func(*tree_map(prepare, args), **tree_map(prepare, kwargs))
         return tree_map(lambda o: wrap(o, spec) if isinstance(o, torch.Tensor) else o, out)
     raise NotImplementedError(
         f"{op_name(func)} has no domain rule: mesh3d will not run it on a domain-sharded tensor "

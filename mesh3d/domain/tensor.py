@@ -100,8 +100,8 @@ class DomainTensor(torch.Tensor):
         """This rank's shard as a plain tensor (differentiable)."""
         return unwrap(self)
 
-    def full_tensor(self) -> torch.Tensor:
-        """The whole tensor on every domain rank (differentiable; backward keeps each rank's slice)."""
+    def full_tensor(self) -> DomainTensor:
+        """The whole tensor on every domain rank, replicated (differentiable; backward keeps each rank's slice)."""
         from mesh3d.domain.api import full_tensor
 
         return full_tensor(self)
