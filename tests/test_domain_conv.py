@@ -140,3 +140,67 @@ def test_exchange_adjoint(ranks, world):
         for fwd_err, adj_err in ranks.run(world, _adjoint_body, seed):
             assert fwd_err == 0.0
             assert adj_err < 1e-12
+
+
+@st.composite
+def window_case(draw, parts: int):
+    """A pooling or interpolation case along a sharded dim of a random length and layout."""
+    kind = draw(st.sampled_from(["max", "avg", "nearest", "linear", "adaptive_avg", "adaptive_max"]))
+    k = draw(st.integers(1, 4))
+    p = draw(st.integers(0, k // 2))
+    length = draw(st.integers(max(1, k - 2 * p), 12))
+    case = dict(kind=kind, k=k, s=draw(st.integers(1, 3)), p=p, d=draw(st.integers(1, 2)) if kind == "max" else 1,
+                ceil=draw(st.booleans()) if kind == "max" else False, length=length,
+                scale=draw(st.sampled_from([0.5, 1.5, 2.0, 3.0])), size=draw(st.integers(1, 15)),
+                align=draw(st.booleans()), by_size=draw(st.booleans()), sizes=draw(shard_sizes(length, parts)))
+    if kind == "max" and (case["d"] * (k - 1) + 1 > length + 2 * p or p > (case["d"] * (k - 1) + 1) // 2):
+        case["d"] = 1
+    return case
+
+
+def _window_fn(case):
+    kind = case["kind"]
+    if kind == "max":
+        return lambda x: F.max_pool2d(x, (case["k"], 2), (case["s"], 1), (case["p"], 0), (case["d"], 1), case["ceil"])
+    if kind == "avg":
+        return lambda x: F.avg_pool2d(x, (case["k"], 2), (case["s"], 1), (case["p"], 0))
+    if kind.startswith("adaptive"):
+        fn = F.adaptive_avg_pool2d if kind == "adaptive_avg" else F.adaptive_max_pool2d
+        return lambda x: fn(x, (case["size"], 3))
+    mode = "nearest" if kind == "nearest" else "bilinear"
+    align = case["align"] if mode == "bilinear" else None
+    if case["by_size"]:
+        return lambda x: F.interpolate(x, size=(case["size"], 7), mode=mode, align_corners=align)
+    return lambda x: F.interpolate(x, scale_factor=case["scale"], mode=mode, align_corners=align)
+
+
+def _window_body(cases):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    errors = []
+    for i, case in enumerate(cases):
+        torch.manual_seed(i)
+        x = torch.randn(2, 3, case["length"], 5, dtype=torch.float64, requires_grad=True)
+        fn = _window_fn(case)
+        y = fn(x)
+        cot = torch.randn_like(y)
+        (y * cot).sum().backward()
+        gx, x.grad = x.grad, None
+        full = fn(domain.shard(x, dim=2, sizes=case["sizes"])).full_tensor()
+        (full * cot).sum().backward()
+        errors.append(max(max_err(full.to_local(), y), max_err(domain_sum(x.grad), gx)))
+    return errors
+
+
+F = torch.nn.functional
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_pool_and_interpolate_match_one_process(ranks, world, data):
+    cases = data.draw(st.lists(window_case(world), min_size=10, max_size=10))
+    for rank_errors in ranks.run(world, _window_body, cases, timeout=60):
+        for case, err in zip(cases, rank_errors):
+            assert err < TOL, (case, err)
