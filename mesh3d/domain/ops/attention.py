@@ -39,7 +39,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                                   "not supported (use is_causal for causal masks)")
     n = sum(key.spec.sizes)
     everything = tuple(tuple(range(n)) for _ in key.spec.sizes)
-    k_all, v_all = gather_window(key, everything), gather_window(value, everything)
+    k_all, v_all = _gather_pair(key, value, everything)
     q = unwrap(query)
     mask = None
     if is_causal:
@@ -58,13 +58,22 @@ def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, r
     needs = []
     for off, size in zip(_offsets(q.spec.sizes), q.spec.sizes):
         needs.append(tuple(g for g in range(off - radius, off + size + radius) if 0 <= g < n) if size else ())
-    k_ext, v_ext = gather_window(k, tuple(needs)), gather_window(v, tuple(needs))
+    k_ext, v_ext = _gather_pair(k, v, tuple(needs))
     first = max(lo, 0)
     keys = torch.arange(first, min(hi, n), device=k_ext.device)
     rows = torch.arange(q.offset, q.offset + q.shape[-2], device=k_ext.device)
     mask = (keys[None, :] - rows[:, None]).abs() <= radius
     out = F.scaled_dot_product_attention(unwrap(q), k_ext, v_ext, attn_mask=mask)
     return wrap(out, q.spec)
+
+
+def _gather_pair(key: DomainTensor, value: DomainTensor, needs):
+    """Gather keys and values in ONE exchange (concatenated along the feature dim, split after)."""
+    k, v = unwrap(key), unwrap(value)
+    if k.shape[:-1] != v.shape[:-1]:
+        return gather_window(key, needs), gather_window(value, needs)
+    both = gather_window(wrap(torch.cat([k, v], -1), key.spec), needs)
+    return both[..., : k.shape[-1]], both[..., k.shape[-1]:]
 
 
 def _offsets(sizes):

@@ -62,9 +62,10 @@ def _pool_rule(func, nd: int, kind: str):
         ext = gather_window(input, plan.needs, fill=-math.inf if kind == "max" else 0.0)
         local_pad = tuple(0 if i == sp else pd[i] for i in range(nd))
         if plan.out_sizes[input.spec.comm.index] == 0:
-            probe = ext.new_zeros([*ext.shape[:2 + sp], d * (k - 1) + 1, *ext.shape[3 + sp:]])
-            shape = list(func(probe, ks, st, local_pad, *((dl, ceil_mode) if kind == "max" else (ceil_mode,))).shape)
-            shape[2 + sp] = 0
+            # This rank owns no output: its (empty) shard's shape by torch's formula, without running a kernel.
+            shape = [*ext.shape[:2]] + [
+                0 if i == sp else _out_len(ext.shape[2 + i], ks[i], st[i], pd[i], dl[i], ceil_mode) for i in range(nd)
+            ]
             y = _weight_connected_zeros(ext, shape, ext)
         elif kind == "max":
             y = func(ext, ks, st, local_pad, dl, ceil_mode)
