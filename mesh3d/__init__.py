@@ -28,6 +28,7 @@ __all__ = [
     "checkpoint",
     "clip_grad_norm_",
     "detect_launcher",
+    "domain",
     "get_logger",
     "global_mean_loss",
     "grad_norm",
@@ -37,7 +38,7 @@ __all__ = [
 
 #: Subpackages loaded on first use: ``import mesh3d`` stays cheap (the checkpointer pulls in
 #: torch.distributed.checkpoint's state-dict helpers), yet ``mesh3d.checkpoint.save`` works.
-_LAZY_SUBPACKAGES = ("checkpoint",)
+_LAZY_SUBPACKAGES = ("checkpoint", "domain")
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 __all__ = [
     "checkpoint_module",
     "clear_dtensor_caches",
+    "disable_torch_function_subclass",
     "flatten_mesh",
     "group_options",
     "local_shape_and_global_offset",
@@ -127,3 +128,14 @@ def clear_dtensor_caches() -> None:
     clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
     if clear_native is not None:
         clear_native()
+
+
+def disable_torch_function_subclass():
+    """Context manager under which tensor subclasses' ``__torch_function__`` is not called.
+
+    Why private: ``torch._C.DisableTorchFunctionSubclass`` is what ``Tensor.__torch_function__``
+    itself uses to run an op on a subclass's data without recursing; torch exposes no public
+    equivalent. mesh3d's ``DomainTensor`` needs it to unwrap its local shard and to run
+    metadata queries (``.shape``, ``.dtype``) on it.
+    """
+    return torch._C.DisableTorchFunctionSubclass()

@@ -1,0 +1,30 @@
+"""Domain parallelism: shard each sample spatially over the ``domain`` mesh axis; unchanged models run on it.
+
+Usage::
+
+    from mesh3d import domain
+    xs = domain.shard(x, dim=2)          # or domain.scatter(x, dim=2, src=0)
+    y = model(xs)                        # nn.Conv2d, GroupNorm, pooling, interpolate ... on shards
+    loss = (y * y).mean()                # the one-process value on every domain rank
+    loss.backward()                      # then sum parameter grads over the domain group
+
+See docs/domain.md.
+"""
+
+from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
+from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
+from mesh3d.domain.split import balanced_sizes, split_sizes
+from mesh3d.domain.tensor import DomainSpec, DomainTensor
+
+__all__ = [
+    "DomainSpec",
+    "DomainTensor",
+    "balanced_sizes",
+    "domain_comm",
+    "from_local",
+    "full_tensor",
+    "redistribute",
+    "scatter",
+    "shard",
+    "split_sizes",
+]

@@ -1,0 +1,139 @@
+"""Making and unmaking domain tensors: ``shard``, ``scatter``, ``from_local``, ``full_tensor``.
+
+Usage::
+
+    from mesh3d import domain
+    xs = domain.shard(x, dim=2)                   # every rank holds x; keeps its own slice
+    xs = domain.scatter(x, dim=2, src=0)          # only domain rank 0 holds x (others pass None)
+    xs = domain.from_local(local, dim=2, sizes=(5, 3, 4))   # each rank loaded its own slab
+    y.full_tensor()                               # the whole tensor on every domain rank
+
+All checks on arguments run before any communication, on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.domain.exchange import DomainComm, build_plan, gather_rows
+from mesh3d.domain.split import offsets_of, split_sizes
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
+
+__all__ = ["domain_comm", "from_local", "full_tensor", "redistribute", "scatter", "shard"]
+
+_DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.bool, torch.uint8)
+
+
+def domain_comm() -> DomainComm:
+    """This rank's domain group (from ``DistributedManager``); a one-rank domain without one."""
+    from mesh3d.manager import DistributedManager
+
+    if not DistributedManager.is_initialized():
+        return DomainComm(None, (dist.get_rank() if dist.is_initialized() else 0,), 0)
+    dm = DistributedManager()
+    return DomainComm(dm.group("domain"), tuple(dm.axis_ranks("domain")), dm.axis_rank("domain"))
+
+
+def _check_dim(op: str, dim: int, ndim: int) -> int:
+    if not isinstance(dim, int) or not -ndim <= dim < ndim:
+        raise ValueError(f"domain.{op}: dim={dim!r} is out of range for a {ndim}-D tensor (use 0..{ndim - 1})")
+    return dim % ndim
+
+
+def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence[int] | None = None) -> DomainTensor:
+    """Keep this rank's slice of ``x`` (held whole on every domain rank) along ``dim``."""
+    if isinstance(x, DomainTensor):
+        raise ValueError("domain.shard: x is already a domain tensor; pass the plain whole tensor")
+    comm = domain_comm()
+    dim = _check_dim("shard", dim, x.ndim)
+    sizes = split_sizes(x.shape[dim], comm.size, sizes)
+    spec = DomainSpec(dim, sizes, comm)
+    return wrap(x.narrow(dim, spec.offset, sizes[comm.index]), spec)
+
+
+def from_local(local: torch.Tensor, dim: int, sizes: Sequence[int]) -> DomainTensor:
+    """Wrap this rank's own slab (every rank passes the same ``sizes``; no communication)."""
+    comm = domain_comm()
+    dim = _check_dim("from_local", dim, local.ndim)
+    sizes = split_sizes(sum(sizes), comm.size, sizes)
+    if local.shape[dim] != sizes[comm.index]:
+        raise ValueError(
+            f"domain.from_local: this rank's slab has {local.shape[dim]} rows along dim {dim} but "
+            f"sizes[{comm.index}]={sizes[comm.index]}"
+        )
+    return wrap(local, DomainSpec(dim, sizes, comm))
+
+
+def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[int] | None = None) -> DomainTensor:
+    """Send each domain rank only its own slice of ``x``, held by domain rank ``src`` (others pass None).
+
+    Point-to-point sends from ``src``: no rank but ``src`` ever holds more than its slice. Only the
+    shape and dtype are broadcast first (a few integers). Differentiable: ``x.grad`` on ``src``
+    collects every rank's gradient.
+    """
+    comm = domain_comm()
+    if not isinstance(src, int) or not 0 <= src < comm.size:
+        raise ValueError(f"domain.scatter: src={src!r} must be a domain rank index in 0..{comm.size - 1}")
+    is_src = comm.index == src
+    if is_src and x is None:
+        raise ValueError("domain.scatter: the src rank must pass the tensor to scatter")
+    meta = torch.zeros(10, dtype=torch.long)
+    if is_src:
+        if x.ndim > 8 or x.dtype not in _DTYPES:
+            raise ValueError(f"domain.scatter: supports up to 8-D tensors of dtype in {_DTYPES}")
+        meta[0], meta[1] = x.ndim, _DTYPES.index(x.dtype)
+        meta[2:2 + x.ndim] = torch.tensor(x.shape)
+    if comm.size > 1:
+        dist.broadcast(meta, src=comm.ranks[src], group=comm.group)
+    ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
+    shape = [int(v) for v in meta[2:2 + ndim]]
+    dim = _check_dim("scatter", dim, ndim)
+    sizes = split_sizes(shape[dim], comm.size, sizes)  # every rank raises alike: same broadcast shape
+    if not is_src:
+        shape[dim] = 0
+        x = torch.zeros(shape, dtype=dtype)
+    holder = tuple(sum(sizes) if r == src else 0 for r in range(comm.size))
+    needs = tuple(tuple(range(o, o + s)) for o, s in zip(offsets_of(sizes), sizes))
+    local = gather_rows(unwrap(x), dim, build_plan(holder, needs, comm.index), comm)
+    return wrap(local, DomainSpec(dim, sizes, comm))
+
+
+class _FullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, spec: DomainSpec):
+        ctx.spec = spec
+        n = sum(spec.sizes)
+        everything = tuple(tuple(range(n)) for _ in spec.sizes)
+        with torch.no_grad():
+            return gather_rows(local, spec.dim, build_plan(spec.sizes, everything, spec.comm.index), spec.comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        # The whole tensor is replicated, so each rank's gradient is the whole gradient: keep my slice.
+        return grad.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]), None
+
+
+def full_tensor(x: DomainTensor) -> DomainTensor:
+    """The whole tensor on every domain rank (differentiable), as a *replicated* domain tensor.
+
+    Replicated, not plain: parameters applied to it afterwards (a head after gathering) then get
+    1/D of their gradient on each rank, so the domain sum of gradients stays the one-process one.
+    ``.to_local()`` gives the plain tensor.
+    """
+    if x.spec.dim is None:
+        return x
+    return wrap(_FullTensor.apply(unwrap(x), x.spec), DomainSpec(None, None, x.spec.comm))
+
+
+def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainTensor:
+    """The same tensor with new per-rank sizes along its sharded dim (only moved rows travel)."""
+    new = split_sizes(sum(x.spec.sizes), x.spec.comm.size, sizes)
+    if new == x.spec.sizes:
+        return x
+    needs = tuple(tuple(range(o, o + s)) for o, s in zip(offsets_of(new), new))
+    plan = build_plan(x.spec.sizes, needs, x.spec.comm.index)
+    return wrap(gather_rows(unwrap(x), x.spec.dim, plan, x.spec.comm), x.spec.with_sizes(new))

@@ -1,0 +1,94 @@
+"""F.interpolate along a domain-sharded dim: nearest, linear/bilinear/trilinear, align_corners both ways.
+
+Usage: automatic for ``F.interpolate(xs, scale_factor=2, mode="bilinear")`` and ``nn.Upsample``.
+
+Interpolation is separable. Along the sharded dim each output row o reads source rows computed
+with torch's own formulas (scale = 1/scale_factor when given, else in/out; align_corners maps the
+corner rows; nearest uses float32 as torch's CPU kernel does); a rank owns the outputs whose first
+source row it holds and gathers the source rows it needs. The other dims are then interpolated
+locally by torch with the sharded dim left unchanged (scale 1 there is an exact identity).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.halo import owners_by_position, sizes_from_owners
+from mesh3d.domain.ops.conv import _weight_connected_zeros, gather_window, spatial_axis
+from mesh3d.domain.registry import register
+from mesh3d.domain.split import offsets_of
+from mesh3d.domain.tensor import unwrap, wrap
+
+_LINEAR = ("linear", "bilinear", "trilinear")
+
+
+def _sources(n: int, m: int, scale_factor, mode: str, align_corners, dtype):
+    """(i0, i1, lambda) per output row along one dim, as torch computes them."""
+    o = torch.arange(m, dtype=torch.float64)
+    if mode == "nearest":
+        scale = torch.tensor(1.0 / scale_factor if scale_factor else n / m, dtype=torch.float32)
+        i0 = torch.clamp(torch.floor(o.to(torch.float32) * scale).long(), max=n - 1)
+        return i0, i0, torch.zeros(m, dtype=dtype)
+    if align_corners:
+        scale = (n - 1) / (m - 1) if m > 1 else 0.0
+        src = torch.tensor(scale, dtype=dtype) * o.to(dtype)
+    else:
+        scale = torch.tensor(1.0 / scale_factor if scale_factor else n / m, dtype=dtype)
+        src = torch.clamp(scale * (o.to(dtype) + 0.5) - 0.5, min=0)
+    i0 = torch.floor(src).long().clamp(max=n - 1)
+    lam = src - i0.to(dtype)
+    i1 = torch.where(i0 < n - 1, i0 + 1, i0)
+    return i0, i1, lam
+
+
+@register(F.interpolate)
+def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
+                 recompute_scale_factor=None, antialias=False):
+    nd = input.ndim - 2
+    if mode not in ("nearest", *_LINEAR) or antialias:
+        raise NotImplementedError(f"F.interpolate(mode={mode!r}, antialias={antialias}) is not supported on a "
+                                  "domain tensor; use nearest, linear, bilinear or trilinear")
+    sp = spatial_axis("F.interpolate", input, nd)
+    local = unwrap(input)
+    if sp < 0:
+        return wrap(F.interpolate(local, size, scale_factor, mode, align_corners, recompute_scale_factor), input.spec)
+    sizes, n = input.spec.sizes, sum(input.spec.sizes)
+    sfs = None if scale_factor is None else (list(scale_factor) if isinstance(scale_factor, (list, tuple))
+                                             else [scale_factor] * nd)
+    if recompute_scale_factor and sfs is not None:
+        size, sfs = [math.floor(g * f) for g, f in zip(input.global_shape[2:], sfs)], None
+    outs = list(size) if isinstance(size, (list, tuple)) else ([size] * nd if size is not None else None)
+    m = outs[sp] if outs is not None else math.floor(n * sfs[sp])
+    i0, i1, lam = _sources(n, m, sfs[sp] if sfs else None, mode, align_corners, local.dtype)
+    out_sizes = sizes_from_owners(owners_by_position(sizes, i0.tolist()), len(sizes))
+    bounds = [(a, a + s) for a, s in zip(offsets_of(out_sizes), out_sizes)]
+    needs = tuple(tuple(range(int(i0[a]), int(i1[b - 1]) + 1)) if b > a else () for a, b in bounds)
+    ext = gather_window(input, needs)
+    a, b = bounds[input.spec.comm.index]
+    dim = 2 + sp
+    if b == a:
+        shape = list(local.shape)
+        shape[dim] = 0
+        y = _weight_connected_zeros(ext, shape, ext)
+    else:
+        base = int(i0[a])
+        lo = ext.index_select(dim, (i0[a:b] - base).to(ext.device))
+        hi = ext.index_select(dim, (i1[a:b] - base).to(ext.device))
+        w = lam[a:b].to(ext.device).view([-1 if i == dim else 1 for i in range(ext.ndim)])
+        y = lo if mode == "nearest" else lo * (1 - w) + hi * w
+    if nd > 1:
+        if outs is not None:
+            rest = [y.shape[dim] if i == sp else o for i, o in enumerate(outs)]
+            y = F.interpolate(y, size=rest, mode=mode, align_corners=align_corners) if y.numel() else \
+                _weight_connected_zeros(y, [*y.shape[:2], *rest], y)
+        else:
+            rest_sf = [1.0 if i == sp else f for i, f in enumerate(sfs)]
+            if y.numel():
+                y = F.interpolate(y, scale_factor=rest_sf, mode=mode, align_corners=align_corners)
+            else:
+                shape = [*y.shape[:2]] + [0 if i == sp else math.floor(local.shape[2 + i] * f) for i, f in enumerate(sfs)]
+                y = _weight_connected_zeros(y, shape, y)
+    return wrap(y, input.spec.with_sizes(out_sizes))

@@ -1,0 +1,109 @@
+"""BatchNorm, GroupNorm, InstanceNorm and LayerNorm with statistics over the whole domain.
+
+Usage: automatic for ``nn.GroupNorm(...)(xs)`` etc. Statistics are sums of the shards' partial
+sums divided by global counts (right for uneven and empty shards), and the variance is two-pass
+(global mean, then the sum of squared deviations): as stable as one process. Running statistics of
+BatchNorm/InstanceNorm are updated with the global (unbiased) variance, identically on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.collectives import reduce_for_local_use
+from mesh3d.domain.registry import register
+from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
+
+__all__ = ["normalize"]
+
+
+def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm):
+    """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both."""
+    mean = reduce_for_local_use(local.sum(dims, keepdim=True), comm) / count
+    centred = local - mean
+    var = reduce_for_local_use((centred * centred).sum(dims, keepdim=True), comm) / count
+    return centred * torch.rsqrt(var + eps), mean, var
+
+
+def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
+    shape = (1, -1, *([1] * (ndim - 2)))
+    if weight is not None:
+        y = y * weight.view(shape)
+    if bias is not None:
+        y = y + bias.view(shape)
+    return y
+
+
+def _check(op: str, x: DomainTensor) -> None:
+    if x.spec.dim is None or x.spec.dim < 2:
+        raise NotImplementedError(f"{op}: shard a spatial dim (>= 2) of the (N, C, ...) input, not N or C")
+
+
+@register(F.group_norm)
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    _check("F.group_norm", input)
+    local = unwrap(input)
+    n, c = local.shape[:2]
+    spatial_local = math.prod(local.shape[2:])
+    grouped = local.reshape(n, num_groups, c // num_groups, spatial_local)
+    count = (c // num_groups) * math.prod(input.global_shape[2:])
+    y, _, _ = normalize(grouped, [2, 3], count, eps, input.spec.comm)
+    return wrap(_affine(y.reshape(local.shape), weight, bias, local.ndim), input.spec)
+
+
+def _update_running(running, value, momentum) -> None:
+    if running is not None:
+        with torch.no_grad():
+            running.mul_(1 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+
+
+@register(F.batch_norm)
+def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    _check("F.batch_norm", input)
+    local = unwrap(input)
+    if not training:
+        return wrap(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
+    dims = [0, *range(2, local.ndim)]
+    count = input.global_shape[0] * math.prod(input.global_shape[2:])
+    y, mean, var = normalize(local, dims, count, eps, input.spec.comm)
+    _update_running(running_mean, mean.flatten(), momentum)
+    _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
+    return wrap(_affine(y, weight, bias, local.ndim), input.spec)
+
+
+@register(F.instance_norm)
+def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                   momentum=0.1, eps=1e-5):
+    _check("F.instance_norm", input)
+    local = unwrap(input)
+    if not use_input_stats:
+        return wrap(F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
+    dims = list(range(2, local.ndim))
+    count = math.prod(input.global_shape[2:])
+    y, mean, var = normalize(local, dims, count, eps, input.spec.comm)
+    _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
+    _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
+    return wrap(_affine(y, weight, bias, local.ndim), input.spec)
+
+
+@register(F.layer_norm)
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    local = unwrap(input)
+    first = local.ndim - len(normalized_shape)
+    if input.spec.dim is None or input.spec.dim < first:
+        return wrap(F.layer_norm(local, normalized_shape, weight, bias, eps), input.spec)
+    dims = list(range(first, local.ndim))
+    y, _, _ = normalize(local, dims, math.prod(input.global_shape[first:]), eps, input.spec.comm)
+    # The affine parameters vary along the sharded dim: use this rank's slice of them.
+    at = input.spec.dim - first
+    def take(p):
+        return p.narrow(at, input.offset, local.shape[input.spec.dim])
+
+    if weight is not None:
+        y = y * take(weight)
+    if bias is not None:
+        y = y + take(bias)
+    return wrap(y, input.spec)

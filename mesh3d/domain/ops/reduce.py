@@ -1,0 +1,163 @@
+"""Reductions (sum, mean, amax/max, var, std) and losses (mse, l1, cross-entropy) over sharded dims.
+
+Usage: ``(ys * ys).mean()``, ``ys.sum(dim=(2, 3))``, ``F.mse_loss(ys, ts)`` give the one-process value
+on every domain rank, as a replicated domain tensor (``sharded_dim is None``).
+
+No tensor is gathered: each rank reduces its shard and one all-reduce of the partial results
+combines them; means divide by the *global* count, so uneven shards weigh correctly. Variance is
+two-pass (global mean first, then the sum of squared deviations), not E[x²]-E[x]².
+Gradients follow ``collectives``: the result's gradient goes to each shard unchanged, so a rank's
+backward yields exactly its shard's share (no factor of the domain size).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated
+from mesh3d.domain.ops.pointwise import elementwise
+from mesh3d.domain.registry import register
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
+
+__all__ = ["domain_reduce"]
+
+
+def _dims(x: DomainTensor, dim) -> list[int]:
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        return list(range(x.ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return sorted(d % x.ndim for d in dims)
+
+
+def _finish(x: DomainTensor, r: torch.Tensor, dims: list[int], keepdim: bool) -> DomainTensor:
+    if not keepdim:
+        r = r.squeeze(dims) if r.ndim else r
+    return wrap(r, DomainSpec(None, None, x.spec.comm))
+
+
+def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
+    """Reduce ``x`` over ``dim`` (all dims when None): one-process value, no gather."""
+    dims = _dims(x, dim)
+    local = unwrap(x)
+    comm = x.spec.comm
+    if x.spec.dim not in dims:  # the sharded dim survives: a purely local reduction
+        fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}.get(kind)
+        if fn is None:
+            r = torch.var(local, dims, correction=correction, keepdim=keepdim)
+            r = r.sqrt() if kind == "std" else r
+        else:
+            r = fn(local, dims, keepdim=keepdim)
+        new_dim = x.spec.dim if keepdim else x.spec.dim - sum(d < x.spec.dim for d in dims)
+        return wrap(r, x.spec.with_sizes(x.spec.sizes, dim=new_dim))
+    count = math.prod(x.global_shape[d] for d in dims)
+    if kind in ("sum", "mean"):
+        r = reduce_to_replicated(local.sum(dims, keepdim=True), comm)
+        return _finish(x, r / count if kind == "mean" else r, dims, keepdim)
+    if kind == "amax":
+        shape = [1 if d in dims else s for d, s in enumerate(local.shape)]
+        part = local.amax(dims, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
+        top = all_reduce_max(part, comm)
+        mask = (local == top).to(local.dtype)
+        ties = reduce_to_replicated(mask.sum(dims, keepdim=True), comm).detach()
+        picked = reduce_to_replicated((local * mask).sum(dims, keepdim=True), comm) / ties
+        # Value exactly the max; gradient shared among ties as torch.amax does.
+        return _finish(x, top + (picked - picked.detach()), dims, keepdim)
+    if kind in ("var", "std"):
+        mean = reduce_for_local_use(local.sum(dims, keepdim=True), comm) / count
+        ss = reduce_to_replicated(((local - mean) ** 2).sum(dims, keepdim=True), comm)
+        r = ss / max(count - correction, 0)
+        return _finish(x, r.sqrt() if kind == "std" else r, dims, keepdim)
+    raise ValueError(kind)
+
+
+def _reduction_rule(kind: str):
+    def rule(input, dim=None, *args, keepdim=False, dtype=None, correction=None, unbiased=None, out=None):
+        if isinstance(dim, bool):  # var(x, unbiased)
+            unbiased, dim = dim, None
+        if args:  # positional keepdim / unbiased (var(x, dim, unbiased, keepdim))
+            if kind in ("var", "std") and len(args) == 2:
+                unbiased, keepdim = args
+            elif kind in ("var", "std") and isinstance(args[0], bool) and len(args) == 1 and kind != "sum":
+                unbiased = args[0]
+            else:
+                keepdim = args[0]
+        if out is not None:
+            raise NotImplementedError(f"torch.{kind}(out=...) is not supported on a domain tensor")
+        if dtype is not None:
+            input = elementwise(torch.Tensor.to, input, dtype)
+        corr = 1.0 if correction is None and unbiased is None else (correction if correction is not None else float(unbiased))
+        return domain_reduce(input, kind, dim, keepdim, corr)
+
+    return rule
+
+
+for _kind, _funcs in {
+    "sum": (torch.sum, torch.Tensor.sum),
+    "mean": (torch.mean, torch.Tensor.mean),
+    "amax": (torch.amax, torch.Tensor.amax),
+    "var": (torch.var, torch.Tensor.var),
+    "std": (torch.std, torch.Tensor.std),
+}.items():
+    register(*_funcs)(_reduction_rule(_kind))
+
+
+def _extreme_rule(sign: int):
+    def rule(input, *args, **kwargs):
+        if args or kwargs:
+            raise NotImplementedError(
+                "torch.max/min with dim= or a second tensor on a domain tensor: use torch.amax(x, dim) or "
+                "torch.maximum(a, b); arg-indices over a sharded dim are not supported"
+            )
+        if sign > 0:
+            return domain_reduce(input, "amax")
+        return -domain_reduce(elementwise(torch.neg, input), "amax")
+
+    return rule
+
+
+register(torch.max, torch.Tensor.max)(_extreme_rule(1))
+register(torch.min, torch.Tensor.min)(_extreme_rule(-1))
+
+
+def _loss(elementwise_loss: torch.Tensor, reduction: str) -> torch.Tensor:
+    if reduction == "none":
+        return elementwise_loss
+    return domain_reduce(elementwise_loss, "mean" if reduction == "mean" else "sum")
+
+
+@register(F.mse_loss)
+def _mse(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+    return _loss(elementwise(F.mse_loss, input, target, reduction="none"), reduction)
+
+
+@register(F.l1_loss)
+def _l1(input, target, size_average=None, reduce=None, reduction="mean"):
+    return _loss(elementwise(F.l1_loss, input, target, reduction="none"), reduction)
+
+
+@register(F.cross_entropy)
+def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
+                   reduction="mean", label_smoothing=0.0):
+    if input.spec.dim is None or input.spec.dim < 2:
+        raise NotImplementedError("F.cross_entropy: shard a spatial dim (>= 2) of the (N, C, ...) input, not N or C")
+    probabilities = target.is_floating_point()
+    want = input.spec.dim if probabilities else input.spec.dim - 1
+    if not isinstance(target, DomainTensor) or target.spec.dim != want or target.spec.sizes != input.spec.sizes:
+        raise ValueError(
+            f"F.cross_entropy: the target must be sharded like the input: domain.shard(target, dim={want}, "
+            f"sizes={input.spec.sizes})"
+        )
+    losses = F.cross_entropy(unwrap(input), unwrap(target), weight, ignore_index=ignore_index, reduction="none",
+                             label_smoothing=label_smoothing)
+    out = wrap(losses, target.spec if not probabilities else input.spec.with_sizes(input.spec.sizes, dim=want - 1))
+    if reduction != "mean" or probabilities:
+        return _loss(out, reduction)
+    t = unwrap(target)
+    valid = (t != ignore_index).to(losses.dtype)
+    w = valid if weight is None else weight[t.clamp(min=0)] * valid
+    denom = reduce_to_replicated(w.sum(), input.spec.comm).detach()
+    total = reduce_to_replicated(losses.sum(), input.spec.comm)
+    return wrap(total / denom, DomainSpec(None, None, input.spec.comm))

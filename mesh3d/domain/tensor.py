@@ -1,0 +1,118 @@
+"""DomainTensor: a tensor holding this rank's shard of a sample sharded over the ``domain`` axis.
+
+Usage::
+
+    from mesh3d import domain
+    xs = domain.shard(x, dim=2)          # a DomainTensor; its data is the local shard
+    xs.global_shape, xs.offset, xs.sizes, xs.to_local()
+    y = conv(xs)                         # nn.Conv2d / F.conv2d: halo exchange, one-process answer
+    y.full_tensor()                      # differentiable gather
+
+A DomainTensor *is* its local shard (``.shape`` is the local shape, so unchanged modules see local
+tensors), plus a ``DomainSpec``: the sharded dim and the per-rank sizes along it. A spec with
+``dim=None`` marks a value replicated over the domain (results of global reductions). Ops are
+intercepted with ``__torch_function__`` (so ``nn.Conv2d`` and ``F.conv2d`` are both covered and no
+torch function is patched); each op needs a rule in ``mesh3d.domain.registry``, and an op with no
+rule raises ``NotImplementedError`` naming it: never a silently wrong local answer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from mesh3d._torch_private import disable_torch_function_subclass
+from mesh3d.domain.exchange import DomainComm
+from mesh3d.domain.split import offsets_of
+
+__all__ = ["DomainSpec", "DomainTensor", "unwrap", "wrap"]
+
+
+@dataclass(frozen=True)
+class DomainSpec:
+    """Sharded dim (None: replicated), per-rank sizes along it, and the domain group."""
+
+    dim: int | None
+    sizes: tuple[int, ...] | None
+    comm: DomainComm
+
+    @property
+    def offset(self) -> int:
+        return offsets_of(self.sizes)[self.comm.index] if self.sizes else 0
+
+    def with_sizes(self, sizes: tuple[int, ...], dim: int | None = None) -> DomainSpec:
+        return replace(self, sizes=tuple(sizes), dim=self.dim if dim is None else dim)
+
+
+def wrap(local: torch.Tensor, spec: DomainSpec) -> DomainTensor:
+    """View ``local`` (a plain tensor, autograd history kept) as a DomainTensor with ``spec``."""
+    with disable_torch_function_subclass():
+        out = local.as_subclass(DomainTensor)
+    out._spec = spec
+    return out
+
+
+def unwrap(t: Any) -> Any:
+    """The plain local tensor behind a DomainTensor (differentiable); anything else unchanged."""
+    if isinstance(t, DomainTensor):
+        with disable_torch_function_subclass():
+            return t.as_subclass(torch.Tensor)
+    return t
+
+
+class DomainTensor(torch.Tensor):
+    """This rank's shard of a domain-sharded tensor (see the module docstring)."""
+
+    _spec: DomainSpec
+
+    # ----------------------------------------------------------------- accessors
+    @property
+    def spec(self) -> DomainSpec:
+        return self._spec
+
+    @property
+    def sharded_dim(self) -> int | None:
+        """The dim sharded over the domain, or None for a replicated value."""
+        return self._spec.dim
+
+    @property
+    def sizes(self) -> tuple[int, ...] | None:
+        """Every domain rank's size along the sharded dim (the split rule's output)."""
+        return self._spec.sizes
+
+    @property
+    def offset(self) -> int:
+        """This rank's global start index along the sharded dim."""
+        return self._spec.offset
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The shape of the whole (unsharded) tensor."""
+        with disable_torch_function_subclass():
+            shape = list(self.shape)
+        if self._spec.dim is not None:
+            shape[self._spec.dim] = sum(self._spec.sizes)
+        return torch.Size(shape)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard as a plain tensor (differentiable)."""
+        return unwrap(self)
+
+    def full_tensor(self) -> DomainTensor:
+        """The whole tensor on every domain rank, replicated (differentiable; backward keeps each rank's slice)."""
+        from mesh3d.domain.api import full_tensor
+
+        return full_tensor(self)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        local = unwrap(self)
+        return f"DomainTensor(dim={self._spec.dim}, sizes={self._spec.sizes}, local={local!r})"
+
+    # ----------------------------------------------------------------- dispatch
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        from mesh3d.domain.registry import dispatch
+
+        return dispatch(func, types, args, kwargs or {})

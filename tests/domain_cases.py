@@ -1,0 +1,42 @@
+"""Shared helpers for the domain tests: rank-side utilities and hypothesis strategies for shard sizes."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from hypothesis import strategies as st
+
+
+@st.composite
+def shard_sizes(draw, length: int, parts: int):
+    """None (the torch.chunk rule) or explicit sizes, uneven, with shards of length 1 and 0 allowed."""
+    if draw(st.booleans()):
+        return None
+    cuts = sorted(draw(st.lists(st.integers(0, length), min_size=parts - 1, max_size=parts - 1)))
+    bounds = [0, *cuts, length]
+    return tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def domain_sum(t: torch.Tensor | None) -> torch.Tensor | None:
+    """Sum a tensor over the domain group (how parameter and input gradients are combined)."""
+    from mesh3d import DistributedManager
+
+    if t is None:
+        return None
+    t = t.detach().clone()
+    dm = DistributedManager()
+    if dm.axis_size("domain") > 1:
+        dist.all_reduce(t, group=dm.group("domain"))
+    return t
+
+
+def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return 0.0 if a.numel() == 0 else float((a.detach() - b.detach()).abs().max())
+
+
+def grads_err(model_ref: torch.nn.Module, model: torch.nn.Module) -> float:
+    """Largest difference of one-process grads vs domain-summed grads of the same parameters."""
+    errs = [max_err(p.grad, domain_sum(q.grad)) for p, q in zip(model_ref.parameters(), model.parameters())]
+    return max(errs, default=0.0)

@@ -1,0 +1,176 @@
+"""A small U-Net trained 3 Adam steps on domain meshes (1,2,1) and (1,4,1), uneven shards, vs one process.
+
+fp64 because Adam divides by sqrt(v): summation-order noise in a near-zero gradient would move a
+weight by ~lr at fp32 (see torch_pitfalls.md); tolerance 1e-9 on losses and parameters.
+Gradient rule: after backward, parameter grads are SUMMED over the domain group (what parallelize does).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from domain_cases import domain_sum, max_err
+
+H, W = 14, 10
+
+
+class TinyUNet(nn.Module):
+    """Strided, dilated+circular, transposed convs, GroupNorm, max pooling, bilinear upsampling, a skip."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc = nn.Sequential(nn.Conv2d(2, 8, 3, padding=1), nn.GroupNorm(2, 8), nn.ReLU(inplace=True))
+        self.down = nn.Conv2d(8, 8, 3, stride=2, padding=1)
+        self.pool = nn.MaxPool2d(2)
+        self.mid = nn.Sequential(nn.Conv2d(8, 8, 3, padding=2, dilation=2, padding_mode="circular"),
+                                 nn.GroupNorm(4, 8), nn.SiLU())
+        self.up = nn.Upsample(scale_factor=2, mode="bilinear")
+        self.up_t = nn.ConvTranspose2d(8, 8, 2, stride=2)
+        self.dec = nn.Conv2d(16, 2, (4, 3), padding="same")
+
+    def forward(self, x):
+        e = self.enc(x)
+        m = self.mid(self.down(e) + self.pool(e))
+        u = self.up(m) + self.up_t(m)
+        return self.dec(torch.cat([e, u], dim=1))
+
+
+def _train_body(sizes, steps=3):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    ref = TinyUNet().double()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 2, H, W, dtype=torch.float64)
+    target = torch.randn(2, 2, H, W, dtype=torch.float64)
+    xs, ts = domain.shard(x, dim=2, sizes=sizes), domain.shard(target, dim=2, sizes=sizes)
+    loss_errs = []
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        loss_ref = torch.nn.functional.mse_loss(ref(x), target)
+        loss_ref.backward()
+        opt_ref.step()
+
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(xs), ts)  # replicated: the one-process value on every rank
+        loss.backward()
+        for p in model.parameters():
+            p.grad = domain_sum(p.grad)
+        # raw gradients too (Adam is scale-invariant: it would hide a gradient off by a factor of D)
+        loss_errs.append(max(max_err(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters())))
+        opt.step()
+        loss_errs.append(abs(float(loss.detach()) - float(loss_ref.detach())))
+    param_err = max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    return max(loss_errs), param_err
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, (9, 5)), (2, None), (4, (5, 1, 6, 2)), (4, (1, 4, 4, 5))])
+def test_unet_trains_like_one_process(ranks, world, sizes):
+    for loss_err, param_err in ranks.run(world, _train_body, sizes, timeout=90):
+        assert loss_err < 1e-9
+        assert param_err < 1e-9
+
+
+def _mesh_train_body(shape, sizes, steps=3):
+    """Domain inside a (batch, domain, model) mesh: peers must be the domain sub-mesh, not global rank +- 1.
+
+    Each batch rank trains on its own sample; gradients are summed over domain then averaged over batch,
+    which must equal one process training on the whole batch (mean loss).
+    """
+    import torch.distributed as dist
+
+    from mesh3d import DistributedManager, domain
+
+    dm = DistributedManager.initialize(*shape)
+    torch.manual_seed(0)
+    ref = TinyUNet().double()
+    model = copy.deepcopy(ref)
+    opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    nb = dm.axis_size("batch")
+    x = torch.randn(nb, 2, H, W, dtype=torch.float64)
+    target = torch.randn(nb, 2, H, W, dtype=torch.float64)
+    b = dm.axis_rank("batch")
+    xs = domain.shard(x[b:b + 1], dim=2, sizes=sizes)
+    ts = domain.shard(target[b:b + 1], dim=2, sizes=sizes)
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), target).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs), ts).backward()
+        for p in model.parameters():
+            p.grad = domain_sum(p.grad)
+            if nb > 1:
+                dist.all_reduce(p.grad, group=dm.group("batch"))
+                p.grad /= nb
+        opt.step()
+    return max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize(("shape", "sizes"), [((2, 2, 1), (10, 4)), ((1, 2, 2), (3, 11))])
+def test_unet_on_multi_axis_meshes(ranks, shape, sizes):
+    for param_err in ranks.run(4, _mesh_train_body, shape, sizes, timeout=90):
+        assert param_err < 1e-9
+
+
+class TinyViT(nn.Module):
+    """Patch embedding (strided conv), token flatten, LayerNorm, global SDPA, MLP, mean-pooled head."""
+
+    def __init__(self, dim: int = 12) -> None:
+        super().__init__()
+        self.embed = nn.Conv2d(2, dim, 2, stride=2)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        # No key bias: its gradient is analytically zero (softmax ignores a per-query constant), so it is
+        # pure rounding noise that Adam would blow up to +-lr, differently in each process.
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim)
+        # The head runs on a replicated value (after global pooling): its gradient must still come out
+        # right after the domain sum (each rank keeps 1/D of it).
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.head = nn.Linear(dim, 3)
+
+    def forward(self, x):
+        t = self.embed(x).flatten(2).transpose(1, 2)  # (B, tokens, dim), tokens sharded over the domain
+        h = self.norm1(t)
+        t = t + torch.nn.functional.scaled_dot_product_attention(self.q(h), self.k(h), self.v(h))
+        t = t + self.mlp(self.norm2(t))
+        return self.head(t.mean(dim=1))  # replicated (B, 3)
+
+
+
+def _vit_body(sizes, steps=3):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    ref = TinyViT().double()
+    model = copy.deepcopy(ref)
+    # SGD, not Adam: Adam is scale-invariant and would hide a gradient off by a factor of D
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x = torch.randn(2, 2, H, W, dtype=torch.float64)
+    y = torch.randn(2, 3, dtype=torch.float64)
+    xs = domain.shard(x, dim=2, sizes=sizes)
+    for _ in range(steps):
+        opt_ref.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt_ref.step()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs), y).backward()
+        for p in model.parameters():
+            p.grad = domain_sum(p.grad)
+        opt.step()
+    return max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, (8, 6)), (4, (2, 6, 4, 2))])
+def test_vit_on_sharded_token_grid_trains_like_one_process(ranks, world, sizes):
+    for param_err in ranks.run(world, _vit_body, sizes, timeout=90):
+        assert param_err < 1e-9

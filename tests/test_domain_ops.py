@@ -1,0 +1,207 @@
+"""Every non-conv op rule vs one process on uneven shards (fp64, tol 1e-10: only summation order differs),
+the gradient convention (domain-summed grads == one-process grads), and every refusal raising."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from domain_cases import domain_sum, grads_err, max_err, shard_sizes
+
+TOL = 1e-10
+H = 9
+
+
+class _GatherThenLinear(torch.nn.Module):
+    """A head applied after .full_tensor(): its grads must still domain-sum to the one-process grads."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(6, 3, dtype=torch.float64)
+
+    def forward(self, x):
+        from mesh3d.domain import DomainTensor
+
+        return self.head(x.full_tensor() if isinstance(x, DomainTensor) else x)
+
+
+def _cases():
+    """name -> (make_module_or_fn, input shape, sharded dim)."""
+    nn = torch.nn
+    return {
+        "pointwise": (lambda: (lambda x: torch.relu(x) * 2 + x.sigmoid() - F.gelu(x) / (1 + x * x)), (2, 4, H, 6), 2),
+        "mean_sq": (lambda: (lambda x: (x * x).mean()), (2, 4, H, 6), 2),
+        "sum_var_std_amax": (lambda: (lambda x: x.sum() + x.var() + x.std(dim=2).sum() + 3 * x.amax()), (2, 4, H, 6), 2),
+        "mean_keepdim": (lambda: (lambda x: x.mean(dim=(2, 3), keepdim=True)), (2, 4, H, 6), 2),
+        "channel_sum": (lambda: (lambda x: x.sum(dim=1)), (2, 4, H, 6), 2),
+        "replicated_into_shards": (lambda: (lambda x: x / x.abs().amax() + x.mean()), (2, 4, H, 6), 2),
+        "head_after_full_tensor": (_GatherThenLinear, (2, 4, H, 6), 2),
+        "linear_channels_last": (lambda: nn.Linear(6, 5, dtype=torch.float64), (2, 4, H, 6), 2),
+        "conv1x1": (lambda: nn.Conv2d(4, 3, 1, dtype=torch.float64), (2, 4, H, 6), 2),
+        "groupnorm": (lambda: nn.GroupNorm(2, 4, dtype=torch.float64), (2, 4, H, 6), 2),
+        "batchnorm": (lambda: nn.BatchNorm2d(4, dtype=torch.float64), (2, 4, H, 6), 2),
+        "instancenorm": (lambda: nn.InstanceNorm2d(4, affine=True, track_running_stats=True, dtype=torch.float64),
+                         (2, 4, H, 6), 3),
+        "layernorm_sharded": (lambda: nn.LayerNorm([H, 6], dtype=torch.float64), (2, 4, H, 6), 2),
+        "layernorm_local": (lambda: nn.LayerNorm([6], dtype=torch.float64), (2, 4, H, 6), 2),
+        "maxpool2": (lambda: nn.MaxPool2d(2), (2, 4, H, 6), 2),
+        "maxpool3s2p1": (lambda: nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True), (2, 4, H, 6), 2),
+        "maxpool_dil": (lambda: nn.MaxPool1d(2, stride=1, dilation=2), (2, 4, H), 2),
+        "avgpool3s2p1": (lambda: nn.AvgPool2d(3, stride=2, padding=1), (2, 4, H, 6), 2),
+        "adaptive_avg": (lambda: nn.AdaptiveAvgPool2d((4, 3)), (2, 4, H, 6), 2),
+        "adaptive_max": (lambda: nn.AdaptiveMaxPool2d((2, 5)), (2, 4, H, 6), 2),
+        "nearest_x2": (lambda: nn.Upsample(scale_factor=2, mode="nearest"), (2, 4, H, 6), 2),
+        "nearest_down": (lambda: (lambda x: F.interpolate(x, size=(4, 5), mode="nearest")), (2, 4, H, 6), 2),
+        "bilinear_x2": (lambda: nn.Upsample(scale_factor=2, mode="bilinear"), (2, 4, H, 6), 2),
+        "bilinear_ac": (lambda: nn.Upsample(scale_factor=2, mode="bilinear", align_corners=True), (2, 4, H, 6), 2),
+        "bilinear_size_ac": (lambda: (lambda x: F.interpolate(x, size=(13, 4), mode="bilinear", align_corners=True)),
+                             (2, 4, H, 6), 2),
+        "bilinear_down": (lambda: (lambda x: F.interpolate(x, size=(5, 4), mode="bilinear")), (2, 4, H, 6), 2),
+        "trilinear": (lambda: nn.Upsample(scale_factor=1.5, mode="trilinear"), (1, 2, H, 4, 3), 4),
+        "sdpa": (lambda: (lambda x: F.scaled_dot_product_attention(x, x * 0.5, torch.tanh(x))), (2, 3, H, 5), 2),
+        "sdpa_causal": (lambda: (lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True)), (2, 3, H, 5), 2),
+    }
+
+
+def _neighbourhood_ref(x, radius):
+    n = x.shape[-2]
+    idx = torch.arange(n)
+    mask = (idx[None, :] - idx[:, None]).abs() <= radius
+    return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+
+def _ops_body(sizes):
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.ops.attention import neighbourhood_attention
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    errors = {}
+    for i, (name, (make, shape, dim)) in enumerate(_cases().items()):
+        torch.manual_seed(i)
+        x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+        ref = make()
+        mod = copy.deepcopy(ref)
+        y = ref(x)
+        cot = torch.randn_like(y)
+        (y * cot).sum().backward()
+        gx, x.grad = x.grad, None
+        local_sizes = sizes if shape[dim] == H else None
+        ys = mod(domain.shard(x, dim=dim, sizes=local_sizes))
+        if ys.sharded_dim is None:  # a replicated result: backward on it directly (the gradient convention)
+            out = ys.to_local()
+            (ys * cot).sum().backward()
+        else:
+            out = ys.full_tensor()
+            (out * cot).sum().backward()
+        err = max(max_err(out, y), max_err(domain_sum(x.grad), gx))
+        if isinstance(ref, torch.nn.Module):
+            err = max(err, grads_err(ref, mod))
+            for b_ref, b in zip(ref.buffers(), mod.buffers()):
+                err = max(err, max_err(b_ref.double(), b.double()))
+        errors[name] = err
+    # cross-entropy (class indices, weights, ignore_index) and mse/l1 against a sharded target
+    torch.manual_seed(99)
+    x = torch.randn(2, 5, H, 4, dtype=torch.float64, requires_grad=True)
+    t = torch.randint(0, 5, (2, H, 4))
+    t[0, 0, 0] = -100
+    w = torch.rand(5, dtype=torch.float64)
+    target_f = torch.randn(2, 5, H, 4, dtype=torch.float64)
+    for name, fn, tgt, tdim in (
+        ("cross_entropy", lambda a, b: F.cross_entropy(a, b, weight=w, label_smoothing=0.1), t, 1),
+        ("mse", F.mse_loss, target_f, 2),
+        ("l1_sum", lambda a, b: F.l1_loss(a, b, reduction="sum"), target_f, 2),
+    ):
+        x.grad = None
+        ref = fn(x, tgt)
+        ref.backward()
+        gx, x.grad = x.grad, None
+        got = fn(domain.shard(x, dim=2, sizes=sizes), domain.shard(tgt, dim=tdim, sizes=sizes))
+        got.backward()
+        errors[name] = max(max_err(got.to_local(), ref), max_err(domain_sum(x.grad), gx))
+    # neighbourhood attention via halos
+    x = torch.randn(2, 3, H, 5, dtype=torch.float64, requires_grad=True)
+    ref = _neighbourhood_ref(x, 2)
+    cot = torch.randn_like(ref)
+    (ref * cot).sum().backward()
+    gx, x.grad = x.grad, None
+    xs = domain.shard(x, dim=2, sizes=sizes)
+    out = neighbourhood_attention(xs, xs, xs, radius=2).full_tensor()
+    (out * cot).sum().backward()
+    errors["neighbourhood_attention"] = max(max_err(out, ref), max_err(domain_sum(x.grad), gx))
+    # scatter: only src holds x, each rank receives its slice; gradient returns to src
+    x = torch.randn(2, 3, H, 4, dtype=torch.float64, requires_grad=True)
+    xs = domain.scatter(x if DistributedManager().axis_rank("domain") == 0 else None, dim=2, sizes=sizes)
+    errors["scatter"] = max_err(xs.full_tensor(), x.detach())
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_ops_match_one_process(ranks, world, data):
+    sizes = data.draw(shard_sizes(H, world))
+    for rank_errors in ranks.run(world, _ops_body, sizes, timeout=90):
+        bad = {k: v for k, v in rank_errors.items() if not v < TOL}
+        assert not bad, (sizes, bad)
+
+
+def _refusals_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    x = torch.randn(2, 4, H, 6, dtype=torch.float64)
+    xs = domain.shard(x, dim=2)
+    attempts = {
+        "flip": lambda: torch.flip(xs, [2]),
+        "dropout": lambda: F.dropout(xs, 0.5, training=True),
+        "cat_sharded": lambda: torch.cat([xs, xs], 2),
+        "plain_broadcast": lambda: xs + x,
+        "ce_plain_target": lambda: F.cross_entropy(xs, torch.zeros(2, H, 6, dtype=torch.long)),
+        "bicubic": lambda: F.interpolate(xs, scale_factor=2, mode="bicubic"),
+        "avg_no_pad_count": lambda: F.avg_pool2d(xs, 3, 1, 1, count_include_pad=False),
+        "softmax_sharded": lambda: torch.softmax(xs, dim=2),
+        "linear_sharded": lambda: F.linear(xs.transpose(2, 3), torch.randn(3, H, dtype=torch.float64)),
+        "conv_channel_sharded": lambda: F.conv2d(domain.shard(x, dim=1), torch.randn(2, 4, 3, 3, dtype=torch.float64)),
+        "max_dim": lambda: xs.max(dim=2),
+        "bad_sizes": lambda: domain.shard(x, dim=2, sizes=(H + 1,) + (0,) * (xs.spec.comm.size - 1)),
+        "bad_dim": lambda: domain.shard(x, dim=7),
+        "bad_src": lambda: domain.scatter(x, dim=2, src=99),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except (NotImplementedError, ValueError) as e:
+            messages[name] = str(e)
+    return messages
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_refusals_raise_clearly_on_every_rank(ranks, world):
+    for messages in ranks.run(world, _refusals_body, timeout=60):
+        missing = [k for k, v in messages.items() if v is None]
+        assert not missing, f"did not raise: {missing}"
+        assert "flip" in messages["flip"] and "full_tensor" in messages["flip"]
+        assert "sizes" in messages["bad_sizes"] and "sum to" in messages["bad_sizes"]
+        assert "domain.shard" in messages["plain_broadcast"]
+        assert "bicubic" in messages["bicubic"]
+
+
+def test_split_rule_is_torch_chunk():
+    from mesh3d.domain import balanced_sizes, split_sizes
+
+    for length in range(0, 20):
+        for parts in range(1, 9):
+            chunks = [c.shape[0] for c in torch.arange(length).chunk(parts)] if length else []
+            assert split_sizes(length, parts) == tuple(chunks + [0] * (parts - len(chunks)))
+            assert sum(balanced_sizes(length, parts)) == length
+    with pytest.raises(ValueError, match="sum to"):
+        split_sizes(10, 2, (3, 3))
+    with pytest.raises(ValueError, match="non-negative"):
+        split_sizes(10, 2, (11, -1))
