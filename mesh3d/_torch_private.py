@@ -20,6 +20,7 @@ __all__ = [
     "group_options",
     "local_shape_and_global_offset",
     "unflatten_mesh",
+    "wait_async_collective",
 ]
 
 
@@ -139,3 +140,17 @@ def disable_torch_function_subclass():
     metadata queries (``.shape``, ``.dtype``) on it.
     """
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def wait_async_collective(t: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for ``t``, waiting first if it is a functional collective's lazy result.
+
+    Why private: tensor-parallel styles return ``AsyncCollectiveTensor`` (from
+    ``torch.distributed._functional_collectives``) whose all-reduce has not been waited on; it
+    cannot be turned into another tensor subclass. A non-view op on it waits and returns a plain
+    tensor with the autograd history kept (view ops stay lazy and return another one), so this
+    costs one copy of the module's output.
+    """
+    if type(t).__name__ == "AsyncCollectiveTensor":
+        return t.clone()
+    return t

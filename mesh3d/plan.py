@@ -69,6 +69,8 @@ class Plan:
     checkpoint: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.model is None:  # "no tensor parallelism", as with batch=None
+            object.__setattr__(self, "model", {})
         if not isinstance(self.model, dict):
             raise TypeError(f"Plan.model must be a dict of glob pattern -> style, got {type(self.model).__name__}")
         for pattern, style in self.model.items():

@@ -52,9 +52,13 @@ class ReplicateParallel(ParallelStyle):
 
 
 def _is_plain_tensor(x: object) -> bool:
+    """A tensor to turn into a Replicate DTensor: not already a DTensor, nor a domain tensor
+    (whose ops take Replicate parameters as local tensors; see mesh3d.domain.registry)."""
     import torch
 
-    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+    from mesh3d.domain.tensor import DomainTensor
+
+    return isinstance(x, torch.Tensor) and not isinstance(x, (DTensor, DomainTensor))
 
 
 def make_style(style: str | ParallelStyle, module: nn.Module, src_data_rank: int | None) -> ParallelStyle:
@@ -90,5 +94,10 @@ def apply_tp(model: nn.Module, styles: dict[str, str | ParallelStyle], model_mes
     """
     if not styles:
         return
+    from mesh3d.domain.tp_bridge import bridge_tensor_parallel
+
     plan = {fqn: make_style(style, model.get_submodule(fqn), None if meta else 0) for fqn, style in styles.items()}
     parallelize_module(model, model_mesh, plan)
+    for fqn, style in plan.items():
+        if not isinstance(style, ReplicateParallel):  # replicate takes domain tensors as they are
+            bridge_tensor_parallel(model.get_submodule(fqn), style)

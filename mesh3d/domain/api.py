@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from mesh3d.domain.exchange import DomainComm, build_plan, gather_rows
 from mesh3d.domain.split import offsets_of, split_sizes
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 
 __all__ = ["domain_comm", "from_local", "full_tensor", "redistribute", "scatter", "shard"]
 
@@ -126,7 +126,7 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
     """
     if x.spec.dim is None:
         return x
-    return wrap(_FullTensor.apply(unwrap(x), x.spec), DomainSpec(None, None, x.spec.comm))
+    return adopt(_FullTensor.apply(unwrap(x), x.spec), DomainSpec(None, None, x.spec.comm))
 
 
 def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainTensor:
@@ -136,4 +136,4 @@ def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainT
         return x
     needs = tuple(tuple(range(o, o + s)) for o, s in zip(offsets_of(new), new))
     plan = build_plan(x.spec.sizes, needs, x.spec.comm.index)
-    return wrap(gather_rows(unwrap(x), x.spec.dim, plan, x.spec.comm), x.spec.with_sizes(new))
+    return adopt(gather_rows(unwrap(x), x.spec.dim, plan, x.spec.comm), x.spec.with_sizes(new))

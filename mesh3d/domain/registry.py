@@ -21,7 +21,7 @@ import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass
 
-__all__ = ["RULES", "dispatch", "flat_tensors", "op_name", "register", "tree_map"]
+__all__ = ["RULES", "dispatch", "flat_tensors", "op_name", "register", "replicated_dtensor_to_local", "tree_map"]
 
 RULES: dict[Callable, Callable] = {}
 
@@ -29,6 +29,8 @@ RULES: dict[Callable, Callable] = {}
 _METADATA_NAMES = (
     "shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "layout", "grad",
     "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "_version", "output_nr", "_base", "is_nested",
+    # autograd bookkeeping that torch itself reads and writes during in-place ops and hook registration
+    "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "_grad", "_grad_fn", "is_cpu",
 )
 _METADATA: set = set()
 for _name in _METADATA_NAMES:
@@ -84,12 +86,32 @@ def flat_tensors(obj: Any) -> list[torch.Tensor]:
     return out
 
 
+def replicated_dtensor_to_local(o: Any) -> Any:
+    """A DTensor replicated on every mesh dim (a ``"replicate"``-style parameter on the model axis) → its local tensor.
+
+    Every model rank holds the same value and computes the same thing with it, so the local
+    tensor is the whole parameter, and ``to_local``'s backward hands the gradient back as a
+    ``Replicate`` DTensor. Sharded DTensors are left alone: the op then fails loudly rather
+    than computing with a shard as if it were whole.
+    """
+    if isinstance(o, torch.Tensor) and type(o).__name__ == "DTensor":
+        from torch.distributed.tensor import DTensor, Replicate
+
+        if isinstance(o, DTensor) and all(isinstance(p, Replicate) for p in o.placements):
+            return o.to_local()
+    return o
+
+
 def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
-    from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
+    from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 
     if func in _METADATA:
+        # On the DomainTensor object itself, not an unwrapped alias: autograd hooks
+        # (``register_hook``, which FSDP2 uses to re-gather parameters before backward),
+        # ``retain_grad`` and ``.grad`` must attach to the node the graph actually runs through.
         with disable_torch_function_subclass():
-            return func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+            return func(*args, **kwargs)
+    args, kwargs = tree_map(replicated_dtensor_to_local, args), tree_map(replicated_dtensor_to_local, kwargs)
     domain_args = [t for t in flat_tensors((args, kwargs)) if isinstance(t, DomainTensor)]
     rule = RULES.get(func)
     if rule is not None and any(t.spec.dim is not None for t in domain_args):
@@ -109,7 +131,8 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
             return unwrap(o)
 
         out = func(*tree_map(prepare, args), **tree_map(prepare, kwargs))
-        return tree_map(lambda o: wrap(o, spec) if isinstance(o, torch.Tensor) else o, out)
+        plain_inputs = tuple(t for t in flat_tensors((args, kwargs)) if not isinstance(t, DomainTensor))
+        return tree_map(lambda o: adopt(o, spec, plain_inputs) if isinstance(o, torch.Tensor) else o, out)
     raise NotImplementedError(
         f"{op_name(func)} has no domain rule: mesh3d will not run it on a domain-sharded tensor "
         f"(sharded dim {[t.spec.dim for t in domain_args if t.spec.dim is not None][0]}) because the local answer "

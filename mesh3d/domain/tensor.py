@@ -27,7 +27,7 @@ from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.exchange import DomainComm
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["DomainSpec", "DomainTensor", "unwrap", "wrap"]
+__all__ = ["DomainSpec", "DomainTensor", "adopt", "unwrap", "wrap"]
 
 
 @dataclass(frozen=True)
@@ -52,6 +52,23 @@ def wrap(local: torch.Tensor, spec: DomainSpec) -> DomainTensor:
         out = local.as_subclass(DomainTensor)
     out._spec = spec
     return out
+
+
+def adopt(fresh: torch.Tensor, spec: DomainSpec, keep: tuple = ()) -> DomainTensor:
+    """Turn ``fresh`` (a plain tensor an op rule just computed) into a DomainTensor itself, not a view of it.
+
+    Why not ``wrap``: ``as_subclass`` returns an alias *view*, and an in-place op on a view drops
+    the autograd hooks registered on it. FSDP2 registers its pre-backward hook (which re-gathers
+    the parameters for backward) on each module's output, so ``ReLU(inplace=True)`` after an
+    FSDP-wrapped conv would run backward on freed parameters. Changing the class of the fresh
+    result keeps the op's own autograd node. Tensors a caller may still hold as plain tensors
+    (leaves that need grad, parameters, anything in ``keep``) are wrapped as views instead.
+    """
+    if type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) or any(fresh is k for k in keep):
+        return wrap(fresh, spec)
+    fresh.__class__ = DomainTensor
+    fresh._spec = spec
+    return fresh
 
 
 def unwrap(t: Any) -> Any:

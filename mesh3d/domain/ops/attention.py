@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.ops.conv import gather_window
 from mesh3d.domain.registry import register
-from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["neighbourhood_attention"]
 
@@ -46,7 +46,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         rows = torch.arange(query.offset, query.offset + q.shape[-2], device=q.device)[:, None]
         mask = rows >= torch.arange(n, device=q.device)[None, :]
     out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return wrap(out, query.spec)
+    return adopt(out, query.spec)
 
 
 def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, radius: int) -> DomainTensor:
@@ -64,7 +64,7 @@ def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, r
     rows = torch.arange(q.offset, q.offset + q.shape[-2], device=k_ext.device)
     mask = (keys[None, :] - rows[:, None]).abs() <= radius
     out = F.scaled_dot_product_attention(unwrap(q), k_ext, v_ext, attn_mask=mask)
-    return wrap(out, q.spec)
+    return adopt(out, q.spec)
 
 
 def _gather_pair(key: DomainTensor, value: DomainTensor, needs):
@@ -72,7 +72,7 @@ def _gather_pair(key: DomainTensor, value: DomainTensor, needs):
     k, v = unwrap(key), unwrap(value)
     if k.shape[:-1] != v.shape[:-1]:
         return gather_window(key, needs), gather_window(value, needs)
-    both = gather_window(wrap(torch.cat([k, v], -1), key.spec), needs)
+    both = gather_window(adopt(torch.cat([k, v], -1), key.spec), needs)
     return both[..., : k.shape[-1]], both[..., k.shape[-1]:]
 
 

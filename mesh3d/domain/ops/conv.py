@@ -18,7 +18,7 @@ from mesh3d.domain.exchange import build_plan, gather_rows
 from mesh3d.domain.halo import owners_by_position, plan_window, sizes_from_owners
 from mesh3d.domain.registry import register
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["gather_window", "spatial_axis"]
 
@@ -91,7 +91,7 @@ def _conv_rule(func, nd: int):
             raise NotImplementedError(f"{name}: the weight and bias must be plain (replicated) tensors")
         sp = spatial_axis(name, input, nd)
         if sp < 0:
-            return wrap(func(unwrap(input), weight, bias, stride, padding, dilation, groups), input.spec)
+            return adopt(func(unwrap(input), weight, bias, stride, padding, dilation, groups), input.spec)
         stride, dilation = _tuple(stride, nd), _tuple(dilation, nd)
         ks = tuple(weight.shape[2:])
         pads = _pad_pairs(padding, ks, dilation, nd)
@@ -108,7 +108,7 @@ def _conv_rule(func, nd: int):
             y = _weight_connected_zeros(ext, shape, ext, weight, bias)
         else:
             y = func(ext, weight, bias, stride, 0, dilation, groups)
-        return wrap(y, input.spec.with_sizes(plan.out_sizes))
+        return adopt(y, input.spec.with_sizes(plan.out_sizes))
 
     return rule
 
@@ -119,7 +119,7 @@ def _conv_transpose_rule(func, nd: int):
     def rule(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
         sp = spatial_axis(name, input, nd)
         if sp < 0:
-            return wrap(func(unwrap(input), weight, bias, stride, padding, output_padding, groups, dilation), input.spec)
+            return adopt(func(unwrap(input), weight, bias, stride, padding, output_padding, groups, dilation), input.spec)
         stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
         output_padding = _tuple(output_padding, nd)
         s, p, d, k = stride[sp], padding[sp], dilation[sp], weight.shape[2 + sp]
@@ -154,7 +154,7 @@ def _conv_transpose_rule(func, nd: int):
             y = _weight_connected_zeros(ref, shape, ext, weight)
         if bias is not None:
             y = y + bias.view(1, -1, *([1] * nd))
-        return wrap(y, input.spec.with_sizes(out_sizes))
+        return adopt(y, input.spec.with_sizes(out_sizes))
 
     return rule
 
@@ -186,7 +186,7 @@ def _pad(input, pad, mode="constant", value=None):
     pad = list(pad)
     pl, pr = (pad[2 * pos], pad[2 * pos + 1]) if 2 * pos + 1 < len(pad) else (0, 0)
     if (pl, pr) == (0, 0):
-        return wrap(pad_local(unwrap(input), pad, mode, value), input.spec)
+        return adopt(pad_local(unwrap(input), pad, mode, value), input.spec)
     sizes, n = input.spec.sizes, sum(input.spec.sizes)
     if mode in ("reflect", "circular") and (pl >= n + (mode == "circular") or pr >= n + (mode == "circular")):
         raise ValueError(f"F.pad mode={mode!r}: padding ({pl}, {pr}) too large for the sharded dim of length {n}")
@@ -206,4 +206,4 @@ def _pad(input, pad, mode="constant", value=None):
     ext = gather_window(input, needs, fill=0.0 if value is None else float(value))
     pad[2 * pos] = pad[2 * pos + 1] = 0
     ext = pad_local(ext, pad, mode, value)
-    return wrap(ext, input.spec.with_sizes(tuple(new_sizes)))
+    return adopt(ext, input.spec.with_sizes(tuple(new_sizes)))

@@ -20,7 +20,7 @@ from mesh3d.domain.halo import owners_by_position, sizes_from_owners
 from mesh3d.domain.ops.conv import _weight_connected_zeros, gather_window, spatial_axis
 from mesh3d.domain.registry import register
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import unwrap, wrap
+from mesh3d.domain.tensor import adopt, unwrap
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 
@@ -54,7 +54,7 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     sp = spatial_axis("F.interpolate", input, nd)
     local = unwrap(input)
     if sp < 0:
-        return wrap(F.interpolate(local, size, scale_factor, mode, align_corners, recompute_scale_factor), input.spec)
+        return adopt(F.interpolate(local, size, scale_factor, mode, align_corners, recompute_scale_factor), input.spec)
     sizes, n = input.spec.sizes, sum(input.spec.sizes)
     sfs = None if scale_factor is None else (list(scale_factor) if isinstance(scale_factor, (list, tuple))
                                              else [scale_factor] * nd)
@@ -91,4 +91,4 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
             else:
                 shape = [*y.shape[:2]] + [0 if i == sp else math.floor(local.shape[2 + i] * f) for i, f in enumerate(sfs)]
                 y = _weight_connected_zeros(y, shape, y)
-    return wrap(y, input.spec.with_sizes(out_sizes))
+    return adopt(y, input.spec.with_sizes(out_sizes))

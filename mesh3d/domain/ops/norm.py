@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.collectives import reduce_for_local_use
 from mesh3d.domain.registry import register
-from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["normalize"]
 
@@ -51,7 +51,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     grouped = local.reshape(n, num_groups, c // num_groups, spatial_local)
     count = (c // num_groups) * math.prod(input.global_shape[2:])
     y, _, _ = normalize(grouped, [2, 3], count, eps, input.spec.comm)
-    return wrap(_affine(y.reshape(local.shape), weight, bias, local.ndim), input.spec)
+    return adopt(_affine(y.reshape(local.shape), weight, bias, local.ndim), input.spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -65,13 +65,13 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     _check("F.batch_norm", input)
     local = unwrap(input)
     if not training:
-        return wrap(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
+        return adopt(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
     dims = [0, *range(2, local.ndim)]
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
     y, mean, var = normalize(local, dims, count, eps, input.spec.comm)
     _update_running(running_mean, mean.flatten(), momentum)
     _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
-    return wrap(_affine(y, weight, bias, local.ndim), input.spec)
+    return adopt(_affine(y, weight, bias, local.ndim), input.spec)
 
 
 @register(F.instance_norm)
@@ -80,13 +80,13 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     _check("F.instance_norm", input)
     local = unwrap(input)
     if not use_input_stats:
-        return wrap(F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
+        return adopt(F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
     dims = list(range(2, local.ndim))
     count = math.prod(input.global_shape[2:])
     y, mean, var = normalize(local, dims, count, eps, input.spec.comm)
     _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
     _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
-    return wrap(_affine(y, weight, bias, local.ndim), input.spec)
+    return adopt(_affine(y, weight, bias, local.ndim), input.spec)
 
 
 @register(F.layer_norm)
@@ -94,7 +94,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     local = unwrap(input)
     first = local.ndim - len(normalized_shape)
     if input.spec.dim is None or input.spec.dim < first:
-        return wrap(F.layer_norm(local, normalized_shape, weight, bias, eps), input.spec)
+        return adopt(F.layer_norm(local, normalized_shape, weight, bias, eps), input.spec)
     dims = list(range(first, local.ndim))
     y, _, _ = normalize(local, dims, math.prod(input.global_shape[first:]), eps, input.spec.comm)
     # The affine parameters vary along the sharded dim: use this rank's slice of them.
@@ -106,4 +106,4 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         y = y * take(weight)
     if bias is not None:
         y = y + take(bias)
-    return wrap(y, input.spec)
+    return adopt(y, input.spec)

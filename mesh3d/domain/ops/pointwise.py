@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.collectives import sum_grad
 from mesh3d.domain.registry import flat_tensors, op_name, register, tree_map
-from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["elementwise"]
 
@@ -100,7 +100,8 @@ def elementwise(func, *args, **kwargs):
 
     out = func(*tree_map(prepare, args), **tree_map(prepare, kwargs))
     spec = ref.spec.with_sizes(ref.spec.sizes, dim=out_dim)
-    return tree_map(lambda o: wrap(o, spec) if isinstance(o, torch.Tensor) and o.ndim == out_ndim else o, out)
+    plain = tuple(t for t in tensors if not isinstance(t, DomainTensor))
+    return tree_map(lambda o: adopt(o, spec, plain) if isinstance(o, torch.Tensor) and o.ndim == out_ndim else o, out)
 
 
 for _f in ELEMENTWISE:
@@ -119,7 +120,7 @@ def local_unless_sharded(func, x: DomainTensor, dims, what: str, *args, **kwargs
             "call .full_tensor() first or shard a different dim"
         )
     # The other arguments (weights) act along non-sharded dims only: run on the local shard as is.
-    return wrap(func(unwrap(x), *args, **kwargs), x.spec)
+    return adopt(func(unwrap(x), *args, **kwargs), x.spec)
 
 
 @register(F.linear)
@@ -143,21 +144,21 @@ def _cat(tensors, dim=0):
     for t in tensors:
         if not isinstance(t, DomainTensor):
             raise ValueError("torch.cat: every input must be a domain tensor sharded the same way; shard the plain one")
-    return wrap(torch.cat([unwrap(_same_layout(ref, t)) for t in tensors], dim), ref.spec)
+    return adopt(torch.cat([unwrap(_same_layout(ref, t)) for t in tensors], dim), ref.spec)
 
 
 @register(torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)
 def _transpose(x, dim0, dim1):
     d0, d1 = _norm_dim(dim0, x.ndim), _norm_dim(dim1, x.ndim)
     new = {d0: d1, d1: d0}.get(x.spec.dim, x.spec.dim)
-    return wrap(torch.transpose(unwrap(x), d0, d1), x.spec.with_sizes(x.spec.sizes, dim=new))
+    return adopt(torch.transpose(unwrap(x), d0, d1), x.spec.with_sizes(x.spec.sizes, dim=new))
 
 
 @register(torch.permute, torch.Tensor.permute)
 def _permute(x, *dims):
     dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
     dims = tuple(_norm_dim(d, x.ndim) for d in dims)
-    return wrap(unwrap(x).permute(dims), x.spec.with_sizes(x.spec.sizes, dim=dims.index(x.spec.dim)))
+    return adopt(unwrap(x).permute(dims), x.spec.with_sizes(x.spec.sizes, dim=dims.index(x.spec.dim)))
 
 
 @register(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout)
@@ -178,9 +179,9 @@ def _flatten(x, start_dim=0, end_dim=-1):
     out = torch.flatten(local, start, end)
     dim = x.spec.dim
     if dim < start:
-        return wrap(out, x.spec)
+        return adopt(out, x.spec)
     if dim > end:
-        return wrap(out, x.spec.with_sizes(x.spec.sizes, dim=dim - (end - start)))
+        return adopt(out, x.spec.with_sizes(x.spec.sizes, dim=dim - (end - start)))
     if dim != start:
         raise NotImplementedError(
             f"torch.flatten({start}, {end}): the sharded dim {dim} is inside the flattened range but not its first "
@@ -189,4 +190,17 @@ def _flatten(x, start_dim=0, end_dim=-1):
     inner = 1
     for d in range(start + 1, end + 1):
         inner *= local.shape[d]
-    return wrap(out, x.spec.with_sizes(tuple(s * inner for s in x.spec.sizes), dim=start))
+    return adopt(out, x.spec.with_sizes(tuple(s * inner for s in x.spec.sizes), dim=start))
+
+
+@register(torch.Tensor.view_as)
+def _view_as(x, other):
+    # FSDP2 calls ``x.view_as(x)`` on every forward input to hook its backward; a view onto an
+    # identically sharded tensor of the same shape is exact on shards. Anything else would
+    # reinterpret rows across the shard boundary, so it is refused.
+    if isinstance(x, DomainTensor) and isinstance(other, DomainTensor) and x.spec == other.spec and x.shape == other.shape:
+        return adopt(unwrap(x).view_as(unwrap(other)), x.spec)
+    raise NotImplementedError(
+        "torch.Tensor.view_as on a domain tensor is supported only onto an identically sharded tensor of "
+        "the same shape; call .full_tensor() first"
+    )

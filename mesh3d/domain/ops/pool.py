@@ -18,7 +18,7 @@ from mesh3d.domain.halo import owners_by_position, plan_window, sizes_from_owner
 from mesh3d.domain.ops.conv import _tuple, _weight_connected_zeros, gather_window, spatial_axis
 from mesh3d.domain.registry import register
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import unwrap, wrap
+from mesh3d.domain.tensor import adopt, unwrap
 
 
 def _out_len(n, k, s, p, d, ceil_mode):
@@ -47,7 +47,7 @@ def _pool_rule(func, nd: int, kind: str):
             dilation = 1
         sp = spatial_axis(name, input, nd)
         if sp < 0:
-            return wrap(func(unwrap(input), kernel_size, stride, padding, *args, **kwargs), input.spec)
+            return adopt(func(unwrap(input), kernel_size, stride, padding, *args, **kwargs), input.spec)
         ks = _tuple(kernel_size, nd)
         st = _tuple(stride if stride not in (None, []) else kernel_size, nd)
         pd, dl = _tuple(padding, nd), _tuple(dilation, nd)
@@ -71,7 +71,7 @@ def _pool_rule(func, nd: int, kind: str):
             y = func(ext, ks, st, local_pad, dl, ceil_mode)
         else:
             y = func(ext, ks, st, local_pad, ceil_mode, count_include_pad, divisor)
-        return wrap(y, input.spec.with_sizes(plan.out_sizes))
+        return adopt(y, input.spec.with_sizes(plan.out_sizes))
 
     return rule
 
@@ -83,7 +83,7 @@ def _adaptive_rule(func, nd: int):
         sp = spatial_axis(func.__name__, input, nd)
         local = unwrap(input)
         if sp < 0:
-            return wrap(func(local, output_size), input.spec)
+            return adopt(func(local, output_size), input.spec)
         sizes, n = input.spec.sizes, sum(input.spec.sizes)
         out = list(_tuple(output_size, nd))
         m = out[sp] if out[sp] is not None else n
@@ -104,7 +104,7 @@ def _adaptive_rule(func, nd: int):
             shape = [*local.shape[:2]] + [0 if i == sp else (o if o is not None else local.shape[2 + i])
                                           for i, o in enumerate(out)]
             y = _weight_connected_zeros(ext, shape, ext)
-        return wrap(y, input.spec.with_sizes(out_sizes))
+        return adopt(y, input.spec.with_sizes(out_sizes))
 
     return rule
 

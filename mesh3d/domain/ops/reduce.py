@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from mesh3d.domain.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.registry import register
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
 __all__ = ["domain_reduce"]
 
@@ -35,7 +35,7 @@ def _dims(x: DomainTensor, dim) -> list[int]:
 def _finish(x: DomainTensor, r: torch.Tensor, dims: list[int], keepdim: bool) -> DomainTensor:
     if not keepdim:
         r = r.squeeze(dims) if r.ndim else r
-    return wrap(r, DomainSpec(None, None, x.spec.comm))
+    return adopt(r, DomainSpec(None, None, x.spec.comm))
 
 
 def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
@@ -51,7 +51,7 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
         else:
             r = fn(local, dims, keepdim=keepdim)
         new_dim = x.spec.dim if keepdim else x.spec.dim - sum(d < x.spec.dim for d in dims)
-        return wrap(r, x.spec.with_sizes(x.spec.sizes, dim=new_dim))
+        return adopt(r, x.spec.with_sizes(x.spec.sizes, dim=new_dim))
     count = math.prod(x.global_shape[d] for d in dims)
     if kind in ("sum", "mean"):
         r = reduce_to_replicated(local.sum(dims, keepdim=True), comm)
@@ -152,12 +152,12 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
         )
     losses = F.cross_entropy(unwrap(input), unwrap(target), weight, ignore_index=ignore_index, reduction="none",
                              label_smoothing=label_smoothing)
-    out = wrap(losses, target.spec if not probabilities else input.spec.with_sizes(input.spec.sizes, dim=want - 1))
     if reduction != "mean" or probabilities:
-        return _loss(out, reduction)
+        spec = target.spec if not probabilities else input.spec.with_sizes(input.spec.sizes, dim=want - 1)
+        return _loss(adopt(losses, spec), reduction)
     t = unwrap(target)
     valid = (t != ignore_index).to(losses.dtype)
     w = valid if weight is None else weight[t.clamp(min=0)] * valid
     denom = reduce_to_replicated(w.sum(), input.spec.comm).detach()
     total = reduce_to_replicated(losses.sum(), input.spec.comm)
-    return wrap(total / denom, DomainSpec(None, None, input.spec.comm))
+    return adopt(total / denom, DomainSpec(None, None, input.spec.comm))
