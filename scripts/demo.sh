@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
-# The main demo on 8 CPU processes (gloo), installing what it needs on first use.
-#   scripts/demo.sh                 # 8 ranks on a (batch=2, domain=2, model=2) mesh
-#   NPROC=4 scripts/demo.sh         # fewer ranks (the mesh adapts: batch is inferred)
+# The main demo on CPU processes (gloo), installing what it needs on first use:
+# one model on all three axes, trained on 8 ranks beside one process, checkpointed, resumed on a
+# 4-rank mesh of another shape, and exported to one Hugging Face model.safetensors.
+#   scripts/demo.sh                  # results under runs/demo
+#   OUT=/tmp/d scripts/demo.sh       # elsewhere
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
-NPROC="${NPROC:-8}"
-if [ "$NPROC" = 8 ]; then sizes=(--batch 2 --domain 2 --model 2); else sizes=(--batch -1); fi
-exec "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" examples/mesh_table.py "${sizes[@]}"
+OUT="${OUT:-runs/demo}"
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"   # 8 ranks on a few cores: one thread each
+run() { "$PY" -m torch.distributed.run --standalone --nproc-per-node "$1" examples/demo_3d.py "${@:2}" --out "$OUT"; }
+start=$SECONDS
+echo "== 1/3 train: 8 ranks, mesh (batch 2, domain 2, model 2), FSDP + uneven domain shards + TP, beside one process"
+run 8 train --batch 2 --domain 2 --model 2
+echo "== 2/3 resume: 4 ranks, mesh (batch 1, domain 2, model 2), from the checkpoint saved on (2, 2, 2)"
+run 4 resume --batch 1 --domain 2 --model 2
+echo "== 3/3 export: one process, no launcher: coalesce to $OUT/hf/model.safetensors and check it"
+"$PY" examples/demo_3d.py export --out "$OUT"
+echo "demo finished in $((SECONDS - start)) s"

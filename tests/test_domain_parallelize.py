@@ -107,3 +107,32 @@ def test_vit_with_fsdp_trains_like_one_process(ranks, shape):
         assert loss_err < 1e-9
         assert grad_err < 1e-9
         assert param_err < 1e-9
+
+
+def _refusals_body():
+    from torch import nn
+
+    from mesh3d import DistributedManager, Plan, domain, parallelize
+
+    DistributedManager.initialize(1, 2, 2)
+    errors = []
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 4)).double()
+    net = parallelize(net, Plan(batch=None, model={"0": "colwise", "1": "sequence", "2": "rowwise"}))
+    tokens = domain.shard(torch.randn(2, 6, 4, dtype=torch.float64), dim=1)
+    try:
+        net(tokens)
+    except NotImplementedError as e:
+        errors.append(str(e))
+    lin = parallelize(nn.Sequential(nn.Linear(6, 8)).double(), Plan(batch=None, model={"0": "colwise"}))
+    try:  # sharded along the features the Linear mixes
+        lin(domain.shard(torch.randn(2, 6, dtype=torch.float64), dim=1))
+    except NotImplementedError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_styles_that_cannot_take_domain_inputs_refuse_by_name(ranks):
+    for errors in ranks.run(4, _refusals_body, timeout=60):
+        assert len(errors) == 2, errors
+        assert "SequenceParallel" in errors[0] and "domain-sharded" in errors[0]
+        assert "acts on the last dim" in errors[1]

@@ -1,0 +1,28 @@
+"""The README's first command: scripts/demo.sh end to end (train on 8 ranks, resume on 4, export).
+
+One subprocess test (three launches, ~30 s here). The demo checks itself and exits non-zero if any
+check fails; this test also reads its figures: every printed parallel loss beside the one-process
+loss (fp32, rtol 1e-4: they differ only in summation order), and the exported file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_demo_trains_resumes_and_exports_like_one_process(tmp_path):
+    env = {**os.environ, "OUT": str(tmp_path / "demo")}
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    pairs = [(float(a), float(b)) for a, b in re.findall(r"loss ([\d.]+)\s+one-process ([\d.]+)", done.stdout)]
+    assert len(pairs) == 7, done.stdout  # 4 steps on (2,2,2), 3 after resuming on (1,2,2)
+    for got, want in pairs:
+        assert abs(got - want) <= 1e-4 * want, pairs
+    assert done.stdout.count("[ok]") == 6 and "FAIL" not in done.stdout
+    assert (tmp_path / "demo" / "hf" / "model.safetensors").stat().st_size > 0
