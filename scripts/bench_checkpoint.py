@@ -7,7 +7,7 @@ state). In one run, with barriers around each timed phase (wall = slowest rank):
 - save: mesh3d (fsynced, atomic) vs DCP ``dcp.save`` (FileSystemWriter, sync_files) vs
   ``safetensors.torch.save_file`` of each rank's local shards (+ fsync) vs a durable
   disk-write ceiling (os.write of the same bytes + fsync);
-- load (all-or-nothing default, and ``in_place=True``) on the same mesh, and resharded onto HSDP (2 x 2: each rank needs half of every
+- load (the in-place default, and all-or-nothing ``in_place=False``) on the same mesh, and resharded onto HSDP (2 x 2: each rank needs half of every
   tensor): mesh3d vs DCP (``dcp.load`` + ``set_model_state_dict``), plus mesh3d's read
   amplification (bytes read / bytes needed, summed over ranks);
 - coalesce to one HF ``model.safetensors`` in a fresh process: throughput and peak RSS
@@ -50,7 +50,7 @@ def _model(size_mb: int, layer_mb: int) -> torch.nn.Module:
 REPEATS = 3
 
 
-def _timed(fn, cleanup=None) -> float:
+def _timed(fn, cleanup=None, label: str = "") -> float:
     """Best of REPEATS (first calls pay one-time costs: imports, DTensor dispatch caches)."""
     best = float("inf")
     for i in range(REPEATS):
@@ -63,6 +63,8 @@ def _timed(fn, cleanup=None) -> float:
         if cleanup is not None and i < REPEATS - 1:
             cleanup(i)
             dist.barrier()
+    if label and dist.get_rank() == 0:  # progress: one line per contender
+        print(f"  {label:<32} best of {REPEATS}: {best:.3f} s", flush=True)
     return best
 
 
@@ -104,9 +106,9 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
         return lambda i: shutil.rmtree(path.format(i), ignore_errors=True) if rank == 0 else None
 
     # The last repeat's directory (index 2) is kept and used by the loads below.
-    out["save_mesh3d"] = _timed(lambda i: checkpoint.save(f"{work}/m3-{i}", model, step=1), rm(f"{work}/m3-{{}}"))
-    out["save_dcp"] = _timed(lambda i: dcp.save(get_model_state_dict(model), checkpoint_id=f"{work}/dcp-{i}"),
-                             rm(f"{work}/dcp-{{}}"))
+    out["save_mesh3d"] = _timed(label="save_mesh3d", fn=lambda i: checkpoint.save(f"{work}/m3-{i}", model, step=1), cleanup=rm(f"{work}/m3-{{}}"))
+    out["save_dcp"] = _timed(label="save_dcp", fn=lambda i: dcp.save(get_model_state_dict(model), checkpoint_id=f"{work}/dcp-{i}"),
+                             cleanup=rm(f"{work}/dcp-{{}}"))
 
     def raw_st(i):
         path = f"{work}/raw/rank{rank}-{i}.safetensors"
@@ -116,7 +118,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
         os.fsync(fd)
         os.close(fd)
 
-    out["save_safetensors_raw"] = _timed(raw_st)
+    out["save_safetensors_raw"] = _timed(label="save_safetensors_raw", fn=raw_st)
     block = bytearray(8 * 1024 * 1024)
 
     def ceiling(i):
@@ -128,12 +130,12 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
         os.fsync(fd)
         os.close(fd)
 
-    out["save_disk_ceiling"] = _timed(ceiling)
+    out["save_disk_ceiling"] = _timed(label="save_disk_ceiling", fn=ceiling)
 
     info = {}
     last = REPEATS - 1
-    out["load_mesh3d"] = _timed(lambda i: info.update(i=checkpoint.load(f"{work}/m3-{last}", model)))
-    out["load_mesh3d_in_place"] = _timed(lambda i: checkpoint.load(f"{work}/m3-{last}", model, in_place=True))
+    out["load_mesh3d"] = _timed(label="load_mesh3d", fn=lambda i: info.update(i=checkpoint.load(f"{work}/m3-{last}", model)))
+    out["load_mesh3d_all_or_nothing"] = _timed(label="load_mesh3d_all_or_nothing", fn=lambda i: checkpoint.load(f"{work}/m3-{last}", model, in_place=False))
 
     if os.environ.get("BENCH_PROFILE") and rank == 0:  # where does a mesh3d load spend its time?
         import cProfile
@@ -150,16 +152,16 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
         dcp.load(state, checkpoint_id=f"{work}/dcp-{last}")
         set_model_state_dict(m, state)
 
-    out["load_dcp"] = _timed(lambda i: dcp_load(model))
+    out["load_dcp"] = _timed(label="load_dcp", fn=lambda i: dcp_load(model))
     del model, sd, local
     DistributedManager.shutdown()
     from mesh3d._torch_private import clear_dtensor_caches
 
     clear_dtensor_caches()
     hsdp = build((2, 2, 1))
-    out["reshard_load_mesh3d"] = _timed(lambda i: info.update(r=checkpoint.load(f"{work}/m3-{last}", hsdp)))
-    out["reshard_load_mesh3d_in_place"] = _timed(lambda i: checkpoint.load(f"{work}/m3-{last}", hsdp, in_place=True))
-    out["reshard_load_dcp"] = _timed(lambda i: dcp_load(hsdp))
+    out["reshard_load_mesh3d"] = _timed(label="reshard_load_mesh3d", fn=lambda i: info.update(r=checkpoint.load(f"{work}/m3-{last}", hsdp)))
+    out["reshard_load_mesh3d_all_or_nothing"] = _timed(label="reshard_load_mesh3d_all_or_nothing", fn=lambda i: checkpoint.load(f"{work}/m3-{last}", hsdp, in_place=False))
+    out["reshard_load_dcp"] = _timed(label="reshard_load_dcp", fn=lambda i: dcp_load(hsdp))
     io = torch.tensor([info["r"].bytes_read, info["r"].bytes_needed], dtype=torch.int64)
     dist.all_reduce(io)
     out["reshard_bytes_read"], out["reshard_bytes_needed"] = int(io[0]), int(io[1])
@@ -223,8 +225,8 @@ def main() -> None:
             "save_mesh3d_vs_disk_ceiling": out["save_disk_ceiling"] / out["save_mesh3d"],
             "load_mesh3d_vs_dcp_same_mesh": out["load_dcp"] / out["load_mesh3d"],
             "load_mesh3d_vs_dcp_resharded": out["reshard_load_dcp"] / out["reshard_load_mesh3d"],
-            "load_mesh3d_in_place_vs_dcp_same_mesh": out["load_dcp"] / out["load_mesh3d_in_place"],
-            "load_mesh3d_in_place_vs_dcp_resharded": out["reshard_load_dcp"] / out["reshard_load_mesh3d_in_place"],
+            "load_mesh3d_all_or_nothing_vs_dcp_same_mesh": out["load_dcp"] / out["load_mesh3d_all_or_nothing"],
+            "load_mesh3d_all_or_nothing_vs_dcp_resharded": out["reshard_load_dcp"] / out["reshard_load_mesh3d_all_or_nothing"],
         },
         "read_amplification": {
             "same_mesh": out["same_mesh_bytes_read"] / out["same_mesh_bytes_needed"],

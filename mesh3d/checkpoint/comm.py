@@ -56,15 +56,15 @@ def allgather_json(obj: Any) -> list[Any]:
     return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths)]
 
 
-def raise_if_any_failed(error: str | None, what: str) -> None:
-    """Raise on every rank if any rank reports an error (each rank's message is included)."""
+def raise_if_any_failed(error: str | None, what: str, note: str = "") -> None:
+    """Raise on every rank if any rank reports an error (each rank's message, then ``note``)."""
     rank, size = world()
     errors = allgather_json(error) if size > 1 else [error]
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
         more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
-        raise CheckpointError(f"{what} failed: {detail}{more}")
+        raise CheckpointError(f"{what} failed: {detail}{more}" + (f". {note}" if note else ""))
 
 
 def barrier() -> None:

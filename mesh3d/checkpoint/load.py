@@ -137,15 +137,19 @@ def _optimizer_state(index: dict[str, Any], osd: dict[str, Any], loaded: dict[st
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         strict: bool = True, in_place: bool = False) -> LoadInfo:
+         strict: bool = True, in_place: bool = True) -> LoadInfo:
     """Load a checkpoint saved on any mesh into ``model`` (and ``optimizer``); all ranks call it.
 
+    Usage: ``info = checkpoint.load("ckpt/step-100", model, optimizer); start = info.step``
+
     Works in a plain process without torch.distributed for an unparallelized module.
-    By default a load is all or nothing: tensors are read into fresh buffers and applied
-    only after every read and checksum succeeded on every rank. ``in_place=True`` reads
-    straight into the model's and optimizer's own storage (faster, less memory, like DCP);
-    a corrupt checkpoint then still raises on every rank, but may leave the state partly
-    overwritten.
+    Everything that can be checked without reading tensor data (index, names, shapes, dtypes,
+    file sizes) is checked on every rank before anything is read. By default
+    (``in_place=True``, like DCP) bytes are then read straight into the model's and optimizer's
+    own storage and verified as they arrive: a checksum failure raises on every rank, but the
+    state may be partly overwritten. ``in_place=False`` is all or nothing: tensors are read
+    into fresh buffers and applied only after every read and checksum succeeded on every rank
+    (about twice the time and the memory of the state being loaded).
     """
     path = os.path.abspath(os.fspath(path))
     error, index, targets, info = None, None, {}, None
@@ -166,17 +170,23 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
     loaded: dict[str, torch.Tensor] = {}
     optim_sd = None
-    try:
-        with ShardReader(path, index) as reader:
+    with ShardReader(path, index) as reader:
+        try:  # every file this rank needs: present, the size the index says, its header agreeing
+            reader.open_needed({name: local_box(name, target) for name, target in targets.items()})
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+        raise_if_any_failed(error, f"loading {path}", "Nothing was modified")
+        try:
             for name, target in targets.items():
                 loaded[name] = _materialize(name, target, reader, in_place)
             info.bytes_read, info.bytes_needed = reader.stats["bytes_read"], reader.stats["bytes_needed"]
-        if osd is not None:
-            optim_sd = _optimizer_state(index, osd, loaded, model_sd)
-        error = None
-    except Exception as err:
-        error = f"{type(err).__name__}: {err}"
-    raise_if_any_failed(error, f"loading {path}")
+            if osd is not None:
+                optim_sd = _optimizer_state(index, osd, loaded, model_sd)
+        except Exception as err:
+            error = f"{type(err).__name__}: {err}"
+    raise_if_any_failed(error, f"loading {path}", (
+        "in_place=True: the model/optimizer state may be partly overwritten; load an intact checkpoint "
+        "(in_place=False loads all or nothing)" if in_place else "Nothing was modified"))
     model_part = {n: t for n, t in loaded.items() if index["tensors"][n]["role"] == "model"}
     apply_state(model, model_part, optimizer, optim_sd, strict)
     return info

@@ -104,6 +104,18 @@ class ShardReader:
                     raise CheckpointError(f"shard file {file}: header entry {chunk['key']!r} is {got}, but the index "
                                           f"says {want} for tensor {name!r} (corrupt header or mismatched files)")
 
+    def open_needed(self, boxes: dict[str, Box]) -> None:
+        """Open (size- and header-check) every file holding a chunk that overlaps one of ``boxes``.
+
+        Run before any tensor data is read, so a missing, truncated or mismatched file fails the
+        load while the model is still untouched, even for in-place loads.
+        """
+        for name, box in boxes.items():
+            for chunk in self.index["tensors"][name]["chunks"]:
+                ov = overlap(Box(tuple(chunk["offsets"]), tuple(chunk["shape"])), box)
+                if ov is not None and ov.numel:
+                    self._fd(chunk["file"], name)
+
     def read_into(self, name: str, box: Box, out: torch.Tensor) -> None:
         """Fill ``out`` (CPU, contiguous, shape ``box.shape``) with the saved values of ``name`` in ``box``."""
         entry = self.index["tensors"][name]
