@@ -1,0 +1,46 @@
+"""Smoke tests of the examples that start their own processes (each a few seconds here).
+
+Each example checks itself against one process and exits non-zero on a mismatch; these tests
+also read what it printed. (demo_3d.py runs in test_demo.py, train_transformer.py in
+test_parallelize_example.py, domain_parallel_cnn.py in test_domain_example.py.)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT"} and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    return env
+
+
+def _run(args: list[str]) -> str:
+    done = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done.stdout
+
+
+def test_slurm_job_is_preempted_and_resumes_like_one_process(tmp_path):
+    root = str(tmp_path / "ckpt")
+    first = _run(["examples/slurm_job.py", "--simulate", "4", "--steps", "6", "--preempt-at", "4", "--root", root])
+    assert "launcher slurm: 4 ranks" in first and "fresh start" in first and "preempted after step 3" in first
+    second = _run(["examples/slurm_job.py", "--simulate", "4", "--steps", "6", "--root", root])
+    assert "resumed from" in second and "(step 4)" in second, second
+    assert re.search(r"max abs diff \S+: MATCHES one process", second), second
+    assert sorted(os.listdir(root)) == ["latest", "step-00000004", "step-00000006"]  # keep_last=2
+
+
+def test_volume_unet3d_matches_one_process():
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/volume_unet3d.py",
+                "--steps", "2"])
+    assert "MATCHES one process" in out, out
+    assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", out)) == 2
