@@ -44,3 +44,12 @@ def test_volume_unet3d_matches_one_process():
                 "--steps", "2"])
     assert "MATCHES one process" in out, out
     assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", out)) == 2
+
+
+def test_checkpoint_reshard_example_saves_resumes_elsewhere_and_exports(tmp_path):
+    ck = str(tmp_path / "ck")
+    run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    _run([*run, "4", "examples/checkpoint_reshard.py", "save", ck, "--mesh", "2,1,2"])
+    _run([*run, "2", "examples/checkpoint_reshard.py", "resume", ck, "--mesh", "1,1,2"])
+    out = _run(["examples/checkpoint_reshard.py", "check", ck])
+    assert "coalesced == trained: True" in out, out
