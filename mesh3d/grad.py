@@ -37,6 +37,8 @@ def _local_and_dims(grad: torch.Tensor) -> tuple[torch.Tensor, DeviceMesh | None
 def grad_norm(parameters: Iterable[torch.Tensor] | torch.Tensor, norm_type: float = 2.0) -> torch.Tensor:
     """The norm of all gradients together, as the unsharded model would compute it (a plain tensor).
 
+    Usage: ``norm = mesh3d.grad_norm(model.parameters())``
+
     Each DTensor contributes its local piece once per distinct piece: its per-group partial
     sums are all-reduced over the mesh dims where it is sharded, never over the dims where it
     is replicated. Plain tensors are taken to be the same on every rank. Every rank must call
@@ -75,6 +77,8 @@ def clip_grad_norm_(
 ) -> torch.Tensor:
     """Scale gradients in place so their global norm is at most ``max_norm``; return the norm before clipping.
 
+    Usage: ``total = mesh3d.clip_grad_norm_(model.parameters(), max_norm=1.0)``
+
     Like ``torch.nn.utils.clip_grad_norm_``, but for any mix of DTensors on different
     sub-meshes (TP, FSDP, FSDP+TP) and plain tensors, where torch's raises
     "mixed torch.Tensor and DTensor" or counts replicated pieces several times.
@@ -92,6 +96,8 @@ def clip_grad_norm_(
 
 def global_mean_loss(loss_sum: torch.Tensor, count: int | float | torch.Tensor, *, axis: str = "batch_domain") -> torch.Tensor:
     """``loss_sum`` divided by the GLOBAL count, scaled so that mesh3d's gradient average gives the global mean.
+
+    Usage: ``loss = mesh3d.global_mean_loss(F.cross_entropy(logits, y, reduction="sum"), y.numel())``
 
     ``loss_sum`` is this rank's sum of per-sample (or per-token) losses and ``count`` how many
     it summed. Ranks may hold different counts. The counts are summed over ``axis`` (default

@@ -27,6 +27,8 @@ _SLURM_PORT_SPAN = 20000
 class LaunchInfo:
     """Where this process sits in the job, as its launcher described it.
 
+    Usage: ``info = detect_launcher(); info.launcher, info.rank, info.world_size``
+
     ``launcher`` is ``"torchrun"`` (torch elastic), ``"env"`` (the same variables set
     by something else), ``"slurm"`` (``srun`` without torchrun) or ``"none"`` (a plain
     ``python`` process: a world of one).
@@ -107,6 +109,8 @@ def slurm_master_port(job_id: str | None) -> int:
 
 def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     """Read rank, world size and rendezvous address from the launcher's variables.
+
+    Usage: ``info = detect_launcher()  # or detect_launcher(os.environ)``
 
     torchrun's variables win over SLURM's, because ``srun torchrun ...`` sets both
     and the ranks torchrun assigns are the ones its workers must use.

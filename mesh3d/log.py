@@ -57,7 +57,10 @@ class RankLogger(logging.LoggerAdapter):
 
 
 def get_logger(name: str = "mesh3d") -> RankLogger:
-    """A :class:`RankLogger` around ``logging.getLogger(name)``."""
+    """A :class:`RankLogger` around ``logging.getLogger(name)``.
+
+    Usage: ``log = get_logger("train"); log.info_rank0("step %d", step)``
+    """
     return RankLogger(logging.getLogger(name), {})
 
 

@@ -23,7 +23,7 @@ from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_opti
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
 
-__all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT"]
+__all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT", "refuse_if_launched_uninitialized"]
 
 #: Meshes derived from the 3-D mesh: ``batch_domain`` is where parameter gradients are
 #: reduced (averaged over batch, summed over domain) and where FSDP shards; ``world``
@@ -36,6 +36,24 @@ DERIVED_AXES: tuple[str, str] = ("batch_domain", "world")
 DEFAULT_TIMEOUT = timedelta(minutes=10)
 
 _MESH3D_TIMEOUT_ENV = "MESH3D_TIMEOUT"
+
+
+def refuse_if_launched_uninitialized(what: str) -> None:
+    """Raise if a launcher started several ranks but nothing initialized mesh3d or torch.distributed.
+
+    Without a process group every rank would act as a world of one (each keeping the whole
+    tensor, or all writing the same checkpoint files); in a plain ``python`` process being
+    alone is right, so that case passes.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    launched = detect_launcher()
+    if launched.world_size > 1:
+        raise RuntimeError(
+            f"{what}: this is rank {launched.rank} of {launched.world_size} ({launched.launcher}), but "
+            "DistributedManager.initialize(batch=..., domain=..., model=...) has not been called; call it "
+            "first, on every rank"
+        )
 
 
 def _as_timeout(timeout: float | timedelta | None) -> timedelta:
@@ -74,6 +92,8 @@ def _choose_device(backend: str, local_rank: int) -> torch.device:
 
 class DistributedManager:
     """Singleton owning the process group and the named 3-D ``DeviceMesh``.
+
+    Usage: ``dm = DistributedManager.initialize(batch=-1, domain=2, model=2); dm.group("model")``
 
     ``DistributedManager()`` returns the initialized instance (a clear error before
     :meth:`initialize`). Axis names everywhere are ``"batch"``, ``"domain"``, ``"model"``

@@ -40,6 +40,8 @@ def _fixes(world_size: int, sizes: dict[str, int]) -> list[str]:
 def resolve_mesh_shape(world_size: int, batch: int = -1, domain: int = 1, model: int = 1) -> tuple[int, int, int]:
     """Validate axis sizes against the world size and infer the one given as -1.
 
+    Usage: ``resolve_mesh_shape(8, batch=-1, domain=2, model=2)  # (2, 2, 2)``
+
     Raises ``ValueError`` naming the sizes, the world size and sizes that would work.
     """
     sizes = {"batch": batch, "domain": domain, "model": model}

@@ -65,6 +65,8 @@ def parallelize(
 ) -> nn.Module:
     """Parallelize ``model`` in place over ``DistributedManager()``'s mesh and return it.
 
+    Usage: ``model = parallelize(model, Plan(batch="fsdp", model={"mlp.up": "colwise"}), seed=0)``
+
     Parameter names (``named_parameters()``, ``state_dict()``) stay those of the plain model.
     A model on the meta device is materialized on ``dm.device`` with mesh-independent
     initialization (``seed``, default 0; ``init_fn(module)`` fills one module's own parameters,

@@ -41,6 +41,8 @@ def style_description(style: str | ParallelStyle) -> str:
 class Plan:
     """How to parallelize a model: tensor parallel styles on the model axis, a data-parallel mode on the batch axis.
 
+    Usage: ``Plan(model={"layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}, batch="fsdp")``
+
     Attributes:
         model: glob pattern over module FQNs (``fnmatch``; ``*`` also crosses dots) → ``"colwise"``,
             ``"rowwise"``, ``"sequence"``, ``"replicate"`` or a ``ParallelStyle`` instance.

@@ -27,6 +27,9 @@ def world() -> tuple[int, int]:
     """(rank, world size) of the default group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
+    from mesh3d.manager import refuse_if_launched_uninitialized
+
+    refuse_if_launched_uninitialized("mesh3d.checkpoint")  # else every rank would write the same files
     return 0, 1
 
 

@@ -53,7 +53,9 @@ def _check_match(name: str, saved: dict[str, Any], target: torch.Tensor) -> None
         raise CheckpointError(f"tensor {name!r}: checkpoint has dtype {saved['dtype']}, the model has {dtype} "
                               "(cast the model, or coalesce with a dtype cast)")
     if list(target.shape) != saved["shape"]:
-        raise CheckpointError(f"tensor {name!r}: checkpoint has shape {saved['shape']}, the model has {list(target.shape)}")
+        raise CheckpointError(f"tensor {name!r}: checkpoint has shape {saved['shape']}, the model has {list(target.shape)} "
+                              "(build the model with the configuration it was saved with; `mesh3d ckpt inspect PATH` "
+                              "lists every saved tensor's shape)")
 
 
 def _plan(index: dict[str, Any], model_sd: dict[str, torch.Tensor], osd: dict[str, Any] | None,

@@ -28,10 +28,14 @@ _DTYPES = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.in
 
 
 def domain_comm() -> DomainComm:
-    """This rank's domain group (from ``DistributedManager``); a one-rank domain without one."""
-    from mesh3d.manager import DistributedManager
+    """This rank's domain group (from ``DistributedManager``); a one-rank domain without one.
+
+    Usage: ``comm = domain_comm(); comm.size, comm.index``
+    """
+    from mesh3d.manager import DistributedManager, refuse_if_launched_uninitialized
 
     if not DistributedManager.is_initialized():
+        refuse_if_launched_uninitialized("mesh3d.domain")
         return DomainComm(None, (dist.get_rank() if dist.is_initialized() else 0,), 0)
     dm = DistributedManager()
     return DomainComm(dm.group("domain"), tuple(dm.axis_ranks("domain")), dm.axis_rank("domain"))
@@ -44,7 +48,10 @@ def _check_dim(op: str, dim: int, ndim: int) -> int:
 
 
 def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence[int] | None = None) -> DomainTensor:
-    """Keep this rank's slice of ``x`` (held whole on every domain rank) along ``dim``."""
+    """Keep this rank's slice of ``x`` (held whole on every domain rank) along ``dim``.
+
+    Usage: ``xs = domain.shard(x, dim=2)  # or sizes=(5, 3, 4, 4)``
+    """
     if isinstance(x, DomainTensor):
         raise ValueError("domain.shard: x is already a domain tensor; pass the plain whole tensor")
     comm = domain_comm()
@@ -55,7 +62,10 @@ def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence[int] | None = None) -> 
 
 
 def from_local(local: torch.Tensor, dim: int, sizes: Sequence[int]) -> DomainTensor:
-    """Wrap this rank's own slab (every rank passes the same ``sizes``; no communication)."""
+    """Wrap this rank's own slab (every rank passes the same ``sizes``; no communication).
+
+    Usage: ``xs = domain.from_local(my_slab, dim=2, sizes=(12, 10, 10))``
+    """
     comm = domain_comm()
     dim = _check_dim("from_local", dim, local.ndim)
     sizes = split_sizes(sum(sizes), comm.size, sizes)
@@ -69,6 +79,8 @@ def from_local(local: torch.Tensor, dim: int, sizes: Sequence[int]) -> DomainTen
 
 def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[int] | None = None) -> DomainTensor:
     """Send each domain rank only its own slice of ``x``, held by domain rank ``src`` (others pass None).
+
+    Usage: ``xs = domain.scatter(x if dm.axis_rank("domain") == 0 else None, dim=2, src=0)``
 
     Point-to-point sends from ``src``: no rank but ``src`` ever holds more than its slice. Only the
     shape and dtype are broadcast first (a few integers). Differentiable: ``x.grad`` on ``src``
@@ -120,6 +132,8 @@ class _FullTensor(torch.autograd.Function):
 def full_tensor(x: DomainTensor) -> DomainTensor:
     """The whole tensor on every domain rank (differentiable), as a *replicated* domain tensor.
 
+    Usage: ``whole = domain.full_tensor(ys)  # or ys.full_tensor()``
+
     Replicated, not plain: parameters applied to it afterwards (a head after gathering) then get
     1/D of their gradient on each rank, so the domain sum of gradients stays the one-process one.
     ``.to_local()`` gives the plain tensor.
@@ -130,7 +144,10 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
 
 
 def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainTensor:
-    """The same tensor with new per-rank sizes along its sharded dim (only moved rows travel)."""
+    """The same tensor with new per-rank sizes along its sharded dim (only moved rows travel).
+
+    Usage: ``ys = domain.redistribute(xs, (4, 4, 4, 4))``
+    """
     new = split_sizes(sum(x.spec.sizes), x.spec.comm.size, sizes)
     if new == x.spec.sizes:
         return x

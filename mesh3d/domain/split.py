@@ -21,7 +21,10 @@ __all__ = ["balanced_sizes", "offsets_of", "split_sizes"]
 
 
 def split_sizes(length: int, parts: int, sizes: Sequence[int] | None = None) -> tuple[int, ...]:
-    """Per-rank sizes of ``length`` over ``parts`` ranks: ``torch.chunk``'s, or ``sizes`` checked."""
+    """Per-rank sizes of ``length`` over ``parts`` ranks: ``torch.chunk``'s, or ``sizes`` checked.
+
+    Usage: ``split_sizes(10, 4)  # (3, 3, 3, 1); split_sizes(10, 2, (7, 3)) checks explicit sizes``
+    """
     if not isinstance(parts, int) or parts < 1:
         raise ValueError(f"the domain must have at least one rank; got parts={parts!r}")
     if length < 0:
@@ -46,7 +49,10 @@ def split_sizes(length: int, parts: int, sizes: Sequence[int] | None = None) -> 
 
 
 def balanced_sizes(length: int, parts: int) -> tuple[int, ...]:
-    """Sizes differing by at most one, larger first (no empty shard while length >= parts)."""
+    """Sizes differing by at most one, larger first (no empty shard while length >= parts).
+
+    Usage: ``balanced_sizes(10, 4)  # (3, 3, 2, 2)``
+    """
     base, extra = divmod(length, parts)
     return tuple(base + (1 if i < extra else 0) for i in range(parts))
 

@@ -32,7 +32,10 @@ __all__ = ["DomainSpec", "DomainTensor", "adopt", "unwrap", "wrap"]
 
 @dataclass(frozen=True)
 class DomainSpec:
-    """Sharded dim (None: replicated), per-rank sizes along it, and the domain group."""
+    """Sharded dim (None: replicated), per-rank sizes along it, and the domain group.
+
+    Usage: ``xs.spec.dim, xs.spec.sizes, xs.spec.offset``
+    """
 
     dim: int | None
     sizes: tuple[int, ...] | None
@@ -80,7 +83,10 @@ def unwrap(t: Any) -> Any:
 
 
 class DomainTensor(torch.Tensor):
-    """This rank's shard of a domain-sharded tensor (see the module docstring)."""
+    """This rank's shard of a domain-sharded tensor (see the module docstring).
+
+    Usage: ``xs = domain.shard(x, dim=2); xs.to_local(), xs.global_shape, xs.offset, xs.sizes``
+    """
 
     _spec: DomainSpec
 

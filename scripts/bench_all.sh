@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Every benchmark, each against the best alternative measured in the same run; JSON + PNG plots
+# land in docs/benchmarks/ (see docs/benchmarks.md). About 10 minutes on a 2-core CPU box.
+#   scripts/bench_all.sh
+#   QUICK=1 scripts/bench_all.sh      # smaller sizes, ~3 minutes (a smoke run; do not publish its figures)
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$ROOT"
+"$PY" -m pip install -q -e ".[bench]"            # matplotlib, for the plots (not a core dependency)
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+if [ "${QUICK:-0}" = 1 ]; then
+  p=(--rounds 5 --warmup 1); d=(--size 256 --domains 1 2 4); c=(--size-mb 256)
+else
+  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024)
+fi
+echo "== 1/4 parallelize vs hand-written fully_shard + parallelize_module (4 ranks)"
+"$PY" scripts/bench_parallelize.py --nproc 4 "${p[@]}"
+echo "== 2/4 the same on 8 ranks"
+"$PY" scripts/bench_parallelize.py --nproc 8 --batch 4 --out docs/benchmarks/parallelize_8ranks.json "${p[@]}"
+echo "== 3/4 domain parallelism: halo bytes, time vs gathering the input, activation memory"
+"$PY" scripts/bench_domain.py "${d[@]}"
+echo "== 4/4 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
+"$PY" scripts/bench_checkpoint.py "${c[@]}"
+ls -l docs/benchmarks/
