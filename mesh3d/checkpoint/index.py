@@ -42,7 +42,7 @@ __all__ = [
 
 FORMAT = "mesh3d-checkpoint"
 #: The version ``save`` writes.
-VERSION = 1
+VERSION = 2
 #: The versions this code reads: 1 (crc32 integers) and 2 (the named algorithm, hex strings).
 SUPPORTED_VERSIONS = (1, 2)
 #: The block checksum algorithms a version-2 index may name.
