@@ -10,19 +10,25 @@ its message says so.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import random
 import shutil
 import sys
 import time
+import zlib
 
 import pytest
 import torch
+import xxhash
 from torch import nn
 
 from ckpt_helpers import Net, build, shutdown, synthetic_steps
 from mesh3d import checkpoint
 from mesh3d.checkpoint import CheckpointError
+from mesh3d.checkpoint.chunks import Box
+from mesh3d.checkpoint.index import encode_index, read_index
+from mesh3d.checkpoint.reader import ShardReader
 
 
 def _trained() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -138,6 +144,73 @@ def test_missing_file_mismatches_and_bad_requests(tmp_path):
     with pytest.raises(CheckpointError, match="JSON-serializable"):
         checkpoint.save(str(tmp_path / "other"), model, extra={"bad": object()})
     assert not os.path.exists(tmp_path / "other") and sorted(os.listdir(tmp_path)) == ["broken", "ck", "flipped"]
+
+
+def _downgrade_to_version_1(path: str) -> None:
+    """Rewrite a checkpoint's index in format version 1 (per-block zlib.crc32 integers), as older mesh3d wrote it."""
+    doc = json.load(open(os.path.join(path, "index.json")))
+    block = doc.pop("checksum_block_bytes")
+    assert doc.pop("checksum") == "xxh3_64" and doc.pop("index_crc32") is not None
+    for entry in doc["tensors"].values():
+        for chunk in entry["chunks"]:
+            b, e = chunk["data_offsets"]
+            data = open(os.path.join(path, chunk["file"]), "rb").read()[b:e]
+            del chunk["checksums"]
+            chunk["crc32"] = [zlib.crc32(data[i : i + block]) for i in range(0, len(data), block)]
+    doc.update(version=1, crc_block_bytes=block)
+    open(os.path.join(path, "index.json"), "wb").write(encode_index(doc))
+
+
+def test_xxh3_index_fields_and_version_1_crc32_checkpoints(tmp_path):
+    """Version 2 stores xxh3_64 of each block as 16 hex digits; version-1 (crc32) checkpoints still load.
+
+    512-byte blocks make emb.weight (13x6 fp64, 624 bytes) span two blocks, the last one short,
+    so reads stream a checksum across the scatter-read pieces and across block boundaries.
+    """
+    model, opt = _trained()
+    v2 = str(tmp_path / "v2")
+    checkpoint.save(v2, model, opt, step=2, checksum_block_bytes=512)
+    index = json.load(open(os.path.join(v2, "index.json")))
+    assert (index["version"], index["checksum"], index["checksum_block_bytes"]) == (2, "xxh3_64", 512)
+    assert "crc_block_bytes" not in index
+    for entry in index["tensors"].values():
+        for chunk in entry["chunks"]:
+            b, e = chunk["data_offsets"]
+            data = open(os.path.join(v2, chunk["file"]), "rb").read()[b:e]
+            assert "crc32" not in chunk
+            assert chunk["checksums"] == [f"{xxhash.xxh3_64_intdigest(data[i : i + 512]):016x}"
+                                          for i in range(0, len(data), 512)]
+    assert len(index["tensors"]["emb.weight"]["chunks"][0]["checksums"]) == 2
+    v1 = str(tmp_path / "v1")
+    shutil.copytree(v2, v1)
+    _downgrade_to_version_1(v1)
+    want = model.state_dict()
+    for path, version, algorithm in ((v2, 2, "xxh3_64"), (v1, 1, "crc32")):
+        assert f"format version {version} ({algorithm} per 512 B block)" in checkpoint.describe(path)
+        checkpoint.verify(path)
+        for in_place in (True, False):
+            fresh, fresh_opt, _ = _fresh()
+            checkpoint.load(path, fresh, fresh_opt, in_place=in_place)
+            assert all(torch.equal(v, want[k]) for k, v in fresh.state_dict().items())
+        index = read_index(path)
+        with ShardReader(path, index) as reader:  # partial boxes: one run across a block edge, and strided runs
+            for box in (Box((5, 0), (8, 6)), Box((3, 1), (9, 4)), Box((12, 5), (1, 1))):
+                out = torch.empty(box.shape, dtype=torch.float64)
+                reader.read_into("emb.weight", box, out)
+                (r, c), (nr, nc) = box.offsets, box.shape
+                assert torch.equal(out, model.emb.weight.detach()[r : r + nr, c : c + nc])
+        shard = os.path.join(path, "model/r00000-of-00001.safetensors")
+        pristine = open(shard, "rb").read()
+        start = min(c["data_offsets"][0] for e in index["tensors"].values() for c in e["chunks"] if c["file"].startswith("model"))
+        for pos in random.Random(version).sample(range(start, len(pristine)), 8):
+            data = bytearray(pristine)
+            data[pos] ^= 1 << (pos % 8)
+            open(shard, "wb").write(bytes(data))
+            with pytest.raises(CheckpointError, match="checksum mismatch in .*model/r00000-of-00001.safetensors"):
+                checkpoint.verify(path)
+        _assert_load_fails(path, "checksum mismatch")
+        open(shard, "wb").write(pristine)
+        checkpoint.verify(path)
 
 
 STAGES = ("staged", "mid_shard", "shards_written", "before_index", "index_written", "committed")

@@ -1,9 +1,11 @@
 """Hypothesis fuzzing of the index validator (pure, so thousands of cases run in seconds).
 
-Properties: (1) every well-formed index is accepted; (2) any random edit of any field
-either passes or raises CheckpointFormatError, never another exception; (3) each kind of
-corruption the issue names (escaping paths, overlapping / missing chunks, absurd sizes or
-offsets, unknown version, unknown dtype, a stale self-checksum) is always refused.
+Properties, for both format versions (2: xxh3_64 hex strings, 1: crc32 integers):
+(1) every well-formed index is accepted; (2) any random edit of any field either passes or
+raises CheckpointFormatError, never another exception; (3) each kind of corruption the issue
+names (escaping paths, overlapping / missing chunks, absurd sizes or offsets, unknown
+version, unknown dtype, a stale self-checksum; unknown checksum algorithm, bad block size,
+checksums of the wrong count or form) is always refused.
 """
 
 from __future__ import annotations
@@ -17,14 +19,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh3d.checkpoint.errors import CheckpointFormatError
-from mesh3d.checkpoint.index import FORMAT, VERSION, encode_index, validate_index
+from mesh3d.checkpoint.index import FORMAT, SUPPORTED_VERSIONS, encode_index, validate_index
 from mesh3d.checkpoint.st_format import ITEMSIZE
 
 BLOCK = 512
 
 
+def _sums_field(doc: dict) -> str:
+    return "crc32" if doc["version"] == 1 else "checksums"
+
+
+def _block_field(doc: dict) -> str:
+    return "crc_block_bytes" if doc["version"] == 1 else "checksum_block_bytes"
+
+
 @st.composite
 def indexes(draw) -> dict:
+    version = draw(st.sampled_from(SUPPORTED_VERSIONS))
+    value = st.integers(0, 2**32 - 1) if version == 1 else st.integers(0, 2**64 - 1).map(lambda v: f"{v:016x}")
     n_files = draw(st.integers(1, 3))
     files = [f"model/r{i:05d}-of-{n_files:05d}.safetensors" for i in range(n_files)]
     cursor = {f: 4096 for f in files}
@@ -42,14 +54,15 @@ def indexes(draw) -> dict:
             file = draw(st.sampled_from(files))
             rng = [cursor[file], cursor[file] + nbytes]
             cursor[file] += nbytes
-            crcs = draw(st.lists(st.integers(0, 2**32 - 1), min_size=-(-nbytes // BLOCK), max_size=-(-nbytes // BLOCK)))
+            sums = draw(st.lists(value, min_size=-(-nbytes // BLOCK), max_size=-(-nbytes // BLOCK)))
             chunks.append({"offsets": offsets, "shape": cshape, "file": file, "key": f"t{t}",
-                           "data_offsets": rng, "crc32": crcs})
+                           "data_offsets": rng, "crc32" if version == 1 else "checksums": sums})
         tensors[f"t{t}"] = {"role": "model", "dtype": dtype, "shape": shape, "chunks": chunks}
-    doc = {"format": FORMAT, "version": VERSION, "step": draw(st.none() | st.integers(0, 10**6)), "extra": None,
-           "crc_block_bytes": BLOCK, "world_size": n_files, "mesh": None,
+    doc = {"format": FORMAT, "version": version, "step": draw(st.none() | st.integers(0, 10**6)), "extra": None,
+           "world_size": n_files, "mesh": None,
            "files": {f: {"bytes": max(cursor[f], 8), "rank": i} for i, f in enumerate(files)},
            "tensors": tensors, "optimizer": None}
+    doc.update({"crc_block_bytes": BLOCK} if version == 1 else {"checksum": "xxh3_64", "checksum_block_bytes": BLOCK})
     return json.loads(encode_index(doc))
 
 
@@ -101,6 +114,17 @@ def _first_chunk(doc):
     return next(iter(doc["tensors"].values()))["chunks"][0]
 
 
+def _first_sums(doc):
+    return _first_chunk(doc)[_sums_field(doc)]
+
+
+def _bad_value(doc, v, kind):
+    """A checksum of the right type for the other version, or of a wrong form for this one."""
+    if doc["version"] == 1:
+        return {"short": 2**32 + v, "non-hex": f"{v:08x}", "upper": -1 - v, "int": float(v)}[kind]
+    return {"short": f"{v:015x}", "non-hex": f"{v:015x}g", "upper": f"{0xA000000000000000 + v:016X}", "int": v}[kind]
+
+
 CORRUPTIONS = {
     "escaping path": lambda d, v: d["files"].update({f"../{v}.safetensors": {"bytes": 10}}),
     "absolute path": lambda d, v: _first_chunk(d).update(file=f"/etc/{v}.safetensors"),
@@ -111,10 +135,22 @@ CORRUPTIONS = {
     else d["tensors"].clear() or d.update(version=99),
     "absurd byte range": lambda d, v: _first_chunk(d).update(data_offsets=[2**59 + v, 2**59 + v + 1]),
     "absurd shape": lambda d, v: next(iter(d["tensors"].values())).update(shape=[2**49 + v]),
-    "unknown version": lambda d, v: d.update(version=VERSION + 1 + v),
+    "unknown version": lambda d, v: d.update(version=max(SUPPORTED_VERSIONS) + 1 + v),
+    "version as a bool or float": lambda d, v: d.update(version=[True, 2.0, "2", None][v % 4]),
+    "other version's fields": lambda d, v: d.update(version=3 - d["version"]),
     "unknown dtype": lambda d, v: next(iter(d["tensors"].values())).update(dtype=f"F{v + 100}"),
     "file too short": lambda d, v: [f.update(bytes=8) for f in d["files"].values()],
-    "wrong crc count": lambda d, v: _first_chunk(d)["crc32"].extend([1, 2]),
+    "wrong checksum count": lambda d, v: _first_sums(d).extend(_first_sums(d)[:1] * (1 + v % 2)),
+    "missing a checksum": lambda d, v: _first_sums(d).pop(),
+    "no checksum list": lambda d, v: _first_chunk(d).pop(_sums_field(d)),
+    "short checksum": lambda d, v: _first_sums(d).__setitem__(0, _bad_value(d, v, "short")),
+    "non-hex checksum": lambda d, v: _first_sums(d).__setitem__(-1, _bad_value(d, v, "non-hex")),
+    "uppercase or negative checksum": lambda d, v: _first_sums(d).__setitem__(0, _bad_value(d, v, "upper")),
+    "checksum of the wrong type": lambda d, v: _first_sums(d).__setitem__(0, _bad_value(d, v, "int")),
+    "unknown checksum algorithm": lambda d, v: d.update(checksum=["crc32", "xxh3_128", "XXH3_64", None][v % 4])
+    if d["version"] == 2 else d.update(version=2),
+    "block size out of range": lambda d, v: d.update({_block_field(d): [511, 2**30 + 1, 0, -v, True, "512"][v % 6]}),
+    "no block size": lambda d, v: d.pop(_block_field(d)),
 }
 
 
@@ -129,7 +165,33 @@ def test_corruptions_are_always_refused(doc, kind, value, reseal):
 
 def test_error_messages_say_what_and_where():
     doc = {"format": FORMAT, "version": 7}
-    with pytest.raises(CheckpointFormatError, match="unknown format version 7; this mesh3d reads version 1"):
+    with pytest.raises(CheckpointFormatError, match=r"unknown format version 7 \(written by a newer mesh3d\?\); "
+                       r"this mesh3d reads versions 1 \(crc32 block checksums\) and 2 \(xxh3_64 block checksums\)"):
         validate_index(doc)
     with pytest.raises(CheckpointFormatError, match="must be a JSON object"):
         validate_index([1, 2])
+    # A version-2 index with one tensor of 4 float64 (32 bytes: one block).
+    chunk = {"offsets": [0], "shape": [4], "file": "model/r0.safetensors", "key": "w", "data_offsets": [4096, 4128],
+             "checksums": ["0123456789abcdef"]}
+    good = {"format": FORMAT, "version": 2, "checksum": "xxh3_64", "checksum_block_bytes": 512, "step": None,
+            "files": {"model/r0.safetensors": {"bytes": 4128}},
+            "tensors": {"w": {"role": "model", "dtype": "F64", "shape": [4], "chunks": [chunk]}}}
+    assert validate_index(_reseal(good))
+
+    def refused(edit, match):
+        doc = copy.deepcopy(good)
+        edit(doc)
+        with pytest.raises(CheckpointFormatError, match=match):
+            validate_index(_reseal(doc))
+
+    refused(lambda d: d.update(checksum="crc32"), r"checksum: unknown block checksum algorithm 'crc32'; version 2 knows xxh3_64")
+    refused(lambda d: d.update(checksum_block_bytes=100), r"checksum_block_bytes: must be an integer in \[512, 2\*\*30\], got 100")
+    first = lambda d: d["tensors"]["w"]["chunks"][0]  # noqa: E731
+    refused(lambda d: first(d)["checksums"].append("0123456789abcdef"),
+            r"tensor 'w' chunk 0: 'checksums' must have 1 entries \(one per 512-byte block of the chunk's 32 bytes\), got 2")
+    refused(lambda d: first(d).update(checksums=["0123456789ABCDEF"]),
+            r"tensor 'w' chunk 0: checksums\[0\] must be a 64-bit xxh3_64 value written as 16 lowercase hex digits, "
+            r"got '0123456789ABCDEF'")
+    refused(lambda d: first(d).update(checksums=[81985529216486895]), r"checksums\[0\] must be a 64-bit xxh3_64 value")
+    refused(lambda d: first(d).pop("checksums"), r"'checksums' must be a list of xxh3_64 values, one per 512-byte block")
+    refused(lambda d: d.update(version=1), r"crc_block_bytes: must be an integer in \[512, 2\*\*30\], got None")

@@ -3,12 +3,23 @@
 The index is the commit marker (written last) and the only thing a reader needs to plan:
 every tensor's dtype and global shape, and for each saved chunk its global offsets and
 shape, the shard file (a path relative to the checkpoint), the absolute byte range in
-that file, and crc32s of its fixed-size blocks. Nothing in a checkpoint is pickled.
+that file, and a checksum of each of its fixed-size blocks. Nothing in a checkpoint is pickled.
+
+Block checksums by format version (both are read; ``save`` writes ``VERSION``):
+
+- 2: top-level ``"checksum": "xxh3_64"`` and ``"checksum_block_bytes"``; each chunk has
+  ``"checksums"``, one 16-digit lowercase hex string per block (XXH3 64-bit, seed 0).
+- 1: top-level ``"crc_block_bytes"``; each chunk has ``"crc32"``, one zlib.crc32 integer per block.
+
+In both, ``index_crc32`` is zlib.crc32 of the canonical JSON of everything else (sorted keys,
+no spaces), an integer: the index is a tiny fraction of the data, so the speed of its own
+checksum does not matter, and crc32 is in every language's standard library.
 
 Usage::
 
     index = read_index(path)            # parsed and validated, or CheckpointFormatError
     validate_index(doc)                 # pure: the same checks on an in-memory dict
+    algorithm, block, field = checksum_scheme(index)   # how chunk[field][b] checks block b
 """
 
 from __future__ import annotations
@@ -20,23 +31,43 @@ import re
 import zlib
 from typing import Any
 
+from mesh3d.checkpoint.checksum import ALGORITHMS, Algorithm
 from mesh3d.checkpoint.errors import CheckpointFormatError
 from mesh3d.checkpoint.st_format import ITEMSIZE
 
-__all__ = ["FORMAT", "VERSION", "INDEX_NAME", "ROLES", "validate_index", "read_index", "encode_index", "chunk_numel"]
+__all__ = [
+    "FORMAT", "VERSION", "SUPPORTED_VERSIONS", "CHECKSUMS", "INDEX_NAME", "ROLES", "validate_index", "read_index",
+    "encode_index", "chunk_numel", "checksum_scheme",
+]
 
 FORMAT = "mesh3d-checkpoint"
-VERSION = 1
+#: The version ``save`` writes.
+VERSION = 2
+#: The versions this code reads: 1 (crc32 integers) and 2 (the named algorithm, hex strings).
+SUPPORTED_VERSIONS = (1, 2)
+#: The block checksum algorithms a version-2 index may name.
+CHECKSUMS = ("xxh3_64",)
+#: Bounds of the checksum block size, in bytes.
+MIN_BLOCK, MAX_BLOCK = 512, 2**30
 INDEX_NAME = "index.json"
 ROLES = ("model", "optimizer")
 #: Sanity bounds: a dimension above 2**48 elements or a tensor above 2**60 bytes is corruption.
 MAX_DIM = 2**48
 MAX_BYTES = 2**60
 _SAFE_PATH = re.compile(r"^[A-Za-z0-9_.-]+(/[A-Za-z0-9_.-]+)*$")
+_HEX = re.compile(r"[0-9a-f]*")
+_HEX16 = re.compile(r"[0-9a-f]{16}")
 
 
 def chunk_numel(shape: list[int]) -> int:
     return math.prod(shape)
+
+
+def checksum_scheme(index: dict[str, Any]) -> tuple[Algorithm, int, str]:
+    """(algorithm, block size in bytes, the chunk field listing one checksum per block) of a validated index."""
+    if index["version"] == 1:
+        return ALGORITHMS["crc32"], index["crc_block_bytes"], "crc32"
+    return ALGORITHMS[index["checksum"]], index["checksum_block_bytes"], "checksums"
 
 
 def _fail(where: str, msg: str) -> CheckpointFormatError:
@@ -75,7 +106,27 @@ def encode_index(doc: dict[str, Any]) -> bytes:
     return json.dumps(doc, sort_keys=True, indent=1).encode()
 
 
-def _check_chunks(name: str, entry: dict[str, Any], files: dict[str, Any], block: int) -> None:
+def _check_sums(where: str, sums: Any, nbytes: int, block: int, version: int, algorithm: str) -> None:
+    """One checksum per ``block``-byte block of the chunk's ``nbytes`` bytes, each of the version's form."""
+    blocks = -(-nbytes // block)
+    if version == 1:
+        if not isinstance(sums, list) or len(sums) != blocks or not all(_is_int(c) and 0 <= c < 2**32 for c in sums):
+            raise _fail(where, f"'crc32' must list one 32-bit checksum per {block}-byte block")
+        return
+    if not isinstance(sums, list):
+        raise _fail(where, f"'checksums' must be a list of {algorithm} values, one per {block}-byte block, "
+                           f"got {sums!r:.100}")
+    if len(sums) != blocks:
+        raise _fail(where, f"'checksums' must have {blocks} entries (one per {block}-byte block of the chunk's "
+                           f"{nbytes} bytes), got {len(sums)}")
+    if not (all(isinstance(c, str) and len(c) == 16 for c in sums) and _HEX.fullmatch("".join(sums))):
+        bad = next(i for i, c in enumerate(sums) if not (isinstance(c, str) and _HEX16.fullmatch(c)))
+        raise _fail(where, f"checksums[{bad}] must be a 64-bit {algorithm} value written as 16 lowercase hex digits, "
+                           f"got {sums[bad]!r:.100}")
+
+
+def _check_chunks(name: str, entry: dict[str, Any], files: dict[str, Any], block: int, version: int,
+                  algorithm: str) -> None:
     shape, itemsize = entry["shape"], ITEMSIZE[entry["dtype"]]
     chunks = entry.get("chunks")
     if not isinstance(chunks, list):
@@ -105,11 +156,8 @@ def _check_chunks(name: str, entry: dict[str, Any], files: dict[str, Any], block
             raise _fail(where, f"byte range {rng} holds {rng[1] - rng[0]} bytes; shape {cshape} of {entry['dtype']} needs {numel * itemsize}")
         if rng[1] > files[rel]["bytes"]:
             raise _fail(where, f"byte range {rng} runs past the end of {rel} ({files[rel]['bytes']} bytes)")
-        crcs = chunk.get("crc32")
-        if not isinstance(crcs, list) or len(crcs) != -(-(numel * itemsize) // block) or not all(
-            _is_int(c) and 0 <= c < 2**32 for c in crcs
-        ):
-            raise _fail(where, f"'crc32' must list one 32-bit checksum per {block}-byte block")
+        _check_sums(where, chunk.get("crc32" if version == 1 else "checksums"), numel * itemsize, block, version,
+                    algorithm)
         total += numel
         boxes.append((offsets, cshape))
     if total != chunk_numel(shape):
@@ -159,13 +207,25 @@ def validate_index(doc: Any) -> dict[str, Any]:
         raise _fail("top level", "must be a JSON object")
     if doc.get("format") != FORMAT:
         raise _fail("format", f"expected {FORMAT!r}, got {doc.get('format')!r:.100}")
-    if doc.get("version") != VERSION:
-        raise _fail("version", f"unknown format version {doc.get('version')!r:.100}; this mesh3d reads version {VERSION}")
+    version = doc.get("version")
+    if not _is_int(version) or version not in SUPPORTED_VERSIONS:
+        newer = " (written by a newer mesh3d?)" if _is_int(version) and version > max(SUPPORTED_VERSIONS) else ""
+        raise _fail("version", f"unknown format version {version!r:.100}{newer}; this mesh3d reads versions "
+                               f"1 (crc32 block checksums) and 2 (xxh3_64 block checksums)")
     if doc.get("index_crc32") != zlib.crc32(_canonical(doc)):
         raise _fail("index_crc32", "the index's own checksum does not match its content (the file was altered)")
-    block = doc.get("crc_block_bytes")
-    if not _is_int(block) or not 512 <= block <= 2**30:
-        raise _fail("crc_block_bytes", f"must be an integer in [512, 2**30], got {block!r:.100}")
+    algorithm, block_field = "crc32", "crc_block_bytes"
+    if version >= 2:
+        algorithm, block_field = doc.get("checksum"), "checksum_block_bytes"
+        if algorithm is None:
+            raise _fail("checksum", f"missing: a version-{version} index names its block checksum algorithm "
+                                    f"(one of: {', '.join(CHECKSUMS)})")
+        if not isinstance(algorithm, str) or algorithm not in CHECKSUMS:
+            raise _fail("checksum", f"unknown block checksum algorithm {algorithm!r:.100}; "
+                                    f"version {version} knows {', '.join(CHECKSUMS)}")
+    block = doc.get(block_field)
+    if not _is_int(block) or not MIN_BLOCK <= block <= MAX_BLOCK:
+        raise _fail(block_field, f"must be an integer in [{MIN_BLOCK}, 2**30], got {block!r:.100}")
     if doc.get("step") is not None and not _is_int(doc.get("step")):
         raise _fail("step", f"must be an integer or null, got {doc.get('step')!r:.100}")
     files = doc.get("files")
@@ -191,7 +251,7 @@ def validate_index(doc: Any) -> dict[str, Any]:
         shape = _int_list(entry.get("shape"), f"{where} shape")
         if chunk_numel(shape) * ITEMSIZE[entry["dtype"]] > MAX_BYTES:
             raise _fail(where, f"shape {shape} is absurdly large")
-        _check_chunks(name, entry, files, block)
+        _check_chunks(name, entry, files, block, version, algorithm)
     _check_file_ranges(tensors)
     optimizer = doc.get("optimizer")
     if optimizer is not None:

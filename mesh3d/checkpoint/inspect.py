@@ -1,7 +1,8 @@
 """Describe and verify a checkpoint without torch.distributed (what ``mesh3d ckpt`` prints).
 
-``verify`` reads every byte of every chunk and checks its crc32 blocks; the index
-validator has already proven coverage (every element of every tensor saved exactly once).
+``verify`` reads every byte of every chunk and checks the checksum of each block (xxh3_64;
+crc32 in version-1 checkpoints); the index validator has already proven coverage (every
+element of every tensor saved exactly once).
 
 Usage::
 
@@ -18,7 +19,7 @@ from typing import Any
 import torch
 
 from mesh3d.checkpoint.chunks import Box
-from mesh3d.checkpoint.index import read_index
+from mesh3d.checkpoint.index import checksum_scheme, read_index
 from mesh3d.checkpoint.progress import Progress
 from mesh3d.checkpoint.reader import ShardReader
 from mesh3d.checkpoint.st_format import DTYPES, ITEMSIZE
@@ -34,8 +35,10 @@ def describe(path: str | os.PathLike) -> str:
     mesh_text = "none (no DistributedManager)" if not mesh else " x ".join(
         f"{a}={s}" for a, s in zip(mesh["axes"], mesh["shape"]))
     total = sum(f["bytes"] for f in index["files"].values())
-    lines = [f"checkpoint {path}", f"  format version {index['version']}, step {index['step']}, "
-             f"saved on {index['world_size']} rank(s), mesh {mesh_text}",
+    algorithm, block, _ = checksum_scheme(index)
+    block_text = f"{block // 1024} KiB" if block % 1024 == 0 else f"{block} B"
+    lines = [f"checkpoint {path}", f"  format version {index['version']} ({algorithm.name} per {block_text} block), "
+             f"step {index['step']}, saved on {index['world_size']} rank(s), mesh {mesh_text}",
              f"  {len(index['files'])} shard files, {total / 1e6:.2f} MB; extra: {index.get('extra')!r}"]
     if index.get("optimizer"):
         lines.append(f"  optimizer {index['optimizer'].get('type')} with {len(index['optimizer']['param_groups'])} param group(s)")

@@ -3,8 +3,9 @@
 For each saved chunk that overlaps the wanted box, the overlap is a set of contiguous
 runs in the chunk's row-major bytes (one run when it spans the trailing dims). Only the
 256 KiB checksum blocks under those runs are read (``os.preadv`` at offsets taken from
-the index, checked against the file's own safetensors header) and each block's crc32 is
-verified before use. ``stats`` records bytes read vs bytes needed (read amplification).
+the index, checked against the file's own safetensors header) and each block's checksum
+is verified before use, with the algorithm the index names (xxh3_64; crc32 in version-1
+checkpoints). ``stats`` records bytes read vs bytes needed (read amplification).
 
 Usage::
 
@@ -17,13 +18,13 @@ from __future__ import annotations
 import itertools
 import math
 import os
-import zlib
 from typing import Any
 
 import torch
 
 from mesh3d.checkpoint.chunks import Box, overlap
 from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.index import checksum_scheme
 from mesh3d.checkpoint.st_format import DTYPES, ITEMSIZE, read_header
 
 __all__ = ["ShardReader"]
@@ -59,7 +60,7 @@ class ShardReader:
 
     def __init__(self, path: str, index: dict[str, Any], verify_headers: bool = True) -> None:
         self.path, self.index = path, index
-        self.block = index["crc_block_bytes"]
+        self.algorithm, self.block, self._sums = checksum_scheme(index)
         self.verify_headers = verify_headers
         self._fds: dict[str, int] = {}
         self.stats = {"bytes_read": 0, "bytes_needed": 0, "header_bytes": 0}
@@ -137,7 +138,7 @@ class ShardReader:
 
         The covering checksum blocks are read with one ``preadv`` whose iovecs are a small
         head buffer, the destination itself and a small tail buffer, so the common dim-0
-        case costs no intermediate copy; each block's crc32 is chained across the pieces.
+        case costs no intermediate copy; each block's checksum is streamed across the pieces.
         """
         (start, count), = _runs(cbox, ov)
         span0, span1 = start * itemsize, (start + count) * itemsize
@@ -152,13 +153,14 @@ class ShardReader:
         if got != hi - lo:
             raise CheckpointError(f"shard file {os.path.join(self.path, chunk['file'])}: short read for tensor "
                                   f"{name!r} (file truncated while reading?)")
+        algorithm, sums = self.algorithm, chunk[self._sums]
         for b in range(lo // block, -(-hi // block)):
-            b0, b1, crc = b * block, min((b + 1) * block, chunk_bytes), 0
+            b0, b1, hasher = b * block, min((b + 1) * block, chunk_bytes), algorithm.stream()
             for at, piece in pieces:
                 s0, s1 = max(b0, at), min(b1, at + len(piece))
                 if s0 < s1:
-                    crc = zlib.crc32(piece[s0 - at : s1 - at], crc)
-            if crc != chunk["crc32"][b]:
+                    hasher.update(piece[s0 - at : s1 - at])
+            if algorithm.finish(hasher) != sums[b]:
                 raise CheckpointError(
                     f"checksum mismatch in {os.path.join(self.path, chunk['file'])} for tensor {name!r} "
                     f"(chunk at offsets {chunk['offsets']}, bytes {chunk['data_offsets'][0] + b0}..): the data is corrupt")
@@ -179,6 +181,7 @@ class ShardReader:
                 groups.append([b])
         fd = self._fd(chunk["file"], name)
         base = chunk["data_offsets"][0]
+        checksum, sums = self.algorithm.of, chunk[self._sums]
         buffers: list[tuple[int, torch.Tensor]] = []
         for group in groups:
             lo, hi = group[0] * block, min((group[-1] + 1) * block, chunk_bytes)
@@ -190,7 +193,7 @@ class ShardReader:
             view = memoryview(buf.numpy())
             for b in group:
                 s = b * block - lo
-                if zlib.crc32(view[s : s + block]) != chunk["crc32"][b]:
+                if checksum(view[s : s + block]) != sums[b]:
                     raise CheckpointError(
                         f"checksum mismatch in {os.path.join(self.path, chunk['file'])} for tensor {name!r} "
                         f"(chunk at offsets {chunk['offsets']}, bytes {base + b * block}..): the data is corrupt")

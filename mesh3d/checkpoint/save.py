@@ -28,18 +28,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from mesh3d.checkpoint.checksum import WRITE_ALGORITHM, block_checksums
 from mesh3d.checkpoint.chunks import Box, local_box, local_data, replica_part
 from mesh3d.checkpoint.comm import allgather_json, raise_if_any_failed, world
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.index import FORMAT, INDEX_NAME, VERSION, encode_index, validate_index
-from mesh3d.checkpoint.st_format import TORCH_TO_ST, block_crcs, plan_header
+from mesh3d.checkpoint.st_format import TORCH_TO_ST, plan_header
 from mesh3d.checkpoint.state import Entry, flat_state
 
-__all__ = ["save", "DEFAULT_CRC_BLOCK_BYTES", "fsync_dir", "write_file_atomic"]
+__all__ = ["save", "DEFAULT_CHECKSUM_BLOCK_BYTES", "fsync_dir", "write_file_atomic"]
 
-#: Checksums cover 256 KiB blocks: a reader verifies exactly the blocks it reads, so a
-#: resharded load reads at most one extra block at each end of a needed range.
-DEFAULT_CRC_BLOCK_BYTES = 256 * 1024
+#: Checksums (xxh3_64) cover 256 KiB blocks: a reader verifies exactly the blocks it reads, so
+#: a resharded load reads at most one extra block at each end of a needed range.
+DEFAULT_CHECKSUM_BLOCK_BYTES = 256 * 1024
 
 #: Test hook: the name of a stage at which the saving process calls ``os._exit`` to
 #: simulate a crash (tests/test_checkpoint_faults.py). Never set in production.
@@ -76,7 +77,7 @@ def _shard_name(role: str, rank: int, size: int) -> str:
 
 
 def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: int) -> tuple[int, dict[str, Any]]:
-    """Stream ``parts`` into one plain safetensors file; return its size and per-key ranges/crcs."""
+    """Stream ``parts`` into one plain safetensors file; return its size and per-key ranges/checksums."""
     header, ranges = plan_header(
         {k: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for k, t in parts.items()},
         {"format": "pt", "mesh3d_rank": str(rank)},
@@ -90,7 +91,7 @@ def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: in
             data = parts[key].detach().contiguous().cpu().reshape(-1)
             view = memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
             f.write(view)
-            records[key] = {"data_offsets": list(ranges[key]), "crc32": block_crcs(view, block)}
+            records[key] = {"data_offsets": list(ranges[key]), "checksums": block_checksums(view, block)}
         f.flush()
         os.fsync(f.fileno())
         size = f.tell()
@@ -136,12 +137,13 @@ def save(
     *,
     step: int | None = None,
     extra: Any = None,
-    crc_block_bytes: int = DEFAULT_CRC_BLOCK_BYTES,
+    checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES,
 ) -> str:
     """Save ``model`` (and ``optimizer``) state to the directory ``path``; all ranks call it.
 
     ``path`` must not exist yet; it appears only once the checkpoint is complete.
-    Returns the absolute path. ``extra`` must be JSON-serializable.
+    Returns the absolute path. ``extra`` must be JSON-serializable. Every block of
+    ``checksum_block_bytes`` bytes of every chunk gets an xxh3_64 checksum in the index.
     """
     rank, size = world()
     path = os.path.abspath(os.fspath(path))
@@ -193,7 +195,7 @@ def save(
             if not parts:
                 continue
             rel = _shard_name(role, rank, size)
-            nbytes, written = _write_shard(os.path.join(staging, rel), parts, crc_block_bytes, rank)
+            nbytes, written = _write_shard(os.path.join(staging, rel), parts, checksum_block_bytes, rank)
             files[rel] = {"bytes": nbytes, "rank": rank}
             for name, rec in written.items():
                 box = mine[name][0]
@@ -209,7 +211,7 @@ def save(
             failed = [f"rank {r}: {d['error']}" for r, d in enumerate(gathered) if d["error"]]
             if failed:
                 raise CheckpointError("; ".join(failed[:4]))
-            _commit(path, staging, entries, gathered, optim_meta, step, extra, crc_block_bytes, size)
+            _commit(path, staging, entries, gathered, optim_meta, step, extra, checksum_block_bytes, size)
         except Exception as err:
             shutil.rmtree(staging, ignore_errors=True)
             commit_error = f"{type(err).__name__}: {err}"
@@ -234,9 +236,9 @@ def _commit(path: str, staging: str, entries: dict[str, Entry], gathered: list[d
             tensors[name]["chunks"].append(chunk)
     for entry in tensors.values():
         entry["chunks"].sort(key=lambda c: c["offsets"])
-    doc = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "crc_block_bytes": block,
-           "world_size": size, "mesh": _mesh_info(), "created_unix": time.time(), "files": files,
-           "tensors": tensors, "optimizer": optim_meta}
+    doc = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "checksum": WRITE_ALGORITHM.name,
+           "checksum_block_bytes": block, "world_size": size, "mesh": _mesh_info(), "created_unix": time.time(),
+           "files": files, "tensors": tensors, "optimizer": optim_meta}
     data = encode_index(doc)
     validate_index(json.loads(data))  # never commit an index this very code would refuse to read
     for sub in ("model", "optimizer"):

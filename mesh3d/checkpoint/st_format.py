@@ -18,7 +18,6 @@ import json
 import math
 import os
 import struct
-import zlib
 
 import torch
 
@@ -32,7 +31,6 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "plan_header",
     "read_header",
-    "block_crcs",
 ]
 
 #: safetensors dtype name -> torch dtype (every dtype both sides know).
@@ -122,15 +120,3 @@ def read_header(path: str) -> tuple[dict[str, tuple[str, tuple[int, ...], tuple[
             )
         out[name] = (dtype, shape, (start + b, start + e))
     return out, start
-
-
-def block_crcs(data: memoryview, block: int, seed: list[int] | None = None) -> list[int]:
-    """crc32 of each ``block``-byte block of ``data`` (the last may be short).
-
-    zlib.crc32 runs at ~3 GB/s here, faster than blake2b (~1.2 GB/s) and needs no new
-    dependency. Per-block sums let a reader verify exactly the blocks it reads.
-    """
-    out = seed if seed is not None else []
-    for start in range(0, len(data), block):
-        out.append(zlib.crc32(data[start : start + block]))
-    return out
