@@ -22,3 +22,4 @@ echo "== 3/4 domain parallelism: halo bytes, time vs gathering the input, activa
 echo "== 4/4 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
 "$PY" scripts/bench_checkpoint.py "${c[@]}"
 ls -l docs/benchmarks/
+"$PY" scripts/bench_report.py

@@ -68,6 +68,8 @@ def coalesce(
 ) -> list[str]:
     """Write the model state of checkpoint ``path`` as HF safetensors into the new directory ``out``.
 
+    Usage: ``checkpoint.coalesce("ckpt/step-100", "export/hf", dtype=torch.bfloat16)``
+
     Returns the written file names. Optimizer state is not exported.
     """
     path, out = os.path.abspath(os.fspath(path)), os.path.abspath(os.fspath(out))

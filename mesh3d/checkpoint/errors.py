@@ -14,8 +14,14 @@ __all__ = ["CheckpointError", "CheckpointFormatError"]
 
 
 class CheckpointError(RuntimeError):
-    """A checkpoint cannot be saved or loaded; the message says which file/tensor and why."""
+    """A checkpoint cannot be saved or loaded; the message says which file/tensor and why.
+
+    Usage: ``except CheckpointError as err:`` around ``checkpoint.save``/``load``; ``str(err)`` names file and tensor
+    """
 
 
 class CheckpointFormatError(CheckpointError, ValueError):
-    """``index.json`` (or a shard header) is malformed: the checkpoint is refused before any read."""
+    """``index.json`` (or a shard header) is malformed: the checkpoint is refused before any read.
+
+    Usage: ``except CheckpointFormatError: ...  # a malformed index.json, found before any read``
+    """

@@ -201,6 +201,8 @@ def _check_file_ranges(tensors: dict[str, Any]) -> None:
 def validate_index(doc: Any) -> dict[str, Any]:
     """Check every field of a parsed index; return it, or raise :class:`CheckpointFormatError`.
 
+    Usage: ``checkpoint.validate_index(json.loads(text))``
+
     Pure and collective-free, so every rank can run it before any communication.
     """
     if not isinstance(doc, dict):
@@ -267,7 +269,10 @@ def validate_index(doc: Any) -> dict[str, Any]:
 
 
 def read_index(path: str) -> dict[str, Any]:
-    """Read and validate ``path/index.json``; errors name the file."""
+    """Read and validate ``path/index.json``; errors name the file.
+
+    Usage: ``index = checkpoint.read_index("ckpt/step-100"); index["tensors"]["head.weight"]["shape"]``
+    """
     file = os.path.join(path, INDEX_NAME)
     try:
         with open(file, "rb") as f:

@@ -28,7 +28,10 @@ __all__ = ["describe", "verify"]
 
 
 def describe(path: str | os.PathLike) -> str:
-    """A human-readable summary: step, mesh, files, and every tensor's dtype, shape, chunks and layout."""
+    """A human-readable summary: step, mesh, files, and every tensor's dtype, shape, chunks and layout.
+
+    Usage: ``print(checkpoint.describe("ckpt/step-100"))  # or: mesh3d ckpt inspect ckpt/step-100``
+    """
     path = os.fspath(path)
     index = read_index(path)
     mesh = index.get("mesh")
@@ -52,7 +55,10 @@ def describe(path: str | os.PathLike) -> str:
 
 
 def verify(path: str | os.PathLike, progress: bool = False) -> dict[str, Any]:
-    """Read every chunk, checking headers and checksums; return counts. Raises on any problem."""
+    """Read every chunk, checking headers and checksums; return counts. Raises on any problem.
+
+    Usage: ``counts = checkpoint.verify("ckpt/step-100")  # or: mesh3d ckpt verify ckpt/step-100``
+    """
     path = os.fspath(path)
     index = read_index(path)
     total = sum(math.prod(c["shape"]) * ITEMSIZE[e["dtype"]] for e in index["tensors"].values() for c in e["chunks"])

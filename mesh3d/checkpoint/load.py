@@ -35,7 +35,10 @@ __all__ = ["load", "LoadInfo"]
 
 @dataclass
 class LoadInfo:
-    """What :func:`load` restored: the saved ``step`` and ``extra``, and this rank's I/O."""
+    """What :func:`load` restored: the saved ``step`` and ``extra``, and this rank's I/O.
+
+    Usage: ``info = checkpoint.load(path, model, opt); info.step, info.extra, info.bytes_read``
+    """
 
     path: str
     step: int | None

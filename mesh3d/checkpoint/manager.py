@@ -34,7 +34,10 @@ _STAGING = re.compile(r"^\.step-\d+\.tmp-[0-9a-f]+$")
 
 
 class CheckpointManager:
-    """Numbered checkpoints under ``root`` with a ``latest`` pointer and retention."""
+    """Numbered checkpoints under ``root`` with a ``latest`` pointer and retention.
+
+    Usage: ``manager = CheckpointManager("runs/exp/ckpt", keep_last=3); info = manager.load(model, opt)``
+    """
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:

@@ -141,6 +141,8 @@ def save(
 ) -> str:
     """Save ``model`` (and ``optimizer``) state to the directory ``path``; all ranks call it.
 
+    Usage: ``checkpoint.save("ckpt/step-100", model, opt, step=100, extra={"seed": 0})``
+
     ``path`` must not exist yet; it appears only once the checkpoint is complete.
     Returns the absolute path. ``extra`` must be JSON-serializable. Every block of
     ``checksum_block_bytes`` bytes of every chunk gets an xxh3_64 checksum in the index.
