@@ -65,6 +65,13 @@ def _cases():
         "trilinear": (lambda: nn.Upsample(scale_factor=1.5, mode="trilinear"), (1, 2, H, 4, 3), 4),
         "sdpa": (lambda: (lambda x: F.scaled_dot_product_attention(x, x * 0.5, torch.tanh(x))), (2, 3, H, 5), 2),
         "sdpa_causal": (lambda: (lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True)), (2, 3, H, 5), 2),
+        # reshapes use the local sizes (.shape is local), as attention code does with (B, T, heads, hd)
+        "reshape_split_before": (lambda: (lambda x: x.reshape(x.shape[0], 2, 2, x.shape[2], 6) * 1.5), (2, 4, H, 6), 2),
+        "view_split_after": (lambda: (lambda x: torch.tanh(x.view(*x.shape[:3], 3, 2))), (2, 4, H, 6), 2),
+        "reshape_merge_sharded": (lambda: (lambda x: x.reshape(x.shape[0], x.shape[1], -1) ** 2), (2, 4, H, 6), 2),
+        "heads_roundtrip": (lambda: (lambda x: F.scaled_dot_product_attention(
+            *(x.view(x.shape[0], x.shape[1], 2, 3).transpose(1, 2),) * 3, is_causal=True
+        ).transpose(1, 2).reshape(x.shape[0], x.shape[1], -1)), (2, H, 6), 1),
     }
 
 
@@ -170,6 +177,7 @@ def _refusals_body():
         "max_dim": lambda: xs.max(dim=2),
         "bad_sizes": lambda: domain.shard(x, dim=2, sizes=(H + 1,) + (0,) * (xs.spec.comm.size - 1)),
         "bad_dim": lambda: domain.shard(x, dim=7),
+        "reshape_mixing_rows": lambda: xs.reshape(2, -1, 3),
         "bad_src": lambda: domain.scatter(x, dim=2, src=99),
     }
     messages = {}
@@ -191,6 +199,7 @@ def test_refusals_raise_clearly_on_every_rank(ranks, world):
         assert "sizes" in messages["bad_sizes"] and "sum to" in messages["bad_sizes"]
         assert "domain.shard" in messages["plain_broadcast"]
         assert "bicubic" in messages["bicubic"]
+        assert "mix rows of the sharded dim" in messages["reshape_mixing_rows"]
 
 
 def test_split_rule_is_torch_chunk():

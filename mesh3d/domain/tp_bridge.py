@@ -45,7 +45,9 @@ def _input_spec(module: nn.Module, args: tuple, kwargs: dict) -> DomainSpec | No
             f"({sorted(str((s.dim, s.sizes)) for s in specs)}); pass one layout (domain.redistribute)"
         )
     spec = specs.pop()
-    for t in flat_tensors((args, kwargs)):
+    # A Linear mixes its input's last dim, so that dim must be whole; an Embedding only looks up
+    # indices, position by position, so (B, T) tokens sharded along T are fine.
+    for t in flat_tensors((args, kwargs)) if not isinstance(module, nn.Embedding) else ():
         if isinstance(t, DomainTensor) and spec.dim is not None and spec.dim == t.ndim - 1 and t.ndim > 1:
             raise NotImplementedError(
                 f"{type(module).__name__} (tensor parallel) acts on the last dim, which is sharded over the "

@@ -1,0 +1,86 @@
+"""``view``/``reshape`` of a domain tensor: allowed when they split or merge only dims other than the sharded one.
+
+Attention code reshapes ``(B, T, heads*hd)`` into ``(B, T, heads, hd)`` and back, with ``T`` the local
+sequence length (``.shape`` is the local shape). Such a reshape keeps every row of the sharded dim a
+row of one target dim, with the same dims before it (by element count), the row possibly merged with
+whole dims after it (as ``flatten`` does): then the global reshape is exactly the concatenation of the
+local ones. A reshape that would mix rows of the sharded dim with the dims before it is refused.
+
+Usage (through torch; nothing to call)::
+
+    q = q_proj(x).view(b, t, heads, hd).transpose(1, 2)   # x sharded along dim 1 → q along dim 2
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mesh3d.domain.registry import register
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+
+__all__: list[str] = []
+
+
+def _target_shape(args: tuple, local: torch.Tensor, dim: int) -> list[int]:
+    shape = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else list(args)
+    if not all(isinstance(s, int) for s in shape):
+        raise NotImplementedError(f"view/reshape of a domain tensor needs a shape of ints, got {args!r}")
+    if shape.count(-1) == 1:
+        at = shape.index(-1)
+        known = math.prod(s for s in shape if s != -1)
+        if local.numel():
+            shape[at] = local.numel() // known if known else 0
+        elif 0 in shape:
+            # An empty shard, its 0 rows named explicitly (reshape(b, t, -1) with t = 0): the -1 is what
+            # it is on every other rank, the elements per row, which torch cannot infer from 0 elements.
+            rest = math.prod(n for i, n in enumerate(local.shape) if i != dim)
+            shape[at] = rest // math.prod(s for s in shape if s not in (-1, 0))
+        else:
+            shape[at] = 0  # the -1 is the dim that holds the (no) rows: reshape(b, c, -1) merging them
+    return shape
+
+
+def _sharded_dim_after(local: tuple[int, ...], dim: int, target: list[int]) -> tuple[int, int] | None:
+    """(target dim holding the sharded rows, how many of its indices one row takes), or None.
+
+    The rows stay whole blocks when the dims before the sharded one keep their element count and
+    the sharded dim either stays as it is or absorbs whole dims after it (like ``flatten``). The
+    factor comes from the dims after the sharded one, so an empty shard finds the same as the others.
+    With dims of size 1 next to a shard of length 1 the first fitting target dim is taken.
+    """
+    before, after = math.prod(local[:dim]), math.prod(local[dim + 1:])
+    merged = {math.prod(local[dim + 1:dim + 1 + k]) for k in range(len(local) - dim)}  # whole trailing dims
+    for candidate, size in enumerate(target):
+        rest = math.prod(target[candidate + 1:])
+        if math.prod(target[:candidate]) != before or rest == 0 or after % rest:
+            continue
+        inner = after // rest
+        if inner in merged and size == local[dim] * inner:
+            return candidate, inner
+    return None
+
+
+def _reshape_rule(op_name: str):
+    def rule(x: DomainTensor, *shape) -> DomainTensor:
+        local = unwrap(x)
+        if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+            raise NotImplementedError(f"{op_name}(dtype) on a domain-sharded tensor is not supported; call .to_local()")
+        target = _target_shape(shape, local, x.spec.dim)
+        found = _sharded_dim_after(tuple(local.shape), x.spec.dim, target)
+        if found is None:
+            raise NotImplementedError(
+                f"{op_name}{tuple(target)} of a domain tensor of local shape {tuple(local.shape)} sharded along dim "
+                f"{x.spec.dim} would mix rows of the sharded dim with other dims; reshape only dims other than the "
+                "sharded one (use the local sizes from .shape), or call .full_tensor() first"
+            )
+        new_dim, inner = found
+        out = local.view(target) if op_name.endswith("view") else local.reshape(target)
+        return adopt(out, x.spec.with_sizes(tuple(n * inner for n in x.spec.sizes), dim=new_dim))
+
+    return rule
+
+
+register(torch.Tensor.view)(_reshape_rule("torch.Tensor.view"))
+register(torch.reshape, torch.Tensor.reshape)(_reshape_rule("torch.reshape"))
