@@ -53,3 +53,31 @@ def test_checkpoint_reshard_example_saves_resumes_elsewhere_and_exports(tmp_path
     _run([*run, "2", "examples/checkpoint_reshard.py", "resume", ck, "--mesh", "1,1,2"])
     out = _run(["examples/checkpoint_reshard.py", "check", ck])
     assert "coalesced == trained: True" in out, out
+
+
+def test_lightning_example_under_lightnings_launcher_torchrun_and_slurm(tmp_path):
+    """Fit with Lightning's own launcher (plain python), resume on other meshes under torchrun and SLURM."""
+    import socket
+
+    ck = str(tmp_path / "lightning" / "epoch1.ckpt")
+    fit = _run(["examples/lightning_3d.py", "fit", "--devices", "4", "--mesh", "1,2,2", "--ckpt", ck])
+    assert "(LightningEnvironment)" in fit and "MATCHES one process" in fit, fit
+    assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", fit)) == 4
+    torchrun = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/lightning_3d.py",
+                     "resume", "--mesh", "2,1,2", "--ckpt", ck])
+    assert "(TorchElasticEnvironment), global step 8, epoch 2" in torchrun and "MATCHES one process" in torchrun
+
+    with socket.socket() as s:  # srun's variables on four processes started by hand
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(4):
+        env = _env()
+        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="4",
+                   SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NAME="mesh3d", SLURM_JOB_ID="7", SLURM_NODELIST="localhost",
+                   SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port))
+        procs.append(subprocess.Popen([sys.executable, "examples/lightning_3d.py", "resume", "--mesh", "4,1,1", "--ckpt",
+                                       ck], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs[0][-3000:]
+    assert "(SLURMEnvironment), global step 8, epoch 2" in outs[0] and "MATCHES one process" in outs[0], outs[0]
