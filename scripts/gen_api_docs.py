@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Write docs/api.md: every public name of mesh3d, mesh3d.domain and mesh3d.checkpoint, from the code.
+"""Write docs/api.md: every public name of mesh3d, mesh3d.domain, mesh3d.checkpoint and mesh3d.lightning.
 
 Usage::
 
@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint")
+PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint", "mesh3d.lightning")
 HEADER = """# API reference
 
 Generated from the code by `scripts/gen_api_docs.py` (a test fails when this file is stale).
-Every public name of `mesh3d`, `mesh3d.domain` and `mesh3d.checkpoint`, with its signature and
-docstring. The guides explain how the pieces fit: [concepts](concepts.md),
-[parallelize](parallelize.md), [domain](domain.md), [checkpoint](checkpoint.md).
+Every public name of `mesh3d`, `mesh3d.domain`, `mesh3d.checkpoint` and `mesh3d.lightning` (the
+optional Lightning extra), with its signature and docstring. The guides explain how the pieces fit:
+[concepts](concepts.md), [parallelize](parallelize.md), [domain](domain.md), [checkpoint](checkpoint.md),
+[lightning](lightning.md).
 """
 
 
