@@ -27,6 +27,7 @@ from mesh3d.checkpoint.comm import raise_if_any_failed
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.index import read_index
 from mesh3d.checkpoint.reader import ShardReader
+from mesh3d.checkpoint.staging import HostStaging
 from mesh3d.checkpoint.st_format import TORCH_TO_ST
 from mesh3d.checkpoint.state import apply_state, decode_value, optimizer_name, optimizer_template
 
@@ -93,14 +94,21 @@ def _plan(index: dict[str, Any], model_sd: dict[str, torch.Tensor], osd: dict[st
     return targets, missing, unexpected
 
 
-def _materialize(name: str, target: torch.Tensor, reader: ShardReader, in_place: bool) -> torch.Tensor:
+def _materialize(name: str, target: torch.Tensor, reader: ShardReader, in_place: bool,
+                 staging: HostStaging) -> torch.Tensor:
     box = local_box(name, target)
     local = target.to_local() if isinstance(target, DTensor) else target
-    if in_place and local.device.type == "cpu" and local.is_contiguous():
+    if in_place and local.is_contiguous():
         # The state-dict tensor shares storage with the parameter/buffer/moment: read straight
-        # into it (no fresh allocation, no page faults), as DCP does.
+        # into it (no fresh allocation, no page faults), as DCP does; an accelerator tensor is
+        # read into the reused pinned buffer and copied over at bus speed.
         if box.numel:
-            reader.read_into(name, box, local.detach())
+            if local.device.type == "cpu":
+                reader.read_into(name, box, local.detach())
+            else:
+                host = staging.buffer_like(local)
+                reader.read_into(name, box, host)
+                local.detach().copy_(host)
         return target
     buf = torch.empty(box.shape, dtype=target.dtype)
     if box.numel:
@@ -182,8 +190,9 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
             error = f"{type(err).__name__}: {err}"
         raise_if_any_failed(error, f"loading {path}", "Nothing was modified")
         try:
+            staging = HostStaging()
             for name, target in targets.items():
-                loaded[name] = _materialize(name, target, reader, in_place)
+                loaded[name] = _materialize(name, target, reader, in_place, staging)
             info.bytes_read, info.bytes_needed = reader.stats["bytes_read"], reader.stats["bytes_needed"]
             if osd is not None:
                 optim_sd = _optimizer_state(index, osd, loaded, model_sd)

@@ -34,6 +34,7 @@ from mesh3d.checkpoint.comm import allgather_json, raise_if_any_failed, world
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.index import FORMAT, INDEX_NAME, VERSION, encode_index, validate_index
 from mesh3d.checkpoint.st_format import TORCH_TO_ST, plan_header
+from mesh3d.checkpoint.staging import HostStaging
 from mesh3d.checkpoint.state import Entry, flat_state
 
 __all__ = ["save", "DEFAULT_CHECKSUM_BLOCK_BYTES", "fsync_dir", "write_file_atomic"]
@@ -83,12 +84,13 @@ def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: in
         {"format": "pt", "mesh3d_rank": str(rank)},
     )
     records: dict[str, Any] = {}
+    staging = HostStaging()
     with open(path, "wb") as f:
         f.write(header)
         for i, key in enumerate(sorted(ranges, key=lambda k: ranges[k][0])):
             if i == len(ranges) // 2:
                 _maybe_crash("mid_shard")
-            data = parts[key].detach().contiguous().cpu().reshape(-1)
+            data = staging.to_host(parts[key].detach()).reshape(-1)
             view = memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
             f.write(view)
             records[key] = {"data_offsets": list(ranges[key]), "checksums": block_checksums(view, block)}
