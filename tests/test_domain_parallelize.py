@@ -47,7 +47,7 @@ def _optimizer(kind: str, params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def _compose_body(shape, kind, sizes, steps=3):
+def _compose_body(shape, kind, sizes, steps=3, param_dtype=None):
     import torch.distributed as dist
 
     from mesh3d import DistributedManager, Plan, domain, parallelize
@@ -57,7 +57,7 @@ def _compose_body(shape, kind, sizes, steps=3):
     torch.manual_seed(0)
     ref = (TinyUNet() if kind == "unet" else TinyViT()).double()
     styles = (UNET_STYLES if kind == "unet" else VIT_STYLES) if shape[2] > 1 else None
-    model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles))
+    model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles, param_dtype=param_dtype))
     opt_ref, opt = _optimizer(kind, ref.parameters()), _optimizer(kind, model.parameters())
 
     nb, b = dm.axis_size("batch"), dm.axis_rank("batch")
@@ -107,6 +107,14 @@ def test_vit_with_fsdp_trains_like_one_process(ranks, shape):
         assert loss_err < 1e-9
         assert grad_err < 1e-9
         assert param_err < 1e-9
+
+
+def test_fsdp_mixed_precision_casts_domain_inputs(ranks):
+    """Plan(param_dtype=fp32) on an fp64 model: FSDP casts each domain-sharded input (is_floating_point,
+    .to) and computes in fp32; fp32 rounding (~1e-7 per op) bounds the distance to the fp64 run."""
+    for loss_err, grad_err, param_err in ranks.run(4, _compose_body, (1, 2, 2), "vit", VIT_SIZES[2], 3,
+                                                   torch.float32, timeout=120):
+        assert 0 < loss_err < 1e-5 and grad_err < 1e-5 and param_err < 1e-5
 
 
 def _refusals_body():

@@ -48,6 +48,8 @@ _METADATA.update(
     )
     if hasattr(torch.Tensor, n)
 )
+# Their function forms too: FSDP's mixed precision asks torch.is_floating_point(x) of every input.
+_METADATA.update((torch.is_floating_point, torch.is_complex))
 
 
 def register(*funcs: Callable) -> Callable[[Callable], Callable]:
