@@ -21,5 +21,9 @@ echo "== 3/4 domain parallelism: halo bytes, time vs gathering the input, activa
 "$PY" scripts/bench_domain.py "${d[@]}"
 echo "== 4/4 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
 "$PY" scripts/bench_checkpoint.py "${c[@]}"
+if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+  echo "== GPU: the nccl/CUDA paths on one GPU and a 1 GB checkpoint vs DCP"
+  "$PY" scripts/gpu_check.py --out docs/benchmarks
+fi
 ls -l docs/benchmarks/
 "$PY" scripts/bench_report.py

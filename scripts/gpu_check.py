@@ -1,0 +1,239 @@
+#!/usr/bin/env python
+"""GPU check: mesh3d's nccl/CUDA paths on one GPU, each against the same work done without mesh3d.
+
+The test suite runs on CPU (gloo); this script is for a machine with a GPU. It runs a world of one
+on nccl (no launcher needed) and checks, printing one line each and exiting 1 if any fails:
+
+* the manager picks nccl and ``cuda:LOCAL_RANK`` and builds its three axes;
+* ``parallelize`` (FSDP + "replicate" TP styles on a size-1 model axis) trains like the plain model;
+* a domain tensor on CUDA (conv, GroupNorm, loss) equals the plain computation;
+* a checkpoint of CUDA state saves, verifies, loads into a fresh parallelized model and coalesces;
+* ``MeshStrategy`` fits a LightningModule on ``accelerator="gpu"`` like plain Lightning (if installed);
+
+and times, on the GPU, a 1 GB checkpoint save/load against ``torch.distributed.checkpoint``.
+
+Usage::
+
+    python scripts/gpu_check.py                 # writes gpu_check.json beside --out
+    python scripts/gpu_check.py --out /tmp/gpu  --ckpt-mb 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize  # noqa: E402
+
+RESULTS: dict[str, str] = {}
+
+
+def check(name):
+    def deco(fn):
+        def run(*args):
+            try:
+                detail = fn(*args)
+                RESULTS[name] = f"PASS {detail or ''}".strip()
+            except Exception:  # noqa: BLE001 - every failure is reported, the next check still runs
+                traceback.print_exc()
+                RESULTS[name] = "FAIL " + traceback.format_exc().strip().splitlines()[-1]
+            print(f"{name:<28} {RESULTS[name]}", flush=True)
+        return run
+    return deco
+
+
+def mlp(width: int = 256) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, width), nn.GELU(), nn.Linear(width, width), nn.GELU(), nn.Linear(width, 8))
+
+
+@check("manager on nccl")
+def check_manager(dm: DistributedManager) -> str:
+    assert dm.backend == "nccl", dm.backend
+    assert dm.device == torch.device("cuda", torch.cuda.current_device()), dm.device
+    assert dm.mesh.mesh_dim_names == ("batch", "domain", "model") and dm.mesh.device_type == "cuda"
+    return f"{dm}"
+
+
+@check("parallelize == plain")
+def check_parallelize(dm: DistributedManager) -> str:
+    plain = mlp().cuda()
+    model = parallelize(copy.deepcopy(plain), Plan(batch="fsdp", model={"0": "replicate", "2": "replicate"}))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-3) for m in (plain, model)]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    worst = 0.0
+    for _ in range(3):
+        x, y = torch.randn(32, 64, device="cuda", generator=g), torch.randn(32, 8, device="cuda", generator=g)
+        losses = []
+        for m, opt in zip((plain, model), opts):
+            loss = F.mse_loss(m(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        worst = max(worst, abs(losses[0] - losses[1]) / abs(losses[0]))
+    for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+        q = q.full_tensor() if hasattr(q, "full_tensor") else q
+        torch.testing.assert_close(q, p, rtol=1e-4, atol=1e-6, msg=name)
+    return f"(3 AdamW steps, max loss rel diff {worst:.1e})"
+
+
+@check("domain tensor on cuda")
+def check_domain(dm: DistributedManager) -> str:
+    torch.manual_seed(2)
+    net = nn.Sequential(nn.Conv2d(3, 8, 5, padding=2, padding_mode="circular"), nn.GroupNorm(2, 8), nn.SiLU(),
+                        nn.Conv2d(8, 3, 3, stride=2, padding=1)).cuda().double()
+    x = torch.randn(2, 3, 33, 20, device="cuda", dtype=torch.float64)
+    ref = net(x)
+    out = net(domain.shard(x, dim=2)).full_tensor().to_local()
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-12)
+    assert out.is_cuda
+    return "(conv 5x5 circular, GroupNorm, strided conv; fp64 equal)"
+
+
+@check("checkpoint of cuda state")
+def check_checkpoint(dm: DistributedManager, tmp: str) -> str:
+    model = parallelize(mlp().cuda(), Plan(batch="fsdp"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    path = checkpoint.save(os.path.join(tmp, "ck"), model, opt, step=1)
+    checkpoint.verify(path)
+    fresh = parallelize(mlp(width=256).cuda(), Plan(batch="fsdp"), seed=9)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    info = checkpoint.load(path, fresh, fresh_opt)
+    for (name, p), q in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(p.full_tensor(), q.full_tensor()), name
+    out = checkpoint.coalesce(path, os.path.join(tmp, "hf"))
+    return f"(step {info.step}, read {info.bytes_read} of {info.bytes_needed} bytes needed; coalesced {out})"
+
+
+@check("lightning MeshStrategy gpu")
+def check_lightning(dm: DistributedManager) -> str:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    from mesh3d.lightning import MeshStrategy
+
+    class Lit(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def training_step(self, batch, batch_idx):
+            return F.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+        def train_dataloader(self):
+            g = torch.Generator().manual_seed(3)
+            data = TensorDataset(torch.randn(48, 64, generator=g), torch.randn(48, 8, generator=g))
+            # Under a distributed strategy Lightning shuffles training data with a DistributedSampler;
+            # giving both runs that sampler (one replica) gives them the same order.
+            return DataLoader(data, batch_size=16, sampler=DistributedSampler(data, 1, 0, shuffle=True, seed=0))
+
+    kw = dict(accelerator="gpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+              enable_model_summary=False, enable_checkpointing=False)
+    kw["precision"] = "64-true"  # fp64: any difference beyond rounding is a bug, not TF32 or AdamW noise
+    plain, meshed = Lit(), Lit()
+    pl.Trainer(**kw).fit(plain)
+    pl.Trainer(strategy=MeshStrategy(plan=Plan(batch="fsdp")), **kw).fit(meshed)
+    # Lightning moves a single-device model back to the CPU when fit ends; the sharded one stays.
+    worst = max(float((q.full_tensor().cpu() - p.cpu()).detach().abs().max())
+                for p, q in zip(plain.parameters(), meshed.parameters()))
+    assert worst < 1e-12, f"parameters differ from plain Lightning by up to {worst:.3e}"
+    return f"(3 steps fp64, max parameter diff {worst:.1e} vs plain Lightning)"
+
+
+def time_checkpoint(tmp: str, megabytes: int) -> dict:
+    """mesh3d vs torch.distributed.checkpoint: save and load of FSDP state on the GPU (world of one)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    layers = max(1, megabytes // 64)  # 4096 x 4096 fp32 = 64 MiB each
+    build = lambda: parallelize(nn.Sequential(*(nn.Linear(4096, 4096, bias=False) for _ in range(layers))).cuda(),
+                                Plan(batch="fsdp"))
+    model = build()
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out: dict = {"state_bytes": nbytes}
+
+    def timed(fn) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    for rep in range(3):  # best of three: the first pass also warms the page cache and allocator
+        m_path, d_path = os.path.join(tmp, f"m{rep}"), os.path.join(tmp, f"d{rep}")
+        t = {
+            "save_mesh3d": timed(lambda: checkpoint.save(m_path, model)),
+            "save_dcp": timed(lambda: dcp.save(get_model_state_dict(model), checkpoint_id=d_path)),
+        }
+        target = build()
+        t["load_mesh3d"] = timed(lambda: checkpoint.load(m_path, target))
+
+        def dcp_load():
+            sd = get_model_state_dict(target)
+            dcp.load(sd, checkpoint_id=d_path)
+            set_model_state_dict(target, sd)
+
+        t["load_dcp"] = timed(dcp_load)
+        for k, v in t.items():
+            out[k] = min(out.get(k, float("inf")), v)
+        shutil.rmtree(m_path)
+        shutil.rmtree(d_path)
+    out["ratios"] = {"save_mesh3d_vs_dcp": out["save_dcp"] / out["save_mesh3d"],
+                     "load_mesh3d_vs_dcp": out["load_dcp"] / out["load_mesh3d"]}
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=".", help="folder for gpu_check.json")
+    parser.add_argument("--ckpt-mb", type=int, default=1024, help="state size of the checkpoint timing")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this check is for a GPU machine (the test suite covers CPU/gloo)")
+        return 1
+    dm = DistributedManager.initialize()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, nccl {torch.cuda.nccl.version()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        check_manager(dm)
+        check_parallelize(dm)
+        check_domain(dm)
+        check_checkpoint(dm, tmp)
+        check_lightning(dm)
+        timing = time_checkpoint(tmp, args.ckpt_mb)
+    gb = timing["state_bytes"] / 1e9
+    print(f"checkpoint timing ({gb:.2f} GB of FSDP state on the GPU, best of 3): "
+          + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items() if k.startswith(("save", "load")))
+          + "; ratios (>1: mesh3d faster) " + ", ".join(f"{k} {v:.2f}" for k, v in timing["ratios"].items()))
+    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "checks": RESULTS,
+              "checkpoint_timing": timing}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    DistributedManager.shutdown()
+    failed = [k for k, v in RESULTS.items() if v.startswith("FAIL")]
+    print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
