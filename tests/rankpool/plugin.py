@@ -43,6 +43,7 @@ class RankPools:
     def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
+            pool.remove_logs()
         self._pools.clear()
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -120,6 +121,10 @@ class RankPool:
         for conn in self._conns:
             conn.close()
         self._procs, self._conns, self._store = [], [], None
+
+    def remove_logs(self) -> None:
+        """Delete the pool's log folder (a failing test already showed its part of the logs)."""
+        shutil.rmtree(self._log_dir, ignore_errors=True)
 
     def _kill(self) -> None:
         for proc in self._procs:
