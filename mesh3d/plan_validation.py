@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from mesh3d.plan import Plan, style_description
 
-__all__ = ["ResolvedPlan", "resolve_plan", "match_modules", "style_kind"]
+__all__ = ["ResolvedPlan", "already_parallel", "resolve_plan", "match_modules", "style_kind"]
 
 
 @dataclass
@@ -132,7 +132,8 @@ def _default_units(model: nn.Module) -> list[str]:
     return units
 
 
-def _already_parallel(model: nn.Module) -> str | None:
+def already_parallel(model: nn.Module) -> str | None:
+    """Why ``model`` counts as parallelized already (mesh3d, FSDP2 or a DTensor parameter), or None."""
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
 
@@ -151,7 +152,7 @@ def resolve_plan(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> Resolve
     """Validate ``plan`` against ``model`` and the axis ``sizes``; raise ``ValueError`` saying what to change."""
     if not isinstance(plan, Plan):
         raise TypeError(f"plan must be a mesh3d.Plan, got {type(plan).__name__}")
-    reason = _already_parallel(model)
+    reason = already_parallel(model)
     if reason is not None:
         raise RuntimeError(f"the model is already parallelized ({reason}); parallelize the original model once")
     model_size = sizes["model"]

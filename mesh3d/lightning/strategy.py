@@ -50,7 +50,9 @@ from mesh3d.lightning.batches import DomainDims, check_domain_dims, plain_step_o
 from mesh3d.lightning.checkpointing import load_lightning_checkpoint, remove_checkpoint, save_lightning_checkpoint
 from mesh3d.manager import DistributedManager, _as_timeout
 from mesh3d.mesh_shape import resolve_mesh_shape
+from mesh3d.parallelize import parallelize
 from mesh3d.plan import Plan
+from mesh3d.plan_validation import already_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -66,15 +68,6 @@ def _destroy_process_group_at_exit() -> None:
     DistributedManager.shutdown()
     if dist.is_initialized():
         dist.destroy_process_group()
-
-
-def _is_parallelized(module: torch.nn.Module) -> bool:
-    """True once mesh3d, FSDP2 or tensor parallelism touched the module (any DTensor parameter)."""
-    from torch.distributed.tensor import DTensor
-
-    return getattr(module, "_mesh3d_parallelized", False) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    ) or any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 class MeshStrategy(ParallelStrategy):
@@ -197,7 +190,7 @@ class MeshStrategy(ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         module._device_mesh = self._dm.mesh  # what configure_model() sees as self.device_mesh
-        if not _is_parallelized(module):
+        if already_parallel(module) is None:
             # Precision's dtype first (e.g. "64-true"): FSDP needs one dtype, and configure_model may shard.
             self.model = self.precision_plugin.convert_module(module)
 
@@ -230,10 +223,8 @@ class MeshStrategy(ParallelStrategy):
         self._use_mesh_gradient_clipping()
 
     def _apply_plan(self, module: pl.LightningModule) -> None:
-        from mesh3d.parallelize import parallelize
-
         if self._plan is None:
-            if not _is_parallelized(module) and self.world_size > 1 and not is_overridden("configure_model", module):
+            if already_parallel(module) is None and self.world_size > 1 and not is_overridden("configure_model", module):
                 raise TypeError(
                     f"MeshStrategy has no plan and {type(module).__name__} does not override configure_model(); pass "
                     "MeshStrategy(plan=mesh3d.Plan(...)), or parallelize the module in configure_model() with "
@@ -242,11 +233,12 @@ class MeshStrategy(ParallelStrategy):
             return
         if module is self._planned:
             return  # a later fit/validate/test with the same module: already laid out on this mesh
-        if _is_parallelized(module):
+        reason = already_parallel(module)
+        if reason is not None:
             raise RuntimeError(
-                f"{type(module).__name__} is parallelized twice: its configure_model() already parallelized it and "
-                "MeshStrategy(plan=...) would apply a plan on top; keep one of the two (drop plan=, or the "
-                "parallelize/fully_shard calls in configure_model)"
+                f"{type(module).__name__} is parallelized twice: its configure_model() already parallelized it "
+                f"({reason}) and MeshStrategy(plan=...) would apply a plan on top; keep one of the two (drop plan=, "
+                "or the parallelize/fully_shard calls in configure_model)"
             )
         parallelize(module, self._plan, seed=self._seed)
         self._planned = module
