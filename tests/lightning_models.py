@@ -160,3 +160,16 @@ class LitFieldNotIdempotent(LitField):
         from mesh3d import parallelize
 
         parallelize(self, field_plan())
+
+
+class LitFieldShardsItsOwnBatches(LitField):
+    """Shards its batches in Lightning's on_after_batch_transfer hook (MeshStrategy gets no domain_dims)."""
+
+    def on_after_batch_transfer(self, batch, dataloader_idx):
+        from mesh3d import domain
+
+        x, y = batch
+        if DistributedManager.is_initialized() and DistributedManager().axis_size("domain") > 1:
+            sizes = (FIELD_H - 5, 5)  # any split works: here a deliberately lopsided one
+            return domain.shard(x, dim=2, sizes=sizes), domain.shard(y, dim=2, sizes=sizes)
+        return x, y

@@ -313,3 +313,35 @@ def test_fsdp_mixed_precision_from_the_plan(ranks):
         assert losses != recorder.losses  # bf16 compute really happened
         # bf16 has 8 bits of mantissa: ~0.4% per rounding; the losses stay within 3% of fp32's.
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(recorder.losses), rtol=3e-2, atol=0)
+
+
+def _own_sharding_body(shape):
+    from mesh3d.lightning import MeshStrategy
+
+    module, recorder = lm.LitFieldShardsItsOwnBatches(), lm.Recorder()
+    _trainer(MeshStrategy(*shape, plan=lm.field_plan()), callbacks=[recorder]).fit(module)
+    return recorder.losses, module.full_state()
+
+
+def test_module_sharding_its_own_batches_in_on_after_batch_transfer(ranks):
+    ref_losses, ref_params = _fit_reference("field")
+    for losses, params in ranks.run(4, _own_sharding_body, (2, 2, 1)):
+        _assert_same(losses, params, ref_losses, ref_params)
+
+
+def _validate_from_checkpoint_body(shape, path):
+    module = lm.LitField()
+    (metrics,) = _trainer(_strategy("field", shape)).validate(module, ckpt_path=path, verbose=False)
+    return metrics["val_loss"]
+
+
+def test_validate_from_a_checkpoint_saved_on_another_mesh(ranks, tmp_path):
+    """Weights only (no optimizer in validate), resharded from (4,1,1) onto (1,2,2)."""
+    module = lm.LitField()
+    trainer = _trainer()
+    trainer.fit(module)
+    (expected,) = trainer.validate(module, verbose=False)
+    path = str(tmp_path / "fit.ckpt")
+    ranks.run(4, _resume_save_body, "field", (4, 1, 1), path)
+    for val_loss in ranks.run(4, _validate_from_checkpoint_body, (1, 2, 2), path):
+        assert val_loss == pytest.approx(expected["val_loss"], rel=RTOL)
