@@ -345,3 +345,13 @@ def test_validate_from_a_checkpoint_saved_on_another_mesh(ranks, tmp_path):
     ranks.run(4, _resume_save_body, "field", (4, 1, 1), path)
     for val_loss in ranks.run(4, _validate_from_checkpoint_body, (1, 2, 2), path):
         assert val_loss == pytest.approx(expected["val_loss"], rel=RTOL)
+
+
+def test_inspect_summarizes_a_lightning_checkpoint(ranks, tmp_path):
+    from mesh3d.checkpoint import describe
+
+    path = str(tmp_path / "fit.ckpt")
+    ranks.run(4, _resume_save_body, "field", (2, 2, 1), path)
+    text = describe(path)
+    assert "Lightning trainer state (epoch 1, global step 3; " in text and "mesh batch=2 x domain=2 x model=1" in text
+    assert max(len(line) for line in text.splitlines()) < 300  # not kilobytes of loop state on one line

@@ -27,6 +27,22 @@ from mesh3d.checkpoint.st_format import DTYPES, ITEMSIZE
 __all__ = ["describe", "verify"]
 
 
+#: ``extra`` longer than this (as text) is summarized by its keys; Lightning's trainer state runs to kilobytes.
+_EXTRA_SHOWN_CHARS = 200
+
+
+def _summary(extra: Any) -> str:
+    text = repr(extra)
+    if len(text) <= _EXTRA_SHOWN_CHARS or not isinstance(extra, dict):
+        return text if len(text) <= _EXTRA_SHOWN_CHARS else text[:_EXTRA_SHOWN_CHARS] + "..."
+    lightning = extra.get("lightning")
+    if isinstance(lightning, dict) and "global_step" in lightning:  # written by mesh3d.lightning.MeshStrategy
+        keys = ", ".join(k for k in lightning if k not in ("epoch", "global_step"))
+        return (f"Lightning trainer state (epoch {lightning.get('epoch')}, global step {lightning['global_step']}; "
+                f"{keys})")
+    return f"keys {', '.join(map(str, extra))} ({len(text)} characters of JSON)"
+
+
 def describe(path: str | os.PathLike) -> str:
     """A human-readable summary: step, mesh, files, and every tensor's dtype, shape, chunks and layout.
 
@@ -42,7 +58,7 @@ def describe(path: str | os.PathLike) -> str:
     block_text = f"{block // 1024} KiB" if block % 1024 == 0 else f"{block} B"
     lines = [f"checkpoint {path}", f"  format version {index['version']} ({algorithm.name} per {block_text} block), "
              f"step {index['step']}, saved on {index['world_size']} rank(s), mesh {mesh_text}",
-             f"  {len(index['files'])} shard files, {total / 1e6:.2f} MB; extra: {index.get('extra')!r}"]
+             f"  {len(index['files'])} shard files, {total / 1e6:.2f} MB; extra: {_summary(index.get('extra'))}"]
     if index.get("optimizer"):
         lines.append(f"  optimizer {index['optimizer'].get('type')} with {len(index['optimizer']['param_groups'])} param group(s)")
     width = max((len(n) for n in index["tensors"]), default=4)
