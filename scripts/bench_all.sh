@@ -9,18 +9,20 @@ cd "$ROOT"
 "$PY" -m pip install -q -e ".[bench]"            # matplotlib, for the plots (not a core dependency)
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "${QUICK:-0}" = 1 ]; then
-  p=(--rounds 5 --warmup 1); d=(--size 256 --domains 1 2 4); c=(--size-mb 256)
+  p=(--rounds 5 --warmup 1); d=(--size 256 --domains 1 2 4); c=(--size-mb 256); l=(--rounds 1 --steps 5)
 else
-  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024)
+  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024); l=()
 fi
-echo "== 1/4 parallelize vs hand-written fully_shard + parallelize_module (4 ranks)"
+echo "== 1/5 parallelize vs hand-written fully_shard + parallelize_module (4 ranks)"
 "$PY" scripts/bench_parallelize.py --nproc 4 "${p[@]}"
-echo "== 2/4 the same on 8 ranks"
+echo "== 2/5 the same on 8 ranks"
 "$PY" scripts/bench_parallelize.py --nproc 8 --batch 4 --out docs/benchmarks/parallelize_8ranks.json "${p[@]}"
-echo "== 3/4 domain parallelism: halo bytes, time vs gathering the input, activation memory"
+echo "== 3/5 domain parallelism: halo bytes, time vs gathering the input, activation memory"
 "$PY" scripts/bench_domain.py "${d[@]}"
-echo "== 4/4 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
+echo "== 4/5 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
 "$PY" scripts/bench_checkpoint.py "${c[@]}"
+echo "== 5/5 Lightning: MeshStrategy vs ModelParallelStrategy (4 ranks, Lightning's launcher)"
+"$PY" scripts/bench_lightning.py "${l[@]}"
 if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "== GPU: the nccl/CUDA paths on one GPU and a 1 GB checkpoint vs DCP"
   "$PY" scripts/gpu_check.py --out docs/benchmarks

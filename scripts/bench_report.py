@@ -102,6 +102,25 @@ def _checkpoint(lines: list[str]) -> None:
     lines.append("")
 
 
+def _lightning(lines: list[str]) -> None:
+    d = _load("lightning.json")
+    if not d:
+        return
+    c = d["config"]
+    lines += ["## Lightning: MeshStrategy vs ModelParallelStrategy", "",
+              f"`scripts/bench_lightning.py`: the same LightningModule (a {c['layers']}-layer transformer, dim {c['dim']}) "
+              f"fit on {c['ranks']} CPU ranks ({c['mesh']}) started by Lightning's launcher, `MeshStrategy` with one "
+              "`Plan` vs Lightning's `ModelParallelStrategy` with the module's hand-written `parallelize_module` + "
+              f"`fully_shard`; median step time after warm-up, median over {c['rounds']} alternating launches each. "
+              "Goal: <= 1.03 each.", "",
+              "| step time ratio (MeshStrategy / ModelParallelStrategy) | peak memory ratio |", "|---|---|",
+              f"| {d['step_time_ratio']:.2f} ({d['step_s']['mesh3d'] * 1e3:.0f} ms / {d['step_s']['lightning'] * 1e3:.0f} ms) | "
+              f"{d['peak_memory_ratio']:.2f} |"]
+    if (BENCH / "lightning.png").exists():
+        lines += ["", "![lightning](benchmarks/lightning.png)"]
+    lines.append("")
+
+
 def _gpu(lines: list[str]) -> None:
     d = _load("gpu_check.json")
     if not d:
@@ -130,6 +149,7 @@ def main() -> None:
     _parallelize(lines)
     _domain(lines)
     _checkpoint(lines)
+    _lightning(lines)
     _gpu(lines)
     (ROOT / "docs" / "benchmarks.md").write_text("\n".join(lines))
     print(f"wrote {ROOT / 'docs' / 'benchmarks.md'}")
