@@ -355,3 +355,22 @@ def test_inspect_summarizes_a_lightning_checkpoint(ranks, tmp_path):
     text = describe(path)
     assert "Lightning trainer state (epoch 1, global step 3; " in text and "mesh batch=2 x domain=2 x model=1" in text
     assert max(len(line) for line in text.splitlines()) < 300  # not kilobytes of loop state on one line
+
+
+def _save_over_a_foreign_directory_body(path):
+    trainer = _trainer(_strategy("field", (2, 1, 2)), max_steps=1)
+    trainer.fit(lm.LitField())
+    try:
+        trainer.save_checkpoint(path)
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def test_saving_over_a_directory_that_is_not_a_checkpoint_is_refused_on_every_rank(ranks, tmp_path):
+    foreign = tmp_path / "results"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    for message in ranks.run(4, _save_over_a_foreign_directory_body, str(foreign), timeout=60):
+        assert message and "CheckpointError" in message and "not a mesh3d checkpoint" in message
+    assert sorted(os.listdir(foreign)) == ["notes.txt"]

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from mesh3d.checkpoint import CheckpointError, load, read_index, save
-from mesh3d.checkpoint.comm import allgather_json, barrier, raise_if_any_failed, world
+from mesh3d.checkpoint.comm import allgather_json, raise_if_any_failed, world
 from mesh3d.checkpoint.index import INDEX_NAME
 from mesh3d.lightning.trainer_state import decode_trainer_state, encode_trainer_state
 
@@ -92,9 +92,13 @@ def _remove(path: str) -> None:
 
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint Lightning no longer wants (``save_top_k`` pruning); rank 0 deletes, all wait."""
+    error = None
     if world()[0] == 0:
-        _remove(os.path.abspath(path))
-    barrier()
+        try:
+            _remove(os.path.abspath(path))
+        except OSError as err:
+            error = f"could not delete {path}: {err}"
+    raise_if_any_failed(error, f"removing {path}")  # every rank raises with rank 0, none waits forever
 
 
 def load_lightning_checkpoint(path: str, module: nn.Module, optimizer: torch.optim.Optimizer | None, *,
