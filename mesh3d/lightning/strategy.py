@@ -30,13 +30,6 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.utilities.distributed import (
-    _all_gather_ddp_if_available,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
@@ -46,6 +39,14 @@ from torch import Tensor
 from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from mesh3d.grad import clip_grad_norm_
+from mesh3d.lightning._lightning_private import (
+    SubprocessScriptLauncher,
+    all_gather_if_available,
+    default_backend_for_device,
+    init_dist_connection,
+    set_module_device_mesh,
+    sync_if_available,
+)
 from mesh3d.lightning.batches import DomainDims, check_domain_dims, plain_step_output, shard_batch
 from mesh3d.lightning.checkpointing import load_lightning_checkpoint, remove_checkpoint, save_lightning_checkpoint
 from mesh3d.manager import DistributedManager, _as_timeout
@@ -173,23 +174,23 @@ class MeshStrategy(ParallelStrategy):
         self._mesh_shape()  # wrong sizes fail here, in the one process, before any other starts
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     def setup_environment(self) -> None:
         super().setup_environment()
         self.set_world_ranks()
         shape = self._mesh_shape()
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(self.root_device)
+        backend = self._process_group_backend or default_backend_for_device(self.root_device)
         device_id = self.root_device if self.root_device.type != "cpu" else None
         if not dist.is_initialized():
-            _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
+            init_dist_connection(self.cluster_environment, backend, timeout=self._timeout, device_id=device_id)
             # A gloo group still alive at interpreter exit can abort the process ("terminate called
             # without an active exception") and fail the job; destroy what this strategy created.
             atexit.register(_destroy_process_group_at_exit)
         self._dm = DistributedManager.initialize(*shape, timeout=self._timeout)
         module = self.lightning_module
         assert module is not None
-        module._device_mesh = self._dm.mesh  # what configure_model() sees as self.device_mesh
+        set_module_device_mesh(module, self._dm.mesh)  # what configure_model() sees as self.device_mesh
         if already_parallel(module) is None:
             # Precision's dtype first (e.g. "64-true"): FSDP needs one dtype, and configure_model may shard.
             self.model = self.precision_plugin.convert_module(module)
@@ -301,7 +302,7 @@ class MeshStrategy(ParallelStrategy):
         tensor = plain_step_output(tensor, "the value to reduce")
         if not isinstance(tensor, Tensor):
             return tensor
-        return _sync_ddp_if_available(tensor, group if group is not None else self.manager.group("batch"), reduce_op)
+        return sync_if_available(tensor, group if group is not None else self.manager.group("batch"), reduce_op)
 
     def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
         """Stack ``tensor`` over the batch axis: one copy per batch index, not D*M copies of each.
@@ -312,11 +313,11 @@ class MeshStrategy(ParallelStrategy):
         tensor = plain_step_output(tensor, "the value to all_gather")
         if group is None or group is dist.group.WORLD:
             group = self.manager.group("batch")
-        return _all_gather_ddp_if_available(tensor, group=group, sync_grads=sync_grads)
+        return all_gather_if_available(tensor, group=group, sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:  # noqa: A002 - Lightning's name
         flag = torch.tensor(int(decision), device=self.root_device)
-        total = int(_sync_ddp_if_available(flag, self.manager.group("world"), "sum").item())
+        total = int(sync_if_available(flag, self.manager.group("world"), "sum").item())
         return total == self.world_size if all else total > 0
 
     # ------------------------------------------------------------------ checkpoints
