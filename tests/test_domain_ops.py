@@ -68,6 +68,8 @@ def _cases():
         # reshapes use the local sizes (.shape is local), as attention code does with (B, T, heads, hd)
         "reshape_split_before": (lambda: (lambda x: x.reshape(x.shape[0], 2, 2, x.shape[2], 6) * 1.5), (2, 4, H, 6), 2),
         "view_split_after": (lambda: (lambda x: torch.tanh(x.view(*x.shape[:3], 3, 2))), (2, 4, H, 6), 2),
+        "flatten_from_sharded": (lambda: (lambda x: torch.flatten(x, 2).sin()), (2, 4, H, 6), 2),
+        "flatten_before_sharded": (lambda: (lambda x: x.flatten(0, 1) * 3), (2, 4, H, 6), 2),
         "reshape_merge_sharded": (lambda: (lambda x: x.reshape(x.shape[0], x.shape[1], -1) ** 2), (2, 4, H, 6), 2),
         "heads_roundtrip": (lambda: (lambda x: F.scaled_dot_product_attention(
             *(x.view(x.shape[0], x.shape[1], 2, 3).transpose(1, 2),) * 3, is_causal=True
@@ -178,6 +180,7 @@ def _refusals_body():
         "bad_sizes": lambda: domain.shard(x, dim=2, sizes=(H + 1,) + (0,) * (xs.spec.comm.size - 1)),
         "bad_dim": lambda: domain.shard(x, dim=7),
         "reshape_mixing_rows": lambda: xs.reshape(2, -1, 3),
+        "flatten_into_sharded": lambda: xs.flatten(1, 2),
         "bad_src": lambda: domain.scatter(x, dim=2, src=99),
     }
     messages = {}
@@ -200,6 +203,7 @@ def test_refusals_raise_clearly_on_every_rank(ranks, world):
         assert "domain.shard" in messages["plain_broadcast"]
         assert "bicubic" in messages["bicubic"]
         assert "mix rows of the sharded dim" in messages["reshape_mixing_rows"]
+        assert "torch.flatten" in messages["flatten_into_sharded"] and "mix rows" in messages["flatten_into_sharded"]
 
 
 def test_split_rule_is_torch_chunk():

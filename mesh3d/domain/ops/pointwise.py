@@ -171,28 +171,6 @@ def _dropout(input, p=0.5, training=True, inplace=False):
     )
 
 
-@register(torch.flatten, torch.Tensor.flatten)
-def _flatten(x, start_dim=0, end_dim=-1):
-    """Flatten dims [start, end]; the sharded dim may be the first of them (rows stay contiguous blocks)."""
-    start, end = _norm_dim(start_dim, x.ndim), _norm_dim(end_dim, x.ndim)
-    local = unwrap(x)
-    out = torch.flatten(local, start, end)
-    dim = x.spec.dim
-    if dim < start:
-        return adopt(out, x.spec)
-    if dim > end:
-        return adopt(out, x.spec.with_sizes(x.spec.sizes, dim=dim - (end - start)))
-    if dim != start:
-        raise NotImplementedError(
-            f"torch.flatten({start}, {end}): the sharded dim {dim} is inside the flattened range but not its first "
-            "dim, so the shards would not be contiguous blocks; shard dim {start} instead"
-        )
-    inner = 1
-    for d in range(start + 1, end + 1):
-        inner *= local.shape[d]
-    return adopt(out, x.spec.with_sizes(tuple(s * inner for s in x.spec.sizes), dim=start))
-
-
 @register(torch.Tensor.view_as)
 def _view_as(x, other):
     # FSDP2 calls ``x.view_as(x)`` on every forward input to hook its backward; a view onto an

@@ -1,4 +1,4 @@
-"""``view``/``reshape`` of a domain tensor: allowed when they split or merge only dims other than the sharded one.
+"""``view``/``reshape``/``flatten`` of a domain tensor: allowed when they split or merge only dims other than the sharded one.
 
 Attention code reshapes ``(B, T, heads*hd)`` into ``(B, T, heads, hd)`` and back, with ``T`` the local
 sequence length (``.shape`` is the local shape). Such a reshape keeps every row of the sharded dim a
@@ -62,25 +62,40 @@ def _sharded_dim_after(local: tuple[int, ...], dim: int, target: list[int]) -> t
     return None
 
 
-def _reshape_rule(op_name: str):
+def _reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> DomainTensor:
+    """``x`` reshaped to the local ``target`` when that keeps the sharded rows whole; else a clear refusal."""
+    local = unwrap(x)
+    found = _sharded_dim_after(tuple(local.shape), x.spec.dim, target)
+    if found is None:
+        raise NotImplementedError(
+            f"{op_name}{tuple(target)} of a domain tensor of local shape {tuple(local.shape)} sharded along dim "
+            f"{x.spec.dim} would mix rows of the sharded dim with other dims; reshape only dims other than the "
+            "sharded one (use the local sizes from .shape), or call .full_tensor() first"
+        )
+    new_dim, inner = found
+    out = local.view(target) if view else local.reshape(target)
+    return adopt(out, x.spec.with_sizes(tuple(n * inner for n in x.spec.sizes), dim=new_dim))
+
+
+def _reshape_rule(op_name: str, view: bool):
     def rule(x: DomainTensor, *shape) -> DomainTensor:
-        local = unwrap(x)
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise NotImplementedError(f"{op_name}(dtype) on a domain-sharded tensor is not supported; call .to_local()")
-        target = _target_shape(shape, local, x.spec.dim)
-        found = _sharded_dim_after(tuple(local.shape), x.spec.dim, target)
-        if found is None:
-            raise NotImplementedError(
-                f"{op_name}{tuple(target)} of a domain tensor of local shape {tuple(local.shape)} sharded along dim "
-                f"{x.spec.dim} would mix rows of the sharded dim with other dims; reshape only dims other than the "
-                "sharded one (use the local sizes from .shape), or call .full_tensor() first"
-            )
-        new_dim, inner = found
-        out = local.view(target) if op_name.endswith("view") else local.reshape(target)
-        return adopt(out, x.spec.with_sizes(tuple(n * inner for n in x.spec.sizes), dim=new_dim))
+        return _reshaped(x, _target_shape(shape, unwrap(x), x.spec.dim), op_name, view)
 
     return rule
 
 
-register(torch.Tensor.view)(_reshape_rule("torch.Tensor.view"))
-register(torch.reshape, torch.Tensor.reshape)(_reshape_rule("torch.reshape"))
+register(torch.Tensor.view)(_reshape_rule("torch.Tensor.view", view=True))
+register(torch.reshape, torch.Tensor.reshape)(_reshape_rule("torch.reshape", view=False))
+
+
+@register(torch.flatten, torch.Tensor.flatten)
+def _flatten(x: DomainTensor, start_dim: int = 0, end_dim: int = -1) -> DomainTensor:
+    """A reshape merging dims [start, end]: fine when the sharded dim is outside them or is their first."""
+    shape = list(unwrap(x).shape)
+    if not shape:
+        return x
+    start, end = start_dim % len(shape), end_dim % len(shape)
+    target = [*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:]]
+    return _reshaped(x, target, f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", view=False)
