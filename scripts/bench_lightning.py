@@ -33,14 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_common import plot_ratios, rss_kb  # noqa: E402
 VARIANTS = ("mesh3d", "lightning")
-
-
-def _rss_mb() -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -59,7 +54,7 @@ def worker(args: argparse.Namespace) -> None:
     from mesh3d.lightning import MeshStrategy
 
     torch.set_num_threads(1)
-    base_rss = _rss_mb()  # after both variants' imports: only what the fit allocates counts
+    base_rss = rss_kb() / 1024  # after both variants' imports: only what the fit allocates counts
 
     class LM(pl.LightningModule):
         def __init__(self, by_hand: bool) -> None:
@@ -190,22 +185,9 @@ def main() -> None:
     out.write_text(json.dumps(report, indent=1))
     print(f"MeshStrategy / ModelParallelStrategy: step time {report['step_time_ratio']:.3f}, "
           f"peak memory {report['peak_memory_ratio']:.3f} (goal <= 1.03 each) -> {out}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    if not plot_ratios(out.with_suffix(".png"), report["step_time_ratio"], report["peak_memory_ratio"],
+                       ylabel="MeshStrategy / ModelParallelStrategy"):
         print("matplotlib not importable: no PNG written")
-        return
-    fig, ax = plt.subplots(figsize=(4, 3))
-    ax.bar(["step time", "peak memory"], [report["step_time_ratio"], report["peak_memory_ratio"]])
-    ax.axhline(1.03, color="red", linestyle="--", label="goal 1.03")
-    ax.set_ylabel("MeshStrategy / ModelParallelStrategy")
-    ax.legend(loc="lower left")
-    fig.tight_layout()
-    fig.savefig(out.with_suffix(".png"), dpi=100)
-
 
 if __name__ == "__main__":
     main()

@@ -32,13 +32,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _rss_kb() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    return 0
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_common import plot_ratios, rss_kb  # noqa: E402
 
 
 def _build(variant: str, args, dm):
@@ -83,7 +78,7 @@ def worker(args) -> None:
     # "both" builds mesh3d first, "both_swapped" the hand-written model first: the model built
     # first runs a few percent slower here (allocation order), whichever it is.
     variants = {"both": ["mesh3d", "manual"], "both_swapped": ["manual", "mesh3d"]}.get(args.variant, [args.variant])
-    base_rss = _rss_kb()
+    base_rss = rss_kb()
     models = {v: _build(v, args, dm) for v in variants}
     opts = {v: torch.optim.AdamW(m.parameters(), lr=1e-3) for v, m in models.items()}
     g = torch.Generator().manual_seed(dm.axis_rank("batch"))
@@ -165,22 +160,8 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report, indent=2))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(4, 3))
-        ax.bar(["step time", "peak memory"], [report["step_time_ratio"], report["peak_memory_ratio"]])
-        ax.axhline(1.03, color="red", linestyle="--", label="goal 1.03")
-        ax.set_ylabel("mesh3d / by hand")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(Path(args.out).with_suffix(".png"))
-    except ImportError:
-        pass
-
+    plot_ratios(Path(args.out).with_suffix(".png"), report["step_time_ratio"], report["peak_memory_ratio"],
+                ylabel="mesh3d / by hand")
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,44 @@
+"""Helpers the benchmark scripts share: this process's RSS and the step-time/memory ratio plot.
+
+Usage (from a script in scripts/, whose folder is on sys.path)::
+
+    from bench_common import plot_ratios, rss_kb
+    base = rss_kb()
+    plot_ratios("docs/benchmarks/x.png", step_ratio, memory_ratio, ylabel="mesh3d / by hand")
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def rss_kb() -> int:
+    """This process's resident set size in KiB (0 where /proc is missing)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def plot_ratios(path: str | Path, step_time_ratio: float, peak_memory_ratio: float, ylabel: str,
+                goal: float = 1.03) -> bool:
+    """A two-bar PNG of the ratios against the goal line; False (and no file) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, ax = plt.subplots(figsize=(4, 3))
+    ax.bar(["step time", "peak memory"], [step_time_ratio, peak_memory_ratio])
+    ax.axhline(goal, color="red", linestyle="--", label=f"goal {goal}")
+    ax.set_ylabel(ylabel)
+    ax.legend(loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
