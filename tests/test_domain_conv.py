@@ -110,7 +110,8 @@ def _adjoint_body(seed):
 
     from mesh3d import DistributedManager
     from mesh3d.domain.api import domain_comm
-    from mesh3d.domain.exchange import build_plan, gather_rows
+    from mesh3d.domain.exchange import gather_rows
+    from mesh3d.domain.rows import plan_exchange, runs_from_indices
 
     DistributedManager.initialize(batch=1, domain=-1)
     comm = domain_comm()
@@ -123,7 +124,7 @@ def _adjoint_body(seed):
     full = torch.randn(3, 10, 2, dtype=torch.float64, generator=gen)
     offset = sum(sizes[: comm.index])
     local = full[:, offset: offset + sizes[comm.index]].clone().requires_grad_(True)
-    plan = build_plan(sizes, needs, comm.index)
+    plan = plan_exchange(sizes, tuple(runs_from_indices(n) for n in needs), comm.index)
     gx = gather_rows(local, 1, plan, comm, fill=0.0)
     expected = torch.stack([full[:, g] if g >= 0 else torch.zeros(3, 2, dtype=torch.float64)
                             for g in needs[comm.index]], 1) if needs[comm.index] else gx.detach()

@@ -12,14 +12,19 @@ See docs/domain.md.
 """
 
 from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
+from mesh3d.domain.dispatch import dispatch
+from mesh3d.domain.exchange import count_traffic
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.split import balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
+
+DomainTensor._dispatcher = staticmethod(dispatch)
 
 __all__ = [
     "DomainSpec",
     "DomainTensor",
     "balanced_sizes",
+    "count_traffic",
     "domain_comm",
     "from_local",
     "full_tensor",

@@ -18,8 +18,10 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mesh3d.domain.exchange import DomainComm, build_plan, gather_rows
-from mesh3d.domain.split import offsets_of, split_sizes
+from mesh3d.domain.dispatch import block_needs, redistribute_local
+from mesh3d.domain.exchange import DomainComm, gather_rows
+from mesh3d.domain.rows import Span, plan_exchange
+from mesh3d.domain.split import split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 
 __all__ = ["domain_comm", "from_local", "full_tensor", "redistribute", "scatter", "shard"]
@@ -108,8 +110,7 @@ def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[
         shape[dim] = 0
         x = torch.zeros(shape, dtype=dtype)
     holder = tuple(sum(sizes) if r == src else 0 for r in range(comm.size))
-    needs = tuple(tuple(range(o, o + s)) for o, s in zip(offsets_of(sizes), sizes))
-    local = gather_rows(unwrap(x), dim, build_plan(holder, needs, comm.index), comm)
+    local = gather_rows(unwrap(x), dim, plan_exchange(holder, block_needs(sizes), comm.index), comm)
     return wrap(local, DomainSpec(dim, sizes, comm))
 
 
@@ -117,10 +118,11 @@ class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, spec: DomainSpec):
         ctx.spec = spec
-        n = sum(spec.sizes)
-        everything = tuple(tuple(range(n)) for _ in spec.sizes)
+        everything = (Span.rows(0, sum(spec.sizes)),)  # O(D) to plan, whatever the length
+        plan = plan_exchange(spec.sizes, (everything,) * len(spec.sizes), spec.comm.index)
         with torch.no_grad():
-            return gather_rows(local, spec.dim, build_plan(spec.sizes, everything, spec.comm.index), spec.comm)
+            whole = gather_rows(local, spec.dim, plan, spec.comm)
+        return whole.view_as(whole) if whole is local else whole
 
     @staticmethod
     def backward(ctx, grad):
@@ -151,6 +153,4 @@ def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainT
     new = split_sizes(sum(x.spec.sizes), x.spec.comm.size, sizes)
     if new == x.spec.sizes:
         return x
-    needs = tuple(tuple(range(o, o + s)) for o, s in zip(offsets_of(new), new))
-    plan = build_plan(x.spec.sizes, needs, x.spec.comm.index)
-    return adopt(gather_rows(unwrap(x), x.spec.dim, plan, x.spec.comm), x.spec.with_sizes(new))
+    return adopt(redistribute_local(x, new), x.spec.with_sizes(new))

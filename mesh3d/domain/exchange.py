@@ -2,33 +2,31 @@
 
 Usage::
 
-    plan = build_plan(sizes, needs, me)           # needs[r]: global row indices rank r wants (-1 = fill)
+    plan = plan_exchange(sizes, needs, me)        # needs[r]: the runs of global rows rank r wants
     ext = gather_rows(local, dim, plan, comm)     # differentiable; backward adds gradients to owners
 
-Every halo (conv, pool, pad modes, interpolation) is a list of global row indices each rank
-needs along the sharded dim. Rows a rank owns are copied locally; rows owned by others arrive
-from their owners, however many ranks away (so shards smaller than the halo work), one message
-per (sender, receiver) pair, all posted together in one ``batch_isend_irecv``. Index ``-1``
-marks a position filled with a constant (zero padding, ``-inf`` for max pooling).
-The backward is the exact adjoint: gradient rows go back to their owners, which add them.
+Every halo (conv, pool, pad modes, interpolation), ``full_tensor`` and ``redistribute`` is a row
+map per rank (``rows.Span`` runs). Rows a rank owns are sliced from its shard (a view when they
+are the whole result: nothing is copied), rows owned by others arrive from their owners, however
+many ranks away, one message per (sender, receiver) pair, all posted together in one
+``batch_isend_irecv``. Fill rows hold a constant (zero padding, ``-inf`` for max pooling). The
+backward is the exact adjoint: gradient rows go back to their owners, which add them; a rank that
+sends nothing gets its gradient as a view, without a zero-filled copy.
 Peers are the *global* ranks of the domain group (``comm.ranks``), never global rank ± 1.
 """
 
 from __future__ import annotations
 
-import bisect
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
 
-from mesh3d.domain.split import offsets_of
+from mesh3d.domain.rows import ExchangePlan, Piece
 
-__all__ = ["TRAFFIC", "DomainComm", "ExchangePlan", "build_plan", "gather_rows"]
-
-#: Bytes this process has sent through ``gather_rows`` (forward and backward); benchmarks read it.
-TRAFFIC = {"bytes_sent": 0}
+__all__ = ["DomainComm", "TrafficCounter", "count_traffic", "gather_rows"]
 
 
 @dataclass(frozen=True)
@@ -44,137 +42,139 @@ class DomainComm:
         return len(self.ranks)
 
 
-@dataclass(frozen=True)
-class ExchangePlan:
-    """What this rank copies, sends and receives for one gather (positions are in the result)."""
+class TrafficCounter:
+    """Bytes this process sent through ``gather_rows`` (forward and backward) while it was active.
 
-    length: int  # rows in this rank's result
-    own_pos: tuple[int, ...]
-    own_idx: tuple[int, ...]
-    send: tuple[tuple[int, tuple[int, ...]], ...]  # (peer index, local rows to send)
-    recv: tuple[tuple[int, tuple[int, ...]], ...]  # (peer index, result positions to fill)
+    Usage: ``with count_traffic() as traffic: step(); traffic.bytes_sent``
+    """
 
-    @property
-    def own_run(self) -> tuple[int, int, int] | None:
-        """(result start, local start, count) when the own rows are one contiguous run (the usual halo case)."""
-        n = len(self.own_pos)
-        if n and self.own_pos[-1] - self.own_pos[0] == n - 1 and self.own_idx[-1] - self.own_idx[0] == n - 1 \
-                and all(b - a == 1 for a, b in zip(self.own_idx, self.own_idx[1:])):
-            return self.own_pos[0], self.own_idx[0], n
-        return None
+    _active: list[TrafficCounter] = []  # counters open now (nested ones all count)
 
-    @property
-    def bytes_rows(self) -> int:
-        """Rows this rank receives from others (halo rows; for communication accounting)."""
-        return sum(len(p) for _, p in self.recv)
+    def __init__(self) -> None:
+        self.bytes_sent = 0
+        self.messages = 0
+
+    @classmethod
+    def record(cls, nbytes: int) -> None:
+        for counter in cls._active:
+            counter.bytes_sent += nbytes
+            counter.messages += 1
 
 
-@lru_cache(maxsize=512)
-def build_plan(sizes: tuple[int, ...], needs: tuple[tuple[int, ...], ...], me: int) -> ExchangePlan:
-    """The exchange plan of rank ``me`` given every rank's needed global rows (``-1`` = fill)."""
-    offsets = offsets_of(sizes)
-    total = sum(sizes)
-    # Owners: the rank whose [offset, offset+size) holds g (empty shards own nothing).
-    starts = [o for o, s in zip(offsets, sizes) if s > 0]
-    owner_of_start = [r for r, s in enumerate(sizes) if s > 0]
+@contextlib.contextmanager
+def count_traffic() -> Iterator[TrafficCounter]:
+    """Count the bytes sent by domain exchanges inside the block.
 
-    def owner(g: int) -> int:
-        if not 0 <= g < total:
-            raise IndexError(f"row {g} is outside the global length {total}")
-        return owner_of_start[bisect.bisect_right(starts, g) - 1]
-
-    own_pos: list[int] = []
-    own_idx: list[int] = []
-    recv: dict[int, list[int]] = {}
-    for pos, g in enumerate(needs[me]):
-        if g < 0:
-            continue
-        q = owner(g)
-        if q == me:
-            own_pos.append(pos)
-            own_idx.append(g - offsets[me])
-        else:
-            recv.setdefault(q, []).append(pos)
-    send: dict[int, list[int]] = {}
-    for r, wanted in enumerate(needs):
-        if r == me:
-            continue
-        for g in wanted:
-            if g >= 0 and owner(g) == me:
-                send.setdefault(r, []).append(g - offsets[me])
-    return ExchangePlan(
-        length=len(needs[me]),
-        own_pos=tuple(own_pos),
-        own_idx=tuple(own_idx),
-        send=tuple((q, tuple(v)) for q, v in sorted(send.items())),
-        recv=tuple((q, tuple(v)) for q, v in sorted(recv.items())),
-    )
+    Usage: ``with count_traffic() as traffic: loss.backward(); print(traffic.bytes_sent)``
+    """
+    counter = TrafficCounter()
+    TrafficCounter._active.append(counter)
+    try:
+        yield counter
+    finally:
+        TrafficCounter._active.remove(counter)
 
 
-def _index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=device)
-
-
-def _exchange(
-    comm: DomainComm,
-    outgoing: list[tuple[int, torch.Tensor]],
-    incoming: list[tuple[int, torch.Tensor]],
-) -> None:
+def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
+              incoming: list[tuple[int, torch.Tensor]]) -> None:
     """Send and receive all buffers at once (one batched round of point-to-point messages)."""
-    ops = [dist.P2POp(dist.isend, buf, comm.ranks[q], comm.group) for q, buf in outgoing if buf.numel()]
-    TRAFFIC["bytes_sent"] += sum(buf.numel() * buf.element_size() for _, buf in outgoing)
-    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[q], comm.group) for q, buf in incoming if buf.numel()]
+    ops = []
+    for peer, buf in outgoing:
+        if buf.numel():
+            ops.append(dist.P2POp(dist.isend, buf, comm.ranks[peer], comm.group))
+            if TrafficCounter._active:
+                TrafficCounter.record(buf.numel() * buf.element_size())
+    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], comm.group) for peer, buf in incoming if buf.numel()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+
+
+def _rows_of(t: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """The given (start, count) runs of ``t`` along ``dim``, as one contiguous message."""
+    if len(runs) == 1:
+        return t.narrow(dim, runs[0][0], runs[0][1]).contiguous()
+    return torch.cat([t.narrow(dim, s, c) for s, c in runs], dim)
+
+
+def _buffers(like: torch.Tensor, dim: int, counts: list[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+    shape = list(like.shape)
+    out = []
+    for peer, n in counts:
+        shape[dim] = n
+        out.append((peer, like.new_empty(shape)))
+    return out
+
+
+def _assemble(local: torch.Tensor, dim: int, pieces: tuple[Piece, ...], received: dict[int, torch.Tensor],
+              fill: float) -> torch.Tensor:
+    parts = []
+    for p in pieces:
+        if p.kind == "own":
+            parts.append(local.narrow(dim, p.start, p.count))
+        elif p.kind == "recv":
+            parts.append(received[p.peer].narrow(dim, p.start, p.count))
+        else:
+            shape = list(local.shape)
+            shape[dim] = p.count
+            parts.append(local.new_full(shape, fill))
+    if all(p.kind == "fill" for p in pieces):
+        # Keep the result connected to the shard, so its gradient (zeros) exists on every rank.
+        parts.insert(0, local.narrow(dim, 0, 0))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float):
         ctx.dim, ctx.plan, ctx.comm, ctx.local_shape = dim, plan, comm, local.shape
-        shape = list(local.shape)
-        shape[dim] = plan.length
-        out = local.new_full(shape, fill)
-        device = local.device
-        outgoing = [(q, local.index_select(dim, _index(idx, device)).contiguous()) for q, idx in plan.send]
-        incoming = []
-        for q, pos in plan.recv:
-            shape[dim] = len(pos)
-            incoming.append((q, local.new_empty(shape)))
+        outgoing = [(peer, _rows_of(local, dim, runs)) for peer, runs in plan.send]
+        incoming = _buffers(local, dim, list(plan.recv))
         _exchange(comm, outgoing, incoming)
-        run = plan.own_run
-        if run is not None:  # a plain slice copy: no index tensors
-            out.narrow(dim, run[0], run[2]).copy_(local.narrow(dim, run[1], run[2]))
-        elif plan.own_pos:
-            out.index_copy_(dim, _index(plan.own_pos, device), local.index_select(dim, _index(plan.own_idx, device)))
-        for (q, pos), (_, buf) in zip(plan.recv, incoming):
-            out.index_copy_(dim, _index(pos, device), buf)
-        return out
+        return _assemble(local, dim, plan.pieces, dict(incoming), fill)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        dim, plan, comm = ctx.dim, ctx.plan, ctx.comm
-        device = grad.device
-        grad_local = grad.new_zeros(ctx.local_shape)
-        # Reverse every message: what I received, I send back as gradient; what I sent comes back.
-        outgoing = [(q, grad.index_select(dim, _index(pos, device)).contiguous()) for q, pos in plan.recv]
-        incoming = []
-        shape = list(ctx.local_shape)
-        for q, idx in plan.send:
-            shape[dim] = len(idx)
-            incoming.append((q, grad.new_empty(shape)))
-        _exchange(comm, outgoing, incoming)
-        run = plan.own_run
-        if run is not None:
-            grad_local.narrow(dim, run[1], run[2]).add_(grad.narrow(dim, run[0], run[2]))
-        elif plan.own_pos:
-            grad_local.index_add_(dim, _index(plan.own_idx, device), grad.index_select(dim, _index(plan.own_pos, device)))
-        for (q, idx), (_, buf) in zip(plan.send, incoming):
-            grad_local.index_add_(dim, _index(idx, device), buf)
+        dim, plan = ctx.dim, ctx.plan
+        own: list[tuple[Piece, torch.Tensor]] = []
+        back: dict[int, list[torch.Tensor]] = {}
+        at = 0
+        for p in plan.pieces:
+            if p.kind == "own":
+                own.append((p, grad.narrow(dim, at, p.count)))
+            elif p.kind == "recv":
+                back.setdefault(p.peer, []).append(grad.narrow(dim, at, p.count))
+            at += p.count
+        # Reverse every message: what I received goes back as gradient; what I sent comes back.
+        outgoing = [(peer, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim))
+                    for peer, parts in back.items()]
+        incoming = _buffers(grad, dim, [(peer, sum(c for _, c in runs)) for peer, runs in plan.send])
+        _exchange(ctx.comm, outgoing, incoming)
+        whole = len(own) == 1 and own[0][0].start == 0 and own[0][0].count == ctx.local_shape[dim]
+        if whole and not incoming:
+            return own[0][1], None, None, None, None
+        grad_local = own[0][1].clone() if whole else grad.new_zeros(ctx.local_shape)
+        if not whole:
+            for p, g in own:
+                grad_local.narrow(dim, p.start, p.count).add_(g)
+        for (peer, runs), (_, buf) in zip(plan.send, incoming):
+            at = 0
+            for start, count in runs:
+                grad_local.narrow(dim, start, count).add_(buf.narrow(dim, at, count))
+                at += count
         return grad_local, None, None, None, None
 
 
 def gather_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float = 0.0) -> torch.Tensor:
-    """This rank's needed rows along ``dim`` (per ``plan``), fetched from their owners; differentiable."""
+    """This rank's needed rows along ``dim`` (per ``plan``), fetched from their owners; differentiable.
+
+    Usage: ``ext = gather_rows(local, 2, plan_exchange(sizes, needs, me), comm)``
+
+    When nothing moves to or from this rank the result is built by slicing (the whole shard
+    itself when that is what the plan asks for), so autograd sees only torch's own views.
+    """
+    if plan.moves_nothing:
+        if plan.is_local_view:
+            return local
+        return _assemble(local, dim, plan.pieces, {}, fill)
     return _GatherRows.apply(local, dim, plan, comm, fill)

@@ -4,7 +4,7 @@ Usage::
 
     plan = plan_window(sizes=(4, 3, 3), kernel=3, stride=1, dilation=2, pad_left=2, pad_right=2)
     plan.out_sizes      # (4, 3, 3): each rank's share of the global output
-    plan.needs[1]       # (2, 3, ..., 8): global input rows rank 1 reads (-1 = padding)
+    plan.needs[1]       # (Span.rows(2, 9),): global input rows rank 1 reads, as runs
 
 Output ownership. Output j of a window op (kernel k, stride s, dilation d, left padding p) reads
 input rows s*j - p + d*t, t = 0..k-1. Each rank owns the outputs whose *window centre*
@@ -14,49 +14,70 @@ the one-process output, for any kernel (odd or even), stride, dilation and asymm
 no alignment condition on shard offsets. Because ownership follows the input layout, a
 "same"-shaped stride-1 op keeps the layout unchanged and a rank reads only ~d*(k-1)/2 rows
 beyond each side of its shard (the minimum halo). Rank r then needs rows
-[a*s - p, (b-1)*s - p + d*(k-1)]; rows outside [0, N) are padding (-1, filled by the caller) and
-rows held by other ranks, however far away, are fetched by ``exchange.gather_rows``. A rank that owns
-no output (tiny shard, large stride) needs nothing and produces an empty shard.
+[a*s - p, (b-1)*s - p + d*(k-1)]: at most three runs (padding, real rows, padding), computed in
+O(D) from the run boundaries, never row by row. Rows held by other ranks, however far away, are
+fetched by ``exchange.gather_rows``. A rank that owns no output needs nothing.
 """
 
 from __future__ import annotations
 
-import bisect
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from mesh3d.domain.rows import RowMap, Span
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["WindowPlan", "plan_window", "window_output_length"]
+__all__ = ["WindowPlan", "extent_map", "plan_window", "sizes_by_first_index", "window_output_length"]
 
 
 @dataclass(frozen=True)
 class WindowPlan:
+    """Each rank's share of the output and the input rows (runs, padding as fill) it reads."""
+
     out_sizes: tuple[int, ...]
-    needs: tuple[tuple[int, ...], ...]
+    needs: tuple[RowMap, ...]
 
 
 def window_output_length(length: int, kernel: int, stride: int, dilation: int, pad_left: int, pad_right: int) -> int:
     return (length + pad_left + pad_right - dilation * (kernel - 1) - 1) // stride + 1
 
 
-def owners_by_position(sizes: tuple[int, ...], positions: list[int]) -> list[int]:
-    """The rank owning each (clipped) global input position; empty shards own nothing."""
+def sizes_by_first_index(sizes: tuple[int, ...], out_length: int, first_index: Callable[[int], int]) -> tuple[int, ...]:
+    """Output sizes when outputs go to the rank holding their (non-decreasing) source row.
+
+    ``first_index(o)`` is the first output whose source row is ``>= o``. Outputs whose source lies
+    before the first non-empty shard go to it, those beyond the end to the last: O(D).
+    Usage: ``sizes_by_first_index((4, 4), 8, lambda o: 2 * o)  # sources j // 2 -> (8, 0)``
+    """
     offsets = offsets_of(sizes)
-    total = sum(sizes)
-    starts = [o for o, s in zip(offsets, sizes) if s > 0]
-    ranks = [r for r, s in enumerate(sizes) if s > 0]
-    return [ranks[bisect.bisect_right(starts, min(max(c, 0), total - 1)) - 1] for c in positions]
+    nonempty = [r for r, s in enumerate(sizes) if s > 0]
+    out = [0] * len(sizes)
+    if not nonempty:
+        return tuple(out)
+    bounds = [0] + [min(max(first_index(offsets[r]), 0), out_length) for r in nonempty[1:]] + [out_length]
+    for i, r in enumerate(nonempty):
+        out[r] = max(0, bounds[i + 1] - bounds[i])
+    return tuple(out)
 
 
-def sizes_from_owners(owners: list[int], parts: int) -> tuple[int, ...]:
-    counts = [0] * parts
-    for r in owners:
-        counts[r] += 1
-    return tuple(counts)
+def extent_map(lo: int, hi: int, length: int) -> RowMap:
+    """Global rows ``lo..hi`` (inclusive) of a dim of ``length`` as runs: fill, rows, fill."""
+    if hi < lo:
+        return ()
+    out: list[Span] = []
+    left = min(hi, -1) - lo + 1
+    if left > 0:
+        out.append(Span.fill(left))
+    if max(lo, 0) <= min(hi, length - 1):
+        out.append(Span.rows(max(lo, 0), min(hi, length - 1) + 1))
+    right = hi - max(lo, length) + 1
+    if right > 0:
+        out.append(Span.fill(right))
+    return tuple(out)
 
 
-@lru_cache(maxsize=512)
+@lru_cache(maxsize=1024)
 def plan_window(
     sizes: tuple[int, ...],
     kernel: int,
@@ -66,7 +87,10 @@ def plan_window(
     pad_right: int,
     out_length: int | None = None,
 ) -> WindowPlan:
-    """Plan a window op along a sharded dim of global length ``sum(sizes)`` (see module docstring)."""
+    """Plan a window op along a sharded dim of global length ``sum(sizes)`` (see module docstring).
+
+    Usage: ``plan_window((5, 4), kernel=3, stride=2, dilation=1, pad_left=1, pad_right=1).out_sizes  # (3, 2)``
+    """
     n = sum(sizes)
     m = out_length if out_length is not None else window_output_length(n, kernel, stride, dilation, pad_left, pad_right)
     if m <= 0 or n == 0:
@@ -75,14 +99,14 @@ def plan_window(
             f"does not fit the sharded dim of global length {n}: the output would be empty"
         )
     centre = dilation * (kernel - 1) // 2
-    owners = owners_by_position(sizes, [j * stride - pad_left + centre for j in range(m)])
-    out_sizes = sizes_from_owners(owners, len(sizes))
+    # First output whose centre s*j - p + centre reaches row o: j >= (o + p - centre) / s.
+    out_sizes = sizes_by_first_index(sizes, m, lambda o: -(-(o + pad_left - centre) // stride))
     needs = []
-    for a in offsets_of(out_sizes):
-        b = a + out_sizes[len(needs)]
-        if a == b:
+    for a, count in zip(offsets_of(out_sizes), out_sizes):
+        if count == 0:
             needs.append(())
             continue
-        lo, hi = a * stride - pad_left, (b - 1) * stride - pad_left + dilation * (kernel - 1)
-        needs.append(tuple(g if 0 <= g < n else -1 for g in range(lo, hi + 1)))
+        lo = a * stride - pad_left
+        hi = (a + count - 1) * stride - pad_left + dilation * (kernel - 1)
+        needs.append(extent_map(lo, hi, n))
     return WindowPlan(out_sizes, tuple(needs))

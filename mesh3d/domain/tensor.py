@@ -18,7 +18,8 @@ rule raises ``NotImplementedError`` naming it: never a silently wrong local answ
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -41,12 +42,16 @@ class DomainSpec:
     sizes: tuple[int, ...] | None
     comm: DomainComm
 
-    @property
+    @cached_property
     def offset(self) -> int:
         return offsets_of(self.sizes)[self.comm.index] if self.sizes else 0
 
     def with_sizes(self, sizes: tuple[int, ...], dim: int | None = None) -> DomainSpec:
-        return replace(self, sizes=tuple(sizes), dim=self.dim if dim is None else dim)
+        """The same group with other sizes (and dim); this spec itself when nothing changes."""
+        dim = self.dim if dim is None else dim
+        if dim == self.dim and sizes == self.sizes:
+            return self
+        return DomainSpec(dim, tuple(sizes), self.comm)
 
 
 def wrap(local: torch.Tensor, spec: DomainSpec) -> DomainTensor:
@@ -134,8 +139,11 @@ class DomainTensor(torch.Tensor):
         return f"DomainTensor(dim={self._spec.dim}, sizes={self._spec.sizes}, local={local!r})"
 
     # ----------------------------------------------------------------- dispatch
+    #: The dispatcher (``mesh3d.domain.dispatch.dispatch``), set when ``mesh3d.domain`` is imported.
+    #: NOTE: a class attribute rather than an import, so this module (the type) does not depend on
+    #: the dispatcher and its rules, which all depend on the type.
+    _dispatcher: Any = None
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        from mesh3d.domain.registry import dispatch
-
-        return dispatch(func, types, args, kwargs or {})
+        return cls._dispatcher(func, types, args, kwargs or {})

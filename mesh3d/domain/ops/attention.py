@@ -15,9 +15,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.ops.conv import gather_window
+from mesh3d.domain.dispatch import block_needs, run_step
 from mesh3d.domain.registry import register
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.rows import Span
+from mesh3d.domain.split import offsets_of
+from mesh3d.domain.step import Rows, Step
+from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
 
 __all__ = ["neighbourhood_attention"]
 
@@ -31,52 +34,62 @@ def _check(q, k, v) -> None:
         raise ValueError("scaled_dot_product_attention: key and value must be sharded alike")
 
 
+def _kv_rows(key: DomainTensor, value: DomainTensor, needs) -> tuple[tuple, int | None]:
+    """Keys and values gathered in ONE exchange when they stack (concatenated along the feature dim)."""
+    k, v = unwrap(key), unwrap(value)
+    if k.shape[:-1] != v.shape[:-1]:
+        return (Rows(key, needs), Rows(value, needs)), None
+    return (Rows(wrap(torch.cat([k, v], -1), key.spec), needs),), k.shape[-1]
+
+
+def _split_kv(gathered: tuple, width: int | None):
+    if width is None:
+        return gathered
+    both = gathered[0]
+    return both[..., :width], both[..., width:]
+
+
 @register(F.scaled_dot_product_attention)
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Step:
     _check(query, key, value)
     if attn_mask is not None or dropout_p:
         raise NotImplementedError("scaled_dot_product_attention on domain tensors: attn_mask and dropout_p are "
                                   "not supported (use is_causal for causal masks)")
     n = sum(key.spec.sizes)
-    everything = tuple(tuple(range(n)) for _ in key.spec.sizes)
-    k_all, v_all = _gather_pair(key, value, everything)
-    q = unwrap(query)
-    mask = None
-    if is_causal:
-        rows = torch.arange(query.offset, query.offset + q.shape[-2], device=q.device)[:, None]
-        mask = rows >= torch.arange(n, device=q.device)[None, :]
-    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return adopt(out, query.spec)
+    everything = tuple((Span.rows(0, n),) for _ in key.spec.sizes)
+    if key.spec.comm.size == 1:
+        everything = block_needs(key.spec.sizes)
+    kv, width = _kv_rows(key, value, everything)
+    offset = query.offset
+
+    def compute(q, *gathered):
+        k_all, v_all = _split_kv(gathered, width)
+        mask = None
+        if is_causal:
+            rows = torch.arange(offset, offset + q.shape[-2], device=q.device)[:, None]
+            mask = rows >= torch.arange(n, device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+
+    return Step(compute, (query, *kv), out=query.spec)
 
 
 def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, radius: int) -> DomainTensor:
-    """1-D sliding-window attention: token i attends to tokens [i - radius, i + radius] (global positions)."""
+    """1-D sliding-window attention: token i attends to tokens [i - radius, i + radius] (global positions).
+
+    Usage: ``out = neighbourhood_attention(qs, ks, vs, radius=4)``
+    """
     _check(q, k, v)
     n = sum(k.spec.sizes)
-    lo = q.offset - radius
-    hi = q.offset + q.shape[-2] + radius
-    needs = []
-    for off, size in zip(_offsets(q.spec.sizes), q.spec.sizes):
-        needs.append(tuple(g for g in range(off - radius, off + size + radius) if 0 <= g < n) if size else ())
-    k_ext, v_ext = _gather_pair(k, v, tuple(needs))
-    first = max(lo, 0)
-    keys = torch.arange(first, min(hi, n), device=k_ext.device)
-    rows = torch.arange(q.offset, q.offset + q.shape[-2], device=k_ext.device)
-    mask = (keys[None, :] - rows[:, None]).abs() <= radius
-    out = F.scaled_dot_product_attention(unwrap(q), k_ext, v_ext, attn_mask=mask)
-    return adopt(out, q.spec)
+    needs = tuple((Span.rows(max(off - radius, 0), min(off + size + radius, n)),) if size else ()
+                  for off, size in zip(offsets_of(q.spec.sizes), q.spec.sizes))
+    kv, width = _kv_rows(k, v, needs)
+    offset, rows_here = q.offset, q.shape[-2]
 
+    def compute(query, *gathered):
+        k_ext, v_ext = _split_kv(gathered, width)
+        keys = torch.arange(max(offset - radius, 0), min(offset + rows_here + radius, n), device=k_ext.device)
+        rows = torch.arange(offset, offset + rows_here, device=k_ext.device)
+        mask = (keys[None, :] - rows[:, None]).abs() <= radius
+        return F.scaled_dot_product_attention(query, k_ext, v_ext, attn_mask=mask)
 
-def _gather_pair(key: DomainTensor, value: DomainTensor, needs):
-    """Gather keys and values in ONE exchange (concatenated along the feature dim, split after)."""
-    k, v = unwrap(key), unwrap(value)
-    if k.shape[:-1] != v.shape[:-1]:
-        return gather_window(key, needs), gather_window(value, needs)
-    both = gather_window(adopt(torch.cat([k, v], -1), key.spec), needs)
-    return both[..., : k.shape[-1]], both[..., k.shape[-1]:]
-
-
-def _offsets(sizes):
-    from mesh3d.domain.split import offsets_of
-
-    return offsets_of(sizes)
+    return run_step(Step(compute, (q, *kv), out=q.spec))

@@ -14,13 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.exchange import build_plan, gather_rows
-from mesh3d.domain.halo import owners_by_position, plan_window, sizes_from_owners
+from mesh3d.domain.halo import extent_map, plan_window, sizes_by_first_index
 from mesh3d.domain.registry import register
+from mesh3d.domain.rows import Span, runs_from_indices
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.step import Extended, Rows, Step, Window
+from mesh3d.domain.tensor import DomainTensor
 
-__all__ = ["gather_window", "spatial_axis"]
+__all__ = ["pad_local", "spatial_axis", "weight_connected_zeros"]
 
 
 def _tuple(v, n: int) -> tuple[int, ...]:
@@ -40,7 +41,7 @@ def spatial_axis(op: str, x: DomainTensor, nd: int) -> int:
     return sp
 
 
-def _weight_connected_zeros(x: torch.Tensor, shape: list[int], *params) -> torch.Tensor:
+def weight_connected_zeros(x: torch.Tensor, shape: list[int], *params) -> torch.Tensor:
     """Zeros of ``shape`` that still reach ``params`` in autograd.
 
     Why: the halo exchange's backward is point-to-point, so *every* rank must run it, including a
@@ -62,14 +63,8 @@ def pad_local(t: torch.Tensor, flat: list[int], mode: str = "constant", value=No
         shape = list(t.shape)
         for i in range(len(flat) // 2):
             shape[-1 - i] += flat[2 * i] + flat[2 * i + 1]
-        return _weight_connected_zeros(t, shape, t)
+        return weight_connected_zeros(t, shape, t)
     return F.pad(t, flat, mode=mode, value=value)
-
-
-def gather_window(x: DomainTensor, plan_needs, fill: float = 0.0) -> torch.Tensor:
-    comm = x.spec.comm
-    plan = build_plan(x.spec.sizes, plan_needs, comm.index)
-    return gather_rows(unwrap(x), x.spec.dim, plan, comm, fill)
 
 
 def _pad_pairs(padding, weight_k, dilation, nd: int) -> list[tuple[int, int]]:
@@ -83,32 +78,47 @@ def _pad_pairs(padding, weight_k, dilation, nd: int) -> list[tuple[int, int]]:
     return [(p, p) for p in _tuple(padding, nd)]
 
 
+def kernel_padding(pads: list[tuple[int, int]], sp: int, ext: Extended) -> tuple[int, ...] | None:
+    """The symmetric per-dim padding for the local kernel (``ext.pad`` on the sharded dim), or None if asymmetric."""
+    if any(lo != hi for i, (lo, hi) in enumerate(pads) if i != sp):
+        return None
+    return tuple(ext.pad if i == sp else lo for i, (lo, hi) in enumerate(pads))
+
+
+def run_padded(kernel, ext: Extended, pads: list[tuple[int, int]], sp: int, nd: int):
+    """Call ``kernel(tensor, padding)``: padding passed to torch where symmetric, else applied by F.pad first."""
+    sym = kernel_padding(pads, sp, ext)
+    if sym is not None:
+        return kernel(ext.tensor, sym)
+    flat = [v for i in reversed(range(nd)) for v in ((ext.pad, ext.pad) if i == sp else pads[i])]
+    return kernel(F.pad(ext.tensor, flat), (0,) * nd)
+
+
 def _conv_rule(func, nd: int):
     name = f"torch.nn.functional.conv{nd}d"
 
-    def rule(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    def rule(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Step:
         if isinstance(weight, DomainTensor) or isinstance(bias, DomainTensor):
             raise NotImplementedError(f"{name}: the weight and bias must be plain (replicated) tensors")
         sp = spatial_axis(name, input, nd)
         if sp < 0:
-            return adopt(func(unwrap(input), weight, bias, stride, padding, dilation, groups), input.spec)
+            return Step(func, (input, weight, bias, stride, padding, dilation, groups), out=input.spec)
         stride, dilation = _tuple(stride, nd), _tuple(dilation, nd)
         ks = tuple(weight.shape[2:])
         pads = _pad_pairs(padding, ks, dilation, nd)
         plan = plan_window(input.spec.sizes, ks[sp], stride[sp], dilation[sp], *pads[sp])
-        ext = gather_window(input, plan.needs)
-        flat = [v for i in reversed(range(nd)) for v in ((0, 0) if i == sp else pads[i])]
-        ext = pad_local(ext, flat)
         mine = plan.out_sizes[input.spec.comm.index]
-        if mine == 0:
-            shape = [ext.shape[0], weight.shape[0]]
-            for i in range(nd):
-                length = ext.shape[2 + i]
-                shape.append(0 if i == sp else (length - dilation[i] * (ks[i] - 1) - 1) // stride[i] + 1)
-            y = _weight_connected_zeros(ext, shape, ext, weight, bias)
-        else:
-            y = func(ext, weight, bias, stride, 0, dilation, groups)
-        return adopt(y, input.spec.with_sizes(plan.out_sizes))
+
+        def compute(ext: Extended):
+            if mine == 0:
+                shape = [ext.tensor.shape[0], weight.shape[0]]
+                for i in range(nd):
+                    length = ext.tensor.shape[2 + i] + (0 if i == sp else sum(pads[i]))
+                    shape.append(0 if i == sp else (length - dilation[i] * (ks[i] - 1) - 1) // stride[i] + 1)
+                return weight_connected_zeros(ext.tensor, shape, ext.tensor, weight, bias)
+            return run_padded(lambda t, p: func(t, weight, bias, stride, p, dilation, groups), ext, pads, sp, nd)
+
+        return Step(compute, (Window(input, plan),), out=input.spec.with_sizes(plan.out_sizes))
 
     return rule
 
@@ -116,45 +126,53 @@ def _conv_rule(func, nd: int):
 def _conv_transpose_rule(func, nd: int):
     name = f"torch.nn.functional.conv_transpose{nd}d"
 
-    def rule(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+    def rule(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1) -> Step:
         sp = spatial_axis(name, input, nd)
+        args = (input, weight, bias, stride, padding, output_padding, groups, dilation)
         if sp < 0:
-            return adopt(func(unwrap(input), weight, bias, stride, padding, output_padding, groups, dilation), input.spec)
+            return Step(func, args, out=input.spec)
         stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
         output_padding = _tuple(output_padding, nd)
         s, p, d, k = stride[sp], padding[sp], dilation[sp], weight.shape[2 + sp]
         sizes, n = input.spec.sizes, sum(input.spec.sizes)
         m = (n - 1) * s - 2 * p + d * (k - 1) + output_padding[sp] + 1
+        if input.spec.comm.size == 1:  # nothing to exchange: torch's kernel on the shard, unchanged
+            return Step(func, args, out=input.spec.with_sizes((m,)))
         # Output o is owned by the rank holding its "source" input row floor((o + p) / s).
-        out_sizes = sizes_from_owners(owners_by_position(sizes, [(o + p) // s for o in range(m)]), len(sizes))
+        out_sizes = sizes_by_first_index(sizes, m, lambda row: row * s - p)
         needs, starts = [], []
         for a, size in zip(offsets_of(out_sizes), out_sizes):
-            b = a + size
             i0 = max(0, -(-(a + p - d * (k - 1)) // s))
-            i1 = min(n - 1, (b - 1 + p) // s)
-            needs.append(tuple(range(i0, i1 + 1)) if size and i0 <= i1 else ())
+            i1 = min(n - 1, (a + size - 1 + p) // s)
+            needs.append((Span.rows(i0, i1 + 1),) if size and i0 <= i1 else ())
             starts.append(i0)
-        ext = gather_window(input, tuple(needs))
         me = input.spec.comm.index
         a, size = offsets_of(out_sizes)[me], out_sizes[me]
         local_pad = tuple(0 if i == sp else padding[i] for i in range(nd))
         local_op = tuple(0 if i == sp else output_padding[i] for i in range(nd))
-        if needs[me]:
-            y = func(ext, weight, None, stride, local_pad, local_op, groups, dilation)
-            g0 = starts[me] * s - p  # global output index of local row 0
-            flat = [0] * (2 * nd)
-            flat[2 * (nd - 1 - sp)] = g0 - a
-            flat[2 * (nd - 1 - sp) + 1] = (a + size - 1) - (g0 + y.shape[2 + sp] - 1)
-            y = F.pad(y, flat)
-        else:  # no contributing input rows: only the bias (or an empty shard)
-            ref = func(ext.narrow(2 + sp, 0, 0).new_zeros([*ext.shape[:2 + sp], 1, *ext.shape[3 + sp:]]), weight,
-                       None, stride, local_pad, local_op, groups, dilation)
-            shape = list(ref.shape)
-            shape[2 + sp] = size
-            y = _weight_connected_zeros(ref, shape, ext, weight)
-        if bias is not None:
-            y = y + bias.view(1, -1, *([1] * nd))
-        return adopt(y, input.spec.with_sizes(out_sizes))
+
+        def compute(ext):
+            if needs[me]:
+                y = func(ext, weight, None, stride, local_pad, local_op, groups, dilation)
+                first = starts[me] * s - p - a  # where my first output row sits in y's rows
+                y = y.narrow(2 + sp, -first, min(size, y.shape[2 + sp] + first)) if first <= 0 else y
+                short = size - y.shape[2 + sp] - max(first, 0)
+                if first > 0 or short > 0:
+                    flat = [0] * (2 * nd)
+                    flat[2 * (nd - 1 - sp)] = max(first, 0)
+                    flat[2 * (nd - 1 - sp) + 1] = short
+                    y = F.pad(y, flat)
+            else:  # no contributing input rows: only the bias (or an empty shard)
+                ref = func(ext.narrow(2 + sp, 0, 0).new_zeros([*ext.shape[:2 + sp], 1, *ext.shape[3 + sp:]]),
+                           weight, None, stride, local_pad, local_op, groups, dilation)
+                shape = list(ref.shape)
+                shape[2 + sp] = size
+                y = weight_connected_zeros(ref, shape, ext, weight)
+            if bias is not None:
+                y = y + bias.view(1, -1, *([1] * nd))
+            return y
+
+        return Step(compute, (Rows(input, tuple(needs)),), out=input.spec.with_sizes(out_sizes))
 
     return rule
 
@@ -179,17 +197,27 @@ def _source_row(g: int, n: int, mode: str) -> int:
     raise ValueError(f"F.pad mode={mode!r} is not supported on a domain-sharded dim")
 
 
+def _padded_rows(lo: int, hi: int, n: int, pl: int, mode: str):
+    """Runs of source rows for padded rows [lo, hi): real rows as one run, the padding row by row (O(pad))."""
+    left = runs_from_indices(_source_row(g - pl, n, mode) for g in range(lo, min(hi, pl)))
+    middle = extent_map(max(lo, pl) - pl, min(hi, pl + n) - pl - 1, n) if max(lo, pl) < min(hi, pl + n) else ()
+    right = runs_from_indices(_source_row(g - pl, n, mode) for g in range(max(lo, pl + n), hi))
+    return left + middle + right
+
+
 @register(F.pad)
-def _pad(input, pad, mode="constant", value=None):
+def _pad(input, pad, mode="constant", value=None) -> Step:
     dim = input.spec.dim
     pos = input.ndim - 1 - dim  # which (left, right) pair of ``pad`` belongs to the sharded dim
     pad = list(pad)
     pl, pr = (pad[2 * pos], pad[2 * pos + 1]) if 2 * pos + 1 < len(pad) else (0, 0)
     if (pl, pr) == (0, 0):
-        return adopt(pad_local(unwrap(input), pad, mode, value), input.spec)
+        return Step(lambda t: pad_local(t, pad, mode, value), (input,), out=input.spec)
     sizes, n = input.spec.sizes, sum(input.spec.sizes)
     if mode in ("reflect", "circular") and (pl >= n + (mode == "circular") or pr >= n + (mode == "circular")):
         raise ValueError(f"F.pad mode={mode!r}: padding ({pl}, {pr}) too large for the sharded dim of length {n}")
+    if mode not in ("constant", "reflect", "replicate", "circular"):
+        raise ValueError(f"F.pad mode={mode!r} is not supported on a domain-sharded dim")
     new_sizes = list(sizes)
     first = next(i for i, s in enumerate(sizes) if s > 0)
     last = max(i for i, s in enumerate(sizes) if s > 0)
@@ -200,10 +228,11 @@ def _pad(input, pad, mode="constant", value=None):
             f"F.pad: cropping ({pl}, {pr}) along the sharded dim would remove more than the edge shards hold "
             f"(sizes {sizes})"
         )
-    needs = tuple(
-        tuple(_source_row(g - pl, n, mode) for g in range(o, o + s)) for o, s in zip(offsets_of(new_sizes), new_sizes)
-    )
-    ext = gather_window(input, needs, fill=0.0 if value is None else float(value))
-    pad[2 * pos] = pad[2 * pos + 1] = 0
-    ext = pad_local(ext, pad, mode, value)
-    return adopt(ext, input.spec.with_sizes(tuple(new_sizes)))
+    if input.spec.comm.size == 1:  # the whole dim is here: torch's own pad
+        return Step(lambda t: F.pad(t, pad, mode, value), (input,), out=input.spec.with_sizes(tuple(new_sizes)))
+    needs = tuple(_padded_rows(o, o + s, n, pl, mode) for o, s in zip(offsets_of(new_sizes), new_sizes))
+    rest = list(pad)
+    rest[2 * pos] = rest[2 * pos + 1] = 0
+    return Step(lambda ext: pad_local(ext, rest, mode, value),
+                (Rows(input, needs, 0.0 if value is None else float(value)),),
+                out=input.spec.with_sizes(tuple(new_sizes)))

@@ -12,21 +12,24 @@ locally by torch with the sharded dim left unchanged (scale 1 there is an exact 
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.halo import owners_by_position, sizes_from_owners
-from mesh3d.domain.ops.conv import _weight_connected_zeros, gather_window, spatial_axis
+from mesh3d.domain.halo import sizes_by_first_index
+from mesh3d.domain.ops.conv import spatial_axis, weight_connected_zeros
 from mesh3d.domain.registry import register
+from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import adopt, unwrap
+from mesh3d.domain.step import Rows, Step
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 
 
+@lru_cache(maxsize=256)
 def _sources(n: int, m: int, scale_factor, mode: str, align_corners, dtype):
-    """(i0, i1, lambda) per output row along one dim, as torch computes them."""
+    """(i0, i1, lambda) per output row along one dim, as torch computes them (cached per shape)."""
     o = torch.arange(m, dtype=torch.float64)
     if mode == "nearest":
         scale = torch.tensor(1.0 / scale_factor if scale_factor else n / m, dtype=torch.float32)
@@ -46,15 +49,18 @@ def _sources(n: int, m: int, scale_factor, mode: str, align_corners, dtype):
 
 @register(F.interpolate)
 def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
-                 recompute_scale_factor=None, antialias=False):
+                 recompute_scale_factor=None, antialias=False) -> Step:
     nd = input.ndim - 2
     if mode not in ("nearest", *_LINEAR) or antialias:
         raise NotImplementedError(f"F.interpolate(mode={mode!r}, antialias={antialias}) is not supported on a "
                                   "domain tensor; use nearest, linear, bilinear or trilinear")
     sp = spatial_axis("F.interpolate", input, nd)
-    local = unwrap(input)
+
+    def whole(t):
+        return F.interpolate(t, size, scale_factor, mode, align_corners, recompute_scale_factor)
+
     if sp < 0:
-        return adopt(F.interpolate(local, size, scale_factor, mode, align_corners, recompute_scale_factor), input.spec)
+        return Step(whole, (input,), out=input.spec)
     sizes, n = input.spec.sizes, sum(input.spec.sizes)
     sfs = None if scale_factor is None else (list(scale_factor) if isinstance(scale_factor, (list, tuple))
                                              else [scale_factor] * nd)
@@ -62,33 +68,37 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
         size, sfs = [math.floor(g * f) for g, f in zip(input.global_shape[2:], sfs)], None
     outs = list(size) if isinstance(size, (list, tuple)) else ([size] * nd if size is not None else None)
     m = outs[sp] if outs is not None else math.floor(n * sfs[sp])
-    i0, i1, lam = _sources(n, m, sfs[sp] if sfs else None, mode, align_corners, local.dtype)
-    out_sizes = sizes_from_owners(owners_by_position(sizes, i0.tolist()), len(sizes))
+    if input.spec.comm.size == 1:  # the whole dim is here: torch's own kernel
+        return Step(whole, (input,), out=input.spec.with_sizes((m,)))
+    i0, i1, lam = _sources(n, m, sfs[sp] if sfs else None, mode, align_corners, input.dtype)
+    out_sizes = sizes_by_first_index(sizes, m, lambda row: int(torch.searchsorted(i0, row)))
     bounds = [(a, a + s) for a, s in zip(offsets_of(out_sizes), out_sizes)]
-    needs = tuple(tuple(range(int(i0[a]), int(i1[b - 1]) + 1)) if b > a else () for a, b in bounds)
-    ext = gather_window(input, needs)
+    needs = tuple((Span.rows(int(i0[a]), int(i1[b - 1]) + 1),) if b > a else () for a, b in bounds)
     a, b = bounds[input.spec.comm.index]
     dim = 2 + sp
-    if b == a:
-        shape = list(local.shape)
-        shape[dim] = 0
-        y = _weight_connected_zeros(ext, shape, ext)
-    else:
-        base = int(i0[a])
-        lo = ext.index_select(dim, (i0[a:b] - base).to(ext.device))
-        hi = ext.index_select(dim, (i1[a:b] - base).to(ext.device))
-        w = lam[a:b].to(ext.device).view([-1 if i == dim else 1 for i in range(ext.ndim)])
-        y = lo if mode == "nearest" else lo * (1 - w) + hi * w
-    if nd > 1:
+    local_shape = list(input.shape)
+
+    def compute(ext):
+        if b == a:
+            shape = list(local_shape)
+            shape[dim] = 0
+            y = weight_connected_zeros(ext, shape, ext)
+        else:
+            base = int(i0[a])
+            lo = ext.index_select(dim, (i0[a:b] - base).to(ext.device))
+            hi = ext.index_select(dim, (i1[a:b] - base).to(ext.device))
+            w = lam[a:b].to(ext.device).view([-1 if i == dim else 1 for i in range(ext.ndim)])
+            y = lo if mode == "nearest" else lo * (1 - w) + hi * w
+        if nd == 1:
+            return y
         if outs is not None:
             rest = [y.shape[dim] if i == sp else o for i, o in enumerate(outs)]
-            y = F.interpolate(y, size=rest, mode=mode, align_corners=align_corners) if y.numel() else \
-                _weight_connected_zeros(y, [*y.shape[:2], *rest], y)
-        else:
-            rest_sf = [1.0 if i == sp else f for i, f in enumerate(sfs)]
-            if y.numel():
-                y = F.interpolate(y, scale_factor=rest_sf, mode=mode, align_corners=align_corners)
-            else:
-                shape = [*y.shape[:2]] + [0 if i == sp else math.floor(local.shape[2 + i] * f) for i, f in enumerate(sfs)]
-                y = _weight_connected_zeros(y, shape, y)
-    return adopt(y, input.spec.with_sizes(out_sizes))
+            return F.interpolate(y, size=rest, mode=mode, align_corners=align_corners) if y.numel() else \
+                weight_connected_zeros(y, [*y.shape[:2], *rest], y)
+        rest_sf = [1.0 if i == sp else f for i, f in enumerate(sfs)]
+        if y.numel():
+            return F.interpolate(y, scale_factor=rest_sf, mode=mode, align_corners=align_corners)
+        shape = [*y.shape[:2]] + [0 if i == sp else math.floor(local_shape[2 + i] * f) for i, f in enumerate(sfs)]
+        return weight_connected_zeros(y, shape, y)
+
+    return Step(compute, (Rows(input, needs),), out=input.spec.with_sizes(out_sizes))

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 
 from mesh3d.domain.collectives import reduce_for_local_use
 from mesh3d.domain.registry import register
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.step import Step
+from mesh3d.domain.tensor import DomainTensor
 
 __all__ = ["normalize"]
 
@@ -42,16 +43,28 @@ def _check(op: str, x: DomainTensor) -> None:
         raise NotImplementedError(f"{op}: shard a spatial dim (>= 2) of the (N, C, ...) input, not N or C")
 
 
+def _whole(x: DomainTensor, func, *args) -> Step | None:
+    """One domain rank holds the whole dim: torch's fused kernel is the one-process op."""
+    if x.spec.comm.size == 1:
+        return Step(lambda t: func(t, *args), (x,), out=x.spec)
+    return None
+
+
 @register(F.group_norm)
-def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Step:
     _check("F.group_norm", input)
-    local = unwrap(input)
-    n, c = local.shape[:2]
-    spatial_local = math.prod(local.shape[2:])
-    grouped = local.reshape(n, num_groups, c // num_groups, spatial_local)
-    count = (c // num_groups) * math.prod(input.global_shape[2:])
-    y, _, _ = normalize(grouped, [2, 3], count, eps, input.spec.comm)
-    return adopt(_affine(y.reshape(local.shape), weight, bias, local.ndim), input.spec)
+    whole = _whole(input, F.group_norm, num_groups, weight, bias, eps)
+    if whole:
+        return whole
+    count_rest = math.prod(input.global_shape[2:])
+
+    def compute(local):
+        n, c = local.shape[:2]
+        grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
+        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, input.spec.comm)
+        return _affine(y.reshape(local.shape), weight, bias, local.ndim)
+
+    return Step(compute, (input,), out=input.spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -61,49 +74,57 @@ def _update_running(running, value, momentum) -> None:
 
 
 @register(F.batch_norm)
-def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1,
+                eps=1e-5) -> Step:
     _check("F.batch_norm", input)
-    local = unwrap(input)
-    if not training:
-        return adopt(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
-    dims = [0, *range(2, local.ndim)]
+    if not training or input.spec.comm.size == 1:
+        return Step(lambda t: F.batch_norm(t, running_mean, running_var, weight, bias, training, momentum, eps),
+                    (input,), out=input.spec)
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
-    y, mean, var = normalize(local, dims, count, eps, input.spec.comm)
-    _update_running(running_mean, mean.flatten(), momentum)
-    _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
-    return adopt(_affine(y, weight, bias, local.ndim), input.spec)
+
+    def compute(local):
+        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, input.spec.comm)
+        _update_running(running_mean, mean.flatten(), momentum)
+        _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
+        return _affine(y, weight, bias, local.ndim)
+
+    return Step(compute, (input,), out=input.spec)
 
 
 @register(F.instance_norm)
 def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
-                   momentum=0.1, eps=1e-5):
+                   momentum=0.1, eps=1e-5) -> Step:
     _check("F.instance_norm", input)
-    local = unwrap(input)
-    if not use_input_stats:
-        return adopt(F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), input.spec)
-    dims = list(range(2, local.ndim))
+    if not use_input_stats or input.spec.comm.size == 1:
+        return Step(lambda t: F.instance_norm(t, running_mean, running_var, weight, bias, use_input_stats, momentum,
+                                              eps), (input,), out=input.spec)
     count = math.prod(input.global_shape[2:])
-    y, mean, var = normalize(local, dims, count, eps, input.spec.comm)
-    _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
-    _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
-    return adopt(_affine(y, weight, bias, local.ndim), input.spec)
+
+    def compute(local):
+        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, input.spec.comm)
+        _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
+        _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
+        return _affine(y, weight, bias, local.ndim)
+
+    return Step(compute, (input,), out=input.spec)
 
 
 @register(F.layer_norm)
-def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
-    local = unwrap(input)
-    first = local.ndim - len(normalized_shape)
-    if input.spec.dim is None or input.spec.dim < first:
-        return adopt(F.layer_norm(local, normalized_shape, weight, bias, eps), input.spec)
-    dims = list(range(first, local.ndim))
-    y, _, _ = normalize(local, dims, math.prod(input.global_shape[first:]), eps, input.spec.comm)
-    # The affine parameters vary along the sharded dim: use this rank's slice of them.
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> Step:
+    first = input.ndim - len(normalized_shape)
+    if input.spec.dim < first or input.spec.comm.size == 1:
+        return Step(lambda t: F.layer_norm(t, normalized_shape, weight, bias, eps), (input,), out=input.spec)
+    count = math.prod(input.global_shape[first:])
     at = input.spec.dim - first
-    def take(p):
-        return p.narrow(at, input.offset, local.shape[input.spec.dim])
+    offset, rows = input.offset, input.shape[input.spec.dim]
 
-    if weight is not None:
-        y = y * take(weight)
-    if bias is not None:
-        y = y + take(bias)
-    return adopt(y, input.spec)
+    def compute(local):
+        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, input.spec.comm)
+        # The affine parameters vary along the sharded dim: use this rank's slice of them.
+        if weight is not None:
+            y = y * weight.narrow(at, offset, rows)
+        if bias is not None:
+            y = y + bias.narrow(at, offset, rows)
+        return y
+
+    return Step(compute, (input,), out=input.spec)

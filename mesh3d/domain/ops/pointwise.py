@@ -14,11 +14,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.collectives import sum_grad
-from mesh3d.domain.registry import flat_tensors, op_name, register, tree_map
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.dispatch import run_step
+from mesh3d.domain.registry import op_name, register
+from mesh3d.domain.step import Entering, Layout, Step
+from mesh3d.domain.tensor import DomainTensor
 
-__all__ = ["elementwise"]
+__all__ = ["elementwise", "elementwise_step"]
 
 _NAMES = (
     "add sub mul div true_divide rsub neg abs exp log sqrt rsqrt sin cos tanh sigmoid relu pow clamp clamp_min "
@@ -51,14 +52,14 @@ for _n in _F_NAMES:
         ELEMENTWISE.add(getattr(F, _n))
 
 
-def _sharded(ts: list) -> list[DomainTensor]:
-    return [t for t in ts if isinstance(t, DomainTensor) and t.spec.dim is not None]
+def _sharded(ts) -> list[DomainTensor]:
+    return [t for t in ts if isinstance(t, DomainTensor) and t._spec.dim is not None]
 
 
 def _check_same_sharding(func, sharded: list[DomainTensor]) -> DomainTensor:
     ref = sharded[0]
     for t in sharded[1:]:
-        if t.ndim - t.spec.dim != ref.ndim - ref.spec.dim or sum(t.spec.sizes) != sum(ref.spec.sizes):
+        if t.ndim - t._spec.dim != ref.ndim - ref._spec.dim or sum(t._spec.sizes) != sum(ref._spec.sizes):
             raise ValueError(
                 f"{op_name(func)}: domain tensors sharded along different dims or lengths (dim {ref.spec.dim} sizes "
                 f"{ref.spec.sizes} vs dim {t.spec.dim} sizes {t.spec.sizes}); shard both along the same dim"
@@ -66,26 +67,29 @@ def _check_same_sharding(func, sharded: list[DomainTensor]) -> DomainTensor:
     return ref
 
 
-def _same_layout(ref: DomainTensor, o):
-    """Operands sharded along the same dim but with other sizes (e.g. a U-Net skip) move rows to ``ref``'s."""
-    if isinstance(o, DomainTensor) and o.spec.dim is not None and o.spec.sizes != ref.spec.sizes:
-        from mesh3d.domain.api import redistribute
-
-        return redistribute(o, ref.spec.sizes)
+def _in_ref_layout(ref: DomainTensor, o):
+    """A sharded operand in ``ref``'s layout: as is, or moved there (e.g. a U-Net skip with other sizes)."""
+    if o._spec.sizes != ref._spec.sizes:
+        return Layout(o, ref._spec.sizes)
     return o
 
 
-def elementwise(func, *args, **kwargs):
-    """Run an element-wise op on the local shards; output sharded like the inputs."""
-    tensors = flat_tensors((args, kwargs))
+def elementwise_step(func, args: tuple, kwargs: dict) -> Step:
+    """Declare an element-wise op: operands in one layout, plain ones constant along the sharded dim.
+
+    Usage: ``run_step(elementwise_step(torch.add, (xs, ys), {}))``
+    """
+    operands = [*args, *kwargs.values()]
+    tensors = [t for t in operands if isinstance(t, torch.Tensor)]
     ref = _check_same_sharding(func, _sharded(tensors))
     out_ndim = max(t.ndim for t in tensors)
-    out_dim = ref.spec.dim + (out_ndim - ref.ndim)
+    out_dim = ref._spec.dim + (out_ndim - ref.ndim)
 
-    def prepare(o):
-        o = _same_layout(ref, o)
-        if not isinstance(o, torch.Tensor) or (isinstance(o, DomainTensor) and o.spec.dim is not None):
-            return unwrap(o)
+    def requirement(o):
+        if not isinstance(o, torch.Tensor):
+            return o
+        if isinstance(o, DomainTensor) and o._spec.dim is not None:
+            return _in_ref_layout(ref, o)
         aligned = out_dim - (out_ndim - o.ndim)
         if aligned >= 0 and o.shape[aligned] != 1:
             raise ValueError(
@@ -93,26 +97,30 @@ def elementwise(func, *args, **kwargs):
                 f"{out_dim} of a domain tensor (global shape {tuple(ref.global_shape)}); shard it too with "
                 f"domain.shard(t, dim={aligned}, sizes={ref.spec.sizes}) or give it size 1 there"
             )
-        if isinstance(o, DomainTensor):  # replicated value entering the shards
-            plain = unwrap(o)
-            return sum_grad(plain, o.spec.comm) if plain.requires_grad else plain
-        return o
+        return Entering(o) if isinstance(o, DomainTensor) else o  # a replicated value entering the shards
 
-    out = func(*tree_map(prepare, args), **tree_map(prepare, kwargs))
-    spec = ref.spec.with_sizes(ref.spec.sizes, dim=out_dim)
-    plain = tuple(t for t in tensors if not isinstance(t, DomainTensor))
-    return tree_map(lambda o: adopt(o, spec, plain) if isinstance(o, torch.Tensor) and o.ndim == out_ndim else o, out)
+    spec = ref._spec if out_dim == ref._spec.dim else ref._spec.with_sizes(ref._spec.sizes, dim=out_dim)
+    return Step(func, tuple(requirement(a) for a in args), {k: requirement(v) for k, v in kwargs.items()},
+                out=spec, out_ndim=out_ndim, keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+
+
+def elementwise(func, *args, **kwargs):
+    """Run an element-wise op on the local shards now; output sharded like the inputs.
+
+    Usage: ``elementwise(torch.neg, xs)``
+    """
+    return run_step(elementwise_step(func, args, kwargs))
 
 
 for _f in ELEMENTWISE:
-    register(_f)(lambda *a, _f=_f, **k: elementwise(_f, *a, **k))
+    register(_f)(lambda *a, _f=_f, **k: elementwise_step(_f, a, k))
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
 
-def local_unless_sharded(func, x: DomainTensor, dims, what: str, *args, **kwargs):
+def local_unless_sharded(func, x: DomainTensor, dims, what: str, *args, **kwargs) -> Step:
     """Run ``func`` locally when it does not act along the sharded dim, else raise naming it."""
     if x.spec.dim in [_norm_dim(d, x.ndim) for d in dims]:
         raise NotImplementedError(
@@ -120,23 +128,31 @@ def local_unless_sharded(func, x: DomainTensor, dims, what: str, *args, **kwargs
             "call .full_tensor() first or shard a different dim"
         )
     # The other arguments (weights) act along non-sharded dims only: run on the local shard as is.
-    return adopt(func(unwrap(x), *args, **kwargs), x.spec)
+    return Step(func, (x, *args), kwargs, out=x.spec)
 
 
 @register(F.linear)
-def _linear(input, weight, bias=None):
+def _linear(input, weight, bias=None) -> Step:
     return local_unless_sharded(F.linear, input, [-1], "Linear mixes the last dim", weight, bias)
 
 
-for _sm in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
-    register(_sm)(
-        lambda input, dim, *a, _sm=_sm, **k: local_unless_sharded(_sm, input, [dim], "softmax", dim, *a, **k)
-    )
+def _softmax_rule(func):
+    def rule(input, dim=None, _stacklevel=3, dtype=None) -> Step:
+        return local_unless_sharded(func, input, [dim], "softmax", dim, dtype=dtype)
+
+    return rule
+
+
+for _sm in (F.softmax, F.log_softmax):
+    register(_sm)(_softmax_rule(_sm))
+for _sm in (torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
+    register(_sm)(lambda input, dim, dtype=None, _sm=_sm: local_unless_sharded(_sm, input, [dim], "softmax", dim,
+                                                                               dtype=dtype))
 
 
 @register(torch.cat, torch.concat)
-def _cat(tensors, dim=0):
-    ref = _check_same_sharding(torch.cat, _sharded(list(tensors)))
+def _cat(tensors, dim=0) -> Step:
+    ref = _check_same_sharding(torch.cat, _sharded(tensors))
     if _norm_dim(dim, ref.ndim) == ref.spec.dim:
         raise NotImplementedError(
             f"torch.cat along the sharded dim {ref.spec.dim} is not supported; concatenate along another dim"
@@ -144,21 +160,22 @@ def _cat(tensors, dim=0):
     for t in tensors:
         if not isinstance(t, DomainTensor):
             raise ValueError("torch.cat: every input must be a domain tensor sharded the same way; shard the plain one")
-    return adopt(torch.cat([unwrap(_same_layout(ref, t)) for t in tensors], dim), ref.spec)
+    return Step(lambda *ts: torch.cat(ts, dim), tuple(_in_ref_layout(ref, t) for t in tensors), out=ref.spec)
 
 
 @register(torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)
-def _transpose(x, dim0, dim1):
-    d0, d1 = _norm_dim(dim0, x.ndim), _norm_dim(dim1, x.ndim)
-    new = {d0: d1, d1: d0}.get(x.spec.dim, x.spec.dim)
-    return adopt(torch.transpose(unwrap(x), d0, d1), x.spec.with_sizes(x.spec.sizes, dim=new))
+def _transpose(input, dim0, dim1) -> Step:
+    d0, d1 = _norm_dim(dim0, input.ndim), _norm_dim(dim1, input.ndim)
+    new = {d0: d1, d1: d0}.get(input.spec.dim, input.spec.dim)
+    return Step(lambda t: torch.transpose(t, d0, d1), (input,), out=input.spec.with_sizes(input.spec.sizes, dim=new))
 
 
 @register(torch.permute, torch.Tensor.permute)
-def _permute(x, *dims):
+def _permute(input, *dims) -> Step:
     dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
-    dims = tuple(_norm_dim(d, x.ndim) for d in dims)
-    return adopt(unwrap(x).permute(dims), x.spec.with_sizes(x.spec.sizes, dim=dims.index(x.spec.dim)))
+    dims = tuple(_norm_dim(d, input.ndim) for d in dims)
+    return Step(lambda t: t.permute(dims), (input,),
+                out=input.spec.with_sizes(input.spec.sizes, dim=dims.index(input.spec.dim)))
 
 
 @register(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout)
@@ -172,12 +189,13 @@ def _dropout(input, p=0.5, training=True, inplace=False):
 
 
 @register(torch.Tensor.view_as)
-def _view_as(x, other):
+def _view_as(input, other) -> Step:
     # FSDP2 calls ``x.view_as(x)`` on every forward input to hook its backward; a view onto an
     # identically sharded tensor of the same shape is exact on shards. Anything else would
     # reinterpret rows across the shard boundary, so it is refused.
-    if isinstance(x, DomainTensor) and isinstance(other, DomainTensor) and x.spec == other.spec and x.shape == other.shape:
-        return adopt(unwrap(x).view_as(unwrap(other)), x.spec)
+    if isinstance(input, DomainTensor) and isinstance(other, DomainTensor) and input.spec == other.spec \
+            and input.shape == other.shape:
+        return Step(lambda t, o: t.view_as(o), (input, other), out=input.spec)
     raise NotImplementedError(
         "torch.Tensor.view_as on a domain tensor is supported only onto an identically sharded tensor of "
         "the same shape; call .full_tensor() first"

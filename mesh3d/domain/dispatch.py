@@ -1,0 +1,218 @@
+"""The one domain dispatcher: binds an op to its rule, does the exchanges the rule declares, wraps the result.
+
+Usage: not called directly; ``DomainTensor.__torch_function__`` sends every torch call here.
+
+For each call it picks, in order: a metadata query (``.shape``, ``.dtype`` ...: answered from the
+local shard, on the DomainTensor itself so autograd hooks attach to the right node); the op's rule
+when some input is sharded (the rule returns a ``step.Step``: the requirements are resolved here,
+the local function is called on plain tensors and the results are wrapped); for replicated values
+only, the op itself (every rank holds the same value, so any op is right); otherwise it raises
+``NotImplementedError`` naming the op: an unsupported op is never silently wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from mesh3d._torch_private import disable_torch_function_subclass
+from mesh3d.domain.collectives import scale_grad, sum_grad
+from mesh3d.domain.exchange import DomainComm, gather_rows
+from mesh3d.domain.halo import WindowPlan
+from mesh3d.domain.registry import RULES, op_name, tree_map
+from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
+from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+
+__all__ = ["METADATA", "dispatch", "redistribute_local", "run_step"]
+
+# Queries whose answer is about the local shard and contains no tensor data to get wrong.
+_METADATA_NAMES = (
+    "shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "layout", "grad",
+    "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "_version", "output_nr", "_base", "is_nested",
+    # autograd bookkeeping that torch itself reads and writes during in-place ops and hook registration
+    "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "_grad", "_grad_fn", "is_cpu",
+)
+METADATA: set = set()
+for _name in _METADATA_NAMES:
+    _attr = getattr(torch.Tensor, _name, None)
+    if _attr is not None and hasattr(_attr, "__get__"):
+        METADATA.add(_attr.__get__)
+        if hasattr(_attr, "__set__"):
+            METADATA.add(_attr.__set__)
+METADATA.update(
+    getattr(torch.Tensor, n)
+    for n in (
+        "dim", "size", "stride", "is_contiguous", "element_size", "data_ptr", "is_floating_point", "is_complex",
+        "backward", "retain_grad", "register_hook", "get_device", "__hash__", "__format__", "storage_offset",
+        "requires_grad_", "untyped_storage", "__reduce_ex__", "__deepcopy__", "__setstate__", "numel", "nelement",
+    )
+    if hasattr(torch.Tensor, n)
+)
+# Their function forms too: FSDP's mixed precision asks torch.is_floating_point(x) of every input.
+METADATA.update((torch.is_floating_point, torch.is_complex))
+
+
+def _replicated_dtensor_to_local(o: Any) -> Any:
+    """A DTensor replicated on every mesh dim (a ``"replicate"``-style parameter) → its local tensor.
+
+    Every model rank holds the same value and computes the same thing with it; ``to_local``'s
+    backward hands the gradient back as a ``Replicate`` DTensor. Sharded DTensors are left alone:
+    the op then fails loudly rather than computing with a shard as if it were whole.
+    """
+    if isinstance(o, DTensor) and all(isinstance(p, Replicate) for p in o.placements):
+        return o.to_local()
+    return o
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], bool, bool]:
+    """Domain tensors among the arguments (and inside one level of lists), any sharded, any DTensor."""
+    found: list[DomainTensor] = []
+    dtensor = False
+    for group in (args, kwargs.values()):
+        for a in group:
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            for t in items:
+                if isinstance(t, DomainTensor):
+                    found.append(t)
+                elif isinstance(t, DTensor):
+                    dtensor = True
+    return found, any(t._spec.dim is not None for t in found), dtensor
+
+
+def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on domain tensors (see module docstring).
+
+    Usage: ``DomainTensor.__torch_function__`` calls ``dispatch(func, types, args, kwargs)``
+    """
+    if func in METADATA:
+        with disable_torch_function_subclass():
+            return func(*args, **kwargs)
+    found, sharded, dtensor = _scan(args, kwargs)
+    if dtensor:
+        args, kwargs = tree_map(_replicated_dtensor_to_local, args), tree_map(_replicated_dtensor_to_local, kwargs)
+    if sharded:
+        rule = RULES.get(func)
+        if rule is None:
+            dims = sorted({t._spec.dim for t in found if t._spec.dim is not None})
+            raise NotImplementedError(
+                f"{op_name(func)} has no domain rule: mesh3d will not run it on a domain-sharded tensor "
+                f"(sharded dim {dims[0]}) because the local answer could differ from the one-process answer. "
+                "Call .full_tensor() first, or register a rule with mesh3d.domain.registry.register "
+                "(docs/domain.md, 'Adding an op rule')"
+            )
+        result = rule(*args, **kwargs)
+        return run_step(result) if isinstance(result, Step) else result
+    return _run_replicated(func, found[0]._spec, args, kwargs)
+
+
+def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict) -> Any:
+    """Every input is replicated over the domain: the plain op is the one-process op."""
+    size = spec.comm.size
+
+    def prepare(o: Any) -> Any:
+        # Parameters meeting a replicated value: each of the D ranks computes the same thing, so
+        # each keeps 1/D of their gradient (the domain sum then gives the one-process gradient).
+        if size > 1 and isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor) and o.requires_grad:
+            return scale_grad(o, 1.0 / size)
+        return unwrap(o)
+
+    out = func(*tree_map(prepare, args), **tree_map(prepare, kwargs))
+    plain = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and not isinstance(t, DomainTensor))
+    return tree_map(lambda o: adopt(o, spec, plain) if isinstance(o, torch.Tensor) else o, out)
+
+
+# ----------------------------------------------------------------------------- requirements
+@lru_cache(maxsize=2048)
+def _window_exchange(sizes: tuple[int, ...], plan: WindowPlan, me: int, kernel_pads: bool) -> tuple[ExchangePlan, int]:
+    """This rank's exchange for a window op, and the padding left to the kernel.
+
+    NOTE: the kernel pads both sides of the sharded dim by the same amount, so the smaller of this
+    rank's two padding runs is left to it and only the difference (edge ranks, asymmetric windows)
+    becomes explicit fill rows. At domain=1 (or any rank needing no remote rows and symmetric
+    padding) the plan is then the shard itself: the kernel runs on it with no copy at all.
+    """
+    mine = plan.needs[me]
+    left = mine[0].stop if mine and mine[0].is_fill else 0
+    right = mine[-1].stop if len(mine) > 1 and mine[-1].is_fill else 0
+    pad = min(left, right) if kernel_pads and len(mine) > 1 else 0
+    if pad:
+        trimmed = list(mine)
+        trimmed[0] = Span.fill(left - pad)
+        trimmed[-1] = Span.fill(right - pad)
+        mine = tuple(s for s in trimmed if s.stop > s.start)
+    needs = plan.needs[:me] + (mine,) + plan.needs[me + 1:]
+    return plan_exchange(sizes, needs, me), pad
+
+
+def _resolve(req: Any) -> Any:
+    if isinstance(req, DomainTensor):
+        return unwrap(req)
+    if isinstance(req, Window):
+        spec = req.x._spec
+        xplan, pad = _window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
+        return Extended(gather_rows(unwrap(req.x), spec.dim, xplan, spec.comm, req.fill), pad)
+    if isinstance(req, Rows):
+        spec = req.x._spec
+        return gather_rows(unwrap(req.x), spec.dim, plan_exchange(spec.sizes, req.needs, spec.comm.index),
+                           spec.comm, req.fill)
+    if isinstance(req, Layout):
+        return redistribute_local(req.x, req.sizes)
+    if isinstance(req, Entering):
+        plain = unwrap(req.x)
+        return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
+    return req
+
+
+def redistribute_local(x: DomainTensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """``x``'s rows in the layout ``sizes`` (plain local tensor; only rows that change rank travel).
+
+    Usage: ``local = redistribute_local(xs, (4, 4, 2))``
+    """
+    spec = x._spec
+    if tuple(sizes) == spec.sizes:
+        return unwrap(x)
+    return gather_rows(unwrap(x), spec.dim, plan_exchange(spec.sizes, block_needs(tuple(sizes)), spec.comm.index),
+                       spec.comm)
+
+
+@lru_cache(maxsize=512)
+def block_needs(sizes: tuple[int, ...]) -> tuple[tuple[Span, ...], ...]:
+    """Each rank's rows of the layout ``sizes``: one run each (O(D))."""
+    out, at = [], 0
+    for s in sizes:
+        out.append((Span.rows(at, at + s),) if s else ())
+        at += s
+    return tuple(out)
+
+
+def run_step(step: Step) -> Any:
+    """Resolve a rule's requirements, call its local function and wrap the results.
+
+    Usage: ``run_step(Step(torch.relu, (xs,), out=xs.spec))``
+    """
+    args = [_resolve(a) for a in step.args]
+    kwargs = {k: _resolve(v) for k, v in step.kwargs.items()} if step.kwargs else {}
+    out = step.compute(*args, **kwargs)
+    spec = step.out
+    if spec is None:
+        return out
+    if isinstance(out, torch.Tensor):
+        if step.out_ndim is None or out.ndim == step.out_ndim:
+            return adopt(out, spec, step.keep)
+        return out
+    ndim = step.out_ndim
+    return tree_map(lambda o: adopt(o, spec, step.keep) if isinstance(o, torch.Tensor)
+                    and (ndim is None or o.ndim == ndim) else o, out)
+
+
+def comm_of(x: DomainTensor) -> DomainComm:
+    """The domain group a domain tensor lives on.
+
+    Usage: ``comm_of(xs).size``
+    """
+    return x._spec.comm
