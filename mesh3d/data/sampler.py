@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
 
-__all__ = ["MeshSampler", "BatchInfo", "TAILS", "STATE_FORMAT"]
+__all__ = ["MeshSampler", "BatchInfo", "TAILS", "STATE_FORMAT", "check_mesh_sampler"]
 
 TAILS = ("drop", "pad")
 STATE_FORMAT = "mesh3d.data.MeshSampler"
@@ -147,6 +147,9 @@ class MeshSampler(DistributedSampler):
         self.position = 0           # where the cursor stands in this epoch's order (self.epoch)
         self.samples_seen = 0       # valid samples handed out over all epochs (informational)
         self._commit_on_yield = True
+        #: False: ``set_epoch`` is ignored and only the cursor decides (MeshStrategy sets this: Lightning
+        #: counts an epoch stopped by ``max_steps`` as done, so its epoch number runs ahead of the data).
+        self.follow_set_epoch = True
         self._orders: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ the global sequence
@@ -207,7 +210,7 @@ class MeshSampler(DistributedSampler):
         """Start ``epoch`` (a new one from its beginning; the current one stays where its cursor is)."""
         if not _is_int(epoch) or epoch < 0:
             raise ValueError(f"MeshSampler.set_epoch({epoch!r}): epochs are ints >= 0")
-        if epoch != self.epoch:
+        if self.follow_set_epoch and epoch != self.epoch:
             self.epoch, self.position = epoch, 0
 
     def commit(self, info: BatchInfo) -> None:
@@ -253,3 +256,18 @@ class MeshSampler(DistributedSampler):
         self.epoch, self.position, self.samples_seen = state["epoch"], state["position"], state["samples_seen"]
         if self.steps_per_epoch(self.position) == 0:  # e.g. a larger global batch no longer fits the epoch's rest
             self.epoch, self.position = self.epoch + 1, 0
+
+
+def check_mesh_sampler(sampler: Any, manager: Any) -> None:
+    """Raise if ``sampler`` is a ``MeshSampler`` split over other batch ranks than ``manager``'s batch axis.
+
+    Usage: ``check_mesh_sampler(loader.sampler, DistributedManager())``
+    """
+    if not isinstance(sampler, MeshSampler):
+        return
+    want = (manager.axis_size("batch"), manager.axis_rank("batch"))
+    if (sampler.num_replicas, sampler.rank) != want:
+        raise ValueError(
+            f"this rank's MeshSampler is split over {sampler.num_replicas} batch ranks as rank {sampler.rank}, but the "
+            f"mesh's batch axis has {want[0]} ranks and this is batch rank {want[1]}; build the MeshSampler inside "
+            "train_dataloader() without batch_ranks/batch_rank (it then follows the mesh)")
