@@ -342,3 +342,30 @@ def _disagreeing_body(path):
 def test_ranks_holding_different_cursors_are_refused_at_save(ranks, tmp_path):
     for message, exists in ranks.run(2, _disagreeing_body, str(tmp_path / "ck")):
         assert "rank 1: its data state" in message and "differs from rank 0's" in message and not exists
+
+
+def _read_body(path):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(1, 3, 1)
+    whole = torch.from_numpy(np.load(path))
+    out = []
+    for sizes in (None, (1, 6, 2)):
+        from_path = domain.read(path, dim=1, sizes=sizes, prefix=(4,))
+        from_memmap = domain.read(np.load(path, mmap_mode="r"), dim=2, sizes=sizes)
+        want = domain.shard(whole[4], dim=1, sizes=sizes)
+        out.append(torch.equal(from_path.to_local(), want.to_local())
+                   and from_path.spec.sizes == want.spec.sizes
+                   and torch.equal(from_memmap.to_local(), domain.shard(whole, dim=2, sizes=sizes).to_local())
+                   and torch.equal(from_path.full_tensor().to_local(), whole[4]))
+    try:
+        domain.read(path, dim=3, prefix=(4,))
+    except ValueError as err:
+        out.append(str(err))
+    return out
+
+
+def test_domain_read_gives_the_shard_of_the_whole_tensor(ranks, tmp_path):
+    paths = dh.write_dataset(str(tmp_path))
+    for ok_default, ok_sizes, message in ranks.run(3, _read_body, paths["x"]):
+        assert ok_default and ok_sizes and "dim=3 is out of range for the 3-D array" in message

@@ -108,6 +108,9 @@ class MeshSampler(DistributedSampler):
         batch_ranks, batch_rank: B and this rank's index; default the ``DistributedManager``'s batch
             axis (with only a process group, every rank is a batch rank; in a plain process, (1, 0)).
 
+    ``num_samples`` as an *attribute* is ``DistributedSampler``'s per-rank count (what ``len`` gives);
+    the dataset length is ``num_samples_total``.
+
     The cursor moves as indices are taken from the iterator (exact with ``num_workers=0``):
     ``MeshDataLoader`` moves it instead when a batch is handed to the training loop. After the
     last batch of an epoch it moves to the next epoch; ``set_epoch(e)`` with a new ``e`` starts
