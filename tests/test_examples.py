@@ -81,3 +81,18 @@ def test_lightning_example_under_lightnings_launcher_torchrun_and_slurm(tmp_path
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), outs[0][-3000:]
     assert "(SLURMEnvironment), global step 8, epoch 2" in outs[0] and "MATCHES one process" in outs[0], outs[0]
+
+
+def test_data_resume_example_continues_the_same_global_batches_on_another_mesh(tmp_path):
+    root = str(tmp_path / "slabs")
+    run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    first = _run([*run, "4", "examples/data_resume.py", "train", "--root", root, "--mesh", "2,2,1", "--steps", "3"])
+    assert "mesh (2, 2, 1): MATCHES the uninterrupted run" in first, first
+    second = _run([*run, "3", "examples/data_resume.py", "resume", "--root", root, "--mesh", "1,3,1", "--steps", "4"])
+    assert "resumed step 3 on mesh (1, 3, 1) at epoch 1, position 4" in second, second
+    assert "mesh (1, 3, 1): MATCHES the uninterrupted run" in second, second
+    steps = re.findall(r"step (\d) ids (\[[\d, ]+\]) loss \S+ \| uninterrupted ids (\[[\d, ]+\])", second)
+    assert [int(s) for s, _, _ in steps] == [3, 4, 5, 6] and all(a == b for _, a, b in steps)
+    # Depth 10 over 3 domain ranks is (4, 4, 2): each rank read its share of every sample it trained on.
+    fractions = sorted(re.findall(r"read \d+ bytes, ([\d.]+) of its samples", second))
+    assert fractions == ["0.200", "0.400", "0.400"], second

@@ -230,6 +230,8 @@ def validate_index(doc: Any) -> dict[str, Any]:
         raise _fail(block_field, f"must be an integer in [{MIN_BLOCK}, 2**30], got {block!r:.100}")
     if doc.get("step") is not None and not _is_int(doc.get("step")):
         raise _fail("step", f"must be an integer or null, got {doc.get('step')!r:.100}")
+    if doc.get("data") is not None and not isinstance(doc.get("data"), dict):
+        raise _fail("data", f"must be a JSON object (a data loader's state) or null, got {doc.get('data')!r:.100}")
     files = doc.get("files")
     if not isinstance(files, dict):
         raise _fail("files", "must be an object mapping relative paths to {bytes}")

@@ -49,6 +49,7 @@ class LoadInfo:
     mesh: dict[str, Any] | None = None
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    data: dict[str, Any] | None = None
 
 
 def _check_match(name: str, saved: dict[str, Any], target: torch.Tensor) -> None:
@@ -150,7 +151,7 @@ def _optimizer_state(index: dict[str, Any], osd: dict[str, Any], loaded: dict[st
 
 
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-         strict: bool = True, in_place: bool = True) -> LoadInfo:
+         strict: bool = True, in_place: bool = True, data: Any = None) -> LoadInfo:
     """Load a checkpoint saved on any mesh into ``model`` (and ``optimizer``); all ranks call it.
 
     Usage: ``info = checkpoint.load("ckpt/step-100", model, optimizer); start = info.step``
@@ -163,6 +164,10 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     state may be partly overwritten. ``in_place=False`` is all or nothing: tensors are read
     into fresh buffers and applied only after every read and checksum succeeded on every rank
     (about twice the time and the memory of the state being loaded).
+
+    ``data`` (what was passed to ``save(..., data=)``, e.g. a ``MeshDataLoader`` on any mesh) gets the
+    saved data state through ``load_state_dict``; it is checked (``check_state_dict`` when it has one)
+    before anything is read, on every rank. ``info.data`` holds the saved data state either way.
     """
     path = os.path.abspath(os.fspath(path))
     error, index, targets, info = None, None, {}, None
@@ -176,7 +181,8 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         osd = optimizer_template(model, optimizer) if optimizer is not None else None
         targets, missing, unexpected = _plan(index, model_sd, osd, strict)
         info = LoadInfo(path, index["step"], index.get("extra"), mesh=index.get("mesh"), missing=missing,
-                        unexpected=unexpected)
+                        unexpected=unexpected, data=index.get("data"))
+        _check_data(data, info.data)
     except Exception as err:
         error = f"{type(err).__name__}: {err}"
     raise_if_any_failed(error, f"loading {path}")
@@ -203,4 +209,20 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
         "(in_place=False loads all or nothing)" if in_place else "Nothing was modified"))
     model_part = {n: t for n, t in loaded.items() if index["tensors"][n]["role"] == "model"}
     apply_state(model, model_part, optimizer, optim_sd, strict)
+    if data is not None:
+        data.load_state_dict(info.data)
     return info
+
+
+def _check_data(data: Any, state: dict[str, Any] | None) -> None:
+    if data is None:
+        return
+    if not callable(getattr(data, "load_state_dict", None)):
+        raise CheckpointError(f"data= takes an object with load_state_dict() (e.g. mesh3d.data.MeshDataLoader), got "
+                              f"{type(data).__name__}")
+    if state is None:
+        raise CheckpointError("the checkpoint holds no data state (it was saved without data=); load without data= "
+                              "and position the data yourself")
+    check = getattr(data, "check_state_dict", None)
+    if callable(check):
+        check(state)

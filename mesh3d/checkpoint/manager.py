@@ -8,8 +8,8 @@ checkpoints beyond ``keep_last`` and this manager's stale staging directories.
 Usage::
 
     manager = CheckpointManager("runs/exp1/ckpt", keep_last=3)
-    info = manager.load(model, optimizer)          # None on a fresh run
-    manager.save(model, optimizer, step=100)       # all ranks
+    info = manager.load(model, optimizer, data=loader)   # None on a fresh run
+    manager.save(model, optimizer, step=100, data=loader)  # all ranks
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ class CheckpointManager:
         return self.path_for(steps[-1]) if steps else None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
-             extra: Any = None) -> str:
+             extra: Any = None, data: Any = None) -> str:
         """Save ``root/step-<step>`` (all ranks), then point ``latest`` at it and prune (rank 0)."""
         rank, _ = world()
         if rank == 0:
             os.makedirs(self.root, exist_ok=True)
-        path = save(self.path_for(step), model, optimizer, step=step, extra=extra)
+        path = save(self.path_for(step), model, optimizer, step=step, extra=extra, data=data)
         error = None
         if rank == 0:
             try:
@@ -96,9 +96,9 @@ class CheckpointManager:
                 shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
-             strict: bool = True) -> LoadInfo | None:
-        """Load the newest complete checkpoint, or return None when there is none."""
+             strict: bool = True, data: Any = None) -> LoadInfo | None:
+        """Load the newest complete checkpoint (and ``data``'s state, see ``load``), or return None when there is none."""
         path = self.latest()
         if path is None:
             return None
-        return load(path, model, optimizer, strict=strict)
+        return load(path, model, optimizer, strict=strict, data=data)

@@ -12,7 +12,7 @@ Protocol (crash-safe at every step):
 
 Usage::
 
-    checkpoint.save("ckpt/step-100", model, optimizer, step=100, extra={"data_cursor": 17})
+    checkpoint.save("ckpt/step-100", model, optimizer, step=100, extra={"lr": 0.1}, data=loader)
 """
 
 from __future__ import annotations
@@ -106,6 +106,23 @@ def _signature(entries: dict[str, Entry]) -> int:
     return zlib.crc32(text.encode())
 
 
+def _data_state(data: Any) -> dict[str, Any] | None:
+    """``data.state_dict()``, checked to be a JSON object (nothing is ever pickled)."""
+    if data is None:
+        return None
+    if not callable(getattr(data, "state_dict", None)):
+        raise CheckpointError(f"data= takes an object with state_dict() (e.g. mesh3d.data.MeshDataLoader), got "
+                              f"{type(data).__name__}")
+    state = data.state_dict()
+    try:
+        if not isinstance(state, dict):
+            raise TypeError(f"it is a {type(state).__name__}, not a dict")
+        json.dumps(state, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"data.state_dict() must return a JSON object (dicts, lists, str, finite numbers): {err}") from None
+    return state
+
+
 def _mesh_info() -> dict[str, Any] | None:
     from mesh3d.manager import DistributedManager
 
@@ -139,6 +156,7 @@ def save(
     *,
     step: int | None = None,
     extra: Any = None,
+    data: Any = None,
     checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES,
 ) -> str:
     """Save ``model`` (and ``optimizer``) state to the directory ``path``; all ranks call it.
@@ -148,11 +166,14 @@ def save(
     ``path`` must not exist yet; it appears only once the checkpoint is complete.
     Returns the absolute path. ``extra`` must be JSON-serializable. Every block of
     ``checksum_block_bytes`` bytes of every chunk gets an xxh3_64 checksum in the index.
+    ``data`` (e.g. a ``mesh3d.data.MeshDataLoader`` or ``MeshSampler``) is anything with a
+    ``state_dict()`` returning JSON that is the same on every rank (a global data cursor); it is
+    stored in the index and checked to agree across ranks. ``load(..., data=)`` restores it.
     """
     rank, size = world()
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
-    staging, error, entries, optim_meta, my_boxes, signature = None, None, {}, None, {}, 0
+    staging, error, entries, optim_meta, my_boxes, signature, data_state = None, None, {}, None, {}, 0, None
     try:
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
             raise CheckpointError(f"step={step!r} must be an int or None")
@@ -160,6 +181,7 @@ def save(
             json.dumps(extra, allow_nan=False)
         except (TypeError, ValueError) as err:
             raise CheckpointError(f"extra must be JSON-serializable (dicts, lists, str, finite numbers): {err}") from None
+        data_state = _data_state(data)
         entries, optim_meta = flat_state(model, optimizer)
         for name, entry in entries.items():
             if entry.tensor.dtype not in TORCH_TO_ST:
@@ -177,12 +199,17 @@ def save(
             os.makedirs(os.path.join(staging, "optimizer"))
     except Exception as err:  # shared with every rank below, so all raise together
         error = f"{type(err).__name__}: {err}"
-    shared = allgather_json({"error": error, "staging": staging, "signature": signature, "boxes": my_boxes})
+    shared = allgather_json({"error": error, "staging": staging, "signature": signature, "boxes": my_boxes,
+                             "data": data_state})
     staging = shared[0]["staging"]
     errors = [(r, d["error"]) for r, d in enumerate(shared) if d["error"]]
     if not errors and len({d["signature"] for d in shared}) > 1:
         errors = [(0, "ranks disagree on the state's tensor names, dtypes or global shapes "
                       f"(signatures {[d['signature'] for d in shared]}); every rank must save the same model")]
+    if not errors:
+        errors = [(r, f"its data state {d['data']} differs from rank 0's {shared[0]['data']}; data= must hold a global "
+                      "cursor, the same on every rank (MeshSampler's is)") for r, d in enumerate(shared)
+                  if d["data"] != shared[0]["data"]][:1]
     if errors:
         if rank == 0 and staging:
             shutil.rmtree(staging, ignore_errors=True)
@@ -215,7 +242,7 @@ def save(
             failed = [f"rank {r}: {d['error']}" for r, d in enumerate(gathered) if d["error"]]
             if failed:
                 raise CheckpointError("; ".join(failed[:4]))
-            _commit(path, staging, entries, gathered, optim_meta, step, extra, checksum_block_bytes, size)
+            _commit(path, staging, entries, gathered, optim_meta, step, extra, checksum_block_bytes, size, data_state)
         except Exception as err:
             shutil.rmtree(staging, ignore_errors=True)
             commit_error = f"{type(err).__name__}: {err}"
@@ -224,7 +251,8 @@ def save(
 
 
 def _commit(path: str, staging: str, entries: dict[str, Entry], gathered: list[dict[str, Any]],
-            optim_meta: dict[str, Any] | None, step: int | None, extra: Any, block: int, size: int) -> None:
+            optim_meta: dict[str, Any] | None, step: int | None, extra: Any, block: int, size: int,
+            data_state: dict[str, Any] | None = None) -> None:
     """Rank 0: build and validate the index, write it last, then rename the staging dir into place."""
     files: dict[str, Any] = {}
     tensors: dict[str, Any] = {}
@@ -240,7 +268,8 @@ def _commit(path: str, staging: str, entries: dict[str, Entry], gathered: list[d
             tensors[name]["chunks"].append(chunk)
     for entry in tensors.values():
         entry["chunks"].sort(key=lambda c: c["offsets"])
-    doc = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "checksum": WRITE_ALGORITHM.name,
+    doc = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "data": data_state,
+           "checksum": WRITE_ALGORITHM.name,
            "checksum_block_bytes": block, "world_size": size, "mesh": _mesh_info(), "created_unix": time.time(),
            "files": files, "tensors": tensors, "optimizer": optim_meta}
     data = encode_index(doc)

@@ -4,6 +4,7 @@ Usage::
 
     from mesh3d import domain
     xs = domain.shard(x, dim=2)          # or domain.scatter(x, dim=2, src=0)
+    xs = domain.read("x.npy", dim=2)     # or read only this rank's rows from storage
     y = model(xs)                        # nn.Conv2d, GroupNorm, pooling, interpolate ... on shards
     loss = (y * y).mean()                # the one-process value on every domain rank
     loss.backward()                      # then sum parameter grads over the domain group
@@ -15,6 +16,7 @@ from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
 from mesh3d.domain.dispatch import dispatch
 from mesh3d.domain.exchange import count_traffic
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
+from mesh3d.domain.io import NpyArray, read
 from mesh3d.domain.split import balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
 
@@ -23,11 +25,13 @@ DomainTensor._dispatcher = staticmethod(dispatch)
 __all__ = [
     "DomainSpec",
     "DomainTensor",
+    "NpyArray",
     "balanced_sizes",
     "count_traffic",
     "domain_comm",
     "from_local",
     "full_tensor",
+    "read",
     "redistribute",
     "scatter",
     "shard",

@@ -48,6 +48,7 @@ from mesh3d.lightning._lightning_private import (
     sync_if_available,
 )
 from mesh3d.lightning.batches import DomainDims, check_domain_dims, plain_step_output, shard_batch
+from mesh3d.data.sampler import MeshSampler, check_mesh_sampler
 from mesh3d.lightning.checkpointing import load_lightning_checkpoint, remove_checkpoint, save_lightning_checkpoint
 from mesh3d.manager import DistributedManager, _as_timeout
 from mesh3d.mesh_shape import resolve_mesh_shape
@@ -93,7 +94,11 @@ class MeshStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"``/``"nccl"``; default from the accelerator.
 
     Distributed sampling follows the batch axis (ranks sharing a batch coordinate read the same
-    samples); ``reduce`` (so ``self.log(..., sync_dist=True)``) and ``all_gather`` default to the
+    samples). A ``mesh3d.data.MeshDataLoader`` returned by ``train_dataloader()`` is kept as it is
+    (Lightning's sampler is not swapped in) and its cursor is saved with the loop state, so a run
+    resumed from a mid-epoch checkpoint on another mesh trains on the same global batches as the
+    uninterrupted run; a plain ``DataLoader`` gets Lightning's ``DistributedSampler``, which restarts
+    its epoch on resume. ``reduce`` (so ``self.log(..., sync_dist=True)``) and ``all_gather`` default to the
     batch axis; ``barrier``/``broadcast`` span every rank. Checkpoints are mesh3d checkpoint
     directories (see ``mesh3d.lightning.checkpointing``).
     """
@@ -272,6 +277,16 @@ class MeshStrategy(ParallelStrategy):
             yield
 
     # ------------------------------------------------------------------ steps
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Refuse a ``MeshSampler`` split over other batch ranks than this mesh's batch axis."""
+        sampler = getattr(dataloader, "sampler", None)
+        check_mesh_sampler(sampler, self.manager)
+        if isinstance(sampler, MeshSampler):
+            # Lightning counts an epoch that max_steps stopped half-way as finished, so after such a
+            # resume its set_epoch(e) would skip the rest of the data's epoch: the cursor alone decides.
+            sampler.follow_set_epoch = False
+        return dataloader
+
     def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
         batch = super().batch_to_device(batch, device, dataloader_idx)
         return shard_batch(batch, self._domain_dims) if self.manager.axis_size("domain") > 1 else batch
