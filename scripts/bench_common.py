@@ -2,8 +2,9 @@
 
 Usage (from a script in scripts/, whose folder is on sys.path)::
 
-    from bench_common import plot_ratios, rss_kb
+    from bench_common import peak_rss_kb, plot_ratios, reset_peak_rss, rss_kb
     base = rss_kb()
+    reset_peak_rss(); ...; extra_kb = peak_rss_kb() - base     # the peak of one phase
     plot_ratios("docs/benchmarks/x.png", step_ratio, memory_ratio, ylabel="mesh3d / by hand")
 """
 
@@ -17,6 +18,26 @@ def rss_kb() -> int:
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_kb() -> int:
+    """This process's peak resident set size (VmHWM) in KiB since start or the last :func:`reset_peak_rss`."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
                 return int(line.split()[1])
     except OSError:
         pass
