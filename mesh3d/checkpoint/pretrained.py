@@ -217,7 +217,9 @@ def load_pretrained(src: str | os.PathLike, model: nn.Module, *, key_map: KeyMap
     Usage: ``info = checkpoint.load_pretrained("llama-hf/", model, key_map=checkpoint.key_prefix(strip="model."))``
 
     ``src``: a ``.safetensors`` file, or a folder with ``model.safetensors.index.json`` and its
-    shards, or with one ``.safetensors`` file (as ``save_pretrained`` writes). ``key_map`` renames
+    shards, or with one ``.safetensors`` file (as ``save_pretrained`` writes). Each rank reads only
+    the slices its parameters and buffers own; the peak extra memory is one reused read buffer, at
+    most the largest owned slice (``info.read_buffer_bytes``; 0 when every slice lands in place). ``key_map`` renames
     file keys to the model's state-dict names: a dict (unlisted keys keep their name), a function
     (return None to skip a key) or :func:`key_prefix`. ``dtype=None`` requires the file's dtypes to
     be the model's; ``dtype=torch.float32`` casts floating-point file tensors to float32 (the model's
