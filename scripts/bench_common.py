@@ -13,15 +13,20 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def rss_kb() -> int:
-    """This process's resident set size in KiB (0 where /proc is missing)."""
+def _status_kb(field: str) -> int:
+    """One KiB field of /proc/self/status (0 where /proc is missing)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def rss_kb() -> int:
+    """This process's resident set size in KiB (0 where /proc is missing)."""
+    return _status_kb("VmRSS")
 
 
 def reset_peak_rss() -> bool:
@@ -35,13 +40,7 @@ def reset_peak_rss() -> bool:
 
 def peak_rss_kb() -> int:
     """This process's peak resident set size (VmHWM) in KiB since start or the last :func:`reset_peak_rss`."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+    return _status_kb("VmHWM")
 
 
 def plot_ratios(path: str | Path, step_time_ratio: float, peak_memory_ratio: float, ylabel: str,
