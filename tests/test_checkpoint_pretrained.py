@@ -176,7 +176,7 @@ def test_bad_requests_fail_on_every_rank_before_reading(ranks, tmp_path):
         for rank in range(4):
             for message in messages[:8]:
                 assert f"rank {rank}: Checkpoint" in message and "Nothing was read or modified" in message
-        assert "are not in the files" in messages[0] and "['mask', 'up.bias']" in messages[0]
+        assert "the model's ['mask', 'up.bias'] are not in the files (rename with key_map" in messages[0]
         assert "the files' ['extra.weight'] are not in the model" in messages[1]
         assert "emb.weight: file [14, 6], model [13, 6]" in messages[2]
         assert "up.weight: file F32, model F64 (pass dtype=torch.float64 to cast)" in messages[3]
@@ -285,5 +285,7 @@ def test_key_map_dict_function_and_prefix(tmp_path):
         checkpoint.load_pretrained(tmp_path / "prefixed.safetensors", model, key_map=checkpoint.key_prefix(strip="model."))
     with pytest.raises(CheckpointError, match="model.up.weight"):
         checkpoint.load_pretrained(tmp_path / "prefixed.safetensors", model)
+    with pytest.raises(CheckpointError, match="dtype='bf16' must be a floating-point torch.dtype"):
+        checkpoint.load_pretrained(tmp_path / "prefixed.safetensors", model, key_map=drop_rotary, dtype="bf16")
     add = checkpoint.key_prefix(strip="model.", add="net.")
     assert add("model.up.weight") == "net.up.weight" and add("lm_head.weight") == "net.lm_head.weight"

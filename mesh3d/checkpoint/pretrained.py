@@ -97,6 +97,8 @@ def _dtype_problem(name: str, st: SourceTensor, target: torch.Tensor, dtype: tor
 
 def _plan(source: WeightSource, model_sd: dict[str, torch.Tensor], model: nn.Module, key_map: KeyMap,
           dtype: torch.dtype | None, strict: bool) -> _Plan:
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise CheckpointError(f"dtype={dtype!r} must be a floating-point torch.dtype (e.g. torch.bfloat16) or None")
     info = PretrainedInfo(source.path, list(source.files))
     by_model_name, info.ignored = map_keys(source.tensors, key_map)
     non_persistent = {n for n, _ in model.named_buffers()} - set(model_sd)
@@ -117,10 +119,10 @@ def _plan(source: WeightSource, model_sd: dict[str, torch.Tensor], model: nn.Mod
             info.tied[name] = present[0]
     info.missing.sort()
     if strict and (info.missing or info.unexpected):
-        raise CheckpointError(
-            f"keys do not match (strict=True): the model's {_listing(info.missing)} are not in the files; the files' "
-            f"{_listing(info.unexpected)} are not in the model (rename with key_map=, e.g. "
-            "checkpoint.key_prefix(strip='model.'), or pass strict=False to load the intersection)")
+        found = ([f"the model's {_listing(info.missing)} are not in the files"] if info.missing else []) + \
+                ([f"the files' {_listing(info.unexpected)} are not in the model"] if info.unexpected else [])
+        raise CheckpointError(f"keys do not match (strict=True): {'; '.join(found)} (rename with key_map=, e.g. "
+                              "checkpoint.key_prefix(strip='model.'), or pass strict=False to load the intersection)")
     shapes, dtypes, meta = [], [], []
     for name, key in {**reads, **checks}.items():
         st, target = source.tensors[key], model_sd[name]
