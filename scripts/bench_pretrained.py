@@ -14,7 +14,7 @@ of 3 (barriers around each, wall = slowest rank). Contenders:
 - ``dcp_hf``: ``dcp.load(get_model_state_dict(model), storage_reader=HuggingFaceStorageReader(folder))``
   then ``set_model_state_dict``, the same fp32 file.
 
-The files were just written, so reads are warm page cache (pread into process memory in both;
+The files were just written, so reads are warm page cache (mesh3d preads into the parameters;
 page-cache pages are not RSS unless a contender maps the file).
 
 Usage::
