@@ -21,6 +21,8 @@ echo "== 3/5 domain parallelism: halo bytes, time vs gathering the input, activa
 "$PY" scripts/bench_domain.py "${d[@]}"
 echo "== 4/5 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
 "$PY" scripts/bench_checkpoint.py "${c[@]}"
+echo "== 4b/5 load_pretrained vs DCP's HuggingFaceStorageReader (4 ranks, 256 MB)"
+"$PY" scripts/bench_pretrained.py
 echo "== 5/5 Lightning: MeshStrategy vs ModelParallelStrategy (4 ranks, Lightning's launcher)"
 "$PY" scripts/bench_lightning.py "${l[@]}"
 if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then

@@ -2,8 +2,9 @@
 
 Usage (from a script in scripts/, whose folder is on sys.path)::
 
-    from bench_common import plot_ratios, rss_kb
+    from bench_common import peak_rss_kb, plot_ratios, reset_peak_rss, rss_kb
     base = rss_kb()
+    reset_peak_rss(); ...; extra_kb = peak_rss_kb() - base     # the peak of one phase
     plot_ratios("docs/benchmarks/x.png", step_ratio, memory_ratio, ylabel="mesh3d / by hand")
 """
 
@@ -12,15 +13,34 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def rss_kb() -> int:
-    """This process's resident set size in KiB (0 where /proc is missing)."""
+def _status_kb(field: str) -> int:
+    """One KiB field of /proc/self/status (0 where /proc is missing)."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1])
     except OSError:
         pass
     return 0
+
+
+def rss_kb() -> int:
+    """This process's resident set size in KiB (0 where /proc is missing)."""
+    return _status_kb("VmRSS")
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's peak RSS (VmHWM) to its current RSS; False where the kernel does not allow it."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_kb() -> int:
+    """This process's peak resident set size (VmHWM) in KiB since start or the last :func:`reset_peak_rss`."""
+    return _status_kb("VmHWM")
 
 
 def plot_ratios(path: str | Path, step_time_ratio: float, peak_memory_ratio: float, ylabel: str,

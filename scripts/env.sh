@@ -17,10 +17,10 @@ if [ ! -x "$PY" ]; then
 fi
 _want="$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh" | sha256sum | cut -c1-16)"
 if [ "$(cat "$VENV/.mesh3d-installed" 2>/dev/null)" != "$_want" ]; then
-  echo "mesh3d: installing $TORCH_PIN and mesh3d[test,lightning] into $VENV" >&2
-  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test,lightning]" 2>&1 \
+  echo "mesh3d: installing $TORCH_PIN and mesh3d[test,lightning,hf] into $VENV" >&2
+  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test,lightning,hf]" 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true
-  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning" \
+  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers" \
     || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
   echo "$_want" > "$VENV/.mesh3d-installed"
 fi

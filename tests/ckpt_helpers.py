@@ -63,8 +63,9 @@ def make_optimizer(model: nn.Module, kind: str, lr: float = 0.05) -> torch.optim
     return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
 
 
-def build(config: str, seed: int, lr: float = 0.05, optim: str = "adamw") -> tuple[nn.Module, torch.optim.Optimizer]:
-    """Initialize the manager for ``config`` and build the parallel Net (fp64) and its AdamW."""
+def build(config: str, seed: int, lr: float = 0.05, optim: str = "adamw",
+          dtype: torch.dtype = torch.float64) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """Initialize the manager for ``config`` and build the parallel Net (fp64 by default) and its AdamW."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -73,7 +74,7 @@ def build(config: str, seed: int, lr: float = 0.05, optim: str = "adamw") -> tup
     shape, kind = CONFIGS[config]
     dm = DistributedManager.initialize(*shape)
     torch.manual_seed(seed)
-    model = Net().double()
+    model = Net().to(dtype)
     with torch.no_grad():
         model.counts.add_(seed)
     if shape[2] > 1:

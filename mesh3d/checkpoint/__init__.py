@@ -6,6 +6,7 @@ Usage::
     checkpoint.save("ckpt/step-100", model, optimizer, step=100, extra={"seed": 0})   # all ranks
     info = checkpoint.load("ckpt/step-100", model, optimizer)                        # any mesh shape
     checkpoint.coalesce("ckpt/step-100", "export/hf")                                # one process
+    checkpoint.load_pretrained("llama-hf/", model)                                   # HF safetensors, any mesh
 
 Nothing is pickled: tensors are in safetensors files, everything else is JSON.
 """
@@ -16,16 +17,21 @@ from mesh3d.checkpoint.index import read_index, validate_index
 from mesh3d.checkpoint.inspect import describe, verify
 from mesh3d.checkpoint.load import LoadInfo, load
 from mesh3d.checkpoint.manager import CheckpointManager
+from mesh3d.checkpoint.pretrained import PretrainedInfo, load_pretrained
 from mesh3d.checkpoint.save import save
+from mesh3d.checkpoint.weight_source import key_prefix
 
 __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointManager",
     "LoadInfo",
+    "PretrainedInfo",
     "coalesce",
     "describe",
+    "key_prefix",
     "load",
+    "load_pretrained",
     "read_index",
     "save",
     "validate_index",

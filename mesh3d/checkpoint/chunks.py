@@ -13,6 +13,7 @@ Usage::
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from mesh3d._torch_private import local_shape_and_global_offset
 from mesh3d.checkpoint.errors import CheckpointError
 
-__all__ = ["Box", "local_box", "local_data", "replica_part", "overlap"]
+__all__ = ["Box", "local_box", "local_data", "replica_part", "overlap", "row_major_strides", "row_major_runs"]
 
 
 @dataclass(frozen=True)
@@ -82,3 +83,29 @@ def overlap(a: Box, b: Box) -> Box | None:
         offsets.append(lo)
         shape.append(hi - lo)
     return Box(tuple(offsets), tuple(shape))
+
+
+def row_major_strides(shape: tuple[int, ...]) -> list[int]:
+    """Element strides of a C-order tensor of ``shape``."""
+    out, acc = [], 1
+    for n in reversed(shape):
+        out.append(acc)
+        acc *= n
+    return out[::-1]
+
+
+def row_major_runs(chunk: Box, ov: Box) -> list[tuple[int, int]]:
+    """(first element, element count) of each contiguous run of ``ov`` inside ``chunk``."""
+    if not chunk.shape:
+        return [(0, 1)]
+    strides = row_major_strides(chunk.shape)
+    local = [o - c for o, c in zip(ov.offsets, chunk.offsets)]
+    k = len(chunk.shape) - 1  # first dim (from the right) where the overlap is not full width
+    while k > 0 and ov.shape[k] == chunk.shape[k]:
+        k -= 1
+    run = ov.shape[k] * strides[k]
+    base = local[k] * strides[k] + sum(local[d] * strides[d] for d in range(k + 1, len(local)))
+    return [
+        (base + sum((local[d] + i) * strides[d] for d, i in enumerate(idx)), run)
+        for idx in itertools.product(*(range(n) for n in ov.shape[:k]))
+    ]

@@ -15,44 +15,18 @@ Usage::
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from typing import Any
 
 import torch
 
-from mesh3d.checkpoint.chunks import Box, overlap
+from mesh3d.checkpoint.chunks import Box, overlap, row_major_runs, row_major_strides
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.index import checksum_scheme
 from mesh3d.checkpoint.st_format import DTYPES, ITEMSIZE, read_header
 
 __all__ = ["ShardReader"]
-
-
-def _strides(shape: tuple[int, ...]) -> list[int]:
-    out, acc = [], 1
-    for n in reversed(shape):
-        out.append(acc)
-        acc *= n
-    return out[::-1]
-
-
-def _runs(chunk: Box, ov: Box) -> list[tuple[int, int]]:
-    """(first element, element count) of each contiguous run of ``ov`` inside ``chunk``."""
-    if not chunk.shape:
-        return [(0, 1)]
-    strides = _strides(chunk.shape)
-    local = [o - c for o, c in zip(ov.offsets, chunk.offsets)]
-    k = len(chunk.shape) - 1  # first dim (from the right) where the overlap is not full width
-    while k > 0 and ov.shape[k] == chunk.shape[k]:
-        k -= 1
-    run = ov.shape[k] * strides[k]
-    base = local[k] * strides[k] + sum(local[d] * strides[d] for d in range(k + 1, len(local)))
-    return [
-        (base + sum((local[d] + i) * strides[d] for d, i in enumerate(idx)), run)
-        for idx in itertools.product(*(range(n) for n in ov.shape[:k]))
-    ]
 
 
 class ShardReader:
@@ -127,7 +101,7 @@ class ShardReader:
             if ov is None or ov.numel == 0:
                 continue
             dst = out[tuple(slice(o - b, o - b + n) for o, b, n in zip(ov.offsets, box.offsets, ov.shape))]
-            if dst.is_contiguous() and len(_runs(cbox, ov)) == 1:
+            if dst.is_contiguous() and len(row_major_runs(cbox, ov)) == 1:
                 self._read_direct(name, chunk, cbox, ov, dst, ITEMSIZE[entry["dtype"]])
                 continue
             dst.copy_(self._read_overlap(name, chunk, cbox, ov, dtype, ITEMSIZE[entry["dtype"]]))
@@ -140,7 +114,7 @@ class ShardReader:
         head buffer, the destination itself and a small tail buffer, so the common dim-0
         case costs no intermediate copy; each block's checksum is streamed across the pieces.
         """
-        (start, count), = _runs(cbox, ov)
+        (start, count), = row_major_runs(cbox, ov)
         span0, span1 = start * itemsize, (start + count) * itemsize
         block, chunk_bytes = self.block, cbox.numel * itemsize
         lo, hi = span0 // block * block, min(-(-span1 // block) * block, chunk_bytes)
@@ -169,7 +143,7 @@ class ShardReader:
 
     def _read_overlap(self, name: str, chunk: dict[str, Any], cbox: Box, ov: Box, dtype: torch.dtype,
                       itemsize: int) -> torch.Tensor:
-        runs = [(s * itemsize, n * itemsize) for s, n in _runs(cbox, ov)]
+        runs = [(s * itemsize, n * itemsize) for s, n in row_major_runs(cbox, ov)]
         span0, span1 = runs[0][0], runs[-1][0] + runs[-1][1]
         chunk_bytes, block = cbox.numel * itemsize, self.block
         wanted = sorted({b for s, n in runs for b in range(s // block, (s + n - 1) // block + 1)})
@@ -200,7 +174,7 @@ class ShardReader:
             self.stats["bytes_read"] += len(buf)
             buffers.append((lo, buf))
         self.stats["bytes_needed"] += ov.numel * itemsize
-        strides = _strides(cbox.shape)
+        strides = row_major_strides(cbox.shape)
         if len(buffers) == 1:
             lo, buf = buffers[0]
             flat = buf[span0 - lo : span1 - lo]

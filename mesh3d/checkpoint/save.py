@@ -163,7 +163,8 @@ def save(
 
     Usage: ``checkpoint.save("ckpt/step-100", model, opt, step=100, extra={"seed": 0})``
 
-    ``path`` must not exist yet; it appears only once the checkpoint is complete.
+    ``path`` must not exist yet; it appears only once the checkpoint is complete. Missing parent
+    directories are created.
     Returns the absolute path. ``extra`` must be JSON-serializable. Every block of
     ``checksum_block_bytes`` bytes of every chunk gets an xxh3_64 checksum in the index.
     ``data`` (e.g. a ``mesh3d.data.MeshDataLoader`` or ``MeshSampler``) is anything with a
@@ -192,8 +193,11 @@ def save(
         if rank == 0:
             if os.path.lexists(path):
                 raise CheckpointError(f"{path} already exists; checkpoints are never overwritten (pick a new path)")
-            if not os.path.isdir(parent):
-                raise CheckpointError(f"parent directory {parent} does not exist")
+            try:  # missing parents are created (like ``mkdir -p``); the checkpoint itself still appears atomically
+                os.makedirs(parent, exist_ok=True)
+            except OSError as err:
+                raise CheckpointError(f"cannot create the parent directory {parent} of the checkpoint: {err} "
+                                      "(choose a path under a writable directory)") from None
             staging = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
             os.makedirs(os.path.join(staging, "model"))
             os.makedirs(os.path.join(staging, "optimizer"))
