@@ -4,12 +4,14 @@ Usage::
 
     from mesh3d import checkpoint
     checkpoint.save("ckpt/step-100", model, optimizer, step=100, extra={"seed": 0})   # all ranks
+    handle = checkpoint.async_save("ckpt/step-200", model, optimizer, step=200)       # returns once staged
     info = checkpoint.load("ckpt/step-100", model, optimizer)                        # any mesh shape
     checkpoint.coalesce("ckpt/step-100", "export/hf")                                # one process
 
 Nothing is pickled: tensors are in safetensors files, everything else is JSON.
 """
 
+from mesh3d.checkpoint.background import AsyncSave, async_save
 from mesh3d.checkpoint.coalesce import coalesce
 from mesh3d.checkpoint.errors import CheckpointError, CheckpointFormatError
 from mesh3d.checkpoint.index import read_index, validate_index
@@ -19,10 +21,12 @@ from mesh3d.checkpoint.manager import CheckpointManager
 from mesh3d.checkpoint.save import save
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointManager",
     "LoadInfo",
+    "async_save",
     "coalesce",
     "describe",
     "load",
