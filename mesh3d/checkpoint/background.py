@@ -106,8 +106,8 @@ def _write(handle: AsyncSave, plan: _Plan, staged: dict[str, Any], ready: Any, g
         except Exception as err:
             error, files, records = f"{type(err).__name__} while writing shards: {err}", {}, {}
         gather_and_commit(plan, error, files, records, group, hook, on_commit)
-        handle.finish(None)
+        handle._finish(None)
     except CheckpointError as err:
-        handle.finish(str(err))
+        handle._finish(str(err))
     except BaseException as err:  # a collective that timed out, or anything else: still report it
-        handle.finish(f"saving {plan.path} failed: {type(err).__name__}: {err}")
+        handle._finish(f"saving {plan.path} failed: {type(err).__name__}: {err}")

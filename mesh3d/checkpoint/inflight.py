@@ -51,7 +51,7 @@ class AsyncSave:
             raise CheckpointError(self._error)
         return self.path
 
-    def finish(self, error: str | None) -> None:
+    def _finish(self, error: str | None) -> None:
         """Called by the writer thread, last."""
         self._error = error
         self._finished.set()
