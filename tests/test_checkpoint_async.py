@@ -192,3 +192,22 @@ def test_a_process_that_exits_with_a_pending_save_finishes_it(tmp_path):
     got = torch.nn.Linear(64, 32).double()
     checkpoint.load(target, got)
     assert torch.equal(got.weight, want.weight) and got.weight.abs().sum() > 0
+
+
+def test_a_failed_staging_copy_fails_the_save_without_leaving_anything(tmp_path):
+    from mesh3d.checkpoint.inflight import IN_FLIGHT
+
+    class NoMemory:
+        def snapshot(self, tensors):
+            raise MemoryError("cannot allocate the host buffer (injected)")
+
+    model, opt = _trained()
+    kept, IN_FLIGHT.host = IN_FLIGHT.host, NoMemory()
+    try:
+        handle = checkpoint.async_save(str(tmp_path / "ck"), model, opt)
+    finally:
+        IN_FLIGHT.host = kept
+    with pytest.raises(CheckpointError, match="MemoryError while staging the state in host memory: cannot allocate"):
+        handle.wait()
+    assert os.listdir(tmp_path) == []
+    checkpoint.save(str(tmp_path / "ck"), model, opt)  # reported once; the next save works

@@ -82,27 +82,38 @@ def async_save(
         pass
     plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes)
     group = IN_FLIGHT.group()
-    mine = _my_parts(entries, plan.boxes, plan.rank)
-    copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
-    staged = {name: (box, copies[name]) for name, (box, _) in mine.items()}
+    staged, ready, failure = {}, None, None
+    try:
+        mine = _my_parts(entries, plan.boxes, plan.rank)
+        copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
+        staged = {name: (box, copies[name]) for name, (box, _) in mine.items()}
+    except Exception as err:  # e.g. no memory for the buffer: the writer reports it to every rank's commit
+        failure = f"{type(err).__name__} while staging the state in host memory: {err}"
     handle = AsyncSave(plan.path, plan.staging)
-    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, group, stage_hook, on_commit),
+    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit),
                               name=f"mesh3d-checkpoint-writer:{os.path.basename(plan.path)}", daemon=False)
     IN_FLIGHT.handle = handle
     writer.start()
     return handle
 
 
-def _write(handle: AsyncSave, plan: _Plan, staged: dict[str, Any], ready: Any, group: Any,
+def _write(handle: AsyncSave, plan: _Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
            hook: StageHook | None, on_commit: Callable[[str], None] | None) -> None:
-    """The writer thread: file I/O, then the commit's two collectives on the checkpoint group only."""
+    """The writer thread: file I/O, then the commit's two collectives on the checkpoint group only.
+
+    A rank that failed to stage still takes part in the commit's collectives (with its error), so
+    every rank fails together instead of the others waiting for it until the group's timeout."""
     try:
         try:
+            if failure is not None:
+                raise CheckpointError(failure)
             if ready is not None:
                 ready.synchronize()  # the device-to-host copies have landed
             if hook is not None:
                 hook("staged")
             error, files, records = write_my_shards(plan, staged, hook)
+        except CheckpointError as err:
+            error, files, records = str(err), {}, {}
         except Exception as err:
             error, files, records = f"{type(err).__name__} while writing shards: {err}", {}, {}
         gather_and_commit(plan, error, files, records, group, hook, on_commit)
