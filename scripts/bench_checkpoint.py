@@ -11,7 +11,12 @@ state). In one run, with barriers around each timed phase (wall = slowest rank):
   tensor): mesh3d vs DCP (``dcp.load`` + ``set_model_state_dict``), plus mesh3d's read
   amplification (bytes read / bytes needed, summed over ranks);
 - coalesce to one HF ``model.safetensors`` in a fresh process: throughput and peak RSS
-  (ru_maxrss minus the RSS after imports).
+  (ru_maxrss minus the RSS after imports);
+- saving without stopping (also alone with ``--async-only``; written to ``checkpoint_async.json``):
+  how long the training loop is blocked by ``checkpoint.async_save`` (call to return, slowest rank)
+  vs DCP ``async_save`` (thread executor, a separate gloo group; its default stager made per call,
+  and one stager kept across saves so it reuses its CPU copy) vs mesh3d's synchronous ``save``,
+  plus each one's time until the checkpoint is durable.
 
 Reads hit the page cache (the box has more RAM than the checkpoint, and dropping caches
 needs root): load figures are warm-cache. Writes are fsynced in every contender.
@@ -20,6 +25,7 @@ Usage::
 
     python scripts/bench_checkpoint.py --size-mb 1024          # the issue's >= 1 GB run
     python scripts/bench_checkpoint.py --size-mb 256 --out docs/benchmarks
+    python scripts/bench_checkpoint.py --size-mb 1024 --async-only  # only the save-without-stopping phases
 """
 
 from __future__ import annotations
@@ -68,6 +74,51 @@ def _timed(fn, cleanup=None, label: str = "") -> float:
     return best
 
 
+def _timed_async(start, finish, cleanup, label: str) -> tuple[float, float]:
+    """Best of REPEATS of (seconds the caller is blocked, seconds until durable), slowest rank each."""
+    blocked, total = float("inf"), float("inf")
+    for i in range(REPEATS):
+        os.sync()
+        dist.barrier()
+        t0 = time.perf_counter()
+        pending = start(i)
+        t1 = time.perf_counter()
+        finish(pending)
+        dist.barrier()
+        times = torch.tensor([t1 - t0, time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(times, op=dist.ReduceOp.MAX)
+        blocked, total = min(blocked, float(times[0])), min(total, float(times[1]))
+        if i < REPEATS - 1:
+            cleanup(i)
+            dist.barrier()
+    if dist.get_rank() == 0:
+        print(f"  {label:<32} best of {REPEATS}: blocked {blocked:.3f} s, durable after {total:.3f} s", flush=True)
+    return blocked, total
+
+
+def _async_phases(model, work: str, rm, out: dict[str, float]) -> None:
+    """The loop-blocking time of a background save: mesh3d vs DCP (two stager set-ups)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from mesh3d import checkpoint
+
+    out["async_block_mesh3d"], out["async_durable_mesh3d"] = _timed_async(
+        lambda i: checkpoint.async_save(f"{work}/m3a-{i}", model, step=1), lambda h: h.wait(),
+        rm(f"{work}/m3a-{{}}"), "async_save_mesh3d")
+    group = dist.new_group(backend="gloo")  # DCP's background collectives must not share the loop's group
+    out["async_block_dcp"], out["async_durable_dcp"] = _timed_async(
+        lambda i: dcp.async_save(get_model_state_dict(model), checkpoint_id=f"{work}/dcpa-{i}", process_group=group),
+        lambda f: f.result(), rm(f"{work}/dcpa-{{}}"), "async_save_dcp")
+    stager = DefaultStager(StagingOptions(False, False, False, False))  # CPU: synchronous staging, cached copy
+    out["async_block_dcp_kept_stager"], out["async_durable_dcp_kept_stager"] = _timed_async(
+        lambda i: dcp.async_save(get_model_state_dict(model), checkpoint_id=f"{work}/dcpk-{i}", process_group=group,
+                                 async_stager=stager),
+        lambda f: f.result(), rm(f"{work}/dcpk-{{}}"), "async_save_dcp_kept_stager")
+    stager.close()
+
+
 def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, results: str) -> None:
     torch.set_num_threads(1)
     # Our own default group outlives DistributedManager.shutdown() between the two meshes.
@@ -107,6 +158,14 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
 
     # The last repeat's directory (index 2) is kept and used by the loads below.
     out["save_mesh3d"] = _timed(label="save_mesh3d", fn=lambda i: checkpoint.save(f"{work}/m3-{i}", model, step=1), cleanup=rm(f"{work}/m3-{{}}"))
+    _async_phases(model, work, rm, out)
+    if args.async_only:
+        DistributedManager.shutdown()
+        if rank == 0:
+            with open(results, "w") as f:
+                json.dump(out, f)
+        dist.destroy_process_group()
+        return
     out["save_dcp"] = _timed(label="save_dcp", fn=lambda i: dcp.save(get_model_state_dict(model), checkpoint_id=f"{work}/dcp-{i}"),
                              cleanup=rm(f"{work}/dcp-{{}}"))
 
@@ -175,6 +234,27 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
     dist.destroy_process_group()
 
 
+def _write_async_report(out: dict[str, float], args: argparse.Namespace) -> None:
+    """checkpoint_async.json: blocking and durable times, and the ratios the issue's goals are stated in."""
+    best_dcp = min(out["async_block_dcp"], out["async_block_dcp_kept_stager"])
+    report = {
+        "config": {"ranks": WORLD, "state_bytes": out["state_bytes"], "layer_mb": args.layer_mb,
+                   "size_mb_flag": args.size_mb, "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                   "note": "gloo on CPU; best of 3; blocked = call to return, slowest rank; every save fsynced"},
+        "seconds": {k: v for k, v in out.items() if k.startswith(("async_", "save_mesh3d"))},
+        "ratios": {
+            "async_block_vs_sync_save": out["async_block_mesh3d"] / out["save_mesh3d"],  # goal <= 0.2
+            "async_block_vs_best_dcp_async_block": out["async_block_mesh3d"] / best_dcp,  # goal <= 1
+            "async_durable_vs_dcp_async_durable": out["async_durable_mesh3d"] / min(
+                out["async_durable_dcp"], out["async_durable_dcp_kept_stager"]),
+        },
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "checkpoint_async.json"), "w") as f:
+        json.dump(report, f, indent=2)
+    print(json.dumps(report, indent=2))
+
+
 _COALESCE = r"""
 import json, os, resource, sys, time
 from mesh3d import checkpoint
@@ -196,6 +276,7 @@ def main() -> None:
     parser.add_argument("--out", default="docs/benchmarks", help="where checkpoint.json / .png go")
     parser.add_argument("--hang-s", type=float, default=300, help="dump stacks and exit if a rank runs this long")
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    parser.add_argument("--async-only", action="store_true", help="only mesh3d's sync save and the async phases")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir)
     results = os.path.join(work, "results.json")
@@ -205,6 +286,9 @@ def main() -> None:
     try:
         mp.start_processes(_rank_main, args=(port, args, work, results), nprocs=WORLD, start_method="spawn")
         out = json.load(open(results))
+        _write_async_report(out, args)
+        if args.async_only:
+            return
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run([sys.executable, "-c", _COALESCE, f"{work}/m3-{REPEATS - 1}", f"{work}/hf"], capture_output=True,
                               text=True, env=env, check=True)

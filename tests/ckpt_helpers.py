@@ -8,6 +8,10 @@ root last; "plain" models are DDP-like replicas.
 
 from __future__ import annotations
 
+import os
+import time
+from typing import Callable
+
 import torch
 from torch import nn
 
@@ -146,3 +150,21 @@ def synthetic_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) 
                 p.grad = full
         opt.step()
         opt.zero_grad()
+
+
+def exit_code_of_forked(child: Callable[[], None], timeout: float = 60) -> int:
+    """Run ``child`` in a forked process that must end with ``os._exit`` (3 if it returns); its exit code."""
+    pid = os.fork()
+    if pid == 0:  # never return into pytest
+        try:
+            child()
+        finally:
+            os._exit(3)
+    deadline = time.time() + timeout
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
+        time.sleep(0.01)
+    if done[0] != pid:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        raise AssertionError(f"the forked child did not exit within {timeout} s")
+    return os.waitstatus_to_exitcode(done[1])

@@ -1,5 +1,6 @@
 """Fault tests: flipped bytes and truncation in every kind of file, missing files, key /
-shape / dtype mismatches, saves killed at every stage, and errors raised on every rank.
+shape / dtype mismatches, saves (synchronous and background) killed at every stage, and errors
+raised on every rank.
 
 A failed load must raise CheckpointError naming the file or tensor, in both load modes; with
 ``in_place=False`` it must also leave the model untouched (nothing is applied before every read
@@ -15,7 +16,7 @@ import os
 import random
 import shutil
 import sys
-import time
+import threading
 import zlib
 
 import pytest
@@ -23,7 +24,7 @@ import torch
 import xxhash
 from torch import nn
 
-from ckpt_helpers import Net, build, shutdown, synthetic_steps
+from ckpt_helpers import Net, build, exit_code_of_forked, shutdown, synthetic_steps
 from mesh3d import checkpoint
 from mesh3d.checkpoint import CheckpointError
 from mesh3d.checkpoint.chunks import Box
@@ -220,10 +221,32 @@ def _digest(path: str) -> dict[str, str]:
     return {rel: hashlib.sha256(open(os.path.join(path, rel), "rb").read()).hexdigest() for rel in _files(path)}
 
 
-def test_save_killed_at_every_stage_leaves_nothing_or_a_complete_checkpoint(tmp_path):
-    """A forked child saves step-2 next to step-1 and dies (os._exit) at each stage of the protocol."""
-    save_module = sys.modules["mesh3d.checkpoint.save"]  # the module (the package re-exports the function)
+def _save_and_crash(target: str, model: nn.Module, opt: torch.optim.Optimizer, stage: str, mode: str) -> None:
+    if mode == "sync":
+        sys.modules["mesh3d.checkpoint.save"]._CRASH_AT = stage  # the module (the package re-exports the function)
+        checkpoint.save(target, model, opt, step=2)
+        return
 
+    trained_on = threading.Event()
+
+    def die(s: str) -> None:
+        if s == "staged":
+            trained_on.wait(30)  # the writer starts only once training has changed the state in place
+        if s == stage:
+            os._exit(17)
+
+    handle = checkpoint.async_save(target, model, opt, step=2, stage_hook=die)
+    synthetic_steps(model, opt, range(2, 4))
+    trained_on.set()
+    handle.wait()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_save_killed_at_every_stage_leaves_nothing_or_a_complete_checkpoint(tmp_path, mode):
+    """A forked child saves step-2 next to step-1 and dies (os._exit) at each stage of the protocol.
+
+    ``async``: the child starts a background save, trains on, and its writer thread dies at the stage.
+    """
     model, opt = _trained()
     root = tmp_path / "run"
     root.mkdir()
@@ -231,20 +254,12 @@ def test_save_killed_at_every_stage_leaves_nothing_or_a_complete_checkpoint(tmp_
     before = _digest(str(root / "step-1"))
     for stage in STAGES:
         target = root / f"step-2-{stage}"
-        pid = os.fork()
-        if pid == 0:  # child: crash on purpose; never return into pytest
-            try:
-                save_module._CRASH_AT = stage
-                checkpoint.save(str(target), model, opt, step=2)
-            finally:
-                os._exit(3)
-        deadline = time.time() + 60
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
-            time.sleep(0.01)
-        assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 17, (stage, done)
+        assert exit_code_of_forked(lambda: _save_and_crash(str(target), model, opt, stage, mode)) == 17, stage
         if stage == "committed":
-            assert checkpoint.load(str(target), *_fresh()[:2]).step == 2
-            checkpoint.verify(str(target))
+            fresh = _fresh()[0]
+            assert checkpoint.load(str(target), fresh).step == 2
+            checkpoint.verify(str(target))  # the state at the call, not the child's later steps:
+            assert all(torch.equal(v, model.state_dict()[k]) for k, v in fresh.state_dict().items())
         else:
             assert not os.path.exists(target), stage
         assert _digest(str(root / "step-1")) == before, stage

@@ -4,6 +4,7 @@ Usage::
 
     from mesh3d import checkpoint
     checkpoint.save("ckpt/step-100", model, optimizer, step=100, extra={"seed": 0})   # all ranks
+    handle = checkpoint.async_save("ckpt/step-200", model, optimizer, step=200)       # returns once staged
     info = checkpoint.load("ckpt/step-100", model, optimizer)                        # any mesh shape
     checkpoint.coalesce("ckpt/step-100", "export/hf")                                # one process
     checkpoint.load_pretrained("llama-hf/", model)                                   # HF safetensors, any mesh
@@ -11,6 +12,7 @@ Usage::
 Nothing is pickled: tensors are in safetensors files, everything else is JSON.
 """
 
+from mesh3d.checkpoint.background import AsyncSave, async_save
 from mesh3d.checkpoint.coalesce import coalesce
 from mesh3d.checkpoint.errors import CheckpointError, CheckpointFormatError
 from mesh3d.checkpoint.index import read_index, validate_index
@@ -22,11 +24,13 @@ from mesh3d.checkpoint.save import save
 from mesh3d.checkpoint.weight_source import key_prefix
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointManager",
     "LoadInfo",
     "PretrainedInfo",
+    "async_save",
     "coalesce",
     "describe",
     "key_prefix",

@@ -33,36 +33,36 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
-def _device() -> torch.device:
-    backend = str(dist.get_backend())
+def _device(group: dist.ProcessGroup | None) -> torch.device:
+    backend = str(dist.get_backend(group))
     if "nccl" in backend:
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
-def allgather_json(obj: Any) -> list[Any]:
-    """Every rank's ``obj`` (JSON-serializable), in rank order."""
+def allgather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
+    """Every rank's ``obj`` (JSON-serializable), in rank order (over ``group``, default: the default group)."""
     _, size = world()
     payload = json.dumps(obj, separators=(",", ":")).encode()
     if size == 1:
         return [json.loads(payload)]
-    device = _device()
+    device = _device(group)
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     lengths = [torch.zeros_like(length) for _ in range(size)]
-    dist.all_gather(lengths, length)
+    dist.all_gather(lengths, length, group=group)
     longest = max(int(n.item()) for n in lengths)
     buf = torch.zeros(longest, dtype=torch.uint8, device=device)
     if payload:
         buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     bufs = [torch.empty_like(buf) for _ in range(size)]
-    dist.all_gather(bufs, buf)
+    dist.all_gather(bufs, buf, group=group)
     return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths)]
 
 
-def raise_if_any_failed(error: str | None, what: str, note: str = "") -> None:
+def raise_if_any_failed(error: str | None, what: str, note: str = "", group: dist.ProcessGroup | None = None) -> None:
     """Raise on every rank if any rank reports an error (each rank's message, then ``note``)."""
     rank, size = world()
-    errors = allgather_json(error) if size > 1 else [error]
+    errors = allgather_json(error, group) if size > 1 else [error]
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
         detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])

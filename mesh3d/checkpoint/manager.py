@@ -3,13 +3,16 @@
 ``latest`` is updated (tmp + fsync + rename) only after a checkpoint is committed, and a
 step directory counts only if its ``index.json`` exists, so a crash at any point leaves
 the previous checkpoint as the one to resume from. Pruning removes the oldest complete
-checkpoints beyond ``keep_last`` and this manager's stale staging directories.
+checkpoints beyond ``keep_last`` and this manager's stale staging directories, never the staging
+directory of a save still being written (``async_save`` commits, points ``latest`` and prunes on
+its writer thread, and a process has at most one save in flight: every save waits for the last).
 
 Usage::
 
     manager = CheckpointManager("runs/exp1/ckpt", keep_last=3)
-    info = manager.load(model, optimizer, data=loader)   # None on a fresh run
+    info = manager.load(model, optimizer, data=loader)     # None on a fresh run
     manager.save(model, optimizer, step=100, data=loader)  # all ranks
+    manager.async_save(model, optimizer, step=200)         # returns once staged; manager.wait() to finish
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from mesh3d.checkpoint.background import async_save
 from mesh3d.checkpoint.comm import raise_if_any_failed, world
+from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
 from mesh3d.checkpoint.index import INDEX_NAME
 from mesh3d.checkpoint.load import LoadInfo, load
-from mesh3d.checkpoint.save import save, write_file_atomic
+from mesh3d.checkpoint.save import StageHook, save, write_file_atomic
 
 __all__ = ["CheckpointManager"]
 
@@ -73,6 +78,7 @@ class CheckpointManager:
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
              extra: Any = None, data: Any = None) -> str:
         """Save ``root/step-<step>`` (all ranks), then point ``latest`` at it and prune (rank 0)."""
+        IN_FLIGHT.wait()  # before touching root: a pending save's failure is raised first, on every rank
         rank, _ = world()
         if rank == 0:
             os.makedirs(self.root, exist_ok=True)
@@ -80,24 +86,50 @@ class CheckpointManager:
         error = None
         if rank == 0:
             try:
-                write_file_atomic(os.path.join(self.root, "latest"), f"{os.path.basename(path)}\n".encode())
-                self._prune(step)
+                self._publish(path)
             except OSError as err:
                 error = f"{type(err).__name__}: {err}"
         raise_if_any_failed(error, f"updating {self.root}/latest")
         return path
 
+    def async_save(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
+                   extra: Any = None, data: Any = None, stage_hook: StageHook | None = None) -> AsyncSave:
+        """Like ``save`` but returns once the state is staged; the writer commits, updates ``latest`` and prunes.
+
+        Usage: ``manager.async_save(model, opt, step=step)`` every N steps, ``manager.wait()`` at the end.
+        ``stage_hook`` is ``checkpoint.async_save``'s.
+        """
+        IN_FLIGHT.wait()
+        rank, _ = world()
+        if rank == 0:
+            os.makedirs(self.root, exist_ok=True)
+        return async_save(self.path_for(step), model, optimizer, step=step, extra=extra, data=data,
+                          stage_hook=stage_hook, on_commit=self._publish)
+
+    def wait(self) -> None:
+        """Finish the save still being written, if any (raises its failure on every rank)."""
+        IN_FLIGHT.wait()
+
+    def _publish(self, path: str) -> None:
+        """Rank 0, after ``path`` is committed: point ``latest`` at it, then apply retention."""
+        write_file_atomic(os.path.join(self.root, "latest"), f"{os.path.basename(path)}\n".encode())
+        self._prune(int(_STEP_DIR.match(os.path.basename(path)).group(1)))
+
     def _prune(self, newest: int) -> None:
         for step in self.steps()[: -self.keep_last]:
             if step != newest:
                 shutil.rmtree(self.path_for(step), ignore_errors=True)
+        writing = IN_FLIGHT.staging_dirs()
         for name in os.listdir(self.root):
-            if _STAGING.match(name):  # left by a killed save; our own save has already committed
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+            path = os.path.join(self.root, name)
+            if _STAGING.match(name) and path not in writing:  # left by a killed save; ours has committed
+                shutil.rmtree(path, ignore_errors=True)
 
     def load(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
              strict: bool = True, data: Any = None) -> LoadInfo | None:
-        """Load the newest complete checkpoint (and ``data``'s state, see ``load``), or return None when there is none."""
+        """Load the newest complete checkpoint (and ``data``'s state, see ``load``), or return None when there is
+        none (a pending save is finished first)."""
+        IN_FLIGHT.wait()
         path = self.latest()
         if path is None:
             return None

@@ -23,15 +23,18 @@ import shutil
 import time
 import uuid
 import zlib
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from mesh3d.checkpoint.checksum import WRITE_ALGORITHM, block_checksums
 from mesh3d.checkpoint.chunks import Box, local_box, local_data, replica_part
 from mesh3d.checkpoint.comm import allgather_json, raise_if_any_failed, world
 from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.inflight import IN_FLIGHT
 from mesh3d.checkpoint.index import FORMAT, INDEX_NAME, VERSION, encode_index, validate_index
 from mesh3d.checkpoint.st_format import TORCH_TO_ST, plan_header
 from mesh3d.checkpoint.staging import HostStaging
@@ -48,7 +51,13 @@ DEFAULT_CHECKSUM_BLOCK_BYTES = 256 * 1024
 _CRASH_AT: str | None = None
 
 
-def _maybe_crash(stage: str) -> None:
+#: Called with each stage name as a save passes it (background saves take it as a parameter).
+StageHook = Callable[[str], None]
+
+
+def _maybe_crash(stage: str, hook: StageHook | None = None) -> None:
+    if hook is not None:
+        hook(stage)
     if _CRASH_AT == stage:
         os._exit(17)
 
@@ -77,7 +86,8 @@ def _shard_name(role: str, rank: int, size: int) -> str:
     return f"{role}/r{rank:05d}-of-{size:05d}.safetensors"
 
 
-def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: int) -> tuple[int, dict[str, Any]]:
+def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: int,
+                 hook: StageHook | None = None) -> tuple[int, dict[str, Any]]:
     """Stream ``parts`` into one plain safetensors file; return its size and per-key ranges/checksums."""
     header, ranges = plan_header(
         {k: (TORCH_TO_ST[t.dtype], tuple(t.shape)) for k, t in parts.items()},
@@ -89,7 +99,7 @@ def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: in
         f.write(header)
         for i, key in enumerate(sorted(ranges, key=lambda k: ranges[k][0])):
             if i == len(ranges) // 2:
-                _maybe_crash("mid_shard")
+                _maybe_crash("mid_shard", hook)
             data = staging.to_host(parts[key].detach()).reshape(-1)
             view = memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
             f.write(view)
@@ -98,6 +108,18 @@ def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: in
         os.fsync(f.fileno())
         size = f.tell()
     return size, records
+
+
+def _index_tensors(entries: dict[str, Entry]) -> dict[str, dict[str, Any]]:
+    """Each tensor's index entry (role, dtype, global shape, layout), chunks still to be filled in."""
+    tensors: dict[str, dict[str, Any]] = {}
+    for name, entry in entries.items():
+        t = entry.tensor
+        tensors[name] = {"role": entry.role, "dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape),
+                         "layout": str(tuple(t.placements)) if hasattr(t, "placements") else "plain"}
+        if entry.role == "optimizer":
+            tensors[name].update(param=entry.param, state_key=entry.state_key)
+    return tensors
 
 
 def _signature(entries: dict[str, Entry]) -> int:
@@ -170,7 +192,43 @@ def save(
     ``data`` (e.g. a ``mesh3d.data.MeshDataLoader`` or ``MeshSampler``) is anything with a
     ``state_dict()`` returning JSON that is the same on every rank (a global data cursor); it is
     stored in the index and checked to agree across ranks. ``load(..., data=)`` restores it.
+    A save started with ``async_save`` and still being written is finished first (and its
+    failure, if any, raised here on every rank).
     """
+    IN_FLIGHT.wait()
+    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data)
+    _maybe_crash("staged")
+    mine = _my_parts(entries, plan.boxes, plan.rank)
+    error, files, records = write_my_shards(plan, mine)
+    gather_and_commit(plan, error, files, records)
+    return plan.path
+
+
+@dataclass
+class _Plan:
+    """What every rank agreed on before any shard is written."""
+
+    path: str
+    staging: str
+    tensors: dict[str, dict[str, Any]]  # the index's tensor entries, without chunks yet
+    optim_meta: dict[str, Any] | None
+    mesh: dict[str, Any] | None
+    boxes: list[dict[str, list]]
+    rank: int
+    size: int
+    step: int | None
+    extra: Any
+    block: int
+    data_state: dict[str, Any] | None = None  # a data loader's JSON cursor (``save(..., data=)``)
+
+
+def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
+          extra: Any, checksum_block_bytes: int, data: Any = None) -> tuple[_Plan, dict[str, Entry]]:
+    """Check the request, share every rank's boxes and rank 0's staging directory (one collective on the
+    default group); raise the same CheckpointError on every rank if any rank found a problem.
+
+    The plan holds no reference to the live tensors (only the returned entries do), so a background
+    writer can use it while training goes on."""
     rank, size = world()
     path = os.path.abspath(os.fspath(path))
     parent, base = os.path.split(path)
@@ -218,71 +276,82 @@ def save(
         if rank == 0 and staging:
             shutil.rmtree(staging, ignore_errors=True)
         raise CheckpointError(f"saving {path} failed: " + "; ".join(f"rank {r}: {e}" for r, e in errors[:4]))
-    _maybe_crash("staged")
+    plan = _Plan(path, staging, _index_tensors(entries), optim_meta, _mesh_info(), [d["boxes"] for d in shared],
+                 rank, size, step, extra, checksum_block_bytes, data_state)
+    return plan, entries
 
-    boxes = [d["boxes"] for d in shared]
+
+def write_my_shards(plan: _Plan, mine: dict[str, tuple[Box, torch.Tensor]],
+                    hook: StageHook | None = None) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
+    """Write this rank's shard files into the staging directory (no collective): (error or None, files, chunks)."""
     records: dict[str, Any] = {}
     files: dict[str, Any] = {}
     try:
-        mine = _my_parts(entries, boxes, rank)
         for role in ("model", "optimizer"):
-            parts = {n: d for n, (_, d) in mine.items() if entries[n].role == role}
+            parts = {n: d for n, (_, d) in mine.items() if plan.tensors[n]["role"] == role}
             if not parts:
                 continue
-            rel = _shard_name(role, rank, size)
-            nbytes, written = _write_shard(os.path.join(staging, rel), parts, checksum_block_bytes, rank)
-            files[rel] = {"bytes": nbytes, "rank": rank}
+            rel = _shard_name(role, plan.rank, plan.size)
+            nbytes, written = _write_shard(os.path.join(plan.staging, rel), parts, plan.block, plan.rank, hook)
+            files[rel] = {"bytes": nbytes, "rank": plan.rank}
             for name, rec in written.items():
                 box = mine[name][0]
                 records[name] = {"offsets": list(box.offsets), "shape": list(box.shape), "file": rel, "key": name, **rec}
-        error = None
+        return None, files, records
     except Exception as err:
-        error = f"{type(err).__name__} while writing shards: {err}"
-    _maybe_crash("shards_written")
-    gathered = allgather_json({"error": error, "files": files, "chunks": records})
+        return f"{type(err).__name__} while writing shards: {err}", files, records
+
+
+def gather_and_commit(plan: _Plan, error: str | None, files: dict[str, Any], records: dict[str, Any],
+                      group: dist.ProcessGroup | None = None, hook: StageHook | None = None,
+                      on_commit: Callable[[str], None] | None = None) -> None:
+    """Bring every rank's chunks to rank 0, which commits (then runs ``on_commit(path)``); raise on every
+    rank if anything failed. Two collectives on ``group`` (default: the default group)."""
+    try:
+        _maybe_crash("shards_written", hook)
+    except Exception as err:
+        error = error or f"{type(err).__name__} after writing shards: {err}"
+    gathered = allgather_json({"error": error, "files": files, "chunks": records}, group)
     commit_error = None
-    if rank == 0:
+    if plan.rank == 0:
+        committed = False
         try:
             failed = [f"rank {r}: {d['error']}" for r, d in enumerate(gathered) if d["error"]]
             if failed:
                 raise CheckpointError("; ".join(failed[:4]))
-            _commit(path, staging, entries, gathered, optim_meta, step, extra, checksum_block_bytes, size, data_state)
+            _commit(plan, gathered, hook)
+            committed = True
+            if on_commit is not None:
+                on_commit(plan.path)
         except Exception as err:
-            shutil.rmtree(staging, ignore_errors=True)
+            if not committed:
+                shutil.rmtree(plan.staging, ignore_errors=True)
             commit_error = f"{type(err).__name__}: {err}"
-    raise_if_any_failed(commit_error, f"saving {path}")
-    return path
+    raise_if_any_failed(commit_error, f"saving {plan.path}", group=group)
 
 
-def _commit(path: str, staging: str, entries: dict[str, Entry], gathered: list[dict[str, Any]],
-            optim_meta: dict[str, Any] | None, step: int | None, extra: Any, block: int, size: int,
-            data_state: dict[str, Any] | None = None) -> None:
+def _commit(plan: _Plan, gathered: list[dict[str, Any]], hook: StageHook | None) -> None:
     """Rank 0: build and validate the index, write it last, then rename the staging dir into place."""
+    path, staging = plan.path, plan.staging
     files: dict[str, Any] = {}
-    tensors: dict[str, Any] = {}
-    for name, entry in entries.items():
-        t = entry.tensor
-        tensors[name] = {"role": entry.role, "dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape), "chunks": [],
-                         "layout": str(tuple(t.placements)) if hasattr(t, "placements") else "plain"}
-        if entry.role == "optimizer":
-            tensors[name].update(param=entry.param, state_key=entry.state_key)
+    tensors = {name: {**meta, "chunks": []} for name, meta in plan.tensors.items()}
     for doc in gathered:
         files.update(doc["files"])
         for name, chunk in doc["chunks"].items():
             tensors[name]["chunks"].append(chunk)
     for entry in tensors.values():
         entry["chunks"].sort(key=lambda c: c["offsets"])
-    doc = {"format": FORMAT, "version": VERSION, "step": step, "extra": extra, "data": data_state,
-           "checksum": WRITE_ALGORITHM.name,
-           "checksum_block_bytes": block, "world_size": size, "mesh": _mesh_info(), "created_unix": time.time(),
-           "files": files, "tensors": tensors, "optimizer": optim_meta}
+    doc = {"format": FORMAT, "version": VERSION, "step": plan.step, "extra": plan.extra, "data": plan.data_state,
+           "checksum": WRITE_ALGORITHM.name, "checksum_block_bytes": plan.block, "world_size": plan.size,
+           "mesh": plan.mesh, "created_unix": time.time(), "files": files, "tensors": tensors,
+           "optimizer": plan.optim_meta}
     data = encode_index(doc)
     validate_index(json.loads(data))  # never commit an index this very code would refuse to read
     for sub in ("model", "optimizer"):
         fsync_dir(os.path.join(staging, sub))
-    _maybe_crash("before_index")
+    _maybe_crash("before_index", hook)
     write_file_atomic(os.path.join(staging, INDEX_NAME), data)
-    _maybe_crash("index_written")
+    _maybe_crash("index_written", hook)
     os.rename(staging, path)
     fsync_dir(os.path.dirname(path))
-    _maybe_crash("committed")
+    _maybe_crash("committed", hook)

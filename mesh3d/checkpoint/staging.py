@@ -10,11 +10,15 @@ Usage::
     staging = HostStaging()
     host = staging.to_host(cuda_tensor)        # a CPU view, valid until the next call
     host = staging.buffer_like(cuda_tensor)    # fill it (e.g. from a file), then cuda_tensor.copy_(host)
+    copies, ready = staging.snapshot({"w": w})  # copies of many tensors at once (background saves)
 """
 
 from __future__ import annotations
 
 import torch
+
+#: Each snapshot copy starts at a multiple of this many bytes, so every dtype's view is aligned.
+_ALIGN = 64
 
 __all__ = ["HostStaging"]
 
@@ -28,10 +32,37 @@ class HostStaging:
     def buffer_like(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous CPU tensor of ``t``'s shape and dtype in the shared buffer (overwritten by the next call)."""
         nbytes = t.numel() * t.element_size()
-        if self._buffer is None or self._buffer.numel() < nbytes:
+        return self._reserve(nbytes, t.device.type == "cuda")[:nbytes].view(t.dtype).view(t.shape)
+
+    def _reserve(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        if self._buffer is None or self._buffer.numel() < nbytes or (pinned and not self._buffer.is_pinned()):
             self._buffer = None  # free the smaller one first
-            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=t.device.type == "cuda")
-        return self._buffer[:nbytes].view(t.dtype).view(t.shape)
+            self._buffer = torch.empty(max(nbytes, 1), dtype=torch.uint8, pin_memory=pinned)
+        return self._buffer
+
+    def snapshot(self, tensors: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.cuda.Event | None]:
+        """Copies of all ``tensors`` packed into the shared buffer (valid until the next call), and an event.
+
+        CPU tensors are copied before this returns. Accelerator tensors are copied with ``non_blocking``
+        on the current stream, so later work on that stream (the optimizer step) runs after the copy;
+        the returned event is recorded after the copies: synchronize on it before reading them.
+        """
+        sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+        starts, end = {}, 0
+        for k, n in sizes.items():
+            starts[k], end = end, end + -(-n // _ALIGN) * _ALIGN
+        on_device = any(t.device.type == "cuda" for t in tensors.values())
+        buffer = self._reserve(end, on_device)
+        copies = {}
+        for k, t in tensors.items():
+            copy = buffer[starts[k] : starts[k] + sizes[k]].view(t.dtype).view(t.shape)
+            copy.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+            copies[k] = copy
+        event = None
+        if on_device:
+            event = torch.cuda.Event()
+            event.record()
+        return copies, event
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` as a contiguous CPU tensor: itself when it already is one, else a copy in the shared buffer."""

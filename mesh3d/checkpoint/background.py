@@ -1,0 +1,125 @@
+"""``async_save``: stage the state in host memory, return, and let a background thread write and commit it.
+
+The on-disk result is the synchronous ``save``'s, byte for byte (same files, same index but for its
+``created_unix``): the same shard writer, checksums, fsyncs and rank-0 atomic commit run, on a thread.
+
+NOTE: torch process groups are not safe to drive from two threads at once (a background all-gather
+interleaved with the training loop's collectives on the same group can mismatch or deadlock:
+KempnerForge#104 is exactly this). So:
+
+1. everything that needs the default group runs on the calling thread, before ``async_save``
+   returns: the request check and box agreement (``agree``, one JSON all-gather) and, the first
+   time, making the checkpoint group;
+2. the state this rank writes is copied into one reused host buffer (``HostStaging.snapshot``) so
+   training may change parameters and optimizer state at once;
+3. the writer thread writes and fsyncs this rank's shards (file I/O only), then gathers the chunk
+   records and agrees on the outcome over a **separate gloo group made for checkpoint traffic**
+   (its own timeout: the manager's, else torch's default), so the commit happens as soon as every
+   rank has written, without waiting for the training loop to call anything. The main thread never
+   uses that group while a writer is alive: every save waits for the previous one first.
+
+Deferring the commit to the next ``wait()``/``save()`` on the main thread (the other option) would
+leave a finished checkpoint uncommitted, and so lost on a crash, for as long as training runs on.
+
+Usage::
+
+    handle = checkpoint.async_save("ckpt/step-100", model, opt, step=100)
+    train_more()              # the copy staged at the call is what lands
+    handle.wait()             # the path, once committed; raises on every rank if writing failed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
+from mesh3d.checkpoint.save import (DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, _Plan, agree,
+                                    gather_and_commit, write_my_shards)
+
+__all__ = ["async_save", "AsyncSave"]
+
+
+def async_save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    step: int | None = None,
+    extra: Any = None,
+    data: Any = None,
+    checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES,
+    stage_hook: StageHook | None = None,
+    on_commit: Callable[[str], None] | None = None,
+) -> AsyncSave:
+    """Start saving like ``save`` (all ranks call it) and return once the state is staged in host memory.
+
+    Usage: ``handle = checkpoint.async_save("ckpt/step-100", model, opt, step=100); ...; handle.wait()``
+
+    Bad input raises here, on every rank, as in ``save``. A save still being written is finished
+    first (a process writes one checkpoint at a time), and its failure is raised here. The returned
+    handle has ``path``, ``done()`` and ``wait()``; a failed write raises ``CheckpointError`` on every
+    rank at ``wait()`` or at the next ``save``/``async_save``, whichever comes first. Until it is
+    committed, ``path`` does not exist: a crash at any point leaves at most a hidden ``.<name>.tmp-*``
+    staging directory. A process that exits normally finishes the write first (the writer is not a
+    daemon thread). Memory: one host copy of the bytes this rank writes, reused by the next save.
+
+    ``stage_hook(stage)`` is called on the writer thread at each stage of the protocol (``"staged"``,
+    ``"mid_shard"``, ``"shards_written"``, then on rank 0 ``"before_index"``, ``"index_written"``,
+    ``"committed"``): for progress reports and fault-injection tests; an exception from it fails the
+    save like a write error. ``on_commit(path)`` runs on rank 0's writer right after the commit (the
+    CheckpointManager updates ``latest`` there); its failure fails the save on every rank.
+    """
+    IN_FLIGHT.wait()
+    try:  # the writer must not see later changes to ``extra``; agree() reports it if it is not JSON
+        extra = json.loads(json.dumps(extra, allow_nan=False))
+    except (TypeError, ValueError):
+        pass
+    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data)  # data's cursor: now
+    group = IN_FLIGHT.group()
+    staged, ready, failure = {}, None, None
+    try:
+        mine = _my_parts(entries, plan.boxes, plan.rank)
+        copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
+        staged = {name: (box, copies[name]) for name, (box, _) in mine.items()}
+    except Exception as err:  # e.g. no memory for the buffer: the writer reports it to every rank's commit
+        failure = f"{type(err).__name__} while staging the state in host memory: {err}"
+    handle = AsyncSave(plan.path, plan.staging)
+    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit),
+                              name=f"mesh3d-checkpoint-writer:{os.path.basename(plan.path)}", daemon=False)
+    IN_FLIGHT.handle = handle
+    writer.start()
+    return handle
+
+
+def _write(handle: AsyncSave, plan: _Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
+           hook: StageHook | None, on_commit: Callable[[str], None] | None) -> None:
+    """The writer thread: file I/O, then the commit's two collectives on the checkpoint group only.
+
+    A rank that failed to stage still takes part in the commit's collectives (with its error), so
+    every rank fails together instead of the others waiting for it until the group's timeout."""
+    try:
+        try:
+            if failure is not None:
+                raise CheckpointError(failure)
+            if ready is not None:
+                ready.synchronize()  # the device-to-host copies have landed
+            if hook is not None:
+                hook("staged")
+            error, files, records = write_my_shards(plan, staged, hook)
+        except CheckpointError as err:
+            error, files, records = str(err), {}, {}
+        except Exception as err:
+            error, files, records = f"{type(err).__name__} while writing shards: {err}", {}, {}
+        gather_and_commit(plan, error, files, records, group, hook, on_commit)
+        handle._finish(None)
+    except CheckpointError as err:
+        handle._finish(str(err))
+    except BaseException as err:  # a collective that timed out, or anything else: still report it
+        handle._finish(f"saving {plan.path} failed: {type(err).__name__}: {err}")

@@ -1,0 +1,102 @@
+"""The handle of a background save, and the one object that tracks the save still being written.
+
+A process writes one checkpoint at a time: ``InFlight`` keeps the save started last (with the host
+buffer it was staged into and the checkpoint process group it commits over), and every new save,
+synchronous or not, first waits for it. It knows nothing of how a save is written (that is
+``save.py`` and ``background.py``), so both can import it.
+
+Usage::
+
+    handle = checkpoint.async_save("ckpt/step-100", model, opt, step=100)
+    ...                       # train on; the staged copy is what lands
+    path = handle.wait()      # raises CheckpointError on every rank if the write failed
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch.distributed as dist
+
+from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.staging import HostStaging
+
+__all__ = ["AsyncSave", "InFlight", "IN_FLIGHT"]
+
+
+class AsyncSave:
+    """A checkpoint being written in the background; ``wait()`` returns its path once committed.
+
+    Usage: ``handle = checkpoint.async_save(path, model, opt, step=s); ...; handle.wait()``
+
+    Every rank's writer learns every rank's outcome (the commit is agreed over a collective), so
+    ``wait()`` returns on every rank or raises the same ``CheckpointError`` on every rank.
+    """
+
+    def __init__(self, path: str, staging: str) -> None:
+        self.path, self.staging = path, staging
+        self._finished = threading.Event()
+        self._error: str | None = None
+        self.observed = False  # wait() has returned or raised once
+
+    def done(self) -> bool:
+        """True once this rank's writer has finished (committed or failed); never blocks."""
+        return self._finished.is_set()
+
+    def wait(self) -> str:
+        """Block until the checkpoint is committed and return its path; raise if the write failed."""
+        self._finished.wait()
+        self.observed = True
+        if self._error is not None:
+            raise CheckpointError(self._error)
+        return self.path
+
+    def _finish(self, error: str | None) -> None:
+        """Called by the writer thread, last."""
+        self._error = error
+        self._finished.set()
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else "committed" if self.done() else "writing"
+        return f"AsyncSave({self.path!r}, {state})"
+
+
+class InFlight:
+    """The save being written in the background, the reused host buffer, and the checkpoint group."""
+
+    def __init__(self) -> None:
+        self.handle: AsyncSave | None = None
+        self.host = HostStaging()  # reused by every background save: the previous one has finished with it
+        self._group: dist.ProcessGroup | None = None
+        self._world: object = None  # the default group the checkpoint group was made from
+
+    def wait(self) -> None:
+        """Finish the pending save; raise its failure here if nobody has seen it yet (every rank alike)."""
+        handle, self.handle = self.handle, None
+        if handle is not None and not handle.observed:
+            handle.wait()
+
+    def staging_dirs(self) -> set[str]:
+        """Staging directories of saves still being written (retention must leave them alone)."""
+        handle = self.handle
+        return {handle.staging} if handle is not None and not handle.done() else set()
+
+    def group(self) -> dist.ProcessGroup | None:
+        """The gloo group background writers commit over (None in a world of one); made once per default group.
+
+        Every rank must call this at the same point (``async_save`` does, before returning): making a group
+        is a collective on the default group.
+        """
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return None
+        if self._world is not dist.group.WORLD:  # first use, or the default group was destroyed and remade
+            from mesh3d.manager import DistributedManager  # lazy: the manager module imports this package's users
+
+            timeout = DistributedManager().timeout if DistributedManager.is_initialized() else dist.default_pg_timeout
+            self._group = dist.new_group(backend="gloo", timeout=timeout)
+            self._world = dist.group.WORLD
+        return self._group
+
+
+#: The process's one in-flight background save (a process writes one checkpoint at a time).
+IN_FLIGHT = InFlight()
