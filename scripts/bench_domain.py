@@ -1,17 +1,22 @@
-"""Benchmark: a conv stack on a large 2-D field, domain-sharded over D = 1, 2, 4 (, 8) CPU ranks.
+"""Benchmark the domain axis: its cost at one rank, its Python dispatch cost, and strong scaling.
 
 Usage::
 
-    python scripts/bench_domain.py                      # 512x512 field, D in 1 2 4
-    python scripts/bench_domain.py --size 2048 --domains 1 2 4 8
+    python scripts/bench_domain.py                        # all parts, CPU, ~3 minutes on 2 cores
+    python scripts/bench_domain.py --quick                # smaller sizes (a smoke run; do not publish)
+    python scripts/bench_domain.py --device cuda --parts ops dispatch   # the one-rank parts on a GPU
 
-Per D it reports, for one training step (forward + backward) of the same conv stack:
-- bytes sent by the halo exchange / the minimum halo bytes (rows a shard must read from its
-  neighbours and send back as gradients): goal 1.0;
-- step time of the domain-sharded model / step time of the best simple alternative, which gathers
-  the whole input on every rank and runs the model whole (a ratio < 1 means sharding wins);
-- per-rank activation memory (bytes autograd saves for backward) / one process's: goal <= 1.2/D.
-Writes docs/benchmarks/domain.json (and domain.png if matplotlib is importable).
+Parts (each against plain torch on the same inputs, in the same run):
+1. ``ops``: forward+backward of single ops (conv 2-D/3-D, transposed conv, GroupNorm, BatchNorm,
+   pooling, interpolate, pointwise, SDPA) and of a whole U-Net step on a domain tensor at domain=1,
+   over the plain module: the "tax" of the wrapper when nothing moves (goal: U-Net step <= 1.05).
+2. ``dispatch``: the Python cost per op on tiny tensors, in microseconds (goal <= 30 us), and the
+   Python time of ``full_tensor`` on 10^6 rows (goal < 5 ms).
+3. ``scaling``: a conv stack on one large field over D = 1, 2, 4 processes, one thread each: step
+   time (goal: D=2 at least 1.8x faster than D=1), bytes sent vs the minimum halo bytes, time spent
+   inside exchanges (the most that overlapping them with compute could hide), activation bytes and
+   peak RSS per rank vs plain torch in one process.
+Writes docs/benchmarks/domain.json and domain.png; scripts/bench_report.py puts them in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -19,25 +24,178 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
+import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 
-def conv_stack(channels: int, layers: int) -> nn.Module:
-    mods: list[nn.Module] = [nn.Conv2d(1, channels, 3, padding=1)]
+# ----------------------------------------------------------------------------- models
+def conv_stack(channels: int, layers: int, dims: int = 2) -> nn.Module:
+    conv = nn.Conv2d if dims == 2 else nn.Conv3d
+    mods: list[nn.Module] = [conv(1, channels, 3, padding=1)]
     for _ in range(layers - 2):
-        mods += [nn.GELU(), nn.Conv2d(channels, channels, 3, padding=1)]
-    mods += [nn.GELU(), nn.Conv2d(channels, 1, 3, padding=1)]
+        mods += [nn.GELU(), conv(channels, channels, 3, padding=1)]
+    mods += [nn.GELU(), conv(channels, 1, 3, padding=1)]
     return nn.Sequential(*mods)
 
 
+class UNet(nn.Module):
+    """Two levels: conv-GroupNorm-GELU blocks, max pooling, transposed-conv and bilinear upsampling, skips."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+
+        def block(i: int, o: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.GroupNorm(4, o), nn.GELU(),
+                                 nn.Conv2d(o, o, 3, padding=1), nn.GroupNorm(4, o), nn.GELU())
+
+        self.enc1, self.enc2, self.mid = block(3, c), block(c, 2 * c), block(2 * c, 4 * c)
+        self.up2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2)
+        self.dec2 = block(4 * c, 2 * c)
+        self.dec1 = block(3 * c, c)
+        self.head = nn.Conv2d(c, 1, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([self.up2(m), e2], 1))
+        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
+        return self.head(self.dec1(torch.cat([up, e1], 1)))
+
+
+# ----------------------------------------------------------------------------- part 1: ops at domain=1
+def _median_time(fn, repeats: int, sync) -> float:
+    fn()
+    sync()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _op_cases(size: int, dtype, device):
+    s, s3 = size, max(size // 8, 8)
+    x2 = lambda c=16: torch.randn(2, c, s, s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
+    conv = nn.Conv2d(16, 16, 3, padding=1).to(device, dtype)
+    conv3 = nn.Conv3d(8, 8, 3, padding=1).to(device, dtype)
+    tconv = nn.ConvTranspose2d(16, 8, 2, stride=2).to(device, dtype)
+    gn, bn = nn.GroupNorm(4, 16).to(device, dtype), nn.BatchNorm2d(16).to(device, dtype)
+    seq = torch.randn(2, 4, 4 * s, 32, dtype=dtype, device=device, requires_grad=True)
+    return {
+        "conv2d 3x3": (conv, x2(), 2),
+        "conv3d 3x3x3": (conv3, torch.randn(2, 8, s3, s3, s3, dtype=dtype, device=device, requires_grad=True), 2),
+        "conv_transpose2d": (tconv, x2(), 2),
+        "group_norm": (gn, x2(), 2),
+        "batch_norm (train)": (bn, x2(), 2),
+        "max_pool2d": (lambda t: F.max_pool2d(t, 2), x2(), 2),
+        "avg_pool2d": (lambda t: F.avg_pool2d(t, 3, 1, 1), x2(), 2),
+        "interpolate bilinear": (lambda t: F.interpolate(t, scale_factor=2, mode="bilinear"), x2(), 2),
+        "pointwise (gelu, add)": (lambda t: F.gelu(t) + t, x2(), 2),
+        "sdpa": (lambda t: F.scaled_dot_product_attention(t, t, t), seq, 2),
+    }
+
+
+def part_ops(args, device) -> dict:
+    from mesh3d import domain
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    dtype = torch.float32
+    results = {}
+    for name, (fn, x, dim) in _op_cases(args.op_size, dtype, device).items():
+        def plain(fn=fn, x=x):
+            fn(x).sum().backward()
+
+        def sharded(fn=fn, x=x, dim=dim):
+            fn(domain.shard(x, dim=dim)).sum().backward()
+
+        a, b = [], []
+        for _ in range(args.rounds):  # interleaved, so drift hits both alike
+            a.append(_median_time(plain, args.repeats, sync))
+            b.append(_median_time(sharded, args.repeats, sync))
+        results[name] = {"plain_s": min(a), "domain_s": min(b), "slowdown": min(b) / min(a)}
+        print(f"  {name:24s} {min(a) * 1e3:8.2f} ms  x{min(b) / min(a):.3f}", flush=True)
+    torch.manual_seed(0)
+    unet = UNet().to(device, dtype)
+    x = torch.randn(2, 3, args.unet_size, args.unet_size, dtype=dtype, device=device)
+    target = torch.randn(2, 1, args.unet_size, args.unet_size, dtype=dtype, device=device)
+
+    def unet_plain():
+        F.mse_loss(unet(x), target).backward()
+
+    def unet_domain():
+        F.mse_loss(unet(domain.shard(x, dim=2)), domain.shard(target, dim=2)).backward()
+
+    a, b = [], []
+    for _ in range(args.rounds):
+        a.append(_median_time(unet_plain, args.repeats, sync))
+        b.append(_median_time(unet_domain, args.repeats, sync))
+    results["U-Net step"] = {"plain_s": min(a), "domain_s": min(b), "slowdown": min(b) / min(a)}
+    print(f"  {'U-Net step':24s} {min(a) * 1e3:8.2f} ms  x{min(b) / min(a):.3f}", flush=True)
+    return results
+
+
+# ----------------------------------------------------------------------------- part 2: dispatch cost
+def part_dispatch(args, device) -> dict:
+    from mesh3d import domain
+    from mesh3d.domain.rows import plan_exchange
+
+    x = torch.randn(1, 2, 4, 4, device=device)
+    w = torch.randn(2, 2, 3, 3, device=device)
+    xs = domain.shard(x, dim=2)
+    gn = nn.GroupNorm(1, 2).to(device)
+    ops = {
+        "add": lambda t: t + 1.0,
+        "relu": torch.relu,
+        "mul (two tensors)": lambda t: t * t,
+        "conv2d": lambda t: F.conv2d(t, w, padding=1),
+        "group_norm": gn,
+        "max_pool2d": lambda t: F.max_pool2d(t, 2),
+        "sum": lambda t: t.sum(),
+        "reshape": lambda t: t.reshape(1, 2, -1),
+    }
+    n = args.dispatch_calls
+    out = {}
+    for name, fn in ops.items():
+        def loop(fn=fn, t=x):
+            for _ in range(n):
+                fn(t)
+
+        def loop_domain(fn=fn, t=xs):
+            for _ in range(n):
+                fn(t)
+
+        plain = min(_median_time(loop, 3, lambda: None) for _ in range(3)) / n
+        dom = min(_median_time(loop_domain, 3, lambda: None) for _ in range(3)) / n
+        out[name] = {"plain_us": plain * 1e6, "domain_us": dom * 1e6, "overhead_us": (dom - plain) * 1e6}
+        print(f"  {name:20s} +{(dom - plain) * 1e6:6.1f} us", flush=True)
+    big = domain.shard(torch.zeros(10**6, 1), dim=0)
+    plan_exchange.cache_clear()
+    whole = _median_time(lambda: big.full_tensor(), 5, lambda: None)
+    copy = _median_time(lambda: big.to_local().clone(), 5, lambda: None)
+    out["full_tensor 1e6 rows"] = {"total_ms": whole * 1e3, "copy_ms": copy * 1e3,
+                                   "python_ms": max(whole - copy, 0.0) * 1e3}
+    print(f"  full_tensor 1e6 rows: {whole * 1e3:.3f} ms (a plain copy of the shard: {copy * 1e3:.3f} ms)", flush=True)
+    return out
+
+
+# ----------------------------------------------------------------------------- part 3: strong scaling
 class SavedBytes:
     """Counts the bytes autograd saves for backward (activation memory) during a forward."""
 
@@ -57,98 +215,108 @@ class SavedBytes:
         self._ctx.__exit__(*exc)
 
 
-def _rank(rank: int, world: int, port: int, args, queue) -> None:
+def _scaling_rank(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.exchange import TRAFFIC
 
     DistributedManager.initialize(batch=1, domain=world)
     torch.manual_seed(0)
     model = conv_stack(args.channels, args.layers)
-    x = torch.randn(1, 1, args.size, args.size)
+    x = torch.randn(args.batch, 1, args.size, args.size)
     sizes = domain.balanced_sizes(args.size, world)
+    result = {}
+    if world == 1:  # plain torch in one process: the reference for time and memory
+        def plain_step():
+            (model(x) ** 2).mean().backward()
 
-    def sharded_step():
+        plain_step()
+        base = rss_kb()
+        reset_peak_rss()
+        with SavedBytes() as saved:
+            start = time.perf_counter()
+            for _ in range(args.steps):
+                plain_step()
+            elapsed = (time.perf_counter() - start) / args.steps
+        result["plain"] = {"time_s": elapsed, "saved_bytes": saved.total / args.steps,
+                           "peak_rss_kb": peak_rss_kb() - base}
+        model.zero_grad(set_to_none=True)
+        del saved
+
+    def step():
         y = model(domain.shard(x, dim=2, sizes=sizes))
         (y * y).mean().backward()
 
-    def gathered_step():  # baseline: every rank gathers the whole input and runs the model whole
-        whole = domain.shard(x, dim=2, sizes=sizes).full_tensor()
-        (model(whole) ** 2).mean().backward()
-
-    results = {}
-    for name, step in (("sharded", sharded_step), ("gathered", gathered_step)):
-        step()  # warm-up (plans are cached)
-        dist.barrier()
-        TRAFFIC["bytes_sent"] = 0
-        with SavedBytes() as saved:
-            start = time.perf_counter()
-            for _ in range(args.repeats):
-                step()
+    step()  # warm-up: plans are cached
+    dist.barrier()
+    base = rss_kb()
+    reset_peak_rss()
+    with domain.count_traffic() as traffic, SavedBytes() as saved:
+        times = []
+        for _ in range(args.steps):
             dist.barrier()
-            elapsed = (time.perf_counter() - start) / args.repeats
-        results[name] = {"time_s": elapsed, "bytes_sent": TRAFFIC["bytes_sent"] / args.repeats,
-                         "saved_bytes": saved.total / args.repeats}
-    queue.put((rank, results))
+            start = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - start)
+    result["domain"] = {"time_s": statistics.median(times), "bytes_sent": traffic.bytes_sent / args.steps,
+                        "exchange_s": traffic.exchange_seconds / args.steps, "saved_bytes": saved.total / args.steps,
+                        "peak_rss_kb": peak_rss_kb() - base}
+    queue.put((rank, result))
     DistributedManager.shutdown()
 
 
-def min_halo_bytes(size: int, world: int, channels: int, layers: int) -> int:
+def min_halo_bytes(size: int, world: int, batch: int, channels: int, layers: int) -> int:
     """Rows each 3x3 'same' conv must read across each internal boundary (forward) and return (backward)."""
-    row = size * 4  # one fp32 row of one channel
+    row = batch * size * 4  # one fp32 row of one channel
     in_channels = [1] + [channels] * (layers - 1)
     forward = sum(2 * row * c for c in in_channels)  # one row each way across the boundary
     backward = sum(2 * row * c for c in in_channels[1:])  # the input x needs no gradient
     return (forward + backward) * (world - 1)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", type=int, default=512)
-    parser.add_argument("--channels", type=int, default=16)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--domains", type=int, nargs="+", default=[1, 2, 4])
-    args = parser.parse_args()
-    report = {"config": vars(args), "runs": []}
+def part_scaling(args) -> list[dict]:
+    runs = []
     for world in args.domains:
         ctx = mp.get_context("spawn")
         queue = ctx.Queue()
-        import socket
-
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        procs = [ctx.Process(target=_rank, args=(r, world, port, args, queue)) for r in range(world)]
+        procs = [ctx.Process(target=_scaling_rank, args=(r, world, port, args, queue)) for r in range(world)]
         for p in procs:
             p.start()
-        per_rank = dict(queue.get() for _ in procs)
+        per_rank = dict(queue.get(timeout=600) for _ in procs)
         for p in procs:
             p.join()
-        sharded = [per_rank[r]["sharded"] for r in range(world)]
-        gathered = [per_rank[r]["gathered"] for r in range(world)]
-        sent = sum(r["bytes_sent"] for r in sharded)
-        halo = min_halo_bytes(args.size, world, args.channels, args.layers)
+        dom = [per_rank[r]["domain"] for r in range(world)]
         run = {
             "domain": world,
-            "step_time_s": max(r["time_s"] for r in sharded),
-            "gathered_step_time_s": max(r["time_s"] for r in gathered),
-            "bytes_sent_per_step": sent,
-            "min_halo_bytes_per_step": halo,
-            "bytes_vs_halo": sent / halo if halo else 1.0,
-            "peak_rank_activation_bytes": max(r["saved_bytes"] for r in sharded),
+            "step_time_s": max(r["time_s"] for r in dom),
+            "bytes_sent_per_step": sum(r["bytes_sent"] for r in dom),
+            "min_halo_bytes_per_step": min_halo_bytes(args.size, world, args.batch, args.channels, args.layers),
+            "exchange_fraction": max(r["exchange_s"] / r["time_s"] for r in dom),
+            "peak_rank_activation_bytes": max(r["saved_bytes"] for r in dom),
+            "peak_rank_rss_kb": max(r["peak_rss_kb"] for r in dom),
         }
-        report["runs"].append(run)
-    one = next((r for r in report["runs"] if r["domain"] == 1), report["runs"][0])
-    for run in report["runs"]:
-        run["time_vs_gathered"] = run["step_time_s"] / run["gathered_step_time_s"]
-        run["time_vs_one_process"] = run["step_time_s"] / one["step_time_s"]
-        run["activation_vs_one_process"] = run["peak_rank_activation_bytes"] / one["peak_rank_activation_bytes"]
-        run["activation_goal"] = 1.2 / run["domain"]
-        print(json.dumps(run))
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "domain.json").write_text(json.dumps(report, indent=2) + "\n")
+        if "plain" in per_rank[0]:
+            run["plain"] = per_rank[0]["plain"]
+        runs.append(run)
+        print(f"  D={world}: {run['step_time_s'] * 1e3:.1f} ms/step, exchanges {run['exchange_fraction']:.1%} of it",
+              flush=True)
+    one = next(r for r in runs if r["domain"] == 1)
+    plain = one["plain"]
+    for run in runs:
+        halo = run["min_halo_bytes_per_step"]
+        run["bytes_vs_halo"] = run["bytes_sent_per_step"] / halo if halo else 1.0
+        run["speedup_vs_one_rank"] = one["step_time_s"] / run["step_time_s"]
+        run["time_vs_plain_torch"] = run["step_time_s"] / plain["time_s"]
+        run["activation_vs_plain_torch"] = run["peak_rank_activation_bytes"] / plain["saved_bytes"]
+        run["peak_rss_vs_plain_torch"] = run["peak_rank_rss_kb"] / plain["peak_rss_kb"] if plain["peak_rss_kb"] else None
+    return runs
+
+
+# ----------------------------------------------------------------------------- report
+def _plot(report: dict) -> None:
     try:
         import matplotlib
 
@@ -156,20 +324,71 @@ def main() -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    ds = [r["domain"] for r in report["runs"]]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.5))
-    axes[0].plot(ds, [r["bytes_vs_halo"] for r in report["runs"]], "o-")
-    axes[0].set_title("bytes sent / min halo bytes")
-    axes[1].plot(ds, [r["time_vs_gathered"] for r in report["runs"]], "o-")
-    axes[1].set_title("step time / gather-whole-input")
-    axes[2].plot(ds, [r["activation_vs_one_process"] for r in report["runs"]], "o-", label="measured")
-    axes[2].plot(ds, [r["activation_goal"] for r in report["runs"]], "--", label="1.2/D")
-    axes[2].set_title("activation bytes per rank / one process")
-    axes[2].legend()
-    for ax in axes:
-        ax.set_xlabel("domain size D")
+    panels = [k for k in ("ops", "scaling") if k in report]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
+    for ax, key in zip(axes[0], panels):
+        if key == "ops":
+            names = list(report["ops"])
+            ax.barh(names, [report["ops"][n]["slowdown"] for n in names])
+            ax.axvline(1.05, color="red", linestyle="--", label="goal 1.05 (U-Net step)")
+            ax.set_xlabel("domain=1 time / plain torch (fwd+bwd)")
+            ax.legend(loc="lower right")
+        else:
+            runs = report["scaling"]
+            ds = [r["domain"] for r in runs]
+            ax.plot(ds, [r["speedup_vs_one_rank"] for r in runs], "o-", label="speedup vs D=1")
+            ax.plot(ds, ds, "--", color="grey", label="ideal")
+            ax.plot(ds, [r["activation_vs_plain_torch"] * r["domain"] for r in runs], "s-",
+                    label="activation/rank x D vs plain")
+            ax.set_xlabel("domain size D (processes, 1 thread each)")
+            ax.legend()
     fig.tight_layout()
     fig.savefig(OUT / "domain.png", dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", nargs="+", default=["ops", "dispatch", "scaling"],
+                        choices=["ops", "dispatch", "scaling"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
+    parser.add_argument("--op-size", type=int, default=128)
+    parser.add_argument("--unet-size", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dispatch-calls", type=int, default=2000)
+    parser.add_argument("--size", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--channels", type=int, default=16)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--domains", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--out", default=str(OUT / "domain.json"))
+    args = parser.parse_args()
+    if args.quick:
+        args.op_size, args.unet_size, args.size, args.rounds, args.repeats = 32, 32, 128, 1, 2
+        args.dispatch_calls, args.steps = 200, 2
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    report = {"config": {**vars(args), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+                         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}}
+    if "ops" in args.parts:
+        print("== one rank: domain wrapper vs plain torch, forward+backward", flush=True)
+        report["ops"] = part_ops(args, device)
+    if "dispatch" in args.parts:
+        print("== Python dispatch cost per op (tiny tensors)", flush=True)
+        report["dispatch"] = part_dispatch(args, device)
+    if "scaling" in args.parts and device.type == "cpu":
+        print(f"== strong scaling: {args.layers}-conv stack, {args.batch}x1x{args.size}x{args.size}", flush=True)
+        report["scaling"] = part_scaling(args)
+    OUT.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    if Path(args.out).resolve() == (OUT / "domain.json").resolve():
+        _plot(report)
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ Peers are the *global* ranks of the domain group (``comm.ranks``), never global 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -53,12 +54,14 @@ class TrafficCounter:
     def __init__(self) -> None:
         self.bytes_sent = 0
         self.messages = 0
+        self.exchange_seconds = 0.0  # wall time inside exchanges (posting and waiting): what overlap could hide
 
     @classmethod
-    def record(cls, nbytes: int) -> None:
+    def record(cls, nbytes: int, messages: int, seconds: float) -> None:
         for counter in cls._active:
             counter.bytes_sent += nbytes
-            counter.messages += 1
+            counter.messages += messages
+            counter.exchange_seconds += seconds
 
 
 @contextlib.contextmanager
@@ -78,16 +81,16 @@ def count_traffic() -> Iterator[TrafficCounter]:
 def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
               incoming: list[tuple[int, torch.Tensor]]) -> None:
     """Send and receive all buffers at once (one batched round of point-to-point messages)."""
-    ops = []
-    for peer, buf in outgoing:
-        if buf.numel():
-            ops.append(dist.P2POp(dist.isend, buf, comm.ranks[peer], comm.group))
-            if TrafficCounter._active:
-                TrafficCounter.record(buf.numel() * buf.element_size())
+    start = time.perf_counter()
+    sends = [buf for _, buf in outgoing if buf.numel()]
+    ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], comm.group) for peer, buf in outgoing if buf.numel()]
     ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], comm.group) for peer, buf in incoming if buf.numel()]
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
+    if TrafficCounter._active:
+        TrafficCounter.record(sum(b.numel() * b.element_size() for b in sends), len(sends),
+                              time.perf_counter() - start)
 
 
 def _rows_of(t: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
