@@ -90,6 +90,21 @@ def _median_time(fn, repeats: int, sync) -> float:
     return statistics.median(times)
 
 
+def _paired_times(plain, other, repeats: int, sync) -> tuple[float, float]:
+    """Median times of two steps run alternately, call by call, so the allocator's and caches' state
+    drifts alike for both (blocks of one then the other differ by up to 2x on CPU from malloc alone)."""
+    plain(), other()
+    sync()
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, out in ((plain, a), (other, b)):
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b)
+
+
 def _op_cases(size: int, dtype, device):
     s, s3 = size, max(size // 8, 8)
     x2 = lambda c=16: torch.randn(2, c, s, s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
@@ -125,10 +140,8 @@ def part_ops(args, device) -> dict:
         def sharded(fn=fn, x=x, dim=dim):
             fn(domain.shard(x, dim=dim)).sum().backward()
 
-        a, b = [], []
-        for _ in range(args.rounds):  # interleaved, so drift hits both alike
-            a.append(_median_time(plain, args.repeats, sync))
-            b.append(_median_time(sharded, args.repeats, sync))
+        a, b = _paired_times(plain, sharded, args.repeats * args.rounds, sync)
+        a, b = [a], [b]
         results[name] = {"plain_s": min(a), "domain_s": min(b), "slowdown": min(b) / min(a)}
         print(f"  {name:24s} {min(a) * 1e3:8.2f} ms  x{min(b) / min(a):.3f}", flush=True)
     torch.manual_seed(0)
@@ -142,10 +155,8 @@ def part_ops(args, device) -> dict:
     def unet_domain():
         F.mse_loss(unet(domain.shard(x, dim=2)), domain.shard(target, dim=2)).backward()
 
-    a, b = [], []
-    for _ in range(args.rounds):
-        a.append(_median_time(unet_plain, args.repeats, sync))
-        b.append(_median_time(unet_domain, args.repeats, sync))
+    a, b = _paired_times(unet_plain, unet_domain, args.repeats * args.rounds, sync)
+    a, b = [a], [b]
     results["U-Net step"] = {"plain_s": min(a), "domain_s": min(b), "slowdown": min(b) / min(a)}
     print(f"  {'U-Net step':24s} {min(a) * 1e3:8.2f} ms  x{min(b) / min(a):.3f}", flush=True)
     return results
@@ -260,9 +271,30 @@ def _scaling_rank(rank: int, world: int, port: int, args, queue) -> None:
             times.append(time.perf_counter() - start)
     result["domain"] = {"time_s": statistics.median(times), "bytes_sent": traffic.bytes_sent / args.steps,
                         "exchange_s": traffic.exchange_seconds / args.steps, "saved_bytes": saved.total / args.steps,
-                        "peak_rss_kb": peak_rss_kb() - base}
+                        "peak_rss_kb": peak_rss_kb() - base, "rounds": traffic.rounds / args.steps,
+                        "round_alone_s": _halo_round_alone(args, sizes) if world > 1 else 0.0}
     queue.put((rank, result))
     DistributedManager.shutdown()
+
+
+def _halo_round_alone(args, sizes) -> float:
+    """One halo exchange of the stack's widest activation, ranks started together: the transfer itself,
+    without the waiting for a slower rank that an exchange inside a step also contains."""
+    from mesh3d import domain
+    from mesh3d.domain.dispatch import _window_exchange
+    from mesh3d.domain.exchange import gather_rows
+    from mesh3d.domain.halo import plan_window
+
+    xs = domain.shard(torch.randn(args.batch, args.channels, args.size, args.size), dim=2, sizes=sizes)
+    comm = xs.spec.comm
+    xplan, _ = _window_exchange(xs.spec.sizes, plan_window(xs.spec.sizes, 3, 1, 1, 1, 1), comm.index, True)
+    times = []
+    for _ in range(20):
+        dist.barrier()
+        start = time.perf_counter()
+        gather_rows(xs.to_local(), 2, xplan, comm)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def min_halo_bytes(size: int, world: int, batch: int, channels: int, layers: int) -> int:
@@ -295,14 +327,16 @@ def part_scaling(args) -> list[dict]:
             "bytes_sent_per_step": sum(r["bytes_sent"] for r in dom),
             "min_halo_bytes_per_step": min_halo_bytes(args.size, world, args.batch, args.channels, args.layers),
             "exchange_fraction": max(r["exchange_s"] / r["time_s"] for r in dom),
+            # the transfers alone (rounds x one round with the ranks in step): what overlap could hide at most
+            "transfer_fraction": max(r["rounds"] * r["round_alone_s"] / r["time_s"] for r in dom),
             "peak_rank_activation_bytes": max(r["saved_bytes"] for r in dom),
             "peak_rank_rss_kb": max(r["peak_rss_kb"] for r in dom),
         }
         if "plain" in per_rank[0]:
             run["plain"] = per_rank[0]["plain"]
         runs.append(run)
-        print(f"  D={world}: {run['step_time_s'] * 1e3:.1f} ms/step, exchanges {run['exchange_fraction']:.1%} of it",
-              flush=True)
+        print(f"  D={world}: {run['step_time_s'] * 1e3:.1f} ms/step, inside exchanges {run['exchange_fraction']:.1%} "
+              f"of it, of which transfers {run['transfer_fraction']:.1%}", flush=True)
     one = next(r for r in runs if r["domain"] == 1)
     plain = one["plain"]
     for run in runs:

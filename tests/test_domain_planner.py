@@ -118,3 +118,21 @@ def test_planning_is_o_d(parts, length):
     if length >= 3:
         plan = plan_window(sizes, 3, 1, 1, 1, 1)
         assert all(len(m) <= 3 for m in plan.needs) and sum(plan.out_sizes) == length
+
+
+def test_a_second_rule_for_one_op_is_refused_unless_overridden():
+    from mesh3d.domain.registry import RULES, register
+
+    original = RULES.get(torch.flip) if torch.flip in RULES else None
+    assert original is None  # torch.flip has no rule: the dispatcher raises naming it
+    try:
+        register(torch.flip)(lambda input, dims: None)
+        try:
+            register(torch.flip)(lambda input, dims: None)
+            raise AssertionError("a duplicate rule was accepted")
+        except ValueError as err:
+            assert "torch.flip already has a domain rule" in str(err) and "override=True" in str(err)
+        register(torch.flip, override=True)(lambda input, dims: "replaced")
+        assert RULES.get(torch.flip)(None, None) == "replaced"
+    finally:
+        RULES._rules.pop(torch.flip, None)

@@ -60,6 +60,8 @@ def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence[int] | None = None) -> 
     dim = _check_dim("shard", dim, x.ndim)
     sizes = split_sizes(x.shape[dim], comm.size, sizes)
     spec = DomainSpec(dim, sizes, comm)
+    if sizes[comm.index] == x.shape[dim]:  # the whole dim (one rank): no slice, so no slice backward (a full copy)
+        return wrap(x, spec)
     return wrap(x.narrow(dim, spec.offset, sizes[comm.index]), spec)
 
 

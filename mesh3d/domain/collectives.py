@@ -66,16 +66,22 @@ class _SumGrad(torch.autograd.Function):
 
 def reduce_to_replicated(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Sum of every rank's ``t``; backward hands the (replicated) gradient to each rank unchanged."""
+    if comm.size == 1:  # nothing to add: no copy, no autograd node
+        return t
     return _ReduceToReplicated.apply(t, comm)
 
 
 def reduce_for_local_use(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Sum of every rank's ``t`` for use by every shard; backward sums the shards' partial gradients."""
+    if comm.size == 1:
+        return t
     return _ReduceForLocalUse.apply(t, comm)
 
 
 def sum_grad(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Identity whose backward sums gradients over the domain (a replicated value entering the shards)."""
+    if comm.size == 1:
+        return t
     return _SumGrad.apply(t, comm)
 
 

@@ -54,6 +54,7 @@ class TrafficCounter:
     def __init__(self) -> None:
         self.bytes_sent = 0
         self.messages = 0
+        self.rounds = 0  # batched exchanges (one batch_isend_irecv each) this rank took part in
         self.exchange_seconds = 0.0  # wall time inside exchanges (posting and waiting): what overlap could hide
 
     @classmethod
@@ -61,6 +62,7 @@ class TrafficCounter:
         for counter in cls._active:
             counter.bytes_sent += nbytes
             counter.messages += messages
+            counter.rounds += 1
             counter.exchange_seconds += seconds
 
 
@@ -88,7 +90,7 @@ def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-    if TrafficCounter._active:
+    if TrafficCounter._active and ops:
         TrafficCounter.record(sum(b.numel() * b.element_size() for b in sends), len(sends),
                               time.perf_counter() - start)
 

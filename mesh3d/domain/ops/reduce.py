@@ -54,6 +54,9 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
         return adopt(r, x.spec.with_sizes(x.spec.sizes, dim=new_dim))
     count = math.prod(x.global_shape[d] for d in dims)
     if kind in ("sum", "mean"):
+        if len(dims) == x.ndim and not keepdim:  # everything: torch's full reduction kernel, a 0-d result
+            r = reduce_to_replicated(local.sum(), comm)
+            return adopt(r / count if kind == "mean" else r, DomainSpec(None, None, comm))
         r = reduce_to_replicated(local.sum(dims, keepdim=True), comm)
         return _finish(x, r / count if kind == "mean" else r, dims, keepdim)
     if kind == "amax":

@@ -18,7 +18,8 @@ import math
 import torch
 
 from mesh3d.domain.registry import register
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.step import Step
+from mesh3d.domain.tensor import DomainTensor, unwrap
 
 __all__: list[str] = []
 
@@ -62,7 +63,7 @@ def _sharded_dim_after(local: tuple[int, ...], dim: int, target: list[int]) -> t
     return None
 
 
-def _reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> DomainTensor:
+def _reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> Step:
     """``x`` reshaped to the local ``target`` when that keeps the sharded rows whole; else a clear refusal."""
     local = unwrap(x)
     found = _sharded_dim_after(tuple(local.shape), x.spec.dim, target)
@@ -73,12 +74,12 @@ def _reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> D
             "sharded one (use the local sizes from .shape), or call .full_tensor() first"
         )
     new_dim, inner = found
-    out = local.view(target) if view else local.reshape(target)
-    return adopt(out, x.spec.with_sizes(tuple(n * inner for n in x.spec.sizes), dim=new_dim))
+    return Step((lambda t: t.view(target)) if view else (lambda t: t.reshape(target)), (x,),
+                out=x.spec.with_sizes(tuple(n * inner for n in x.spec.sizes), dim=new_dim))
 
 
 def _reshape_rule(op_name: str, view: bool):
-    def rule(x: DomainTensor, *shape) -> DomainTensor:
+    def rule(x: DomainTensor, *shape) -> Step:
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise NotImplementedError(f"{op_name}(dtype) on a domain-sharded tensor is not supported; call .to_local()")
         return _reshaped(x, _target_shape(shape, unwrap(x), x.spec.dim), op_name, view)
@@ -91,7 +92,7 @@ register(torch.reshape, torch.Tensor.reshape)(_reshape_rule("torch.reshape", vie
 
 
 @register(torch.flatten, torch.Tensor.flatten)
-def _flatten(x: DomainTensor, start_dim: int = 0, end_dim: int = -1) -> DomainTensor:
+def _flatten(x: DomainTensor, start_dim: int = 0, end_dim: int = -1) -> Step | DomainTensor:
     """A reshape merging dims [start, end]: fine when the sharded dim is outside them or is their first."""
     shape = list(unwrap(x).shape)
     if not shape:
