@@ -272,9 +272,30 @@ def _scaling_rank(rank: int, world: int, port: int, args, queue) -> None:
     result["domain"] = {"time_s": statistics.median(times), "bytes_sent": traffic.bytes_sent / args.steps,
                         "exchange_s": traffic.exchange_seconds / args.steps, "saved_bytes": saved.total / args.steps,
                         "peak_rss_kb": peak_rss_kb() - base, "rounds": traffic.rounds / args.steps,
-                        "round_alone_s": _halo_round_alone(args, sizes) if world > 1 else 0.0}
+                        "round_alone_s": _halo_round_alone(args, sizes) if world > 1 else 0.0,
+                        **_full_tensor_million_rows(world)}
     queue.put((rank, result))
     DistributedManager.shutdown()
+
+
+def _full_tensor_million_rows(world: int) -> dict:
+    """``full_tensor`` of a 10^6-row tensor over this domain: all of it, and its Python part (planning, cold cache)."""
+    from mesh3d import domain
+    from mesh3d.domain.rows import Span, plan_exchange
+
+    xs = domain.shard(torch.zeros(10**6, 1), dim=0)
+    times, plans = [], []
+    for _ in range(5):
+        plan_exchange.cache_clear()
+        dist.barrier()
+        start = time.perf_counter()
+        plan_exchange(xs.spec.sizes, ((Span.rows(0, 10**6),),) * world, xs.spec.comm.index)
+        plans.append(time.perf_counter() - start)
+        dist.barrier()
+        start = time.perf_counter()
+        xs.full_tensor()
+        times.append(time.perf_counter() - start)
+    return {"full_tensor_1e6_s": statistics.median(times), "plan_1e6_s": statistics.median(plans)}
 
 
 def _halo_round_alone(args, sizes) -> float:
@@ -331,6 +352,8 @@ def part_scaling(args) -> list[dict]:
             "transfer_fraction": max(r["rounds"] * r["round_alone_s"] / r["time_s"] for r in dom),
             "peak_rank_activation_bytes": max(r["saved_bytes"] for r in dom),
             "peak_rank_rss_kb": max(r["peak_rss_kb"] for r in dom),
+            "full_tensor_1e6_ms": max(r["full_tensor_1e6_s"] for r in dom) * 1e3,
+            "full_tensor_1e6_planning_ms": max(r["plan_1e6_s"] for r in dom) * 1e3,
         }
         if "plain" in per_rank[0]:
             run["plain"] = per_rank[0]["plain"]
