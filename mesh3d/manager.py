@@ -101,6 +101,8 @@ class DistributedManager:
     """
 
     _instance: ClassVar[DistributedManager | None] = None
+    #: Called by ``shutdown()`` after the groups are gone: per-mesh state other parts keep (``on_shutdown``).
+    _shutdown_hooks: ClassVar[list] = []
 
     mesh: DeviceMesh
     rank: int
@@ -238,6 +240,17 @@ class DistributedManager:
         # DeviceMesh equality ignores process groups, so DTensor's caches would hand a later
         # mesh of the same shape these destroyed groups; forget them with the groups.
         clear_dtensor_caches()
+        for hook in cls._shutdown_hooks:
+            hook()
+
+    @classmethod
+    def on_shutdown(cls, hook) -> None:
+        """Run ``hook()`` at every ``shutdown()`` (state tied to the mesh, such as the domain op journal).
+
+        Usage: ``DistributedManager.on_shutdown(my_cache.clear)``
+        """
+        if hook not in cls._shutdown_hooks:
+            cls._shutdown_hooks.append(hook)
 
     # ------------------------------------------------------------------ per-axis views
 

@@ -136,3 +136,20 @@ def test_a_second_rule_for_one_op_is_refused_unless_overridden():
         assert RULES.get(torch.flip)(None, None) == "replaced"
     finally:
         RULES._rules.pop(torch.flip, None)
+
+
+@settings(max_examples=100, deadline=None)
+@given(units=st.lists(st.integers(0, 6), min_size=1, max_size=6), stride=st.sampled_from([2, 4]))
+def test_pooling_divides_an_aligned_layout_and_upsampling_restores_it(units, stride):
+    """Sizes that are multiples of the stride: a stride-s pool gives sizes/s on every rank, and an s-fold
+    upsampling (transposed conv, or outputs owned by the rank of their source row) gives the sizes back."""
+    from mesh3d.domain.halo import sizes_by_first_index
+
+    sizes = tuple(u * stride for u in units)
+    if not sum(sizes):
+        return
+    pooled = plan_window(sizes, stride, stride, 1, 0, 0).out_sizes
+    assert pooled == tuple(s // stride for s in sizes)
+    n = sum(pooled)
+    upsampled = sizes_by_first_index(pooled, n * stride, lambda row: row * stride)  # source row floor(o / s)
+    assert upsampled == sizes

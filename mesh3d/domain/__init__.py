@@ -13,22 +13,30 @@ See docs/domain.md.
 """
 
 from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
+from mesh3d.manager import DistributedManager
 from mesh3d.domain.dispatch import dispatch
+from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import count_traffic
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.io import NpyArray, read
-from mesh3d.domain.split import balanced_sizes, split_sizes
+from mesh3d.domain.probe import downsampling_factor
+from mesh3d.domain.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
 
 DomainTensor._dispatcher = staticmethod(dispatch)
+# NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
+DistributedManager.on_shutdown(JOURNAL.reset)
 
 __all__ = [
+    "DomainDivergenceError",
     "DomainSpec",
     "DomainTensor",
     "NpyArray",
+    "aligned_sizes",
     "balanced_sizes",
     "count_traffic",
     "domain_comm",
+    "downsampling_factor",
     "from_local",
     "full_tensor",
     "read",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from mesh3d.domain.dispatch import block_needs, redistribute_local
 from mesh3d.domain.exchange import DomainComm, gather_rows
 from mesh3d.domain.rows import Span, plan_exchange
-from mesh3d.domain.split import split_sizes
+from mesh3d.domain.split import aligned_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 
 __all__ = ["domain_comm", "from_local", "full_tensor", "redistribute", "scatter", "shard"]
@@ -49,16 +49,28 @@ def _check_dim(op: str, dim: int, ndim: int) -> int:
     return dim % ndim
 
 
-def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence[int] | None = None) -> DomainTensor:
+def _layout(length: int, parts: int, sizes: Sequence[int] | None, multiple_of: int | None) -> tuple[int, ...]:
+    if multiple_of is None:
+        return split_sizes(length, parts, sizes)
+    if sizes is not None:
+        raise ValueError(f"pass sizes= or multiple_of=, not both (got sizes={tuple(sizes)}, multiple_of={multiple_of})")
+    return split_sizes(length, parts, aligned_sizes(length, parts, multiple_of))
+
+
+def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence[int] | None = None, *,
+          multiple_of: int | None = None) -> DomainTensor:
     """Keep this rank's slice of ``x`` (held whole on every domain rank) along ``dim``.
 
-    Usage: ``xs = domain.shard(x, dim=2)  # or sizes=(5, 3, 4, 4)``
+    Usage: ``xs = domain.shard(x, dim=2)  # or sizes=(5, 3, 4, 4), or multiple_of=16``
+
+    ``multiple_of=m`` makes every rank's size but the last a multiple of m: for models that
+    downsample the dim by m and compare local shapes (see ``downsampling_factor``).
     """
     if isinstance(x, DomainTensor):
         raise ValueError("domain.shard: x is already a domain tensor; pass the plain whole tensor")
     comm = domain_comm()
     dim = _check_dim("shard", dim, x.ndim)
-    sizes = split_sizes(x.shape[dim], comm.size, sizes)
+    sizes = _layout(x.shape[dim], comm.size, sizes, multiple_of)
     spec = DomainSpec(dim, sizes, comm)
     if sizes[comm.index] == x.shape[dim]:  # the whole dim (one rank): no slice, so no slice backward (a full copy)
         return wrap(x, spec)
@@ -81,7 +93,8 @@ def from_local(local: torch.Tensor, dim: int, sizes: Sequence[int]) -> DomainTen
     return wrap(local, DomainSpec(dim, sizes, comm))
 
 
-def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[int] | None = None) -> DomainTensor:
+def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[int] | None = None, *,
+            multiple_of: int | None = None) -> DomainTensor:
     """Send each domain rank only its own slice of ``x``, held by domain rank ``src`` (others pass None).
 
     Usage: ``xs = domain.scatter(x if dm.axis_rank("domain") == 0 else None, dim=2, src=0)``
@@ -107,7 +120,7 @@ def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[
     ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
     shape = [int(v) for v in meta[2:2 + ndim]]
     dim = _check_dim("scatter", dim, ndim)
-    sizes = split_sizes(shape[dim], comm.size, sizes)  # every rank raises alike: same broadcast shape
+    sizes = _layout(shape[dim], comm.size, sizes, multiple_of)  # every rank raises alike: same broadcast shape
     if not is_src:
         shape[dim] = 0
         x = torch.zeros(shape, dtype=dtype)

@@ -20,16 +20,23 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from mesh3d.domain.exchange import DomainComm
+from mesh3d.domain.exchange import DomainComm, exchange_all
 
 __all__ = ["all_reduce_max", "reduce_for_local_use", "reduce_to_replicated", "sum_grad"]
 
 
 def _all_reduce(t: torch.Tensor, comm: DomainComm, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    t = t.detach().clone().contiguous()
-    if comm.size > 1:
-        dist.all_reduce(t, op=op, group=comm.group)
-    return t
+    """Every rank's ``t`` combined in rank order (the same bits on every rank), over checked p2p messages."""
+    if comm.size == 1:
+        return t.detach().clone()
+    parts = exchange_all(t, comm)
+    out = parts[0].clone()
+    for part in parts[1:]:
+        if op == dist.ReduceOp.MAX:
+            torch.maximum(out, part, out=out)
+        else:
+            out.add_(part)
+    return out
 
 
 class _ReduceToReplicated(torch.autograd.Function):

@@ -21,8 +21,9 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.collectives import scale_grad, sum_grad
-from mesh3d.domain.exchange import DomainComm, gather_rows
-from mesh3d.domain.halo import WindowPlan
+from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
+from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
+from mesh3d.domain.halo import WindowPlan, WindowProbe
 from mesh3d.domain.registry import RULES, op_name, tree_map
 from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
@@ -105,9 +106,56 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
                 "Call .full_tensor() first, or register a rule with mesh3d.domain.registry.register "
                 "(docs/domain.md, 'Adding an op rule')"
             )
-        result = rule(*args, **kwargs)
-        return run_step(result) if isinstance(result, Step) else result
+        comm = found[0]._spec.comm
+        if comm.size == 1:
+            result = rule(*args, **kwargs)
+            return run_step(result) if isinstance(result, Step) else result
+        try:
+            return _run_rule_checked(func, rule, found, args, kwargs)
+        except DomainDivergenceError:
+            raise
+        except Exception as err:
+            # NOTE: a rank that fails alone would leave its peers waiting in their next exchange:
+            # tell them, and learn whether the failure is a symptom of the ranks taking different paths.
+            reported = report_failure(comm, _name(func), err)
+            if reported is err:
+                raise
+            raise reported from err
     return _run_replicated(func, found[0]._spec, args, kwargs)
+
+
+def _run_rule_checked(func: Callable, rule: Callable, found: list[DomainTensor], args: tuple, kwargs: dict) -> Any:
+    """Run a rule on a multi-rank domain, recording what it ran in the op journal its peers check."""
+    result = rule(*args, **kwargs)
+    if isinstance(result, Step):
+        if _changes_layout(result, found):  # what this rank ran, in global terms
+            out = result.out
+            JOURNAL.record(_name(func), (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0))
+        return run_step(result)
+    ref = next(t for t in found if t._spec.dim is not None)  # a composite rule (reductions, losses)
+    JOURNAL.record(_name(func), (ref._spec.dim, sum(ref._spec.sizes)))
+    return result
+
+
+_MOVES = (Window, Rows, Layout)
+
+
+def _changes_layout(step: Step, found: list[DomainTensor]) -> bool:
+    """A step that moves rows or changes the layout (the ones whose divergence would desynchronize exchanges)."""
+    if any(isinstance(a, _MOVES) for a in step.args):
+        return True
+    ref = next(t for t in found if t._spec.dim is not None)
+    return step.out is not ref._spec and step.out != ref._spec
+
+
+_NAMES: dict[Callable, str] = {}
+
+
+def _name(func: Callable) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = op_name(func)
+    return name
 
 
 def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict) -> Any:
@@ -155,6 +203,8 @@ def _resolve(req: Any) -> Any:
     if isinstance(req, Window):
         spec = req.x._spec
         xplan, pad = _window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
+        if WindowProbe.active:
+            WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
         return Extended(gather_rows(unwrap(req.x), spec.dim, xplan, spec.comm, req.fill), pad)
     if isinstance(req, Rows):
         spec = req.x._spec

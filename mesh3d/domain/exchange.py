@@ -18,16 +18,19 @@ Peers are the *global* ranks of the domain group (``comm.ranks``), never global 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
+from datetime import timedelta
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from mesh3d.domain import divergence
 from mesh3d.domain.rows import ExchangePlan, Piece
 
-__all__ = ["DomainComm", "TrafficCounter", "count_traffic", "gather_rows"]
+__all__ = ["DomainComm", "TrafficCounter", "count_traffic", "exchange_point", "gather_rows", "exchange_all"]
 
 
 @dataclass(frozen=True)
@@ -80,19 +83,124 @@ def count_traffic() -> Iterator[TrafficCounter]:
         TrafficCounter._active.remove(counter)
 
 
+def _post(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
+          incoming: list[tuple[int, torch.Tensor]]) -> list:
+    ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], comm.group) for peer, buf in outgoing]
+    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], comm.group) for peer, buf in incoming]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
+                 incoming: list[tuple[int, torch.Tensor]], fingerprint: int) -> None:
+    """Swap one fixed-size header with every peer of this exchange; raise on every side of a divergence."""
+    to_peer = {peer: buf.numel() * buf.element_size() for peer, buf in outgoing}
+    from_peer = {peer: buf.numel() * buf.element_size() for peer, buf in incoming}
+    peers = sorted(set(to_peer) | set(from_peer))
+    mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0), 0,
+                                 comm.index) for q in peers}
+    theirs = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in peers}
+    for work in _post(comm, list(mine.items()), list(theirs.items())):
+        work.wait()
+    differ: dict[int, str] = {}
+    for q in peers:
+        magic, kind, their_print, to_me, from_me, _, _ = (int(v) for v in theirs[q])
+        if magic != divergence.MAGIC:
+            differ[q] = "a message that is not a mesh3d header arrived"
+        elif kind in (divergence.KIND_ABORT, divergence.KIND_ERROR):
+            if kind == divergence.KIND_ERROR:  # it waits to learn whether we ran what it ran
+                _post(comm, [(q, divergence.header(divergence.KIND_DATA, fingerprint, 0, 0, 0, comm.index))], [])
+            _abort(comm, skip=set(peers))
+            what = "failed in a domain op" if kind == divergence.KIND_ERROR else "found that the domain ranks ran " \
+                "different domain ops"
+            same = "the same" if their_print == fingerprint else "different"
+            raise divergence.DomainDivergenceError(
+                f"domain rank {q} {what} and stopped while this rank (domain rank {comm.index}) waited for it; "
+                f"the two ran {same} domain ops so far. Rank {q}'s error says what failed. Latest here:\n"
+                + divergence.recent_ops() + "\n" + divergence.LIKELY_CAUSE)
+        elif their_print != fingerprint:
+            differ[q] = "their journals' fingerprints differ"
+        elif to_me != from_peer.get(q, 0) or from_me != to_peer.get(q, 0):
+            differ[q] = f"rank {q} would send {to_me} bytes where {from_peer.get(q, 0)} are expected"
+    if not differ:
+        return
+    entries = list(divergence.JOURNAL.entries)
+    journals = _swap_journals(comm, sorted(differ), entries)
+    _abort(comm, skip=set(differ))
+    q = min(differ)
+    raise divergence.DomainDivergenceError(
+        divergence.describe_divergence(comm.index, q, entries, journals.get(q), differ[q]))
+
+
+def _swap_journals(comm: DomainComm, peers: list[int], entries: list) -> dict[int, list]:
+    """Both sides of a divergence saw it: swap sizes, then the journals themselves (for the message)."""
+    data = torch.frombuffer(bytearray(divergence.encode_journal(entries)), dtype=torch.uint8)
+    sizes = {q: torch.empty(1, dtype=torch.int64) for q in peers}
+    for work in _post(comm, [(q, torch.tensor([data.numel()])) for q in peers], list(sizes.items())):
+        work.wait()
+    bufs = {q: torch.empty(int(sizes[q]), dtype=torch.uint8) for q in peers}
+    for work in _post(comm, [(q, data) for q in peers if data.numel()],
+                      [(q, b) for q, b in bufs.items() if b.numel()]):
+        work.wait()
+    return {q: json.loads(bytes(b.numpy())) if b.numel() else [] for q, b in bufs.items()}
+
+
+def _abort(comm: DomainComm, skip: set[int]) -> None:
+    """Tell every other domain rank to stop: its next header from this rank says so (nobody waits on us)."""
+    stop = divergence.header(divergence.KIND_ABORT, 0, 0, 0, 0, comm.index)
+    others = [(q, stop) for q in range(comm.size) if q != comm.index and q not in skip]
+    _PENDING_ABORTS.extend(_post(comm, others, []))
+
+
+#: Abort notices posted but never waited on (kept alive until the process ends).
+_PENDING_ABORTS: list = []
+
+
+def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.0) -> Exception:
+    """An op failed on this rank: tell every domain peer (none may wait on us forever) and learn whether
+    they ran the same ops. Returns the error to raise: a ``DomainDivergenceError`` when a peer's op journal
+    differs (the failure is a symptom of ranks taking different paths), else ``err`` itself.
+
+    Ranks that fail together swap these notices and carry on raising at once; a peer waiting for us in an
+    exchange answers with its fingerprint; a peer busy elsewhere is given ``wait_s`` seconds.
+    """
+    fingerprint = divergence.JOURNAL.fingerprint
+    notice = divergence.header(divergence.KIND_ERROR, fingerprint, 0, 0, 0, comm.index)
+    others = [q for q in range(comm.size) if q != comm.index]
+    replies = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in others}
+    works = _post(comm, [(q, notice) for q in others], list(replies.items()))
+    deadline = time.monotonic() + wait_s
+    for work in works:  # NOTE: gloo's p2p works report completion only through wait(), which takes a timeout
+        try:
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
+            break
+    _PENDING_ABORTS.extend(works)
+    differ = [q for q, h in replies.items() if int(h[0]) == divergence.MAGIC and int(h[2]) != fingerprint]
+    if not differ:
+        return err
+    return divergence.DomainDivergenceError(
+        f"domain rank {comm.index} failed in {op} ({type(err).__name__}: {err}), and domain ranks {differ} had run "
+        "different domain ops before it: the ranks took different paths. Latest here:\n" + divergence.recent_ops()
+        + "\n" + divergence.LIKELY_CAUSE)
+
+
 def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
-              incoming: list[tuple[int, torch.Tensor]]) -> None:
-    """Send and receive all buffers at once (one batched round of point-to-point messages)."""
+              incoming: list[tuple[int, torch.Tensor]], fingerprint: int | None = None) -> None:
+    """Check the peers' headers, then send and receive all buffers at once (one batched round)."""
     start = time.perf_counter()
-    sends = [buf for _, buf in outgoing if buf.numel()]
-    ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], comm.group) for peer, buf in outgoing if buf.numel()]
-    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], comm.group) for peer, buf in incoming if buf.numel()]
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    if TrafficCounter._active and ops:
-        TrafficCounter.record(sum(b.numel() * b.element_size() for b in sends), len(sends),
+    if fingerprint is not None:
+        _check_peers(comm, outgoing, incoming, fingerprint)
+    sends = [(peer, buf) for peer, buf in outgoing if buf.numel()]
+    for work in _post(comm, sends, [(peer, buf) for peer, buf in incoming if buf.numel()]):
+        work.wait()
+    if TrafficCounter._active and (sends or incoming):
+        TrafficCounter.record(sum(b.numel() * b.element_size() for _, b in sends), len(sends),
                               time.perf_counter() - start)
+
+
+def exchange_point(comm: DomainComm) -> int | None:
+    """What this rank's peers check at an exchange: the op journal's fingerprint (None on a one-rank domain)."""
+    return divergence.JOURNAL.fingerprint if comm.size > 1 else None
 
 
 def _rows_of(t: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
@@ -131,11 +239,11 @@ def _assemble(local: torch.Tensor, dim: int, pieces: tuple[Piece, ...], received
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float):
+    def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, journal):
         ctx.dim, ctx.plan, ctx.comm, ctx.local_shape = dim, plan, comm, local.shape
         outgoing = [(peer, _rows_of(local, dim, runs)) for peer, runs in plan.send]
         incoming = _buffers(local, dim, list(plan.recv))
-        _exchange(comm, outgoing, incoming)
+        _exchange(comm, outgoing, incoming, journal)
         return _assemble(local, dim, plan.pieces, dict(incoming), fill)
 
     @staticmethod
@@ -154,10 +262,10 @@ class _GatherRows(torch.autograd.Function):
         outgoing = [(peer, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim))
                     for peer, parts in back.items()]
         incoming = _buffers(grad, dim, [(peer, sum(c for _, c in runs)) for peer, runs in plan.send])
-        _exchange(ctx.comm, outgoing, incoming)
+        _exchange(ctx.comm, outgoing, incoming, exchange_point(ctx.comm))
         whole = len(own) == 1 and own[0][0].start == 0 and own[0][0].count == ctx.local_shape[dim]
         if whole and not incoming:
-            return own[0][1], None, None, None, None
+            return own[0][1], None, None, None, None, None
         grad_local = own[0][1].clone() if whole else grad.new_zeros(ctx.local_shape)
         if not whole:
             for p, g in own:
@@ -167,7 +275,7 @@ class _GatherRows(torch.autograd.Function):
             for start, count in runs:
                 grad_local.narrow(dim, start, count).add_(buf.narrow(dim, at, count))
                 at += count
-        return grad_local, None, None, None, None
+        return grad_local, None, None, None, None, None
 
 
 def gather_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float = 0.0) -> torch.Tensor:
@@ -182,4 +290,24 @@ def gather_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainC
         if plan.is_local_view:
             return local
         return _assemble(local, dim, plan.pieces, {}, fill)
-    return _GatherRows.apply(local, dim, plan, comm, fill)
+    return _GatherRows.apply(local, dim, plan, comm, fill, exchange_point(comm))
+
+
+def exchange_all(t: torch.Tensor, comm: DomainComm) -> list[torch.Tensor]:
+    """Every domain rank's ``t`` (same shape everywhere), in rank order: the reductions' transport.
+
+    Usage: ``parts = exchange_all(partial_sum, comm); total = torch.stack(parts).sum(0)``
+
+    Point-to-point like the halos, so the same header check guards it, and each rank combines the
+    parts in rank order: the result is bitwise the same on every rank.
+    """
+    journal = exchange_point(comm)
+    t = t.detach().contiguous()
+    if comm.size == 1:
+        return [t]
+    others = [q for q in range(comm.size) if q != comm.index]
+    incoming = [(q, torch.empty_like(t)) for q in others]
+    _exchange(comm, [(q, t) for q in others], incoming, journal)
+    parts = dict(incoming)
+    parts[comm.index] = t
+    return [parts[q] for q in range(comm.size)]

@@ -28,7 +28,7 @@ from functools import lru_cache
 from mesh3d.domain.rows import RowMap, Span
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["WindowPlan", "extent_map", "plan_window", "sizes_by_first_index", "window_output_length"]
+__all__ = ["WindowPlan", "WindowProbe", "extent_map", "plan_window", "sizes_by_first_index", "window_output_length"]
 
 
 @dataclass(frozen=True)
@@ -110,3 +110,27 @@ def plan_window(
         hi = (a + count - 1) * stride - pad_left + dilation * (kernel - 1)
         needs.append(extent_map(lo, hi, n))
     return WindowPlan(out_sizes, tuple(needs))
+
+
+class WindowProbe:
+    """Collects (input length, output length) of every window op along the sharded dim while active.
+
+    Usage: ``with WindowProbe() as probe: model(xs)``; then ``probe.lengths`` (the dispatcher reports to it).
+    """
+
+    active: list[WindowProbe] = []
+
+    def __init__(self) -> None:
+        self.lengths: list[tuple[int, int]] = []
+
+    def __enter__(self) -> WindowProbe:
+        WindowProbe.active.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        WindowProbe.active.remove(self)
+
+    @classmethod
+    def note(cls, length_in: int, length_out: int) -> None:
+        for probe in cls.active:
+            probe.lengths.append((length_in, length_out))

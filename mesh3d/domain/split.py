@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["balanced_sizes", "offsets_of", "split_sizes"]
+__all__ = ["aligned_sizes", "balanced_sizes", "offsets_of", "split_sizes"]
 
 
 def split_sizes(length: int, parts: int, sizes: Sequence[int] | None = None) -> tuple[int, ...]:
@@ -64,3 +64,19 @@ def offsets_of(sizes: Sequence[int]) -> tuple[int, ...]:
         out.append(acc)
         acc += s
     return tuple(out)
+
+
+def aligned_sizes(length: int, parts: int, multiple_of: int) -> tuple[int, ...]:
+    """Sizes where every rank's size but the last is a multiple of ``multiple_of`` (as balanced as that allows).
+
+    Usage: ``aligned_sizes(32, 3, 16)  # (16, 16, 0); aligned_sizes(40, 3, 8)  # (16, 16, 8)``
+
+    A model that downsamples the sharded dim by m (four 2x poolings: m = 16) and compares local
+    shapes (a decoder padding a skip to match) then sees on every rank the shapes one process sees.
+    """
+    if not isinstance(multiple_of, int) or isinstance(multiple_of, bool) or multiple_of < 1:
+        raise ValueError(f"multiple_of={multiple_of!r} must be a positive int (the model's downsampling factor)")
+    units, rest = divmod(length, multiple_of)
+    sizes = [u * multiple_of for u in balanced_sizes(units, parts)]
+    sizes[-1] += rest
+    return tuple(sizes)

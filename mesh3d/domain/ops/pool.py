@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.halo import plan_window, sizes_by_first_index
+from mesh3d.domain.halo import WindowProbe, plan_window, sizes_by_first_index
 from mesh3d.domain.ops.conv import _tuple, spatial_axis, weight_connected_zeros
 from mesh3d.domain.registry import register
 from mesh3d.domain.rows import Span
@@ -55,6 +55,8 @@ def _pool(input, kind: str, nd: int, func, kernel_size, stride, padding, dilatio
             n = input.spec.sizes[0]
             k, s = _tuple(kernel_size, nd)[sp], _tuple(stride if stride not in (None, []) else kernel_size, nd)[sp]
             out_sizes = (_out_len(n, k, s, _tuple(padding, nd)[sp], _tuple(dilation, nd)[sp], ceil_mode),)
+            if WindowProbe.active:
+                WindowProbe.note(n, out_sizes[0])
         return Step(lambda t: call(t, kernel_size, stride if stride not in (None, []) else kernel_size, padding,
                                    ceil_mode), (input,), out=input.spec.with_sizes(out_sizes))
     ks = _tuple(kernel_size, nd)

@@ -1,0 +1,149 @@
+"""Divergence detection: every domain exchange checks that its peers ran the same domain ops.
+
+Usage::
+
+    from mesh3d.domain.divergence import DomainDivergenceError
+    try:
+        loss = model(xs).mean()        # a model that branches on x.shape (the local shape)
+    except DomainDivergenceError as err:
+        print(err)                     # the first op that differs on each rank, and its source line
+
+Unchanged models read local shapes (``x.shape`` is this rank's shard), so code such as
+``if x.shape[2] % 2: x = F.pad(...)`` can take a different path on each domain rank. Each rank keeps
+a journal of the domain ops it ran since its last exchange point (op name, the result's sharded dim
+and global length, the user's source line). Every exchange (halo, gather, redistribute and the domain
+reductions, forward and backward) first swaps a fixed-size header with each peer it exchanges with:
+the journal's fingerprint, the bytes each side will send, the size of its journal. Equal headers: the
+data follow. Different ones: both sides swap their journals, tell every other domain rank to stop
+(so nobody waits on them), and raise ``DomainDivergenceError`` naming, per rank, the first op that
+differs. Messages never go out with a size the receiver does not expect (gloo aborts the process on
+that), and no collective is added: the header rides in the exchange's own round of messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from types import CodeType
+
+import torch
+import xxhash
+
+__all__ = ["DomainDivergenceError", "JOURNAL", "OpJournal", "describe_divergence"]
+
+#: Header words: MAGIC, kind, fingerprint, bytes to the peer, bytes from the peer, journal bytes, sender index.
+MAGIC = 0x6D657368  # "mesh"
+HEADER_WORDS = 7
+KIND_DATA, KIND_ABORT, KIND_ERROR = 1, 2, 3
+
+_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+
+
+class DomainDivergenceError(RuntimeError):
+    """Domain ranks ran different domain ops (usually: the model branches on local shapes).
+
+    Usage: ``except DomainDivergenceError as err: print(err)``
+    """
+
+
+@dataclass
+class OpJournal:
+    """The layout-relevant domain ops this process ran, as a running fingerprint and the latest entries.
+
+    Usage: ``JOURNAL.record("torch.nn.functional.pad", (2, 33))``; exchanges send ``fingerprint``.
+
+    The fingerprint covers every op since the process started (not only since the last exchange),
+    so a rank that skipped an exchange because it had nothing to send still agrees with its peers,
+    and a divergence that no exchange saw yet (nothing moved) is caught at the next one, forward or
+    backward. Ops that keep the layout and move nothing (element-wise ones) are not recorded: running
+    them on some ranks only cannot desynchronize the exchanges.
+    """
+
+    entries: deque = field(default_factory=lambda: deque(maxlen=256))
+    fingerprint: int = 0
+    count: int = 0
+    _internal: dict[CodeType, bool] = field(default_factory=dict)
+
+    def record(self, op: str, summary: tuple) -> None:
+        """Add one op (its name and rank-independent summary) and where the user's code called it."""
+        self.count += 1
+        self.entries.append((self.count, op, summary, self._caller()))
+        # NOTE: not hash(): Python salts str hashes per process, and every rank is its own process.
+        self.fingerprint = xxhash.xxh3_64_intdigest(f"{self.fingerprint}|{op}|{summary}".encode()) & 0x7FFFFFFFFFFFFFFF
+
+    def reset(self) -> None:
+        """Start over (a new mesh: ``DistributedManager.shutdown`` calls it)."""
+        self.entries.clear()
+        self.fingerprint = self.count = 0
+
+    def _caller(self) -> str:
+        """``file:line in function`` of the nearest frame outside torch and mesh3d (cached per code object)."""
+        frame = sys._getframe(2)
+        while frame is not None:
+            code = frame.f_code
+            inside = self._internal.get(code)
+            if inside is None:
+                inside = self._internal[code] = code.co_filename.startswith(_INTERNAL_DIRS) or \
+                    code.co_filename.startswith("<")
+            if not inside:
+                return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+            frame = frame.f_back
+        return "unknown"
+
+
+#: The process's journal (one domain group per process; exchange points cut it).
+JOURNAL = OpJournal()
+
+
+def header(kind: int, fingerprint: int, to_peer: int, from_peer: int, journal_bytes: int, me: int) -> torch.Tensor:
+    return torch.tensor([MAGIC, kind, fingerprint, to_peer, from_peer, journal_bytes, me], dtype=torch.int64)
+
+
+def encode_journal(entries) -> bytes:
+    return json.dumps([[n, op, list(summary), where] for n, op, summary, where in entries]).encode()
+
+
+def _format(entry) -> str:
+    if entry is None:
+        return "no further op"
+    n, op, summary, where = entry
+    dim, length = summary
+    layout = f"result sharded on dim {dim}, global length {length}" if dim is not None else "replicated result"
+    return f"op #{n}, {op} ({layout}) at {where}"
+
+
+def describe_divergence(me: int, peer: int, mine, theirs: list | None, detail: str) -> str:
+    """The error message: where the two ranks' journals first differ, the likely cause and what to do."""
+    lines = [f"domain ranks {me} and {peer} ran different domain ops ({detail})."]
+    if theirs is not None:
+        a = {n: (n, op, tuple(summary), where) for n, op, summary, where in mine}
+        b = {n: (n, op, tuple(summary), where) for n, op, summary, where in theirs}
+        common = sorted(set(a) | set(b))
+        at = next((n for n in common if a.get(n, (None,) * 3)[1:3] != b.get(n, (None,) * 3)[1:3]), None)
+        if at is not None:
+            lines += ["  the first op that differs:",
+                      f"    rank {me}: {_format(a.get(at))}",
+                      f"    rank {peer}: {_format(b.get(at))}"]
+    lines.append(LIKELY_CAUSE)
+    return "\n".join(lines)
+
+
+def recent_ops(count: int = 3) -> str:
+    """This rank's last layout-changing domain ops and their source lines (for error messages)."""
+    entries = list(JOURNAL.entries)[-count:]
+    if not entries:
+        return "  (no layout-changing domain op recorded on this rank)"
+    return "\n".join(f"  this rank's {_format(e)}" for e in entries)
+
+
+LIKELY_CAUSE = (
+    "Likely cause: the model branches on local shapes. On the domain axis x.shape is this rank's shard, so "
+    "code like `if x.shape[2] % 2:` or padding a skip connection to match its partner's shape can take a "
+    "different path on each rank. Shard so that every rank's size (but the last) is a multiple of the model's "
+    "downsampling factor: m = domain.downsampling_factor(model, x.shape, dim); "
+    "xs = domain.shard(x, dim, multiple_of=m). See docs/domain.md, 'Models that read x.shape'."
+)

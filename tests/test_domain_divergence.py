@@ -1,0 +1,148 @@
+"""Ranks that take different paths (models branching on local shapes) all raise DomainDivergenceError,
+and splits aligned to the model's downsampling keep deep U-Nets equal to one process."""
+
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+from domain_cases import grads_err, max_err
+from rankpool.pool import RankFailure
+from mesh3d.domain.split import aligned_sizes
+
+TOL = 1e-9
+
+
+class BranchesOnLocalShape(nn.Module):
+    """Pads its activation when the *local* height is odd: what decoders do to fix odd edges."""
+
+    def __init__(self, loss_after_exchange: bool = True) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 2, 3, padding=1, dtype=torch.float64)
+        self.b = nn.Conv2d(2, 1, 3, padding=1, dtype=torch.float64)
+        self.loss_after_exchange = loss_after_exchange
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.shape[2] % 2:
+            y = F.pad(y, (0, 0, 0, 1))  # the line each rank's message must name
+        if self.loss_after_exchange:
+            return self.b(y).mean()
+        return (y.to_local() ** 2).sum()  # no exchange after the branch: the first one is in backward
+
+
+def _diverging_body(loss_after_exchange: bool, sizes):
+    """Raises (the pool then restarts: a divergence leaves the group out of step, as in a real job)."""
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    model = BranchesOnLocalShape(loss_after_exchange)
+    x = torch.randn(1, 1, sum(sizes), 6, dtype=torch.float64, requires_grad=True)  # conv a's halo has a backward
+    model(domain.shard(x, dim=2, sizes=sizes)).backward()
+
+
+def rank_errors(failure: RankFailure, world: int) -> list[str]:
+    """Each rank's part of a RankFailure message (the traceback it raised), in rank order."""
+    text = str(failure)
+    parts = {}
+    for rank in range(world):
+        start = text.find(f"--- rank {rank} ---")
+        assert start >= 0, f"rank {rank} did not raise:\n{text}"
+        end = min([i for i in (text.find(f"--- rank {r} ---") for r in range(world)) if i > start] + [len(text)])
+        parts[rank] = text[start:end]
+    return [parts[r] for r in range(world)]
+
+
+@pytest.mark.parametrize("loss_after_exchange", [True, False], ids=["forward", "backward"])
+def test_a_model_branching_on_local_shapes_raises_on_every_rank(ranks, loss_after_exchange):
+    """(5, 4): rank 0's local height is odd, so only it pads; both ranks name the pad and its line."""
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        ranks.run(2, _diverging_body, loss_after_exchange, (5, 4), timeout=60)
+    assert time.monotonic() - started < 30
+    for msg in rank_errors(failure.value, 2):
+        assert "DomainDivergenceError" in msg and "ran different domain ops" in msg, msg
+        assert "torch.nn.functional.pad" in msg and "test_domain_divergence.py" in msg, msg
+        assert "multiple_of" in msg and "x.shape" in msg, msg
+
+
+def _unet_body(sizes_rule: str):
+    from monai.networks.nets import BasicUNet
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    ref = BasicUNet(spatial_dims=2, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 16, 4)).double()
+    model = copy.deepcopy(ref)
+    x = torch.randn(2, 1, 32, 16, dtype=torch.float64)
+    target = torch.randn(2, 2, 32, 16, dtype=torch.float64)
+    y_ref = ref(x)
+    loss_ref = F.mse_loss(y_ref, target)
+    loss_ref.backward()
+    m = domain.downsampling_factor(model, x.shape, dim=2)
+    multiple_of = m if sizes_rule == "aligned" else None
+    xs = domain.shard(x, dim=2, multiple_of=multiple_of)
+    ys = model(xs)
+    loss = F.mse_loss(ys, domain.shard(target, dim=2, sizes=xs.sizes))
+    loss.backward()
+    return {"factor": m, "sizes": xs.sizes, "error": None,
+            "err": max(max_err(ys.full_tensor().to_local(), y_ref), abs(float(loss) - float(loss_ref)),
+                       grads_err(ref, model))}
+
+
+def test_monai_basic_unet_aligned_split_equals_one_process_and_misaligned_raises_everywhere(ranks):
+    pytest.importorskip("monai")  # the zoo extra (scripts/test.sh installs it)
+    for result in ranks.run(3, _unet_body, "aligned", timeout=120):
+        assert result["factor"] == 16 and result["error"] is None, result
+        assert result["sizes"] == (16, 16, 0) and result["err"] < TOL, result
+    started = time.monotonic()
+    with pytest.raises(RankFailure) as failure:  # the default (11, 11, 10) split
+        ranks.run(3, _unet_body, "default", timeout=120)
+    assert time.monotonic() - started < 60
+    for msg in rank_errors(failure.value, 3):
+        assert "DomainDivergenceError" in msg and "different" in msg and "multiple_of" in msg, msg
+        assert "basic_unet.py" in msg, msg  # the user's (the library's) source line of the op
+
+
+def _factor_of(model, shape, dim):
+    from mesh3d import domain
+
+    return domain.downsampling_factor(model, shape, dim)
+
+
+def test_downsampling_factor_is_the_product_of_the_strides_that_shrink_the_dim():
+    down = nn.Sequential(nn.Conv2d(1, 4, 3, stride=2, padding=1), nn.MaxPool2d(2), nn.Conv2d(4, 4, 3, padding=1),
+                         nn.AvgPool2d(3, stride=2, padding=1), nn.Upsample(scale_factor=2))
+    assert _factor_of(down, (1, 1, 64, 30), 2) == 8  # stride-2 conv, 2x max pool, stride-2 avg pool
+    assert _factor_of(down, (1, 1, 66, 30), 2) == 8  # odd lengths floored along the way still count
+    assert _factor_of(down, (1, 1, 64, 30), 3) == 8
+    assert _factor_of(nn.Conv2d(1, 1, 3, padding=1), (1, 1, 8, 8), 3) == 1
+    with pytest.raises(ValueError, match="out of range"):
+        _factor_of(down, (1, 1, 8, 8), 4)
+
+
+@given(length=st.integers(0, 200), parts=st.integers(1, 8), m=st.integers(1, 32))
+def test_aligned_sizes_are_multiples_but_the_last(length, parts, m):
+    sizes = aligned_sizes(length, parts, m)
+    assert len(sizes) == parts and sum(sizes) == length and min(sizes) >= 0
+    assert all(s % m == 0 for s in sizes[:-1])
+    units = [s // m for s in sizes[:-1]] + [(sizes[-1] - length % m) // m]
+    assert max(units) - min(units) <= 1  # balanced in whole multiples
+
+
+def test_shard_refuses_sizes_and_multiple_of_together():
+    from mesh3d import domain
+
+    with pytest.raises(ValueError, match="not both"):
+        domain.shard(torch.zeros(1, 1, 8, 8), dim=2, sizes=(8,), multiple_of=4)
+    with pytest.raises(ValueError, match="positive int"):
+        domain.shard(torch.zeros(1, 1, 8, 8), dim=2, multiple_of=0)
