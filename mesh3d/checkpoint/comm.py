@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.manager import refuse_if_launched_uninitialized
 
 __all__ = ["world", "allgather_json", "raise_if_any_failed", "barrier"]
 
@@ -27,8 +28,6 @@ def world() -> tuple[int, int]:
     """(rank, world size) of the default group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    from mesh3d.manager import refuse_if_launched_uninitialized
-
     refuse_if_launched_uninitialized("mesh3d.checkpoint")  # else every rank would write the same files
     return 0, 1
 

@@ -30,6 +30,7 @@ from mesh3d.checkpoint.reader import ShardReader
 from mesh3d.checkpoint.staging import HostStaging
 from mesh3d.checkpoint.st_format import TORCH_TO_ST
 from mesh3d.checkpoint.state import apply_state, decode_value, optimizer_name, optimizer_template
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 __all__ = ["load", "LoadInfo"]
 
@@ -171,8 +172,6 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     path = os.path.abspath(os.fspath(path))
     error, index, targets, info = None, None, {}, None
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
     model_sd: dict[str, torch.Tensor] = {}
     osd = None
     try:

@@ -20,6 +20,7 @@ from typing import Any, Union
 
 import torch
 
+from mesh3d import domain
 from mesh3d.domain.tensor import DomainTensor
 
 __all__ = ["DomainDims", "check_domain_dims", "shard_batch", "plain_step_output"]
@@ -45,8 +46,6 @@ def check_domain_dims(dims: Any) -> None:
 
 
 def _shard(t: Any, dim: int | None, where: str) -> Any:
-    from mesh3d import domain
-
     if dim is None or not isinstance(t, torch.Tensor) or isinstance(t, DomainTensor):
         return t
     if not -t.dim() <= dim < t.dim():

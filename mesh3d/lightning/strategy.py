@@ -52,9 +52,9 @@ from mesh3d.data.sampler import MeshSampler, check_mesh_sampler
 from mesh3d.lightning.checkpointing import load_lightning_checkpoint, remove_checkpoint, save_lightning_checkpoint
 from mesh3d.manager import DistributedManager, _as_timeout
 from mesh3d.mesh_shape import resolve_mesh_shape
-from mesh3d.parallelize import parallelize
-from mesh3d.plan import Plan
-from mesh3d.plan_validation import already_parallel
+from mesh3d.parallel.apply import parallelize
+from mesh3d.parallel.plan import Plan
+from mesh3d.parallel.validate import already_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

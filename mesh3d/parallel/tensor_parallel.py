@@ -18,6 +18,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mesh3d.domain.compose import bridge_tensor_parallel, is_plain_tensor
+
 __all__ = ["ReplicateParallel", "apply_tp", "make_style"]
 
 
@@ -32,7 +34,7 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_dtensor(_module, inputs, mesh):
             return tuple(
-                DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if _is_plain_tensor(x) else x for x in inputs
+                DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if is_plain_tensor(x) else x for x in inputs
             )
 
         def to_local(_module, outputs, _mesh):
@@ -49,16 +51,6 @@ class ReplicateParallel(ParallelStyle):
         return distribute_module(
             module, device_mesh, partition_fn=replicate_params, input_fn=to_dtensor, output_fn=to_local
         )
-
-
-def _is_plain_tensor(x: object) -> bool:
-    """A tensor to turn into a Replicate DTensor: not already a DTensor, nor a domain tensor
-    (whose ops take Replicate parameters as local tensors; see mesh3d.domain.registry)."""
-    import torch
-
-    from mesh3d.domain.tensor import DomainTensor
-
-    return isinstance(x, torch.Tensor) and not isinstance(x, (DTensor, DomainTensor))
 
 
 def make_style(style: str | ParallelStyle, module: nn.Module, src_data_rank: int | None) -> ParallelStyle:
@@ -94,8 +86,6 @@ def apply_tp(model: nn.Module, styles: dict[str, str | ParallelStyle], model_mes
     """
     if not styles:
         return
-    from mesh3d.domain.tp_bridge import bridge_tensor_parallel
-
     plan = {fqn: make_style(style, model.get_submodule(fqn), None if meta else 0) for fqn, style in styles.items()}
     parallelize_module(model, model_mesh, plan)
     for fqn, style in plan.items():

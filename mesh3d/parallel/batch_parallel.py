@@ -23,8 +23,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from mesh3d._torch_private import group_options, unflatten_mesh
-from mesh3d.plan import Plan
-from mesh3d.plan_validation import hsdp_shard_size
+from mesh3d.parallel.plan import Plan
+from mesh3d.parallel.validate import hsdp_shard_size
 
 __all__ = ["apply_batch_parallel", "batch_mesh"]
 
