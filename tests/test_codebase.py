@@ -152,3 +152,67 @@ def test_architecture_map_names_only_modules_that_exist():
     assert missing == []
     for package in ("parallel", "domain", "checkpoint", "data", "lightning"):
         assert f"mesh3d/{package}/" in text
+
+
+def _splits_are_owned_by_the_manager():
+    import torch
+    import torch.distributed as dist
+
+    from mesh3d import DistributedManager
+
+    dm = DistributedManager.initialize(batch=4)
+    split = dm.batch_domain_split(2)
+    again = dm.batch_domain_split(2)
+    ddp = dm.batch_domain_split(1)
+    shapes = (tuple(split.shape), tuple(ddp.shape))
+    t = torch.ones(1)
+    dist.all_reduce(t, group=split.get_group(1))  # a live group: 2 ranks per shard group
+    DistributedManager.shutdown()
+    cleared = dm._batch_domain_splits == {}
+    fresh = DistributedManager.initialize(batch=4)
+    remade = fresh.batch_domain_split(2)
+    u = torch.ones(1)
+    dist.all_reduce(u, group=remade.get_group(1))  # the new manager's groups work after the old ones were destroyed
+    return again is split, remade is not split, shapes, cleared, t.item(), u.item()
+
+
+def test_mesh_splits_live_on_the_manager_and_go_with_shutdown(ranks):
+    for result in ranks.run(4, _splits_are_owned_by_the_manager):
+        assert result == (True, True, ((2, 2), (4, 1)), True, 2.0, 2.0)
+
+
+def _collective_step_outcomes():
+    import torch.distributed as dist
+
+    from mesh3d.checkpoint.comm import collective_step
+    from mesh3d.checkpoint.errors import CheckpointError
+
+    rank = dist.get_rank()
+    result, shared = collective_step("phase one", lambda: rank * 10, share=lambda r: {"r": r})
+    cleaned = []
+
+    def fail_on_odd_ranks() -> int:
+        if rank % 2:
+            raise OSError(f"disk {rank} full")
+        return rank
+
+    try:
+        collective_step("phase two", fail_on_odd_ranks, note="Nothing was written", on_failure=lambda: cleaned.append(1))
+    except CheckpointError as err:
+        cause = err.__cause__
+        notes = getattr(err, "__notes__", [])
+        return (result, shared, str(err), type(cause).__name__ if cause else None, cleaned,
+                [n.splitlines()[0] for n in notes], any("fail_on_odd_ranks" in n for n in notes))
+    return None
+
+
+def test_collective_step_raises_the_same_error_everywhere_chained_to_the_local_one(ranks):
+    outcomes = ranks.run(4, _collective_step_outcomes)
+    for rank, (result, shared, message, cause, cleaned, note_heads, has_frames) in enumerate(outcomes):
+        assert result == rank * 10
+        assert shared == [{"r": 0}, {"r": 10}, {"r": 20}, {"r": 30}]
+        assert message == ("phase two failed: rank 1: OSError: disk 1 full; rank 3: OSError: disk 3 full. "
+                           "Nothing was written")
+        assert cause == ("OSError" if rank % 2 else None)  # chained to this rank's own failure, if it had one
+        assert cleaned == [1]
+        assert note_heads == ["--- rank 1 ---", "--- rank 3 ---"] and has_frames
