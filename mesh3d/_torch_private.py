@@ -36,7 +36,7 @@ def group_options(backend: str, timeout: timedelta) -> object | None:
     ``_timeout`` field it forwards to ``new_group``; that field is private.
     """
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, see above
     elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         options = dist.ProcessGroupNCCL.Options()
     else:

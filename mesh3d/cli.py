@@ -25,7 +25,16 @@ from mesh3d.launcher import detect_launcher
 from mesh3d.parallel.explain import explain_table
 from mesh3d.parallel.plan import Plan
 
-__all__ = ["main", "build_parser", "environment_report"]
+__all__ = ["main", "build_parser", "environment_report", "TESTED_TORCH"]
+
+#: The oldest and newest torch the suite has run on (pyproject's floor is the first). 2.13.0 is the
+#: local CPU wheel; 2.14.1 installs from this machine's wheel cache. Older releases would be
+#: multi-GB CUDA downloads here, so they are not claimed.
+TESTED_TORCH: tuple[str, str] = ("2.13.0", "2.14.1")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
 
 
 def environment_report() -> dict[str, str]:
@@ -39,11 +48,14 @@ def environment_report() -> dict[str, str]:
     except ValueError as err:
         launcher = f"misconfigured: {err}"
     cuda = torch.cuda.is_available()
+    low, high = TESTED_TORCH
+    inside = _release(low) <= _release(torch.__version__) <= _release(high)
     return {
         "mesh3d": mesh3d.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
+        "tested torch": f"{low} to {high} ({'this one is inside' if inside else 'this one is OUTSIDE'} the tested range)",
         "distributed": "available" if dist.is_available() else "unavailable",
         "backends": ", ".join(backends) or "none",
         "cuda": f"{torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}" if cuda else "not available",
@@ -82,10 +94,10 @@ def _cmd_explain(args: argparse.Namespace) -> int:
     """``mesh3d explain pkg.mod:make_model pkg.mod:plan --batch 2 --model 2``."""
     factory = load_object(args.model)
     with torch.device("meta"):
-        model = factory()  # type: ignore[operator]
+        model = factory()
     plan = load_object(args.plan)
     if not isinstance(plan, Plan):
-        plan = plan()  # type: ignore[operator]
+        plan = plan()
     if not isinstance(plan, Plan):
         raise TypeError(f"{args.plan} must be a mesh3d.Plan or a function returning one, got {type(plan).__name__}")
     sizes = {"batch": args.size_batch, "domain": args.size_domain, "model": args.size_model}

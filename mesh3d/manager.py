@@ -110,6 +110,7 @@ class DistributedManager:
     backend: str
     launcher: str
     timeout: timedelta
+    _created_default_group: bool
 
     def __new__(cls) -> DistributedManager:
         if cls._instance is None:

@@ -98,7 +98,7 @@ def flat_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
             else:
                 entries[optimizer_name(fqn, key)] = Entry("optimizer", value, fqn, key)
     groups = [
-        {k: (list(v) if k == "params" else encode_value(v, f"optimizer param_group {i} {k!r}")) for k, v in g.items()}
+        {k: (list(v) if k == "params" else encode_value(v, f"optimizer param_group {i} {k!r}")) for k, v in dict(g).items()}
         for i, g in enumerate(osd["param_groups"])
     ]
     meta = {"type": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}

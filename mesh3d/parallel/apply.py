@@ -93,5 +93,5 @@ def parallelize(
         apply_batch_parallel(model, plan, resolved.units, dm)
     if specs is not None:
         materialize(model, specs, 0 if seed is None else seed, init_fn, dm.device)
-    model._mesh3d_parallelized = True  # type: ignore[assignment]
+    model._mesh3d_parallelized = True  # mesh3d's one marker on the user's module (see already_parallel)
     return model

@@ -60,14 +60,14 @@ def make_style(style: str | ParallelStyle, module: nn.Module, src_data_rank: int
     if style == "rowwise" and isinstance(module, nn.Embedding):
         # Token ids arrive whole on every model rank; torch's default input layout for
         # rowwise is Shard(-1), which would all-gather the ids along the sequence.
-        made = RowwiseParallel(input_layouts=Replicate())
-        made.src_data_rank = src_data_rank
-        return made
+        rowwise = RowwiseParallel(input_layouts=Replicate())
+        rowwise.src_data_rank = src_data_rank
+        return rowwise
     if style == "sequence":
         # Local outputs like colwise/rowwise, so residual adds see plain (sequence-sharded) tensors.
-        made = SequenceParallel(use_local_output=True)
-        made.src_data_rank = src_data_rank
-        return made
+        sequence = SequenceParallel(use_local_output=True)
+        sequence.src_data_rank = src_data_rank
+        return sequence
     made: ParallelStyle = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
