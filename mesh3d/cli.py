@@ -27,8 +27,9 @@ from mesh3d.parallel.plan import Plan
 
 __all__ = ["main", "build_parser", "environment_report", "TESTED_TORCH"]
 
-#: The oldest and newest torch the suite has run on (pyproject's floor is the first). 2.13.0 is the
-#: local CPU wheel; 2.14.1 installs from this machine's wheel cache. Older releases would be
+#: The oldest and newest torch mesh3d is tested on (pyproject's floor is the first). 2.13.0 is the
+#: local CPU wheel CI uses; 2.14.1 (a CUDA build, run on the CPU) installs from this machine's wheel
+#: cache: ``TORCH_PIN=torch==2.14.1 MESH3D_VENV=.venv-214 scripts/test.sh``. Older releases would be
 #: multi-GB CUDA downloads here, so they are not claimed.
 TESTED_TORCH: tuple[str, str] = ("2.13.0", "2.14.1")
 

@@ -250,11 +250,13 @@ class MeshStrategy(ParallelStrategy):
         self._planned = module
 
     def _register_step_methods(self, module: pl.LightningModule) -> None:
-        if not isinstance(module, FSDPModule) or getattr(module, "_mesh3d_step_methods", False):
+        if not isinstance(module, FSDPModule):
             return
         for name in _STEP_METHODS:
-            register_fsdp_forward_method(module, name)
-        module._mesh3d_step_methods = True
+            # Registering sets the wrapped method on the instance (the plain one lives on the class), so
+            # an instance attribute means it is registered already: no marker on the user's module.
+            if name not in vars(module):
+                register_fsdp_forward_method(module, name)
 
     def model_to_device(self) -> None:
         assert self.model is not None
