@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize
-from mesh3d.init import capture_init_specs, materialize
+from mesh3d.parallel.init import capture_init_specs, materialize
 
 CHANNELS, FIELD, GLOBAL_BATCH, LR = 2, 30, 4, 3e-3
 TRAIN_STEPS, RESUME_STEPS = 4, 3

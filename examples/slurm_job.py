@@ -33,7 +33,7 @@ from torch import nn
 
 from mesh3d import DistributedManager, Plan, global_mean_loss, parallelize
 from mesh3d.checkpoint import CheckpointManager
-from mesh3d.init import capture_init_specs, materialize
+from mesh3d.parallel.init import capture_init_specs, materialize
 
 PER_RANK, DIM, LR = 4, 32, 1e-2
 

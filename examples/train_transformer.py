@@ -22,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel
 
 import mesh3d
 from mesh3d import DistributedManager, Plan, parallelize
-from mesh3d.init import capture_init_specs, materialize
+from mesh3d.parallel.init import capture_init_specs, materialize
 
 
 class Block(nn.Module):

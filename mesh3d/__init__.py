@@ -14,8 +14,7 @@ from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.log import get_logger
 from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
-from mesh3d.parallelize import parallelize
-from mesh3d.plan import Plan
+from mesh3d.parallel import Plan, parallelize
 
 __version__ = "0.1.0"
 

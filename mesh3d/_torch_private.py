@@ -11,6 +11,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed._composable import checkpoint
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor, _redistribute
 
 __all__ = [
     "checkpoint_module",
@@ -33,7 +36,7 @@ def group_options(backend: str, timeout: timedelta) -> object | None:
     ``_timeout`` field it forwards to ``new_group``; that field is private.
     """
     if backend == "gloo":
-        options = dist.ProcessGroupGloo._Options()
+        options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, see above
     elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         options = dist.ProcessGroupNCCL.Options()
     else:
@@ -76,8 +79,6 @@ def checkpoint_module(module: object) -> None:
     ``_checkpoint_wrapped_module.`` into every name, which breaks checkpoints keyed by name)
     and composes with ``fully_shard``.
     """
-    from torch.distributed._composable import checkpoint
-
     checkpoint(module)
 
 
@@ -93,8 +94,6 @@ def local_shape_and_global_offset(
     DTensor itself and DCP's planner use. The checkpointer double-checks its answer
     against the local tensor's shape on every save and load.
     """
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     return tuple(int(n) for n in shape), tuple(int(o) for o in offset)
 
@@ -109,8 +108,6 @@ def clear_dtensor_caches() -> None:
     point at destroyed groups ("Could not resolve the process group registered under the
     name 9"). No public API clears them.
     """
-    from torch.distributed.tensor import DTensor, _redistribute
-
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
         fn = getattr(propagator, name, None)

@@ -11,22 +11,35 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import importlib
 import platform
 import sys
 from collections.abc import Callable, Sequence
 
-import mesh3d
+import torch
+import torch.distributed as dist
 
-__all__ = ["main", "build_parser", "environment_report"]
+import mesh3d
+from mesh3d.checkpoint import cli as ckpt_cli
+from mesh3d.launcher import detect_launcher
+from mesh3d.parallel.explain import explain_table
+from mesh3d.parallel.plan import Plan
+
+__all__ = ["main", "build_parser", "environment_report", "TESTED_TORCH"]
+
+#: The oldest and newest torch mesh3d is tested on (pyproject's floor is the first). 2.13.0 is the
+#: local CPU wheel CI uses; 2.14.1 (a CUDA build, run on the CPU) installs from this machine's wheel
+#: cache: ``TORCH_PIN=torch==2.14.1 MESH3D_VENV=.venv-214 scripts/test.sh``. Older releases would be
+#: multi-GB CUDA downloads here, so they are not claimed.
+TESTED_TORCH: tuple[str, str] = ("2.13.0", "2.14.1")
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split("+")[0].split(".")[:3] if part.isdigit())
 
 
 def environment_report() -> dict[str, str]:
     """What ``mesh3d info`` prints, as ordered key/value pairs."""
-    import torch
-    import torch.distributed as dist
-
-    from mesh3d.launcher import detect_launcher
-
     backends = [name for name in ("gloo", "nccl", "mpi", "ucc") if getattr(dist, f"is_{name}_available", lambda: False)()]
     try:
         info = detect_launcher()
@@ -36,11 +49,14 @@ def environment_report() -> dict[str, str]:
     except ValueError as err:
         launcher = f"misconfigured: {err}"
     cuda = torch.cuda.is_available()
+    low, high = TESTED_TORCH
+    inside = _release(low) <= _release(torch.__version__) <= _release(high)
     return {
         "mesh3d": mesh3d.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
         "torch": torch.__version__,
+        "tested torch": f"{low} to {high} ({'this one is inside' if inside else 'this one is OUTSIDE'} the tested range)",
         "distributed": "available" if dist.is_available() else "unavailable",
         "backends": ", ".join(backends) or "none",
         "cuda": f"{torch.cuda.device_count()} device(s), CUDA {torch.version.cuda}" if cuda else "not available",
@@ -57,10 +73,37 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ckpt_cli():  # imported lazily: `mesh3d info` must not pay for torch.distributed.checkpoint
-    from mesh3d.checkpoint import cli
+def load_object(spec: str) -> object:
+    """``"package.module:name"`` → that object (``name`` may be dotted)."""
+    if ":" not in spec:
+        raise ValueError(f"{spec!r} must look like 'package.module:name'")
+    module_name, attr = spec.split(":", 1)
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
 
-    return cli
+
+def _explain_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", help="module:factory that returns the nn.Module (built on the meta device)")
+    parser.add_argument("plan", help="module:name of a mesh3d.Plan, or of a function returning one")
+    for axis in ("batch", "domain", "model"):
+        parser.add_argument(f"--{axis}", dest=f"size_{axis}", type=int, default=1, help=f"{axis} axis size")
+
+
+def _cmd_explain(args: argparse.Namespace) -> int:
+    """``mesh3d explain pkg.mod:make_model pkg.mod:plan --batch 2 --model 2``."""
+    factory = load_object(args.model)
+    with torch.device("meta"):
+        model = factory()
+    plan = load_object(args.plan)
+    if not isinstance(plan, Plan):
+        plan = plan()
+    if not isinstance(plan, Plan):
+        raise TypeError(f"{args.plan} must be a mesh3d.Plan or a function returning one, got {type(plan).__name__}")
+    sizes = {"batch": args.size_batch, "domain": args.size_domain, "model": args.size_model}
+    print(explain_table(plan, model, sizes))
+    return 0
 
 
 #: Subcommands register here: name -> (help, add_arguments, run).
@@ -68,11 +111,11 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
     "info": ("print the environment: torch, backends, devices, launcher", lambda p: None, _cmd_info),
     "explain": (
         "print what a parallelize Plan does to each module of a model: placements and bytes per rank",
-        lambda p: __import__("mesh3d.plan_explain", fromlist=["x"]).add_explain_arguments(p),
-        lambda a: __import__("mesh3d.plan_explain", fromlist=["x"]).run_explain(a),
+        _explain_arguments,
+        _cmd_explain,
     ),
     "ckpt": ("inspect, verify or coalesce (to Hugging Face safetensors) a mesh3d checkpoint",
-             lambda p: _ckpt_cli().add_arguments(p), lambda a: _ckpt_cli().run(a)),
+             ckpt_cli.add_arguments, ckpt_cli.run),
 }
 
 

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from mesh3d.manager import DistributedManager
 
 __all__ = ["clip_grad_norm_", "global_mean_loss", "grad_norm"]
 
@@ -107,8 +108,6 @@ def global_mean_loss(loss_sum: torch.Tensor, count: int | float | torch.Tensor, 
     rank's share; to log the global mean, all-reduce its detached value over ``batch_domain``
     and divide by ``batch``.
     """
-    from mesh3d.manager import DistributedManager
-
     dm = DistributedManager()
     total = torch.as_tensor(count, dtype=torch.float64, device=dm.device).clone()
     dist.all_reduce(total, group=dm.group(axis))

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from typing import Any
+from mesh3d.manager import DistributedManager
 
 __all__ = ["get_logger", "configure_logging", "RankLogger", "rank_context"]
 
@@ -23,8 +24,6 @@ _FORMAT = "%(asctime)s [%(rankinfo)s] %(levelname)s %(name)s: %(message)s"
 
 def rank_context() -> tuple[int, str]:
     """This process's rank and a short tag with its mesh coordinates (``"rank 3 b1 d0 m1"``)."""
-    from mesh3d.manager import DistributedManager  # late: logging must work before the manager exists
-
     if DistributedManager.is_initialized():
         dm = DistributedManager()
         c = dm.coordinates

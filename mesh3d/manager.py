@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options
+from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, unflatten_mesh
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
 
@@ -112,6 +112,7 @@ class DistributedManager:
     backend: str
     launcher: str
     timeout: timedelta
+    _created_default_group: bool
 
     def __new__(cls) -> DistributedManager:
         if cls._instance is None:
@@ -210,6 +211,8 @@ class DistributedManager:
         self._meshes: dict[str, DeviceMesh] = {name: self.mesh[name] for name in AXES}
         self._meshes["batch_domain"] = flatten_mesh(self.mesh["batch", "domain"], "batch_domain", override)
         self._meshes["world"] = flatten_mesh(self.mesh, "world", override)
+        # Splits of batch_domain into (replicate, shard), made on first use (HSDP/DDP), shard size -> mesh.
+        self._batch_domain_splits: dict[int, DeviceMesh] = {}
 
     @classmethod
     def is_initialized(cls) -> bool:
@@ -229,8 +232,10 @@ class DistributedManager:
         cls._instance = None
         default = dist.group.WORLD
         seen: set[int] = set()
-        for mesh in self._meshes.values():
-            group = mesh.get_group()
+        groups = [mesh.get_group() for mesh in self._meshes.values()]
+        groups += [split.get_group(dim) for split in self._batch_domain_splits.values() for dim in range(2)]
+        self._batch_domain_splits.clear()
+        for group in groups:
             if group is default or id(group) in seen:
                 continue
             seen.add(id(group))
@@ -295,6 +300,24 @@ class DistributedManager:
     def batch_domain_mesh(self) -> DeviceMesh:
         """1-D mesh over batch×domain: FSDP shards here; gradients average over batch and sum over domain."""
         return self._meshes["batch_domain"]
+
+    def batch_domain_split(self, shard: int) -> DeviceMesh:
+        """batch×domain as a 2-D (replicate, shard) mesh, ``shard`` consecutive ranks per shard group (HSDP, DDP).
+
+        Made once per manager and shard size (making groups is a collective), forgotten by :meth:`shutdown`.
+        Every rank must ask for the same splits in the same order.
+        """
+        mesh = self._batch_domain_splits.get(shard)
+        if mesh is None:
+            total = self.axis_size("batch_domain")
+            if shard < 1 or total % shard:
+                raise ValueError(f"shard={shard} must divide batch×domain={total}")
+            options = group_options(self.backend, self.timeout)
+            override = None if options is None else (self.backend, options)
+            names = (f"bd_replicate{total // shard}", f"bd_shard{shard}")
+            mesh = unflatten_mesh(self.batch_domain_mesh, (total // shard, shard), names, override)
+            self._batch_domain_splits[shard] = mesh
+        return mesh
 
     @property
     def world_mesh(self) -> DeviceMesh:

@@ -15,7 +15,6 @@ import json
 import os
 import random
 import shutil
-import sys
 import threading
 import zlib
 
@@ -223,8 +222,7 @@ def _digest(path: str) -> dict[str, str]:
 
 def _save_and_crash(target: str, model: nn.Module, opt: torch.optim.Optimizer, stage: str, mode: str) -> None:
     if mode == "sync":
-        sys.modules["mesh3d.checkpoint.save"]._CRASH_AT = stage  # the module (the package re-exports the function)
-        checkpoint.save(target, model, opt, step=2)
+        checkpoint.save(target, model, opt, step=2, stage_hook=lambda s: os._exit(17) if s == stage else None)
         return
 
     trained_on = threading.Event()

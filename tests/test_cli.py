@@ -42,3 +42,21 @@ def test_console_script_entry_point_runs():
 def test_no_command_prints_help(capsys):
     assert main([]) == 2
     assert "info" in capsys.readouterr().out
+
+
+def test_info_prints_the_tested_torch_range_whose_floor_pyproject_declares(monkeypatch):
+    import re
+    from pathlib import Path
+
+    import torch
+
+    from mesh3d.cli import TESTED_TORCH
+
+    line = environment_report()["tested torch"]
+    assert line.startswith(f"{TESTED_TORCH[0]} to {TESTED_TORCH[1]} (")
+    assert "inside" in line  # the suite runs on a torch it claims
+    pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
+    floor = re.search(r'"torch>=([0-9.]+)"', pyproject).group(1)
+    assert TESTED_TORCH[0].startswith(floor)
+    monkeypatch.setattr(torch, "__version__", "2.1.0")
+    assert "OUTSIDE" in environment_report()["tested torch"]

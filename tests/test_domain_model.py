@@ -11,7 +11,6 @@ import copy
 
 import pytest
 import torch
-from torch import nn
 
 from domain_cases import domain_sum, max_err
 from domain_models import H, W, TinyUNet, TinyViT

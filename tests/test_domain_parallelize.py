@@ -5,7 +5,7 @@ On meshes with a model axis the plan also gives model styles (parallelize refuse
 ``Plan.model`` there): the U-Net's convs and norms are ``"replicate"`` (Replicate DTensors that the
 domain op rules take as local tensors, halos and all); the ViT's token MLP is colwise/rowwise on
 domain-sharded tokens and its head MLP colwise/rowwise on the replicated pooled value (the
-tensor-parallel bridge, mesh3d/domain/tp_bridge.py).
+tensor-parallel bridge, mesh3d/domain/compose.py).
 
 This is the composition rule end to end: FSDP2 over the flattened batch×domain mesh reduces each
 parameter gradient *averaged* over batch and *summed* over domain, so per-shard partial gradients

@@ -172,7 +172,7 @@ def _init_across_shapes(world):
     """Meta model + seed: full weights on every mesh shape, and from the one-process path."""
     import parallel_models as pm
     from mesh3d import DistributedManager, Plan, parallelize
-    from mesh3d.init import capture_init_specs, materialize
+    from mesh3d.parallel.init import capture_init_specs, materialize
     from mesh3d.mesh_shape import divisors
 
     with torch.device("meta"):
@@ -214,7 +214,7 @@ def test_explain_table_and_cli(capsys):
 
     from mesh3d import Plan
     from mesh3d.cli import main
-    from mesh3d.plan_explain import explain_rows
+    from mesh3d.parallel.explain import explain_rows
 
     model, _ = pm.make("transformer", dtype=torch.float32)
     plan = Plan(model=pm.transformer_plan_model(), checkpoint=["layers.1"])

@@ -128,7 +128,7 @@ def test_divisibility_check_is_exact(out, inp, model, style, embedding):
     and the message lists exactly the divisors of that dim."""
     from torch import nn
 
-    from mesh3d.plan_validation import resolve_plan
+    from mesh3d.parallel.validate import resolve_plan
 
     layer = nn.Embedding(out, inp) if embedding else nn.Linear(inp, out)
     root = nn.Sequential(layer)

@@ -38,10 +38,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from mesh3d.checkpoint.comm import StepFailure
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
-from mesh3d.checkpoint.save import (DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, _Plan, agree,
-                                    gather_and_commit, write_my_shards)
+from mesh3d.checkpoint.save import (DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, _Plan, agree, write_and_commit,
+                                    write_my_shards)
 
 __all__ = ["async_save", "AsyncSave"]
 
@@ -104,20 +105,21 @@ def _write(handle: AsyncSave, plan: _Plan, staged: dict[str, Any], ready: Any, f
 
     A rank that failed to stage still takes part in the commit's collectives (with its error), so
     every rank fails together instead of the others waiting for it until the group's timeout."""
-    try:
+
+    def write() -> tuple[dict[str, Any], dict[str, Any]]:
+        if failure is not None:
+            raise StepFailure(failure)
         try:
-            if failure is not None:
-                raise CheckpointError(failure)
             if ready is not None:
                 ready.synchronize()  # the device-to-host copies have landed
             if hook is not None:
                 hook("staged")
-            error, files, records = write_my_shards(plan, staged, hook)
-        except CheckpointError as err:
-            error, files, records = str(err), {}, {}
         except Exception as err:
-            error, files, records = f"{type(err).__name__} while writing shards: {err}", {}, {}
-        gather_and_commit(plan, error, files, records, group, hook, on_commit)
+            raise StepFailure(f"{type(err).__name__} while writing shards: {err}") from err
+        return write_my_shards(plan, staged, hook)
+
+    try:
+        write_and_commit(plan, write, group, hook, on_commit)
         handle._finish(None)
     except CheckpointError as err:
         handle._finish(str(err))

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from mesh3d.checkpoint.coalesce import coalesce
+from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.inspect import describe, verify
+from mesh3d.checkpoint.st_format import DTYPES
 
 __all__ = ["add_arguments", "run"]
 
@@ -29,9 +33,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mesh3d.checkpoint import CheckpointError, coalesce, describe, verify
-    from mesh3d.checkpoint.st_format import DTYPES
-
     try:
         if args.ckpt_command == "inspect":
             print(describe(args.path))

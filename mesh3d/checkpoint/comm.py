@@ -4,31 +4,43 @@ Metadata travels as UTF-8 JSON in uint8 tensors (not ``all_gather_object``, whic
 and every collective is bounded by the process group's timeout. Without an initialized
 process group everything degenerates to a world of one, so a plain process needs no launcher.
 
+Save and load are short lists of *collective steps*: each runs one phase on this rank, then one
+all-gather tells every rank whether any rank failed; if one did, every rank raises the same
+``CheckpointError`` (naming the failed ranks, their tracebacks attached as notes), chained to this
+rank's own exception when it was one of them. So a failure on one rank never leaves the others
+waiting in the next collective.
+
 Usage::
 
-    docs = allgather_json({"boxes": ...})      # one entry per rank, in rank order
+    boxes, shared = collective_step("saving ckpt", compute_boxes, share=lambda boxes: boxes)
     raise_if_any_failed(error_or_none, "load") # raises the same CheckpointError on every rank
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import traceback
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.manager import refuse_if_launched_uninitialized
 
-__all__ = ["world", "allgather_json", "raise_if_any_failed", "barrier"]
+__all__ = ["world", "allgather_json", "collective_step", "raise_if_any_failed", "StepFailure"]
+
+T = TypeVar("T")
+
+#: How many failed ranks an error message lists by name.
+_LISTED = 4
 
 
 def world() -> tuple[int, int]:
     """(rank, world size) of the default group, or (0, 1) without one."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
-    from mesh3d.manager import refuse_if_launched_uninitialized
-
     refuse_if_launched_uninitialized("mesh3d.checkpoint")  # else every rank would write the same files
     return 0, 1
 
@@ -59,17 +71,64 @@ def allgather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths)]
 
 
+class StepFailure(CheckpointError):
+    """A failure whose message is already what the other ranks should read (``collective_step`` shows it as is)."""
+
+
+def _failure_text(err: BaseException) -> str:
+    return str(err) if isinstance(err, StepFailure) else f"{type(err).__name__}: {err}"
+
+
+def _failed_error(what: str, failed: list[tuple[int, str]], note: str) -> CheckpointError:
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:_LISTED])
+    more = f" (and {len(failed) - _LISTED} more ranks)" if len(failed) > _LISTED else ""
+    return CheckpointError(f"{what} failed: {detail}{more}" + (f". {note}" if note else ""))
+
+
+def collective_step(
+    what: str,
+    local: Callable[[], T],
+    *,
+    share: Callable[[T], Any] | None = None,
+    note: str = "",
+    group: dist.ProcessGroup | None = None,
+    on_failure: Callable[[], None] | None = None,
+) -> tuple[T, list[Any]]:
+    """Run ``local()`` here, then agree with every rank on the outcome (one JSON all-gather over ``group``).
+
+    Returns ``(local's result, [share(result) of every rank, in rank order])`` when every rank
+    succeeded (``share`` defaults to sharing nothing). If any rank's ``local`` raised, every rank
+    runs ``on_failure()`` (e.g. rank 0 removes its staging directory) and raises the same
+    ``CheckpointError("<what> failed: rank r: <error>; ...[. note]")``, chained to this rank's own
+    exception if it failed; the failed ranks' tracebacks are attached as notes (Python >= 3.11 shows them).
+    """
+    result: Any = None
+    mine: BaseException | None = None
+    payload: dict[str, Any] = {"error": None, "traceback": None, "shared": None}
+    try:
+        result = local()
+        payload["shared"] = share(result) if share is not None else None
+    except Exception as err:  # shared with every rank below, so all raise together
+        mine = err
+        payload.update(error=_failure_text(err), traceback="".join(traceback.format_exception(err)))
+    gathered = allgather_json(payload, group)
+    failed = [(r, d["error"]) for r, d in enumerate(gathered) if d["error"] is not None]
+    if not failed:
+        return result, [d["shared"] for d in gathered]
+    if on_failure is not None:
+        on_failure()
+    error = _failed_error(what, failed, note)
+    if hasattr(error, "add_note"):  # Python >= 3.11
+        for r, d in enumerate(gathered[:_LISTED * 4]):
+            if d["traceback"]:
+                error.add_note(f"--- rank {r} ---\n{d['traceback'].rstrip()}")
+    raise error from mine
+
+
 def raise_if_any_failed(error: str | None, what: str, note: str = "", group: dist.ProcessGroup | None = None) -> None:
     """Raise on every rank if any rank reports an error (each rank's message, then ``note``)."""
-    rank, size = world()
+    _, size = world()
     errors = allgather_json(error, group) if size > 1 else [error]
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:4])
-        more = f" (and {len(failed) - 4} more ranks)" if len(failed) > 4 else ""
-        raise CheckpointError(f"{what} failed: {detail}{more}" + (f". {note}" if note else ""))
-
-
-def barrier() -> None:
-    if world()[1] > 1:
-        dist.barrier()
+        raise _failed_error(what, failed, note)

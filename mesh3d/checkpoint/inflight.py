@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.staging import HostStaging
+from mesh3d.manager import DistributedManager
 
 __all__ = ["AsyncSave", "InFlight", "IN_FLIGHT"]
 
@@ -90,8 +91,6 @@ class InFlight:
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
         if self._world is not dist.group.WORLD:  # first use, or the default group was destroyed and remade
-            from mesh3d.manager import DistributedManager  # lazy: the manager module imports this package's users
-
             timeout = DistributedManager().timeout if DistributedManager.is_initialized() else dist.default_pg_timeout
             self._group = dist.new_group(backend="gloo", timeout=timeout)
             self._world = dist.group.WORLD

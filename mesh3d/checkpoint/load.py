@@ -23,13 +23,14 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from mesh3d.checkpoint.chunks import local_box
-from mesh3d.checkpoint.comm import raise_if_any_failed
+from mesh3d.checkpoint.comm import collective_step
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.index import read_index
 from mesh3d.checkpoint.reader import ShardReader
 from mesh3d.checkpoint.staging import HostStaging
 from mesh3d.checkpoint.st_format import TORCH_TO_ST
 from mesh3d.checkpoint.state import apply_state, decode_value, optimizer_name, optimizer_template
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 __all__ = ["load", "LoadInfo"]
 
@@ -170,48 +171,56 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     before anything is read, on every rank. ``info.data`` holds the saved data state either way.
     """
     path = os.path.abspath(os.fspath(path))
-    error, index, targets, info = None, None, {}, None
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    model_sd: dict[str, torch.Tensor] = {}
-    osd = None
-    try:
-        index = read_index(path)
-        model_sd = get_model_state_dict(model)
-        osd = optimizer_template(model, optimizer) if optimizer is not None else None
-        targets, missing, unexpected = _plan(index, model_sd, osd, strict)
-        info = LoadInfo(path, index["step"], index.get("extra"), mesh=index.get("mesh"), missing=missing,
-                        unexpected=unexpected, data=index.get("data"))
-        _check_data(data, info.data)
-    except Exception as err:
-        error = f"{type(err).__name__}: {err}"
-    raise_if_any_failed(error, f"loading {path}")
-
-    loaded: dict[str, torch.Tensor] = {}
-    optim_sd = None
-    with ShardReader(path, index) as reader:
-        try:  # every file this rank needs: present, the size the index says, its header agreeing
-            reader.open_needed({name: local_box(name, target) for name, target in targets.items()})
-        except Exception as err:
-            error = f"{type(err).__name__}: {err}"
-        raise_if_any_failed(error, f"loading {path}", "Nothing was modified")
-        try:
-            staging = HostStaging()
-            for name, target in targets.items():
-                loaded[name] = _materialize(name, target, reader, in_place, staging)
-            info.bytes_read, info.bytes_needed = reader.stats["bytes_read"], reader.stats["bytes_needed"]
-            if osd is not None:
-                optim_sd = _optimizer_state(index, osd, loaded, model_sd)
-        except Exception as err:
-            error = f"{type(err).__name__}: {err}"
-    raise_if_any_failed(error, f"loading {path}", (
-        "in_place=True: the model/optimizer state may be partly overwritten; load an intact checkpoint "
-        "(in_place=False loads all or nothing)" if in_place else "Nothing was modified"))
-    model_part = {n: t for n, t in loaded.items() if index["tensors"][n]["role"] == "model"}
+    what = f"loading {path}"
+    checked, _ = collective_step(what, lambda: _check(path, model, optimizer, strict, data))
+    with ShardReader(path, checked.index) as reader:
+        # Every file this rank needs: present, the size the index says, its header agreeing.
+        boxes = {name: local_box(name, target) for name, target in checked.targets.items()}
+        collective_step(what, lambda: reader.open_needed(boxes), note="Nothing was modified")
+        partly = ("in_place=True: the model/optimizer state may be partly overwritten; load an intact checkpoint "
+                  "(in_place=False loads all or nothing)")
+        (loaded, optim_sd), _ = collective_step(what, lambda: _read(checked, reader, in_place),
+                                                note=partly if in_place else "Nothing was modified")
+    info = checked.info
+    info.bytes_read, info.bytes_needed = reader.stats["bytes_read"], reader.stats["bytes_needed"]
+    model_part = {n: t for n, t in loaded.items() if checked.index["tensors"][n]["role"] == "model"}
     apply_state(model, model_part, optimizer, optim_sd, strict)
     if data is not None:
         data.load_state_dict(info.data)
     return info
+
+
+@dataclass
+class _Checked:
+    """What ``load`` checked on this rank before reading: the index, the targets and what to report."""
+
+    index: dict[str, Any]
+    model_sd: dict[str, torch.Tensor]
+    osd: dict[str, Any] | None
+    targets: dict[str, torch.Tensor]
+    info: LoadInfo
+
+
+def _check(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, strict: bool, data: Any) -> _Checked:
+    """Phase 1 (no communication): the index, and the checkpoint matched against this rank's state."""
+    index = read_index(path)
+    model_sd = get_model_state_dict(model)
+    osd = optimizer_template(model, optimizer) if optimizer is not None else None
+    targets, missing, unexpected = _plan(index, model_sd, osd, strict)
+    info = LoadInfo(path, index["step"], index.get("extra"), mesh=index.get("mesh"), missing=missing,
+                    unexpected=unexpected, data=index.get("data"))
+    _check_data(data, info.data)
+    return _Checked(index, model_sd, osd, targets, info)
+
+
+def _read(checked: _Checked, reader: ShardReader, in_place: bool) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+    """Phase 3: read (and verify) every box this rank needs; the optimizer state dict rebuilt from it."""
+    staging = HostStaging()
+    loaded = {name: _materialize(name, target, reader, in_place, staging) for name, target in checked.targets.items()}
+    optim_sd = None
+    if checked.osd is not None:
+        optim_sd = _optimizer_state(checked.index, checked.osd, loaded, checked.model_sd)
+    return loaded, optim_sd
 
 
 def _check_data(data: Any, state: dict[str, Any] | None) -> None:

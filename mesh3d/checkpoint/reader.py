@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import math
 import os
 from typing import Any
 

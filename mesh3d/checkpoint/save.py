@@ -1,6 +1,7 @@
 """``save``: every rank writes the chunks it owns as plain safetensors; rank 0 commits.
 
-Protocol (crash-safe at every step):
+Protocol (crash-safe at every step), three collective steps (``comm.collective_step``: run a
+phase here, agree on failure everywhere):
 1. every rank computes its boxes; one JSON all-gather shares them with rank 0's staging
    directory name and any local error (so bad input raises on every rank, before writes);
 2. ranks holding the same box (replicas) split it by rows, so each element is written once
@@ -9,6 +10,9 @@ Protocol (crash-safe at every step):
 3. a second all-gather brings every chunk's byte range and checksums to rank 0, which
    writes ``index.json`` LAST (tmp + fsync + rename), fsyncs the directories and renames
    the staging directory to ``path``. A killed save leaves only ``.<name>.tmp-*`` garbage.
+
+``save`` reads as the list of phases: ``agree`` (step 1), ``write_and_commit`` (steps 2 and 3; the
+background writer of ``async_save`` runs the same function on its thread).
 
 Usage::
 
@@ -32,13 +36,14 @@ from torch import nn
 
 from mesh3d.checkpoint.checksum import WRITE_ALGORITHM, block_checksums
 from mesh3d.checkpoint.chunks import Box, local_box, local_data, replica_part
-from mesh3d.checkpoint.comm import allgather_json, raise_if_any_failed, world
+from mesh3d.checkpoint.comm import StepFailure, collective_step, world
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.inflight import IN_FLIGHT
 from mesh3d.checkpoint.index import FORMAT, INDEX_NAME, VERSION, encode_index, validate_index
 from mesh3d.checkpoint.st_format import TORCH_TO_ST, plan_header
 from mesh3d.checkpoint.staging import HostStaging
 from mesh3d.checkpoint.state import Entry, flat_state
+from mesh3d.manager import DistributedManager
 
 __all__ = ["save", "DEFAULT_CHECKSUM_BLOCK_BYTES", "fsync_dir", "write_file_atomic"]
 
@@ -46,20 +51,14 @@ __all__ = ["save", "DEFAULT_CHECKSUM_BLOCK_BYTES", "fsync_dir", "write_file_atom
 #: a resharded load reads at most one extra block at each end of a needed range.
 DEFAULT_CHECKSUM_BLOCK_BYTES = 256 * 1024
 
-#: Test hook: the name of a stage at which the saving process calls ``os._exit`` to
-#: simulate a crash (tests/test_checkpoint_faults.py). Never set in production.
-_CRASH_AT: str | None = None
-
-
-#: Called with each stage name as a save passes it (background saves take it as a parameter).
+#: Called with each stage name as a save passes it (``save``/``async_save(..., stage_hook=)``):
+#: progress reports, and fault injection in tests (tests/test_checkpoint_faults.py).
 StageHook = Callable[[str], None]
 
 
-def _maybe_crash(stage: str, hook: StageHook | None = None) -> None:
+def _stage(stage: str, hook: StageHook | None) -> None:
     if hook is not None:
         hook(stage)
-    if _CRASH_AT == stage:
-        os._exit(17)
 
 
 def fsync_dir(path: str) -> None:
@@ -99,7 +98,7 @@ def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: in
         f.write(header)
         for i, key in enumerate(sorted(ranges, key=lambda k: ranges[k][0])):
             if i == len(ranges) // 2:
-                _maybe_crash("mid_shard", hook)
+                _stage("mid_shard", hook)
             data = staging.to_host(parts[key].detach()).reshape(-1)
             view = memoryview(data.view(torch.uint8).numpy()) if data.numel() else memoryview(b"")
             f.write(view)
@@ -146,8 +145,6 @@ def _data_state(data: Any) -> dict[str, Any] | None:
 
 
 def _mesh_info() -> dict[str, Any] | None:
-    from mesh3d.manager import DistributedManager
-
     if not DistributedManager.is_initialized():
         return None
     dm = DistributedManager()
@@ -180,6 +177,7 @@ def save(
     extra: Any = None,
     data: Any = None,
     checksum_block_bytes: int = DEFAULT_CHECKSUM_BLOCK_BYTES,
+    stage_hook: StageHook | None = None,
 ) -> str:
     """Save ``model`` (and ``optimizer``) state to the directory ``path``; all ranks call it.
 
@@ -193,14 +191,14 @@ def save(
     ``state_dict()`` returning JSON that is the same on every rank (a global data cursor); it is
     stored in the index and checked to agree across ranks. ``load(..., data=)`` restores it.
     A save started with ``async_save`` and still being written is finished first (and its
-    failure, if any, raised here on every rank).
+    failure, if any, raised here on every rank). ``stage_hook(stage)`` is called at each stage, as in
+    ``async_save`` (an exception from it fails the save on every rank).
     """
     IN_FLIGHT.wait()
     plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data)
-    _maybe_crash("staged")
+    _stage("staged", stage_hook)
     mine = _my_parts(entries, plan.boxes, plan.rank)
-    error, files, records = write_my_shards(plan, mine)
-    gather_and_commit(plan, error, files, records)
+    write_and_commit(plan, lambda: write_my_shards(plan, mine, stage_hook), hook=stage_hook)
     return plan.path
 
 
@@ -222,6 +220,63 @@ class _Plan:
     data_state: dict[str, Any] | None = None  # a data loader's JSON cursor (``save(..., data=)``)
 
 
+@dataclass
+class _Request:
+    """One rank's checked request: its state, its boxes and (rank 0) the staging directory it made."""
+
+    entries: dict[str, Entry]
+    optim_meta: dict[str, Any] | None
+    boxes: dict[str, list]
+    signature: int
+    data_state: dict[str, Any] | None
+    staging: str | None
+
+
+def _check_request(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
+                   extra: Any, data: Any, rank: int) -> _Request:
+    """The local half of ``agree``: check the arguments, flatten the state, and on rank 0 make the staging dir."""
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
+        raise CheckpointError(f"step={step!r} must be an int or None")
+    try:
+        json.dumps(extra, allow_nan=False)
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(f"extra must be JSON-serializable (dicts, lists, str, finite numbers): {err}") from None
+    data_state = _data_state(data)
+    entries, optim_meta = flat_state(model, optimizer)
+    boxes = {}
+    for name, entry in entries.items():
+        if entry.tensor.dtype not in TORCH_TO_ST:
+            raise CheckpointError(f"tensor {name!r} has dtype {entry.tensor.dtype}, which safetensors cannot store")
+        box = local_box(name, entry.tensor)
+        boxes[name] = [list(box.offsets), list(box.shape)]
+    staging = None
+    if rank == 0:
+        parent, base = os.path.split(path)
+        if os.path.lexists(path):
+            raise CheckpointError(f"{path} already exists; checkpoints are never overwritten (pick a new path)")
+        try:  # missing parents are created (like ``mkdir -p``); the checkpoint itself still appears atomically
+            os.makedirs(parent, exist_ok=True)
+        except OSError as err:
+            raise CheckpointError(f"cannot create the parent directory {parent} of the checkpoint: {err} "
+                                  "(choose a path under a writable directory)") from None
+        staging = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
+        os.makedirs(os.path.join(staging, "model"))
+        os.makedirs(os.path.join(staging, "optimizer"))
+    return _Request(entries, optim_meta, boxes, _signature(entries), data_state, staging)
+
+
+def _disagreement(shared: list[dict[str, Any]]) -> str | None:
+    """What the ranks' requests disagree on (the same text on every rank), or None."""
+    if len({d["signature"] for d in shared}) > 1:
+        return ("rank 0: ranks disagree on the state's tensor names, dtypes or global shapes "
+                f"(signatures {[d['signature'] for d in shared]}); every rank must save the same model")
+    for r, d in enumerate(shared):
+        if d["data"] != shared[0]["data"]:
+            return (f"rank {r}: its data state {d['data']} differs from rank 0's {shared[0]['data']}; data= must hold "
+                    "a global cursor, the same on every rank (MeshSampler's is)")
+    return None
+
+
 def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
           extra: Any, checksum_block_bytes: int, data: Any = None) -> tuple[_Plan, dict[str, Entry]]:
     """Check the request, share every rank's boxes and rank 0's staging directory (one collective on the
@@ -231,59 +286,32 @@ def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opti
     writer can use it while training goes on."""
     rank, size = world()
     path = os.path.abspath(os.fspath(path))
-    parent, base = os.path.split(path)
-    staging, error, entries, optim_meta, my_boxes, signature, data_state = None, None, {}, None, {}, 0, None
-    try:
-        if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-            raise CheckpointError(f"step={step!r} must be an int or None")
-        try:
-            json.dumps(extra, allow_nan=False)
-        except (TypeError, ValueError) as err:
-            raise CheckpointError(f"extra must be JSON-serializable (dicts, lists, str, finite numbers): {err}") from None
-        data_state = _data_state(data)
-        entries, optim_meta = flat_state(model, optimizer)
-        for name, entry in entries.items():
-            if entry.tensor.dtype not in TORCH_TO_ST:
-                raise CheckpointError(f"tensor {name!r} has dtype {entry.tensor.dtype}, which safetensors cannot store")
-            box = local_box(name, entry.tensor)
-            my_boxes[name] = [list(box.offsets), list(box.shape)]
-        signature = _signature(entries)
-        if rank == 0:
-            if os.path.lexists(path):
-                raise CheckpointError(f"{path} already exists; checkpoints are never overwritten (pick a new path)")
-            try:  # missing parents are created (like ``mkdir -p``); the checkpoint itself still appears atomically
-                os.makedirs(parent, exist_ok=True)
-            except OSError as err:
-                raise CheckpointError(f"cannot create the parent directory {parent} of the checkpoint: {err} "
-                                      "(choose a path under a writable directory)") from None
-            staging = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
-            os.makedirs(os.path.join(staging, "model"))
-            os.makedirs(os.path.join(staging, "optimizer"))
-    except Exception as err:  # shared with every rank below, so all raise together
-        error = f"{type(err).__name__}: {err}"
-    shared = allgather_json({"error": error, "staging": staging, "signature": signature, "boxes": my_boxes,
-                             "data": data_state})
-    staging = shared[0]["staging"]
-    errors = [(r, d["error"]) for r, d in enumerate(shared) if d["error"]]
-    if not errors and len({d["signature"] for d in shared}) > 1:
-        errors = [(0, "ranks disagree on the state's tensor names, dtypes or global shapes "
-                      f"(signatures {[d['signature'] for d in shared]}); every rank must save the same model")]
-    if not errors:
-        errors = [(r, f"its data state {d['data']} differs from rank 0's {shared[0]['data']}; data= must hold a global "
-                      "cursor, the same on every rank (MeshSampler's is)") for r, d in enumerate(shared)
-                  if d["data"] != shared[0]["data"]][:1]
-    if errors:
-        if rank == 0 and staging:
+    made: list[str] = []  # rank 0's staging directory, removed if any rank fails
+
+    def check() -> _Request:
+        request = _check_request(path, model, optimizer, step, extra, data, rank)
+        made.extend([request.staging] if request.staging else [])
+        return request
+
+    def remove_staging() -> None:
+        for staging in made:
             shutil.rmtree(staging, ignore_errors=True)
-        raise CheckpointError(f"saving {path} failed: " + "; ".join(f"rank {r}: {e}" for r, e in errors[:4]))
-    plan = _Plan(path, staging, _index_tensors(entries), optim_meta, _mesh_info(), [d["boxes"] for d in shared],
-                 rank, size, step, extra, checksum_block_bytes, data_state)
-    return plan, entries
+
+    request, shared = collective_step(
+        f"saving {path}", check, on_failure=remove_staging,
+        share=lambda r: {"staging": r.staging, "signature": r.signature, "boxes": r.boxes, "data": r.data_state})
+    problem = _disagreement(shared)
+    if problem is not None:
+        remove_staging()
+        raise CheckpointError(f"saving {path} failed: {problem}")
+    plan = _Plan(path, shared[0]["staging"], _index_tensors(request.entries), request.optim_meta, _mesh_info(),
+                 [d["boxes"] for d in shared], rank, size, step, extra, checksum_block_bytes, request.data_state)
+    return plan, request.entries
 
 
 def write_my_shards(plan: _Plan, mine: dict[str, tuple[Box, torch.Tensor]],
-                    hook: StageHook | None = None) -> tuple[str | None, dict[str, Any], dict[str, Any]]:
-    """Write this rank's shard files into the staging directory (no collective): (error or None, files, chunks)."""
+                    hook: StageHook | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Write this rank's shard files into the staging directory (no collective): (files, chunk records)."""
     records: dict[str, Any] = {}
     files: dict[str, Any] = {}
     try:
@@ -297,37 +325,44 @@ def write_my_shards(plan: _Plan, mine: dict[str, tuple[Box, torch.Tensor]],
             for name, rec in written.items():
                 box = mine[name][0]
                 records[name] = {"offsets": list(box.offsets), "shape": list(box.shape), "file": rel, "key": name, **rec}
-        return None, files, records
     except Exception as err:
-        return f"{type(err).__name__} while writing shards: {err}", files, records
+        raise StepFailure(f"{type(err).__name__} while writing shards: {err}") from err
+    return files, records
 
 
-def gather_and_commit(plan: _Plan, error: str | None, files: dict[str, Any], records: dict[str, Any],
-                      group: dist.ProcessGroup | None = None, hook: StageHook | None = None,
-                      on_commit: Callable[[str], None] | None = None) -> None:
-    """Bring every rank's chunks to rank 0, which commits (then runs ``on_commit(path)``); raise on every
-    rank if anything failed. Two collectives on ``group`` (default: the default group)."""
-    try:
-        _maybe_crash("shards_written", hook)
-    except Exception as err:
-        error = error or f"{type(err).__name__} after writing shards: {err}"
-    gathered = allgather_json({"error": error, "files": files, "chunks": records}, group)
-    commit_error = None
-    if plan.rank == 0:
-        committed = False
+def write_and_commit(plan: _Plan, write: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+                     group: dist.ProcessGroup | None = None, hook: StageHook | None = None,
+                     on_commit: Callable[[str], None] | None = None) -> None:
+    """Run ``write()`` (this rank's shards: files and chunk records), bring every rank's chunks to rank 0,
+    which commits (then runs ``on_commit(path)``); raise on every rank if anything failed anywhere.
+    Two collective steps on ``group`` (default: the default group)."""
+    what = f"saving {plan.path}"
+
+    def remove_staging() -> None:
+        if plan.rank == 0:
+            shutil.rmtree(plan.staging, ignore_errors=True)
+
+    def written() -> tuple[dict[str, Any], dict[str, Any]]:
+        files, records = write()
         try:
-            failed = [f"rank {r}: {d['error']}" for r, d in enumerate(gathered) if d["error"]]
-            if failed:
-                raise CheckpointError("; ".join(failed[:4]))
+            _stage("shards_written", hook)
+        except Exception as err:
+            raise StepFailure(f"{type(err).__name__} after writing shards: {err}") from err
+        return files, records
+
+    _, gathered = collective_step(what, written, share=lambda fr: {"files": fr[0], "chunks": fr[1]}, group=group,
+                                  on_failure=remove_staging)
+    committed = False
+
+    def commit() -> None:
+        nonlocal committed
+        if plan.rank == 0:
             _commit(plan, gathered, hook)
             committed = True
             if on_commit is not None:
                 on_commit(plan.path)
-        except Exception as err:
-            if not committed:
-                shutil.rmtree(plan.staging, ignore_errors=True)
-            commit_error = f"{type(err).__name__}: {err}"
-    raise_if_any_failed(commit_error, f"saving {plan.path}", group=group)
+
+    collective_step(what, commit, group=group, on_failure=lambda: None if committed else remove_staging())
 
 
 def _commit(plan: _Plan, gathered: list[dict[str, Any]], hook: StageHook | None) -> None:
@@ -349,9 +384,9 @@ def _commit(plan: _Plan, gathered: list[dict[str, Any]], hook: StageHook | None)
     validate_index(json.loads(data))  # never commit an index this very code would refuse to read
     for sub in ("model", "optimizer"):
         fsync_dir(os.path.join(staging, sub))
-    _maybe_crash("before_index", hook)
+    _stage("before_index", hook)
     write_file_atomic(os.path.join(staging, INDEX_NAME), data)
-    _maybe_crash("index_written", hook)
+    _stage("index_written", hook)
     os.rename(staging, path)
     fsync_dir(os.path.dirname(path))
-    _maybe_crash("committed", hook)
+    _stage("committed", hook)

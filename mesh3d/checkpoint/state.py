@@ -28,6 +28,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.st_format import TORCH_TO_ST
+from mesh3d.checkpoint.st_format import DTYPES
 
 __all__ = ["Entry", "flat_state", "encode_value", "decode_value", "apply_state", "optimizer_name"]
 
@@ -57,8 +59,6 @@ def encode_value(value: Any, where: str) -> Any:
         items = [encode_value(v, where) for v in value]
         return {"__tuple__": items} if isinstance(value, tuple) else items
     if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) and value.dim() == 0:
-        from mesh3d.checkpoint.st_format import TORCH_TO_ST
-
         return {"__tensor__": encode_value(value.item(), where), "dtype": TORCH_TO_ST[value.dtype]}
     if isinstance(value, dict):
         return {"__dict__": {str(k): encode_value(v, where) for k, v in value.items()}}
@@ -74,8 +74,6 @@ def decode_value(value: Any, device: torch.device | None = None) -> Any:
         if "__float__" in value:
             return float(value["__float__"])
         if "__tensor__" in value:
-            from mesh3d.checkpoint.st_format import DTYPES
-
             return torch.tensor(decode_value(value["__tensor__"]), dtype=DTYPES[value["dtype"]], device=device)
         if "__dict__" in value:
             return {k: decode_value(v, device) for k, v in value["__dict__"].items()}
@@ -100,7 +98,7 @@ def flat_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
             else:
                 entries[optimizer_name(fqn, key)] = Entry("optimizer", value, fqn, key)
     groups = [
-        {k: (list(v) if k == "params" else encode_value(v, f"optimizer param_group {i} {k!r}")) for k, v in g.items()}
+        {k: (list(v) if k == "params" else encode_value(v, f"optimizer param_group {i} {k!r}")) for k, v in dict(g).items()}
         for i, g in enumerate(osd["param_groups"])
     ]
     meta = {"type": type(optimizer).__name__, "param_groups": groups, "scalars": scalars}

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.utils.data import DistributedSampler
+from mesh3d.manager import DistributedManager
 
 __all__ = ["MeshSampler", "BatchInfo", "TAILS", "STATE_FORMAT", "check_mesh_sampler"]
 
@@ -49,8 +50,6 @@ def _is_int(value: Any) -> bool:
 
 def _batch_axis() -> tuple[int, int]:
     """(batch ranks, this rank's batch index): the manager's batch axis, else the world, else (1, 0)."""
-    from mesh3d.manager import DistributedManager
-
     if DistributedManager.is_initialized():
         dm = DistributedManager()
         return dm.axis_size("batch"), dm.axis_rank("batch")

@@ -23,6 +23,7 @@ from mesh3d.domain.exchange import DomainComm, gather_rows
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.split import aligned_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
+from mesh3d.manager import DistributedManager, refuse_if_launched_uninitialized
 
 __all__ = ["domain_comm", "from_local", "full_tensor", "redistribute", "scatter", "shard"]
 
@@ -34,8 +35,6 @@ def domain_comm() -> DomainComm:
 
     Usage: ``comm = domain_comm(); comm.size, comm.index``
     """
-    from mesh3d.manager import DistributedManager, refuse_if_launched_uninitialized
-
     if not DistributedManager.is_initialized():
         refuse_if_launched_uninitialized("mesh3d.domain")
         return DomainComm(None, (dist.get_rank() if dist.is_initialized() else 0,), 0)

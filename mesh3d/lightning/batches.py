@@ -20,6 +20,7 @@ from typing import Any, Union
 
 import torch
 
+from mesh3d import domain
 from mesh3d.domain.tensor import DomainTensor
 
 __all__ = ["DomainDims", "check_domain_dims", "shard_batch", "plain_step_output"]
@@ -45,8 +46,6 @@ def check_domain_dims(dims: Any) -> None:
 
 
 def _shard(t: Any, dim: int | None, where: str) -> Any:
-    from mesh3d import domain
-
     if dim is None or not isinstance(t, torch.Tensor) or isinstance(t, DomainTensor):
         return t
     if not -t.dim() <= dim < t.dim():
@@ -60,7 +59,7 @@ def shard_batch(batch: Any, dims: DomainDims | None) -> Any:
         return batch
     if isinstance(dims, int):
         if isinstance(batch, Mapping):
-            return type(batch)({k: _shard(v, dims, f"batch[{k!r}]") for k, v in batch.items()})
+            return type(batch)({k: _shard(v, dims, f"batch[{k!r}]") for k, v in batch.items()})  # type: ignore[call-arg]  # a dict subclass
         if isinstance(batch, (list, tuple)):
             return type(batch)(_shard(v, dims, f"batch[{i}]") for i, v in enumerate(batch))
         return _shard(batch, dims, "the batch")
@@ -70,7 +69,7 @@ def shard_batch(batch: Any, dims: DomainDims | None) -> Any:
         unknown = sorted(set(dims) - set(batch))
         if unknown:
             raise KeyError(f"domain_dims names {unknown}, which the batch lacks (its keys: {sorted(batch)})")
-        return type(batch)({k: _shard(v, dims.get(k), f"batch[{k!r}]") for k, v in batch.items()})
+        return type(batch)({k: _shard(v, dims.get(k), f"batch[{k!r}]") for k, v in batch.items()})  # type: ignore[call-arg]  # a dict subclass
     if not isinstance(batch, (list, tuple)) or len(batch) != len(dims):
         raise TypeError(f"domain_dims={list(dims)} needs a list/tuple batch of {len(dims)} items, got "
                         f"{type(batch).__name__}" + (f" of {len(batch)}" if isinstance(batch, (list, tuple)) else ""))
@@ -91,5 +90,5 @@ def _plain(value: Any, where: str) -> Any:
 def plain_step_output(output: Any, step: str = "training_step") -> Any:
     """A step's output with replicated DomainTensors replaced by their (differentiable) local tensors."""
     if isinstance(output, Mapping):
-        return type(output)({k: _plain(v, f"{step}()['{k}']") for k, v in output.items()})
+        return type(output)({k: _plain(v, f"{step}()['{k}']") for k, v in output.items()})  # type: ignore[call-arg]
     return _plain(output, f"the value {step}() returned")

@@ -52,9 +52,9 @@ from mesh3d.data.sampler import MeshSampler, check_mesh_sampler
 from mesh3d.lightning.checkpointing import load_lightning_checkpoint, remove_checkpoint, save_lightning_checkpoint
 from mesh3d.manager import DistributedManager, _as_timeout
 from mesh3d.mesh_shape import resolve_mesh_shape
-from mesh3d.parallelize import parallelize
-from mesh3d.plan import Plan
-from mesh3d.plan_validation import already_parallel
+from mesh3d.parallel.apply import parallelize
+from mesh3d.parallel.plan import Plan
+from mesh3d.parallel.validate import already_parallel
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -204,7 +204,7 @@ class MeshStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # Lightning's idiom
 
     # ------------------------------------------------------------------ model
     def setup(self, trainer: pl.Trainer) -> None:
@@ -250,11 +250,13 @@ class MeshStrategy(ParallelStrategy):
         self._planned = module
 
     def _register_step_methods(self, module: pl.LightningModule) -> None:
-        if not isinstance(module, FSDPModule) or getattr(module, "_mesh3d_step_methods", False):
+        if not isinstance(module, FSDPModule):
             return
         for name in _STEP_METHODS:
-            register_fsdp_forward_method(module, name)
-        module._mesh3d_step_methods = True
+            # Registering sets the wrapped method on the instance (the plain one lives on the class), so
+            # an instance attribute means it is registered already: no marker on the user's module.
+            if name not in vars(module):
+                register_fsdp_forward_method(module, name)
 
     def model_to_device(self) -> None:
         assert self.model is not None

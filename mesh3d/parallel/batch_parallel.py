@@ -22,39 +22,24 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from mesh3d._torch_private import group_options, unflatten_mesh
-from mesh3d.plan import Plan
-from mesh3d.plan_validation import hsdp_shard_size
+from mesh3d.manager import DistributedManager
+from mesh3d.parallel.plan import Plan
+from mesh3d.parallel.validate import hsdp_shard_size
 
 __all__ = ["apply_batch_parallel", "batch_mesh"]
 
-# HSDP/DDP meshes split the batch×domain mesh; splitting creates process groups (a collective),
-# so each split is made once per manager and reused by later parallelize calls.
-# Holding the flat mesh in the key's value pins its id: a manager shut down and made again
-# gets a new flat mesh (whose groups are new), never a stale split of destroyed groups.
-_split_meshes: dict[tuple[int, int, int], tuple[DeviceMesh, DeviceMesh]] = {}
 
+def batch_mesh(plan: Plan, dm: DistributedManager) -> DeviceMesh:
+    """The mesh ``fully_shard`` gets: 1-D batch×domain for FSDP, 2-D (replicate, shard) for HSDP and DDP.
 
-def batch_mesh(plan: Plan, dm) -> DeviceMesh:
-    """The mesh ``fully_shard`` gets: 1-D batch×domain for FSDP, 2-D (replicate, shard) for HSDP and DDP."""
-    flat = dm.batch_domain_mesh
+    The 2-D split is the manager's (made once per manager, so later parallelize calls reuse its groups).
+    """
     if plan.batch == "fsdp":
-        return flat
-    total = flat.size()
-    shard = 1 if plan.batch == "ddp" else hsdp_shard_size(plan, dm.shape)
-    key = (id(flat), total // shard, shard)
-    cached = _split_meshes.get(key)
-    if cached is None or cached[0] is not flat:
-        for stale in [k for k, (f, _) in _split_meshes.items() if f is not flat]:
-            del _split_meshes[stale]
-        options = group_options(dm.backend, dm.timeout)
-        override = None if options is None else (dm.backend, options)
-        names = (f"bd_replicate{total // shard}", f"bd_shard{shard}")
-        _split_meshes[key] = (flat, unflatten_mesh(flat, (total // shard, shard), names, override))
-    return _split_meshes[key][1]
+        return dm.batch_domain_mesh
+    return dm.batch_domain_split(1 if plan.batch == "ddp" else hsdp_shard_size(plan, dm.shape))
 
 
-def apply_batch_parallel(model: nn.Module, plan: Plan, units: list[str], dm) -> None:
+def apply_batch_parallel(model: nn.Module, plan: Plan, units: list[str], dm: DistributedManager) -> None:
     """``fully_shard`` every unit bottom-up (``units`` is deepest first, root ``""`` last), in place."""
     mesh = batch_mesh(plan, dm)
     mp = MixedPrecisionPolicy(param_dtype=plan.param_dtype, reduce_dtype=plan.reduce_dtype)

@@ -19,12 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 from mesh3d._torch_private import checkpoint_module
-from mesh3d.batch_parallel import apply_batch_parallel
-from mesh3d.init import InitFn, capture_init_specs, materialize
 from mesh3d.manager import DistributedManager
-from mesh3d.plan import Plan
-from mesh3d.plan_validation import resolve_plan
-from mesh3d.tensor_parallel import apply_tp
+from mesh3d.parallel.batch_parallel import apply_batch_parallel
+from mesh3d.parallel.init import InitFn, capture_init_specs, materialize
+from mesh3d.parallel.plan import Plan
+from mesh3d.parallel.tensor_parallel import apply_tp
+from mesh3d.parallel.validate import resolve_plan
 
 __all__ = ["parallelize", "check_same_plan_everywhere"]
 
@@ -74,6 +74,8 @@ def parallelize(
     re-initializes it the same way. Raises ``ValueError``/``RuntimeError`` on every rank,
     before any work, for a plan that does not fit the model or the mesh.
     """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a mesh3d.Plan, got {type(plan).__name__}")
     dm = DistributedManager()
     resolved = resolve_plan(plan, model, dm.shape)
     meta = _is_meta(model)
@@ -91,5 +93,5 @@ def parallelize(
         apply_batch_parallel(model, plan, resolved.units, dm)
     if specs is not None:
         materialize(model, specs, 0 if seed is None else seed, init_fn, dm.device)
-    model._mesh3d_parallelized = True  # type: ignore[assignment]
+    model._mesh3d_parallelized = True  # mesh3d's one marker on the user's module (see already_parallel)
     return model

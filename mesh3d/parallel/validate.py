@@ -13,12 +13,19 @@ import difflib
 import fnmatch
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, SequenceParallel
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
-from mesh3d.plan import Plan, style_description
+from mesh3d.parallel.styles import style_description, style_kind, weight_dim
 
-__all__ = ["ResolvedPlan", "already_parallel", "resolve_plan", "match_modules", "style_kind"]
+if TYPE_CHECKING:  # the plan imports its explanation, which validates it: Plan is only a type here
+    from mesh3d.parallel.plan import Plan
+
+__all__ = ["ResolvedPlan", "already_parallel", "hsdp_shard_size", "resolve_plan", "match_modules"]
 
 
 @dataclass
@@ -28,20 +35,6 @@ class ResolvedPlan:
     styles: dict[str, str | ParallelStyle]
     units: list[str]
     checkpointed: list[str]
-
-
-def style_kind(style: str | ParallelStyle) -> str | None:
-    """``"colwise"``/``"rowwise"``/``"sequence"``/``"replicate"`` for named styles and torch's own classes, else None."""
-    if isinstance(style, str):
-        return style
-    # Colwise/Rowwise subclasses (e.g. the PrepareModule* helpers are not) shard the same dims.
-    if isinstance(style, ColwiseParallel):
-        return "colwise"
-    if isinstance(style, RowwiseParallel):
-        return "rowwise"
-    if isinstance(style, SequenceParallel):
-        return "sequence"
-    return None
 
 
 def _closest(pattern: str, names: list[str]) -> str:
@@ -86,9 +79,8 @@ def _check_style(fqn: str, module: nn.Module, style: str | ParallelStyle, model_
                 "shard nn.Linear and nn.Embedding only; put the style on the Linear/Embedding children, "
                 "or pass a ParallelStyle instance written for this module"
             )
-        # Which weight dim each style cuts: Linear weight is (out, in), Embedding weight is (vocab, dim).
-        linear = isinstance(module, nn.Linear)
-        dim = {("colwise", True): 0, ("rowwise", True): 1, ("colwise", False): 1, ("rowwise", False): 0}[(kind, linear)]
+        dim = weight_dim(kind, linear=isinstance(module, nn.Linear))
+        assert dim is not None  # colwise/rowwise always cut the weight
         shape = tuple(module.weight.shape)
         if shape[dim] % model_size:
             raise ValueError(
@@ -134,9 +126,6 @@ def _default_units(model: nn.Module) -> list[str]:
 
 def already_parallel(model: nn.Module) -> str | None:
     """Why ``model`` counts as parallelized already (mesh3d, FSDP2 or a DTensor parameter), or None."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
     if getattr(model, "_mesh3d_parallelized", False):
         return "it was returned by mesh3d.parallelize"
     for name, module in model.named_modules():
@@ -150,8 +139,6 @@ def already_parallel(model: nn.Module) -> str | None:
 
 def resolve_plan(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> ResolvedPlan:
     """Validate ``plan`` against ``model`` and the axis ``sizes``; raise ``ValueError`` saying what to change."""
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a mesh3d.Plan, got {type(plan).__name__}")
     reason = already_parallel(model)
     if reason is not None:
         raise RuntimeError(f"the model is already parallelized ({reason}); parallelize the original model once")

@@ -17,24 +17,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from mesh3d.parallel.explain import explain_table
+from mesh3d.parallel.styles import BATCH_MODES, STYLE_NAMES, style_description
+
 __all__ = ["Plan", "BATCH_MODES", "STYLE_NAMES", "style_description"]
-
-#: What ``Plan.batch`` accepts: how parameters are spread over the batch×domain ranks.
-BATCH_MODES: tuple[str | None, ...] = ("fsdp", "hsdp", "ddp", None)
-
-#: Style names ``Plan.model`` accepts besides ``ParallelStyle`` instances.
-STYLE_NAMES: tuple[str, ...] = ("colwise", "rowwise", "sequence", "replicate")
-
-
-def style_description(style: str | ParallelStyle) -> str:
-    """A rank-independent text for ``style`` (used by the plan hash and by error messages)."""
-    if isinstance(style, str):
-        return style
-    cls = type(style)
-    # ParallelStyle subclasses in torch define no __repr__; their attributes (layouts,
-    # flags) are plain values whose repr is the same on every rank.
-    fields = ", ".join(f"{k}={v!r}" for k, v in sorted(vars(style).items()))
-    return f"{cls.__module__}.{cls.__qualname__}({fields})"
 
 
 @dataclass
@@ -123,6 +109,4 @@ class Plan:
         ``sizes`` gives the axis sizes (``{"batch": 2, "domain": 1, "model": 2}``); by default
         those of the initialized ``DistributedManager``. Validates the plan first.
         """
-        from mesh3d.plan_explain import explain_table
-
         return explain_table(self, model, sizes)

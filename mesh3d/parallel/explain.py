@@ -8,65 +8,25 @@ Usage::
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from mesh3d.plan import Plan, style_description
-from mesh3d.plan_validation import hsdp_shard_size, resolve_plan, style_kind
+from mesh3d.manager import DistributedManager
+from mesh3d.parallel.styles import style_description, style_kind, weight_dim
+from mesh3d.parallel.validate import hsdp_shard_size, resolve_plan
 
-__all__ = ["explain_rows", "explain_table", "load_object", "add_explain_arguments", "run_explain"]
+if TYPE_CHECKING:  # Plan.explain calls this module: Plan is only a type here
+    from mesh3d.parallel.plan import Plan
 
-
-def load_object(spec: str) -> object:
-    """``"package.module:name"`` → that object (called if it is a model factory)."""
-    import importlib
-
-    if ":" not in spec:
-        raise ValueError(f"{spec!r} must look like 'package.module:name'")
-    module_name, attr = spec.split(":", 1)
-    obj = importlib.import_module(module_name)
-    for part in attr.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
-def add_explain_arguments(parser) -> None:
-    parser.add_argument("model", help="module:factory that returns the nn.Module (built on the meta device)")
-    parser.add_argument("plan", help="module:name of a mesh3d.Plan, or of a function returning one")
-    for axis in ("batch", "domain", "model"):
-        parser.add_argument(f"--{axis}", dest=f"size_{axis}", type=int, default=1, help=f"{axis} axis size")
-
-
-def run_explain(args) -> int:
-    """``mesh3d explain pkg.mod:make_model pkg.mod:plan --batch 2 --model 2``."""
-    import torch
-
-    factory = load_object(args.model)
-    with torch.device("meta"):
-        model = factory()
-    plan = load_object(args.plan)
-    if not isinstance(plan, Plan):
-        plan = plan()
-    sizes = {"batch": args.size_batch, "domain": args.size_domain, "model": args.size_model}
-    print(explain_table(plan, model, sizes))
-    return 0
-
-
-def _model_dim(kind: str | None, module: nn.Module, param_name: str) -> int | None:
-    """Which dim of ``param_name`` the model axis shards (None: replicated on the model axis)."""
-    if kind not in ("colwise", "rowwise"):
-        return None
-    linear = isinstance(module, nn.Linear)
-    if param_name == "bias":
-        return 0 if kind == "colwise" else None
-    return {("colwise", True): 0, ("rowwise", True): 1, ("colwise", False): 1, ("rowwise", False): 0}[(kind, linear)]
+__all__ = ["explain_rows", "explain_table"]
 
 
 def _model_text(style, kind: str | None, module: nn.Module) -> str:
     if style is None:
         return "Replicate"
     if kind in ("colwise", "rowwise"):
-        return f"{kind}: weight Shard({_model_dim(kind, module, 'weight')})"
+        return f"{kind}: weight Shard({weight_dim(kind, linear=isinstance(module, nn.Linear))})"
     return kind or style_description(style)
 
 
@@ -97,7 +57,7 @@ def explain_rows(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> list[di
         per_rank = 0
         for name, p in own:
             shape = list(p.shape)
-            dim = _model_dim(kind, module, name)
+            dim = weight_dim(kind, linear=isinstance(module, nn.Linear), param_name=name)
             if dim is not None:
                 shape[dim] = math.ceil(shape[dim] / m)
             if shape:
@@ -118,8 +78,6 @@ def explain_rows(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> list[di
 def explain_table(plan: Plan, model: nn.Module, sizes: dict[str, int] | None = None) -> str:
     """``explain_rows`` as an aligned text table with a total line."""
     if sizes is None:
-        from mesh3d.manager import DistributedManager
-
         sizes = DistributedManager().shape
     rows = explain_rows(plan, model, sizes)
     header = ["module", "model", "batch", "unit", "checkpointed", "params", "bytes_per_rank"]

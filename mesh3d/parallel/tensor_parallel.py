@@ -18,6 +18,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from mesh3d.domain.compose import bridge_tensor_parallel, is_plain_tensor
+
 __all__ = ["ReplicateParallel", "apply_tp", "make_style"]
 
 
@@ -32,7 +34,7 @@ class ReplicateParallel(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         def to_dtensor(_module, inputs, mesh):
             return tuple(
-                DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if _is_plain_tensor(x) else x for x in inputs
+                DTensor.from_local(x, mesh, (Replicate(),), run_check=False) if is_plain_tensor(x) else x for x in inputs
             )
 
         def to_local(_module, outputs, _mesh):
@@ -51,16 +53,6 @@ class ReplicateParallel(ParallelStyle):
         )
 
 
-def _is_plain_tensor(x: object) -> bool:
-    """A tensor to turn into a Replicate DTensor: not already a DTensor, nor a domain tensor
-    (whose ops take Replicate parameters as local tensors; see mesh3d.domain.registry)."""
-    import torch
-
-    from mesh3d.domain.tensor import DomainTensor
-
-    return isinstance(x, torch.Tensor) and not isinstance(x, (DTensor, DomainTensor))
-
-
 def make_style(style: str | ParallelStyle, module: nn.Module, src_data_rank: int | None) -> ParallelStyle:
     """The ``ParallelStyle`` for a style name on ``module`` (instances pass through)."""
     if isinstance(style, ParallelStyle):
@@ -68,14 +60,14 @@ def make_style(style: str | ParallelStyle, module: nn.Module, src_data_rank: int
     if style == "rowwise" and isinstance(module, nn.Embedding):
         # Token ids arrive whole on every model rank; torch's default input layout for
         # rowwise is Shard(-1), which would all-gather the ids along the sequence.
-        made = RowwiseParallel(input_layouts=Replicate())
-        made.src_data_rank = src_data_rank
-        return made
+        rowwise = RowwiseParallel(input_layouts=Replicate())
+        rowwise.src_data_rank = src_data_rank
+        return rowwise
     if style == "sequence":
         # Local outputs like colwise/rowwise, so residual adds see plain (sequence-sharded) tensors.
-        made = SequenceParallel(use_local_output=True)
-        made.src_data_rank = src_data_rank
-        return made
+        sequence = SequenceParallel(use_local_output=True)
+        sequence.src_data_rank = src_data_rank
+        return sequence
     made: ParallelStyle = {
         "colwise": ColwiseParallel,
         "rowwise": RowwiseParallel,
@@ -94,8 +86,6 @@ def apply_tp(model: nn.Module, styles: dict[str, str | ParallelStyle], model_mes
     """
     if not styles:
         return
-    from mesh3d.domain.tp_bridge import bridge_tensor_parallel
-
     plan = {fqn: make_style(style, model.get_submodule(fqn), None if meta else 0) for fqn, style in styles.items()}
     parallelize_module(model, model_mesh, plan)
     for fqn, style in plan.items():
