@@ -117,7 +117,7 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         except Exception as err:
             # NOTE: a rank that fails alone would leave its peers waiting in their next exchange:
             # tell them, and learn whether the failure is a symptom of the ranks taking different paths.
-            reported = report_failure(comm, _name(func), err)
+            reported = report_failure(comm, _op_label(func), err)
             if reported is err:
                 raise
             raise reported from err
@@ -130,10 +130,10 @@ def _run_rule_checked(func: Callable, rule: Callable, found: list[DomainTensor],
     if isinstance(result, Step):
         if _changes_layout(result, found):  # what this rank ran, in global terms
             out = result.out
-            JOURNAL.record(_name(func), (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0))
+            JOURNAL.record(_op_label(func), (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0))
         return run_step(result)
     ref = next(t for t in found if t._spec.dim is not None)  # a composite rule (reductions, losses)
-    JOURNAL.record(_name(func), (ref._spec.dim, sum(ref._spec.sizes)))
+    JOURNAL.record(_op_label(func), (ref._spec.dim, sum(ref._spec.sizes)))
     return result
 
 
@@ -151,7 +151,7 @@ def _changes_layout(step: Step, found: list[DomainTensor]) -> bool:
 _NAMES: dict[Callable, str] = {}
 
 
-def _name(func: Callable) -> str:
+def _op_label(func: Callable) -> str:
     name = _NAMES.get(func)
     if name is None:
         name = _NAMES[func] = op_name(func)

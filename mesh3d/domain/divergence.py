@@ -39,8 +39,9 @@ MAGIC = 0x6D657368  # "mesh"
 HEADER_WORDS = 7
 KIND_DATA, KIND_ABORT, KIND_ERROR = 1, 2, 3
 
-_INTERNAL_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,)) + (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,)
+# Frames in these folders are torch's or mesh3d's own: the "user's source line" is the first frame outside them.
+_INTERNAL_DIRS = (os.path.dirname(torch.__file__ or "") + os.sep,
+                  os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep)
 
 
 class DomainDivergenceError(RuntimeError):
