@@ -17,6 +17,7 @@ from mesh3d.domain.dispatch import dispatch
 from mesh3d.domain.exchange import count_traffic
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.io import NpyArray, read
+from mesh3d.domain.ops.idioms import positions
 from mesh3d.domain.split import balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
 
@@ -31,6 +32,7 @@ __all__ = [
     "domain_comm",
     "from_local",
     "full_tensor",
+    "positions",
     "read",
     "redistribute",
     "scatter",

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.collectives import scale_grad, sum_grad
 from mesh3d.domain.exchange import DomainComm, gather_rows
+from mesh3d.domain.gather import replicate_if_singleton
 from mesh3d.domain.halo import WindowPlan
 from mesh3d.domain.registry import RULES, op_name, tree_map
 from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
@@ -201,12 +202,13 @@ def run_step(step: Step) -> Any:
     spec = step.out
     if spec is None:
         return out
+    # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).
     if isinstance(out, torch.Tensor):
         if step.out_ndim is None or out.ndim == step.out_ndim:
-            return adopt(out, spec, step.keep)
+            return replicate_if_singleton(adopt(out, spec, step.keep))
         return out
     ndim = step.out_ndim
-    return tree_map(lambda o: adopt(o, spec, step.keep) if isinstance(o, torch.Tensor)
+    return tree_map(lambda o: replicate_if_singleton(adopt(o, spec, step.keep)) if isinstance(o, torch.Tensor)
                     and (ndim is None or o.ndim == ndim) else o, out)
 
 
