@@ -57,23 +57,24 @@ def _sharded_dim_after(local: tuple[int, ...], dim: int, target: list[int],
     """
     before, after = math.prod(local[:dim]), math.prod(local[dim + 1:])
     merged = {math.prod(local[dim + 1:dim + 1 + k]) for k in range(len(local) - dim)}  # whole trailing dims
-    splits, whole_rows_missing = [], None
+    found, whole_rows_missing = [], None
     for candidate, size in enumerate(target):
         rest = math.prod(target[candidate + 1:])
         if math.prod(target[:candidate]) != before or rest == 0:
             continue
+        # Prefer targets keeping the dims before the sharded one as they are (a leading 1 is not the rows).
+        priority = 0 if candidate >= dim and list(target[:dim]) == list(local[:dim]) else 1
         if after % rest == 0:  # the rows stay rows, possibly merged with whole dims after them
             if after // rest in merged and size * rest == local[dim] * after:
-                return candidate, after, rest
-        elif rest % after == 0:  # a run of tokens split into (rows, W)
-            splits.append((candidate, size, rest))
-    # Among splits, the one with the most rows (smallest W): a leading dim of size 1 is not the rows.
-    for candidate, size, rest in sorted(splits, key=lambda c: c[2]):
-        if any((n * after) % rest for n in sizes):
-            whole_rows_missing = whole_rows_missing or (candidate, rest)
-            continue
-        if size * rest == local[dim] * after:
-            return candidate, after, rest
+                found.append((priority, candidate, rest))
+        elif rest % after == 0:  # a run of tokens split into (rows, W): every rank's run must be whole rows
+            if any((n * after) % rest for n in sizes):
+                whole_rows_missing = whole_rows_missing or (candidate, rest)
+            elif size * rest == local[dim] * after:
+                found.append((priority, candidate, rest))
+    if found:
+        _, candidate, rest = min(found)
+        return candidate, after, rest
     if whole_rows_missing is not None:
         candidate, rest = whole_rows_missing
         raise NotImplementedError(
