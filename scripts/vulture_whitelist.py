@@ -40,4 +40,3 @@ _.world_mesh  # mesh3d/manager.py
 _.explain  # mesh3d/parallel/plan.py: Plan.explain
 
 # Dead, in a module owned by the domain work (#9): to be removed there.
-comm_of  # mesh3d/domain/dispatch.py

@@ -40,3 +40,38 @@ def grads_err(model_ref: torch.nn.Module, model: torch.nn.Module) -> float:
     """Largest difference of one-process grads vs domain-summed grads of the same parameters."""
     errs = [max_err(p.grad, domain_sum(q.grad)) for p, q in zip(model_ref.parameters(), model.parameters())]
     return max(errs, default=0.0)
+
+
+def compare_to_one_process(make, x: torch.Tensor, dim: int, sizes, seed: int = 0) -> float:
+    """Largest error of ``make()`` on ``x`` sharded along ``dim`` vs one process: output, input grad, param grads, buffers.
+
+    ``make`` returns a module or a function; a copy of the module runs on the shards. A replicated
+    result is backpropagated directly (the gradient convention), a sharded one through ``full_tensor``.
+    """
+    import copy
+
+    from mesh3d import domain
+
+    torch.manual_seed(seed)
+    x = x.detach().requires_grad_(x.is_floating_point())
+    ref = make()
+    mod = copy.deepcopy(ref)
+    y = ref(x)
+    cot = torch.randn_like(y) if not y.is_complex() else torch.randn(y.shape, dtype=y.dtype)
+    gx = None
+    if x.requires_grad:
+        (y * cot).real.sum().backward()
+        gx, x.grad = x.grad, None
+    else:
+        (y * cot).real.sum().backward()
+    ys = mod(domain.shard(x, dim=dim, sizes=sizes))
+    out = ys.to_local() if ys.sharded_dim is None else ys.full_tensor().to_local()
+    ((ys if ys.sharded_dim is None else ys.full_tensor()) * cot).real.sum().backward()
+    err = max_err(out, y)
+    if gx is not None:
+        err = max(err, max_err(domain_sum(x.grad), gx))
+    if isinstance(ref, torch.nn.Module):
+        err = max(err, grads_err(ref, mod))
+        for b_ref, b in zip(ref.buffers(), mod.buffers()):
+            err = max(err, max_err(b_ref.double(), b.double()))
+    return err

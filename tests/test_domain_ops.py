@@ -169,7 +169,7 @@ def _refusals_body():
         "flip": lambda: torch.flip(xs, [2]),
         "dropout": lambda: F.dropout(xs, 0.5, training=True),
         "cat_sharded": lambda: torch.cat([xs, xs], 2),
-        "plain_broadcast": lambda: xs + x,
+        "plain_broadcast": lambda: xs + x[:, :, :4],  # neither length 1 nor the global length
         "ce_plain_target": lambda: F.cross_entropy(xs, torch.zeros(2, H, 6, dtype=torch.long)),
         "bicubic": lambda: F.interpolate(xs, scale_factor=2, mode="bicubic"),
         "avg_no_pad_count": lambda: F.avg_pool2d(xs, 3, 1, 1, count_include_pad=False),

@@ -20,8 +20,10 @@ import torch.distributed as dist
 
 from mesh3d.domain.dispatch import block_needs, redistribute_local
 from mesh3d.domain.exchange import DomainComm, gather_rows
-from mesh3d.domain.rows import Span, plan_exchange
+from mesh3d.domain.gather import full_tensor
+from mesh3d.domain.rows import plan_exchange
 from mesh3d.domain.split import aligned_sizes, split_sizes
+from mesh3d.domain.transpose import move_sharding
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager, refuse_if_launched_uninitialized
 
@@ -128,42 +130,16 @@ def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[
     return wrap(local, DomainSpec(dim, sizes, comm))
 
 
-class _FullTensor(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, local, spec: DomainSpec):
-        ctx.spec = spec
-        everything = (Span.rows(0, sum(spec.sizes)),)  # O(D) to plan, whatever the length
-        plan = plan_exchange(spec.sizes, (everything,) * len(spec.sizes), spec.comm.index)
-        with torch.no_grad():
-            whole = gather_rows(local, spec.dim, plan, spec.comm)
-        return whole.view_as(whole) if whole is local else whole
+def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None, dim: int | None = None) -> DomainTensor:
+    """The same tensor with new per-rank sizes along its sharded dim, or sharded along another ``dim``.
 
-    @staticmethod
-    def backward(ctx, grad):
-        spec = ctx.spec
-        # The whole tensor is replicated, so each rank's gradient is the whole gradient: keep my slice.
-        return grad.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]), None
+    Usage: ``ys = domain.redistribute(xs, (4, 4, 4, 4))``; ``zs = domain.redistribute(xs, dim=1)`` (dim 1
+    becomes the sharded one, ``sizes`` along it, and the old sharded dim whole: an all-to-all, uneven allowed)
 
-
-def full_tensor(x: DomainTensor) -> DomainTensor:
-    """The whole tensor on every domain rank (differentiable), as a *replicated* domain tensor.
-
-    Usage: ``whole = domain.full_tensor(ys)  # or ys.full_tensor()``
-
-    Replicated, not plain: parameters applied to it afterwards (a head after gathering) then get
-    1/D of their gradient on each rank, so the domain sum of gradients stays the one-process one.
-    ``.to_local()`` gives the plain tensor.
+    Only moved rows travel.
     """
-    if x.spec.dim is None:
-        return x
-    return adopt(_FullTensor.apply(unwrap(x), x.spec), DomainSpec(None, None, x.spec.comm))
-
-
-def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None) -> DomainTensor:
-    """The same tensor with new per-rank sizes along its sharded dim (only moved rows travel).
-
-    Usage: ``ys = domain.redistribute(xs, (4, 4, 4, 4))``
-    """
+    if dim is not None and dim % x.ndim != x.spec.dim:
+        return move_sharding(x, dim, sizes)
     new = split_sizes(sum(x.spec.sizes), x.spec.comm.size, sizes)
     if new == x.spec.sizes:
         return x

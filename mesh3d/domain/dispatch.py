@@ -24,6 +24,7 @@ from mesh3d.domain.collectives import scale_grad, sum_grad
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
 from mesh3d.domain.halo import WindowPlan, WindowProbe
+from mesh3d.domain.gather import replicate_if_singleton
 from mesh3d.domain.registry import RULES, op_name, tree_map
 from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
@@ -251,18 +252,11 @@ def run_step(step: Step) -> Any:
     spec = step.out
     if spec is None:
         return out
+    # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).
     if isinstance(out, torch.Tensor):
         if step.out_ndim is None or out.ndim == step.out_ndim:
-            return adopt(out, spec, step.keep)
+            return replicate_if_singleton(adopt(out, spec, step.keep))
         return out
     ndim = step.out_ndim
-    return tree_map(lambda o: adopt(o, spec, step.keep) if isinstance(o, torch.Tensor)
+    return tree_map(lambda o: replicate_if_singleton(adopt(o, spec, step.keep)) if isinstance(o, torch.Tensor)
                     and (ndim is None or o.ndim == ndim) else o, out)
-
-
-def comm_of(x: DomainTensor) -> DomainComm:
-    """The domain group a domain tensor lives on.
-
-    Usage: ``comm_of(xs).size``
-    """
-    return x._spec.comm

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.dispatch import run_step
+from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
 from mesh3d.domain.registry import op_name, register
 from mesh3d.domain.step import Entering, Layout, Step
 from mesh3d.domain.tensor import DomainTensor
@@ -91,10 +92,13 @@ def elementwise_step(func, args: tuple, kwargs: dict) -> Step:
         if isinstance(o, DomainTensor) and o._spec.dim is not None:
             return _in_ref_layout(ref, o)
         aligned = out_dim - (out_ndim - o.ndim)
+        if aligned >= 0 and o.shape[aligned] == sum(ref._spec.sizes) != 1:
+            return replicated_slice(o, aligned, ref)  # a position embedding: this rank's rows of it
         if aligned >= 0 and o.shape[aligned] != 1:
             raise ValueError(
                 f"{op_name(func)}: a non-sharded tensor of shape {tuple(o.shape)} varies along the sharded dim "
-                f"{out_dim} of a domain tensor (global shape {tuple(ref.global_shape)}); shard it too with "
+                f"{out_dim} of a domain tensor (global shape {tuple(ref.global_shape)}); give it the global length there "
+                f"(then each rank takes its rows), shard it too with "
                 f"domain.shard(t, dim={aligned}, sizes={ref.spec.sizes}) or give it size 1 there"
             )
         return Entering(o) if isinstance(o, DomainTensor) else o  # a replicated value entering the shards
@@ -154,9 +158,7 @@ for _sm in (torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor
 def _cat(tensors, dim=0) -> Step:
     ref = _check_same_sharding(torch.cat, _sharded(tensors))
     if _norm_dim(dim, ref.ndim) == ref.spec.dim:
-        raise NotImplementedError(
-            f"torch.cat along the sharded dim {ref.spec.dim} is not supported; concatenate along another dim"
-        )
+        return cat_along_sharded(tensors, ref.spec.dim, ref)
     for t in tensors:
         if not isinstance(t, DomainTensor):
             raise ValueError("torch.cat: every input must be a domain tensor sharded the same way; shard the plain one")

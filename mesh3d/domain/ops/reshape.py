@@ -21,7 +21,7 @@ from mesh3d.domain.registry import register
 from mesh3d.domain.step import Step
 from mesh3d.domain.tensor import DomainTensor, unwrap
 
-__all__: list[str] = []
+__all__ = ["reshaped"]
 
 
 def _target_shape(args: tuple, local: torch.Tensor, dim: int) -> list[int]:
@@ -43,46 +43,72 @@ def _target_shape(args: tuple, local: torch.Tensor, dim: int) -> list[int]:
     return shape
 
 
-def _sharded_dim_after(local: tuple[int, ...], dim: int, target: list[int]) -> tuple[int, int] | None:
-    """(target dim holding the sharded rows, how many of its indices one row takes), or None.
+def _sharded_dim_after(local: tuple[int, ...], dim: int, target: list[int],
+                       sizes: tuple[int, ...]) -> tuple[int, int, int] | None:
+    """(target dim holding the sharded rows, elements per row before, elements per target row), or None.
 
-    The rows stay whole blocks when the dims before the sharded one keep their element count and
-    the sharded dim either stays as it is or absorbs whole dims after it (like ``flatten``). The
-    factor comes from the dims after the sharded one, so an empty shard finds the same as the others.
-    With dims of size 1 next to a shard of length 1 the first fitting target dim is taken.
+    With the same element count before it, target dim ``c`` holds the rows when each rank's block of
+    ``n_r * after`` elements (per index of the dims before) is whole target rows of ``rest`` elements:
+    then the global reshape is the concatenation of the local ones. This covers keeping the rows,
+    merging them with whole dims after (``flatten``), and splitting a token run into (rows, W) (the
+    inverse of ``flatten(2)``) when every rank's run is whole rows. Every rank decides from the
+    global ``sizes``; an empty shard finds the same dim as the others. With dims of size 1 next to a
+    shard of length 1 the first fitting target dim is taken. Raises when the run is not whole rows.
     """
     before, after = math.prod(local[:dim]), math.prod(local[dim + 1:])
     merged = {math.prod(local[dim + 1:dim + 1 + k]) for k in range(len(local) - dim)}  # whole trailing dims
+    found, whole_rows_missing = [], None
     for candidate, size in enumerate(target):
         rest = math.prod(target[candidate + 1:])
-        if math.prod(target[:candidate]) != before or rest == 0 or after % rest:
+        if math.prod(target[:candidate]) != before or rest == 0:
             continue
-        inner = after // rest
-        if inner in merged and size == local[dim] * inner:
-            return candidate, inner
+        # Prefer targets keeping the dims before the sharded one as they are (a leading 1 is not the rows).
+        priority = 0 if candidate >= dim and list(target[:dim]) == list(local[:dim]) else 1
+        if after % rest == 0:  # the rows stay rows, possibly merged with whole dims after them
+            if after // rest in merged and size * rest == local[dim] * after:
+                found.append((priority, candidate, rest))
+        elif rest % after == 0:  # a run of tokens split into (rows, W): every rank's run must be whole rows
+            if any((n * after) % rest for n in sizes):
+                whole_rows_missing = whole_rows_missing or (candidate, rest)
+            elif size * rest == local[dim] * after:
+                found.append((priority, candidate, rest))
+    if found:
+        _, candidate, rest = min(found)
+        return candidate, after, rest
+    if whole_rows_missing is not None:
+        candidate, rest = whole_rows_missing
+        raise NotImplementedError(
+            f"reshape of a domain tensor sharded along dim {dim} with sizes {sizes}: target dim "
+            f"{candidate} needs every rank's run ({after} elements per row) to be whole rows of {rest} elements, "
+            f"and it is not; shard with sizes that are multiples of {rest // math.gcd(rest, after)} "
+            "(domain.redistribute(x, sizes=...)) or call .full_tensor() first"
+        )
     return None
 
 
-def _reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> Step:
-    """``x`` reshaped to the local ``target`` when that keeps the sharded rows whole; else a clear refusal."""
+def reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> Step:
+    """``x`` reshaped to the local ``target`` when the ranks' results concatenate to the global one; else a refusal.
+
+    Usage: ``reshaped(xs, [b, c, h, w], "torch.reshape", view=False)``
+    """
     local = unwrap(x)
-    found = _sharded_dim_after(tuple(local.shape), x.spec.dim, target)
+    found = _sharded_dim_after(tuple(local.shape), x.spec.dim, target, x.spec.sizes)
     if found is None:
         raise NotImplementedError(
             f"{op_name}{tuple(target)} of a domain tensor of local shape {tuple(local.shape)} sharded along dim "
             f"{x.spec.dim} would mix rows of the sharded dim with other dims; reshape only dims other than the "
             "sharded one (use the local sizes from .shape), or call .full_tensor() first"
         )
-    new_dim, inner = found
+    new_dim, after, rest = found
     return Step((lambda t: t.view(target)) if view else (lambda t: t.reshape(target)), (x,),
-                out=x.spec.with_sizes(tuple(n * inner for n in x.spec.sizes), dim=new_dim))
+                out=x.spec.with_sizes(tuple(n * after // rest for n in x.spec.sizes), dim=new_dim))
 
 
 def _reshape_rule(op_name: str, view: bool):
     def rule(x: DomainTensor, *shape) -> Step:
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise NotImplementedError(f"{op_name}(dtype) on a domain-sharded tensor is not supported; call .to_local()")
-        return _reshaped(x, _target_shape(shape, unwrap(x), x.spec.dim), op_name, view)
+        return reshaped(x, _target_shape(shape, unwrap(x), x.spec.dim), op_name, view)
 
     return rule
 
@@ -99,4 +125,4 @@ def _flatten(x: DomainTensor, start_dim: int = 0, end_dim: int = -1) -> Step | D
         return x
     start, end = start_dim % len(shape), end_dim % len(shape)
     target = [*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:]]
-    return _reshaped(x, target, f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", view=False)
+    return reshaped(x, target, f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", view=False)

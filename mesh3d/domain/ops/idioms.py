@@ -1,0 +1,290 @@
+"""Model idioms on domain tensors: indexing, class tokens, embeddings, unsqueeze/expand/unflatten, chunk.
+
+Usage: automatic, through torch::
+
+    cls = x[:, 0]                         # one position of the sharded dim: a replicated value
+    x = torch.cat([cls_token, x], dim=1)  # rows go to the rank owning that position (layout uneven)
+    x = x[:, 1:]                          # slices (any positive step) keep the sharding
+    e = F.embedding(ids_s, weight)        # ids sharded: the result is sharded like them
+    pos = domain.positions(xs)            # global positions of this rank's rows (never torch.arange(x.shape[1]))
+
+Every rule decides from the global layout (``spec.sizes``), so every rank takes the same path and
+raises the same error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.collectives import sum_grad
+from mesh3d.domain.dispatch import run_step
+from mesh3d.domain.ops.reshape import reshaped
+from mesh3d.domain.registry import register
+from mesh3d.domain.split import offsets_of
+from mesh3d.domain.step import Entering, Step
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
+
+__all__ = ["cat_along_sharded", "positions"]
+
+
+def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
+    """Global indices of this rank's rows along the sharded dim, as a 1-D int64 domain tensor sharded like them.
+
+    Usage: ``pos = domain.positions(xs); xs + pos_embedding(pos)``
+
+    ``torch.arange(x.shape[1])`` gives *local* positions (``.shape`` is local): use this instead.
+    """
+    spec = x.spec
+    if spec.dim is None:
+        raise ValueError("domain.positions: x is replicated (not sharded); torch.arange(x.shape[d]) is global there")
+    if dim is not None and dim % x.ndim != spec.dim:
+        raise ValueError(f"domain.positions: dim {dim} is not the sharded dim {spec.dim}; torch.arange is right there")
+    n = spec.sizes[spec.comm.index]
+    return wrap(torch.arange(spec.offset, spec.offset + n, device=unwrap(x).device), DomainSpec(0, spec.sizes, spec.comm))
+
+
+# ----------------------------------------------------------------------------- indexing
+def _slice_sizes(sizes: Sequence[int], start: int, stop: int, step: int) -> list[tuple[int, int, int]]:
+    """Per rank: (local start, local stop, count) of ``range(start, stop, step)`` within its rows."""
+    out = []
+    for off, n in zip(offsets_of(sizes), sizes):
+        lo, hi = max(start, off), min(stop, off + n)
+        if lo < hi:
+            first = lo + (-(lo - start)) % step
+            count = max(0, -(-(hi - first) // step))
+        else:
+            first, count = lo, 0
+        out.append((first - off, first - off + (count - 1) * step + 1 if count else first - off, count))
+    return out
+
+
+def _expand_index(index, ndim: int) -> list:
+    items = list(index) if isinstance(index, tuple) else [index]
+    used = sum(1 for i in items if i is not None and i is not Ellipsis
+               and not (isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.ndim > 1))
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (ndim - used)
+    return items + [slice(None)] * (ndim - sum(1 for i in items if i is not None))
+
+
+@register(torch.Tensor.__getitem__)
+def _getitem(x: DomainTensor, index):
+    if not isinstance(x, DomainTensor) or x.spec.dim is None:
+        raise NotImplementedError(
+            "indexing with a domain-sharded index tensor is not supported; index with plain tensors or use "
+            "F.embedding for lookups")
+    spec = x.spec
+    items = _expand_index(index, x.ndim)
+    in_dim = out_dim = 0
+    new_dim = None
+    take_one = None
+    for i, item in enumerate(items):
+        if item is None:
+            out_dim += 1
+            continue
+        if in_dim == spec.dim:
+            n = sum(spec.sizes)
+            if isinstance(item, int) or (isinstance(item, torch.Tensor) and item.ndim == 0 and not item.is_floating_point()
+                                         and item.dtype != torch.bool):
+                pos = int(item)
+                pos = pos + n if pos < 0 else pos
+                if not 0 <= pos < n:
+                    raise IndexError(f"index {int(item)} is out of range for the sharded dim {spec.dim} of length {n}")
+                items[i], take_one, new_dim = slice(pos, pos + 1), out_dim, out_dim
+            elif isinstance(item, slice):
+                start, stop, step = item.indices(n)
+                if step <= 0:
+                    raise NotImplementedError("a slice with a negative step along the sharded dim is not supported")
+                new_dim = out_dim
+            else:
+                raise NotImplementedError(
+                    f"torch.Tensor.__getitem__ with a {type(item).__name__} index along the sharded dim {spec.dim} "
+                    "is not supported (ints and slices are); call .full_tensor() first"
+                )
+        elif not isinstance(item, (int, slice)):
+            if sum(not isinstance(j, (int, slice)) and j is not None for j in items) > 1 or (
+                    isinstance(item, torch.Tensor) and item.dtype == torch.bool and item.ndim != 1):
+                raise NotImplementedError(
+                    "torch.Tensor.__getitem__ on a domain tensor supports one 1-D tensor/list index on a non-sharded dim")
+        in_dim += 1
+        if not isinstance(item, int):
+            out_dim += 1
+    n = sum(spec.sizes)
+    item = items[_item_of(items, spec.dim)]
+    start, stop, step = item.indices(n)
+    per_rank = _slice_sizes(spec.sizes, start, stop, step)
+    lo, hi, _ = per_rank[spec.comm.index]
+    local_items = list(items)
+    local_items[_item_of(items, spec.dim)] = slice(lo, hi, step)
+    key = tuple(local_items)
+    step_ = Step(lambda t: t[key], (x,), out=spec.with_sizes(tuple(c for _, _, c in per_rank), dim=new_dim))
+    if take_one is None:
+        return step_
+    one = run_step(step_)  # global length 1: replicated now; drop the indexed dim as the int index does
+    return one.select(take_one, 0)
+
+
+def _item_of(items: list, dim: int) -> int:
+    """Position in ``items`` of the index applying to input dim ``dim``."""
+    seen = -1
+    for i, item in enumerate(items):
+        if item is not None:
+            seen += 1
+            if seen == dim:
+                return i
+    raise AssertionError(dim)
+
+
+# ----------------------------------------------------------------------------- cat along the sharded dim
+def cat_along_sharded(tensors: Sequence, dim: int, ref: DomainTensor) -> Step:
+    """``torch.cat`` along the sharded dim of ONE sharded tensor with plain/replicated ones.
+
+    Usage: ``cat_along_sharded([cls, xs], 1, xs)`` (the ``torch.cat`` rule calls it)
+
+    Whole pieces before the sharded one go to the rank owning its first row (after it: its last
+    row), so concatenating the ranks' results in rank order is the one-process result. Ranks that
+    do not own a piece still take a zero-row slice of it, so a replicated piece's gradient sum
+    (``Entering``) runs on every rank.
+    """
+    spec = ref.spec
+    sharded = [i for i, t in enumerate(tensors) if isinstance(t, DomainTensor) and t.spec.dim is not None]
+    if len(sharded) != 1:
+        raise NotImplementedError(
+            f"torch.cat along the sharded dim {spec.dim} of several sharded tensors is not supported (each rank "
+            "holds a part of each); concatenate along another dim, or call .full_tensor() first"
+        )
+    at = sharded[0]
+    holders = [r for r, s in enumerate(spec.sizes) if s]
+    first, last = (holders[0], holders[-1]) if holders else (0, spec.comm.size - 1)
+    me = spec.comm.index
+    sizes = list(spec.sizes)
+    reqs, owned = [], []
+    for i, t in enumerate(tensors):
+        if i == at:
+            reqs.append(t)
+            owned.append(True)
+            continue
+        owner = first if i < at else last
+        sizes[owner] += t.shape[dim]
+        reqs.append(Entering(t) if isinstance(t, DomainTensor) else t)
+        owned.append(owner == me)
+
+    def compute(*ts):
+        return torch.cat([t if own else t.narrow(dim, 0, 0) for t, own in zip(ts, owned)], dim)
+
+    return Step(compute, tuple(reqs), out=spec.with_sizes(tuple(sizes)),
+                keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+
+
+def replicated_slice(o: torch.Tensor, dim: int, ref: DomainTensor) -> torch.Tensor:
+    """This rank's rows of ``o``, a plain or replicated tensor of the global length along the sharded dim.
+
+    Usage: ``pos = replicated_slice(pos_embed, 1, xs)`` (the element-wise rule calls it for ``xs + pos_embed``)
+
+    A replicated value's gradient is summed over the domain first (each rank contributes its rows).
+    """
+    spec = ref.spec
+    plain = sum_grad(unwrap(o), spec.comm) if isinstance(o, DomainTensor) and o.requires_grad else unwrap(o)
+    return plain.narrow(dim, spec.offset, spec.sizes[spec.comm.index])
+
+
+# ----------------------------------------------------------------------------- embeddings and shape ops
+@register(F.embedding)
+def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, scale_grad_by_freq=False,
+               sparse=False) -> Step:
+    if max_norm is not None or scale_grad_by_freq:
+        raise NotImplementedError(
+            "F.embedding with max_norm or scale_grad_by_freq on sharded ids is not supported (both depend on "
+            "which ids this rank sees); use max_norm=None, scale_grad_by_freq=False"
+        )
+    if not isinstance(input, DomainTensor) or input.spec.dim is None:
+        raise NotImplementedError("F.embedding with a domain-sharded weight is not supported; shard the ids")
+    return Step(lambda ids, w: F.embedding(ids, w, padding_idx, None, norm_type, False, sparse), (input, weight),
+                out=input.spec)
+
+
+def _shifted(x: DomainTensor, new_ndim: int) -> DomainSpec:
+    return x.spec.with_sizes(x.spec.sizes, dim=x.spec.dim + new_ndim - x.ndim)
+
+
+@register(torch.unsqueeze, torch.Tensor.unsqueeze)
+def _unsqueeze(input, dim) -> Step:
+    d = dim % (input.ndim + 1)
+    new = input.spec.dim + 1 if d <= input.spec.dim else input.spec.dim
+    return Step(lambda t: t.unsqueeze(d), (input,), out=input.spec.with_sizes(input.spec.sizes, dim=new))
+
+
+@register(torch.squeeze, torch.Tensor.squeeze)
+def _squeeze(input, dim=None) -> Step:
+    local_shape = unwrap(input).shape
+    dims = range(input.ndim) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    dims = sorted({d % input.ndim for d in dims if local_shape[d % input.ndim] == 1} - {input.spec.dim})
+    new = input.spec.dim - sum(d < input.spec.dim for d in dims)
+    return Step(lambda t: t.squeeze(tuple(dims)) if dims else t.view_as(t), (input,),
+                out=input.spec.with_sizes(input.spec.sizes, dim=new))
+
+
+@register(torch.Tensor.expand)
+def _expand(input, *sizes) -> Step:
+    sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
+    spec = _shifted(input, len(sizes))
+    local = unwrap(input).shape[input.spec.dim]
+    if sizes[spec.dim] not in (-1, local):
+        raise NotImplementedError(
+            f"torch.Tensor.expand{tuple(sizes)} changes the sharded dim {spec.dim} (local length {local}); "
+            "use -1 there (the local length)"
+        )
+    return Step(lambda t: t.expand(sizes), (input,), out=spec)
+
+
+@register(torch.Tensor.expand_as)
+def _expand_as(input, other) -> Step:
+    return _expand(input, *unwrap(other).shape)
+
+
+@register(torch.unflatten, torch.Tensor.unflatten)
+def _unflatten(input, dim, sizes):
+    shape = list(unwrap(input).shape)
+    d = dim % len(shape)
+    return reshaped(input, [*shape[:d], *sizes, *shape[d + 1:]], "torch.unflatten ->", view=False)
+
+
+def _chunk_rule(func):
+    def rule(input, split_size_or_sections, dim=0):
+        if dim % input.ndim == input.spec.dim:
+            raise NotImplementedError(
+                f"{func.__qualname__} along the sharded dim {input.spec.dim} is not supported; split another dim "
+                "or use slicing (x[:, a:b])"
+            )
+        return Step(lambda t: func(t, split_size_or_sections, dim), (input,), out=input.spec)
+
+    return rule
+
+
+for _f in (torch.chunk, torch.Tensor.chunk, torch.split, torch.Tensor.split):
+    register(_f)(_chunk_rule(_f))
+
+
+@register(torch.unbind, torch.Tensor.unbind)
+def _unbind(input, dim=0) -> Step:
+    d = dim % input.ndim
+    if d == input.spec.dim:
+        raise NotImplementedError(f"torch.unbind along the sharded dim {d} is not supported; unbind another dim")
+    return Step(lambda t: t.unbind(d), (input,), out=_shifted(input, input.ndim - 1))
+
+
+_COMPLEX_PARTS = (getattr(torch.Tensor, "real").__get__, getattr(torch.Tensor, "imag").__get__, torch.real, torch.imag, torch.conj,
+                  torch.Tensor.conj, torch.angle, torch.Tensor.angle, torch.view_as_real, torch.view_as_complex)
+
+
+def _complex_rule(func):
+    """Real/imaginary parts, conjugate, angle: element by element (``view_as_real`` adds a last dim)."""
+    return lambda input: Step(func, (input,), out=input.spec)
+
+
+for _f in _COMPLEX_PARTS:
+    register(_f)(_complex_rule(_f))

@@ -1,0 +1,82 @@
+"""``torch.fft.*`` along sharded dims, exact: move the sharding to a dim the transform leaves alone, transform, move back.
+
+Usage: automatic; ``torch.fft.rfftn(xs, dim=(-2, -1))`` with ``xs`` sharded along dim 2 gives the
+one-process spectrum, sharded along dim 2 (``torch.chunk`` sizes of its new length when the
+transform changes it, e.g. ``rfft`` halving the last dim or ``s=``; the original sizes otherwise).
+
+The transformed dims must be whole on a rank, so the sharding is first moved (``transpose.move_sharding``,
+an all-to-all with uneven shards) to the largest dim outside the transform (batch or channels;
+ranks beyond its length hold empty shards), the op runs unchanged on the local block, and the
+result is moved back. Transforms over every dim have no such dim and raise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesh3d.domain.registry import register
+from mesh3d.domain.split import split_sizes
+from mesh3d.domain.step import Step
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.transpose import move_sharding
+
+__all__: list[str] = []
+
+# name -> 1 (a 1-D transform, dim=-1 by default), 2 (dims (-2, -1)) or 0 (n-D: the last len(s) dims or all).
+_OPS = {
+    "fft": 1, "ifft": 1, "rfft": 1, "irfft": 1, "hfft": 1, "ihfft": 1,
+    "fft2": 2, "ifft2": 2, "rfft2": 2, "irfft2": 2, "hfft2": 2, "ihfft2": 2,
+    "fftn": 0, "ifftn": 0, "rfftn": 0, "irfftn": 0, "hfftn": 0, "ihfftn": 0,
+}
+
+
+def _transformed_dims(kind: int, ndim: int, dim, s) -> list[int]:
+    if kind == 1:
+        return [(dim if dim is not None else -1) % ndim]
+    if dim is None:
+        if kind == 2:
+            return [ndim - 2, ndim - 1]
+        return list(range(ndim - len(s), ndim)) if s is not None else list(range(ndim))
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    return [d % ndim for d in dims]
+
+
+def _spectral_rule(name: str, kind: int):
+    func = getattr(torch.fft, name)
+
+    def run(x, size, dim, norm):
+        if not isinstance(x, DomainTensor):
+            raise NotImplementedError(f"torch.fft.{name} with a domain tensor as other than its input")
+        spec = x.spec
+        dims = _transformed_dims(kind, x.ndim, dim, size)
+        if spec.dim not in dims:
+            return Step(lambda t: func(t, size, dim, norm), (x,), out=spec)
+        free = [d for d in range(x.ndim) if d not in dims]
+        if not free:
+            raise NotImplementedError(
+                f"torch.fft.{name} over every dim of a domain tensor sharded along dim {spec.dim}: no dim is left "
+                "to hold the sharding while the transformed dims are whole; keep the batch or channel dim out of dim="
+            )
+        local = unwrap(x)
+        park = max(free, key=lambda d: local.shape[d])
+        moved = move_sharding(x, park)
+        out = func(unwrap(moved), size, dim, norm)
+        n_out = out.shape[spec.dim]
+        sizes = spec.sizes if n_out == sum(spec.sizes) else split_sizes(n_out, spec.comm.size)
+        return move_sharding(adopt(out, moved.spec), spec.dim, sizes)
+
+    if kind == 1:
+        def rule(input, n=None, dim=-1, norm=None):
+            return run(input, n, dim, norm)
+    elif kind == 2:
+        def rule(input, s=None, dim=(-2, -1), norm=None):
+            return run(input, s, dim, norm)
+    else:
+        def rule(input, s=None, dim=None, norm=None):
+            return run(input, s, dim, norm)
+    rule.__name__ = f"fft_{name}"
+    return rule
+
+
+for _name, _kind in _OPS.items():
+    register(getattr(torch.fft, _name))(_spectral_rule(_name, _kind))

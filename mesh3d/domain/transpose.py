@@ -1,0 +1,89 @@
+"""Moving the sharded dim to another dim (an all-to-all by point-to-point messages), uneven shards included.
+
+Usage::
+
+    ys = move_sharding(xs, dim=1)                  # xs sharded along 2 -> ys sharded along 1, dim 2 whole
+    zs = move_sharding(ys, dim=2, sizes=xs.sizes)  # and back, to the original layout
+
+Rank r holds rows ``[o_r, o_r + s_r)`` of dim ``d`` and all of dim ``e``. After the move it holds all
+of ``d`` and the block ``t_r`` of ``e``: it sends rank q the piece (its rows of ``d``) x (q's block
+of ``e``) and receives from every q the piece (q's rows of ``d``) x (its block of ``e``), placed
+in rank order along ``d``. Empty shards send and receive nothing. The backward is the reverse move
+of the gradient (the exact adjoint: every element has one owner before and after). Complex tensors
+travel as their real view. This is what spectral rules (``ops/spectral.py``) use so that the
+transformed dims are whole on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mesh3d.domain.exchange import DomainComm, _exchange
+from mesh3d.domain.split import offsets_of, split_sizes
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+
+__all__ = ["move_local", "move_sharding"]
+
+
+def _real(t: torch.Tensor) -> torch.Tensor:
+    return torch.view_as_real(t) if t.is_complex() else t
+
+
+def move_local(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: Sequence[int],
+               dst_dim: int, dst_sizes: Sequence[int]) -> torch.Tensor:
+    """The all-to-all on plain local tensors (not differentiable by itself; ``move_sharding`` is).
+
+    Usage: ``out = move_local(local, comm, 2, (3, 0, 5), 1, (2, 1, 1))``
+    """
+    me = comm.index
+    dst_off = offsets_of(dst_sizes)
+    local = local.contiguous()
+    outgoing, incoming = [], []
+    out_shape = list(local.shape)
+    out_shape[src_dim], out_shape[dst_dim] = sum(src_sizes), dst_sizes[me]
+    pieces = []
+    for q in range(comm.size):
+        piece_shape = list(out_shape)
+        piece_shape[src_dim] = src_sizes[q]
+        if q == me:
+            pieces.append(local.narrow(dst_dim, dst_off[me], dst_sizes[me]))
+            continue
+        outgoing.append((q, local.narrow(dst_dim, dst_off[q], dst_sizes[q]).contiguous()))
+        buf = local.new_empty(piece_shape)
+        incoming.append((q, buf))
+        pieces.append(buf)
+    _exchange(comm, [(q, _real(b)) for q, b in outgoing], [(q, _real(b)) for q, b in incoming])
+    return torch.cat(pieces, src_dim)
+
+
+class _Move(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, comm, src_dim, src_sizes, dst_dim, dst_sizes):
+        ctx.args = (comm, src_dim, src_sizes, dst_dim, dst_sizes)
+        return move_local(local, comm, src_dim, src_sizes, dst_dim, dst_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        comm, src_dim, src_sizes, dst_dim, dst_sizes = ctx.args
+        return move_local(grad, comm, dst_dim, dst_sizes, src_dim, src_sizes), None, None, None, None, None
+
+
+def move_sharding(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None) -> DomainTensor:
+    """``x`` sharded along ``dim`` instead (``sizes`` along it: ``torch.chunk``'s by default), its old dim whole.
+
+    Usage: ``ys = move_sharding(xs, dim=1)``
+    """
+    spec = x.spec
+    if spec.dim is None:
+        raise ValueError("move_sharding: x is replicated (not sharded); use domain.shard on it instead")
+    dim = dim % x.ndim
+    new_sizes = split_sizes(x.shape[dim], spec.comm.size, sizes)
+    if dim == spec.dim:
+        raise ValueError(f"move_sharding: x is already sharded along dim {dim}; use domain.redistribute(x, sizes=...)")
+    local = unwrap(x)
+    if spec.comm.size == 1:
+        return adopt(local.view_as(local), DomainSpec(dim, new_sizes, spec.comm))
+    moved = _Move.apply(local, spec.comm, spec.dim, spec.sizes, dim, new_sizes)
+    return adopt(moved, DomainSpec(dim, new_sizes, spec.comm))

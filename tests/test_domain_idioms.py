@@ -1,0 +1,212 @@
+"""Model idioms on uneven shards (2 and 3 ranks, empty shards drawn) vs one process in fp64, forward and backward:
+global pooling then a head, tokens back to a grid, class token + position embedding + x[:, 0], slicing,
+embeddings on sharded ids, domain.positions, torch.fft along the sharded dim, einops, redistribute(dim=)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from domain_cases import compare_to_one_process, shard_sizes
+
+TOL = 1e-10
+H = 7
+D64 = torch.float64
+
+
+class PoolHead(torch.nn.Module):
+    """AdaptiveAvgPool2d(1) then view/flatten then a classifier head (ResNet style)."""
+
+    def __init__(self, view: bool):
+        super().__init__()
+        self.conv, self.view = torch.nn.Conv2d(3, 4, 3, padding=1, dtype=D64), view
+        self.head = torch.nn.Linear(4, 5, dtype=D64)
+
+    def forward(self, x):
+        y = torch.nn.AdaptiveAvgPool2d(1)(torch.relu(self.conv(x)))
+        return self.head(y.view(y.shape[0], -1) if self.view else torch.flatten(y, 1))
+
+
+class TokensToGrid(torch.nn.Module):
+    """flatten(2).transpose(1, 2) -> Linear -> back to (B, C, h, W) with the local h (SegFormer/Swin style)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mix = torch.nn.Linear(3, 4, dtype=D64)
+        self.conv = torch.nn.Conv2d(4, 2, 3, padding=1, dtype=D64)
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        t = self.mix(x.flatten(2).transpose(1, 2))                 # (B, L, C)
+        grid = t.transpose(1, 2).reshape(b, 4, h, w)               # the inverse of flatten(2)
+        swin = t.view(b, h, w, 4).permute(0, 3, 1, 2)              # (B, h, W, C) view, as Swin does
+        return self.conv(grid + swin * 0.5)
+
+
+class ClsPos(torch.nn.Module):
+    """ViT: cat a class token along the token dim, add a position embedding of the global length, read x[:, 0]."""
+
+    def __init__(self, tokens: int):
+        super().__init__()
+        self.cls = torch.nn.Parameter(torch.randn(1, 1, 4, dtype=D64))
+        self.pos = torch.nn.Parameter(torch.randn(1, tokens + 1, 4, dtype=D64))
+        self.norm = torch.nn.LayerNorm(4, dtype=D64)
+        self.head = torch.nn.Linear(4, 3, dtype=D64)
+
+    def forward(self, x):                                          # (B, L, 4)
+        x = torch.cat([self.cls.expand(x.shape[0], -1, -1), x], dim=1) + self.pos
+        x = self.norm(x)
+        return self.head(x[:, 0]) + x[:, 1:].mean(dim=1)[:, :3] + x[:, -1, :3]
+
+
+class PatchMerge(torch.nn.Module):
+    """Swin patch merging: strided slices along the sharded dim, cat along channels (layouts differ)."""
+
+    def forward(self, x):                                          # (B, H, W, C)
+        return torch.cat([x[:, 0::2, 0::2], x[:, 1::2, 0::2], x[:, 0::2, 1::2], x[:, 1::2, 1::2]], -1) * 2
+
+
+class Spectral(torch.nn.Module):
+    """FNO-style: rfftn over the sharded and another dim, a complex weight, irfftn back; plus fft/ifft 1-D."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(3, H, 4, dtype=torch.complex128))
+
+    def forward(self, x):                                          # (B, 3, H, 6)
+        f = torch.fft.rfftn(x, dim=(-2, -1), norm="ortho")
+        y = torch.fft.irfftn(f * self.w, s=(x.shape[-2] if False else H, 6), dim=(-2, -1), norm="ortho")
+        g = torch.fft.ifft(torch.fft.fft(x, dim=2) * 1.5, dim=2).real
+        return y + g + torch.fft.fft2(x).abs()
+
+
+class Positions(torch.nn.Module):
+    def __init__(self, tokens: int):
+        super().__init__()
+        self.emb = torch.nn.Embedding(tokens, 4, dtype=D64)
+
+    def forward(self, x):                                          # (B, L, 4)
+        from mesh3d import domain
+        from mesh3d.domain import DomainTensor
+
+        pos = domain.positions(x) if isinstance(x, DomainTensor) else torch.arange(x.shape[1])
+        return x * self.emb(pos)
+
+
+class Einops(torch.nn.Module):
+    def forward(self, x):                                          # (B, C, H, W)
+        from einops import rearrange, reduce, repeat
+
+        t = rearrange(x, "b c h w -> b (h w) c")
+        g = rearrange(t, "b (h w) c -> b c h w", w=x.shape[3])  # name the whole axis: h may be 0 on a rank
+        m = reduce(x, "b c h w -> b c", "mean")
+        r = repeat(x, "b c h w -> b c h w k", k=2).sum(-1)
+        return g + r + m[:, :, None, None]
+
+
+def _embedding_case(sizes):
+    ids = torch.randint(0, 6, (2, H))
+    weight = torch.randn(6, 3, dtype=D64, requires_grad=True)
+    from mesh3d import domain
+    from domain_cases import domain_sum, max_err
+
+    ref = F.embedding(ids, weight)
+    cot = torch.randn_like(ref)
+    (ref * cot).sum().backward()
+    gw, weight.grad = weight.grad, None
+    got = F.embedding(domain.shard(ids, dim=1, sizes=sizes), weight).full_tensor()
+    (got * cot).sum().backward()
+    return max(max_err(got.to_local(), ref), max_err(domain_sum(weight.grad), gw))
+
+
+def _redistribute_case(sizes):
+    from mesh3d import domain
+    from domain_cases import domain_sum, max_err
+
+    x = torch.randn(3, 5, H, dtype=D64, requires_grad=True)
+    xs = domain.shard(x, dim=2, sizes=sizes)
+    moved = domain.redistribute(xs, dim=1)
+    back = domain.redistribute(moved * torch.arange(1.0, 6.0, dtype=D64)[:, None], dim=2, sizes=sizes)
+    ref = x * torch.arange(1.0, 6.0, dtype=D64)[:, None]
+    err = max(max_err(moved.full_tensor().to_local(), x), max_err(back.full_tensor().to_local(), ref))
+    (back.full_tensor() ** 2).sum().backward()
+    gx = torch.autograd.grad((ref ** 2).sum(), x)[0]
+    return max(err, max_err(domain_sum(x.grad), gx))
+
+
+def _idioms_body(sizes):
+    from mesh3d import DistributedManager
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    grid, tokens = torch.randn(2, 3, H, 6, dtype=D64), torch.randn(2, H, 4, dtype=D64)
+    cases = {
+        "pool_view_head": (lambda: PoolHead(True), grid, 2),
+        "pool_flatten_head": (lambda: PoolHead(False), grid, 2),
+        "tokens_to_grid": (TokensToGrid, grid, 2),
+        "cls_pos_index": (lambda: ClsPos(H), tokens, 1),
+        "patch_merge": (PatchMerge, torch.randn(2, H + 1, 4, 3, dtype=D64), 1),
+        "spectral": (Spectral, grid, 2),
+        "positions": (lambda: Positions(H), tokens, 1),
+        "einops": (Einops, grid, 2),
+    }
+    errors = {}
+    for i, (name, (make, x, dim)) in enumerate(cases.items()):
+        local_sizes = sizes if x.shape[dim] == H else None
+        errors[name] = compare_to_one_process(make, x, dim, local_sizes, seed=i)
+    errors["embedding"] = _embedding_case(sizes)
+    errors["redistribute_dim"] = _redistribute_case(sizes)
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_idioms_match_one_process(ranks, world, data):
+    sizes = data.draw(shard_sizes(H, world))
+    for rank_errors in ranks.run(world, _idioms_body, sizes, timeout=90):
+        bad = {k: v for k, v in rank_errors.items() if not v < TOL}
+        assert not bad, (sizes, bad)
+
+
+def _idiom_refusals_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    x = torch.randn(2, 3, 4, 5, dtype=D64)
+    tokens = domain.shard(x.flatten(2), dim=2, sizes=(7, 13, 0))          # runs of 7 and 13: not whole rows of 5
+    xs = domain.shard(x, dim=2)
+    attempts = {
+        "unflatten_partial_rows": lambda: tokens.reshape(2, 3, -1, 5),
+        "cat_two_sharded": lambda: torch.cat([xs, xs], 2),
+        "fft_all_dims": lambda: torch.fft.fftn(xs),
+        "tensor_index_sharded": lambda: xs[:, :, torch.tensor([0, 1])],
+        "embedding_max_norm": lambda: F.embedding(domain.shard(torch.zeros(2, 4, dtype=torch.long), dim=1),
+                                                  torch.randn(3, 2), max_norm=1.0),
+        "setitem": lambda: xs.__setitem__((slice(None), 0), 1.0),
+        "unknown_op": lambda: torch.flip(xs, [2]),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except (NotImplementedError, ValueError) as e:
+            messages[name] = str(e)
+    return messages
+
+
+def test_idiom_refusals_raise_on_every_rank(ranks):
+    results = ranks.run(3, _idiom_refusals_body, timeout=60)
+    for messages in results:
+        assert messages == results[0]                                     # the same error on every rank
+        missing = [k for k, v in messages.items() if v is None]
+        assert not missing, f"did not raise: {missing}"
+        assert "whole rows of 5" in messages["unflatten_partial_rows"]
+        assert "several sharded" in messages["cat_two_sharded"]
+        assert "every dim" in messages["fft_all_dims"]
+        assert "torch.flip" in messages["unknown_op"] and "no domain rule" in messages["unknown_op"]
+        assert "__setitem__" in messages["setitem"]
