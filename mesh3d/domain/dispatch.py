@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor, Replicate
 from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.collectives import scale_grad, sum_grad
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
-from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
-from mesh3d.domain.halo import WindowPlan, WindowProbe
+from mesh3d.domain.exchange import gather_rows, report_failure
 from mesh3d.domain.gather import replicate_if_singleton
+from mesh3d.domain.halo import WindowPlan, WindowProbe
 from mesh3d.domain.registry import RULES, op_name, tree_map
 from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
