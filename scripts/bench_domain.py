@@ -196,6 +196,15 @@ def part_dispatch(args, device) -> dict:
         dom = min(_median_time(loop_domain, 3, lambda: None) for _ in range(3)) / n
         out[name] = {"plain_us": plain * 1e6, "domain_us": dom * 1e6, "overhead_us": (dom - plain) * 1e6}
         print(f"  {name:20s} +{(dom - plain) * 1e6:6.1f} us", flush=True)
+    # On a multi-rank domain each layout-changing op is also journaled (for divergence detection):
+    # its cost per op, measured on the journal itself (a one-rank domain does not journal).
+    from mesh3d.domain.divergence import OpJournal
+
+    journal = OpJournal()
+    record = lambda: journal.record("torch.nn.functional.conv2d", (2, 512))  # noqa: E731
+    per = min(_median_time(lambda: [record() for _ in range(n)], 3, lambda: None) for _ in range(3)) / n
+    out["journal record (multi-rank only)"] = {"us": per * 1e6}
+    print(f"  journal record (multi-rank domains): +{per * 1e6:.1f} us per layout-changing op", flush=True)
     big = domain.shard(torch.zeros(10**6, 1), dim=0)
     plan_exchange.cache_clear()
     whole = _median_time(lambda: big.full_tensor(), 5, lambda: None)

@@ -11,11 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "mesh3d"
 
 #: Function-level imports that stay, each for a reason the import cannot be at the top.
-ALLOWED_FUNCTION_IMPORTS = {
-    # DomainTensor.full_tensor calls the public full_tensor, whose module (api) imports the type;
-    # mesh3d/domain/tensor.py belongs to the domain work (issue #9), which resolves it there.
-    ("mesh3d.domain.tensor", "mesh3d.domain.api"),
-}
+ALLOWED_FUNCTION_IMPORTS: set[tuple[str, str]] = set()
 
 
 def _module_name(path: Path) -> str:

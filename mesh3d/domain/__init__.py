@@ -25,6 +25,7 @@ from mesh3d.domain.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
 
 DomainTensor._dispatcher = staticmethod(dispatch)
+DomainTensor._gather_whole = staticmethod(full_tensor)
 # NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
 DistributedManager.on_shutdown(JOURNAL.reset)
 

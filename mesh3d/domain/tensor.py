@@ -128,11 +128,12 @@ class DomainTensor(torch.Tensor):
         """This rank's shard as a plain tensor (differentiable)."""
         return unwrap(self)
 
+    #: ``mesh3d.domain.gather.full_tensor``, set when ``mesh3d.domain`` is imported (like ``_dispatcher``).
+    _gather_whole: Any = None
+
     def full_tensor(self) -> DomainTensor:
         """The whole tensor on every domain rank, replicated (differentiable; backward keeps each rank's slice)."""
-        from mesh3d.domain.api import full_tensor
-
-        return full_tensor(self)
+        return type(self)._gather_whole(self)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         local = unwrap(self)
