@@ -74,14 +74,18 @@ def test_a_model_branching_on_local_shapes_raises_on_every_rank(ranks, loss_afte
         assert "multiple_of" in msg and "x.shape" in msg, msg
 
 
-def _unet_body(sizes_rule: str):
-    from monai.networks.nets import BasicUNet
+def _unet_body(sizes_rule: str, net: str = "BasicUNet"):
+    from monai.networks.nets import UNet, BasicUNet
 
     from mesh3d import DistributedManager, domain
 
     DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
-    ref = BasicUNet(spatial_dims=2, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 16, 4)).double()
+    if net == "BasicUNet":  # max pooling down, transposed convs up, UpCat pads a skip whose local shape differs
+        ref = BasicUNet(spatial_dims=2, in_channels=1, out_channels=2, features=(4, 4, 8, 8, 16, 4)).double()
+    else:  # strided residual convs down, transposed convs up
+        ref = UNet(spatial_dims=2, in_channels=1, out_channels=2, channels=(4, 8, 8, 16), strides=(2, 2, 2),
+                   num_res_units=1).double()
     model = copy.deepcopy(ref)
     x = torch.randn(2, 1, 32, 16, dtype=torch.float64)
     target = torch.randn(2, 2, 32, 16, dtype=torch.float64)
@@ -99,11 +103,13 @@ def _unet_body(sizes_rule: str):
                        grads_err(ref, model))}
 
 
-def test_monai_basic_unet_aligned_split_equals_one_process_and_misaligned_raises_everywhere(ranks):
+def test_monai_unets_aligned_split_equal_one_process_and_misaligned_raises_everywhere(ranks):
     pytest.importorskip("monai")  # the zoo extra (scripts/test.sh installs it)
     for result in ranks.run(3, _unet_body, "aligned", timeout=120):
         assert result["factor"] == 16 and result["error"] is None, result
         assert result["sizes"] == (16, 16, 0) and result["err"] < TOL, result
+    for result in ranks.run(3, _unet_body, "aligned", "UNet", timeout=120):
+        assert result["factor"] == 8 and result["sizes"] == (16, 8, 8) and result["err"] < TOL, result
     started = time.monotonic()
     with pytest.raises(RankFailure) as failure:  # the default (11, 11, 10) split
         ranks.run(3, _unet_body, "default", timeout=120)
