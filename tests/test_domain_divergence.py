@@ -4,7 +4,6 @@ and splits aligned to the model's downsampling keep deep U-Nets equal to one pro
 from __future__ import annotations
 
 import copy
-import time
 
 import pytest
 import torch
@@ -64,10 +63,8 @@ def rank_errors(failure: RankFailure, world: int) -> list[str]:
 @pytest.mark.parametrize("loss_after_exchange", [True, False], ids=["forward", "backward"])
 def test_a_model_branching_on_local_shapes_raises_on_every_rank(ranks, loss_after_exchange):
     """(5, 4): rank 0's local height is odd, so only it pads; both ranks name the pad and its line."""
-    started = time.monotonic()
-    with pytest.raises(RankFailure) as failure:
-        ranks.run(2, _diverging_body, loss_after_exchange, (5, 4), timeout=60)
-    assert time.monotonic() - started < 30
+    with pytest.raises(RankFailure) as failure:  # a hang would be a RankTimeout after 30 s instead
+        ranks.run(2, _diverging_body, loss_after_exchange, (5, 4), timeout=30)
     for msg in rank_errors(failure.value, 2):
         assert "DomainDivergenceError" in msg and "ran different domain ops" in msg, msg
         assert "torch.nn.functional.pad" in msg and "test_domain_divergence.py" in msg, msg
@@ -110,10 +107,8 @@ def test_monai_unets_aligned_split_equal_one_process_and_misaligned_raises_every
         assert result["sizes"] == (16, 16, 0) and result["err"] < TOL, result
     for result in ranks.run(3, _unet_body, "aligned", "UNet", timeout=120):
         assert result["factor"] == 8 and result["sizes"] == (16, 8, 8) and result["err"] < TOL, result
-    started = time.monotonic()
-    with pytest.raises(RankFailure) as failure:  # the default (11, 11, 10) split
-        ranks.run(3, _unet_body, "default", timeout=120)
-    assert time.monotonic() - started < 60
+    with pytest.raises(RankFailure) as failure:  # the default (11, 11, 10) split; a hang: RankTimeout at 60 s
+        ranks.run(3, _unet_body, "default", timeout=60)
     for msg in rank_errors(failure.value, 3):
         assert "DomainDivergenceError" in msg and "different" in msg and "multiple_of" in msg, msg
         assert "basic_unet.py" in msg, msg  # the user's (the library's) source line of the op

@@ -10,14 +10,15 @@ Usage::
 
 Unchanged models read local shapes (``x.shape`` is this rank's shard), so code such as
 ``if x.shape[2] % 2: x = F.pad(...)`` can take a different path on each domain rank. Each rank keeps
-a journal of the domain ops it ran since its last exchange point (op name, the result's sharded dim
-and global length, the user's source line). Every exchange (halo, gather, redistribute and the domain
-reductions, forward and backward) first swaps a fixed-size header with each peer it exchanges with:
-the journal's fingerprint, the bytes each side will send, the size of its journal. Equal headers: the
-data follow. Different ones: both sides swap their journals, tell every other domain rank to stop
-(so nobody waits on them), and raise ``DomainDivergenceError`` naming, per rank, the first op that
-differs. Messages never go out with a size the receiver does not expect (gloo aborts the process on
-that), and no collective is added: the header rides in the exchange's own round of messages.
+a journal of the layout-changing domain ops it ran (op name, the result's sharded dim and global
+length, the user's source line) as a running fingerprint. Every exchange (halo, gather, redistribute
+and the domain reductions, forward and backward) first swaps a fixed-size header with each peer it
+exchanges with: the fingerprint and the bytes each side will send. Equal headers: the data follow.
+Different ones: both sides swap their journals, tell every other domain rank to stop (so nobody waits
+on them), and raise ``DomainDivergenceError`` naming, per rank, the first op that differs. Messages
+never go out with a size the receiver does not expect (gloo aborts the process on that). No collective
+is added: the headers are point-to-point messages to the exchange's own peers, one small round before
+its data.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ import xxhash
 
 __all__ = ["DomainDivergenceError", "JOURNAL", "OpJournal", "describe_divergence"]
 
-#: Header words: MAGIC, kind, fingerprint, bytes to the peer, bytes from the peer, journal bytes, sender index.
+#: Header words: MAGIC, kind, fingerprint, bytes the sender sends the receiver, bytes it expects from it.
 MAGIC = 0x6D657368  # "mesh"
-HEADER_WORDS = 7
+HEADER_WORDS = 5
 KIND_DATA, KIND_ABORT, KIND_ERROR = 1, 2, 3
 
 # Frames in these folders are torch's or mesh3d's own: the "user's source line" is the first frame outside them.
@@ -96,12 +97,12 @@ class OpJournal:
         return "unknown"
 
 
-#: The process's journal (one domain group per process; exchange points cut it).
+#: The process's journal (one domain group per process; ``DistributedManager.shutdown`` resets it).
 JOURNAL = OpJournal()
 
 
-def header(kind: int, fingerprint: int, to_peer: int, from_peer: int, journal_bytes: int, me: int) -> torch.Tensor:
-    return torch.tensor([MAGIC, kind, fingerprint, to_peer, from_peer, journal_bytes, me], dtype=torch.int64)
+def header(kind: int, fingerprint: int = 0, to_peer: int = 0, from_peer: int = 0) -> torch.Tensor:
+    return torch.tensor([MAGIC, kind, fingerprint, to_peer, from_peer], dtype=torch.int64)
 
 
 def encode_journal(entries) -> bytes:

@@ -96,19 +96,18 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     to_peer = {peer: buf.numel() * buf.element_size() for peer, buf in outgoing}
     from_peer = {peer: buf.numel() * buf.element_size() for peer, buf in incoming}
     peers = sorted(set(to_peer) | set(from_peer))
-    mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0), 0,
-                                 comm.index) for q in peers}
+    mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0)) for q in peers}
     theirs = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in peers}
     for work in _post(comm, list(mine.items()), list(theirs.items())):
         work.wait()
     differ: dict[int, str] = {}
     for q in peers:
-        magic, kind, their_print, to_me, from_me, _, _ = (int(v) for v in theirs[q])
+        magic, kind, their_print, to_me, from_me = (int(v) for v in theirs[q])
         if magic != divergence.MAGIC:
             differ[q] = "a message that is not a mesh3d header arrived"
         elif kind in (divergence.KIND_ABORT, divergence.KIND_ERROR):
             if kind == divergence.KIND_ERROR:  # it waits to learn whether we ran what it ran
-                _post(comm, [(q, divergence.header(divergence.KIND_DATA, fingerprint, 0, 0, 0, comm.index))], [])
+                _post(comm, [(q, divergence.header(divergence.KIND_DATA, fingerprint))], [])
             _abort(comm, skip=set(peers))
             what = "failed in a domain op" if kind == divergence.KIND_ERROR else "found that the domain ranks ran " \
                 "different domain ops"
@@ -146,7 +145,7 @@ def _swap_journals(comm: DomainComm, peers: list[int], entries: list) -> dict[in
 
 def _abort(comm: DomainComm, skip: set[int]) -> None:
     """Tell every other domain rank to stop: its next header from this rank says so (nobody waits on us)."""
-    stop = divergence.header(divergence.KIND_ABORT, 0, 0, 0, 0, comm.index)
+    stop = divergence.header(divergence.KIND_ABORT)
     others = [(q, stop) for q in range(comm.size) if q != comm.index and q not in skip]
     _PENDING_ABORTS.extend(_post(comm, others, []))
 
@@ -164,7 +163,7 @@ def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.
     exchange answers with its fingerprint; a peer busy elsewhere is given ``wait_s`` seconds.
     """
     fingerprint = divergence.JOURNAL.fingerprint
-    notice = divergence.header(divergence.KIND_ERROR, fingerprint, 0, 0, 0, comm.index)
+    notice = divergence.header(divergence.KIND_ERROR, fingerprint)
     others = [q for q in range(comm.size) if q != comm.index]
     replies = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in others}
     works = _post(comm, [(q, notice) for q in others], list(replies.items()))
@@ -239,11 +238,11 @@ def _assemble(local: torch.Tensor, dim: int, pieces: tuple[Piece, ...], received
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, journal):
+    def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, fingerprint):
         ctx.dim, ctx.plan, ctx.comm, ctx.local_shape = dim, plan, comm, local.shape
         outgoing = [(peer, _rows_of(local, dim, runs)) for peer, runs in plan.send]
         incoming = _buffers(local, dim, list(plan.recv))
-        _exchange(comm, outgoing, incoming, journal)
+        _exchange(comm, outgoing, incoming, fingerprint)
         return _assemble(local, dim, plan.pieces, dict(incoming), fill)
 
     @staticmethod
@@ -301,13 +300,13 @@ def exchange_all(t: torch.Tensor, comm: DomainComm) -> list[torch.Tensor]:
     Point-to-point like the halos, so the same header check guards it, and each rank combines the
     parts in rank order: the result is bitwise the same on every rank.
     """
-    journal = exchange_point(comm)
+    fingerprint = exchange_point(comm)
     t = t.detach().contiguous()
     if comm.size == 1:
         return [t]
     others = [q for q in range(comm.size) if q != comm.index]
     incoming = [(q, torch.empty_like(t)) for q in others]
-    _exchange(comm, [(q, t) for q in others], incoming, journal)
+    _exchange(comm, [(q, t) for q in others], incoming, fingerprint)
     parts = dict(incoming)
     parts[comm.index] = t
     return [parts[q] for q in range(comm.size)]

@@ -8,16 +8,12 @@ Usage::
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from mesh3d.manager import DistributedManager
 from mesh3d.parallel.styles import style_description, style_kind, weight_dim
-from mesh3d.parallel.validate import hsdp_shard_size, resolve_plan
-
-if TYPE_CHECKING:  # Plan.explain calls this module: Plan is only a type here
-    from mesh3d.parallel.plan import Plan
+from mesh3d.parallel.validate import PlanFields, hsdp_shard_size, resolve_plan
 
 __all__ = ["explain_rows", "explain_table"]
 
@@ -30,7 +26,7 @@ def _model_text(style, kind: str | None, module: nn.Module) -> str:
     return kind or style_description(style)
 
 
-def explain_rows(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> list[dict[str, str | int]]:
+def explain_rows(plan: PlanFields, model: nn.Module, sizes: dict[str, int]) -> list[dict[str, str | int]]:
     """One row per module that owns parameters: its model-axis style, batch-axis placement and bytes per rank."""
     resolved = resolve_plan(plan, model, sizes)
     m, bd = sizes["model"], sizes["batch"] * sizes["domain"]
@@ -75,7 +71,7 @@ def explain_rows(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> list[di
     return rows
 
 
-def explain_table(plan: Plan, model: nn.Module, sizes: dict[str, int] | None = None) -> str:
+def explain_table(plan: PlanFields, model: nn.Module, sizes: dict[str, int] | None = None) -> str:
     """``explain_rows`` as an aligned text table with a total line."""
     if sizes is None:
         sizes = DistributedManager().shape

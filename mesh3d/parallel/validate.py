@@ -12,8 +12,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 from dataclasses import dataclass
-
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -22,10 +21,21 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from mesh3d.parallel.styles import style_description, style_kind, weight_dim
 
-if TYPE_CHECKING:  # the plan imports its explanation, which validates it: Plan is only a type here
-    from mesh3d.parallel.plan import Plan
+__all__ = ["PlanFields", "ResolvedPlan", "already_parallel", "hsdp_shard_size", "resolve_plan", "match_modules"]
 
-__all__ = ["ResolvedPlan", "already_parallel", "hsdp_shard_size", "resolve_plan", "match_modules"]
+
+class PlanFields(Protocol):
+    """What the checks read of a ``mesh3d.Plan``.
+
+    NOTE: a protocol, not the class: ``Plan.explain`` calls ``explain``, which calls these checks, so
+    naming the class here would make ``plan -> explain -> validate -> plan`` a cycle.
+    """
+
+    model: dict
+    batch: str | None
+    units: list[str] | None
+    hsdp_shard_size: int | None
+    checkpoint: list[str]
 
 
 @dataclass
@@ -137,7 +147,7 @@ def already_parallel(model: nn.Module) -> str | None:
     return None
 
 
-def resolve_plan(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> ResolvedPlan:
+def resolve_plan(plan: PlanFields, model: nn.Module, sizes: dict[str, int]) -> ResolvedPlan:
     """Validate ``plan`` against ``model`` and the axis ``sizes``; raise ``ValueError`` saying what to change."""
     reason = already_parallel(model)
     if reason is not None:
@@ -169,7 +179,7 @@ def resolve_plan(plan: Plan, model: nn.Module, sizes: dict[str, int]) -> Resolve
     return ResolvedPlan(styles=styles, units=units, checkpointed=checkpointed)
 
 
-def hsdp_shard_size(plan: Plan, sizes: dict[str, int]) -> int:
+def hsdp_shard_size(plan: PlanFields, sizes: dict[str, int]) -> int:
     """The shard-group size HSDP uses (see ``Plan.hsdp_shard_size``)."""
     if plan.hsdp_shard_size is not None:
         return plan.hsdp_shard_size
