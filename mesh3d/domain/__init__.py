@@ -19,6 +19,7 @@ from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import count_traffic
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.io import NpyArray, read
+from mesh3d.domain.overlap import window_overlap
 from mesh3d.domain.ops.idioms import positions
 from mesh3d.domain.probe import downsampling_factor
 from mesh3d.domain.split import aligned_sizes, balanced_sizes, split_sizes
@@ -47,4 +48,5 @@ __all__ = [
     "scatter",
     "shard",
     "split_sizes",
+    "window_overlap",
 ]

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from mesh3d.domain import divergence
 from mesh3d.domain.rows import ExchangePlan, Piece
 
-__all__ = ["DomainComm", "TrafficCounter", "count_traffic", "exchange_point", "gather_rows", "exchange_all"]
+__all__ = ["DomainComm", "PendingExchange", "TrafficCounter", "count_traffic", "exchange_all", "exchange_point",
+           "gather_rows", "new_buffers", "rows_of", "start_exchange"]
 
 
 @dataclass(frozen=True)
@@ -183,18 +184,45 @@ def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.
         + "\n" + divergence.LIKELY_CAUSE)
 
 
-def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
-              incoming: list[tuple[int, torch.Tensor]], fingerprint: int | None = None) -> None:
-    """Check the peers' headers, then send and receive all buffers at once (one batched round)."""
+class PendingExchange:
+    """An exchange whose messages are in flight: ``wait()`` before reading what it receives.
+
+    Usage: ``pending = start_exchange(comm, outgoing, incoming, fp); ...compute...; pending.wait()``
+    """
+
+    def __init__(self, works: list, sends: list[tuple[int, torch.Tensor]], blocked_s: float) -> None:
+        self._works, self._sends, self._blocked_s = works, sends, blocked_s  # sends stay alive until done
+        self._counted = bool(works)
+
+    def wait(self) -> None:
+        start = time.perf_counter()
+        for work in self._works:
+            work.wait()
+        sends, self._works, self._sends = self._sends, [], []
+        if TrafficCounter._active and self._counted:
+            self._counted = False
+            TrafficCounter.record(sum(b.numel() * b.element_size() for _, b in sends), len(sends),
+                                  self._blocked_s + time.perf_counter() - start)
+
+
+def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
+                   incoming: list[tuple[int, torch.Tensor]], fingerprint: int | None = None) -> PendingExchange:
+    """Check the peers' headers (a short blocking round), then post all buffers at once and return.
+
+    Usage: ``start_exchange(comm, [(peer, rows)], [(peer, buffer)], exchange_point(comm)).wait()``
+    """
     start = time.perf_counter()
     if fingerprint is not None:
         _check_peers(comm, outgoing, incoming, fingerprint)
     sends = [(peer, buf) for peer, buf in outgoing if buf.numel()]
-    for work in _post(comm, sends, [(peer, buf) for peer, buf in incoming if buf.numel()]):
-        work.wait()
-    if TrafficCounter._active and (sends or incoming):
-        TrafficCounter.record(sum(b.numel() * b.element_size() for _, b in sends), len(sends),
-                              time.perf_counter() - start)
+    works = _post(comm, sends, [(peer, buf) for peer, buf in incoming if buf.numel()])
+    return PendingExchange(works, sends, time.perf_counter() - start)
+
+
+def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
+              incoming: list[tuple[int, torch.Tensor]], fingerprint: int | None = None) -> None:
+    """Check the peers' headers, then send and receive all buffers at once (one batched round)."""
+    start_exchange(comm, outgoing, incoming, fingerprint).wait()
 
 
 def exchange_point(comm: DomainComm) -> int | None:
@@ -202,14 +230,14 @@ def exchange_point(comm: DomainComm) -> int | None:
     return divergence.JOURNAL.fingerprint if comm.size > 1 else None
 
 
-def _rows_of(t: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
+def rows_of(t: torch.Tensor, dim: int, runs: tuple[tuple[int, int], ...]) -> torch.Tensor:
     """The given (start, count) runs of ``t`` along ``dim``, as one contiguous message."""
     if len(runs) == 1:
         return t.narrow(dim, runs[0][0], runs[0][1]).contiguous()
     return torch.cat([t.narrow(dim, s, c) for s, c in runs], dim)
 
 
-def _buffers(like: torch.Tensor, dim: int, counts: list[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+def new_buffers(like: torch.Tensor, dim: int, counts: list[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
     shape = list(like.shape)
     out = []
     for peer, n in counts:
@@ -240,8 +268,8 @@ class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, fingerprint):
         ctx.dim, ctx.plan, ctx.comm, ctx.local_shape = dim, plan, comm, local.shape
-        outgoing = [(peer, _rows_of(local, dim, runs)) for peer, runs in plan.send]
-        incoming = _buffers(local, dim, list(plan.recv))
+        outgoing = [(peer, rows_of(local, dim, runs)) for peer, runs in plan.send]
+        incoming = new_buffers(local, dim, list(plan.recv))
         _exchange(comm, outgoing, incoming, fingerprint)
         return _assemble(local, dim, plan.pieces, dict(incoming), fill)
 
@@ -260,7 +288,7 @@ class _GatherRows(torch.autograd.Function):
         # Reverse every message: what I received goes back as gradient; what I sent comes back.
         outgoing = [(peer, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim))
                     for peer, parts in back.items()]
-        incoming = _buffers(grad, dim, [(peer, sum(c for _, c in runs)) for peer, runs in plan.send])
+        incoming = new_buffers(grad, dim, [(peer, sum(c for _, c in runs)) for peer, runs in plan.send])
         _exchange(ctx.comm, outgoing, incoming, exchange_point(ctx.comm))
         whole = len(own) == 1 and own[0][0].start == 0 and own[0][0].count == ctx.local_shape[dim]
         if whole and not incoming:

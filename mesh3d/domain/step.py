@@ -35,13 +35,17 @@ class Window:
     """A window op's input rows (``plan``): resolved to ``Extended``; the local kernel pads symmetrically.
 
     ``kernel_pads=False`` when the local function cannot take padding on the sharded dim (then
-    every fill row is materialized).
+    every fill row is materialized). ``overlap=(extent, stride)`` of the window along the sharded dim
+    declares that the local function may be called on row strips of the input (each with no padding
+    on the sharded dim, results concatenated): the dispatcher then computes the interior while the
+    halo rows travel (``mesh3d.domain.overlap``).
     """
 
     x: DomainTensor
     plan: WindowPlan
     fill: float = 0.0
     kernel_pads: bool = True
+    overlap: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)

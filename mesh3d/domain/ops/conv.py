@@ -118,7 +118,9 @@ def _conv_rule(func, nd: int):
                 return weight_connected_zeros(ext.tensor, shape, ext.tensor, weight, bias)
             return run_padded(lambda t, p: func(t, weight, bias, stride, p, dilation, groups), ext, pads, sp, nd)
 
-        return Step(compute, (Window(input, plan),), out=input.spec.with_sizes(plan.out_sizes))
+        # The kernel may run on row strips (the padding of the sharded dim is then in the strips' rows).
+        overlap = (dilation[sp] * (ks[sp] - 1) + 1, stride[sp])
+        return Step(compute, (Window(input, plan, overlap=overlap),), out=input.spec.with_sizes(plan.out_sizes))
 
     return rule
 
