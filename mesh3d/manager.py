@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, unflatten_mesh
 from mesh3d.launcher import LaunchInfo, detect_launcher
-from mesh3d.mesh_shape import AXES, resolve_mesh_shape
+from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
 
 __all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT", "refuse_if_launched_uninitialized"]
 
@@ -112,6 +112,8 @@ class DistributedManager:
     backend: str
     launcher: str
     timeout: timedelta
+    #: The domain axis as a grid: ``(D,)`` for slabs, e.g. ``(2, 2)`` for blocks (``initialize(domain=(2, 2))``).
+    domain_grid: tuple[int, ...]
     _created_default_group: bool
 
     def __new__(cls) -> DistributedManager:
@@ -128,7 +130,7 @@ class DistributedManager:
     def initialize(
         cls,
         batch: int = -1,
-        domain: int = 1,
+        domain: int | tuple[int, ...] = 1,
         model: int = 1,
         *,
         backend: str | None = None,
@@ -140,6 +142,8 @@ class DistributedManager:
         the arguments runs before any collective, so a bad request raises ``ValueError``
         on every rank instead of hanging. ``timeout`` (seconds or timedelta; default
         ``MESH3D_TIMEOUT`` or 10 minutes) bounds every collective on the mesh's groups.
+        ``domain=(2, 2)`` factors the domain axis into a grid (blocks; ``dm.domain_grid``, and the
+        grid lines' groups ``dm.group("domain_0")``, ``"domain_1"``, ...); the mesh keeps its three axes.
         """
         timeout = _as_timeout(timeout)
         reuse = dist.is_available() and dist.is_initialized()
@@ -149,11 +153,14 @@ class DistributedManager:
             )
         else:
             info = detect_launcher()
-        shape = resolve_mesh_shape(info.world_size, batch, domain, model)
+        domain_size, grid = resolve_domain_grid(info.world_size, batch, domain, model)
+        shape = resolve_mesh_shape(info.world_size, batch, domain_size, model)
+        if len(grid) == 1:
+            grid = (shape[1],)
 
         if cls._instance is not None:
             current = tuple(cls._instance.mesh.shape)
-            if current == shape:
+            if current == shape and cls._instance.domain_grid == grid:
                 return cls._instance
             raise RuntimeError(
                 f"DistributedManager is already initialized with (batch, domain, model)={current}; asked for {shape}. "
@@ -177,6 +184,7 @@ class DistributedManager:
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
         self.device, self.backend, self.launcher, self.timeout = device, backend, info.launcher, timeout
         self._created_default_group = created_default_group
+        self.domain_grid = grid
         try:
             self._build_meshes(shape)
         except BaseException:
@@ -211,6 +219,11 @@ class DistributedManager:
         self._meshes: dict[str, DeviceMesh] = {name: self.mesh[name] for name in AXES}
         self._meshes["batch_domain"] = flatten_mesh(self.mesh["batch", "domain"], "batch_domain", override)
         self._meshes["world"] = flatten_mesh(self.mesh, "world", override)
+        if len(self.domain_grid) > 1:
+            # NOTE: the grid lines' groups are made here, eagerly, on every rank (making a group is a collective).
+            names = tuple(f"domain_{i}" for i in range(len(self.domain_grid)))
+            grid_mesh = unflatten_mesh(self._meshes["domain"], self.domain_grid, names, override)
+            self._meshes.update({name: grid_mesh[name] for name in names})
         # Splits of batch_domain into (replicate, shard), made on first use (HSDP/DDP), shard size -> mesh.
         self._batch_domain_splits: dict[int, DeviceMesh] = {}
 
@@ -263,7 +276,8 @@ class DistributedManager:
         try:
             return self._meshes[axis]
         except KeyError:
-            valid = ", ".join(repr(name) for name in (*AXES, *DERIVED_AXES))
+            grid = [name for name in self._meshes if name.startswith("domain_")]
+            valid = ", ".join(repr(name) for name in (*AXES, *DERIVED_AXES, *grid))
             raise ValueError(f"unknown mesh axis {axis!r}; valid axes are {valid}") from None
 
     def axis_mesh(self, axis: str) -> DeviceMesh:

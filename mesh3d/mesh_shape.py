@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["AXES", "resolve_mesh_shape", "divisors"]
+__all__ = ["AXES", "divisors", "grid_factorizations", "resolve_domain_grid", "resolve_mesh_shape"]
 
 #: The mesh axes, always all three and always in this (row-major) order.
 AXES: tuple[str, str, str] = ("batch", "domain", "model")
@@ -86,3 +86,47 @@ def resolve_mesh_shape(world_size: int, batch: int = -1, domain: int = 1, model:
             f"or pass -1 for one axis to infer it"
         )
     return sizes["batch"], sizes["domain"], sizes["model"]
+
+
+def grid_factorizations(size: int, max_dims: int = 3) -> list[tuple[int, ...]]:
+    """Every ordered grid of 1 to ``max_dims`` dims (each > 1, or the single size) whose product is ``size``.
+
+    Usage: ``grid_factorizations(4)  # [(4,), (2, 2)]``
+    """
+    out: list[tuple[int, ...]] = [(size,)]
+    frontier = [(d, size // d) for d in divisors(size) if 1 < d < size]
+    for dims in range(2, max_dims + 1):
+        nxt = []
+        for *head, rest in frontier:
+            out.append((*head, rest))
+            if dims < max_dims:
+                nxt += [(*head, d, rest // d) for d in divisors(rest) if 1 < d < rest]
+        frontier = nxt
+    return out
+
+
+def resolve_domain_grid(world_size: int, batch: int, domain: int | tuple[int, ...], model: int) -> tuple[int, tuple[int, ...]]:
+    """The domain axis size and its grid: ``domain=4`` is the 1-D grid (4,), ``domain=(2, 2)`` a 2x2 grid of blocks.
+
+    Usage: ``resolve_domain_grid(8, batch=2, domain=(2, 2), model=1)  # (4, (2, 2))``
+
+    A grid's product is the domain size; when it does not fit the world, the error names the grids that would.
+    """
+    if isinstance(domain, int):
+        return domain, (domain,)
+    grid = tuple(domain) if isinstance(domain, (tuple, list)) else None
+    if not grid or len(grid) > 3 or any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in grid):
+        raise ValueError(f"domain={domain!r}: a domain grid is a tuple of 1 to 3 positive sizes, e.g. domain=(2, 2); "
+                         "or pass one integer for slabs")
+    size = math.prod(grid)
+    try:
+        resolve_mesh_shape(world_size, batch, size, model)
+    except ValueError as err:
+        try:
+            fitting = resolve_mesh_shape(world_size, batch, -1, model)[1] if -1 not in (batch, model) else None
+        except ValueError:
+            fitting = None
+        hint = (f"; grids of the {fitting} domain ranks that fit: "
+                f"{', '.join(map(str, grid_factorizations(fitting)))}") if fitting else ""
+        raise ValueError(f"domain grid {grid} has {size} ranks, which does not fit: {err}{hint}") from None
+    return size, grid

@@ -311,13 +311,13 @@ def _halo_round_alone(args, sizes) -> float:
     """One halo exchange of the stack's widest activation, ranks started together: the transfer itself,
     without the waiting for a slower rank that an exchange inside a step also contains."""
     from mesh3d import domain
-    from mesh3d.domain.dispatch import _window_exchange
+    from mesh3d.domain.halo import window_exchange
     from mesh3d.domain.exchange import gather_rows
     from mesh3d.domain.halo import plan_window
 
     xs = domain.shard(torch.randn(args.batch, args.channels, args.size, args.size), dim=2, sizes=sizes)
     comm = xs.spec.comm
-    xplan, _ = _window_exchange(xs.spec.sizes, plan_window(xs.spec.sizes, 3, 1, 1, 1, 1), comm.index, True)
+    xplan, _ = window_exchange(xs.spec.sizes, plan_window(xs.spec.sizes, 3, 1, 1, 1, 1), comm.index, True)
     times = []
     for _ in range(20):
         dist.barrier()

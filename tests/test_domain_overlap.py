@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from domain_cases import domain_sum, grads_err, max_err, shard_sizes
-from mesh3d.domain.dispatch import _window_exchange
+from mesh3d.domain.halo import window_exchange
 from mesh3d.domain.halo import plan_window
 from mesh3d.domain.overlap import split_window
 from mesh3d.domain.split import offsets_of, split_sizes
@@ -46,7 +46,7 @@ def test_strips_and_interior_concatenate_to_the_kernel_output(data, parts):
     plan = plan_window(sizes, k, s, d, p, p)
     outs = []
     for r, offset in enumerate(offsets_of(sizes)):
-        xplan, pad = _window_exchange(sizes, plan, r, True)
+        xplan, pad = window_exchange(sizes, plan, r, True)
         mine = plan.out_sizes[r]
         # the extended rows, in global terms: trimmed needs of this rank, padding left to the kernel
         needs = plan.needs[r]
@@ -80,11 +80,11 @@ def test_strips_and_interior_concatenate_to_the_kernel_output(data, parts):
 def test_a_thick_interior_shard_of_a_same_conv_overlaps():
     """The common case is covered: a 3x3 'same' conv on a middle rank with 5 rows reads its whole shard."""
     sizes = (5, 5, 5)
-    xplan, pad = _window_exchange(sizes, plan_window(sizes, 3, 1, 1, 1, 1), 1, True)
+    xplan, pad = window_exchange(sizes, plan_window(sizes, 3, 1, 1, 1, 1), 1, True)
     split = split_window(xplan, pad, 3, 1, 5)
     assert split is not None and split.interior == (0, 5) and split.left_rows == split.right_rows == 3
     thin = (5, 1, 5)  # one row: every output needs a remote row, no interior
-    xplan, pad = _window_exchange(thin, plan_window(thin, 3, 1, 1, 1, 1), 1, True)
+    xplan, pad = window_exchange(thin, plan_window(thin, 3, 1, 1, 1, 1), 1, True)
     assert split_window(xplan, pad, 3, 1, 1) is None
 
 

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from domain_cases import shard_sizes
-from mesh3d.domain.dispatch import _window_exchange
+from mesh3d.domain.halo import window_exchange
 from mesh3d.domain.halo import plan_window, window_output_length
 from mesh3d.domain.rows import Span, map_length, plan_exchange, runs_from_indices
 from mesh3d.domain.split import offsets_of, split_sizes
@@ -81,7 +81,7 @@ def test_window_ops_concatenate_to_the_one_process_output(data, parts):
     assert sum(plan.out_sizes) == want.shape[-1] == window_output_length(length, k, s, d, pl, pr)
     outs = []
     for r in range(parts):
-        xplan, pad = _window_exchange(sizes, plan, r, True)
+        xplan, pad = window_exchange(sizes, plan, r, True)
         mine = plan.out_sizes[r]
         # The rows this rank gathers, simulated on the transposed tensor (rows first).
         trimmed = list(plan.needs)  # the other ranks' maps as planned; this rank's less the kernel's padding

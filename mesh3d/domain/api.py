@@ -20,7 +20,8 @@ import torch.distributed as dist
 
 from mesh3d.domain.dispatch import block_needs, redistribute_local
 from mesh3d.domain.exchange import DomainComm, gather_rows
-from mesh3d.domain.gather import full_tensor
+from mesh3d.domain.blocks import BlockSpec, block_full_tensor, shard_blocks
+from mesh3d.domain.gather import full_tensor as slab_full_tensor
 from mesh3d.domain.rows import plan_exchange
 from mesh3d.domain.split import aligned_sizes, split_sizes
 from mesh3d.domain.transpose import move_sharding
@@ -58,18 +59,24 @@ def _layout(length: int, parts: int, sizes: Sequence[int] | None, multiple_of: i
     return split_sizes(length, parts, aligned_sizes(length, parts, multiple_of))
 
 
-def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence[int] | None = None, *,
-          multiple_of: int | None = None) -> DomainTensor:
+def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence | None = None, *,
+          multiple_of: int | None = None, dims: Sequence[int] | None = None) -> DomainTensor:
     """Keep this rank's slice of ``x`` (held whole on every domain rank) along ``dim``.
 
     Usage: ``xs = domain.shard(x, dim=2)  # or sizes=(5, 3, 4, 4), or multiple_of=16``
 
     ``multiple_of=m`` makes every rank's size but the last a multiple of m: for models that
     downsample the dim by m and compare local shapes (see ``downsampling_factor``).
+    ``dims=(2, 3)`` on a domain grid (``initialize(domain=(2, 2))``) keeps this rank's *block*, one
+    sharded dim per grid dim; ``sizes`` then gives each dim's sizes, e.g. ``((5, 3), (4, 4))``.
     """
     if isinstance(x, DomainTensor):
         raise ValueError("domain.shard: x is already a domain tensor; pass the plain whole tensor")
     comm = domain_comm()
+    if dims is not None:
+        if multiple_of is not None:
+            raise ValueError("domain.shard: multiple_of= applies to slabs; with dims= give sizes= per dim")
+        return shard_blocks(x, dims, sizes, comm)
     dim = _check_dim("shard", dim, x.ndim)
     sizes = _layout(x.shape[dim], comm.size, sizes, multiple_of)
     spec = DomainSpec(dim, sizes, comm)
@@ -128,6 +135,16 @@ def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[
     holder = tuple(sum(sizes) if r == src else 0 for r in range(comm.size))
     local = gather_rows(unwrap(x), dim, plan_exchange(holder, block_needs(sizes), comm.index), comm)
     return wrap(local, DomainSpec(dim, sizes, comm))
+
+
+def full_tensor(x: DomainTensor) -> DomainTensor:
+    """The whole tensor on every domain rank (differentiable), as a *replicated* domain tensor; slabs or blocks.
+
+    Usage: ``whole = domain.full_tensor(ys)  # or ys.full_tensor()``
+    """
+    if isinstance(x._spec, BlockSpec):
+        return block_full_tensor(x)
+    return slab_full_tensor(x)
 
 
 def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None, dim: int | None = None) -> DomainTensor:

@@ -24,10 +24,10 @@ from mesh3d.domain.collectives import scale_grad, sum_grad
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import gather_rows, report_failure
 from mesh3d.domain.gather import replicate_if_singleton
-from mesh3d.domain.halo import WindowPlan, WindowProbe
+from mesh3d.domain.halo import WindowProbe, window_exchange
 from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
-from mesh3d.domain.registry import RULES, op_name, tree_map
-from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
+from mesh3d.domain.registry import BLOCK_RULES, RULES, op_name, tree_map
+from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
@@ -72,6 +72,31 @@ def _replicated_dtensor_to_local(o: Any) -> Any:
     return o
 
 
+def _dispatch_blocks(func: Callable, args: tuple, kwargs: dict, blocks: list[DomainTensor]) -> Any:
+    """An op with block-sharded inputs (``mesh3d.domain.blocks``): its block rule, or a refusal naming it."""
+    spec = blocks[0]._spec
+    rule = BLOCK_RULES.get(func)
+    if rule is None:
+        dims = spec.dims  # type: ignore[attr-defined]
+        raise NotImplementedError(
+            f"{op_name(func)} has no rule for block layouts (a domain tensor sharded over dims {dims} on a domain "
+            "grid): mesh3d will not run it, because the local answer could differ from the one-process answer. "
+            "Blocks support convolutions, element-wise ops, norms, sum/mean and MSE/L1 losses (docs/domain.md, "
+            "'Blocks'). Call .full_tensor() first, or shard along one dim (slabs)")
+    if spec.comm.size == 1:
+        return rule(*args, **kwargs)
+    JOURNAL.record(_op_label(func), (spec.dims, tuple(sum(s) for s in spec.sizes)))  # type: ignore[attr-defined]
+    try:
+        return rule(*args, **kwargs)
+    except DomainDivergenceError:
+        raise
+    except Exception as err:  # NOTE: as for slabs, a rank failing alone tells its peers (none waits forever)
+        reported = report_failure(spec.comm, _op_label(func), err)
+        if reported is err:
+            raise
+        raise reported from err
+
+
 def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], bool, bool]:
     """Domain tensors among the arguments (and inside one level of lists), any sharded, any DTensor."""
     found: list[DomainTensor] = []
@@ -84,7 +109,7 @@ def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], bool, bool]:
                     found.append(t)
                 elif isinstance(t, DTensor):
                     dtensor = True
-    return found, any(t._spec.dim is not None for t in found), dtensor
+    return found, any(hasattr(t._spec, "dims") or t._spec.dim is not None for t in found), dtensor
 
 
 def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
@@ -98,6 +123,9 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     found, sharded, dtensor = _scan(args, kwargs)
     if dtensor:
         args, kwargs = tree_map(_replicated_dtensor_to_local, args), tree_map(_replicated_dtensor_to_local, kwargs)
+    blocks = [t for t in found if hasattr(t._spec, "dims")]
+    if blocks:
+        return _dispatch_blocks(func, args, kwargs, blocks)
     if sharded:
         rule = RULES.get(func)
         if rule is None:
@@ -177,34 +205,12 @@ def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict)
 
 
 # ----------------------------------------------------------------------------- requirements
-@lru_cache(maxsize=2048)
-def _window_exchange(sizes: tuple[int, ...], plan: WindowPlan, me: int, kernel_pads: bool) -> tuple[ExchangePlan, int]:
-    """This rank's exchange for a window op, and the padding left to the kernel.
-
-    NOTE: the kernel pads both sides of the sharded dim by the same amount, so the smaller of this
-    rank's two padding runs is left to it and only the difference (edge ranks, asymmetric windows)
-    becomes explicit fill rows. At domain=1 (or any rank needing no remote rows and symmetric
-    padding) the plan is then the shard itself: the kernel runs on it with no copy at all.
-    """
-    mine = plan.needs[me]
-    left = mine[0].stop if mine and mine[0].is_fill else 0
-    right = mine[-1].stop if len(mine) > 1 and mine[-1].is_fill else 0
-    pad = min(left, right) if kernel_pads and len(mine) > 1 else 0
-    if pad:
-        trimmed = list(mine)
-        trimmed[0] = Span.fill(left - pad)
-        trimmed[-1] = Span.fill(right - pad)
-        mine = tuple(s for s in trimmed if s.stop > s.start)
-    needs = plan.needs[:me] + (mine,) + plan.needs[me + 1:]
-    return plan_exchange(sizes, needs, me), pad
-
-
 def _resolve(req: Any) -> Any:
     if isinstance(req, DomainTensor):
         return unwrap(req)
     if isinstance(req, Window):
         spec = req.x._spec
-        xplan, pad = _window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
+        xplan, pad = window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
         if WindowProbe.active:
             WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
         return Extended(gather_rows(unwrap(req.x), spec.dim, xplan, spec.comm, req.fill), pad)
@@ -241,7 +247,7 @@ def _overlapped(step: Step) -> torch.Tensor | None:
     if not isinstance(req, Window) or req.overlap is None or req.x._spec.comm.size == 1:
         return None
     spec = req.x._spec
-    xplan, pad = _window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
+    xplan, pad = window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
     if not xplan.recv:
         return None
     split = split_window(xplan, pad, *req.overlap, req.plan.out_sizes[spec.comm.index])

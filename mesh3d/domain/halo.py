@@ -25,10 +25,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
-from mesh3d.domain.rows import RowMap, Span
+from mesh3d.domain.rows import ExchangePlan, RowMap, Span, plan_exchange
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["WindowPlan", "WindowProbe", "extent_map", "plan_window", "sizes_by_first_index", "window_output_length"]
+__all__ = ["WindowPlan", "WindowProbe", "extent_map", "plan_window", "sizes_by_first_index", "window_exchange",
+           "window_output_length"]
 
 
 @dataclass(frozen=True)
@@ -134,3 +135,27 @@ class WindowProbe:
     def note(cls, length_in: int, length_out: int) -> None:
         for probe in cls.active:
             probe.lengths.append((length_in, length_out))
+
+
+@lru_cache(maxsize=2048)
+def window_exchange(sizes: tuple[int, ...], plan: WindowPlan, me: int, kernel_pads: bool) -> tuple[ExchangePlan, int]:
+    """This rank's exchange for a window op, and the padding left to the kernel.
+
+    Usage: ``xplan, pad = window_exchange(sizes, plan_window(sizes, 3, 1, 1, 1, 1), me, kernel_pads=True)``
+
+    NOTE: the kernel pads both sides of the sharded dim by the same amount, so the smaller of this
+    rank's two padding runs is left to it and only the difference (edge ranks, asymmetric windows)
+    becomes explicit fill rows. At domain=1 (or any rank needing no remote rows and symmetric
+    padding) the plan is then the shard itself: the kernel runs on it with no copy at all.
+    """
+    mine = plan.needs[me]
+    left = mine[0].stop if mine and mine[0].is_fill else 0
+    right = mine[-1].stop if len(mine) > 1 and mine[-1].is_fill else 0
+    pad = min(left, right) if kernel_pads and len(mine) > 1 else 0
+    if pad:
+        trimmed = list(mine)
+        trimmed[0] = Span.fill(left - pad)
+        trimmed[-1] = Span.fill(right - pad)
+        mine = tuple(s for s in trimmed if s.stop > s.start)
+    needs = plan.needs[:me] + (mine,) + plan.needs[me + 1:]
+    return plan_exchange(sizes, needs, me), pad

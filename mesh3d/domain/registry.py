@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["RULES", "RuleTable", "flat_tensors", "op_name", "register", "tree_map"]
+__all__ = ["BLOCK_RULES", "RULES", "RuleTable", "flat_tensors", "op_name", "register", "tree_map"]
 
 
 class RuleTable:
@@ -54,6 +54,8 @@ class RuleTable:
 
 
 RULES = RuleTable()
+#: Rules for block-sharded inputs (``mesh3d.domain.blocks``; registered by ``mesh3d.domain.ops.blocks``).
+BLOCK_RULES = RuleTable()
 
 
 def register(*funcs: Callable, override: bool = False) -> Callable[[Callable], Callable]:
@@ -76,6 +78,8 @@ def op_name(func: Callable) -> str:
     Usage: ``op_name(torch.Tensor.add)  # 'torch.Tensor.add'``
     """
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if "<locals>" in name:  # a wrapper made by a factory (F.max_pool2d is boolean_dispatch's fn): its own name
+        name = getattr(func, "__name__", name)
     name = name.replace("_VariableFunctionsClass.", "").replace("TensorBase.", "Tensor.")
     module = getattr(func, "__module__", None) or ""
     if module.startswith("torch._C") or not module:

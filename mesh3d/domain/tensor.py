@@ -120,6 +120,8 @@ class DomainTensor(torch.Tensor):
         """The shape of the whole (unsharded) tensor."""
         with disable_torch_function_subclass():
             shape = list(self.shape)
+        if hasattr(self._spec, "dims"):  # blocks (mesh3d.domain.blocks.BlockSpec)
+            return self._spec.global_shape(shape)  # type: ignore[attr-defined]
         if self._spec.dim is not None:
             shape[self._spec.dim] = sum(self._spec.sizes)
         return torch.Size(shape)
@@ -137,7 +139,8 @@ class DomainTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         local = unwrap(self)
-        return f"DomainTensor(dim={self._spec.dim}, sizes={self._spec.sizes}, local={local!r})"
+        where = f"dims={self._spec.dims}" if hasattr(self._spec, "dims") else f"dim={self._spec.dim}"
+        return f"DomainTensor({where}, sizes={self._spec.sizes}, local={local!r})"
 
     # ----------------------------------------------------------------- dispatch
     #: The dispatcher (``mesh3d.domain.dispatch.dispatch``), set when ``mesh3d.domain`` is imported.

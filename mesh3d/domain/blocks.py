@@ -1,0 +1,146 @@
+"""Blocks: a sample sharded over several dims at once, one per dim of a factored domain grid.
+
+Usage::
+
+    dm = DistributedManager.initialize(batch=1, domain=(2, 2))      # a 2x2 grid of domain ranks
+    xs = domain.shard(x, dims=(2, 3))                                # this rank's block of x
+    xs = domain.shard(x, dims=(2, 3), sizes=((5, 3), (4, 4)))        # uneven, empty blocks allowed
+    y = conv(xs); y.full_tensor()                                    # halos with corners
+
+Grid dim ``i`` splits tensor dim ``dims[i]``; rank (i0, i1, ...) of the grid holds rows
+``offsets[k][ik] .. + sizes[k][ik]`` of each. The ranks that share every grid coordinate but
+the ``i``-th form a *grid line* (``dm.group("domain_i")``): a 1-D domain along ``dims[i]``. So
+every exchange on blocks is a sequence of 1-D exchanges, one per grid dim, each on the grid
+line's ranks with the 1-D planners and ``exchange.gather_rows``: the second pass moves rows that
+the first pass already extended, which carries the corners (the pencil/halo scheme of the
+literature). Global reductions run over the whole domain group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from mesh3d.domain.exchange import DomainComm, gather_rows
+from mesh3d.domain.rows import Span, plan_exchange
+from mesh3d.domain.split import offsets_of, split_sizes
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
+from mesh3d.manager import DistributedManager
+
+__all__ = ["BlockSpec", "block_full_tensor", "grid_comms", "shard_blocks"]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Sharded ``dims`` (one per grid dim), every grid line's sizes along each, this rank's grid lines, the domain.
+
+    Usage: ``xs.spec.dims, xs.spec.sizes[0], xs.spec.offsets``
+    """
+
+    dims: tuple[int, ...]
+    sizes: tuple[tuple[int, ...], ...]
+    lines: tuple[DomainComm, ...]
+    comm: DomainComm
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        """This rank's global start along each sharded dim."""
+        return tuple(offsets_of(s)[line.index] for s, line in zip(self.sizes, self.lines))
+
+    @cached_property
+    def local_sizes(self) -> tuple[int, ...]:
+        return tuple(s[line.index] for s, line in zip(self.sizes, self.lines))
+
+    def with_sizes(self, sizes: tuple[tuple[int, ...], ...]) -> BlockSpec:
+        return self if sizes == self.sizes else BlockSpec(self.dims, tuple(map(tuple, sizes)), self.lines, self.comm)
+
+    @property
+    def dim(self) -> int:
+        # NOTE: a safety net: code written for slabs reads ``spec.dim``; on blocks it must refuse, not guess.
+        raise NotImplementedError(
+            f"this operation supports slabs (one sharded dim) only; the tensor is sharded in blocks over dims "
+            f"{self.dims}. Gather it with .full_tensor(), or use the ops listed in docs/domain.md 'Blocks'")
+
+    def global_shape(self, local_shape: Sequence[int]) -> torch.Size:
+        shape = list(local_shape)
+        for d, s in zip(self.dims, self.sizes):
+            shape[d] = sum(s)
+        return torch.Size(shape)
+
+
+def grid_comms() -> tuple[tuple[int, ...], tuple[DomainComm, ...]]:
+    """The domain grid and this rank's grid line on each of its dims (``DistributedManager``'s groups).
+
+    Usage: ``grid, lines = grid_comms()``
+    """
+    dm = DistributedManager()
+    grid = dm.domain_grid
+    if len(grid) == 1:
+        return grid, (DomainComm(dm.group("domain"), tuple(dm.axis_ranks("domain")), dm.axis_rank("domain")),)
+    names = [f"domain_{i}" for i in range(len(grid))]
+    return grid, tuple(DomainComm(dm.group(n), tuple(dm.axis_ranks(n)), dm.axis_rank(n)) for n in names)
+
+
+def shard_blocks(x: torch.Tensor, dims: Sequence[int], sizes: Sequence[Sequence[int] | None] | None,
+                 comm: DomainComm) -> DomainTensor:
+    """This rank's block of ``x`` (held whole on every domain rank); see ``domain.shard(x, dims=...)``."""
+    grid, lines = grid_comms() if DistributedManager.is_initialized() else ((1,), (comm,))
+    dims = tuple(d % x.ndim if isinstance(d, int) and -x.ndim <= d < x.ndim else _bad_dim(d, x.ndim) for d in dims)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"domain.shard: dims={dims} repeats a dim; give each sharded dim once")
+    if len(dims) != len(grid):
+        raise ValueError(
+            f"domain.shard: dims={dims} names {len(dims)} sharded dims but the domain grid {grid} has {len(grid)} "
+            f"dims; pass {len(grid)} dims (one per grid dim), or initialize the manager with a "
+            f"{len(dims)}-dim grid, e.g. domain={tuple([2] * len(dims))}")
+    per_dim = list(sizes) if sizes is not None else [None] * len(dims)
+    if len(per_dim) != len(dims):
+        raise ValueError(f"domain.shard: sizes has {len(per_dim)} entries for {len(dims)} dims; give one per dim")
+    layout = tuple(split_sizes(x.shape[d], g, s) for d, g, s in zip(dims, grid, per_dim))
+    spec = BlockSpec(dims, layout, lines, comm)
+    local = x
+    for d, start, count in zip(dims, spec.offsets, spec.local_sizes):
+        if count != x.shape[d]:
+            local = local.narrow(d, start, count)
+    return wrap(local, spec)
+
+
+def _bad_dim(dim: object, ndim: int) -> int:
+    raise ValueError(f"domain.shard: dim {dim!r} is out of range for a {ndim}-D tensor (use 0..{ndim - 1})")
+
+
+def gather_whole(local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+    """Every block gathered into the whole tensor on every rank (one grid dim after the other)."""
+    for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
+        everything = (Span.rows(0, sum(sizes)),)
+        local = gather_rows(local, d, plan_exchange(sizes, (everything,) * len(sizes), line.index), line)
+    return local
+
+
+class _BlockFullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+        ctx.spec = spec
+        with torch.no_grad():
+            whole = gather_whole(local, spec)
+        return whole.view_as(whole) if whole is local else whole
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        for d, start, count in zip(spec.dims, spec.offsets, spec.local_sizes):
+            grad = grad.narrow(d, start, count)
+        return grad, None
+
+
+def block_full_tensor(x: DomainTensor) -> DomainTensor:
+    """The whole tensor on every domain rank, replicated (differentiable: backward keeps this rank's block).
+
+    Usage: ``whole = xs.full_tensor()``
+    """
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return adopt(_BlockFullTensor.apply(unwrap(x), spec), DomainSpec(None, None, spec.comm))

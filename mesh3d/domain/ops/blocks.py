@@ -1,0 +1,254 @@
+"""Op rules for block-sharded tensors (``mesh3d.domain.blocks``), and the refusal for every other op.
+
+Usage: automatic; ``conv(xs)``, ``F.gelu(xs)``, ``nn.GroupNorm(...)(xs)``, ``(ys - t).square().mean()`` on a
+tensor from ``domain.shard(x, dims=(2, 3))``. Any op without a rule here raises ``NotImplementedError``
+naming it (the dispatcher reads ``registry.BLOCK_RULES``; a rule written for slabs is never applied to blocks).
+
+What runs on blocks: convolutions (1-D to 3-D, any kernel, stride, dilation and zero padding on every
+sharded dim; halos with corners, one grid dim after the other), element-wise ops and activations,
+GroupNorm / BatchNorm / InstanceNorm (statistics over the whole domain), sum / mean reductions and the
+MSE / L1 losses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.blocks import BlockSpec
+from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
+from mesh3d.domain.exchange import gather_rows
+from mesh3d.domain.halo import WindowPlan, plan_window
+from mesh3d.domain.rows import ExchangePlan, plan_exchange
+from mesh3d.domain.ops.conv import weight_connected_zeros
+from mesh3d.domain.ops.norm import normalize
+from mesh3d.domain.ops.pointwise import ELEMENTWISE
+from mesh3d.domain.registry import BLOCK_RULES, op_name
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+
+__all__: list[str] = []
+
+def _spec_of(x: DomainTensor) -> BlockSpec:
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return spec
+
+
+# ----------------------------------------------------------------------------- element-wise
+def _elementwise(func: Callable) -> Callable:
+    def rule(*args, **kwargs):
+        operands = [*args, *kwargs.values()]
+        tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+        blocks = [t for t in tensors if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec)]
+        ref = blocks[0]
+        spec = _spec_of(ref)
+        for t in blocks[1:]:
+            other = _spec_of(t)
+            if (other.dims, other.sizes) != (spec.dims, spec.sizes) or t.ndim != ref.ndim:
+                raise ValueError(f"{op_name(func)}: block tensors laid out differently (dims {spec.dims} sizes "
+                                 f"{spec.sizes} vs dims {other.dims} sizes {other.sizes}); shard both alike")
+
+        def local(o):
+            if not isinstance(o, torch.Tensor) or any(o is b for b in blocks):
+                return unwrap(o)
+            if isinstance(o, DomainTensor):  # a replicated value entering the blocks
+                if o._spec.dim is not None:
+                    raise ValueError(f"{op_name(func)}: a slab-sharded tensor meets a block-sharded one; "
+                                     "shard both as blocks")
+                plain = unwrap(o)
+                return sum_grad(plain, spec.comm) if plain.requires_grad else plain
+            for d in spec.dims:
+                aligned = d - (ref.ndim - o.ndim)
+                if aligned >= 0 and o.shape[aligned] != 1:
+                    raise ValueError(
+                        f"{op_name(func)}: a plain tensor of shape {tuple(o.shape)} varies along the block-sharded "
+                        f"dim {d}; give it size 1 there, or shard it as blocks too with domain.shard(t, dims={spec.dims})")
+            return o
+
+        out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+        if isinstance(out, torch.Tensor) and out.ndim == ref.ndim:
+            return adopt(out, spec, tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+        if isinstance(out, torch.Tensor):
+            raise NotImplementedError(f"{op_name(func)}: on blocks, the result must keep the input's dims")
+        return out
+    return rule
+
+
+for _f in ELEMENTWISE:
+    BLOCK_RULES.register(_f, _elementwise(_f))
+
+
+# ----------------------------------------------------------------------------- convolution
+def _ints(v, n: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+@lru_cache(maxsize=1024)
+def _halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[ExchangePlan, int, int]:
+    """This rank's window exchange without its padding rows, and the padding (left, right) for the kernel.
+
+    NOTE: on blocks a padding row materialized in one pass would travel in the next (it is part of the
+    extended rows): so no pass materializes any, and the kernel (or one ``F.pad`` on edge blocks) adds them.
+    """
+    mine = plan.needs[me]
+    left = mine[0].stop if mine and mine[0].is_fill else 0
+    right = mine[-1].stop if len(mine) > 1 and mine[-1].is_fill else 0
+    core = tuple(span for span in mine if not span.is_fill)
+    return plan_exchange(sizes, plan.needs[:me] + (core,) + plan.needs[me + 1:], me), left, right
+
+
+def _conv_rule(func: Callable, nd: int) -> Callable:
+    name = f"torch.nn.functional.conv{nd}d"
+
+    def rule(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if isinstance(weight, DomainTensor) or isinstance(bias, DomainTensor):
+            raise NotImplementedError(f"{name}: the weight and bias must be plain (replicated) tensors")
+        spec = _spec_of(input)
+        first = input.ndim - nd
+        if any(d < first for d in spec.dims):
+            raise NotImplementedError(f"{name}: on blocks, shard spatial dims (>= {first}) only, got dims {spec.dims}")
+        ks, stride, dilation = tuple(weight.shape[2:]), _ints(stride, nd), _ints(dilation, nd)
+        if isinstance(padding, str):
+            totals = [0 if padding == "valid" else d * (k - 1) for d, k in zip(dilation, ks)]
+            pads = [(t // 2, t - t // 2) for t in totals]
+        else:
+            pads = [(p, p) for p in _ints(padding, nd)]
+        local, out_sizes = unwrap(input), []
+        for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
+            i = d - first
+            plan = plan_window(sizes, ks[i], stride[i], dilation[i], *pads[i])
+            xplan, left, right = _halo_rows_only(sizes, plan, line.index)
+            local = gather_rows(local, d, xplan, line)  # the second pass moves extended rows: corners travel
+            pads[i] = (left, right)
+            out_sizes.append(plan.out_sizes)
+        out_spec = spec.with_sizes(tuple(out_sizes))
+        if 0 in out_spec.local_sizes:
+            shape = [local.shape[0], weight.shape[0]]
+            for i in range(nd):
+                n = local.shape[first + i] + sum(pads[i])
+                shape.append((n - dilation[i] * (ks[i] - 1) - 1) // stride[i] + 1)
+            for d, count in zip(spec.dims, out_spec.local_sizes):
+                shape[d] = count
+            return adopt(weight_connected_zeros(local, [max(s, 0) for s in shape], local, weight, bias), out_spec)
+        if all(lo == hi for lo, hi in pads):
+            out = func(local, weight, bias, stride, tuple(lo for lo, _ in pads), dilation, groups)
+        else:
+            flat = [v for i in reversed(range(nd)) for v in pads[i]]
+            out = func(F.pad(local, flat), weight, bias, stride, 0, dilation, groups)
+        return adopt(out, out_spec)
+
+    return rule
+
+
+for _nd, _conv in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
+    BLOCK_RULES.register(_conv, _conv_rule(_conv, _nd))
+
+
+# ----------------------------------------------------------------------------- norms
+def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
+    shape = (1, -1, *([1] * (y.ndim - 2)))
+    y = y * weight.view(shape) if weight is not None else y
+    return y + bias.view(shape) if bias is not None else y
+
+
+def _spatial(x: DomainTensor, op: str) -> BlockSpec:
+    spec = _spec_of(x)
+    if min(spec.dims) < 2:
+        raise NotImplementedError(f"{op}: on blocks, shard spatial dims (>= 2) of the (N, C, ...) input")
+    return spec
+
+
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    spec = _spatial(input, "F.group_norm")
+    local = unwrap(input)
+    n, c = local.shape[:2]
+    count = (c // num_groups) * math.prod(input.global_shape[2:])
+    grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
+    y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm)
+    return adopt(_affine(y.reshape(local.shape), weight, bias), spec)
+
+
+def _update_running(running, value, momentum) -> None:
+    if running is not None:
+        with torch.no_grad():
+            running.mul_(1 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+
+
+def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    spec = _spatial(input, "F.batch_norm")
+    local = unwrap(input)
+    if not training:
+        return adopt(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), spec)
+    count = input.global_shape[0] * math.prod(input.global_shape[2:])
+    y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm)
+    _update_running(running_mean, mean.flatten(), momentum)
+    _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
+    return adopt(_affine(y, weight, bias), spec)
+
+
+def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                   momentum=0.1, eps=1e-5):
+    spec = _spatial(input, "F.instance_norm")
+    local = unwrap(input)
+    if not use_input_stats:
+        return adopt(F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), spec)
+    if running_mean is not None or running_var is not None:
+        raise NotImplementedError("F.instance_norm with track_running_stats on blocks: use slabs, or "
+                                  "track_running_stats=False")
+    y, _, _ = normalize(local, list(range(2, local.ndim)), math.prod(input.global_shape[2:]), eps, spec.comm)
+    return adopt(_affine(y, weight, bias), spec)
+
+
+# ----------------------------------------------------------------------------- reductions and losses
+def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
+    spec, local = _spec_of(x), unwrap(x)
+    dims = list(range(x.ndim)) if dim is None or dim == [] or dim == () else sorted(
+        d % x.ndim for d in ([dim] if isinstance(dim, int) else dim))
+    fn = torch.sum if kind == "sum" else torch.mean
+    if not set(spec.dims) & set(dims):  # the blocks survive: a local reduction
+        if not keepdim and any(d < s for d in dims for s in spec.dims):
+            raise NotImplementedError(f"torch.{kind} over dims {dims} before the block-sharded dims {spec.dims}: "
+                                      "pass keepdim=True")
+        return adopt(fn(local, dims, keepdim=keepdim), spec)
+    if not set(spec.dims) <= set(dims):
+        raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
+                                  f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
+    count = math.prod(x.global_shape[d] for d in dims)
+    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim) if len(dims) < x.ndim or keepdim else local.sum(),
+                                 spec.comm)
+    return adopt(total / count if kind == "mean" else total, DomainSpec(None, None, spec.comm))
+
+
+def _sum(input, dim=None, keepdim=False, dtype=None):
+    return _reduce(input, "sum", dim, keepdim)
+
+
+def _mean(input, dim=None, keepdim=False, dtype=None):
+    return _reduce(input, "mean", dim, keepdim)
+
+
+def _loss(name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+        if weight is not None:
+            raise NotImplementedError(f"{name} with weight= on blocks")
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"{name}: reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+        difference = input - target  # the element-wise rule checks the layouts
+        per_element = adopt(pointwise(unwrap(difference)), _spec_of(difference))
+        return per_element if reduction == "none" else _reduce(per_element, reduction)
+    return rule
+
+
+BLOCK_RULES.register(F.mse_loss, _loss("F.mse_loss", lambda d: d * d))
+BLOCK_RULES.register(F.l1_loss, _loss("F.l1_loss", torch.abs))
+
+
+for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_norm), ((F.instance_norm,), _instance_norm),
+                      ((torch.sum, torch.Tensor.sum), _sum), ((torch.mean, torch.Tensor.mean), _mean)):
+    for _func in _funcs:
+        BLOCK_RULES.register(_func, _rule)

@@ -1,0 +1,164 @@
+"""Blocks: a sample sharded over 2 or 3 dims of a factored domain grid, against one process (fp64).
+
+Grid validation runs in process; the rest on the rank pool: shard / full_tensor, conv stacks with
+norms and losses (forward, input and parameter gradients, SGD steps), halo bytes against the geometric
+minimum, and refusals on every rank."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+
+from domain_cases import domain_sum, max_err, shard_sizes
+from mesh3d.mesh_shape import grid_factorizations, resolve_domain_grid
+
+TOL = 1e-10
+
+
+def test_grid_factorizations_multiply_to_the_size():
+    assert grid_factorizations(4) == [(4,), (2, 2)]
+    for n in (1, 6, 8, 12):
+        grids = grid_factorizations(n)
+        assert all(torch.tensor(g).prod() == n for g in grids) and len(set(grids)) == len(grids)
+    assert (2, 2, 2) in grid_factorizations(8) and (2, 3) in grid_factorizations(6)
+
+
+def test_a_grid_that_does_not_fit_names_the_grids_that_would():
+    assert resolve_domain_grid(8, 2, (2, 2), 1) == (4, (2, 2))
+    with pytest.raises(ValueError, match=r"domain grid \(2, 3\) has 6 ranks.*grids of the 4 domain ranks that fit: "
+                                         r"\(4,\), \(2, 2\)"):
+        resolve_domain_grid(8, 2, (2, 3), 1)
+    with pytest.raises(ValueError, match="tuple of 1 to 3 positive sizes"):
+        resolve_domain_grid(4, 1, (2, 0), 1)
+
+
+def _net(nd: int, channels: int = 3) -> torch.nn.Module:
+    conv = getattr(torch.nn, f"Conv{nd}d")
+    return torch.nn.Sequential(
+        conv(2, channels, 3, padding=1, dtype=torch.float64), torch.nn.GroupNorm(1, channels, dtype=torch.float64),
+        torch.nn.GELU(),
+        conv(channels, channels, 3, stride=2, padding=2, dilation=2, dtype=torch.float64),
+        torch.nn.BatchNorm2d(channels, dtype=torch.float64) if nd == 2 else torch.nn.Identity(),
+        torch.nn.Tanh(),
+        conv(channels, 1, (2, 3, 1)[:nd] if nd > 1 else 2, padding="same", dtype=torch.float64),
+    )
+
+
+def _blocks_body(grid, cases, steps):
+    """Each case: (nd, global spatial shape, sharded dims, sizes per dim). A few SGD steps vs one process."""
+    from mesh3d import DistributedManager, domain
+
+    dm = DistributedManager.initialize(batch=1, domain=grid)
+    worst = 0.0
+    for i, (nd, shape, dims, sizes) in enumerate(cases):
+        torch.manual_seed(i)
+        ref = _net(nd)
+        mod = copy.deepcopy(ref)
+        opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(mod.parameters(), lr=0.05)
+        for step in range(steps):
+            x = torch.randn(2, 2, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
+            x.requires_grad_(True)
+            target = torch.randn(2, 1, *shape, dtype=torch.float64)
+            y = ref(x)
+            loss_ref = torch.nn.functional.mse_loss(y, target[tuple(slice(0, n) for n in y.shape)])
+            loss_ref.backward()
+            xi = x.detach().requires_grad_(True)
+            xs = domain.shard(xi, dims=dims, sizes=sizes)
+            ys = mod(xs)
+            ts = domain.shard(target[tuple(slice(0, n) for n in y.shape)].contiguous(), dims=dims,
+                              sizes=tuple(ys.spec.sizes))
+            loss = torch.nn.functional.mse_loss(ys, ts)
+            loss.backward()
+            worst = max(worst, abs(float(loss) - float(loss_ref)), max_err(ys.full_tensor().to_local(), y),
+                        max_err(domain_sum(xi.grad), x.grad))
+            for q in mod.parameters():
+                q.grad.copy_(domain_sum(q.grad))
+            opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+        worst = max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
+        worst = max(worst, max((max_err(p, q) for p, q in zip(ref.buffers(), mod.buffers())), default=0.0))
+    return worst, dm.domain_grid
+
+
+@settings(max_examples=3, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no slow shrinking
+@given(data=st.data())
+def test_2d_blocks_train_like_one_process(ranks, data):
+    for grid in ((2, 2), (2, 3)):
+        cases = []
+        for _ in range(2):
+            shape = (data.draw(st.integers(9, 14)), data.draw(st.integers(9, 14)))
+            sizes = tuple(data.draw(shard_sizes(n, g)) for n, g in zip(shape, grid))
+            cases.append((2, shape, (2, 3), sizes))
+        cases.append((2, (12, 10), (2, 3), ((12, 0), (4, 3, 3)[:grid[1]] if grid[1] == 3 else (10, 0))))  # empty blocks
+        results = ranks.run(grid[0] * grid[1], _blocks_body, grid, cases, 3)
+        assert all(r[1] == grid for r in results)
+        assert max(r[0] for r in results) < TOL, results
+
+
+def test_3d_blocks_on_a_2x2x2_grid_train_like_one_process(ranks):
+    cases = [(3, (9, 10, 8), (2, 3, 4), ((5, 4), (6, 4), (3, 5))), (3, (8, 7, 9), (4, 2, 3), None)]
+    results = ranks.run(8, _blocks_body, (2, 2, 2), cases, 2)
+    assert max(r[0] for r in results) < TOL, results
+
+
+def _halo_body(shape, sizes, channels):
+    """Bytes one 3x3 'same' conv's forward and backward send on a 2x2 grid, and the geometric minimum."""
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.split import offsets_of, split_sizes
+
+    dm = DistributedManager.initialize(batch=1, domain=(2, 2))
+    conv = torch.nn.Conv2d(channels, channels, 3, padding=1, dtype=torch.float64)
+    x = torch.randn(1, channels, *shape, dtype=torch.float64, requires_grad=True)
+    xs = domain.shard(x, dims=(2, 3), sizes=sizes)
+    with domain.count_traffic() as forward:
+        y = conv(xs)
+    total = y.sum()  # its reduction sends 8 bytes to each peer: not a halo
+    with domain.count_traffic() as backward:
+        total.backward()
+    # the minimum: input elements in other blocks that this rank's outputs read (row, column, corner)
+    layout = [split_sizes(n, 2, s) for n, s in zip(shape, sizes or (None, None))]
+    ranges = [[range(o, o + n) for o, n in zip(offsets_of(lay), lay)] for lay in layout]
+    i, j = dm.axis_rank("domain_0"), dm.axis_rank("domain_1")
+    mine = set(itertools.product(ranges[0][i], ranges[1][j]))
+    footprint = {(h + a, w + b) for h, w in mine for a in (-1, 0, 1) for b in (-1, 0, 1)
+                 if 0 <= h + a < shape[0] and 0 <= w + b < shape[1]}
+    received = len(footprint - mine) * channels * 8
+    return forward.bytes_sent, backward.bytes_sent, received
+
+
+def test_halo_bytes_on_blocks_are_the_geometric_minimum(ranks):
+    for shape, sizes in (((10, 12), None), ((11, 9), ((4, 7), (6, 3)))):
+        results = ranks.run(4, _halo_body, shape, sizes, 3)
+        sent_forward = sum(r[0] for r in results)
+        assert sent_forward == sum(r[2] for r in results), results  # everything received was sent once
+        assert sent_forward == sum(r[1] for r in results), results  # backward returns the same rows
+
+
+def _refusals_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=(2, 2))
+    x = torch.randn(1, 2, 8, 8)
+    messages = []
+    for attempt in (lambda: torch.flip(domain.shard(x, dims=(2, 3)), [2]),
+                    lambda: domain.shard(x, dims=(2,)),
+                    lambda: torch.nn.functional.max_pool2d(domain.shard(x, dims=(2, 3)), 2),
+                    lambda: domain.shard(x, dims=(2, 3)).sum(2)):
+        try:
+            attempt()
+            messages.append("no error")
+        except (NotImplementedError, ValueError) as err:
+            messages.append(str(err))
+    return messages
+
+
+def test_ops_without_a_block_rule_raise_naming_the_op_on_every_rank(ranks):
+    for messages in ranks.run(4, _refusals_body):
+        assert "torch.flip has no rule for block layouts" in messages[0]
+        assert "dims=(2,) names 1 sharded dims but the domain grid (2, 2) has 2" in messages[1]
+        assert "max_pool2d has no rule for block layouts" in messages[2]
+        assert "covers only some of the block-sharded dims" in messages[3]
