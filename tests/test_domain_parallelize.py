@@ -63,8 +63,10 @@ def _compose_body(shape, kind, sizes, steps=3, param_dtype=None):
     nb, b = dm.axis_size("batch"), dm.axis_rank("batch")
     x, y = _data(kind, nb * PER_RANK)
     mine = slice(b * PER_RANK, (b + 1) * PER_RANK)
-    xs = domain.shard(x[mine], dim=2, sizes=sizes)
-    ys = domain.shard(y[mine], dim=2, sizes=sizes) if kind == "unet" else y[mine]
+    # a domain grid (blocks over H and W) or slabs over H
+    where = {"dims": (2, 3)} if isinstance(shape[1], tuple) else {"dim": 2}
+    xs = domain.shard(x[mine], sizes=sizes, **where)
+    ys = domain.shard(y[mine], sizes=sizes, **where) if kind == "unet" else y[mine]
 
     loss_errs, grad_errs = [], []
     for _ in range(steps):
@@ -93,6 +95,19 @@ VIT_SIZES = {4: (2, 6, 4, 2), 2: (8, 6)}  # the ViT's patch conv has stride 2: s
 @pytest.mark.parametrize(("shape", "sizes"), MESHES, ids=lambda v: "x".join(map(str, v)) if v else "chunk")
 def test_unet_with_fsdp_trains_like_one_process(ranks, shape, sizes):
     world = shape[0] * shape[1] * shape[2]
+    for loss_err, grad_err, param_err in ranks.run(world, _compose_body, shape, "unet", sizes, timeout=120):
+        assert loss_err < 1e-9
+        assert grad_err < 1e-9
+        assert param_err < 1e-9
+
+
+BLOCK_MESHES = [((2, (2, 2), 1), ((6, 8), (4, 6))), ((1, (2, 2), 2), ((8, 6), (6, 4)))]
+
+
+@pytest.mark.parametrize(("shape", "sizes"), BLOCK_MESHES, ids=["2x(2x2)x1-fsdp", "1x(2x2)x2-fsdp-tp"])
+def test_unet_on_blocks_with_fsdp_and_tp_trains_like_one_process(ranks, shape, sizes):
+    """Blocks on a 2x2 domain grid composed with FSDP on batch (8 ranks) and with TP styles on model."""
+    world = shape[0] * 4 * shape[2]
     for loss_err, grad_err, param_err in ranks.run(world, _compose_body, shape, "unet", sizes, timeout=120):
         assert loss_err < 1e-9
         assert grad_err < 1e-9

@@ -20,17 +20,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
+from mesh3d.domain.dispatch import block_needs
 from mesh3d.domain.exchange import DomainComm, gather_rows
-from mesh3d.domain.rows import Span, plan_exchange
+from mesh3d.domain.halo import WindowPlan, plan_window
+from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager
 
-__all__ = ["BlockSpec", "block_full_tensor", "grid_comms", "shard_blocks"]
+__all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "grid_comms", "in_layout", "shard_blocks"]
 
 
 @dataclass(frozen=True)
@@ -144,3 +146,61 @@ def block_full_tensor(x: DomainTensor) -> DomainTensor:
     spec = x._spec
     assert isinstance(spec, BlockSpec)
     return adopt(_BlockFullTensor.apply(unwrap(x), spec), DomainSpec(None, None, spec.comm))
+
+
+@lru_cache(maxsize=1024)
+def _halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[ExchangePlan, int, int]:
+    """This rank's window exchange without its padding rows, and the padding (left, right) for the kernel.
+
+    NOTE: on blocks a padding row materialized in one pass would travel in the next (it is part of the
+    extended rows): so no pass materializes any, and the kernel (or one ``F.pad`` on edge blocks) adds them.
+    """
+    mine = plan.needs[me]
+    left = mine[0].stop if mine and mine[0].is_fill else 0
+    right = mine[-1].stop if len(mine) > 1 and mine[-1].is_fill else 0
+    core = tuple(span for span in mine if not span.is_fill)
+    return plan_exchange(sizes, plan.needs[:me] + (core,) + plan.needs[me + 1:], me), left, right
+
+
+def extend_windows(local: torch.Tensor, spec: BlockSpec, first: int, kernel: Sequence[int], stride: Sequence[int],
+                   dilation: Sequence[int], pads: list[tuple[int, int]]) -> tuple[torch.Tensor, BlockSpec]:
+    """This rank's input rows for a window op on blocks, halos and corners included; ``pads`` (per spatial dim,
+    ``first`` being the first spatial tensor dim) becomes the padding the kernel must still add.
+
+    Usage: ``ext, out_spec = extend_windows(local, spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])``
+    """
+    out_sizes = []
+    for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
+        i = d - first
+        plan = plan_window(sizes, kernel[i], stride[i], dilation[i], *pads[i])
+        xplan, left, right = _halo_rows_only(sizes, plan, line.index)
+        local = gather_rows(local, d, xplan, line)  # the second pass moves extended rows: corners travel
+        pads[i] = (left, right)
+        out_sizes.append(plan.out_sizes)
+    return local, spec.with_sizes(tuple(out_sizes))
+
+
+def gather_along(local: torch.Tensor, spec: BlockSpec, axis: int, needs: tuple, fill: float = 0.0) -> torch.Tensor:
+    """Rows ``needs`` (one row map per rank of the grid line) of block dim ``axis``, from their owners.
+
+    Usage: ``ext = gather_along(local, spec, 0, needs)``
+    """
+    line = spec.lines[axis]
+    return gather_rows(local, spec.dims[axis], plan_exchange(spec.sizes[axis], needs, line.index), line, fill)
+
+
+def in_layout(x: DomainTensor, spec: BlockSpec) -> torch.Tensor:
+    """``x``'s local block in the layout of ``spec`` (same dims): rows move along each grid dim whose sizes differ.
+
+    Usage: ``local = in_layout(skip, ref.spec)  # a U-Net skip laid out like the upsampled tensor``
+    """
+    have = x._spec
+    assert isinstance(have, BlockSpec)
+    if have.dims != spec.dims or [sum(s) for s in have.sizes] != [sum(s) for s in spec.sizes]:
+        raise ValueError(f"block tensors of different global shapes or block dims ({have.dims}, {have.sizes} vs "
+                         f"{spec.dims}, {spec.sizes}) cannot be combined; shard them alike")
+    local = unwrap(x)
+    for axis, (mine, want) in enumerate(zip(have.sizes, spec.sizes)):
+        if mine != want:
+            local = gather_along(local, have, axis, block_needs(want))
+    return local

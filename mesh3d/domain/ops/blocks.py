@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.blocks import BlockSpec
+from mesh3d.domain.blocks import BlockSpec, extend_windows, in_layout
 from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
-from mesh3d.domain.exchange import gather_rows
-from mesh3d.domain.halo import WindowPlan, plan_window
-from mesh3d.domain.rows import ExchangePlan, plan_exchange
 from mesh3d.domain.ops.conv import weight_connected_zeros
 from mesh3d.domain.ops.norm import normalize
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
@@ -47,15 +43,14 @@ def _elementwise(func: Callable) -> Callable:
         blocks = [t for t in tensors if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec)]
         ref = blocks[0]
         spec = _spec_of(ref)
-        for t in blocks[1:]:
-            other = _spec_of(t)
-            if (other.dims, other.sizes) != (spec.dims, spec.sizes) or t.ndim != ref.ndim:
-                raise ValueError(f"{op_name(func)}: block tensors laid out differently (dims {spec.dims} sizes "
-                                 f"{spec.sizes} vs dims {other.dims} sizes {other.sizes}); shard both alike")
+        if any(t.ndim != ref.ndim for t in blocks):
+            raise ValueError(f"{op_name(func)}: block tensors of different ranks ({[t.ndim for t in blocks]})")
 
         def local(o):
-            if not isinstance(o, torch.Tensor) or any(o is b for b in blocks):
-                return unwrap(o)
+            if not isinstance(o, torch.Tensor):
+                return o
+            if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches)
+                return unwrap(o) if _spec_of(o).sizes == spec.sizes else in_layout(o, spec)
             if isinstance(o, DomainTensor):  # a replicated value entering the blocks
                 if o._spec.dim is not None:
                     raise ValueError(f"{op_name(func)}: a slab-sharded tensor meets a block-sharded one; "
@@ -83,23 +78,22 @@ for _f in ELEMENTWISE:
     BLOCK_RULES.register(_f, _elementwise(_f))
 
 
+def _view_as(input, other):
+    # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input to hook its backward: exact on an identically
+    # laid out block of the same shape; anything else would reinterpret rows across blocks.
+    if isinstance(input, DomainTensor) and isinstance(other, DomainTensor) and input._spec == other._spec \
+            and input.shape == other.shape:
+        return adopt(unwrap(input).view_as(unwrap(other)), _spec_of(input))
+    raise NotImplementedError("torch.Tensor.view_as on blocks: only onto an identically laid out block tensor of "
+                              "the same shape; call .full_tensor() first")
+
+
+BLOCK_RULES.register(torch.Tensor.view_as, _view_as)
+
+
 # ----------------------------------------------------------------------------- convolution
 def _ints(v, n: int) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
-
-
-@lru_cache(maxsize=1024)
-def _halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[ExchangePlan, int, int]:
-    """This rank's window exchange without its padding rows, and the padding (left, right) for the kernel.
-
-    NOTE: on blocks a padding row materialized in one pass would travel in the next (it is part of the
-    extended rows): so no pass materializes any, and the kernel (or one ``F.pad`` on edge blocks) adds them.
-    """
-    mine = plan.needs[me]
-    left = mine[0].stop if mine and mine[0].is_fill else 0
-    right = mine[-1].stop if len(mine) > 1 and mine[-1].is_fill else 0
-    core = tuple(span for span in mine if not span.is_fill)
-    return plan_exchange(sizes, plan.needs[:me] + (core,) + plan.needs[me + 1:], me), left, right
 
 
 def _conv_rule(func: Callable, nd: int) -> Callable:
@@ -118,15 +112,7 @@ def _conv_rule(func: Callable, nd: int) -> Callable:
             pads = [(t // 2, t - t // 2) for t in totals]
         else:
             pads = [(p, p) for p in _ints(padding, nd)]
-        local, out_sizes = unwrap(input), []
-        for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
-            i = d - first
-            plan = plan_window(sizes, ks[i], stride[i], dilation[i], *pads[i])
-            xplan, left, right = _halo_rows_only(sizes, plan, line.index)
-            local = gather_rows(local, d, xplan, line)  # the second pass moves extended rows: corners travel
-            pads[i] = (left, right)
-            out_sizes.append(plan.out_sizes)
-        out_spec = spec.with_sizes(tuple(out_sizes))
+        local, out_spec = extend_windows(unwrap(input), spec, first, ks, stride, dilation, pads)
         if 0 in out_spec.local_sizes:
             shape = [local.shape[0], weight.shape[0]]
             for i in range(nd):

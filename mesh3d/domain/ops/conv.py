@@ -125,6 +125,24 @@ def _conv_rule(func, nd: int):
     return rule
 
 
+def transpose_plan(sizes: tuple[int, ...], m: int, s: int, p: int, d: int, k: int):
+    """A transposed conv along one sharded dim: each rank's output sizes, the input rows it reads, their first.
+
+    Usage: ``out_sizes, needs, starts = transpose_plan(sizes, m, stride, padding, dilation, kernel)``
+
+    Output o is owned by the rank holding its "source" input row floor((o + p) / s).
+    """
+    n = sum(sizes)
+    out_sizes = sizes_by_first_index(sizes, m, lambda row: row * s - p)
+    needs, starts = [], []
+    for a, size in zip(offsets_of(out_sizes), out_sizes):
+        i0 = max(0, -(-(a + p - d * (k - 1)) // s))
+        i1 = min(n - 1, (a + size - 1 + p) // s)
+        needs.append((Span.rows(i0, i1 + 1),) if size and i0 <= i1 else ())
+        starts.append(i0)
+    return out_sizes, tuple(needs), starts
+
+
 def _conv_transpose_rule(func, nd: int):
     name = f"torch.nn.functional.conv_transpose{nd}d"
 
@@ -140,14 +158,7 @@ def _conv_transpose_rule(func, nd: int):
         m = (n - 1) * s - 2 * p + d * (k - 1) + output_padding[sp] + 1
         if input.spec.comm.size == 1:  # nothing to exchange: torch's kernel on the shard, unchanged
             return Step(func, args, out=input.spec.with_sizes((m,)))
-        # Output o is owned by the rank holding its "source" input row floor((o + p) / s).
-        out_sizes = sizes_by_first_index(sizes, m, lambda row: row * s - p)
-        needs, starts = [], []
-        for a, size in zip(offsets_of(out_sizes), out_sizes):
-            i0 = max(0, -(-(a + p - d * (k - 1)) // s))
-            i1 = min(n - 1, (a + size - 1 + p) // s)
-            needs.append((Span.rows(i0, i1 + 1),) if size and i0 <= i1 else ())
-            starts.append(i0)
+        out_sizes, needs, starts = transpose_plan(sizes, m, s, p, d, k)
         me = input.spec.comm.index
         a, size = offsets_of(out_sizes)[me], out_sizes[me]
         local_pad = tuple(0 if i == sp else padding[i] for i in range(nd))

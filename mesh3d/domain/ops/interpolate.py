@@ -29,7 +29,10 @@ _LINEAR = ("linear", "bilinear", "trilinear")
 
 @lru_cache(maxsize=256)
 def _sources(n: int, m: int, scale_factor, mode: str, align_corners, dtype):
-    """(i0, i1, lambda) per output row along one dim, as torch computes them (cached per shape)."""
+    """(i0, i1, lambda) per output row along one dim, as torch computes them (cached per shape).
+
+    Usage: ``i0, i1, lam = _sources(n, m, 2.0, "bilinear", False, torch.float64)``
+    """
     o = torch.arange(m, dtype=torch.float64)
     if mode == "nearest":
         scale = torch.tensor(1.0 / scale_factor if scale_factor else n / m, dtype=torch.float32)
@@ -45,6 +48,21 @@ def _sources(n: int, m: int, scale_factor, mode: str, align_corners, dtype):
     lam = src - i0.to(dtype)
     i1 = torch.where(i0 < n - 1, i0 + 1, i0)
     return i0, i1, lam
+
+
+def lerp_rows(ext: torch.Tensor, dim: int, i0: torch.Tensor, i1: torch.Tensor, lam: torch.Tensor,
+              mode: str) -> torch.Tensor:
+    """Output rows along ``dim`` from the gathered source rows ``ext`` (whose first row is source row ``i0[0]``).
+
+    Usage: ``y = lerp_rows(ext, 2, i0[a:b], i1[a:b], lam[a:b], "bilinear")``
+    """
+    base = int(i0[0])
+    lo = ext.index_select(dim, (i0 - base).to(ext.device))
+    if mode == "nearest":
+        return lo
+    hi = ext.index_select(dim, (i1 - base).to(ext.device))
+    w = lam.to(ext.device).view([-1 if i == dim else 1 for i in range(ext.ndim)])
+    return lo * (1 - w) + hi * w
 
 
 @register(F.interpolate)
@@ -84,11 +102,7 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
             shape[dim] = 0
             y = weight_connected_zeros(ext, shape, ext)
         else:
-            base = int(i0[a])
-            lo = ext.index_select(dim, (i0[a:b] - base).to(ext.device))
-            hi = ext.index_select(dim, (i1[a:b] - base).to(ext.device))
-            w = lam[a:b].to(ext.device).view([-1 if i == dim else 1 for i in range(ext.ndim)])
-            y = lo if mode == "nearest" else lo * (1 - w) + hi * w
+            y = lerp_rows(ext, dim, i0[a:b], i1[a:b], lam[a:b], mode)
         if nd == 1:
             return y
         if outs is not None:

@@ -1,0 +1,217 @@
+"""Block rules for pooling, transposed convolution, interpolation, ``F.pad`` and ``torch.cat``.
+
+Usage: automatic for ``nn.MaxPool2d(2)(xs)``, ``nn.ConvTranspose2d(8, 8, 2, stride=2)(xs)``,
+``nn.Upsample(scale_factor=2, mode="bilinear")(xs)``, ``F.pad(xs, (1, 1, 1, 1), mode="circular")`` and
+``torch.cat([xs, ys], dim=1)`` on block-sharded tensors (``domain.shard(x, dims=(2, 3))``).
+
+Each op does per block dim what its slab rule does along the one sharded dim, one grid dim after the
+other (rows of the first pass travel in the second, so corners arrive): pooling uses the window
+engine (``blocks.extend_windows``); transposed convolution, interpolation and padding modes gather the
+source rows their outputs read (``blocks.gather_along``) with the slab rules' row formulas.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.blocks import BlockSpec, extend_windows, gather_along, in_layout
+from mesh3d.domain.halo import sizes_by_first_index
+from mesh3d.domain.ops.conv import _padded_rows, _tuple, pad_local, transpose_plan, weight_connected_zeros
+from mesh3d.domain.ops.interpolate import _sources, lerp_rows
+from mesh3d.domain.registry import BLOCK_RULES, op_name
+from mesh3d.domain.rows import Span
+from mesh3d.domain.split import offsets_of
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+
+__all__: list[str] = []
+
+
+def _blocks_of(x: DomainTensor, op: str, nd: int) -> BlockSpec:
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    if min(spec.dims) < x.ndim - nd:
+        raise NotImplementedError(f"{op}: on blocks, shard spatial dims (>= {x.ndim - nd}) only, got {spec.dims}")
+    return spec
+
+
+def _zeros_like_out(ext: torch.Tensor, shape: list[int], spec: BlockSpec, *params) -> torch.Tensor:
+    for d, count in zip(spec.dims, spec.local_sizes):
+        shape[d] = count
+    return weight_connected_zeros(ext, [max(v, 0) for v in shape], ext, *params)
+
+
+# ----------------------------------------------------------------------------- pooling
+def _pool(kind: str, nd: int, func: Callable) -> Callable:
+    name = f"torch.nn.functional.{kind}_pool{nd}d"
+
+    def run(input, kernel_size, stride, padding, dilation, ceil_mode, count_include_pad, divisor_override, extra):
+        spec = _blocks_of(input, name, nd)
+        if ceil_mode or extra:
+            raise NotImplementedError(f"{name}: ceil_mode=True or return_indices=True on blocks; use the defaults")
+        first = input.ndim - nd
+        ks, pd, dl = _tuple(kernel_size, nd), _tuple(padding, nd), _tuple(dilation, nd)
+        st = _tuple(stride if stride not in (None, []) else kernel_size, nd)
+        if kind == "avg" and not count_include_pad and any(pd[d - first] for d in spec.dims):
+            raise NotImplementedError(f"{name}: count_include_pad=False with padding along a block dim (the divisor "
+                                      "would depend on the global edge); use count_include_pad=True")
+        pads = [(p, p) for p in pd]
+        ext, out_spec = extend_windows(unwrap(input), spec, first, ks, st, dl, pads)
+        if 0 in out_spec.local_sizes:
+            shape = [*ext.shape[:first]] + [(ext.shape[first + i] + sum(pads[i]) - dl[i] * (ks[i] - 1) - 1) // st[i] + 1
+                                            for i in range(nd)]
+            return adopt(_zeros_like_out(ext, shape, out_spec), out_spec)
+        symmetric = all(lo == hi and lo <= ks[i] // 2 for i, (lo, hi) in enumerate(pads))
+        local_pad = tuple(lo for lo, _ in pads) if symmetric else 0
+        if not symmetric:  # edge blocks: the padding their kernel would add, added here (-inf for max)
+            flat = [v for i in reversed(range(nd)) for v in pads[i]]
+            ext = F.pad(ext, flat, value=-math.inf if kind == "max" else 0.0)
+        if kind == "max":
+            return adopt(func(ext, ks, st, local_pad, dl, False), out_spec)
+        return adopt(func(ext, ks, st, local_pad, False, True, divisor_override), out_spec)
+
+    if kind == "max":
+        def rule(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
+            return run(input, kernel_size, stride, padding, dilation, ceil_mode, True, None, return_indices)
+    else:
+        def rule(input, kernel_size, stride=None, padding=0, ceil_mode=False, count_include_pad=True,
+                 divisor_override=None):
+            return run(input, kernel_size, stride, padding, 1, ceil_mode, count_include_pad, divisor_override, False)
+    return rule
+
+
+# ----------------------------------------------------------------------------- transposed convolution
+def _conv_transpose(func: Callable, nd: int) -> Callable:
+    name = f"torch.nn.functional.conv_transpose{nd}d"
+
+    def rule(input, weight, bias=None, stride=1, padding=0, output_padding=0, groups=1, dilation=1):
+        spec = _blocks_of(input, name, nd)
+        first = input.ndim - nd
+        stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
+        output_padding = _tuple(output_padding, nd)
+        local, out_sizes, crops = unwrap(input), [], []
+        for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
+            i = d - first
+            s, p, dl, k = stride[i], padding[i], dilation[i], weight.shape[2 + i]
+            m = (sum(sizes) - 1) * s - 2 * p + dl * (k - 1) + output_padding[i] + 1
+            outs, needs, starts = transpose_plan(sizes, m, s, p, dl, k)
+            local = gather_along(local, spec, axis, needs)
+            me = line.index
+            crops.append((d, starts[me] * s - p - offsets_of(outs)[me], outs[me], bool(needs[me])))
+            out_sizes.append(outs)
+        out_spec = spec.with_sizes(tuple(out_sizes))
+        local_pad = tuple(0 if first + i in spec.dims else padding[i] for i in range(nd))
+        local_op = tuple(0 if first + i in spec.dims else output_padding[i] for i in range(nd))
+        if not all(has for *_, has in crops):  # no contributing input rows: only the bias (or an empty block)
+            ref = func(local.new_zeros([*local.shape[:first], *[1] * nd]), weight, None, stride, 0, 0, groups, dilation)
+            shape = list(ref.shape)
+            for i in range(nd):
+                if first + i not in spec.dims:
+                    shape[first + i] = (local.shape[first + i] - 1) * stride[i] - 2 * padding[i] + \
+                        dilation[i] * (weight.shape[2 + i] - 1) + output_padding[i] + 1
+            y = _zeros_like_out(local, shape, out_spec, weight)
+        else:
+            y = func(local, weight, None, stride, local_pad, local_op, groups, dilation)
+            for d, start, size, _ in crops:  # where this rank's first output sits in y's rows, per block dim
+                y = y.narrow(d, -start, min(size, y.shape[d] + start)) if start <= 0 else y
+                short = size - y.shape[d] - max(start, 0)
+                if start > 0 or short > 0:
+                    flat = [0] * (2 * (y.ndim - 2))
+                    flat[2 * (y.ndim - 1 - d)] = max(start, 0)
+                    flat[2 * (y.ndim - 1 - d) + 1] = short
+                    y = F.pad(y, flat)
+        if bias is not None:
+            y = y + bias.view(1, -1, *([1] * nd))
+        return adopt(y, out_spec)
+
+    return rule
+
+
+# ----------------------------------------------------------------------------- interpolation
+def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None, recompute_scale_factor=None,
+                 antialias=False):
+    nd = input.ndim - 2
+    spec = _blocks_of(input, "F.interpolate", nd)
+    if mode not in ("nearest", "linear", "bilinear", "trilinear") or antialias:
+        raise NotImplementedError(f"F.interpolate(mode={mode!r}, antialias={antialias}) on blocks; use nearest, "
+                                  "linear, bilinear or trilinear")
+    shape = list(input.global_shape[2:])
+    sfs = None if scale_factor is None else list(_tuple(scale_factor, nd))
+    if recompute_scale_factor and sfs is not None:
+        size, sfs = [math.floor(g * f) for g, f in zip(shape, sfs)], None
+    outs = list(_tuple(size, nd)) if size is not None else [math.floor(n * f) for n, f in zip(shape, sfs)]
+    local, out_sizes = unwrap(input), []
+    for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
+        n, m = sum(sizes), outs[d - 2]
+        i0, i1, lam = _sources(n, m, sfs[d - 2] if sfs else None, mode, align_corners, input.dtype)
+        mine = sizes_by_first_index(sizes, m, lambda row, i0=i0: int(torch.searchsorted(i0, row)))
+        bounds = [(a, a + s) for a, s in zip(offsets_of(mine), mine)]
+        needs = tuple((Span.rows(int(i0[a]), int(i1[b - 1]) + 1),) if b > a else () for a, b in bounds)
+        local = gather_along(local, spec, axis, needs)
+        a, b = bounds[line.index]
+        if b == a:
+            shape_now = list(local.shape)
+            shape_now[d] = 0
+            local = weight_connected_zeros(local, shape_now, local)
+        else:
+            local = lerp_rows(local, d, i0[a:b], i1[a:b], lam[a:b], mode)
+        out_sizes.append(mine)
+    out_spec = spec.with_sizes(tuple(out_sizes))
+    rest = [local.shape[2 + i] if 2 + i in spec.dims else outs[i] for i in range(nd)]
+    if rest != list(local.shape[2:]):
+        if local.numel():
+            local = F.interpolate(local, size=rest, mode=mode, align_corners=align_corners)
+        else:
+            local = weight_connected_zeros(local, [*local.shape[:2], *rest], local)
+    return adopt(local, out_spec)
+
+
+# ----------------------------------------------------------------------------- padding and cat
+def _pad(input, pad, mode="constant", value=None):
+    spec = input._spec
+    if mode not in ("constant", "reflect", "replicate", "circular"):
+        raise ValueError(f"F.pad mode={mode!r} is not supported on blocks")
+    pad, local, new_sizes = list(pad), unwrap(input), []
+    for axis, (d, sizes) in enumerate(zip(spec.dims, spec.sizes)):
+        pos = input.ndim - 1 - d
+        pl, pr = (pad[2 * pos], pad[2 * pos + 1]) if 2 * pos + 1 < len(pad) else (0, 0)
+        n = sum(sizes)
+        if pl < 0 or pr < 0 or (mode in ("reflect", "circular") and max(pl, pr) >= n + (mode == "circular")):
+            raise ValueError(f"F.pad on blocks: padding ({pl}, {pr}) along dim {d} (global length {n}) is negative "
+                             "or too large for the mode")
+        new = list(sizes)
+        nonempty = [r for r, s in enumerate(sizes) if s > 0]
+        new[nonempty[0]] += pl
+        new[nonempty[-1]] += pr
+        needs = tuple(_padded_rows(o, o + s, n, pl, mode) for o, s in zip(offsets_of(new), new))
+        if (pl, pr) != (0, 0):
+            local = gather_along(local, spec, axis, needs, 0.0 if value is None else float(value))
+        new_sizes.append(tuple(new))
+        if 2 * pos + 1 < len(pad):
+            pad[2 * pos] = pad[2 * pos + 1] = 0
+    return adopt(pad_local(local, pad, mode, value), spec.with_sizes(tuple(new_sizes)))
+
+
+def _cat(tensors, dim=0):
+    blocks = [t for t in tensors if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec)]
+    spec = blocks[0]._spec
+    assert isinstance(spec, BlockSpec)
+    dim = dim % blocks[0].ndim
+    if dim in spec.dims or len(blocks) != len(tensors):
+        raise NotImplementedError(f"{op_name(torch.cat)} on blocks: every input must be a block tensor (dims "
+                                  f"{spec.dims}), joined along another dim than those")
+    return adopt(torch.cat([in_layout(t, spec) for t in tensors], dim), spec)
+
+
+for _nd in (1, 2, 3):
+    BLOCK_RULES.register(getattr(F, f"max_pool{_nd}d"), _pool("max", _nd, getattr(F, f"max_pool{_nd}d")))
+    BLOCK_RULES.register(getattr(F, f"avg_pool{_nd}d"), _pool("avg", _nd, getattr(F, f"avg_pool{_nd}d")))
+    BLOCK_RULES.register(getattr(F, f"conv_transpose{_nd}d"),
+                         _conv_transpose(getattr(F, f"conv_transpose{_nd}d"), _nd))
+BLOCK_RULES.register(F.interpolate, _interpolate)
+BLOCK_RULES.register(F.pad, _pad)
+for _f in (torch.cat, torch.concat):
+    BLOCK_RULES.register(_f, _cat)
