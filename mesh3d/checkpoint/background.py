@@ -41,8 +41,8 @@ from torch import nn
 from mesh3d.checkpoint.comm import StepFailure
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
-from mesh3d.checkpoint.save import (DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, _Plan, agree, write_and_commit,
-                                    write_my_shards)
+from mesh3d.checkpoint.agree import Plan, agree
+from mesh3d.checkpoint.save import DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, write_and_commit, write_my_shards
 
 __all__ = ["async_save", "AsyncSave"]
 
@@ -82,7 +82,8 @@ def async_save(
         extra = json.loads(json.dumps(extra, allow_nan=False))
     except (TypeError, ValueError):
         pass
-    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data)  # data's cursor: now
+    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data,  # data's cursor: now
+                          plans=IN_FLIGHT.plans)
     group = IN_FLIGHT.group()
     staged, ready, failure = {}, None, None
     try:
@@ -99,7 +100,7 @@ def async_save(
     return handle
 
 
-def _write(handle: AsyncSave, plan: _Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
+def _write(handle: AsyncSave, plan: Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
            hook: StageHook | None, on_commit: Callable[[str], None] | None) -> None:
     """The writer thread: file I/O, then the commit's two collectives on the checkpoint group only.
 
