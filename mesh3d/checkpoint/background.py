@@ -93,19 +93,24 @@ def async_save(
     except Exception as err:  # e.g. no memory for the buffer: the writer reports it to every rank's commit
         failure = f"{type(err).__name__} while staging the state in host memory: {err}"
     handle = AsyncSave(plan.path, plan.staging)
-    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit),
+    go = threading.Event()  # the writer idles until we return, so starting it does not hold up the caller
+    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit, go),
                               name=f"mesh3d-checkpoint-writer:{os.path.basename(plan.path)}", daemon=False)
     IN_FLIGHT.handle = handle
     writer.start()
+    go.set()
     return handle
 
 
 def _write(handle: AsyncSave, plan: Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
-           hook: StageHook | None, on_commit: Callable[[str], None] | None) -> None:
+           hook: StageHook | None, on_commit: Callable[[str], None] | None, go: threading.Event) -> None:
     """The writer thread: file I/O, then the commit's two collectives on the checkpoint group only.
 
     A rank that failed to stage still takes part in the commit's collectives (with its error), so
-    every rank fails together instead of the others waiting for it until the group's timeout."""
+    every rank fails together instead of the others waiting for it until the group's timeout.
+    It starts once ``go`` is set: a thread that ran Python code at once would keep the GIL from the
+    caller for up to the interpreter's switch interval (5 ms) before ``async_save`` could return."""
+    go.wait()
 
     def write() -> tuple[dict[str, Any], dict[str, Any]]:
         if failure is not None:
