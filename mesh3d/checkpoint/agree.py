@@ -240,7 +240,8 @@ def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opti
     request: _Request | None = None
     failure: Exception | None = None
     try:
-        request = _check_request(path, model, optimizer, step, extra, data, rank, staging)
+        with torch.no_grad():  # DTensor.to_local skips its autograd function (it is on the blocking path)
+            request = _check_request(path, model, optimizer, step, extra, data, rank, staging)
     except Exception as err:  # shared with every rank by the full agreement below
         failure = err
     last = plans.current()

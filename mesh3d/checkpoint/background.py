@@ -87,8 +87,9 @@ def async_save(
     group = IN_FLIGHT.group()
     staged, ready, failure = {}, None, None
     try:
-        mine = _my_parts(entries, plan.boxes, plan.rank)
-        copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
+        with torch.no_grad():  # DTensor.to_local without its autograd function
+            mine = _my_parts(entries, plan.boxes, plan.rank)
+            copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
         staged = {name: (box, copies[name]) for name, (box, _) in mine.items()}
     except Exception as err:  # e.g. no memory for the buffer: the writer reports it to every rank's commit
         failure = f"{type(err).__name__} while staging the state in host memory: {err}"
