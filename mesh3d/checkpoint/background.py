@@ -41,8 +41,8 @@ from torch import nn
 from mesh3d.checkpoint.comm import StepFailure
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
-from mesh3d.checkpoint.save import (DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, _Plan, agree, write_and_commit,
-                                    write_my_shards)
+from mesh3d.checkpoint.agree import Plan, agree
+from mesh3d.checkpoint.save import DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, write_and_commit, write_my_shards
 
 __all__ = ["async_save", "AsyncSave"]
 
@@ -82,29 +82,36 @@ def async_save(
         extra = json.loads(json.dumps(extra, allow_nan=False))
     except (TypeError, ValueError):
         pass
-    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data)  # data's cursor: now
+    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data,  # data's cursor: now
+                          plans=IN_FLIGHT.plans)
     group = IN_FLIGHT.group()
     staged, ready, failure = {}, None, None
     try:
-        mine = _my_parts(entries, plan.boxes, plan.rank)
-        copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
+        with torch.no_grad():  # DTensor.to_local without its autograd function
+            mine = _my_parts(entries, plan.boxes, plan.rank)
+            copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
         staged = {name: (box, copies[name]) for name, (box, _) in mine.items()}
     except Exception as err:  # e.g. no memory for the buffer: the writer reports it to every rank's commit
         failure = f"{type(err).__name__} while staging the state in host memory: {err}"
     handle = AsyncSave(plan.path, plan.staging)
-    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit),
+    go = threading.Event()  # the writer idles until we return, so starting it does not hold up the caller
+    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit, go),
                               name=f"mesh3d-checkpoint-writer:{os.path.basename(plan.path)}", daemon=False)
     IN_FLIGHT.handle = handle
     writer.start()
+    go.set()
     return handle
 
 
-def _write(handle: AsyncSave, plan: _Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
-           hook: StageHook | None, on_commit: Callable[[str], None] | None) -> None:
+def _write(handle: AsyncSave, plan: Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
+           hook: StageHook | None, on_commit: Callable[[str], None] | None, go: threading.Event) -> None:
     """The writer thread: file I/O, then the commit's two collectives on the checkpoint group only.
 
     A rank that failed to stage still takes part in the commit's collectives (with its error), so
-    every rank fails together instead of the others waiting for it until the group's timeout."""
+    every rank fails together instead of the others waiting for it until the group's timeout.
+    It starts once ``go`` is set: a thread that ran Python code at once would keep the GIL from the
+    caller for up to the interpreter's switch interval (5 ms) before ``async_save`` could return."""
+    go.wait()
 
     def write() -> tuple[dict[str, Any], dict[str, Any]]:
         if failure is not None:

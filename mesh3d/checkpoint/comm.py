@@ -29,7 +29,7 @@ import torch.distributed as dist
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.manager import refuse_if_launched_uninitialized
 
-__all__ = ["world", "allgather_json", "collective_step", "raise_if_any_failed", "StepFailure"]
+__all__ = ["world", "allgather_json", "allgather_int64", "collective_step", "raise_if_any_failed", "StepFailure"]
 
 T = TypeVar("T")
 
@@ -69,6 +69,17 @@ def allgather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     bufs = [torch.empty_like(buf) for _ in range(size)]
     dist.all_gather(bufs, buf, group=group)
     return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths)]
+
+
+def allgather_int64(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
+    """Every rank's ``values`` (the same count of int64 on every rank), in rank order: one small all-gather."""
+    _, size = world()
+    if size == 1:
+        return [list(values)]
+    mine = torch.tensor(values, dtype=torch.int64, device=_device(group))
+    rows = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(rows, mine, group=group)
+    return [row.tolist() for row in rows]
 
 
 class StepFailure(CheckpointError):

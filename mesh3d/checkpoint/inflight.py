@@ -18,6 +18,7 @@ import threading
 
 import torch.distributed as dist
 
+from mesh3d.checkpoint.agree import AgreedPlans
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.staging import HostStaging
 from mesh3d.manager import DistributedManager
@@ -63,10 +64,12 @@ class AsyncSave:
 
 
 class InFlight:
-    """The save being written in the background, the reused host buffer, and the checkpoint group."""
+    """The save being written in the background, the reused host buffer, the checkpoint group, and the
+    boxes agreed at the last save (reused by the next save while the state's structure is unchanged)."""
 
     def __init__(self) -> None:
         self.handle: AsyncSave | None = None
+        self.plans = AgreedPlans()  # shared by save and async_save: every rank saves in the same order
         self.host = HostStaging()  # reused by every background save: the previous one has finished with it
         self._group: dist.ProcessGroup | None = None
         self._world: object = None  # the default group the checkpoint group was made from

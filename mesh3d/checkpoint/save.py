@@ -4,6 +4,8 @@ Protocol (crash-safe at every step), three collective steps (``comm.collective_s
 phase here, agree on failure everywhere):
 1. every rank computes its boxes; one JSON all-gather shares them with rank 0's staging
    directory name and any local error (so bad input raises on every rank, before writes);
+   a repeat save of an unchanged structure reuses the agreed boxes after an all-gather of
+   five int64 per rank (``agree.py``);
 2. ranks holding the same box (replicas) split it by rows, so each element is written once
    and writes stay balanced; each rank streams its shard files into the staging directory
    and fsyncs them;
@@ -26,24 +28,21 @@ import os
 import shutil
 import time
 import uuid
-import zlib
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from mesh3d.checkpoint.agree import Plan, agree
 from mesh3d.checkpoint.checksum import WRITE_ALGORITHM, block_checksums
-from mesh3d.checkpoint.chunks import Box, local_box, local_data, replica_part
-from mesh3d.checkpoint.comm import StepFailure, collective_step, world
-from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.chunks import Box, local_data, replica_part
+from mesh3d.checkpoint.comm import StepFailure, collective_step
 from mesh3d.checkpoint.inflight import IN_FLIGHT
 from mesh3d.checkpoint.index import FORMAT, INDEX_NAME, VERSION, encode_index, validate_index
 from mesh3d.checkpoint.st_format import TORCH_TO_ST, plan_header
 from mesh3d.checkpoint.staging import HostStaging
-from mesh3d.checkpoint.state import Entry, flat_state
-from mesh3d.manager import DistributedManager
+from mesh3d.checkpoint.state import Entry
 
 __all__ = ["save", "DEFAULT_CHECKSUM_BLOCK_BYTES", "fsync_dir", "write_file_atomic"]
 
@@ -109,48 +108,6 @@ def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: in
     return size, records
 
 
-def _index_tensors(entries: dict[str, Entry]) -> dict[str, dict[str, Any]]:
-    """Each tensor's index entry (role, dtype, global shape, layout), chunks still to be filled in."""
-    tensors: dict[str, dict[str, Any]] = {}
-    for name, entry in entries.items():
-        t = entry.tensor
-        tensors[name] = {"role": entry.role, "dtype": TORCH_TO_ST[t.dtype], "shape": list(t.shape),
-                         "layout": str(tuple(t.placements)) if hasattr(t, "placements") else "plain"}
-        if entry.role == "optimizer":
-            tensors[name].update(param=entry.param, state_key=entry.state_key)
-    return tensors
-
-
-def _signature(entries: dict[str, Entry]) -> int:
-    """A checksum of (name, role, dtype, global shape): all ranks must agree on it."""
-    text = json.dumps(sorted((n, e.role, str(e.tensor.dtype), list(e.tensor.shape)) for n, e in entries.items()))
-    return zlib.crc32(text.encode())
-
-
-def _data_state(data: Any) -> dict[str, Any] | None:
-    """``data.state_dict()``, checked to be a JSON object (nothing is ever pickled)."""
-    if data is None:
-        return None
-    if not callable(getattr(data, "state_dict", None)):
-        raise CheckpointError(f"data= takes an object with state_dict() (e.g. mesh3d.data.MeshDataLoader), got "
-                              f"{type(data).__name__}")
-    state = data.state_dict()
-    try:
-        if not isinstance(state, dict):
-            raise TypeError(f"it is a {type(state).__name__}, not a dict")
-        json.dumps(state, allow_nan=False)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"data.state_dict() must return a JSON object (dicts, lists, str, finite numbers): {err}") from None
-    return state
-
-
-def _mesh_info() -> dict[str, Any] | None:
-    if not DistributedManager.is_initialized():
-        return None
-    dm = DistributedManager()
-    return {"axes": list(dm.mesh.mesh_dim_names), "shape": list(dm.mesh.shape)}
-
-
 def _my_parts(entries: dict[str, Entry], boxes: list[dict[str, list]], rank: int) -> dict[str, tuple[Box, torch.Tensor]]:
     """For each tensor, the box this rank writes and its data (replicas split the rows)."""
     mine: dict[str, tuple[Box, torch.Tensor]] = {}
@@ -195,121 +152,14 @@ def save(
     ``async_save`` (an exception from it fails the save on every rank).
     """
     IN_FLIGHT.wait()
-    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data)
+    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data, plans=IN_FLIGHT.plans)
     _stage("staged", stage_hook)
     mine = _my_parts(entries, plan.boxes, plan.rank)
     write_and_commit(plan, lambda: write_my_shards(plan, mine, stage_hook), hook=stage_hook)
     return plan.path
 
 
-@dataclass
-class _Plan:
-    """What every rank agreed on before any shard is written."""
-
-    path: str
-    staging: str
-    tensors: dict[str, dict[str, Any]]  # the index's tensor entries, without chunks yet
-    optim_meta: dict[str, Any] | None
-    mesh: dict[str, Any] | None
-    boxes: list[dict[str, list]]
-    rank: int
-    size: int
-    step: int | None
-    extra: Any
-    block: int
-    data_state: dict[str, Any] | None = None  # a data loader's JSON cursor (``save(..., data=)``)
-
-
-@dataclass
-class _Request:
-    """One rank's checked request: its state, its boxes and (rank 0) the staging directory it made."""
-
-    entries: dict[str, Entry]
-    optim_meta: dict[str, Any] | None
-    boxes: dict[str, list]
-    signature: int
-    data_state: dict[str, Any] | None
-    staging: str | None
-
-
-def _check_request(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
-                   extra: Any, data: Any, rank: int) -> _Request:
-    """The local half of ``agree``: check the arguments, flatten the state, and on rank 0 make the staging dir."""
-    if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
-        raise CheckpointError(f"step={step!r} must be an int or None")
-    try:
-        json.dumps(extra, allow_nan=False)
-    except (TypeError, ValueError) as err:
-        raise CheckpointError(f"extra must be JSON-serializable (dicts, lists, str, finite numbers): {err}") from None
-    data_state = _data_state(data)
-    entries, optim_meta = flat_state(model, optimizer)
-    boxes = {}
-    for name, entry in entries.items():
-        if entry.tensor.dtype not in TORCH_TO_ST:
-            raise CheckpointError(f"tensor {name!r} has dtype {entry.tensor.dtype}, which safetensors cannot store")
-        box = local_box(name, entry.tensor)
-        boxes[name] = [list(box.offsets), list(box.shape)]
-    staging = None
-    if rank == 0:
-        parent, base = os.path.split(path)
-        if os.path.lexists(path):
-            raise CheckpointError(f"{path} already exists; checkpoints are never overwritten (pick a new path)")
-        try:  # missing parents are created (like ``mkdir -p``); the checkpoint itself still appears atomically
-            os.makedirs(parent, exist_ok=True)
-        except OSError as err:
-            raise CheckpointError(f"cannot create the parent directory {parent} of the checkpoint: {err} "
-                                  "(choose a path under a writable directory)") from None
-        staging = os.path.join(parent, f".{base}.tmp-{uuid.uuid4().hex[:12]}")
-        os.makedirs(os.path.join(staging, "model"))
-        os.makedirs(os.path.join(staging, "optimizer"))
-    return _Request(entries, optim_meta, boxes, _signature(entries), data_state, staging)
-
-
-def _disagreement(shared: list[dict[str, Any]]) -> str | None:
-    """What the ranks' requests disagree on (the same text on every rank), or None."""
-    if len({d["signature"] for d in shared}) > 1:
-        return ("rank 0: ranks disagree on the state's tensor names, dtypes or global shapes "
-                f"(signatures {[d['signature'] for d in shared]}); every rank must save the same model")
-    for r, d in enumerate(shared):
-        if d["data"] != shared[0]["data"]:
-            return (f"rank {r}: its data state {d['data']} differs from rank 0's {shared[0]['data']}; data= must hold "
-                    "a global cursor, the same on every rank (MeshSampler's is)")
-    return None
-
-
-def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
-          extra: Any, checksum_block_bytes: int, data: Any = None) -> tuple[_Plan, dict[str, Entry]]:
-    """Check the request, share every rank's boxes and rank 0's staging directory (one collective on the
-    default group); raise the same CheckpointError on every rank if any rank found a problem.
-
-    The plan holds no reference to the live tensors (only the returned entries do), so a background
-    writer can use it while training goes on."""
-    rank, size = world()
-    path = os.path.abspath(os.fspath(path))
-    made: list[str] = []  # rank 0's staging directory, removed if any rank fails
-
-    def check() -> _Request:
-        request = _check_request(path, model, optimizer, step, extra, data, rank)
-        made.extend([request.staging] if request.staging else [])
-        return request
-
-    def remove_staging() -> None:
-        for staging in made:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    request, shared = collective_step(
-        f"saving {path}", check, on_failure=remove_staging,
-        share=lambda r: {"staging": r.staging, "signature": r.signature, "boxes": r.boxes, "data": r.data_state})
-    problem = _disagreement(shared)
-    if problem is not None:
-        remove_staging()
-        raise CheckpointError(f"saving {path} failed: {problem}")
-    plan = _Plan(path, shared[0]["staging"], _index_tensors(request.entries), request.optim_meta, _mesh_info(),
-                 [d["boxes"] for d in shared], rank, size, step, extra, checksum_block_bytes, request.data_state)
-    return plan, request.entries
-
-
-def write_my_shards(plan: _Plan, mine: dict[str, tuple[Box, torch.Tensor]],
+def write_my_shards(plan: Plan, mine: dict[str, tuple[Box, torch.Tensor]],
                     hook: StageHook | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
     """Write this rank's shard files into the staging directory (no collective): (files, chunk records)."""
     records: dict[str, Any] = {}
@@ -330,7 +180,7 @@ def write_my_shards(plan: _Plan, mine: dict[str, tuple[Box, torch.Tensor]],
     return files, records
 
 
-def write_and_commit(plan: _Plan, write: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
+def write_and_commit(plan: Plan, write: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
                      group: dist.ProcessGroup | None = None, hook: StageHook | None = None,
                      on_commit: Callable[[str], None] | None = None) -> None:
     """Run ``write()`` (this rank's shards: files and chunk records), bring every rank's chunks to rank 0,
@@ -365,7 +215,7 @@ def write_and_commit(plan: _Plan, write: Callable[[], tuple[dict[str, Any], dict
     collective_step(what, commit, group=group, on_failure=lambda: None if committed else remove_staging())
 
 
-def _commit(plan: _Plan, gathered: list[dict[str, Any]], hook: StageHook | None) -> None:
+def _commit(plan: Plan, gathered: list[dict[str, Any]], hook: StageHook | None) -> None:
     """Rank 0: build and validate the index, write it last, then rename the staging dir into place."""
     path, staging = plan.path, plan.staging
     files: dict[str, Any] = {}

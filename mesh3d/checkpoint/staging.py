@@ -5,6 +5,12 @@ the bus speed (measured on an H100: 1 GB took 0.70 s, more than the file writes 
 into pinned memory the same copy runs at bus speed. Pinned allocation is slow itself, so save and load
 keep one pinned buffer, grown to the largest tensor they move, and reuse it for every tensor.
 
+Background saves copy host tensors with the C library's ``memmove`` rather than ``Tensor.copy_``:
+for large copies glibc uses ``rep movsb`` or non-temporal stores, which write whole cache lines
+without reading them first, where ``copy_``'s vectorised loop reads each destination line before
+writing it. On a 4-rank, 2-core machine one 268 MB copy per rank took 0.05 s vs 0.08 s (idle);
+the benchmark's 32 tensors per rank (16 MB each) 0.08-0.13 s vs 0.10-0.16 s (loaded).
+
 Usage::
 
     staging = HostStaging()
@@ -15,12 +21,48 @@ Usage::
 
 from __future__ import annotations
 
+import ctypes
+from concurrent.futures import ThreadPoolExecutor
+
 import torch
+from torch import nn
 
 #: Each snapshot copy starts at a multiple of this many bytes, so every dtype's view is aligned.
 _ALIGN = 64
 
+#: Host copies at least this large are split over ``torch.get_num_threads()`` threads (as ``copy_`` would be).
+_PARALLEL_BYTES = 64 * 2**20
+
+#: A byte copy: (destination address, source address, bytes).
+_Move = tuple[int, int, int]
+
 __all__ = ["HostStaging"]
+
+
+def _plain_host_bytes(t: torch.Tensor) -> bool:
+    """True when ``t``'s bytes are its values, contiguous in host memory (a byte copy copies it exactly)."""
+    return (type(t) in (torch.Tensor, nn.Parameter) and t.device.type == "cpu" and t.is_contiguous()
+            and not t.is_conj() and not t.is_neg() and t.numel() > 0)
+
+
+def _move_all(moves: list[_Move]) -> None:
+    for dst, src, n in moves:
+        ctypes.memmove(dst, src, n)  # a foreign call: releases the GIL
+
+
+def _split(moves: list[_Move], parts: int) -> list[list[_Move]]:
+    """``moves`` cut into ``parts`` lists of (nearly) equal byte counts."""
+    total = sum(n for _, _, n in moves)
+    share, out, current, filled = -(-total // parts), [], [], 0
+    for dst, src, n in moves:
+        while n:
+            take = min(n, share - filled)
+            current.append((dst, src, take))
+            dst, src, n, filled = dst + take, src + take, n - take, filled + take
+            if filled == share:
+                out.append(current)
+                current, filled = [], 0
+    return out + ([current] if current else [])
 
 
 class HostStaging:
@@ -28,6 +70,25 @@ class HostStaging:
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
+        self._pool: ThreadPoolExecutor | None = None  # made by the first large multi-threaded snapshot
+        self._pool_threads = 0
+
+    def _move(self, moves: list[_Move]) -> None:
+        """Run the byte copies, over ``torch.get_num_threads()`` threads when they are large."""
+        threads = torch.get_num_threads()
+        if threads < 2 or sum(n for _, _, n in moves) < _PARALLEL_BYTES:
+            _move_all(moves)
+            return
+        if self._pool is None or self._pool_threads != threads - 1:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="mesh3d-host-copy")
+            self._pool_threads = threads - 1
+        first, *rest = _split(moves, threads)
+        pending = [self._pool.submit(_move_all, part) for part in rest]
+        _move_all(first)
+        for done in pending:
+            done.result()
 
     def buffer_like(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous CPU tensor of ``t``'s shape and dtype in the shared buffer (overwritten by the next call)."""
@@ -53,11 +114,15 @@ class HostStaging:
             starts[k], end = end, end + -(-n // _ALIGN) * _ALIGN
         on_device = any(t.device.type == "cuda" for t in tensors.values())
         buffer = self._reserve(end, on_device)
-        copies = {}
+        copies, moves = {}, []
         for k, t in tensors.items():
             copy = buffer[starts[k] : starts[k] + sizes[k]].view(t.dtype).view(t.shape)
-            copy.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+            if _plain_host_bytes(t):
+                moves.append((copy.data_ptr(), t.data_ptr(), sizes[k]))
+            else:
+                copy.copy_(t.detach(), non_blocking=t.device.type == "cuda")
             copies[k] = copy
+        self._move(moves)
         event = None
         if on_device:
             event = torch.cuda.Event()

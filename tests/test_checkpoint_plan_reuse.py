@@ -1,0 +1,149 @@
+"""Repeat saves reuse the agreed boxes (one small all-gather instead of the JSON agreement) only while
+every rank's structure is unchanged; bad input on a repeat save still raises on every rank at the call.
+And the host snapshot of a background save is a bitwise copy, split over threads or not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ckpt_helpers import build, full_state, shutdown, train_steps
+from mesh3d import checkpoint
+from mesh3d.checkpoint import CheckpointError
+
+
+class _Cursor:
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+
+def _repeat_saves(root: str) -> dict:
+    import mesh3d.checkpoint.agree as agree_module
+    from mesh3d.checkpoint.agree import AgreedPlans
+    from mesh3d.checkpoint.inflight import IN_FLIGHT
+
+    IN_FLIGHT.plans = AgreedPlans()  # every rank alike: forget what earlier tests on this pool agreed
+    full_agreements = [0]
+    real_step = agree_module.collective_step
+
+    def counting(*args, **kwargs):
+        full_agreements[0] += 1
+        return real_step(*args, **kwargs)
+
+    agree_module.collective_step = counting
+    seen: dict = {"full": [], "errors": [], "equal": []}
+
+    def run(label: str, fn) -> None:
+        before = full_agreements[0]
+        try:
+            fn()
+        except CheckpointError as err:
+            seen["errors"].append(str(err))
+        seen["full"].append((label, full_agreements[0] - before))
+
+    try:
+        rank = torch.distributed.get_rank()
+        model, opt = build("fsdp_tp4", seed=4)
+        train_steps(model, opt, range(1))
+        path = lambda name: os.path.join(root, name)  # noqa: E731
+        run("first", lambda: checkpoint.save(path("a"), model, opt, step=1, data=_Cursor(1)))
+        want = full_state(model, opt)
+        handle = checkpoint.async_save(path("b"), model, opt, step=2, data=_Cursor(2))
+        seen["full"].append(("async repeat", full_agreements[0]))
+        train_steps(model, opt, range(1, 3))  # changes everything while b is written
+        handle.wait()
+        run("model only", lambda: checkpoint.save(path("c"), model))
+        run("optimizer again", lambda: checkpoint.save(path("d"), model, opt))
+        run("data differs", lambda: checkpoint.async_save(path("e"), model, opt, data=_Cursor(rank)).wait())
+        run("path exists", lambda: checkpoint.save(path("a"), model, opt))
+        moved = full_state(model, opt)
+        run("repeat after errors", lambda: checkpoint.async_save(path("f"), model, opt, step=6).wait())
+        shutdown()
+        hsdp, hsdp_opt = build("hsdp4", seed=9)
+        run("other mesh", lambda: checkpoint.save(path("g"), hsdp, hsdp_opt))
+        hsdp_state = full_state(hsdp, hsdp_opt)
+        shutdown()
+        for name, expected in (("b", want), ("f", moved), ("g", hsdp_state)):
+            fresh, fresh_opt = build("fsdp_tp4", seed=77)
+            checkpoint.load(path(name), fresh, fresh_opt)
+            got = full_state(fresh, fresh_opt)
+            seen["equal"].append((name, all(torch.equal(got[k], expected[k]) for k in expected)))
+            shutdown()
+    finally:
+        agree_module.collective_step = real_step
+    seen["listing"] = sorted(os.listdir(root))
+    return seen
+
+
+def test_repeat_saves_reuse_the_agreed_boxes_only_while_nothing_changed(ranks, tmp_path):
+    for seen in ranks.run(4, _repeat_saves, str(tmp_path), timeout=180):
+        assert seen["full"] == [("first", 1), ("async repeat", 1), ("model only", 1), ("optimizer again", 1),
+                                ("data differs", 1), ("path exists", 1), ("repeat after errors", 0),
+                                ("other mesh", 1)], seen["full"]
+        data_error, exists_error = seen["errors"]
+        assert "rank 1: its data state {'position': 1} differs from rank 0's {'position': 0}" in data_error
+        assert "already exists" in exists_error
+        assert seen["equal"] == [("b", True), ("f", True), ("g", True)]
+        assert seen["listing"] == ["a", "b", "c", "d", "f", "g"]  # no staging directory left behind
+
+
+def test_snapshot_is_a_bitwise_copy_split_over_threads_or_not(monkeypatch):
+    import mesh3d.checkpoint.staging as staging_module
+    from mesh3d.checkpoint.staging import HostStaging
+
+    torch.manual_seed(0)
+    tensors = {
+        "f64": torch.randn(301, 7, dtype=torch.float64),
+        "bf16": torch.randn(1000).to(torch.bfloat16),
+        "i64": torch.randint(-2**62, 2**62, (513,)),
+        "bool": torch.rand(77) > 0.5,
+        "transposed": torch.randn(9, 31).t(),  # not contiguous: copied by copy_
+        "empty": torch.empty(0, 5),
+        "scalar": torch.tensor(3.5),
+        "param": torch.nn.Parameter(torch.randn(64)),
+    }
+    staging = HostStaging()
+    threads = torch.get_num_threads()
+    try:
+        for parallel_from, n_threads in ((2**40, 1), (1, 3)):
+            monkeypatch.setattr(staging_module, "_PARALLEL_BYTES", parallel_from)
+            torch.set_num_threads(n_threads)
+            copies, event = staging.snapshot(tensors)
+            assert event is None
+            for name, t in tensors.items():
+                assert copies[name].shape == t.shape and copies[name].dtype == t.dtype
+                assert torch.equal(copies[name], t.detach()), name
+                if t.numel():
+                    assert copies[name].data_ptr() != t.data_ptr()
+            with torch.no_grad():
+                tensors["param"].add_(1.0)  # the copy does not follow the source
+            assert not torch.equal(copies["param"], tensors["param"].detach())
+    finally:
+        torch.set_num_threads(threads)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 1000), min_size=1, max_size=8), st.integers(1, 6))
+def test_split_moves_every_byte_once_in_balanced_parts(sizes, parts):
+    from mesh3d.checkpoint.staging import _split
+
+    moves, dst, src = [], 10_000, 1_000_000
+    for n in sizes:
+        moves.append((dst, src, n))
+        dst, src = dst + n + 3, src + n + 5
+    pieces = _split(moves, parts)
+    flat = [m for piece in pieces for m in piece]
+    want = {(d + i, s + i) for d, s, n in moves for i in range(n)}
+    got = [(d + i, s + i) for d, s, n in flat for i in range(n)]
+    assert sorted(got) == sorted(want) and len(got) == len(want)
+    total, share = sum(sizes), -(-sum(sizes) // parts)
+    assert len(pieces) <= parts
+    assert all(sum(n for _, _, n in piece) <= share for piece in pieces)
+    assert sum(n for _, _, n in pieces[0]) == min(total, share) if pieces else total == 0
