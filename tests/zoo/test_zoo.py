@@ -112,7 +112,8 @@ def test_zoo_refusals_raise_their_error_on_every_rank(ranks, world):
 
     names = [n for n in _names(refused=True) if not (world == 3 and n in HANGS_AT_3)]
     for name, per_rank in _run(ranks, world, names, timeout=120).items():
-        assert all(r["status"] == "refused" and ZOO[name].refusal in r["error"] for r in per_rank), (name, per_rank)
+        expected = ZOO[name].refusal.split(" | ")  # alternatives: ranks holding different shards may fail at different checks
+        assert all(r["status"] == "refused" and any(e in r["error"] for e in expected) for r in per_rank), (name, per_rank)
 
 
 def _run(ranks, world: int, names: list[str], timeout: int) -> dict:
