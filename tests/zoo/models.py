@@ -191,12 +191,12 @@ ZOO: dict[str, ZooModel] = {
                                  "2-D vision transformer, class token, position embedding",
                                  refusal="doesn't match model", workaround=""),
     "transformers.Swin": ZooModel("transformers", _hf_swin, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
-                                  "2-D shifted-window transformer classifier", refusal="the query must be a domain tensor sharded along its sequence dim", workaround=""),
+                                  "2-D shifted-window transformer classifier", refusal="the query must be a domain tensor sharded along its sequence dim | failed in torch.scaled_dot_product_attention", workaround=""),
     "neuraloperator.FNO": ZooModel("neuraloperator", _neuralop_fno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                    "2-D Fourier neural operator (spectral convolutions)", refusal="numpy() | Size of label", workaround=""),
     "x-transformers.ViTransformerWrapper": ZooModel(
         "x-transformers", _x_vit, _call, (2, 2, 16, 16), 2, (8, 4, 4),
-        "2-D vision transformer via einops patches, position embedding", refusal="varies along the sharded dim 1", workaround=""),
+        "2-D vision transformer via einops patches, position embedding", refusal="varies along the sharded dim 1 | failed in torch.Tensor.add", workaround=""),
 }
 
 
