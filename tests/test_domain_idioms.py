@@ -70,7 +70,8 @@ class PatchMerge(torch.nn.Module):
 
 
 class Spectral(torch.nn.Module):
-    """FNO-style: rfftn over the sharded and another dim, a complex weight, irfftn back; plus fft/ifft 1-D."""
+    """FNO-style: rfftn over the sharded and another dim, a complex weight, irfftn back; plus fft/ifft 1-D and
+    fftshift/ifftshift (neuraloperator's spectral convolution) along the sharded dim (H odd: the halves differ) and not."""
 
     def __init__(self):
         super().__init__()
@@ -80,7 +81,9 @@ class Spectral(torch.nn.Module):
         f = torch.fft.rfftn(x, dim=(-2, -1), norm="ortho")
         y = torch.fft.irfftn(f * self.w, s=(x.shape[-2] if False else H, 6), dim=(-2, -1), norm="ortho")
         g = torch.fft.ifft(torch.fft.fft(x, dim=2) * 1.5, dim=2).real
-        return y + g + torch.fft.fft2(x).abs()
+        shifted = torch.fft.ifftshift(torch.fft.fftshift(f, dim=(-2,)) * self.w, dim=-2)
+        s = torch.fft.fftshift(x, dim=(2, 3)) + torch.fft.ifftshift(x, dim=2) * 0.5 + torch.fft.fftshift(x, dim=3)
+        return y + g + torch.fft.fft2(x).abs() + torch.fft.irfftn(shifted, s=(H, 6), dim=(-2, -1)) + s
 
 
 class Positions(torch.nn.Module):

@@ -1,7 +1,7 @@
 """``torch.fft.*`` along sharded dims, exact: move the sharding to a dim the transform leaves alone, transform, move back.
 
 Usage: automatic; ``torch.fft.rfftn(xs, dim=(-2, -1))`` with ``xs`` sharded along dim 2 gives the
-one-process spectrum, sharded along dim 2 (``torch.chunk`` sizes of its new length when the
+one-process spectrum (``torch.fft.fftshift``/``ifftshift`` likewise, the sizes kept), sharded along dim 2 (``torch.chunk`` sizes of its new length when the
 transform changes it, e.g. ``rfft`` halving the last dim or ``s=``; the original sizes otherwise).
 
 The transformed dims must be whole on a rank, so the sharding is first moved (``transpose.move_sharding``,
@@ -41,6 +41,27 @@ def _transformed_dims(kind: int, ndim: int, dim, s) -> list[int]:
     return [d % ndim for d in dims]
 
 
+def _check_free(op: str, x: DomainTensor, dims: list[int]) -> None:
+    if not [d for d in range(x.ndim) if d not in dims]:
+        raise NotImplementedError(
+            f"{op} over every dim of a domain tensor sharded along dim {x.spec.dim}: no dim is left to hold the "
+            "sharding while the transformed dims are whole; keep the batch or channel dim out of dim="
+        )
+
+
+def _whole_along(x: DomainTensor, dims: list[int], local_op) -> DomainTensor:
+    """``local_op`` on blocks where ``dims`` are whole: the sharding is parked on the largest other dim and moved back
+    (the original sizes when the sharded dim keeps its length, ``torch.chunk`` sizes of its new length otherwise)."""
+    spec = x.spec
+    local = unwrap(x)
+    park = max((d for d in range(x.ndim) if d not in dims), key=lambda d: local.shape[d])
+    moved = move_sharding(x, park)
+    out = local_op(unwrap(moved))
+    n_out = out.shape[spec.dim]
+    sizes = spec.sizes if n_out == sum(spec.sizes) else split_sizes(n_out, spec.comm.size)
+    return move_sharding(adopt(out, moved.spec), spec.dim, sizes)
+
+
 def _spectral_rule(name: str, kind: int):
     func = getattr(torch.fft, name)
 
@@ -51,19 +72,8 @@ def _spectral_rule(name: str, kind: int):
         dims = _transformed_dims(kind, x.ndim, dim, size)
         if spec.dim not in dims:
             return Step(lambda t: func(t, size, dim, norm), (x,), out=spec)
-        free = [d for d in range(x.ndim) if d not in dims]
-        if not free:
-            raise NotImplementedError(
-                f"torch.fft.{name} over every dim of a domain tensor sharded along dim {spec.dim}: no dim is left "
-                "to hold the sharding while the transformed dims are whole; keep the batch or channel dim out of dim="
-            )
-        local = unwrap(x)
-        park = max(free, key=lambda d: local.shape[d])
-        moved = move_sharding(x, park)
-        out = func(unwrap(moved), size, dim, norm)
-        n_out = out.shape[spec.dim]
-        sizes = spec.sizes if n_out == sum(spec.sizes) else split_sizes(n_out, spec.comm.size)
-        return move_sharding(adopt(out, moved.spec), spec.dim, sizes)
+        _check_free(f"torch.fft.{name}", x, dims)
+        return _whole_along(x, dims, lambda t: func(t, size, dim, norm))
 
     if kind == 1:
         def rule(input, n=None, dim=-1, norm=None):
@@ -80,3 +90,24 @@ def _spectral_rule(name: str, kind: int):
 
 for _name, _kind in _OPS.items():
     register(getattr(torch.fft, _name))(_spectral_rule(_name, _kind))
+
+
+def _shift_rule(name: str):
+    """``torch.fft.fftshift``/``ifftshift``: a roll of half the length along each dim in ``dim`` (default: all)."""
+    func = getattr(torch.fft, name)
+
+    def rule(input, dim=None):
+        if not isinstance(input, DomainTensor):
+            raise NotImplementedError(f"torch.fft.{name} with a domain tensor as other than its input")
+        dims = list(range(input.ndim)) if dim is None else [d % input.ndim for d in ([dim] if isinstance(dim, int) else dim)]
+        if input.spec.dim not in dims:
+            return Step(lambda t: func(t, dim), (input,), out=input.spec)
+        _check_free(f"torch.fft.{name}", input, dims)
+        return _whole_along(input, dims, lambda t: func(t, dim))
+
+    rule.__name__ = f"fft_{name}"
+    return rule
+
+
+for _name in ("fftshift", "ifftshift"):
+    register(getattr(torch.fft, _name))(_shift_rule(_name))

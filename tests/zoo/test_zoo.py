@@ -1,0 +1,123 @@
+"""The model zoo (tests/zoo/models.py) on 2 ranks and on 3 uneven ranks vs one process, in fp64:
+output, loss and every parameter gradient (summed over the domain) within rtol 1e-9, and buffers
+(BatchNorm running statistics) after the step. A model that cannot be supported must raise its
+expected error on every rank (never a wrong result)."""
+
+from __future__ import annotations
+
+import copy
+import math
+import traceback
+
+import pytest
+import torch
+
+pytest.importorskip("monai")  # the optional `zoo` extra (scripts/test.sh installs it)
+
+RTOL = 1e-9
+# Not run at 3 ranks (reported on issue 13): SwinUNETR on (32, 16, 16) refuses on ranks 1 and 2 only (their local
+# windows differ) while rank 0 goes on into an exchange and is never told (a hang); FNO on (7, 5, 4) builds its
+# spectrum from local shapes, rank 1 leaves an all-to-all that ranks 0 and 2 still wait in (gloo aborts them).
+HANGS_AT_3 = {"monai.SwinUNETR", "neuraloperator.FNO"}
+
+
+def _rel(a, b, floor: float = 0.0) -> float:
+    """Largest difference relative to the reference's largest magnitude, or to ``floor`` where that is smaller
+    (inf on a shape mismatch or where only one side exists)."""
+    if a is None or b is None:
+        return 0.0 if a is None and b is None else float("inf")
+    a, b = torch.as_tensor(a).detach(), torch.as_tensor(b).detach()
+    if a.shape != b.shape:
+        return float("inf")
+    if b.numel() == 0:
+        return 0.0
+    return float((a - b).abs().max() / b.abs().max().clamp_min(max(floor, 1e-300)))
+
+
+def sizes_for(entry, world: int) -> tuple[int, ...]:
+    """The 3-rank split of the entry, or at 2 ranks the even split aligned to the same granularity."""
+    from mesh3d.domain.split import aligned_sizes
+
+    if world == 3:
+        return entry.sizes3
+    return tuple(aligned_sizes(entry.shape[entry.dim], world, math.gcd(*entry.sizes3)))
+
+
+def _one(entry, world: int) -> dict:
+    from domain_cases import domain_sum
+    from mesh3d import domain
+
+    from zoo.models import to_fp64
+
+    torch.manual_seed(0)
+    ref = to_fp64(entry.build())
+    mod = copy.deepcopy(ref)
+    x = torch.randn(entry.shape, dtype=torch.float64)
+    y = entry.forward(ref, x)
+    cot = torch.randn_like(y)  # the loss <y, cot>: every output element weighs differently
+    loss_ref = (y * cot).sum()
+    loss_ref.backward()
+    xs = domain.shard(x, dim=entry.dim, sizes=sizes_for(entry, world))
+    ys = entry.forward(mod, xs)
+    sharded = ys.sharded_dim is not None
+    cot_s = domain.shard(cot, dim=ys.sharded_dim, sizes=ys.sizes) if sharded else cot
+    loss = (ys * cot_s).sum()
+    loss.backward()
+    errs = {"output": _rel(ys.full_tensor().to_local() if sharded else ys.to_local(), y),
+            "loss": _rel(loss.to_local(), loss_ref)}
+    # A gradient that is zero in exact arithmetic (a conv bias followed by a norm, an attention key bias)
+    # holds only rounding noise; it is measured against the model's largest gradient, not against itself.
+    scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None and p.grad.numel())
+    for (name, p), q in zip(ref.named_parameters(), mod.parameters()):
+        errs[f"grad {name}"] = _rel(domain_sum(q.grad), p.grad, scale)
+    for (name, b), c in zip(ref.named_buffers(), mod.buffers()):
+        errs[f"buffer {name}"] = _rel(c, b)
+    worst = max(errs, key=errs.get)
+    return {"status": "ok", "err": errs[worst], "worst": worst, "grads": sum(k.startswith("grad") for k in errs)}
+
+
+def _zoo_body(names: list[str]) -> dict:
+    from mesh3d import DistributedManager
+
+    from zoo.models import ZOO
+
+    dm = DistributedManager.initialize(batch=1, domain=-1)
+    results = {}
+    for name in names:
+        try:
+            results[name] = _one(ZOO[name], dm.axis_size("domain"))
+        except Exception as e:  # noqa: BLE001 - the test asserts which refusals are expected
+            where = traceback.extract_tb(e.__traceback__)[-6:]
+            results[name] = {"status": "refused", "error": f"{type(e).__name__}: {e}",
+                             "where": [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}" for f in where]}
+    return results
+
+
+def _names(refused: bool) -> list[str]:
+    from zoo.models import ZOO
+
+    return [name for name, entry in ZOO.items() if (entry.refusal is not None) == refused]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zoo_models_equal_one_process(ranks, world):
+    for name, per_rank in _run(ranks, world, _names(refused=False), timeout=600).items():
+        assert all(r["status"] == "ok" and r["err"] < RTOL for r in per_rank), (name, per_rank)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_zoo_refusals_raise_their_error_on_every_rank(ranks, world):
+    """Refusals run apart from the equal models: a rank that refused alone would leave its peers waiting (RankTimeout)."""
+    from zoo.models import ZOO
+
+    names = [n for n in _names(refused=True) if not (world == 3 and n in HANGS_AT_3)]
+    for name, per_rank in _run(ranks, world, names, timeout=120).items():
+        expected = ZOO[name].refusal.split(" | ")  # alternatives: ranks holding different shards may fail at different checks
+        assert all(r["status"] == "refused" and any(e in r["error"] for e in expected) for r in per_rank), (name, per_rank)
+
+
+def _run(ranks, world: int, names: list[str], timeout: int) -> dict:
+    results = ranks.run(world, _zoo_body, names, timeout=timeout)
+    report = {name: [r[name] for r in results] for name in names}
+    print("\n".join(f"{world} ranks: {n}: {v}" for n, v in report.items()))
+    return report
