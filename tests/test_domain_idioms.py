@@ -213,3 +213,28 @@ def test_idiom_refusals_raise_on_every_rank(ranks):
         assert "every dim" in messages["fft_all_dims"]
         assert "torch.flip" in messages["unknown_op"] and "no domain rule" in messages["unknown_op"]
         assert "__setitem__" in messages["setitem"]
+
+
+def _local_length_body():
+    """Shape entries along the sharded dim carry the global length; a size read from them means the global one."""
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.tensor import LocalLength
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    big = torch.randn(1, 2, 12, 6, dtype=torch.float64)
+    small = torch.randn(1, 2, 6, 3, dtype=torch.float64, requires_grad=True)
+    bigs = domain.shard(big, dim=2, sizes=(7, 0, 5))
+    smalls = domain.shard(small, dim=2, sizes=(2, 3, 1))
+    h, w = bigs.shape[2], bigs.shape[3]
+    facts = [isinstance(h, LocalLength), h.global_length == 12, type(w) is int, bigs.size(2) == h,
+             getattr(bigs.size(2), "global_length", None) == 12, type(h // 2) is int]
+    want = torch.nn.functional.interpolate(small, size=big.shape[2:], mode="bilinear")
+    got = torch.nn.functional.interpolate(smalls, size=bigs.shape[2:], mode="bilinear")
+    return facts, float((got.full_tensor().to_local() - want).abs().max())
+
+
+def test_a_size_read_from_a_domain_tensors_shape_means_its_global_length(ranks):
+    for facts, err in ranks.run(3, _local_length_body):
+        assert all(facts), facts
+        assert err < 1e-12

@@ -29,7 +29,7 @@ from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
 from mesh3d.domain.registry import BLOCK_RULES, RULES, op_name, tree_map
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, LocalLength, adopt, unwrap
 
 __all__ = ["METADATA", "dispatch", "redistribute_local", "run_step"]
 
@@ -58,6 +58,22 @@ METADATA.update(
 )
 # Their function forms too: FSDP's mixed precision asks torch.is_floating_point(x) of every input.
 METADATA.update((torch.is_floating_point, torch.is_complex))
+
+
+_SHAPE_QUERIES = {torch.Tensor.shape.__get__, torch.Tensor.size}  # type: ignore[attr-defined]
+
+
+def _with_global_lengths(out: Any, x: DomainTensor, rest: tuple, kwargs: dict) -> Any:
+    """A shape query's answer with each sharded dim's entry a ``LocalLength`` (local value, global length known)."""
+    spec = x._spec
+    dims = getattr(spec, "dims", None) or ((spec.dim,) if spec.dim is not None else ())
+    if not dims:
+        return out
+    whole = x.global_shape
+    if isinstance(out, int):  # x.size(dim)
+        dim = (rest[0] if rest else kwargs["dim"]) % len(whole)
+        return LocalLength(out, whole[dim]) if dim in dims else out
+    return torch.Size([LocalLength(n, whole[i]) if i in dims else n for i, n in enumerate(out)])
 
 
 def _replicated_dtensor_to_local(o: Any) -> Any:
@@ -119,7 +135,10 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """
     if func in METADATA:
         with disable_torch_function_subclass():
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+        if func in _SHAPE_QUERIES and isinstance(args[0], DomainTensor):
+            return _with_global_lengths(out, args[0], args[1:], kwargs)
+        return out
     found, sharded, dtensor = _scan(args, kwargs)
     if dtensor:
         args, kwargs = tree_map(_replicated_dtensor_to_local, args), tree_map(_replicated_dtensor_to_local, kwargs)

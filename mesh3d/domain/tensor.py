@@ -28,7 +28,33 @@ from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.exchange import DomainComm
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["DomainSpec", "DomainTensor", "adopt", "unwrap", "wrap"]
+__all__ = ["DomainSpec", "DomainTensor", "LocalLength", "adopt", "global_length", "unwrap", "wrap"]
+
+
+class LocalLength(int):
+    """A domain tensor's length along a sharded dim as this rank sees it (``xs.shape[2]``), carrying the global one.
+
+    Usage: ``h = xs.shape[2]; int(h), h.global_length``
+
+    It is an ``int`` (local code indexing its shard works as before); rules that take a *size* (e.g.
+    ``F.interpolate(y, size=xs.shape[2:])``, as Segformer's decoder does) read its global length, which is
+    what the same expression means in one process.
+    """
+
+    global_length: int
+
+    def __new__(cls, local: int, global_len: int) -> LocalLength:
+        out = super().__new__(cls, local)
+        out.global_length = global_len
+        return out
+
+
+def global_length(n: int) -> int:
+    """``n``'s global length when it is a ``LocalLength``, else ``n``.
+
+    Usage: ``m = global_length(size[sp])``
+    """
+    return n.global_length if isinstance(n, LocalLength) else n
 
 
 @dataclass(frozen=True)

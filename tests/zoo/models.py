@@ -175,7 +175,8 @@ ZOO: dict[str, ZooModel] = {
                                     "2-D U-Net with attention gates (sigmoid gating of skips)"),
     "monai.SwinUNETR": ZooModel("monai", _monai_swin_unetr, _call, (1, 1, 64, 64), 2, (32, 16, 16),
                                 "2-D shifted-window transformer encoder, conv decoder",
-                                refusal="domain tensors sharded along different dims", workaround=""),
+                                refusal="domain tensors sharded along different dims",
+                                workaround="shard along the batch dim, or gather before the window attention"),
     "diffusers.UNet2DModel": ZooModel("diffusers", _diffusers_unet2d, _sample, (1, 2, 16, 16), 2, (8, 4, 4),
                                       "2-D diffusion U-Net, timestep embedding, self-attention blocks, GroupNorm"),
     "diffusers.AutoencoderKL": ZooModel("diffusers", _diffusers_autoencoder, _autoencoder_forward, (1, 2, 16, 16), 2,
@@ -184,19 +185,27 @@ ZOO: dict[str, ZooModel] = {
                                       "2-D ConvNeXt, channels-last LayerNorm, global pooling, classifier head"),
     "transformers.ResNet": ZooModel("transformers", _hf_resnet, _logits, (2, 2, 32, 16), 2, (16, 8, 8),
                                     "2-D ResNet, BatchNorm, max pooling, classifier head"),
-    # NOT in the zoo: transformers.Segformer (_hf_segformer) gives an output of the WRONG global length on 2 even
-    # ranks (8 rows where one process gives 16): its decoder calls F.interpolate(size=hidden_states[0].size()[2:]),
-    # a LOCAL size, which the interpolate rule reads as the global one. See docs/limitations.md.
+    # Its decoder upsamples to F.interpolate(size=encoder_hidden_states[0].size()[2:]): a size read from a domain
+    # tensor's shape, whose sharded entry carries its global length (LocalLength).
+    "transformers.Segformer": ZooModel("transformers", _hf_segformer, _logits, (1, 2, 32, 16), 2, (16, 8, 8),
+                                       "2-D hierarchical transformer, reduced K/V attention, MLP decoder"),
     "transformers.ViT": ZooModel("transformers", _hf_vit, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
                                  "2-D vision transformer, class token, position embedding",
-                                 refusal="doesn't match model", workaround=""),
+                                 refusal="doesn't match model",
+                                 workaround="embed the patches, then run the encoder on the sharded tokens"),
     "transformers.Swin": ZooModel("transformers", _hf_swin, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
-                                  "2-D shifted-window transformer classifier", refusal="the query must be a domain tensor sharded along its sequence dim | failed in torch.scaled_dot_product_attention", workaround=""),
+                                  "2-D shifted-window transformer classifier",
+                                  refusal="the query must be a domain tensor sharded along its sequence dim "
+                                          "| failed in torch.scaled_dot_product_attention",
+                                  workaround="shard along the batch dim, or gather before the window attention"),
     "neuraloperator.FNO": ZooModel("neuraloperator", _neuralop_fno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
-                                   "2-D Fourier neural operator (spectral convolutions)", refusal="numpy() | Size of label", workaround=""),
+                                   "2-D Fourier neural operator (spectral convolutions)", refusal="numpy() | Size of label",
+                                   workaround="write the spectral layer with torch.fft on the domain tensor"),
     "x-transformers.ViTransformerWrapper": ZooModel(
         "x-transformers", _x_vit, _call, (2, 2, 16, 16), 2, (8, 4, 4),
-        "2-D vision transformer via einops patches, position embedding", refusal="varies along the sharded dim 1 | failed in torch.Tensor.add", workaround=""),
+        "2-D vision transformer via einops patches, position embedding",
+        refusal="varies along the sharded dim 1 | failed in torch.Tensor.add",
+        workaround="add the full position embedding (pos_embedding[:, :num_patches]); mesh3d slices it"),
 }
 
 

@@ -25,7 +25,7 @@ from mesh3d.domain.ops.interpolate import _sources, lerp_rows
 from mesh3d.domain.registry import BLOCK_RULES, op_name
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, global_length, unwrap
 
 __all__: list[str] = []
 
@@ -142,7 +142,8 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     sfs = None if scale_factor is None else list(_tuple(scale_factor, nd))
     if recompute_scale_factor and sfs is not None:
         size, sfs = [math.floor(g * f) for g, f in zip(shape, sfs)], None
-    outs = list(_tuple(size, nd)) if size is not None else [math.floor(n * f) for n, f in zip(shape, sfs)]
+    outs = [global_length(n) for n in _tuple(size, nd)] if size is not None else \
+        [math.floor(n * f) for n, f in zip(shape, sfs)]
     local, out_sizes = unwrap(input), []
     for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
         n, m = sum(sizes), outs[d - 2]

@@ -23,6 +23,7 @@ from mesh3d.domain.registry import register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.step import Rows, Step
+from mesh3d.domain.tensor import global_length
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 
@@ -84,7 +85,9 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
                                              else [scale_factor] * nd)
     if recompute_scale_factor and sfs is not None:
         size, sfs = [math.floor(g * f) for g, f in zip(input.global_shape[2:], sfs)], None
-    outs = list(size) if isinstance(size, (list, tuple)) else ([size] * nd if size is not None else None)
+    # NOTE: a size read from a domain tensor's shape (``size=t.shape[2:]``) means its global length, as in one process.
+    outs = [global_length(n) for n in size] if isinstance(size, (list, tuple)) else \
+        ([global_length(size)] * nd if size is not None else None)
     m = outs[sp] if outs is not None else math.floor(n * sfs[sp])
     if input.spec.comm.size == 1:  # the whole dim is here: torch's own kernel
         return Step(whole, (input,), out=input.spec.with_sizes((m,)))

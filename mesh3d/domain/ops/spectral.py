@@ -1,8 +1,9 @@
 """``torch.fft.*`` along sharded dims, exact: move the sharding to a dim the transform leaves alone, transform, move back.
 
 Usage: automatic; ``torch.fft.rfftn(xs, dim=(-2, -1))`` with ``xs`` sharded along dim 2 gives the
-one-process spectrum (``torch.fft.fftshift``/``ifftshift`` likewise, the sizes kept), sharded along dim 2 (``torch.chunk`` sizes of its new length when the
-transform changes it, e.g. ``rfft`` halving the last dim or ``s=``; the original sizes otherwise).
+one-process spectrum (``torch.fft.fftshift``/``ifftshift`` likewise, the sizes kept), sharded along
+dim 2 (``torch.chunk`` sizes of its new length when the transform changes it,
+e.g. ``rfft`` halving the last dim or ``s=``; the original sizes otherwise).
 
 The transformed dims must be whole on a rank, so the sharding is first moved (``transpose.move_sharding``,
 an all-to-all with uneven shards) to the largest dim outside the transform (batch or channels;
