@@ -19,17 +19,14 @@ import argparse
 import json
 import os
 import socket
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import plot_ratios  # noqa: E402
+from bench_common import median_step_time, plot_ratios  # noqa: E402
 from bench_domain import SavedBytes, conv_stack  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -79,19 +76,14 @@ def _rank(rank: int, world: int, port: int, layout: str, args, queue) -> None:
 
     step()  # warm-up: plans are cached
     with domain.count_traffic() as traffic, SavedBytes() as saved:
-        times = []
-        for _ in range(args.steps):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
+        step_time = median_step_time(step, args.steps)
     # The minimum: each conv's input rows (forward) and the gradient of each conv input but x (backward).
     channels_in = [1] + [args.channels] * (args.layers - 1)
     elements = _outside_footprint(rows, cols, args.size) * args.batch
     minimum = elements * 4 * (sum(channels_in) + sum(channels_in[1:]))
     # the loss's global mean sends one 4-byte partial sum to each other rank per step: not a halo
     reduction = 4 * (world - 1)
-    queue.put((rank, {"time_s": statistics.median(times), "bytes_sent": traffic.bytes_sent / args.steps - reduction,
+    queue.put((rank, {"time_s": step_time, "bytes_sent": traffic.bytes_sent / args.steps - reduction,
                       "min_halo_bytes": minimum, "saved_bytes": saved.total / args.steps}))
     DistributedManager.shutdown()
 

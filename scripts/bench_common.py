@@ -10,7 +10,12 @@ Usage (from a script in scripts/, whose folder is on sys.path)::
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections.abc import Callable
 from pathlib import Path
+
+import torch.distributed as dist
 
 
 def _status_kb(field: str) -> int:
@@ -62,3 +67,14 @@ def plot_ratios(path: str | Path, step_time_ratio: float, peak_memory_ratio: flo
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return True
+
+
+def median_step_time(step: Callable[[], object], steps: int) -> float:
+    """Median seconds of ``step()`` over ``steps`` calls, the ranks of the default group started together each time."""
+    times = []
+    for _ in range(steps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402
+from bench_common import median_step_time, peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
@@ -272,13 +272,8 @@ def _scaling_rank(rank: int, world: int, port: int, args, queue) -> None:
     base = rss_kb()
     reset_peak_rss()
     with domain.count_traffic() as traffic, SavedBytes() as saved:
-        times = []
-        for _ in range(args.steps):
-            dist.barrier()
-            start = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - start)
-    result["domain"] = {"time_s": statistics.median(times), "bytes_sent": traffic.bytes_sent / args.steps,
+        step_time = median_step_time(step, args.steps)
+    result["domain"] = {"time_s": step_time, "bytes_sent": traffic.bytes_sent / args.steps,
                         "exchange_s": traffic.exchange_seconds / args.steps, "saved_bytes": saved.total / args.steps,
                         "peak_rss_kb": peak_rss_kb() - base, "rounds": traffic.rounds / args.steps,
                         "round_alone_s": _halo_round_alone(args, sizes) if world > 1 else 0.0,
