@@ -147,3 +147,26 @@ def test_shard_refuses_sizes_and_multiple_of_together():
         domain.shard(torch.zeros(1, 1, 8, 8), dim=2, sizes=(8,), multiple_of=4)
     with pytest.raises(ValueError, match="positive int"):
         domain.shard(torch.zeros(1, 1, 8, 8), dim=2, multiple_of=0)
+
+
+def _outside_failure_body():
+    """Domain rank 1 fails in the model's own code (a library's shape check) before a conv; rank 0 goes on."""
+    from mesh3d import DistributedManager, domain
+
+    dm = DistributedManager.initialize(batch=1, domain=-1, timeout=8)
+    conv = torch.nn.Conv2d(1, 1, 3, padding=1)
+    xs = domain.shard(torch.randn(1, 1, 8, 4), dim=2)
+    try:
+        if dm.axis_rank("domain") == 1:
+            raise ValueError("the library's own check failed on this rank")
+        conv(xs)
+        return "no error"
+    except Exception as err:  # noqa: BLE001 - the test asserts each rank's error
+        return f"{type(err).__name__}: {err}"
+
+
+def test_a_peer_failing_outside_mesh3d_is_named_after_the_timeout_not_a_hang(ranks):
+    messages = ranks.run(2, _outside_failure_body, timeout=90)
+    assert messages[1] == "ValueError: the library's own check failed on this rank"
+    assert messages[0].startswith("DomainDivergenceError: domain rank(s) [1] did not complete the exchange"), messages
+    assert "failed outside mesh3d" in messages[0] and "torch.nn.functional.conv2d" not in messages[1]

@@ -99,8 +99,17 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     peers = sorted(set(to_peer) | set(from_peer))
     mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0)) for q in peers}
     theirs = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in peers}
-    for work in _post(comm, list(mine.items()), list(theirs.items())):
-        work.wait()
+    try:
+        for work in _post(comm, list(mine.items()), list(theirs.items())):
+            work.wait()  # bounded by the domain group's timeout (DistributedManager.initialize(timeout=...))
+    except RuntimeError as err:
+        # NOTE: a peer that raised outside mesh3d (a library's own shape check) never reaches this exchange:
+        # say who is missing and where this rank waited, rather than only the transport's message.
+        raise divergence.DomainDivergenceError(
+            f"domain rank(s) {peers} did not complete the exchange this rank (domain rank {comm.index}) waited in "
+            f"({type(err).__name__}: {str(err)[:200]}). A peer that failed outside mesh3d (in the model's or a "
+            "library's own code; look at its log) or took a different path never arrives. Latest here:\n"
+            + divergence.recent_ops()) from err
     differ: dict[int, str] = {}
     for q in peers:
         magic, kind, their_print, to_me, from_me = (int(v) for v in theirs[q])

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mesh3d.domain.exchange import DomainComm, _exchange
+from mesh3d.domain.exchange import DomainComm, _exchange, exchange_point
 from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
@@ -54,7 +54,9 @@ def move_local(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: S
         buf = local.new_empty(piece_shape)
         incoming.append((q, buf))
         pieces.append(buf)
-    _exchange(comm, [(q, _real(b)) for q, b in outgoing], [(q, _real(b)) for q, b in incoming])
+    # NOTE: the header round first (as for halos): ranks whose shapes diverged (a spectrum built from local
+    # shapes) then raise DomainDivergenceError together instead of gloo aborting on a message size mismatch.
+    _exchange(comm, [(q, _real(b)) for q, b in outgoing], [(q, _real(b)) for q, b in incoming], exchange_point(comm))
     return torch.cat(pieces, src_dim)
 
 
