@@ -71,6 +71,8 @@ def _pool(kind: str, nd: int, func: Callable) -> Callable:
             ext = F.pad(ext, flat, value=-math.inf if kind == "max" else 0.0)
         if kind == "max":
             return adopt(func(ext, ks, st, local_pad, dl, False), out_spec)
+        if nd == 1:  # F.avg_pool1d has no divisor_override
+            return adopt(func(ext, ks, st, local_pad, False, True), out_spec)
         return adopt(func(ext, ks, st, local_pad, False, True, divisor_override), out_spec)
 
     if kind == "max":

@@ -41,6 +41,8 @@ def _pool(input, kind: str, nd: int, func, kernel_size, stride, padding, dilatio
             return func(t, ks, st, pd, dilation, ceil)
     else:
         def call(t, ks, st, pd, ceil):
+            if nd == 1:  # F.avg_pool1d has no divisor_override
+                return func(t, ks, st, pd, ceil, count_include_pad)
             return func(t, ks, st, pd, ceil, count_include_pad, divisor_override)
     sp = spatial_axis(name, input, nd)
     if sp >= 0 and kind == "avg" and ((_tuple(padding, nd)[sp] and not count_include_pad) or ceil_mode):
