@@ -266,3 +266,39 @@ def test_a_checkpoint_moves_between_grids_and_one_process(ranks, tmp_path):
             o.step()
             o.zero_grad()
     assert max(max_err(p, q) for p, q in zip(ref.parameters(), resumed.parameters())) < 1e-9
+
+
+def _classifier_body(grid, shape, sizes):
+    """Adaptive pooling on blocks (global, to uneven windows, avg and max) and a classifier head after it."""
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=grid)
+    nn = torch.nn
+    makers = [lambda: nn.Sequential(nn.Conv2d(2, 4, 3, padding=1), nn.GroupNorm(2, 4), nn.GELU(),
+                                    nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)),
+              lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.AdaptiveMaxPool2d((3, 2))),
+              lambda: nn.AdaptiveAvgPool2d((4, 3)),
+              lambda: nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(2, 2))]
+    worst = 0.0
+    for i, make in enumerate(makers):
+        torch.manual_seed(i)
+        ref = make().double()
+        mod = copy.deepcopy(ref)
+        x = torch.randn(2, 2, *shape, dtype=torch.float64, requires_grad=True)
+        y = ref(x)
+        cot = torch.randn_like(y)
+        (y * cot).sum().backward()
+        xi = x.detach().requires_grad_(True)
+        ys = mod(domain.shard(xi, dims=(2, 3), sizes=sizes))
+        whole = ys.full_tensor()
+        (whole * cot).sum().backward()
+        worst = max(worst, max_err(whole.to_local(), y), max_err(domain_sum(xi.grad), x.grad),
+                    max((max_err(p.grad, domain_sum(q.grad)) for p, q in zip(ref.parameters(), mod.parameters())),
+                        default=0.0))
+    return worst
+
+
+@pytest.mark.parametrize(("grid", "sizes"), [((2, 2), ((5, 6), (4, 3))), ((2, 3), ((11, 0), (2, 2, 3)))], ids=str)
+def test_adaptive_pooling_and_a_classifier_head_on_blocks(ranks, grid, sizes):
+    results = ranks.run(grid[0] * grid[1], _classifier_body, grid, (11, 7), sizes)
+    assert max(results) < TOL, results

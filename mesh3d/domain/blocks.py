@@ -32,7 +32,8 @@ from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager
 
-__all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "grid_comms", "in_layout", "shard_blocks"]
+__all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "grid_comms", "in_layout",
+           "replicate_blocks_if_singleton", "shard_blocks"]
 
 
 @dataclass(frozen=True)
@@ -204,3 +205,13 @@ def in_layout(x: DomainTensor, spec: BlockSpec) -> torch.Tensor:
         if mine != want:
             local = gather_along(local, have, axis, block_needs(want))
     return local
+
+
+def replicate_blocks_if_singleton(x: DomainTensor) -> DomainTensor:
+    """``x`` replicated when every block dim has global length 1 (global pooling before a head), else ``x``.
+
+    Usage: ``pooled = replicate_blocks_if_singleton(adopt(local, spec))``
+    """
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return block_full_tensor(x) if all(sum(s) == 1 for s in spec.sizes) else x

@@ -18,7 +18,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.blocks import BlockSpec, extend_windows, gather_along, in_layout
+from mesh3d.domain.blocks import (BlockSpec, extend_windows, gather_along, in_layout,
+                                  replicate_blocks_if_singleton)
 from mesh3d.domain.halo import sizes_by_first_index
 from mesh3d.domain.ops.conv import _padded_rows, _tuple, pad_local, transpose_plan, weight_connected_zeros
 from mesh3d.domain.ops.interpolate import _sources, lerp_rows
@@ -209,12 +210,64 @@ def _cat(tensors, dim=0):
     return adopt(torch.cat([in_layout(t, spec) for t in tensors], dim), spec)
 
 
+# ----------------------------------------------------------------------------- adaptive pooling
+def _adaptive_along(local: torch.Tensor, d: int, first: int, count: int, n: int, m: int, kind: str) -> torch.Tensor:
+    """Adaptive pooling along dim ``d`` only (avg and max are separable over rectangular windows): this rank's
+    outputs ``first .. first + count``, windows [floor(i*n/m), ceil((i+1)*n/m)), from the gathered rows (the
+    first of which is row floor(first*n/m))."""
+    reduce = torch.amax if kind == "max" else torch.mean
+    start = (first * n) // m
+    pieces = [reduce(local.narrow(d, (i * n) // m - start, -(-((i + 1) * n) // m) - (i * n) // m), d, keepdim=True)
+              for i in range(first, first + count)]
+    if pieces:
+        return torch.cat(pieces, d) if len(pieces) > 1 else pieces[0]
+    shape = list(local.shape)
+    shape[d] = 0
+    return weight_connected_zeros(local, shape, local)
+
+
+def _adaptive(kind: str, nd: int) -> Callable:
+    name = f"torch.nn.functional.adaptive_{kind}_pool{nd}d"
+
+    def rule(input, output_size, return_indices=False):
+        spec = _blocks_of(input, name, nd)
+        if return_indices:
+            raise NotImplementedError(f"{name}(return_indices=True) on blocks")
+        first_dim = input.ndim - nd
+        outs = [o if o is None else global_length(o) for o in _tuple(output_size, nd)]
+        local, out_sizes = unwrap(input), []
+        for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
+            n = sum(sizes)
+            m = outs[d - first_dim] if outs[d - first_dim] is not None else n
+            # Output i pools rows [floor(i*n/m), ceil((i+1)*n/m)); its owner holds the first of them (the slab rule).
+            mine = sizes_by_first_index(sizes, m, lambda row, n=n, m=m: -(-(row * m) // n))
+            needs = tuple((Span.rows((lo * n) // m, -(-((lo + c) * n) // m)),) if c else ()
+                          for lo, c in zip(offsets_of(mine), mine))
+            local = gather_along(local, spec, axis, needs)
+            local = _adaptive_along(local, d, offsets_of(mine)[line.index], mine[line.index], n, m, kind)
+            out_sizes.append(mine)
+        rest = [local.shape[first_dim + i] if first_dim + i in spec.dims or outs[i] is None else outs[i]
+                for i in range(nd)]
+        if rest != list(local.shape[first_dim:]):  # the dims that are whole here: torch's kernel (separable)
+            if local.numel():
+                pool = getattr(F, f"adaptive_{kind}_pool{nd}d")
+                local = pool(local, rest)
+            else:
+                local = weight_connected_zeros(local, [*local.shape[:first_dim], *rest], local)
+        return replicate_blocks_if_singleton(adopt(local, spec.with_sizes(tuple(out_sizes))))
+
+    return rule
+
+
 for _nd in (1, 2, 3):
     BLOCK_RULES.register(getattr(F, f"max_pool{_nd}d"), _pool("max", _nd, getattr(F, f"max_pool{_nd}d")))
     BLOCK_RULES.register(getattr(F, f"avg_pool{_nd}d"), _pool("avg", _nd, getattr(F, f"avg_pool{_nd}d")))
     BLOCK_RULES.register(getattr(F, f"conv_transpose{_nd}d"),
                          _conv_transpose(getattr(F, f"conv_transpose{_nd}d"), _nd))
 BLOCK_RULES.register(F.interpolate, _interpolate)
+for _nd in (1, 2, 3):
+    for _kind in ("avg", "max"):
+        BLOCK_RULES.register(getattr(F, f"adaptive_{_kind}_pool{_nd}d"), _adaptive(_kind, _nd))
 BLOCK_RULES.register(F.pad, _pad)
 for _f in (torch.cat, torch.concat):
     BLOCK_RULES.register(_f, _cat)
