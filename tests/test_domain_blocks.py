@@ -7,6 +7,7 @@ minimum, and refusals on every rank."""
 from __future__ import annotations
 
 import copy
+import math
 import itertools
 
 import pytest
@@ -146,7 +147,7 @@ def _refusals_body():
     messages = []
     for attempt in (lambda: torch.flip(domain.shard(x, dims=(2, 3)), [2]),
                     lambda: domain.shard(x, dims=(2,)),
-                    lambda: torch.nn.functional.adaptive_avg_pool2d(domain.shard(x, dims=(2, 3)), 1),
+                    lambda: torch.nn.functional.layer_norm(domain.shard(x, dims=(2, 3)), [8]),
                     lambda: domain.shard(x, dims=(2, 3)).sum(2)):
         try:
             attempt()
@@ -160,7 +161,7 @@ def test_ops_without_a_block_rule_raise_naming_the_op_on_every_rank(ranks):
     for messages in ranks.run(4, _refusals_body):
         assert "torch.flip has no rule for block layouts" in messages[0]
         assert "dims=(2,) names 1 sharded dims but the domain grid (2, 2) has 2" in messages[1]
-        assert "adaptive_avg_pool2d has no rule for block layouts" in messages[2]
+        assert "layer_norm has no rule for block layouts" in messages[2]  # a slab rule is not used
         assert "covers only some of the block-sharded dims" in messages[3]
 
 
@@ -270,7 +271,7 @@ def test_a_checkpoint_moves_between_grids_and_one_process(ranks, tmp_path):
 
 def _classifier_body(grid, shape, sizes):
     """Adaptive pooling on blocks (global, to uneven windows, avg and max) and a classifier head after it."""
-    from mesh3d import DistributedManager, domain
+    from mesh3d import DistributedManager
 
     DistributedManager.initialize(batch=1, domain=grid)
     nn = torch.nn
@@ -282,23 +283,63 @@ def _classifier_body(grid, shape, sizes):
     worst = 0.0
     for i, make in enumerate(makers):
         torch.manual_seed(i)
-        ref = make().double()
-        mod = copy.deepcopy(ref)
-        x = torch.randn(2, 2, *shape, dtype=torch.float64, requires_grad=True)
-        y = ref(x)
-        cot = torch.randn_like(y)
-        (y * cot).sum().backward()
-        xi = x.detach().requires_grad_(True)
-        ys = mod(domain.shard(xi, dims=(2, 3), sizes=sizes))
-        whole = ys.full_tensor()
-        (whole * cot).sum().backward()
-        worst = max(worst, max_err(whole.to_local(), y), max_err(domain_sum(xi.grad), x.grad),
-                    max((max_err(p.grad, domain_sum(q.grad)) for p, q in zip(ref.parameters(), mod.parameters())),
-                        default=0.0))
+        worst = max(worst, _blocks_vs_one_process(make().double(), (2, 2, *shape), (2, 3), sizes))
     return worst
+
+
+def _blocks_vs_one_process(ref: torch.nn.Module, shape, dims, sizes) -> float:
+    """``ref`` in one process vs a copy on blocks: output, input and parameter gradients (domain-summed)."""
+    from mesh3d import domain
+
+    mod = copy.deepcopy(ref)
+    x = torch.randn(*shape, dtype=torch.float64, requires_grad=True)
+    y = ref(x)
+    cot = torch.randn_like(y)
+    (y * cot).sum().backward()
+    xi = x.detach().requires_grad_(True)
+    whole = mod(domain.shard(xi, dims=dims, sizes=sizes)).full_tensor()
+    (whole * cot).sum().backward()
+    return max(max_err(whole.to_local(), y), max_err(domain_sum(xi.grad), x.grad),
+               max((max_err(p.grad, domain_sum(q.grad)) for p, q in zip(ref.parameters(), mod.parameters())),
+                   default=0.0))
 
 
 @pytest.mark.parametrize(("grid", "sizes"), [((2, 2), ((5, 6), (4, 3))), ((2, 3), ((11, 0), (2, 2, 3)))], ids=str)
 def test_adaptive_pooling_and_a_classifier_head_on_blocks(ranks, grid, sizes):
     results = ranks.run(grid[0] * grid[1], _classifier_body, grid, (11, 7), sizes)
+    assert max(results) < TOL, results
+
+
+class _SpectralLayer(torch.nn.Module):
+    """An FFT layer: rfftn over the spatial dims, a pointwise filter in frequency, irfftn back (s= read from the
+    input's shape), fftshift of a full fft, a 1x1 conv and a residual."""
+
+    def __init__(self, nd: int) -> None:
+        super().__init__()
+        self.nd = nd
+        self.mix = getattr(torch.nn, f"Conv{nd}d")(2, 2, 1)
+
+    def forward(self, x):
+        dims = tuple(range(-self.nd, 0))
+        z = torch.fft.rfftn(x, dim=dims, norm="ortho")
+        z = z * torch.sigmoid(z.abs())
+        y = torch.fft.irfftn(z, s=x.shape[-self.nd:], dim=dims, norm="ortho")
+        shifted = torch.fft.fftshift(torch.fft.fftn(x, dim=dims), dim=dims).abs()
+        return self.mix(y) + x + 0.1 * shifted
+
+
+def _spectral_body(grid, shape, dims, sizes):
+    from mesh3d import DistributedManager
+
+    DistributedManager.initialize(batch=1, domain=grid)
+    torch.manual_seed(0)
+    return _blocks_vs_one_process(_SpectralLayer(len(shape)).double(), (2, 2, *shape), dims, sizes)
+
+
+@pytest.mark.parametrize(("grid", "shape", "dims", "sizes"), [
+    ((2, 2), (8, 6), (2, 3), None), ((2, 3), (9, 7), (2, 3), ((6, 3), (4, 0, 3))),
+    ((2, 2, 2), (6, 5, 4), (2, 3, 4), ((2, 4), (3, 2), (1, 3)))], ids=str)
+def test_an_fft_layer_on_blocks_equals_one_process(ranks, grid, shape, dims, sizes):
+    """Pencil transposes: each grid line swaps its block dim for a slice of the channel or batch dim."""
+    results = ranks.run(math.prod(grid), _spectral_body, grid, shape, dims, sizes)
     assert max(results) < TOL, results

@@ -24,7 +24,7 @@ from mesh3d.domain.exchange import DomainComm, _exchange, exchange_point
 from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
-__all__ = ["move_local", "move_sharding"]
+__all__ = ["move_local", "move_rows", "move_sharding"]
 
 
 def _real(t: torch.Tensor) -> torch.Tensor:
@@ -72,6 +72,18 @@ class _Move(torch.autograd.Function):
         return move_local(grad, comm, dst_dim, dst_sizes, src_dim, src_sizes), None, None, None, None, None
 
 
+def move_rows(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: Sequence[int], dst_dim: int,
+              dst_sizes: Sequence[int]) -> torch.Tensor:
+    """Differentiable ``move_local``: ``src_dim`` (sharded as ``src_sizes``) made whole, ``dst_dim`` sharded as
+    ``dst_sizes``, over any 1-D group of ranks (a domain, or one grid line of blocks).
+
+    Usage: ``local = move_rows(local, line, 2, (5, 3), 1, (2, 2))``
+    """
+    if comm.size == 1:
+        return local
+    return _Move.apply(local, comm, src_dim, tuple(src_sizes), dst_dim, tuple(dst_sizes))
+
+
 def move_sharding(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None) -> DomainTensor:
     """``x`` sharded along ``dim`` instead (``sizes`` along it: ``torch.chunk``'s by default), its old dim whole.
 
@@ -87,5 +99,4 @@ def move_sharding(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None)
     local = unwrap(x)
     if spec.comm.size == 1:
         return adopt(local.view_as(local), DomainSpec(dim, new_sizes, spec.comm))
-    moved = _Move.apply(local, spec.comm, spec.dim, spec.sizes, dim, new_sizes)
-    return adopt(moved, DomainSpec(dim, new_sizes, spec.comm))
+    return adopt(move_rows(local, spec.comm, spec.dim, spec.sizes, dim, new_sizes), DomainSpec(dim, new_sizes, spec.comm))

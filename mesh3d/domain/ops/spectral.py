@@ -18,7 +18,7 @@ import torch
 from mesh3d.domain.registry import register
 from mesh3d.domain.split import split_sizes
 from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, global_length, unwrap
 from mesh3d.domain.transpose import move_sharding
 
 __all__: list[str] = []
@@ -29,6 +29,16 @@ _OPS = {
     "fft2": 2, "ifft2": 2, "rfft2": 2, "irfft2": 2, "hfft2": 2, "ihfft2": 2,
     "fftn": 0, "ifftn": 0, "rfftn": 0, "irfftn": 0, "hfftn": 0, "ihfftn": 0,
 }
+
+
+def global_sizes(size):
+    """``n=``/``s=`` of a transform with any length read from a domain tensor's shape made global (``s=x.shape[-2:]``).
+
+    Usage: ``s = global_sizes(s)``
+    """
+    if size is None or isinstance(size, int):
+        return None if size is None else global_length(size)
+    return type(size)(global_length(v) for v in size) if isinstance(size, (list, tuple)) else size
 
 
 def _transformed_dims(kind: int, ndim: int, dim, s) -> list[int]:
@@ -63,19 +73,11 @@ def _whole_along(x: DomainTensor, dims: list[int], local_op) -> DomainTensor:
     return move_sharding(adopt(out, moved.spec), spec.dim, sizes)
 
 
-def _spectral_rule(name: str, kind: int):
-    func = getattr(torch.fft, name)
+def with_fft_signature(kind: int, run):
+    """A rule with torch.fft's signature for ``kind`` (1-D, 2-D or n-D transforms) that calls ``run(x, size, dim, norm)``.
 
-    def run(x, size, dim, norm):
-        if not isinstance(x, DomainTensor):
-            raise NotImplementedError(f"torch.fft.{name} with a domain tensor as other than its input")
-        spec = x.spec
-        dims = _transformed_dims(kind, x.ndim, dim, size)
-        if spec.dim not in dims:
-            return Step(lambda t: func(t, size, dim, norm), (x,), out=spec)
-        _check_free(f"torch.fft.{name}", x, dims)
-        return _whole_along(x, dims, lambda t: func(t, size, dim, norm))
-
+    Usage: ``rule = with_fft_signature(2, lambda x, s, dim, norm: ...)``
+    """
     if kind == 1:
         def rule(input, n=None, dim=-1, norm=None):
             return run(input, n, dim, norm)
@@ -85,6 +87,24 @@ def _spectral_rule(name: str, kind: int):
     else:
         def rule(input, s=None, dim=None, norm=None):
             return run(input, s, dim, norm)
+    return rule
+
+
+def _spectral_rule(name: str, kind: int):
+    func = getattr(torch.fft, name)
+
+    def run(x, size, dim, norm):
+        if not isinstance(x, DomainTensor):
+            raise NotImplementedError(f"torch.fft.{name} with a domain tensor as other than its input")
+        size = global_sizes(size)
+        spec = x.spec
+        dims = _transformed_dims(kind, x.ndim, dim, size)
+        if spec.dim not in dims:
+            return Step(lambda t: func(t, size, dim, norm), (x,), out=spec)
+        _check_free(f"torch.fft.{name}", x, dims)
+        return _whole_along(x, dims, lambda t: func(t, size, dim, norm))
+
+    rule = with_fft_signature(kind, run)
     rule.__name__ = f"fft_{name}"
     return rule
 
