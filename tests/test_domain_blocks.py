@@ -147,7 +147,7 @@ def _refusals_body():
     messages = []
     for attempt in (lambda: torch.flip(domain.shard(x, dims=(2, 3)), [2]),
                     lambda: domain.shard(x, dims=(2,)),
-                    lambda: torch.nn.functional.layer_norm(domain.shard(x, dims=(2, 3)), [8]),
+                    lambda: torch.nn.functional.unfold(domain.shard(x, dims=(2, 3)), 2),
                     lambda: domain.shard(x, dims=(2, 3)).sum(2)):
         try:
             attempt()
@@ -161,7 +161,7 @@ def test_ops_without_a_block_rule_raise_naming_the_op_on_every_rank(ranks):
     for messages in ranks.run(4, _refusals_body):
         assert "torch.flip has no rule for block layouts" in messages[0]
         assert "dims=(2,) names 1 sharded dims but the domain grid (2, 2) has 2" in messages[1]
-        assert "layer_norm has no rule for block layouts" in messages[2]  # a slab rule is not used
+        assert "unfold has no rule for block layouts" in messages[2]
         assert "covers only some of the block-sharded dims" in messages[3]
 
 
@@ -279,6 +279,8 @@ def _classifier_body(grid, shape, sizes):
                                     nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4, 3)),
               lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.AdaptiveMaxPool2d((3, 2))),
               lambda: nn.AdaptiveAvgPool2d((4, 3)),
+              # LayerNorm over (C, H, W): statistics over the whole grid; over W only: over one grid line
+              lambda: nn.Sequential(nn.Conv2d(2, 3, 3, padding=1), nn.LayerNorm([3, *shape]), nn.LayerNorm(shape[-1])),
               lambda: nn.Sequential(nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(2, 2))]
     worst = 0.0
     for i, make in enumerate(makers):

@@ -190,6 +190,31 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     return adopt(_affine(y, weight, bias), spec)
 
 
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    spec = _spec_of(input)
+    local = unwrap(input)
+    first = input.ndim - len(normalized_shape)
+    axes = [axis for axis, d in enumerate(spec.dims) if d >= first]
+    if not axes:  # the normalized dims are whole here (channels-last tokens): torch's kernel
+        return adopt(F.layer_norm(local, normalized_shape, weight, bias, eps), spec)
+    if len(axes) == len(spec.dims):
+        comm = spec.comm
+    elif len(axes) == 1:
+        comm = spec.lines[axes[0]]  # statistics over one block dim: its grid line holds them
+    else:
+        raise NotImplementedError(f"F.layer_norm over {len(axes)} of the {len(spec.dims)} block dims: normalize over "
+                                  "one block dim or all of them")
+    count = math.prod(input.global_shape[first:])
+    y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm)
+    # The affine parameters vary along the block dims: this rank's block of them.
+    for d, start, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
+        if d >= first:
+            weight = weight.narrow(d - first, start, rows) if weight is not None else None
+            bias = bias.narrow(d - first, start, rows) if bias is not None else None
+    y = y * weight if weight is not None else y
+    return adopt(y + bias if bias is not None else y, spec)
+
+
 # ----------------------------------------------------------------------------- reductions and losses
 def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
     spec, local = _spec_of(x), unwrap(x)
@@ -235,6 +260,7 @@ BLOCK_RULES.register(F.l1_loss, _loss("F.l1_loss", torch.abs))
 
 
 for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_norm), ((F.instance_norm,), _instance_norm),
-                      ((torch.sum, torch.Tensor.sum), _sum), ((torch.mean, torch.Tensor.mean), _mean)):
+                      ((F.layer_norm,), _layer_norm), ((torch.sum, torch.Tensor.sum), _sum),
+                      ((torch.mean, torch.Tensor.mean), _mean)):
     for _func in _funcs:
         BLOCK_RULES.register(_func, _rule)
