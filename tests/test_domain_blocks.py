@@ -345,3 +345,33 @@ def test_an_fft_layer_on_blocks_equals_one_process(ranks, grid, shape, dims, siz
     """Pencil transposes: each grid line swaps its block dim for a slice of the channel or batch dim."""
     results = ranks.run(math.prod(grid), _spectral_body, grid, shape, dims, sizes)
     assert max(results) < TOL, results
+
+
+def _relayout_body(grid, slab_sizes, block_sizes, back_dim):
+    """Slabs -> blocks -> a conv -> slabs along ``back_dim``: the values, and the gradient through both moves."""
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=grid)
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(2, 3, 3, padding=1, dtype=torch.float64)
+    x = torch.randn(2, 2, 9, 7, dtype=torch.float64, requires_grad=True)
+    y = conv(x)
+    cot = torch.randn_like(y)
+    (y * cot).sum().backward()
+    xi = x.detach().requires_grad_(True)
+    bs = domain.redistribute(domain.shard(xi, dim=2, sizes=slab_sizes), dims=(2, 3), sizes=block_sizes)
+    back = domain.redistribute(conv(bs), dim=back_dim)
+    whole = back.full_tensor()
+    (whole * cot).sum().backward()
+    return (max_err(bs.full_tensor().to_local(), x), max_err(whole.to_local(), y),
+            max_err(domain_sum(xi.grad), x.grad), back.sharded_dim, tuple(bs.spec.sizes))
+
+
+@pytest.mark.parametrize(("grid", "slab_sizes", "block_sizes", "back_dim"), [
+    ((2, 2), (3, 0, 4, 2), ((5, 4), (3, 4)), 2), ((2, 2), None, None, 3), ((3, 2), (9, 0, 0, 0, 0, 0), None, 2)],
+    ids=str)
+def test_slabs_move_to_blocks_and_back(ranks, grid, slab_sizes, block_sizes, back_dim):
+    for layout_err, out_err, grad_err, dim, sizes in ranks.run(math.prod(grid), _relayout_body, grid, slab_sizes,
+                                                                block_sizes, back_dim):
+        assert layout_err == 0.0 and out_err < TOL and grad_err < TOL and dim == back_dim
+        assert block_sizes is None or sizes == block_sizes

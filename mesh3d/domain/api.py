@@ -23,6 +23,7 @@ from mesh3d.domain.exchange import DomainComm, gather_rows
 from mesh3d.domain.blocks import BlockSpec, block_full_tensor, shard_blocks
 from mesh3d.domain.gather import full_tensor as slab_full_tensor
 from mesh3d.domain.rows import plan_exchange
+from mesh3d.domain.relayout import relayout
 from mesh3d.domain.split import aligned_sizes, split_sizes
 from mesh3d.domain.transpose import move_sharding
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
@@ -147,14 +148,19 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
     return slab_full_tensor(x)
 
 
-def redistribute(x: DomainTensor, sizes: Sequence[int] | None = None, dim: int | None = None) -> DomainTensor:
+def redistribute(x: DomainTensor, sizes: Sequence | None = None, dim: int | None = None, *,
+                 dims: Sequence[int] | None = None) -> DomainTensor:
     """The same tensor with new per-rank sizes along its sharded dim, or sharded along another ``dim``.
 
     Usage: ``ys = domain.redistribute(xs, (4, 4, 4, 4))``; ``zs = domain.redistribute(xs, dim=1)`` (dim 1
     becomes the sharded one, ``sizes`` along it, and the old sharded dim whole: an all-to-all, uneven allowed)
 
+    On a domain grid, ``dims=(2, 3)`` moves slabs to blocks (``sizes`` per dim) and ``dim=2`` blocks to slabs.
     Only moved rows travel.
     """
+    moved = relayout(x, dim, dims, sizes)
+    if moved is not None:
+        return moved
     if dim is not None and dim % x.ndim != x.spec.dim:
         return move_sharding(x, dim, sizes)
     new = split_sizes(sum(x.spec.sizes), x.spec.comm.size, sizes)
