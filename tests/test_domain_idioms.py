@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from domain_cases import compare_to_one_process, shard_sizes
+from domain_cases import compare_to_one_process, domain_sum, max_err, shard_sizes
 
 TOL = 1e-10
 H = 7
@@ -238,3 +238,24 @@ def test_a_size_read_from_a_domain_tensors_shape_means_its_global_length(ranks):
     for facts, err in ranks.run(3, _local_length_body):
         assert all(facts), facts
         assert err < 1e-12
+
+
+def _empty_pencil_body():
+    """3 ranks, a 2-channel field: parking the sharding on the channels leaves rank 2 an empty pencil."""
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    x = torch.randn(1, 2, 9, 8, dtype=torch.float64, requires_grad=True)
+    want = torch.fft.irfftn(torch.fft.rfftn(x, dim=(-2, -1)) * 0.5j, s=(9, 8), dim=(-2, -1))
+    cot = torch.randn_like(want)
+    (want * cot).sum().backward()
+    xi = x.detach().requires_grad_(True)
+    xs = domain.shard(xi, dim=2)
+    got = torch.fft.irfftn(torch.fft.rfftn(xs, dim=(-2, -1)) * 0.5j, s=xs.shape[-2:], dim=(-2, -1)).full_tensor()
+    (got * cot).sum().backward()
+    return max(max_err(got.to_local(), want), max_err(domain_sum(xi.grad), x.grad))
+
+
+def test_an_fft_whose_pencil_is_empty_on_a_rank_equals_one_process(ranks):
+    assert max(ranks.run(3, _empty_pencil_body)) < 1e-12

@@ -18,25 +18,13 @@ from collections.abc import Callable
 import torch
 
 from mesh3d.domain.blocks import BlockSpec
-from mesh3d.domain.ops.spectral import _OPS, _transformed_dims, global_sizes, with_fft_signature
+from mesh3d.domain.ops.spectral import _OPS, _transformed_dims, global_sizes, on_maybe_empty, with_fft_signature
 from mesh3d.domain.registry import BLOCK_RULES
 from mesh3d.domain.split import split_sizes
 from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.transpose import move_rows
 
 __all__: list[str] = []
-
-
-def _on_maybe_empty(local_op: Callable[[torch.Tensor], torch.Tensor], local: torch.Tensor) -> torch.Tensor:
-    """``local_op(local)``; on an empty pencil (a nested split left this rank no slice) its zeros of the right
-    shape, still connected to ``local`` (the FFT libraries refuse empty inputs)."""
-    if local.numel():
-        return local_op(local)
-    meta = local_op(torch.empty(local.shape, dtype=local.dtype, device="meta"))
-    # the (empty) input's sum is 0: added to keep autograd's path to it, as a real number so that a real
-    # result (irfft of a complex spectrum) stays real and its messages keep the size the peers expect
-    connect = local.abs().sum()
-    return torch.zeros(meta.shape, dtype=meta.dtype, device=local.device) + connect
 
 
 def _pencils(x: DomainTensor, dims: list[int], local_op: Callable[[torch.Tensor], torch.Tensor], op: str):
@@ -57,7 +45,7 @@ def _pencils(x: DomainTensor, dims: list[int], local_op: Callable[[torch.Tensor]
         park_sizes = split_sizes(local.shape[park], line.size)
         local = move_rows(local, line, d, spec.sizes[axis], park, park_sizes)
         parked.append((axis, park_sizes))
-    out = _on_maybe_empty(local_op, local)
+    out = on_maybe_empty(local_op, local)
     new_sizes = list(spec.sizes)
     for axis, park_sizes in reversed(parked):
         d, line = spec.dims[axis], spec.lines[axis]

@@ -13,6 +13,8 @@ result is moved back. Transforms over every dim have no such dim and raise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from mesh3d.domain.registry import register
@@ -60,6 +62,21 @@ def _check_free(op: str, x: DomainTensor, dims: list[int]) -> None:
         )
 
 
+def on_maybe_empty(local_op: Callable[[torch.Tensor], torch.Tensor], local: torch.Tensor) -> torch.Tensor:
+    """``local_op(local)``; on an empty pencil (a nested split left this rank no slice) its zeros of the right
+    shape, still connected to ``local`` (the FFT libraries refuse empty inputs).
+
+    Usage: ``out = on_maybe_empty(lambda t: torch.fft.rfftn(t, dim=(-2, -1)), local)``
+    """
+    if local.numel():
+        return local_op(local)
+    meta = local_op(torch.empty(local.shape, dtype=local.dtype, device="meta"))
+    # the (empty) input's sum is 0: added to keep autograd's path to it, as a real number so that a real
+    # result (irfft of a complex spectrum) stays real and its messages keep the size the peers expect
+    connect = local.abs().sum()
+    return torch.zeros(meta.shape, dtype=meta.dtype, device=local.device) + connect
+
+
 def _whole_along(x: DomainTensor, dims: list[int], local_op) -> DomainTensor:
     """``local_op`` on blocks where ``dims`` are whole: the sharding is parked on the largest other dim and moved back
     (the original sizes when the sharded dim keeps its length, ``torch.chunk`` sizes of its new length otherwise)."""
@@ -67,7 +84,7 @@ def _whole_along(x: DomainTensor, dims: list[int], local_op) -> DomainTensor:
     local = unwrap(x)
     park = max((d for d in range(x.ndim) if d not in dims), key=lambda d: local.shape[d])
     moved = move_sharding(x, park)
-    out = local_op(unwrap(moved))
+    out = on_maybe_empty(local_op, unwrap(moved))  # the parked dim may leave a rank nothing
     n_out = out.shape[spec.dim]
     sizes = spec.sizes if n_out == sum(spec.sizes) else split_sizes(n_out, spec.comm.size)
     return move_sharding(adopt(out, moved.spec), spec.dim, sizes)
