@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.collectives import scale_grad, sum_grad
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
-from mesh3d.domain.exchange import gather_rows, report_failure
+from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
 from mesh3d.domain.gather import replicate_if_singleton
 from mesh3d.domain.halo import WindowProbe, window_exchange
 from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
@@ -97,17 +97,26 @@ def _dispatch_blocks(func: Callable, args: tuple, kwargs: dict, blocks: list[Dom
         raise NotImplementedError(
             f"{op_name(func)} has no rule for block layouts (a domain tensor sharded over dims {dims} on a domain "
             "grid): mesh3d will not run it, because the local answer could differ from the one-process answer. "
-            "Blocks support convolutions, element-wise ops, norms, sum/mean and MSE/L1 losses (docs/domain.md, "
-            "'Blocks'). Call .full_tensor() first, or shard along one dim (slabs)")
+            "The ops blocks support are listed in docs/domain.md, 'Blocks'. Call .full_tensor() first, or move to "
+            "slabs with domain.redistribute(x, dim=...)")
     if spec.comm.size == 1:
         return rule(*args, **kwargs)
     JOURNAL.record(_op_label(func), (spec.dims, tuple(sum(s) for s in spec.sizes)))  # type: ignore[attr-defined]
+    return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
+
+
+def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
+    """``run()``; if it fails on this rank, tell every domain peer before raising.
+
+    NOTE: a rank that fails alone would leave its peers waiting in their next exchange: tell them, and
+    learn whether the failure is a symptom of the ranks taking different paths (then that error is raised).
+    """
     try:
-        return rule(*args, **kwargs)
+        return run()
     except DomainDivergenceError:
         raise
-    except Exception as err:  # NOTE: as for slabs, a rank failing alone tells its peers (none waits forever)
-        reported = report_failure(spec.comm, _op_label(func), err)
+    except Exception as err:
+        reported = report_failure(comm, _op_label(func), err)
         if reported is err:
             raise
         raise reported from err
@@ -159,17 +168,7 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         if comm.size == 1:
             result = rule(*args, **kwargs)
             return run_step(result) if isinstance(result, Step) else result
-        try:
-            return _run_rule_checked(func, rule, found, args, kwargs)
-        except DomainDivergenceError:
-            raise
-        except Exception as err:
-            # NOTE: a rank that fails alone would leave its peers waiting in their next exchange:
-            # tell them, and learn whether the failure is a symptom of the ranks taking different paths.
-            reported = report_failure(comm, _op_label(func), err)
-            if reported is err:
-                raise
-            raise reported from err
+        return _telling_peers_of_failure(comm, func, lambda: _run_rule_checked(func, rule, found, args, kwargs))
     return _run_replicated(func, found[0]._spec, args, kwargs)
 
 
