@@ -148,7 +148,9 @@ def _refusals_body():
     for attempt in (lambda: torch.flip(domain.shard(x, dims=(2, 3)), [2]),
                     lambda: domain.shard(x, dims=(2,)),
                     lambda: torch.nn.functional.unfold(domain.shard(x, dims=(2, 3)), 2),
-                    lambda: domain.shard(x, dims=(2, 3)).sum(2)):
+                    lambda: domain.shard(x, dims=(2, 3)).sum(2),
+                    lambda: domain.redistribute(domain.shard(x, dim=2), dims=(3, 1)),
+                    lambda: domain.redistribute(domain.shard(x, dims=(2, 3)), dim=1)):
         try:
             attempt()
             messages.append("no error")
@@ -163,6 +165,8 @@ def test_ops_without_a_block_rule_raise_naming_the_op_on_every_rank(ranks):
         assert "dims=(2,) names 1 sharded dims but the domain grid (2, 2) has 2" in messages[1]
         assert "unfold has no rule for block layouts" in messages[2]
         assert "covers only some of the block-sharded dims" in messages[3]
+        assert "dims=(3, 1) must be 2 dims (the grid (2, 2)) including the slab dim 2" in messages[4]
+        assert "dim=1 must be one of the block dims (2, 3)" in messages[5]
 
 
 class _UNet3d(torch.nn.Module):
