@@ -68,9 +68,10 @@ def test_slurm_variables_start_a_two_rank_job():
 
 def test_bad_sizes_fail_fast_under_torchrun_on_every_rank():
     # NOTE: torchrun's agent ends the other workers as soon as one fails (it polls every 0.1 s); on two
-    # busy cores the slower rank can be ended before it gets to the check. A 3 s poll lets both get there.
+    # busy cores the slower rank can be ended before it gets to the check (importing torch and mesh3d took
+    # over 3 s there in CI once). A 15 s poll lets both get there; each fails within seconds of starting.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()),
-           "--monitor-interval", "3", str(EXAMPLE), "--batch", "3"]
+           "--monitor-interval", "15", str(EXAMPLE), "--batch", "3"]
     out = subprocess.run(cmd, env=_clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert out.stderr.count("batch=3 does not divide world size 2") >= 2, out.stderr[-3000:]
