@@ -21,6 +21,7 @@ from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute
 from mesh3d.domain.io import NpyArray, read
 from mesh3d.domain.overlap import window_overlap
 from mesh3d.domain.ops.idioms import positions
+from mesh3d.domain.ops.tokens_attention import neighbourhood_attention
 from mesh3d.domain.probe import downsampling_factor
 from mesh3d.domain.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
@@ -41,6 +42,7 @@ __all__ = [
     "domain_comm",
     "downsampling_factor",
     "from_local",
+    "neighbourhood_attention",
     "full_tensor",
     "positions",
     "read",

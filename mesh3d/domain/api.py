@@ -21,6 +21,7 @@ import torch.distributed as dist
 from mesh3d.domain.dispatch import block_needs, redistribute_local
 from mesh3d.domain.exchange import DomainComm, gather_rows
 from mesh3d.domain.blocks import BlockSpec, block_full_tensor, shard_blocks
+from mesh3d.domain.tokens import TokenSpec, token_full_tensor
 from mesh3d.domain.gather import full_tensor as slab_full_tensor
 from mesh3d.domain.rows import plan_exchange
 from mesh3d.domain.relayout import relayout
@@ -145,6 +146,8 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
     """
     if isinstance(x._spec, BlockSpec):
         return block_full_tensor(x)
+    if isinstance(x._spec, TokenSpec):
+        return token_full_tensor(x)
     return slab_full_tensor(x)
 
 

@@ -32,7 +32,8 @@ from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager
 
-__all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "grid_comms", "in_layout",
+__all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "grid_comms", "grid_coords",
+           "in_layout",
            "replicate_blocks_if_singleton", "shard_blocks"]
 
 
@@ -85,6 +86,18 @@ def grid_comms() -> tuple[tuple[int, ...], tuple[DomainComm, ...]]:
         return grid, (DomainComm(dm.group("domain"), tuple(dm.axis_ranks("domain")), dm.axis_rank("domain")),)
     names = [f"domain_{i}" for i in range(len(grid))]
     return grid, tuple(DomainComm(dm.group(n), tuple(dm.axis_ranks(n)), dm.axis_rank(n)) for n in names)
+
+
+def grid_coords(index: int, grid: tuple[int, ...]) -> tuple[int, ...]:
+    """A domain rank's grid coordinates (the grid is the domain axis unflattened, row-major).
+
+    Usage: ``grid_coords(3, (2, 2))  # (1, 1)``
+    """
+    out = []
+    for g in reversed(grid):
+        out.append(index % g)
+        index //= g
+    return tuple(reversed(out))
 
 
 def shard_blocks(x: torch.Tensor, dims: Sequence[int], sizes: Sequence[Sequence[int] | None] | None,

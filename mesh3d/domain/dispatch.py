@@ -26,7 +26,7 @@ from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
 from mesh3d.domain.gather import replicate_if_singleton
 from mesh3d.domain.halo import WindowProbe, window_exchange
 from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
-from mesh3d.domain.registry import BLOCK_RULES, RULES, op_name, tree_map
+from mesh3d.domain.registry import BLOCK_RULES, RULES, TOKEN_RULES, op_name, tree_map
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, LocalLength, adopt, unwrap
@@ -89,16 +89,19 @@ def _replicated_dtensor_to_local(o: Any) -> Any:
 
 
 def _dispatch_blocks(func: Callable, args: tuple, kwargs: dict, blocks: list[DomainTensor]) -> Any:
-    """An op with block-sharded inputs (``mesh3d.domain.blocks``): its block rule, or a refusal naming it."""
+    """An op with block-sharded inputs (``mesh3d.domain.blocks``) or token grids (``mesh3d.domain.tokens``):
+    its rule for that layout, or a refusal naming it."""
     spec = blocks[0]._spec
-    rule = BLOCK_RULES.get(func)
+    tokens = getattr(spec, "is_token_grid", False)
+    rule = (TOKEN_RULES if tokens else BLOCK_RULES).get(func)
     if rule is None:
         dims = spec.dims  # type: ignore[attr-defined]
+        layout = "token grids (blocks flattened into tokens" if tokens else "block layouts (a domain tensor"
         raise NotImplementedError(
-            f"{op_name(func)} has no rule for block layouts (a domain tensor sharded over dims {dims} on a domain "
-            "grid): mesh3d will not run it, because the local answer could differ from the one-process answer. "
-            "The ops blocks support are listed in docs/domain.md, 'Blocks'. Call .full_tensor() first, or move to "
-            "slabs with domain.redistribute(x, dim=...)")
+            f"{op_name(func)} has no rule for {layout} sharded over dims {dims} on a domain grid): mesh3d will not "
+            "run it, because the local answer could differ from the one-process answer. The ops supported are "
+            "listed in docs/domain.md, 'Blocks' and 'Token grids'. Call .full_tensor() first, or move to slabs with "
+            "domain.redistribute(x, dim=...)")
     if spec.comm.size == 1:
         return rule(*args, **kwargs)
     JOURNAL.record(_op_label(func), (spec.dims, tuple(sum(s) for s in spec.sizes)))  # type: ignore[attr-defined]

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK_RULES", "RULES", "RuleTable", "flat_tensors", "op_name", "register", "tree_map"]
+__all__ = ["BLOCK_RULES", "RULES", "TOKEN_RULES", "RuleTable", "flat_tensors", "op_name", "register", "tree_map"]
 
 
 class RuleTable:
@@ -56,6 +56,8 @@ class RuleTable:
 RULES = RuleTable()
 #: Rules for block-sharded inputs (``mesh3d.domain.blocks``; registered by ``mesh3d.domain.ops.blocks``).
 BLOCK_RULES = RuleTable()
+#: Rules for token grids (blocks flattened into tokens, ``mesh3d.domain.tokens``; ``mesh3d.domain.ops.tokens``).
+TOKEN_RULES = RuleTable()
 
 
 def register(*funcs: Callable, override: bool = False) -> Callable[[Callable], Callable]:

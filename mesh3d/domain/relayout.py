@@ -4,6 +4,7 @@ Usage::
 
     bs = domain.redistribute(xs, dims=(2, 3))            # slabs along dim 2 -> blocks over dims (2, 3)
     xs = domain.redistribute(bs, dim=2)                  # blocks -> slabs along dim 2 (one of the block dims)
+    bs = domain.redistribute(bs, dims=(2, 3), sizes=((6, 2), (4, 4)))   # blocks -> blocks (new sizes or dims)
 
 Slabs -> blocks: each rank gathers its block's rows of the slab dim from the slab owners (one exchange
 over the whole domain), then keeps its block's part of the other dims, which a slab holds whole.
@@ -16,23 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mesh3d.domain.blocks import BlockSpec, gather_along, grid_comms
+from mesh3d.domain.blocks import BlockSpec, gather_along, grid_comms, grid_coords, in_layout
 from mesh3d.domain.dispatch import block_needs
 from mesh3d.domain.exchange import gather_rows
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.tokens import TokenSpec
+from mesh3d.domain.transpose import move_sharding
 
-__all__ = ["blocks_to_slabs", "slabs_to_blocks"]
-
-
-def _coords(index: int, grid: tuple[int, ...]) -> tuple[int, ...]:
-    """A domain rank's grid coordinates (the grid is the domain axis unflattened, row-major)."""
-    out = []
-    for g in reversed(grid):
-        out.append(index % g)
-        index //= g
-    return tuple(reversed(out))
+__all__ = ["blocks_to_blocks", "blocks_to_slabs", "relayout", "slabs_to_blocks"]
 
 
 def slabs_to_blocks(x: DomainTensor, dims: Sequence[int], sizes: Sequence[Sequence[int] | None] | None = None
@@ -54,7 +48,7 @@ def slabs_to_blocks(x: DomainTensor, dims: Sequence[int], sizes: Sequence[Sequen
     # every domain rank's rows of the slab dim in the block layout, in domain rank order
     needs = []
     for r in range(spec.comm.size):
-        c = _coords(r, grid)[k]
+        c = grid_coords(r, grid)[k]
         start = offsets_of(layout[k])[c]
         needs.append((Span.rows(start, start + layout[k][c]),) if layout[k][c] else ())
     local = gather_rows(unwrap(x), spec.dim, plan_exchange(spec.sizes, tuple(needs), spec.comm.index), spec.comm)
@@ -83,7 +77,7 @@ def blocks_to_slabs(x: DomainTensor, dim: int, sizes: Sequence[int] | None = Non
     grid = tuple(len(s) for s in spec.sizes)
     owners = []  # the ranks whose other grid coordinates are 0 hold the slab dim's rows once, in order
     for r in range(spec.comm.size):
-        c = _coords(r, grid)
+        c = grid_coords(r, grid)
         owners.append(spec.sizes[k][c[k]] if all(v == 0 for a, v in enumerate(c) if a != k) else 0)
     if owners[spec.comm.index] == 0:
         local = local.narrow(dim, 0, 0)
@@ -92,16 +86,46 @@ def blocks_to_slabs(x: DomainTensor, dim: int, sizes: Sequence[int] | None = Non
     return adopt(local, DomainSpec(dim, slabs, spec.comm))
 
 
+def blocks_to_blocks(x: DomainTensor, dims: Sequence[int], sizes=None) -> DomainTensor:
+    """``x`` (blocks) as blocks with other ``sizes`` per dim, or over other ``dims``.
+
+    Usage: ``bs = blocks_to_blocks(bs, (2, 3), ((6, 2), (4, 4)))``; ``bs = blocks_to_blocks(bs, (3, 4))``
+
+    Same dims: each grid line moves the rows whose owner changes. Other dims: through slabs along a dim
+    both layouts split (or an all-to-all between slab dims when they share none).
+    """
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    dims = tuple(d % x.ndim for d in dims)
+    if len(dims) != len(spec.dims):
+        raise ValueError(f"domain.redistribute: dims={dims} must be {len(spec.dims)} dims, one per grid dim")
+    if dims == spec.dims:
+        per_dim = list(sizes) if sizes is not None else [None] * len(dims)
+        target = spec.with_sizes(tuple(split_sizes(sum(s), len(s), want) for s, want in zip(spec.sizes, per_dim)))
+        return x if target is spec else adopt(in_layout(x, target), target)
+    common = [d for d in spec.dims if d in dims]
+    slabs = blocks_to_slabs(x, common[0] if common else spec.dims[0])
+    if not common:
+        slabs = move_sharding(slabs, dims[0], None)
+    return slabs_to_blocks(slabs, dims, sizes)
+
+
 def relayout(x: DomainTensor, dim: int | None, dims: Sequence[int] | None, sizes) -> DomainTensor | None:
-    """The slab <-> block move ``domain.redistribute`` asks for, or None when it asks for neither.
+    """The move between slabs and blocks ``domain.redistribute`` asks for, or None when it asks for a slab move.
 
     Usage: ``relayout(xs, None, (2, 3), None)``
     """
+    if isinstance(x._spec, TokenSpec):
+        raise ValueError("domain.redistribute of a token grid: reshape the tokens back to the grid first "
+                         "(t.transpose(1, 2).reshape(b, c, h, w)), then redistribute the blocks")
     if dims is not None and not isinstance(x._spec, BlockSpec):
         return slabs_to_blocks(x, dims, sizes)
     if dim is not None and isinstance(x._spec, BlockSpec):
         return blocks_to_slabs(x, dim, sizes)
     if isinstance(x._spec, BlockSpec):
-        raise ValueError("domain.redistribute on blocks: pass dim= (one of the block dims) to move them to slabs")
+        if dims is None:
+            raise ValueError("domain.redistribute on blocks: pass dims= (blocks with new sizes or over other dims) "
+                             "or dim= (one of the block dims, to move them to slabs)")
+        return blocks_to_blocks(x, dims, sizes)
     return None
 

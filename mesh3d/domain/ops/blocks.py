@@ -27,7 +27,7 @@ from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.registry import BLOCK_RULES, op_name
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
-__all__: list[str] = []
+__all__ = ["reduction_rules", "run_elementwise"]
 
 def _spec_of(x: DomainTensor) -> BlockSpec:
     spec = x._spec
@@ -65,13 +65,24 @@ def _elementwise(func: Callable) -> Callable:
                         f"dim {d}; give it size 1 there, or shard it as blocks too with domain.shard(t, dims={spec.dims})")
             return o
 
-        out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
-        if isinstance(out, torch.Tensor) and out.ndim == ref.ndim:
-            return adopt(out, spec, tuple(t for t in tensors if not isinstance(t, DomainTensor)))
-        if isinstance(out, torch.Tensor):
-            raise NotImplementedError(f"{op_name(func)}: on blocks, the result must keep the input's dims")
-        return out
+        return run_elementwise(func, args, kwargs, local, ref, "blocks")
     return rule
+
+
+def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[Any], Any], ref: DomainTensor,
+                    layout: str) -> Any:
+    """``func`` on the local operands (``local`` maps each argument), its result laid out like ``ref``.
+
+    Usage: ``return run_elementwise(torch.add, args, kwargs, local, ref, "blocks")``
+    """
+    out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+    if isinstance(out, torch.Tensor) and out.ndim == ref.ndim:
+        keep = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+                     and not isinstance(t, DomainTensor))
+        return adopt(out, ref._spec, keep)
+    if isinstance(out, torch.Tensor):
+        raise NotImplementedError(f"{op_name(func)}: on {layout}, the result must keep the input's dims")
+    return out
 
 
 for _f in ELEMENTWISE:
@@ -235,32 +246,35 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
     return adopt(total / count if kind == "mean" else total, DomainSpec(None, None, spec.comm))
 
 
-def _sum(input, dim=None, keepdim=False, dtype=None):
-    return _reduce(input, "sum", dim, keepdim)
+def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, Callable]:
+    """sum / mean and the MSE / L1 loss rules of a layout, from its ``reducer(x, "sum" | "mean", dim, keepdim)``.
 
+    Usage: ``for f, rule in reduction_rules(_reduce, "a token grid").items(): TOKEN_RULES.register(f, rule)``
+    """
+    def total(input, dim=None, keepdim=False, dtype=None):
+        return reducer(input, "sum", dim, keepdim)
 
-def _mean(input, dim=None, keepdim=False, dtype=None):
-    return _reduce(input, "mean", dim, keepdim)
+    def mean(input, dim=None, keepdim=False, dtype=None):
+        return reducer(input, "mean", dim, keepdim)
 
+    def loss(name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+        def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+            if weight is not None:
+                raise NotImplementedError(f"{name} with weight= on {layout}")
+            if reduction not in ("mean", "sum", "none"):
+                raise ValueError(f"{name}: reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+            difference = input - target  # the element-wise rule checks the layouts
+            per_element = adopt(pointwise(unwrap(difference)), difference._spec)
+            return per_element if reduction == "none" else reducer(per_element, reduction)
+        return rule
 
-def _loss(name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
-    def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
-        if weight is not None:
-            raise NotImplementedError(f"{name} with weight= on blocks")
-        if reduction not in ("mean", "sum", "none"):
-            raise ValueError(f"{name}: reduction={reduction!r} must be 'mean', 'sum' or 'none'")
-        difference = input - target  # the element-wise rule checks the layouts
-        per_element = adopt(pointwise(unwrap(difference)), _spec_of(difference))
-        return per_element if reduction == "none" else _reduce(per_element, reduction)
-    return rule
-
-
-BLOCK_RULES.register(F.mse_loss, _loss("F.mse_loss", lambda d: d * d))
-BLOCK_RULES.register(F.l1_loss, _loss("F.l1_loss", torch.abs))
+    return {torch.sum: total, torch.Tensor.sum: total, torch.mean: mean, torch.Tensor.mean: mean,
+            F.mse_loss: loss("F.mse_loss", lambda d: d * d), F.l1_loss: loss("F.l1_loss", torch.abs)}
 
 
 for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_norm), ((F.instance_norm,), _instance_norm),
-                      ((F.layer_norm,), _layer_norm), ((torch.sum, torch.Tensor.sum), _sum),
-                      ((torch.mean, torch.Tensor.mean), _mean)):
+                      ((F.layer_norm,), _layer_norm)):
     for _func in _funcs:
         BLOCK_RULES.register(_func, _rule)
+for _func, _rule in reduction_rules(_reduce, "blocks").items():
+    BLOCK_RULES.register(_func, _rule)

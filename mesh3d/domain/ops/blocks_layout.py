@@ -1,0 +1,117 @@
+"""Layout rules on blocks: transpose/permute, reshape/view/flatten (to a token grid), Linear, softmax, dropout.
+
+Usage (through torch)::
+
+    t = e.flatten(2).transpose(1, 2)     # blocks of (B, C, H, W) -> a token grid (B, H*W, C)
+    y = e.permute(0, 2, 3, 1)            # channels last: the block dims move with their dims
+    z = F.linear(y, w)                   # Linear over a dim that is not a block dim: local
+
+A reshape keeps the block dims' local rows as they are (other dims split and merge freely) or merges
+exactly the block dims, consecutive and ascending, into one token dim: ``mesh3d.domain.tokens``. Anything
+else (a reshape mixing block rows with other dims) raises naming the op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.blocks import BlockSpec
+from mesh3d.domain.ops.grid_reshape import find_run, resolve_target, shape_rules
+from mesh3d.domain.registry import BLOCK_RULES
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.tokens import TokenSpec
+
+__all__: list[str] = []
+
+
+def _spec(x: DomainTensor) -> BlockSpec:
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return spec
+
+
+def _moved(spec: BlockSpec, dims: tuple[int, ...]) -> BlockSpec:
+    return BlockSpec(dims, spec.sizes, spec.lines, spec.comm)
+
+
+def _transpose(input, dim0, dim1):
+    spec = _spec(input)
+    d0, d1 = dim0 % input.ndim, dim1 % input.ndim
+    swap = {d0: d1, d1: d0}
+    return adopt(torch.transpose(unwrap(input), d0, d1), _moved(spec, tuple(swap.get(d, d) for d in spec.dims)))
+
+
+def _permute(input, *dims):
+    spec = _spec(input)
+    order = tuple(d % input.ndim for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims))
+    return adopt(unwrap(input).permute(order), _moved(spec, tuple(order.index(d) for d in spec.dims)))
+
+
+def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> DomainTensor:
+    """``x`` reshaped keeping its blocks, or with its block dims merged into a token dim; else a refusal.
+
+    Usage: ``t = reshape_blocks(e, [b, c, -1], "torch.reshape", view=False)  # a token grid``
+    """
+    spec, local = _spec(x), unwrap(x)
+    shape = list(local.shape)
+    first, last = min(spec.dims), max(spec.dims)
+    target = resolve_target(target, local.numel())
+    run = [shape[d] for d in range(first, last + 1)]
+    consecutive = spec.dims == tuple(range(first, last + 1))
+    reshape = local.view if view else local.reshape
+    at = find_run(target, shape, first, last, run) if consecutive else None
+    if at is not None:
+        out = reshape([*target[:at], *run, *target[at + len(run):]])
+        return adopt(out, _moved(spec, tuple(d - first + at for d in spec.dims)))
+    at = find_run(target, shape, first, last, [math.prod(run)]) if consecutive else None
+    if at is not None:
+        out = reshape([math.prod(run) if k == -1 else k for k in target])
+        return adopt(out, TokenSpec(at, spec.sizes, spec.lines, spec.comm))
+    raise NotImplementedError(
+        f"{op}{tuple(target)} of a block tensor of local shape {tuple(shape)} (block dims {spec.dims}) would mix the "
+        "blocks' rows with other dims. On blocks a reshape may split and merge the other dims, or merge exactly the "
+        "block dims (consecutive, in order) into one token dim, as flatten(2) does; call .full_tensor() first "
+        "otherwise")
+
+
+def _local_unless_block(op: str, x: DomainTensor, dims: list[int]) -> BlockSpec:
+    spec = _spec(x)
+    touched = sorted({d % x.ndim for d in dims} & set(spec.dims))
+    if touched:
+        raise NotImplementedError(f"{op} acts along dim {touched[0]}, a block-sharded dim ({spec.dims}); move the "
+                                  "channels last (x.permute) or call .full_tensor() first")
+    return spec
+
+
+def _linear(input, weight, bias=None):
+    return adopt(F.linear(unwrap(input), weight, bias), _local_unless_block("torch.nn.functional.linear", input, [-1]))
+
+
+def _softmax(func):
+    def rule(input, dim=None, *args, **kwargs):
+        spec = _local_unless_block("softmax", input, [dim])
+        return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
+    return rule
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    if not training or p == 0:
+        return input
+    raise NotImplementedError("dropout in training mode on blocks or token grids: a per-block random mask would not "
+                              "match one process; use p=0 or model.eval(), or apply it after .full_tensor()")
+
+
+for _funcs, _rule in (
+    ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
+    ((torch.permute, torch.Tensor.permute), _permute),
+    ((F.linear,), _linear),
+    ((F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax), None),
+    ((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout), _dropout),
+):
+    for _f in _funcs:
+        BLOCK_RULES.register(_f, _rule if _rule is not None else _softmax(_f))
+for _f, _rule in shape_rules(reshape_blocks).items():
+    BLOCK_RULES.register(_f, _rule)

@@ -1,0 +1,94 @@
+"""Reshapes of blocks and token grids: find where a run of sharded dims lands in the target shape.
+
+Usage: ``at = find_run(target, local.shape, first, last, run)`` (the reshape rules of ``ops.blocks_layout``
+and ``ops.tokens`` call it).
+
+A reshape of a block or token-grid tensor is exact on every rank when it keeps the sharded dims' local
+run of sizes (the block's rows, the tokens) intact, with the same number of elements before and after
+it: the other dims may split and merge freely (``(B, N, heads*hd) -> (B, N, heads, hd)``). The run may
+also be replaced by another run holding the same rows in the same order: the block dims merged into
+tokens (``flatten(2)``) or the tokens split back into the block (``reshape(b, c, h, w)``). Every rank
+decides from its local sizes, which agree with the global layout by construction; a target that does
+not keep the run is refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from mesh3d.domain.tensor import DomainTensor, unwrap
+
+__all__ = ["find_run", "resolve_target", "shape_rules", "target_shape"]
+
+
+def target_shape(args: tuple, op: str) -> list[int]:
+    """The ints of a ``view``/``reshape`` target given as ``(*sizes)`` or ``(sizes,)``.
+
+    Usage: ``target_shape((b, -1, c), "torch.reshape")``
+    """
+    shape = list(args[0]) if len(args) == 1 and isinstance(args[0], (tuple, list, torch.Size)) else list(args)
+    if not all(isinstance(s, int) for s in shape):
+        raise NotImplementedError(f"{op} of a domain tensor needs a shape of ints, got {args!r}")
+    return [int(s) for s in shape]
+
+
+def resolve_target(target: list[int], numel: int) -> list[int]:
+    """``target`` with its ``-1`` inferred when there are elements to infer it from; kept as ``-1`` when empty.
+
+    Usage: ``resolve_target([2, -1, 4], 40)  # [2, 5, 4]``
+    """
+    if target.count(-1) != 1 or numel == 0:
+        return list(target)
+    known = math.prod(s for s in target if s != -1)
+    return [numel // known if s == -1 and known else s for s in target]
+
+
+def find_run(target: Sequence[int], local: Sequence[int], first: int, last: int, run: Sequence[int]) -> int | None:
+    """Where in ``target`` the sizes ``run`` (replacing ``local[first..last]``) sit with the elements before and
+    after unchanged, or None. A ``-1`` left in ``target`` (an empty shard) may only stand inside the run.
+
+    Usage: ``find_run([2, 3, 20], [2, 3, 4, 5], 2, 3, [20])  # 2: the block dims flattened into tokens``
+    """
+    before, after = math.prod(local[:first]), math.prod(local[last + 1:])
+    found = []
+    for k in range(len(target) - len(run) + 1):
+        window, rest = target[k:k + len(run)], [*target[:k], *target[k + len(run):]]
+        if -1 in rest or any(t not in (-1, r) for t, r in zip(window, run)):
+            continue
+        if math.prod(target[:k]) == before and math.prod(target[k + len(run):]) == after:
+            # NOTE: a size-1 dim next to the run can make two positions fit; the one keeping the leading dims
+            # as they were is what the code meant (and it is the same on every rank).
+            found.append((list(target[:k]) != list(local[:first]), k))
+    return min(found)[1] if found else None
+
+
+def shape_rules(reshape: Callable[[DomainTensor, list[int], str, bool], Any]) -> dict[Callable, Callable]:
+    """The view / reshape / flatten / unflatten rules of a layout, from its ``reshape(x, target, op, view)``.
+
+    Usage: ``for f, rule in shape_rules(reshape_tokens).items(): TOKEN_RULES.register(f, rule)``
+    """
+    def reshape_rule(op: str, view: bool) -> Callable:
+        def rule(input, *shape):
+            if len(shape) == 1 and isinstance(shape[0], torch.dtype):
+                raise NotImplementedError(f"{op}(dtype) on a domain tensor is not supported; call .to_local()")
+            return reshape(input, target_shape(shape, op), op, view)
+        return rule
+
+    def flatten(input, start_dim=0, end_dim=-1):
+        shape = list(unwrap(input).shape)
+        start, end = start_dim % len(shape), end_dim % len(shape)
+        return reshape(input, [*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:]],
+                       f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", False)
+
+    def unflatten(input, dim, sizes):
+        shape = list(unwrap(input).shape)
+        d = dim % len(shape)
+        return reshape(input, [*shape[:d], *sizes, *shape[d + 1:]], "torch.unflatten", False)
+
+    view, other = reshape_rule("torch.Tensor.view", True), reshape_rule("torch.reshape", False)
+    return {torch.Tensor.view: view, torch.reshape: other, torch.Tensor.reshape: other, torch.flatten: flatten,
+            torch.Tensor.flatten: flatten, torch.unflatten: unflatten, torch.Tensor.unflatten: unflatten}
