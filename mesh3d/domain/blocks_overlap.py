@@ -53,11 +53,11 @@ class _Level:
     line: DomainComm
     plain: ExchangePlan  # halo rows only (no padding rows)
     pads: tuple[int, int]
-    halo: tuple[ExchangePlan, WindowSplit, WindowSplit] | None  # full plan, window split, received-rows split
+    halo: tuple[ExchangePlan, WindowSplit, WindowSplit] | None  # full plan, window split, the strips' split
 
 
 def _level(dim: int, sizes: tuple[int, ...], line: DomainComm, window: tuple[int, int, int, int, int],
-           enabled: bool) -> _Level:
+           enabled: bool, last: bool) -> _Level:
     kernel, stride, dilation, lo, hi = window
     plan = plan_window(sizes, kernel, stride, dilation, lo, hi)
     plain, left, right = halo_rows_only(sizes, plan, line.index)
@@ -66,17 +66,21 @@ def _level(dim: int, sizes: tuple[int, ...], line: DomainComm, window: tuple[int
         full = plan_exchange(sizes, plan.needs, line.index)
         split = split_window(full, 0, dilation * (kernel - 1) + 1, stride, plan.out_sizes[line.index])
         if split is not None:
-            halo = (full, split, _received_only(split))
+            halo = (full, split, _without_padding(split, with_own=last))
     return _Level(dim, line, plain, (left, right), halo)
 
 
-def _received_only(split: WindowSplit) -> WindowSplit:
-    """The split whose two strips are the received rows alone (no padding, no own rows)."""
+def _without_padding(split: WindowSplit, with_own: bool) -> WindowSplit:
+    """The split whose two strips hold no padding row, and their own rows only ``with_own`` (on the last grid dim:
+    the strips are then the kernel's rows, their own rows' gradient added in place, not through an input-sized narrow)."""
     lead = tuple(p for p in split.lead if p.kind == "recv")
     trail = tuple(p for p in split.trail if p.kind == "recv")
     end = split.own.start + split.own.count
-    return WindowSplit(lead, split.own, trail, 0, split.interior, left_rows=sum(p.count for p in lead), left_own=0,
-                       right_rows=sum(p.count for p in trail), right_own_start=end)
+    left_own = split.left_own if with_own else 0
+    right_own_start = split.right_own_start if with_own else end
+    return WindowSplit(lead, split.own, trail, 0, split.interior, left_rows=sum(p.count for p in lead) + left_own,
+                       left_own=left_own, right_rows=sum(p.count for p in trail) + end - right_own_start,
+                       right_own_start=right_own_start)
 
 
 def overlapped_windows(local: torch.Tensor, spec: BlockSpec, windows: Sequence[tuple[int, int, int, int, int]],
@@ -87,8 +91,9 @@ def overlapped_windows(local: torch.Tensor, spec: BlockSpec, windows: Sequence[t
     ``windows[i]``: (kernel, stride, dilation, pad before, pad after) along grid dim ``i``.
     Usage: ``out = overlapped_windows(local, spec, [(3, 1, 1, 1, 1)] * 2, lambda rows, pads: conv(rows, pads))``
     """
-    levels = tuple(_level(d, s, line, w, OVERLAP.enabled)
-                   for d, s, line, w in zip(spec.dims, spec.sizes, spec.lines, windows))
+    n = len(spec.dims)
+    levels = tuple(_level(d, s, line, w, OVERLAP.enabled, i == n - 1)
+                   for i, (d, s, line, w) in enumerate(zip(spec.dims, spec.sizes, spec.lines, windows)))
     if all(lv.halo is None for lv in levels):
         return None
     OVERLAP.calls += 1
@@ -104,7 +109,7 @@ class _Nested:
         """The kernel on ``rows`` (extended along every grid dim), read as ``reads`` says."""
         pads = []
         for lv, (start, count, lo, hi) in zip(self.levels, reads):
-            if count >= 0:
+            if count >= 0 and (start, count) != (0, rows.shape[lv.dim]):  # NOTE: a narrow's backward is input-sized
                 rows = rows.narrow(lv.dim, start, count)
             pads.append((lo, hi))
         return self.kernel(rows, pads)
@@ -130,19 +135,23 @@ class _Nested:
         halo = HaloInFlight(lv.dim, full, received, lv.line, 0.0)
         shard = halo.begin(rows)
         interior, extended_own = self.run(shard, i + 1, reads + ((*split.interior, 0, 0),))
-        lead, trail = halo.finish(shard)
-        corners = self.extend(torch.cat([lead, trail], lv.dim), i + 1)
-        lead, trail = corners.split([lead.shape[lv.dim], trail.shape[lv.dim]], lv.dim)
-        own = split.own
+        left, right = halo.finish(shard)
+        own, at = split.own, split.right_own_start
+        if i == len(self.levels) - 1:  # the strips hold their own rows already
+            lead, trail = left.narrow(lv.dim, 0, left.shape[lv.dim] - split.left_own), right.narrow(
+                lv.dim, own.start + own.count - at, right.shape[lv.dim] - (own.start + own.count - at))
+            strips = (left, right)
+        else:
+            corners = self.extend(torch.cat([left, right], lv.dim), i + 1)
+            lead, trail = corners.split([left.shape[lv.dim], right.shape[lv.dim]], lv.dim)
+            strips = (torch.cat([lead, extended_own(((lv.dim, own.start, split.left_own),))], lv.dim),
+                      torch.cat([extended_own(((lv.dim, at, own.start + own.count - at),)), trail], lv.dim))
         parts = []
         if split.left_rows:
-            strip = torch.cat([lead, extended_own(((lv.dim, own.start, split.left_own),))], lv.dim)
-            parts.append(self.compute(strip, reads + ((0, -1, lv.pads[0], 0),) + self.plain_reads(i + 1)))
+            parts.append(self.compute(strips[0], reads + ((0, -1, lv.pads[0], 0),) + self.plain_reads(i + 1)))
         parts.append(interior)
         if split.right_rows:
-            at = split.right_own_start
-            strip = torch.cat([extended_own(((lv.dim, at, own.start + own.count - at),)), trail], lv.dim)
-            parts.append(self.compute(strip, reads + ((0, -1, 0, lv.pads[1]),) + self.plain_reads(i + 1)))
+            parts.append(self.compute(strips[1], reads + ((0, -1, 0, lv.pads[1]),) + self.plain_reads(i + 1)))
 
         def extended(narrows: _Narrows) -> torch.Tensor:
             middle = extended_own(narrows + ((lv.dim, own.start, own.count),))
