@@ -3,12 +3,13 @@
 Usage::
 
     python scripts/bench_blocks.py                 # D=4: a 2x2 grid of blocks vs 4 slabs, ~1 minute on 2 cores
-    python scripts/bench_blocks.py --size 256 --steps 3
+    python scripts/bench_blocks.py --size 256 --steps 3 --rounds 1 --out /tmp/blocks.json   # a smoke run
 
 For each layout, per rank (the worst rank reported): halo bytes sent per step (forward and backward,
 counted by ``domain.count_traffic``) against the geometric minimum (the input elements of other ranks
 that this rank's 3x3 windows read, times the channels of each conv, both directions), the median step
 time (forward+backward, ranks started together each step), and the activation bytes autograd saves.
+Blocks run twice: with the halo/compute overlap (the default) and without (``domain.window_overlap(False)``).
 Writes docs/benchmarks/domain_blocks.json and domain_blocks.png; scripts/bench_report.py puts them in
 docs/benchmarks.md.
 """
@@ -48,13 +49,14 @@ def _rank(rank: int, world: int, port: int, layout: str, args, queue) -> None:
     from mesh3d import DistributedManager, domain
     from mesh3d.domain.split import offsets_of
 
-    grid = (2, 2) if layout == "blocks" else world
+    blocks = layout.startswith("blocks")
+    grid = (2, 2) if blocks else world
     dm = DistributedManager.initialize(batch=1, domain=grid)
     torch.manual_seed(0)
     model = conv_stack(args.channels, args.layers)
     x = torch.randn(args.batch, 1, args.size, args.size)
     whole = (0, args.size)
-    if layout == "blocks":
+    if blocks:
         sizes = tuple(domain.balanced_sizes(args.size, 2) for _ in range(2))
         i, j = dm.axis_rank("domain_0"), dm.axis_rank("domain_1")
         rows = (offsets_of(sizes[0])[i], offsets_of(sizes[0])[i] + sizes[0][i])
@@ -71,8 +73,9 @@ def _rank(rank: int, world: int, port: int, layout: str, args, queue) -> None:
             return domain.shard(x, dim=2, sizes=slab)
 
     def step():
-        y = model(shard())
-        (y * y).mean().backward()
+        with domain.window_overlap(layout != "blocks_plain"):
+            y = model(shard())
+            (y * y).mean().backward()
 
     step()  # warm-up: plans are cached
     with domain.count_traffic() as traffic, SavedBytes() as saved:
@@ -107,7 +110,7 @@ def _run(layout: str, world: int, args) -> dict:
            "total_min_halo_bytes": sum(r["min_halo_bytes"] for r in per_rank),
            "max_rank_activation_bytes": max(r["saved_bytes"] for r in per_rank)}
     out["bytes_vs_min"] = out["total_bytes"] / out["total_min_halo_bytes"]
-    print(f"  {layout:6s}: {out['step_time_s'] * 1e3:7.1f} ms/step, halo bytes per rank (worst) "
+    print(f"  {layout:12s}: {out['step_time_s'] * 1e3:7.1f} ms/step, halo bytes per rank (worst) "
           f"{out['max_rank_bytes'] / 1e3:8.1f} kB = {out['bytes_vs_min']:.3f} x the minimum, activation per rank "
           f"{out['max_rank_activation_bytes'] / 1e6:.1f} MB", flush=True)
     return out
@@ -121,11 +124,13 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2, help="alternating runs of each layout; the best is kept")
+    parser.add_argument("--out", type=Path, default=OUT / "domain_blocks.json",
+                        help="the JSON report (the plot is written next to it)")
     args = parser.parse_args()
     world = 4
     print(f"== D={world}: 2x2 blocks vs {world}x1 slabs, {args.layers}-conv stack, {args.batch}x1x{args.size}x"
           f"{args.size}, one thread per rank on {os.cpu_count()} cores", flush=True)
-    runs: dict[str, list[dict]] = {"slabs": [], "blocks": []}
+    runs: dict[str, list[dict]] = {"slabs": [], "blocks": [], "blocks_plain": []}
     for _ in range(args.rounds):
         for layout in runs:
             runs[layout].append(_run(layout, world, args))
@@ -133,14 +138,19 @@ def main() -> None:
     ratios = {"step_time": best["blocks"]["step_time_s"] / best["slabs"]["step_time_s"],
               "halo_bytes_per_rank": best["blocks"]["max_rank_bytes"] / best["slabs"]["max_rank_bytes"],
               "activation_per_rank": best["blocks"]["max_rank_activation_bytes"] / best["slabs"]["max_rank_activation_bytes"]}
+    overlap = {"step_time": best["blocks"]["step_time_s"] / best["blocks_plain"]["step_time_s"],
+               "halo_bytes_per_rank": best["blocks"]["max_rank_bytes"] / best["blocks_plain"]["max_rank_bytes"]}
     print("  blocks / slabs: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
-    report = {"config": {**vars(args), "domain": world, "torch": torch.__version__, "cpu_count": os.cpu_count()},
-              "slabs": best["slabs"], "blocks": best["blocks"], "blocks_vs_slabs": ratios}
-    OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "domain_blocks.json").write_text(json.dumps(report, indent=2) + "\n")
-    plot_ratios(OUT / "domain_blocks.png", ratios["step_time"], ratios["activation_per_rank"],
+    print("  blocks with overlap / without: " + ", ".join(f"{k} {v:.3f}" for k, v in overlap.items()), flush=True)
+    report = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "domain": world,
+                         "torch": torch.__version__, "cpu_count": os.cpu_count()},
+              "slabs": best["slabs"], "blocks": best["blocks"], "blocks_plain": best["blocks_plain"],
+              "blocks_vs_slabs": ratios, "overlap_vs_plain": overlap}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    plot_ratios(args.out.with_suffix(".png"), ratios["step_time"], ratios["activation_per_rank"],
                 ylabel="2x2 blocks / 4 slabs", goal=1.0)
-    print(f"wrote {OUT / 'domain_blocks.json'}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager
 
 __all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "grid_comms", "grid_coords",
-           "in_layout",
+           "halo_rows_only", "in_layout",
            "replicate_blocks_if_singleton", "shard_blocks"]
 
 
@@ -163,8 +163,10 @@ def block_full_tensor(x: DomainTensor) -> DomainTensor:
 
 
 @lru_cache(maxsize=1024)
-def _halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[ExchangePlan, int, int]:
+def halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[ExchangePlan, int, int]:
     """This rank's window exchange without its padding rows, and the padding (left, right) for the kernel.
+
+    Usage: ``xplan, left, right = halo_rows_only(sizes, plan_window(sizes, 3, 1, 1, 1, 1), line.index)``
 
     NOTE: on blocks a padding row materialized in one pass would travel in the next (it is part of the
     extended rows): so no pass materializes any, and the kernel (or one ``F.pad`` on edge blocks) adds them.
@@ -187,7 +189,7 @@ def extend_windows(local: torch.Tensor, spec: BlockSpec, first: int, kernel: Seq
     for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
         i = d - first
         plan = plan_window(sizes, kernel[i], stride[i], dilation[i], *pads[i])
-        xplan, left, right = _halo_rows_only(sizes, plan, line.index)
+        xplan, left, right = halo_rows_only(sizes, plan, line.index)
         local = gather_rows(local, d, xplan, line)  # the second pass moves extended rows: corners travel
         pads[i] = (left, right)
         out_sizes.append(plan.out_sizes)

@@ -34,7 +34,7 @@ from mesh3d.domain.exchange import (DomainComm, PendingExchange, exchange_point,
 from mesh3d.domain.rows import ExchangePlan, Piece
 from mesh3d.domain.step import Extended
 
-__all__ = ["OVERLAP", "OverlapPolicy", "WindowSplit", "run_overlapped", "split_window", "window_overlap"]
+__all__ = ["OVERLAP", "HaloInFlight", "OverlapPolicy", "WindowSplit", "run_overlapped", "split_window", "window_overlap"]
 
 
 class OverlapPolicy:
@@ -230,17 +230,36 @@ def _route(grad: torch.Tensor, dim: int, at: int, pieces: tuple[Piece, ...], bac
     return at
 
 
+class HaloInFlight:
+    """One overlapped exchange as two calls: ``begin`` posts the halo messages (compute what needs no
+    received row next), ``finish`` waits and returns the two strips of ``split``. Autograd runs them
+    mirrored (module docstring): call ``finish`` after the interior compute, so that its backward runs first.
+
+    Usage: ``halo = HaloInFlight(dim, plan, split, comm, 0.0); shard = halo.begin(local); ...;
+    left, right = halo.finish(shard)``
+    """
+
+    def __init__(self, dim: int, plan: ExchangePlan, split: WindowSplit, comm: DomainComm, fill: float) -> None:
+        self._state = _Exchange(dim, plan, split, comm, fill)
+
+    def begin(self, local: torch.Tensor) -> torch.Tensor:
+        return _Begin.apply(local, self._state)
+
+    def finish(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _Finish.apply(shard, self._state)
+
+
 def run_overlapped(compute: Callable[[Extended], Any], local: torch.Tensor, dim: int, plan: ExchangePlan,
                    split: WindowSplit, comm: DomainComm, fill: float) -> torch.Tensor:
     """``compute`` on this rank's rows with the halo exchange overlapped (module docstring); the local output.
 
     Usage: ``out = run_overlapped(lambda ext: conv(ext.tensor), local, 2, xplan, split, comm, 0.0)``
     """
-    state = _Exchange(dim, plan, split, comm, fill)
-    shard = _Begin.apply(local, state)
+    halo = HaloInFlight(dim, plan, split, comm, fill)
+    shard = halo.begin(local)
     start, rows = split.interior
     interior = compute(Extended(shard if (start, rows) == (0, local.shape[dim]) else shard.narrow(dim, start, rows), 0))
-    left, right = _Finish.apply(shard, state)
+    left, right = halo.finish(shard)
     parts = [compute(Extended(left, 0))] if split.left_rows else []
     parts.append(interior)
     if split.right_rows:

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.blocks import BlockSpec, extend_windows, in_layout
+from mesh3d.domain.blocks_overlap import overlapped_windows
+from mesh3d.domain.halo import plan_window
 from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.ops.conv import weight_connected_zeros
 from mesh3d.domain.ops.norm import normalize
@@ -123,23 +125,39 @@ def _conv_rule(func: Callable, nd: int) -> Callable:
             pads = [(t // 2, t - t // 2) for t in totals]
         else:
             pads = [(p, p) for p in _ints(padding, nd)]
-        local, out_spec = extend_windows(unwrap(input), spec, first, ks, stride, dilation, pads)
-        if 0 in out_spec.local_sizes:
-            shape = [local.shape[0], weight.shape[0]]
-            for i in range(nd):
-                n = local.shape[first + i] + sum(pads[i])
-                shape.append((n - dilation[i] * (ks[i] - 1) - 1) // stride[i] + 1)
-            for d, count in zip(spec.dims, out_spec.local_sizes):
-                shape[d] = count
-            return adopt(weight_connected_zeros(local, [max(s, 0) for s in shape], local, weight, bias), out_spec)
-        if all(lo == hi for lo, hi in pads):
-            out = func(local, weight, bias, stride, tuple(lo for lo, _ in pads), dilation, groups)
-        else:
-            flat = [v for i in reversed(range(nd)) for v in pads[i]]
-            out = func(F.pad(local, flat), weight, bias, stride, 0, dilation, groups)
-        return adopt(out, out_spec)
+
+        def kernel(rows: torch.Tensor, grid_pads: list[tuple[int, int]]) -> torch.Tensor:
+            local_pads = list(pads)
+            for d, pad in zip(spec.dims, grid_pads):
+                local_pads[d - first] = pad
+            return _local_conv(func, rows, weight, bias, stride, local_pads, dilation, groups, sharded)
+
+        sharded = [d - first for d in spec.dims]
+        windows = [(ks[d - first], stride[d - first], dilation[d - first], *pads[d - first]) for d in spec.dims]
+        out = overlapped_windows(unwrap(input), spec, windows, kernel)
+        if out is None:
+            local, out_spec = extend_windows(unwrap(input), spec, first, ks, stride, dilation, pads)
+            return adopt(_local_conv(func, local, weight, bias, stride, pads, dilation, groups, sharded), out_spec)
+        return adopt(out, spec.with_sizes(tuple(plan_window(s, *w).out_sizes for s, w in zip(spec.sizes, windows))))
 
     return rule
+
+
+def _local_conv(func: Callable, rows: torch.Tensor, weight, bias, stride: tuple[int, ...], pads: list[tuple[int, int]],
+                dilation: tuple[int, ...], groups: int, sharded: list[int]) -> torch.Tensor:
+    """The conv on fully extended rows, adding ``pads`` (per spatial dim); zeros tied to the weights where this
+    rank owns no output along a ``sharded`` spatial dim (it still takes part in the backward's exchanges)."""
+    nd = len(pads)
+    shape = [rows.shape[0], weight.shape[0]]
+    for i, (lo, hi) in enumerate(pads):
+        n = rows.shape[rows.ndim - nd + i] + lo + hi
+        shape.append((n - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1)
+    if any(shape[2 + i] <= 0 for i in sharded):
+        return weight_connected_zeros(rows, [max(s, 0) for s in shape], rows, weight, bias)
+    if all(lo == hi for lo, hi in pads):
+        return func(rows, weight, bias, stride, tuple(lo for lo, _ in pads), dilation, groups)
+    flat = [v for i in reversed(range(nd)) for v in pads[i]]
+    return func(F.pad(rows, flat), weight, bias, stride, 0, dilation, groups)
 
 
 for _nd, _conv in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
