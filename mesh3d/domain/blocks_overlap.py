@@ -1,6 +1,6 @@
 """Window ops on blocks with the halo messages of every grid dim in flight while the interior is computed.
 
-Usage (a block rule calls it; ``domain.window_overlap(False)`` turns it off)::
+Usage (a block rule calls it; off unless turned on: ``with domain.window_overlap(True): y = net(bs)``)::
 
     out = overlapped_windows(local, spec, windows, kernel)   # None: take the plain path
     if out is None:
@@ -92,7 +92,7 @@ def overlapped_windows(local: torch.Tensor, spec: BlockSpec, windows: Sequence[t
     Usage: ``out = overlapped_windows(local, spec, [(3, 1, 1, 1, 1)] * 2, lambda rows, pads: conv(rows, pads))``
     """
     n = len(spec.dims)
-    levels = tuple(_level(d, s, line, w, OVERLAP.enabled, i == n - 1)
+    levels = tuple(_level(d, s, line, w, OVERLAP.blocks, i == n - 1)
                    for i, (d, s, line, w) in enumerate(zip(spec.dims, spec.sizes, spec.lines, windows)))
     if all(lv.halo is None for lv in levels):
         return None

@@ -38,11 +38,17 @@ __all__ = ["OVERLAP", "HaloInFlight", "OverlapPolicy", "WindowSplit", "run_overl
 
 
 class OverlapPolicy:
-    """Whether window ops that declare ``overlap`` use it (on by default: the benchmark shows a gain on CPU),
-    and how many window ops ran overlapped so far in this process (``calls``)."""
+    """Whether window ops that declare ``overlap`` use it, on slabs (``enabled``) and on blocks (``blocks``), and
+    how many window ops ran overlapped so far in this process (``calls``).
+
+    NOTE: on by default on slabs (the benchmark shows a gain on CPU) and off on blocks: there each conv makes
+    one more exchange round per grid dim and runs strip kernels, and on the 2-core CPU the step took 1.13-1.32x
+    longer (docs/benchmarks.md). Turn it on where messages are slow next to the compute.
+    """
 
     def __init__(self) -> None:
         self.enabled = True
+        self.blocks = False
         self.calls = 0
 
 
@@ -50,16 +56,18 @@ OVERLAP = OverlapPolicy()
 
 
 @contextlib.contextmanager
-def window_overlap(enabled: bool) -> Iterator[None]:
-    """Turn halo/compute overlap of window ops on or off inside the block (results are the same either way).
+def window_overlap(enabled: bool, *, blocks: bool | None = None) -> Iterator[None]:
+    """Turn halo/compute overlap of window ops on or off inside the block (results are the same either way);
+    ``blocks`` (default: ``enabled``) sets it on block layouts, where it is off outside such a block.
 
-    Usage: ``with domain.window_overlap(False): y = model(xs)``
+    Usage: ``with domain.window_overlap(False): y = model(xs)``; ``with domain.window_overlap(True): y = net(bs)``
     """
-    before, OVERLAP.enabled = OVERLAP.enabled, enabled
+    before = OVERLAP.enabled, OVERLAP.blocks
+    OVERLAP.enabled, OVERLAP.blocks = enabled, enabled if blocks is None else blocks
     try:
         yield
     finally:
-        OVERLAP.enabled = before
+        OVERLAP.enabled, OVERLAP.blocks = before
 
 
 @dataclass(frozen=True)
