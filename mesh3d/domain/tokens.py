@@ -21,8 +21,8 @@ channels, unmasked softmax attention, sums) run on the local tokens as they are.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import ClassVar
 
@@ -50,6 +50,10 @@ class TokenSpec:
     lines: tuple[DomainComm, ...]
     comm: DomainComm
     prefix: int = 0
+    #: attention scores (``q @ k.transpose(-1, -2)``): dim ``keys_dim`` holds every key token of the grid ``keys``,
+    #: in the order ``keys.gathered_index`` (domain rank order), not the global one
+    keys: TokenSpec | None = None
+    keys_dim: int | None = None
 
     #: the dispatcher reads ``registry.TOKEN_RULES`` for tensors with this spec
     is_token_grid: ClassVar[bool] = True
@@ -111,12 +115,23 @@ class TokenSpec:
         """Global indices of every rank's tokens, in domain rank order (what ``gather_all_tokens`` returns)."""
         return torch.cat([self.global_index_of(r) for r in range(self.comm.size)])
 
-    def with_token_dim(self, token_dim: int) -> TokenSpec:
-        return self if token_dim == self.token_dim else TokenSpec(token_dim, self.sizes, self.lines, self.comm,
-                                                                  self.prefix)
+    def with_token_dim(self, token_dim: int, keys_dim: int | None = None) -> TokenSpec:
+        """The same tokens along another dim (and the scores' keys along ``keys_dim``)."""
+        if token_dim == self.token_dim and keys_dim == self.keys_dim:
+            return self
+        return replace(self, token_dim=token_dim, keys_dim=keys_dim)
 
     def with_prefix(self, prefix: int) -> TokenSpec:
-        return self if prefix == self.prefix else TokenSpec(self.token_dim, self.sizes, self.lines, self.comm, prefix)
+        return self if prefix == self.prefix else replace(self, prefix=prefix)
+
+    def with_keys(self, keys: TokenSpec | None, keys_dim: int | None) -> TokenSpec:
+        """Scores of these queries against every token of ``keys`` (None: back to plain tokens)."""
+        return replace(self, keys=None if keys is None else replace(keys, token_dim=0), keys_dim=keys_dim)
+
+    def moved(self, new_position: Callable[[int], int]) -> TokenSpec:
+        """The spec after a dim permutation (``new_position(old dim)``), the scores' keys dim moving too."""
+        keys_dim = None if self.keys_dim is None else new_position(self.keys_dim)
+        return self.with_token_dim(new_position(self.token_dim), keys_dim)
 
     def global_shape(self, local_shape: Sequence[int]) -> torch.Size:
         shape = list(local_shape)
@@ -159,6 +174,8 @@ class _TokenFullTensor(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
         ctx.spec = spec
         with torch.no_grad():
+            if spec.keys is not None:  # scores: the keys dim to the global order first
+                local = local.index_select(spec.keys_dim, torch.argsort(spec.keys.gathered_index).to(local.device))
             if spec.prefix == 0:  # the blocks' gather, then one reshape: no permutation needed
                 grid, bspec = tokens_to_blocks(local, spec)
                 whole = unwrap(block_full_tensor(adopt(grid.detach(), bspec)))
@@ -169,7 +186,10 @@ class _TokenFullTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec  # the replicated value's gradient is the same on every rank: keep this rank's tokens
-        return grad.index_select(spec.token_dim, spec.global_index.to(grad.device)), None
+        grad = grad.index_select(spec.token_dim, spec.global_index.to(grad.device))
+        if spec.keys is not None:  # and back to the gathered order of the keys
+            grad = grad.index_select(spec.keys_dim, spec.keys.gathered_index.to(grad.device))
+        return grad, None
 
 
 def token_full_tensor(x: DomainTensor) -> DomainTensor:

@@ -1,4 +1,4 @@
-"""The model zoo (tests/zoo/models.py) on 2 ranks and on 3 uneven ranks vs one process, in fp64:
+"""The model zoo (tests/zoo/models.py) on 2 ranks, on 3 uneven ranks and on a 2x2 grid of blocks vs one process, in fp64:
 output, loss and every parameter gradient (summed over the domain) within rtol 1e-9, and buffers
 (BatchNorm running statistics) after the step. A model that cannot be supported must raise its
 expected error on every rank (never a wrong result)."""
@@ -42,7 +42,15 @@ def sizes_for(entry, world: int) -> tuple[int, ...]:
     return tuple(aligned_sizes(entry.shape[entry.dim], world, math.gcd(*entry.sizes3)))
 
 
-def _one(entry, world: int) -> dict:
+def block_sizes_for(entry) -> tuple[tuple[int, ...], ...]:
+    """2x2 blocks over the entry's sharded dim and the next, each split evenly at the entry's granularity."""
+    from mesh3d.domain.split import aligned_sizes
+
+    step = math.gcd(*entry.sizes3)
+    return tuple(tuple(aligned_sizes(entry.shape[d], 2, math.gcd(step, entry.shape[d]))) for d in (entry.dim, entry.dim + 1))
+
+
+def _one(entry, world: int, blocks: bool = False) -> dict:
     from domain_cases import domain_sum
     from mesh3d import domain
 
@@ -56,10 +64,16 @@ def _one(entry, world: int) -> dict:
     cot = torch.randn_like(y)  # the loss <y, cot>: every output element weighs differently
     loss_ref = (y * cot).sum()
     loss_ref.backward()
-    xs = domain.shard(x, dim=entry.dim, sizes=sizes_for(entry, world))
+    if blocks:
+        xs = domain.shard(x, dims=(entry.dim, entry.dim + 1), sizes=block_sizes_for(entry))
+    else:
+        xs = domain.shard(x, dim=entry.dim, sizes=sizes_for(entry, world))
     ys = entry.forward(mod, xs)
-    sharded = ys.sharded_dim is not None
-    cot_s = domain.shard(cot, dim=ys.sharded_dim, sizes=ys.sizes) if sharded else cot
+    sharded = hasattr(ys.spec, "dims") or ys.sharded_dim is not None
+    if hasattr(ys.spec, "dims"):
+        cot_s = domain.shard(cot, dims=ys.spec.dims, sizes=ys.spec.sizes)
+    else:
+        cot_s = domain.shard(cot, dim=ys.sharded_dim, sizes=ys.sizes) if sharded else cot
     loss = (ys * cot_s).sum()
     loss.backward()
     errs = {"output": _rel(ys.full_tensor().to_local() if sharded else ys.to_local(), y),
@@ -75,16 +89,16 @@ def _one(entry, world: int) -> dict:
     return {"status": "ok", "err": errs[worst], "worst": worst, "grads": sum(k.startswith("grad") for k in errs)}
 
 
-def _zoo_body(names: list[str], timeout_s: float | None = None) -> dict:
+def _zoo_body(names: list[str], timeout_s: float | None = None, grid: tuple[int, ...] | None = None) -> dict:
     from mesh3d import DistributedManager
 
     from zoo.models import ZOO
 
-    dm = DistributedManager.initialize(batch=1, domain=-1, timeout=timeout_s)
+    dm = DistributedManager.initialize(batch=1, domain=grid or -1, timeout=timeout_s)
     results = {}
     for name in names:
         try:
-            results[name] = _one(ZOO[name], dm.axis_size("domain"))
+            results[name] = _one(ZOO[name], dm.axis_size("domain"), blocks=grid is not None)
         except Exception as e:  # noqa: BLE001 - the test asserts which refusals are expected
             where = traceback.extract_tb(e.__traceback__)[-6:]
             results[name] = {"status": "refused", "error": f"{type(e).__name__}: {e}",
@@ -116,8 +130,25 @@ def test_zoo_refusals_raise_their_error_on_every_rank(ranks, world):
         assert all(r["status"] == "refused" and any(e in r["error"] for e in expected) for r in per_rank), (name, per_rank)
 
 
-def _run(ranks, world: int, names: list[str], timeout: int, timeout_s: float | None = None) -> dict:
-    results = ranks.run(world, _zoo_body, names, timeout_s, timeout=timeout)
+def test_zoo_models_equal_one_process_on_a_2x2_grid_of_blocks(ranks):
+    """The same models on 2x2 blocks (their sharded dim and the next): tokens, channels-last LayerNorm, reduced-K/V
+    attention by matmul, diffusers' attention blocks and the VAE's posterior chunk all run on blocks."""
+    for name, per_rank in _run(ranks, 4, _names(refused=False), timeout=600, grid=(2, 2)).items():
+        assert all(r["status"] == "ok" and r["err"] < RTOL for r in per_rank), (name, per_rank)
+
+
+def test_zoo_refusals_on_blocks_raise_on_every_rank(ranks):
+    """What the models that slabs refuse do on blocks: a refusal naming the op (or the library's own shape check)
+    on every rank, never a wrong answer or a hang."""
+    named = ("has no rule for", "would mix the blocks' rows", "doesn't match model")
+    for name in _names(refused=True):
+        per_rank = _run(ranks, 4, [name], timeout=120, timeout_s=REFUSAL_TIMEOUT_S, grid=(2, 2))[name]
+        assert all(r["status"] == "refused" and any(e in r["error"] for e in named) for r in per_rank), (name, per_rank)
+
+
+def _run(ranks, world: int, names: list[str], timeout: int, timeout_s: float | None = None,
+         grid: tuple[int, ...] | None = None) -> dict:
+    results = ranks.run(world, _zoo_body, names, timeout_s, grid, timeout=timeout)
     report = {name: [r[name] for r in results] for name in names}
     print("\n".join(f"{world} ranks: {n}: {v}" for n, v in report.items()))
     return report

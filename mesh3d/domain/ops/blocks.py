@@ -29,7 +29,7 @@ from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.registry import BLOCK_RULES, op_name
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
-__all__ = ["reduction_rules", "run_elementwise"]
+__all__ = ["CHANNEL_NORMS", "reduction_rules", "run_elementwise"]
 
 def _spec_of(x: DomainTensor) -> BlockSpec:
     spec = x._spec
@@ -171,10 +171,11 @@ def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
     return y + bias.view(shape) if bias is not None else y
 
 
-def _spatial(x: DomainTensor, op: str) -> BlockSpec:
-    spec = _spec_of(x)
-    if min(spec.dims) < 2:
-        raise NotImplementedError(f"{op}: on blocks, shard spatial dims (>= 2) of the (N, C, ...) input")
+def _spatial(x: DomainTensor, op: str) -> Any:
+    """Blocks, or a token grid ``(N, C, tokens)`` (the norms are the same: statistics over the whole domain)."""
+    spec = x._spec
+    if min(spec.dims) < 2 or getattr(spec, "keys", None) is not None:  # type: ignore[attr-defined]
+        raise NotImplementedError(f"{op}: on blocks or token grids, shard spatial dims (>= 2) of the (N, C, ...) input")
     return spec
 
 
@@ -296,3 +297,5 @@ for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_n
         BLOCK_RULES.register(_func, _rule)
 for _func, _rule in reduction_rules(_reduce, "blocks").items():
     BLOCK_RULES.register(_func, _rule)
+#: The channel norms, shared with token grids ``(N, C, tokens)`` (diffusers' attention blocks group-normalize them).
+CHANNEL_NORMS = {F.group_norm: _group_norm, F.batch_norm: _batch_norm, F.instance_norm: _instance_norm}

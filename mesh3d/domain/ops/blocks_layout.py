@@ -1,4 +1,5 @@
-"""Layout rules on blocks: transpose/permute, reshape/view/flatten (to a token grid), Linear, softmax, dropout.
+"""Layout rules on blocks: transpose/permute, reshape/view/flatten (to a token grid), chunk/split/unbind, Linear,
+softmax, dropout.
 
 Usage (through torch)::
 
@@ -97,6 +98,20 @@ def _softmax(func):
     return rule
 
 
+def _splitter(func, name: str):
+    def rule(input, split_size_or_sections, dim=0):
+        spec = _local_unless_block(name, input, [dim])
+        return tuple(adopt(t, spec) for t in func(unwrap(input), split_size_or_sections, dim))
+    return rule
+
+
+def _unbind(input, dim=0):
+    spec = _local_unless_block("torch.unbind", input, [dim])
+    d = dim % input.ndim
+    out = _moved(spec, tuple(b - (d < b) for b in spec.dims))
+    return tuple(adopt(t, out) for t in torch.unbind(unwrap(input), d))
+
+
 def _dropout(input, p=0.5, training=True, inplace=False):
     if not training or p == 0:
         return input
@@ -108,6 +123,9 @@ for _funcs, _rule in (
     ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
     ((torch.permute, torch.Tensor.permute), _permute),
     ((F.linear,), _linear),
+    ((torch.chunk, torch.Tensor.chunk), _splitter(torch.chunk, "torch.chunk")),
+    ((torch.split, torch.Tensor.split), _splitter(torch.split, "torch.split")),
+    ((torch.unbind, torch.Tensor.unbind), _unbind),
     ((F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax), None),
     ((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout), _dropout),
 ):

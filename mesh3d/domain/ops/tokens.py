@@ -16,25 +16,32 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
-from mesh3d.domain.ops.blocks import reduction_rules, run_elementwise
+from mesh3d.domain.ops.blocks import CHANNEL_NORMS, reduction_rules, run_elementwise
 from mesh3d.domain.ops.blocks_layout import _dropout
 from mesh3d.domain.ops.grid_reshape import find_run, resolve_target, shape_rules
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.registry import TOKEN_RULES, op_name
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
-from mesh3d.domain.tokens import TokenSpec, tokens_to_blocks
+from mesh3d.domain.tokens import TokenSpec, gather_all_tokens, tokens_to_blocks
 
 __all__: list[str] = []
 
 
-def _spec(x: DomainTensor) -> TokenSpec:
+def _spec(x: DomainTensor, scores: bool = False) -> TokenSpec:
+    """``x``'s token spec; attention scores (every key along one dim) only where the rule says it handles them."""
     spec = x._spec
     assert isinstance(spec, TokenSpec)
+    if spec.keys is not None and not scores:
+        raise NotImplementedError(
+            "this op on attention scores of a token grid (q @ k.transpose(-1, -2): every key along dim "
+            f"{spec.keys_dim}, in the order they were gathered) is not supported: element-wise ops, softmax over the "
+            "keys, transpose and the product with the values are; or use F.scaled_dot_product_attention")
     return spec
 
 
@@ -42,9 +49,10 @@ def _is_grid(t) -> bool:
     return isinstance(t, DomainTensor) and isinstance(t._spec, TokenSpec)
 
 
-def token_rows(o: torch.Tensor, dim: int, spec: TokenSpec, op: str) -> torch.Tensor:
+def token_rows(o: torch.Tensor, dim: int, spec: TokenSpec, op: str, gathered: bool = False) -> torch.Tensor:
     """This rank's rows of ``o`` along ``dim``: ``o`` as is when its size there is 1, its rows at this rank's global
     token indices when it has one per token (a position embedding); a replicated value's gradient is summed.
+    ``gathered``: every token, in the order ``gather_all_tokens`` returns them (the keys of attention scores).
 
     Usage: ``pos = token_rows(pos_embedding, 1, t.spec, "torch.add")``
     """
@@ -52,7 +60,7 @@ def token_rows(o: torch.Tensor, dim: int, spec: TokenSpec, op: str) -> torch.Ten
     if dim < 0 or plain.shape[dim] == 1:
         return plain
     if plain.shape[dim] == spec.global_tokens:
-        return plain.index_select(dim, spec.global_index.to(plain.device))
+        return plain.index_select(dim, (spec.gathered_index if gathered else spec.global_index).to(plain.device))
     raise ValueError(f"{op}: a tensor of shape {tuple(plain.shape)} meets a token grid of {spec.global_tokens} tokens "
                      f"along dim {dim}; give it {spec.global_tokens} rows there (one per token, in global order) or 1")
 
@@ -63,7 +71,7 @@ def _elementwise(func: Callable) -> Callable:
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         grids = [t for t in tensors if isinstance(t, DomainTensor) and _is_grid(t)]
         ref = grids[0]
-        spec = _spec(ref)
+        spec = _spec(ref, scores=True)
         if any(t.ndim != ref.ndim or t._spec != spec for t in grids):
             raise ValueError(f"{op_name(func)}: token grids laid out differently ({[t._spec for t in grids]}); "
                              "combine tensors flattened from the same blocks")
@@ -74,10 +82,45 @@ def _elementwise(func: Callable) -> Callable:
             if isinstance(o, DomainTensor) and (hasattr(o._spec, "dims") or o._spec.dim is not None):
                 raise ValueError(f"{op_name(func)}: a token grid meets a tensor sharded otherwise ({o._spec}); "
                                  "reshape the tokens back to the grid, or flatten the other one too")
-            return token_rows(o, spec.token_dim - (ref.ndim - o.ndim), spec, op_name(func))
+            rows = token_rows(o, spec.token_dim - (ref.ndim - o.ndim), spec, op_name(func))
+            if spec.keys is None:
+                return rows
+            keys_at = spec.keys_dim - (ref.ndim - o.ndim)  # scores: a (.., N, N_keys) bias follows the keys' order
+            if keys_at < 0 or rows.shape[keys_at] == 1:
+                return rows
+            return token_rows(rows, keys_at, spec.keys, op_name(func), gathered=True)
 
         return run_elementwise(func, args, kwargs, local, ref, "a token grid")
     return rule
+
+
+def _matmul(input, other, *, out=None):
+    """``q @ k.transpose(-1, -2)`` (scores against every key, gathered) and ``scores @ v`` (the values gathered in the
+    same order); a token grid times a plain or replicated matrix is local."""
+    if out is not None:
+        raise NotImplementedError("torch.matmul(out=) on a token grid")
+    if not _is_grid(input):
+        raise NotImplementedError("torch.matmul of a plain matrix by a token grid: transpose the product")
+    spec = _spec(input, scores=True)
+    nd = max(input.ndim, other.ndim)
+    if not _is_grid(other):  # weights: the token rows stay
+        if spec.token_dim == input.ndim - 1 or spec.keys is not None and spec.keys_dim == input.ndim - 1:
+            raise NotImplementedError("torch.matmul contracting the tokens of a token grid with a plain tensor: the "
+                                      "sum runs over every rank's tokens; call .full_tensor() first")
+        if isinstance(other, DomainTensor) and (hasattr(other._spec, "dims") or other._spec.dim is not None):
+            raise ValueError("torch.matmul: a token grid meets a tensor sharded otherwise; gather that one first")
+        plain = sum_grad(unwrap(other), spec.comm) if isinstance(other, DomainTensor) and other.requires_grad else other
+        return adopt(torch.matmul(unwrap(input), unwrap(plain)), spec.moved(lambda d: d + nd - input.ndim))
+    right = _spec(other, scores=True)
+    if spec.keys is None and spec.token_dim == input.ndim - 2 and right.keys is None and right.token_dim == other.ndim - 1:
+        keys = gather_all_tokens(unwrap(other), right)  # scores: every key, in domain rank order
+        return adopt(torch.matmul(unwrap(input), keys), spec.with_keys(right, None).with_token_dim(nd - 2, nd - 1))
+    if spec.keys is not None and spec.keys_dim == input.ndim - 1 and right.keys is None \
+            and right.token_dim == other.ndim - 2 and replace(right, token_dim=0) == spec.keys:
+        values = gather_all_tokens(unwrap(other), right)  # the same order as the scores' keys
+        return adopt(torch.matmul(unwrap(input), values), spec.with_keys(None, None).with_token_dim(nd - 2))
+    raise NotImplementedError("torch.matmul of two token grids: supported are q @ k.transpose(-1, -2) (queries' "
+                              "tokens at dim -2, keys' at -1) and scores @ v with v the tokens the keys came from")
 
 
 def _view_as(input, other):
@@ -98,15 +141,14 @@ def _local_unless_tokens(op: str, x: DomainTensor, dims) -> TokenSpec:
 
 
 def _transpose(input, dim0, dim1):
-    spec = _spec(input)
     d0, d1 = dim0 % input.ndim, dim1 % input.ndim
-    new = {d0: d1, d1: d0}.get(spec.token_dim, spec.token_dim)
-    return adopt(torch.transpose(unwrap(input), d0, d1), spec.with_token_dim(new))
+    swap = {d0: d1, d1: d0}
+    return adopt(torch.transpose(unwrap(input), d0, d1), _spec(input, scores=True).moved(lambda d: swap.get(d, d)))
 
 
 def _permute(input, *dims):
     order = tuple(d % input.ndim for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims))
-    return adopt(unwrap(input).permute(order), _spec(input).with_token_dim(order.index(_spec(input).token_dim)))
+    return adopt(unwrap(input).permute(order), _spec(input, scores=True).moved(order.index))
 
 
 def reshape_tokens(x: DomainTensor, target: list[int], op: str, view: bool) -> DomainTensor:
@@ -153,6 +195,17 @@ def _linear(input, weight, bias=None):
     return adopt(F.linear(unwrap(input), weight, bias), _local_unless_tokens("torch.nn.functional.linear", input, [-1]))
 
 
+def _pointwise_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """A 1x1 ``conv1d`` over the tokens (channel mixing, as neural operators write it): each token on its own."""
+    spec = _spec(input)
+    if spec.token_dim != input.ndim - 1 or weight.shape[-1] != 1 or stride not in (1, (1,)) \
+            or padding not in (0, (0,), "valid", "same"):
+        raise NotImplementedError("F.conv1d on a token grid: only kernel size 1, stride 1, no padding (channel "
+                                  "mixing per token) is supported; reshape the tokens back to the grid for a "
+                                  "spatial convolution")
+    return adopt(F.conv1d(unwrap(input), weight, bias, 1, 0, 1, groups), spec)
+
+
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     dims = range(input.ndim - len(normalized_shape), input.ndim)
     spec = _local_unless_tokens("torch.nn.functional.layer_norm", input, dims)
@@ -161,7 +214,11 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 def _softmax(func):
     def rule(input, dim=None, *args, **kwargs):
-        return adopt(func(unwrap(input), dim, *args, **kwargs), _local_unless_tokens("softmax", input, [dim]))
+        spec = _spec(input, scores=True)  # over the scores' keys: they are all here
+        if spec.token_dim == dim % input.ndim:
+            raise NotImplementedError(f"softmax acts along the token dim {spec.token_dim} of a token grid; this needs "
+                                      "every token: call .full_tensor() first")
+        return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
     return rule
 
 
@@ -184,6 +241,7 @@ for _f in ELEMENTWISE:
     TOKEN_RULES.register(_f, _elementwise(_f))
 for _funcs, _rule in (
     ((torch.Tensor.view_as,), _view_as),
+    ((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _matmul),
     ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
     ((torch.permute, torch.Tensor.permute), _permute),
     ((torch.unbind, torch.Tensor.unbind), _unbind),
@@ -191,6 +249,7 @@ for _funcs, _rule in (
     ((torch.split, torch.Tensor.split), _splitter(torch.split, "torch.split")),
     ((F.linear,), _linear),
     ((F.layer_norm,), _layer_norm),
+    ((F.conv1d,), _pointwise_conv1d),
     ((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout), _dropout),
 ):
     for _f in _funcs:
@@ -200,4 +259,6 @@ for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Ten
 for _f, _rule in reduction_rules(_reduce, "a token grid").items():
     TOKEN_RULES.register(_f, _rule)
 for _f, _rule in shape_rules(reshape_tokens).items():
+    TOKEN_RULES.register(_f, _rule)
+for _f, _rule in CHANNEL_NORMS.items():
     TOKEN_RULES.register(_f, _rule)

@@ -38,7 +38,8 @@ __all__ = ["neighbourhood_attention"]
 
 def _check(op: str, q, k, v) -> TokenSpec:
     for name, t in (("query", q), ("key", k), ("value", v)):
-        if not (isinstance(t, DomainTensor) and isinstance(t._spec, TokenSpec) and t._spec.token_dim == t.ndim - 2):
+        if not (isinstance(t, DomainTensor) and isinstance(t._spec, TokenSpec) and t._spec.token_dim == t.ndim - 2
+                and t._spec.keys is None):
             raise ValueError(f"{op} on a token grid: the {name} must be a token grid with its tokens at dim -2 "
                              "(B, heads, tokens, head_dim)")
     if k._spec != v._spec:

@@ -29,6 +29,8 @@ def _cat(tensors, dim=0):
     ref = tensors[grids[0]]
     spec = ref._spec
     assert isinstance(spec, TokenSpec)
+    if spec.keys is not None:
+        raise NotImplementedError("torch.cat of attention scores of a token grid is not supported")
     d = dim % ref.ndim
     if d != spec.token_dim:
         if len(grids) != len(tensors) or any(tensors[i]._spec != spec for i in grids):
@@ -75,6 +77,8 @@ class _TakeRows(torch.autograd.Function):
 def _getitem(x: DomainTensor, index):
     spec = x._spec
     assert isinstance(spec, TokenSpec)
+    if spec.keys is not None:
+        raise NotImplementedError("indexing attention scores of a token grid is not supported")
     items = list(index) if isinstance(index, tuple) else [index]
     if Ellipsis in items:
         at = items.index(Ellipsis)
