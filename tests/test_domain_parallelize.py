@@ -104,11 +104,13 @@ def test_unet_with_fsdp_trains_like_one_process(ranks, shape, sizes):
 BLOCK_MESHES = [((2, (2, 2), 1), ((6, 8), (4, 6))), ((1, (2, 2), 2), ((8, 6), (6, 4)))]
 
 
+@pytest.mark.parametrize("kind", ["unet", "vit"])
 @pytest.mark.parametrize(("shape", "sizes"), BLOCK_MESHES, ids=["2x(2x2)x1-fsdp", "1x(2x2)x2-fsdp-tp"])
-def test_unet_on_blocks_with_fsdp_and_tp_trains_like_one_process(ranks, shape, sizes):
-    """Blocks on a 2x2 domain grid composed with FSDP on batch (8 ranks) and with TP styles on model."""
+def test_blocks_with_fsdp_and_tp_train_like_one_process(ranks, shape, sizes, kind):
+    """Blocks on a 2x2 domain grid composed with FSDP on batch (8 ranks) and with TP styles on model: the U-Net,
+    and the ViT on the token grid its patch embedding's blocks flatten into."""
     world = shape[0] * 4 * shape[2]
-    for loss_err, grad_err, param_err in ranks.run(world, _compose_body, shape, "unet", sizes, timeout=120):
+    for loss_err, grad_err, param_err in ranks.run(world, _compose_body, shape, kind, sizes, timeout=120):
         assert loss_err < 1e-9
         assert grad_err < 1e-9
         assert param_err < 1e-9

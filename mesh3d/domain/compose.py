@@ -38,7 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from mesh3d._torch_private import wait_async_collective
 from mesh3d.domain.collectives import scale_grad
 from mesh3d.domain.registry import flat_tensors, tree_map
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
 
 __all__ = ["bridge_tensor_parallel", "is_plain_tensor"]
 
@@ -56,16 +56,16 @@ def _input_spec(module: nn.Module, args: tuple, kwargs: dict) -> DomainSpec | No
     if len(specs) > 1:
         raise ValueError(
             f"{type(module).__name__} (tensor parallel): its inputs are domain tensors sharded differently "
-            f"({sorted(str((s.dim, s.sizes)) for s in specs)}); pass one layout (domain.redistribute)"
+            f"({sorted(str((sharded_dims(s), s.sizes)) for s in specs)}); pass one layout (domain.redistribute)"
         )
     spec = specs.pop()
     # A Linear mixes its input's last dim, so that dim must be whole; an Embedding only looks up
     # indices, position by position, so (B, T) tokens sharded along T are fine.
     for t in flat_tensors((args, kwargs)) if not isinstance(module, nn.Embedding) else ():
-        if isinstance(t, DomainTensor) and spec.dim is not None and spec.dim == t.ndim - 1 and t.ndim > 1:
+        if isinstance(t, DomainTensor) and t.ndim - 1 in sharded_dims(spec) and t.ndim > 1:
             raise NotImplementedError(
                 f"{type(module).__name__} (tensor parallel) acts on the last dim, which is sharded over the "
-                f"domain (dim {spec.dim}); shard a spatial or sequence dim instead"
+                f"domain (dim {t.ndim - 1}); shard a spatial or sequence dim instead"
             )
     return spec
 
@@ -90,7 +90,7 @@ class _Bridge:
             if not isinstance(o, DomainTensor):
                 return o
             local = unwrap(o)
-            if spec.dim is None and size > 1 and local.requires_grad:
+            if not sharded_dims(spec) and size > 1 and local.requires_grad:
                 # Undo, for the input only, the 1/D applied to the output's gradient in post_forward.
                 local = scale_grad(local, float(size))
             return local
@@ -109,7 +109,7 @@ class _Bridge:
             if not isinstance(o, torch.Tensor) or isinstance(o, DomainTensor):
                 return o
             o = wait_async_collective(o)
-            if spec.dim is None and size > 1 and o.requires_grad:
+            if not sharded_dims(spec) and size > 1 and o.requires_grad:
                 o = scale_grad(o, 1.0 / size)  # every domain rank computed this: each keeps 1/D of the param grads
             return adopt(o, spec, keep)
 
@@ -118,7 +118,7 @@ class _Bridge:
 
 def _refuse(style_name: str):
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if any(isinstance(t, DomainTensor) and t.spec.dim is not None for t in flat_tensors((args, kwargs))):
+        if any(isinstance(t, DomainTensor) and sharded_dims(t.spec) for t in flat_tensors((args, kwargs))):
             raise NotImplementedError(
                 f"{type(module).__name__} has tensor-parallel style {style_name}, which does not take domain-sharded "
                 "inputs (it would split or gather positions the domain axis already splits). Use 'colwise' or "

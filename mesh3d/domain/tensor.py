@@ -28,7 +28,7 @@ from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.exchange import DomainComm
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["DomainSpec", "DomainTensor", "LocalLength", "adopt", "global_length", "unwrap", "wrap"]
+__all__ = ["DomainSpec", "DomainTensor", "LocalLength", "adopt", "global_length", "sharded_dims", "unwrap", "wrap"]
 
 
 class LocalLength(int):
@@ -78,6 +78,16 @@ class DomainSpec:
         if dim == self.dim and sizes == self.sizes:
             return self
         return DomainSpec(dim, tuple(sizes), self.comm)
+
+
+def sharded_dims(spec: Any) -> tuple[int, ...]:
+    """The dims a domain spec shards: a slab's dim, the block dims, a token grid's token dim; () when replicated.
+
+    Usage: ``if sharded_dims(x._spec): ...  # any layout, never reading a blocks spec's .dim``
+    """
+    if hasattr(spec, "dims"):  # blocks and token grids (whose ``.dim`` refuses: they are no slab)
+        return tuple(spec.dims)
+    return () if spec.dim is None else (spec.dim,)
 
 
 def wrap(local: torch.Tensor, spec: DomainSpec) -> DomainTensor:

@@ -21,7 +21,7 @@ from typing import Any, Union
 import torch
 
 from mesh3d import domain
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.tensor import DomainTensor, sharded_dims
 
 __all__ = ["DomainDims", "check_domain_dims", "shard_batch", "plain_step_output"]
 
@@ -79,9 +79,9 @@ def shard_batch(batch: Any, dims: DomainDims | None) -> Any:
 def _plain(value: Any, where: str) -> Any:
     if not isinstance(value, DomainTensor):
         return value
-    if value.sharded_dim is not None:
+    if sharded_dims(value.spec):
         raise ValueError(
-            f"{where} is still sharded over the domain axis (dim {value.sharded_dim}, global shape "
+            f"{where} is still sharded over the domain axis (dims {sharded_dims(value.spec)}, global shape "
             f"{tuple(value.global_shape)}); reduce it first (e.g. F.mse_loss(...) or .mean()) or call .full_tensor()"
         )
     return value.to_local()

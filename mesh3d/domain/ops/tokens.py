@@ -27,7 +27,7 @@ from mesh3d.domain.ops.blocks_layout import _dropout
 from mesh3d.domain.ops.grid_reshape import find_run, resolve_target, shape_rules
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.registry import TOKEN_RULES, op_name
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
 from mesh3d.domain.tokens import TokenSpec, gather_all_tokens, tokens_to_blocks
 
 __all__: list[str] = []
@@ -79,7 +79,7 @@ def _elementwise(func: Callable) -> Callable:
         def local(o):
             if not isinstance(o, torch.Tensor) or _is_grid(o):
                 return unwrap(o)
-            if isinstance(o, DomainTensor) and (hasattr(o._spec, "dims") or o._spec.dim is not None):
+            if isinstance(o, DomainTensor) and sharded_dims(o._spec):
                 raise ValueError(f"{op_name(func)}: a token grid meets a tensor sharded otherwise ({o._spec}); "
                                  "reshape the tokens back to the grid, or flatten the other one too")
             rows = token_rows(o, spec.token_dim - (ref.ndim - o.ndim), spec, op_name(func))
@@ -107,7 +107,7 @@ def _matmul(input, other, *, out=None):
         if spec.token_dim == input.ndim - 1 or spec.keys is not None and spec.keys_dim == input.ndim - 1:
             raise NotImplementedError("torch.matmul contracting the tokens of a token grid with a plain tensor: the "
                                       "sum runs over every rank's tokens; call .full_tensor() first")
-        if isinstance(other, DomainTensor) and (hasattr(other._spec, "dims") or other._spec.dim is not None):
+        if isinstance(other, DomainTensor) and sharded_dims(other._spec):
             raise ValueError("torch.matmul: a token grid meets a tensor sharded otherwise; gather that one first")
         plain = sum_grad(unwrap(other), spec.comm) if isinstance(other, DomainTensor) and other.requires_grad else other
         return adopt(torch.matmul(unwrap(input), unwrap(plain)), spec.moved(lambda d: d + nd - input.ndim))

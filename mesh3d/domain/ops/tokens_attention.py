@@ -30,7 +30,7 @@ from mesh3d.domain.ops.conv import weight_connected_zeros
 from mesh3d.domain.registry import TOKEN_RULES
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, global_length, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, global_length, sharded_dims, unwrap
 from mesh3d.domain.tokens import TokenSpec, gather_all_tokens
 
 __all__ = ["neighbourhood_attention"]
@@ -62,7 +62,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
                                   "random mask would not match one process)")
     if attn_mask is not None and is_causal:
         raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal, not both")
-    if isinstance(attn_mask, DomainTensor) and (hasattr(attn_mask._spec, "dims") or attn_mask._spec.dim is not None):
+    if isinstance(attn_mask, DomainTensor) and sharded_dims(attn_mask._spec):
         raise NotImplementedError("scaled_dot_product_attention on a token grid: attn_mask must be a plain or "
                                   "replicated (..., N, N) tensor over the global token order")
     k, v = unwrap(key), unwrap(value)

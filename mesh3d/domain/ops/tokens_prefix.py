@@ -18,7 +18,7 @@ from mesh3d.domain.collectives import sum_grad
 from mesh3d.domain.exchange import gather_rows
 from mesh3d.domain.registry import TOKEN_RULES
 from mesh3d.domain.rows import Span, plan_exchange
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
 from mesh3d.domain.tokens import TokenSpec
 
 __all__: list[str] = []
@@ -44,7 +44,7 @@ def _cat(tensors, dim=0):
     mine = spec.comm.index == 0
     parts = []
     for t in tensors[:-1]:
-        if isinstance(t, DomainTensor) and (hasattr(t._spec, "dims") or t._spec.dim is not None):
+        if isinstance(t, DomainTensor) and sharded_dims(t._spec):
             raise ValueError("torch.cat: a token grid can only be joined with plain or replicated tensors")
         plain = sum_grad(unwrap(t), spec.comm) if isinstance(t, DomainTensor) and t.requires_grad else unwrap(t)
         # NOTE: ranks other than 0 take a zero-row slice, so the piece's gradient (and its domain sum) exists there.
