@@ -139,6 +139,10 @@ def _layout_body():
             t.transpose(1, 2).reshape(2, -1, 3, 1).full_tensor().to_local(), x.flatten(2).transpose(1, 2)[..., None])),
         "back to blocks": bool(torch.equal(t.reshape(2, 3, *xs.shape[2:]).full_tensor().to_local(), x)),
     }
+    # Segformer's idiom, with a row and a column of empty blocks: (B, N, C) -> (B, h, w, -1) -> channels first
+    xe = domain.shard(x, dims=(2, 3), sizes=((6, 0), (4, 0)))
+    back = xe.flatten(2).transpose(1, 2).reshape(2, *xe.shape[2:], -1).permute(0, 3, 1, 2)
+    checks["empty blocks find the same dims"] = bool(torch.equal(back.full_tensor().to_local(), x))
     pos = torch.arange(24, dtype=torch.float64).view(1, 24, 1)
     checks["position rows follow the tokens"] = bool(torch.equal(
         (t.transpose(1, 2) + pos).full_tensor().to_local(), x.flatten(2).transpose(1, 2) + pos))
@@ -165,6 +169,19 @@ def test_token_layouts_and_refusals_on_every_rank(ranks):
         assert "acts along the token dim 2" in refusals[4]
         assert "only prefix tokens" in refusals[5]
         assert "reshape the tokens back to the grid first" in refusals[6]
+
+
+def test_a_reshape_places_the_sharded_run_the_same_on_empty_and_full_blocks():
+    """Every rank must find the same target dim; an empty block cannot infer a -1 from its element count."""
+    from mesh3d.domain.ops.grid_reshape import place_run
+
+    assert place_run([2, 3, -1], [2, 3, 4, 5], 2, 3, [20]) == (2, [2, 3, 20])           # flatten(2) of blocks
+    assert place_run([2, 3, -1], [2, 3, 0, 5], 2, 3, [0]) == (2, [2, 3, 0])             # ... of an empty block
+    assert place_run([1, 4, 5, -1], [1, 20, 8], 1, 1, [4, 5]) == (1, [1, 4, 5, 8])      # reshape(b, h, w, -1)
+    assert place_run([1, 0, 5, -1], [1, 0, 8], 1, 1, [0, 5]) == (1, [1, 0, 5, 8])       # ... on an empty block
+    assert place_run([2, -1, 3, 4], [2, 0, 12], 1, 1, [0]) == (1, [2, 0, 3, 4])         # split heads, no tokens
+    assert place_run([2, 1, 6, 4], [2, 6, 4], 1, 1, [6]) == (2, [2, 1, 6, 4])           # a new unit dim before
+    assert place_run([2, 72], [2, 3, 24], 2, 2, [24]) is None                            # tokens mixed with channels
 
 
 def test_neighbourhood_attention_on_plain_tensors_is_the_windowed_softmax():

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.blocks import BlockSpec
-from mesh3d.domain.ops.grid_reshape import find_run, resolve_target, shape_rules
+from mesh3d.domain.ops.grid_reshape import place_run, shape_rules
 from mesh3d.domain.registry import BLOCK_RULES
 from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.tokens import TokenSpec
@@ -59,18 +59,17 @@ def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     spec, local = _spec(x), unwrap(x)
     shape = list(local.shape)
     first, last = min(spec.dims), max(spec.dims)
-    target = resolve_target(target, local.numel())
     run = [shape[d] for d in range(first, last + 1)]
     consecutive = spec.dims == tuple(range(first, last + 1))
     reshape = local.view if view else local.reshape
-    at = find_run(target, shape, first, last, run) if consecutive else None
-    if at is not None:
-        out = reshape([*target[:at], *run, *target[at + len(run):]])
-        return adopt(out, _moved(spec, tuple(d - first + at for d in spec.dims)))
-    at = find_run(target, shape, first, last, [math.prod(run)]) if consecutive else None
-    if at is not None:
-        out = reshape([math.prod(run) if k == -1 else k for k in target])
-        return adopt(out, TokenSpec(at, spec.sizes, spec.lines, spec.comm))
+    placed = place_run(target, shape, first, last, run) if consecutive else None
+    if placed is not None:
+        at, full = placed
+        return adopt(reshape(full), _moved(spec, tuple(d - first + at for d in spec.dims)))
+    placed = place_run(target, shape, first, last, [math.prod(run)]) if consecutive else None
+    if placed is not None:
+        at, full = placed
+        return adopt(reshape(full), TokenSpec(at, spec.sizes, spec.lines, spec.comm))
     raise NotImplementedError(
         f"{op}{tuple(target)} of a block tensor of local shape {tuple(shape)} (block dims {spec.dims}) would mix the "
         "blocks' rows with other dims. On blocks a reshape may split and merge the other dims, or merge exactly the "

@@ -1,6 +1,6 @@
 """Reshapes of blocks and token grids: find where a run of sharded dims lands in the target shape.
 
-Usage: ``at = find_run(target, local.shape, first, last, run)`` (the reshape rules of ``ops.blocks_layout``
+Usage: ``at, shape = place_run(target, local.shape, first, last, run)`` (the reshape rules of ``ops.blocks_layout``
 and ``ops.tokens`` call it).
 
 A reshape of a block or token-grid tensor is exact on every rank when it keeps the sharded dims' local
@@ -22,7 +22,7 @@ import torch
 
 from mesh3d.domain.tensor import DomainTensor, unwrap
 
-__all__ = ["find_run", "resolve_target", "shape_rules", "target_shape"]
+__all__ = ["place_run", "shape_rules", "target_shape"]
 
 
 def target_shape(args: tuple, op: str) -> list[int]:
@@ -36,34 +36,41 @@ def target_shape(args: tuple, op: str) -> list[int]:
     return [int(s) for s in shape]
 
 
-def resolve_target(target: list[int], numel: int) -> list[int]:
-    """``target`` with its ``-1`` inferred when there are elements to infer it from; kept as ``-1`` when empty.
+def _solve(dims: list[int], total: int) -> list[int] | None:
+    """``dims`` with a ``-1`` solved so that they hold ``total`` elements, or None when they cannot."""
+    if -1 not in dims:
+        return dims if math.prod(dims) == total else None
+    known = math.prod(d for d in dims if d != -1)
+    if known <= 0 or total % known:
+        return None
+    return [total // known if d == -1 else d for d in dims]
 
-    Usage: ``resolve_target([2, -1, 4], 40)  # [2, 5, 4]``
-    """
-    if target.count(-1) != 1 or numel == 0:
-        return list(target)
-    known = math.prod(s for s in target if s != -1)
-    return [numel // known if s == -1 and known else s for s in target]
 
-
-def find_run(target: Sequence[int], local: Sequence[int], first: int, last: int, run: Sequence[int]) -> int | None:
+def place_run(target: Sequence[int], local: Sequence[int], first: int, last: int,
+              run: Sequence[int]) -> tuple[int, list[int]] | None:
     """Where in ``target`` the sizes ``run`` (replacing ``local[first..last]``) sit with the elements before and
-    after unchanged, or None. A ``-1`` left in ``target`` (an empty shard) may only stand inside the run.
+    after unchanged, and the local shape to reshape to (``-1`` solved); None when nowhere.
 
-    Usage: ``find_run([2, 3, 20], [2, 3, 4, 5], 2, 3, [20])  # 2: the block dims flattened into tokens``
+    Usage: ``place_run([2, 3, -1], [2, 3, 4, 5], 2, 3, [20])  # (2, [2, 3, 20]): block dims flattened into tokens``
+
+    NOTE: a ``-1`` is solved from the run and the other dims, never from the element count: an empty block has
+    none, and must still find the same position and shape as its peers.
     """
     before, after = math.prod(local[:first]), math.prod(local[last + 1:])
     found = []
     for k in range(len(target) - len(run) + 1):
-        window, rest = target[k:k + len(run)], [*target[:k], *target[k + len(run):]]
-        if -1 in rest or any(t not in (-1, r) for t, r in zip(window, run)):
+        window = target[k:k + len(run)]
+        if any(t not in (-1, r) for t, r in zip(window, run)) or list(target).count(-1) > 1:
             continue
-        if math.prod(target[:k]) == before and math.prod(target[k + len(run):]) == after:
-            # NOTE: a size-1 dim next to the run can make two positions fit; the one keeping the leading dims
-            # as they were is what the code meant (and it is the same on every rank).
-            found.append((list(target[:k]) != list(local[:first]), k))
-    return min(found)[1] if found else None
+        lead, tail = _solve(list(target[:k]), before), _solve(list(target[k + len(run):]), after)
+        if lead is not None and tail is not None:
+            # NOTE: a size-1 dim next to the run can make two positions fit; the one keeping the leading dims as
+            # they were is what the code meant (and it is the same on every rank).
+            found.append((lead != list(local[:first]), k, [*lead, *run, *tail]))
+    if not found:
+        return None
+    _, k, shape = min(found)
+    return k, shape
 
 
 def shape_rules(reshape: Callable[[DomainTensor, list[int], str, bool], Any]) -> dict[Callable, Callable]:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.ops.blocks import CHANNEL_NORMS, reduction_rules, run_elementwise
 from mesh3d.domain.ops.blocks_layout import _dropout
-from mesh3d.domain.ops.grid_reshape import find_run, resolve_target, shape_rules
+from mesh3d.domain.ops.grid_reshape import place_run, shape_rules
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.registry import TOKEN_RULES, op_name
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
@@ -158,17 +158,18 @@ def reshape_tokens(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     """
     spec, local = _spec(x), unwrap(x)
     shape, d = list(local.shape), spec.token_dim
-    target = resolve_target(target, local.numel())
     reshape = local.view if view else local.reshape
     grid = list(spec.local_grid)
-    at = find_run(target, shape, d, d, grid) if len(grid) > 1 and not spec.prefix else None
-    if at is not None:
-        blocks, bspec = tokens_to_blocks(reshape([*target[:at], math.prod(grid), *target[at + len(grid):]]),
+    placed = place_run(target, shape, d, d, grid) if len(grid) > 1 and not spec.prefix else None
+    if placed is not None:
+        at, full = placed
+        blocks, bspec = tokens_to_blocks(reshape([*full[:at], math.prod(grid), *full[at + len(grid):]]),
                                          spec.with_token_dim(at))
         return adopt(blocks, bspec)
-    at = find_run(target, shape, d, d, [shape[d]])
-    if at is not None:
-        return adopt(reshape([shape[d] if k == -1 else k for k in target]), spec.with_token_dim(at))
+    placed = place_run(target, shape, d, d, [shape[d]])
+    if placed is not None:
+        at, full = placed
+        return adopt(reshape(full), spec.with_token_dim(at))
     raise NotImplementedError(
         f"{op}{tuple(target)} of a token grid of local shape {tuple(shape)} (tokens along dim {d}, this rank's "
         f"block {tuple(grid)}{f', {spec.prefix} prefix tokens' if spec.prefix else ''}) would mix tokens with other "
