@@ -107,33 +107,39 @@ def test_3d_blocks_on_a_2x2x2_grid_train_like_one_process(ranks):
 
 
 def _halo_body(shape, sizes, channels):
-    """Bytes one 3x3 'same' conv's forward and backward send on a 2x2 grid, and the geometric minimum."""
+    """Bytes one 3x3(x3) 'same' conv's forward and backward send on a 2x2 (2x2x2) grid, and the geometric minimum."""
     from mesh3d import DistributedManager, domain
     from mesh3d.domain.split import offsets_of, split_sizes
 
-    dm = DistributedManager.initialize(batch=1, domain=(2, 2))
-    conv = torch.nn.Conv2d(channels, channels, 3, padding=1, dtype=torch.float64)
+    grid = (2,) * len(shape)
+    dm = DistributedManager.initialize(batch=1, domain=grid)
+    conv = (torch.nn.Conv2d if len(shape) == 2 else torch.nn.Conv3d)(channels, channels, 3, padding=1,
+                                                                       dtype=torch.float64)
     x = torch.randn(1, channels, *shape, dtype=torch.float64, requires_grad=True)
-    xs = domain.shard(x, dims=(2, 3), sizes=sizes)
+    dims = tuple(range(2, 2 + len(shape)))
+    xs = domain.shard(x, dims=dims, sizes=sizes)
     with domain.count_traffic() as forward:
         y = conv(xs)
     total = y.sum()  # its reduction sends 8 bytes to each peer: not a halo
     with domain.count_traffic() as backward:
         total.backward()
-    # the minimum: input elements in other blocks that this rank's outputs read (row, column, corner)
-    layout = [split_sizes(n, 2, s) for n, s in zip(shape, sizes or (None, None))]
+    # the minimum: input elements in other blocks that this rank's outputs read (faces, edges, corners)
+    layout = [split_sizes(n, 2, s) for n, s in zip(shape, sizes or (None,) * len(shape))]
     ranges = [[range(o, o + n) for o, n in zip(offsets_of(lay), lay)] for lay in layout]
-    i, j = dm.axis_rank("domain_0"), dm.axis_rank("domain_1")
-    mine = set(itertools.product(ranges[0][i], ranges[1][j]))
-    footprint = {(h + a, w + b) for h, w in mine for a in (-1, 0, 1) for b in (-1, 0, 1)
-                 if 0 <= h + a < shape[0] and 0 <= w + b < shape[1]}
+    coords = [dm.axis_rank(f"domain_{g}") for g in range(len(shape))]
+    mine = set(itertools.product(*(r[c] for r, c in zip(ranges, coords))))
+    footprint = {tuple(p + s for p, s in zip(point, step)) for point in mine
+                 for step in itertools.product((-1, 0, 1), repeat=len(shape))}
+    footprint = {p for p in footprint if all(0 <= q < n for q, n in zip(p, shape))}
     received = len(footprint - mine) * channels * 8
     return forward.bytes_sent, backward.bytes_sent, received
 
 
 def test_halo_bytes_on_blocks_are_the_geometric_minimum(ranks):
-    for shape, sizes in (((10, 12), None), ((11, 9), ((4, 7), (6, 3)))):
-        results = ranks.run(4, _halo_body, shape, sizes, 3)
+    """Every rank must receive at least its footprint outside its block, so equal totals mean each rank receives
+    exactly its minimum, and the backward returns the same rows."""
+    for shape, sizes in (((10, 12), None), ((11, 9), ((4, 7), (6, 3))), ((5, 6, 7), ((3, 2), (1, 5), (4, 3)))):
+        results = ranks.run(2 ** len(shape), _halo_body, shape, sizes, 3)
         sent_forward = sum(r[0] for r in results)
         assert sent_forward == sum(r[2] for r in results), results  # everything received was sent once
         assert sent_forward == sum(r[1] for r in results), results  # backward returns the same rows
