@@ -10,8 +10,9 @@ cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "${QUICK:-0}" = 1 ]; then
   p=(--rounds 5 --warmup 1); d=(--size 256 --domains 1 2 4); c=(--size-mb 256); l=(--rounds 1 --steps 5)
+  b=(--size 256 --steps 3 --rounds 1); h=(--sides 32 128 --iters 50)
 else
-  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024); l=()
+  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024); l=(); b=(); h=()
 fi
 echo "== 1/5 parallelize vs hand-written fully_shard + parallelize_module (4 ranks)"
 "$PY" scripts/bench_parallelize.py --nproc 4 "${p[@]}"
@@ -19,6 +20,9 @@ echo "== 2/5 the same on 8 ranks"
 "$PY" scripts/bench_parallelize.py --nproc 8 --batch 4 --out docs/benchmarks/parallelize_8ranks.json "${p[@]}"
 echo "== 3/5 domain parallelism: halo bytes, time vs gathering the input, activation memory"
 "$PY" scripts/bench_domain.py "${d[@]}"
+echo "== 3b/5 blocks vs slabs at D=4, and the halo exchange on blocks: one round vs one pass per grid dim"
+"$PY" scripts/bench_blocks.py "${b[@]}"
+"$PY" scripts/bench_halo_rounds.py "${h[@]}"
 echo "== 4/5 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
 "$PY" scripts/bench_checkpoint.py "${c[@]}"
 echo "== 4b/5 load_pretrained vs DCP's HuggingFaceStorageReader (4 ranks, 256 MB)"

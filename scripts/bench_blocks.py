@@ -28,7 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import median_step_time, plot_ratios  # noqa: E402
+from bench_common import cpu_model, median_step_time, plot_ratios  # noqa: E402
 from bench_domain import SavedBytes, conv_stack  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
@@ -144,7 +144,7 @@ def main() -> None:
     print("  blocks / slabs: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()), flush=True)
     print("  blocks with overlap / without: " + ", ".join(f"{k} {v:.3f}" for k, v in overlap.items()), flush=True)
     report = {"config": {**{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}, "domain": world,
-                         "torch": torch.__version__, "cpu_count": os.cpu_count()},
+                         "torch": torch.__version__, "cpu_count": os.cpu_count(), "cpu": cpu_model()},
               "slabs": best["slabs"], "blocks": best["blocks"], "blocks_overlap": best["blocks_overlap"],
               "blocks_vs_slabs": ratios, "overlap_vs_default": overlap}
     args.out.parent.mkdir(parents=True, exist_ok=True)

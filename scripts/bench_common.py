@@ -10,6 +10,7 @@ Usage (from a script in scripts/, whose folder is on sys.path)::
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from collections.abc import Callable
@@ -78,3 +79,14 @@ def median_step_time(step: Callable[[], object], steps: int) -> float:
         step()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def cpu_model() -> str:
+    """The CPU's model name (recorded in a benchmark's JSON: its figures hold for that machine)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"

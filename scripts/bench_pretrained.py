@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_common import peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402
+from bench_common import cpu_model, peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402
 
 WORLD = 4
 REPEATS = 3
@@ -124,13 +124,6 @@ def _write_files(root: str, args: argparse.Namespace) -> tuple[int, int]:
     return sum(t.numel() * 4 for t in sd.values()), max(t.numel() * 4 for t in sd.values())
 
 
-def _cpu_model() -> str:
-    for line in open("/proc/cpuinfo") if os.path.exists("/proc/cpuinfo") else []:
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--size-mb", type=int, default=256, help="model size (MB of fp32 weights)")
@@ -158,7 +151,7 @@ def main() -> None:
     m, c, d = (runs[k] for k in CONTENDERS)
     budget = [r["largest_owned_slice_mb"] + (r["read_buffer_mb"] or 0) for r in m + c]
     report = {
-        "config": {"ranks": WORLD, "layout": "FSDP over 4 ranks", "file_bytes_fp32": total, "cpu": _cpu_model(),
+        "config": {"ranks": WORLD, "layout": "FSDP over 4 ranks", "file_bytes_fp32": total, "cpu": cpu_model(),
                    "largest_tensor_mb": largest / 2**20, "layer_mb": args.layer_mb, "torch": torch.__version__,
                    "cpu_count": os.cpu_count(), "note": "gloo on CPU; warm page cache; time = best of 3, "
                    "peak extra RSS = first load in a fresh process"},

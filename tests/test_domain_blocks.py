@@ -132,7 +132,7 @@ def _halo_body(shape, sizes, channels):
                  for step in itertools.product((-1, 0, 1), repeat=len(shape))}
     footprint = {p for p in footprint if all(0 <= q < n for q, n in zip(p, shape))}
     received = len(footprint - mine) * channels * 8
-    return forward.bytes_sent, backward.bytes_sent, received
+    return forward.bytes_sent, backward.bytes_sent, received, forward.rounds, forward.messages, backward.rounds
 
 
 def test_halo_bytes_on_blocks_are_the_geometric_minimum(ranks):
@@ -143,6 +143,8 @@ def test_halo_bytes_on_blocks_are_the_geometric_minimum(ranks):
         sent_forward = sum(r[0] for r in results)
         assert sent_forward == sum(r[2] for r in results), results  # everything received was sent once
         assert sent_forward == sum(r[1] for r in results), results  # backward returns the same rows
+        # one round each way, every neighbour (faces, edges, corners) sent a message of its own
+        assert all(r[3:] == (1, 2 ** len(shape) - 1, 1) for r in results), results
 
 
 def _refusals_body():

@@ -42,7 +42,7 @@ class OverlapPolicy:
     how many window ops ran overlapped so far in this process (``calls``).
 
     NOTE: on by default on slabs (the benchmark shows a gain on CPU) and off on blocks: there each conv makes
-    one more exchange round per grid dim and runs strip kernels, and on the 2-core CPU the step took 1.13-1.32x
+    one more exchange round per grid dim and runs strip kernels, and on the 2-core CPU the step took 1.08-1.32x
     longer (docs/benchmarks.md). Turn it on where messages are slow next to the compute.
     """
 

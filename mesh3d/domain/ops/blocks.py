@@ -5,7 +5,7 @@ tensor from ``domain.shard(x, dims=(2, 3))``. Any op without a rule here raises 
 naming it (the dispatcher reads ``registry.BLOCK_RULES``; a rule written for slabs is never applied to blocks).
 
 What runs on blocks: convolutions (1-D to 3-D, any kernel, stride, dilation and zero padding on every
-sharded dim; halos with corners, one grid dim after the other), element-wise ops and activations,
+sharded dim; halos with corners, every neighbour in one round), element-wise ops and activations,
 GroupNorm / BatchNorm / InstanceNorm (statistics over the whole domain), sum / mean reductions and the
 MSE / L1 losses.
 """

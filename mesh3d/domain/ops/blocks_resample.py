@@ -4,10 +4,11 @@ Usage: automatic for ``nn.MaxPool2d(2)(xs)``, ``nn.ConvTranspose2d(8, 8, 2, stri
 ``nn.Upsample(scale_factor=2, mode="bilinear")(xs)``, ``F.pad(xs, (1, 1, 1, 1), mode="circular")`` and
 ``torch.cat([xs, ys], dim=1)`` on block-sharded tensors (``domain.shard(x, dims=(2, 3))``).
 
-Each op does per block dim what its slab rule does along the one sharded dim, one grid dim after the
-other (rows of the first pass travel in the second, so corners arrive): pooling uses the window
-engine (``blocks.extend_windows``); transposed convolution, interpolation and padding modes gather the
-source rows their outputs read (``blocks.gather_along``) with the slab rules' row formulas.
+Each op does per block dim what its slab rule does along the one sharded dim. Pooling uses the window
+engine (``blocks.extend_windows``: every neighbour's box, corners included, in one round); transposed
+convolution, interpolation and padding modes gather the source rows their outputs read one grid dim after
+the other (``blocks.gather_along``; rows of the first pass travel in the second, so corners arrive) with
+the slab rules' row formulas.
 """
 
 from __future__ import annotations
