@@ -170,8 +170,10 @@ def _halo_rounds(lines: list[str]) -> None:
               "and, for large blocks, one copy of the block into the extended buffer instead of one per pass (the "
               "second pass copies the first's result again). The bytes are the same. What remains above the floor at "
               "small blocks is the header round that lets every exchange detect diverged ranks instead of hanging, "
-              "and Python planning; it vanishes at large blocks. So window ops on blocks use one round; the per-dim "
-              "scheme remains where the overlap nests one grid line inside another.", "",
+              "and Python planning; it vanishes at large blocks. So window ops, transposed convolutions, `F.pad` and "
+              "upsampling on blocks use one round; the per-dim scheme remains where the overlap nests one grid line "
+              "inside another, and where resampling between passes shrinks what the next sends (downsampling, "
+              "adaptive pooling).", "",
               "![halo rounds](benchmarks/halo_rounds.png)", ""]
 
 

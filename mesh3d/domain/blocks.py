@@ -35,7 +35,8 @@ from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager
 
-__all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "grid_comms", "grid_coords",
+__all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "gather_boxes", "grid_comms",
+           "grid_coords",
            "halo_rows_only", "in_layout",
            "replicate_blocks_if_singleton", "shard_blocks"]
 
@@ -203,9 +204,22 @@ def extend_windows(local: torch.Tensor, spec: BlockSpec, first: int, kernel: Seq
         pads[i] = (left, right)
         out_sizes.append(plan.out_sizes)
     if not OVERLAP.blocks:
-        grid = tuple(len(s) for s in spec.sizes)
-        local = gather_box(local, spec.dims, tuple(plans), tuple(line.index for line in spec.lines), grid, spec.comm)
+        local = _gather_planned(local, spec, tuple(plans), 0.0)
     return local, spec.with_sizes(tuple(out_sizes))
+
+
+def _gather_planned(local: torch.Tensor, spec: BlockSpec, plans: tuple[ExchangePlan, ...], fill: float) -> torch.Tensor:
+    grid = tuple(len(s) for s in spec.sizes)
+    return gather_box(local, spec.dims, plans, tuple(line.index for line in spec.lines), grid, spec.comm, fill)
+
+
+def gather_boxes(local: torch.Tensor, spec: BlockSpec, needs: Sequence[tuple], fill: float = 0.0) -> torch.Tensor:
+    """Rows ``needs[k]`` (one row map per rank of grid line ``k``) along every block dim, in one round.
+
+    Usage: ``ext = gather_boxes(local, spec, [needs_h, needs_w])   # what gather_along twice would give``
+    """
+    plans = tuple(plan_exchange(s, tuple(n), line.index) for s, n, line in zip(spec.sizes, needs, spec.lines))
+    return _gather_planned(local, spec, plans, fill)
 
 
 def gather_along(local: torch.Tensor, spec: BlockSpec, axis: int, needs: tuple, fill: float = 0.0) -> torch.Tensor:

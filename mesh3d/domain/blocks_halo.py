@@ -1,4 +1,4 @@
-"""Halos on blocks in one round: every neighbour's box (faces, edges, corners) posted at once.
+"""Rows of blocks in one round: every neighbour's box (faces, edges, corners) posted at once.
 
 Usage::
 
@@ -15,6 +15,8 @@ on the domain group after one header round: two rounds per window op, against tw
 when the grid dims go one after the other (``scripts/bench_halo_rounds.py`` measures both).
 The bytes are the same: each element a rank reads from another crosses once, straight to it.
 The backward is the exact adjoint: gradient boxes go back to their owners, which add them.
+Any row maps whose product is what a rank needs work alike (a fill row along any dim makes its
+cell fill): transposed convolutions and ``F.pad`` use it too (``blocks.gather_boxes``).
 """
 
 from __future__ import annotations
@@ -30,8 +32,9 @@ import torch
 from mesh3d.domain.exchange import DomainComm, exchange_point, rows_of, start_exchange
 from mesh3d.domain.rows import ExchangePlan
 
-__all__ = ["BoxPlan", "gather_box", "plan_box"]
+__all__ = ["FILL", "OWN", "BoxPlan", "gather_box", "plan_box"]
 
+OWN, FILL = -1, -2  # a cell's source when it is not a peer's message: this rank's shard, or the fill value
 Runs = tuple[tuple[int, int], ...]  # (start, count) runs along one dim
 Cell = tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]  # per dim: (result start, count), (source start, count)
 
@@ -43,27 +46,23 @@ class BoxPlan:
     shape: tuple[int, ...]  # the extended block's length along each grid dim
     send: tuple[tuple[int, tuple[Runs, ...]], ...]  # (peer, per dim the local runs it gets), in peer order
     recv: tuple[tuple[int, tuple[int, ...]], ...]  # (peer, its message's length along each grid dim), in peer order
-    cells: tuple[tuple[int, Cell], ...]  # (peer or -1 for own rows, (result box, box in the message or shard))
+    cells: tuple[tuple[int, Cell], ...]  # (peer, OWN or FILL, (result box, box in the message or shard))
     local_shape: tuple[int, ...]
-
-    @property
-    def is_local_view(self) -> bool:
-        """Nothing moves and the result is the whole shard."""
-        return not self.send and not self.recv and self.shape == self.local_shape and len(self.cells) == 1
 
 
 def _per_dim(plan: ExchangePlan, me: int) -> tuple[dict[int, Runs], dict[int, int], list[tuple[int, ...]]]:
     """Along one grid dim: runs sent to each line rank (own rows to this rank's own coordinate), message
-    lengths by line rank, and the result's pieces as (line rank, result start, count, local start, message start)."""
+    lengths by line rank, and the result's pieces as (line rank or FILL, result start, count, local start, message
+    start)."""
     send = dict(plan.send)
     recv = dict(plan.recv)
     own: list[tuple[int, int]] = []
     pieces = []
     at = own_at = 0
     for p in plan.pieces:
-        if p.kind == "fill":  # halo_rows_only leaves padding to the kernel
-            raise AssertionError("a halo-only plan holds no fill rows")
-        if p.kind == "own":
+        if p.kind == "fill":
+            pieces.append((FILL, at, p.count, -1, -1))
+        elif p.kind == "own":
             own.append((p.start, p.count))
             pieces.append((me, at, p.count, p.start, own_at))
             own_at += p.count
@@ -94,10 +93,13 @@ def plan_box(plans: tuple[ExchangePlan, ...], coords: tuple[int, ...], grid: tup
             for q in itertools.product(*(sorted(d[1]) for d in per_dim))]
     cells = []
     for combo in itertools.product(*(d[2] for d in per_dim)):
-        peer = rank_of([c[0] for c in combo])
         result = tuple((c[1], c[2]) for c in combo)
+        if any(c[0] == FILL for c in combo):  # a fill row along any dim: the whole cell is fill
+            cells.append((FILL, (result, result)))
+            continue
+        peer = rank_of([c[0] for c in combo])
         source = tuple((c[3] if peer == me else c[4], c[2]) for c in combo)  # the shard, or the peer's message
-        cells.append((-1 if peer == me else peer, (result, source)))
+        cells.append((OWN if peer == me else peer, (result, source)))
     return BoxPlan(shape=tuple(p.length for p in plans),
                    send=tuple((p, r) for p, r in send if p != me),
                    recv=tuple((p, n) for p, n in recv if p != me),
@@ -139,7 +141,8 @@ def _with_lengths(t: torch.Tensor, dims: Sequence[int], lengths: Sequence[int]) 
 
 class _GatherBox(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fingerprint):
+    def forward(ctx, local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
+                fingerprint):
         ctx.dims, ctx.plan, ctx.comm, ctx.local_shape = dims, plan, comm, local.shape
         outgoing = [(peer, _pack(local, dims, runs)) for peer, runs in plan.send]
         incoming = [(peer, local.new_empty(_with_lengths(local, dims, lengths))) for peer, lengths in plan.recv]
@@ -147,7 +150,10 @@ class _GatherBox(torch.autograd.Function):
         received = dict(incoming)
         out = local.new_empty(_with_lengths(local, dims, plan.shape))
         for peer, (result, source) in plan.cells:
-            _box(out, dims, result).copy_(_box(local if peer < 0 else received[peer], dims, source))
+            if peer == FILL:
+                _box(out, dims, result).fill_(fill)
+            else:
+                _box(out, dims, result).copy_(_box(local if peer == OWN else received[peer], dims, source))
         return out
 
     @staticmethod
@@ -156,24 +162,25 @@ class _GatherBox(torch.autograd.Function):
         back = {peer: grad.new_empty(_with_lengths(grad, dims, lengths)) for peer, lengths in plan.recv}
         grad_local = grad.new_zeros(ctx.local_shape)
         for peer, (result, source) in plan.cells:  # every message is covered by its peer's cells exactly once
-            target = _box(grad_local, dims, source).add_ if peer < 0 else _box(back[peer], dims, source).copy_
-            target(_box(grad, dims, result))
+            if peer != FILL:
+                target = _box(grad_local, dims, source).add_ if peer == OWN else _box(back[peer], dims, source).copy_
+                target(_box(grad, dims, result))
         incoming = [(peer, grad.new_empty(_with_lengths(grad, dims, [sum(n for _, n in r) for r in runs])))
                     for peer, runs in plan.send]
         start_exchange(ctx.comm, list(back.items()), incoming, exchange_point(ctx.comm)).wait()
         for (_, runs), (_, buf) in zip(plan.send, incoming):
             for local_box, message_box in _runs_boxes(runs):
                 _box(grad_local, dims, local_box).add_(_box(buf, dims, message_box))
-        return grad_local, None, None, None, None
+        return grad_local, None, None, None, None, None
 
 
 def gather_box(local: torch.Tensor, dims: tuple[int, ...], plans: tuple[ExchangePlan, ...], coords: tuple[int, ...],
-               grid: tuple[int, ...], comm: DomainComm) -> torch.Tensor:
-    """This rank's block extended by ``plans`` (one halo-only 1-D plan per grid dim ``dims``), in one round.
+               grid: tuple[int, ...], comm: DomainComm, fill: float = 0.0) -> torch.Tensor:
+    """This rank's rows of ``plans`` (one 1-D plan per grid dim ``dims``; fill rows hold ``fill``), in one round.
 
     Usage: ``ext = gather_box(local, (2, 3), (plan_h, plan_w), (i, j), (2, 2), spec.comm)``
     """
     plan = plan_box(plans, coords, grid)
-    if not plan.send and not plan.recv and len(plan.cells) == 1:
+    if not plan.send and not plan.recv and len(plan.cells) == 1 and plan.cells[0][0] == OWN:
         return _box(local, dims, plan.cells[0][1][1])  # nothing moves: a view of the shard
-    return _GatherBox.apply(local, dims, plan, comm, exchange_point(comm))
+    return _GatherBox.apply(local, dims, plan, comm, fill, exchange_point(comm))

@@ -5,10 +5,11 @@ Usage: automatic for ``nn.MaxPool2d(2)(xs)``, ``nn.ConvTranspose2d(8, 8, 2, stri
 ``torch.cat([xs, ys], dim=1)`` on block-sharded tensors (``domain.shard(x, dims=(2, 3))``).
 
 Each op does per block dim what its slab rule does along the one sharded dim. Pooling uses the window
-engine (``blocks.extend_windows``: every neighbour's box, corners included, in one round); transposed
-convolution, interpolation and padding modes gather the source rows their outputs read one grid dim after
-the other (``blocks.gather_along``; rows of the first pass travel in the second, so corners arrive) with
-the slab rules' row formulas.
+engine (``blocks.extend_windows``); transposed convolution and padding modes gather the source rows their
+outputs read with the slab rules' row formulas, every neighbour's box (corners included) in one round
+(``blocks.gather_boxes``), as does upsampling interpolation. Downsampling interpolation and adaptive
+pooling go one grid dim after the other (``blocks.gather_along``, resampling between passes: the second
+pass moves rows already shrunk along the first dim, and the corners arrive with them).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.blocks import (BlockSpec, extend_windows, gather_along, in_layout,
+from mesh3d.domain.blocks import (BlockSpec, extend_windows, gather_along, gather_boxes, in_layout,
                                   replicate_blocks_if_singleton)
 from mesh3d.domain.halo import sizes_by_first_index
 from mesh3d.domain.ops.conv import _padded_rows, _tuple, pad_local, transpose_plan, weight_connected_zeros
@@ -96,16 +97,17 @@ def _conv_transpose(func: Callable, nd: int) -> Callable:
         first = input.ndim - nd
         stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
         output_padding = _tuple(output_padding, nd)
-        local, out_sizes, crops = unwrap(input), [], []
-        for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
+        out_sizes, crops, all_needs = [], [], []
+        for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
             i = d - first
             s, p, dl, k = stride[i], padding[i], dilation[i], weight.shape[2 + i]
             m = (sum(sizes) - 1) * s - 2 * p + dl * (k - 1) + output_padding[i] + 1
             outs, needs, starts = transpose_plan(sizes, m, s, p, dl, k)
-            local = gather_along(local, spec, axis, needs)
+            all_needs.append(needs)
             me = line.index
             crops.append((d, starts[me] * s - p - offsets_of(outs)[me], outs[me], bool(needs[me])))
             out_sizes.append(outs)
+        local = gather_boxes(unwrap(input), spec, all_needs)  # every source row, all block dims in one round
         out_spec = spec.with_sizes(tuple(out_sizes))
         local_pad = tuple(0 if first + i in spec.dims else padding[i] for i in range(nd))
         local_op = tuple(0 if first + i in spec.dims else output_padding[i] for i in range(nd))
@@ -148,22 +150,28 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
         size, sfs = [math.floor(g * f) for g, f in zip(shape, sfs)], None
     outs = [global_length(n) for n in _tuple(size, nd)] if size is not None else \
         [math.floor(n * f) for n, f in zip(shape, sfs)]
-    local, out_sizes = unwrap(input), []
-    for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
+    per_dim, out_sizes = [], []
+    for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
         n, m = sum(sizes), outs[d - 2]
         i0, i1, lam = _sources(n, m, sfs[d - 2] if sfs else None, mode, align_corners, input.dtype)
         mine = sizes_by_first_index(sizes, m, lambda row, i0=i0: int(torch.searchsorted(i0, row)))
         bounds = [(a, a + s) for a, s in zip(offsets_of(mine), mine)]
         needs = tuple((Span.rows(int(i0[a]), int(i1[b - 1]) + 1),) if b > a else () for a, b in bounds)
-        local = gather_along(local, spec, axis, needs)
-        a, b = bounds[line.index]
+        per_dim.append((d, needs, bounds[line.index], i0, i1, lam))
+        out_sizes.append(mine)
+    # NOTE: upsampling, the source rows are fewer than the resampled ones: fetch them all in one round. Downsampling,
+    # one grid dim after the other sends rows already shrunk along the earlier dims.
+    upsampling = all(outs[d - 2] >= sum(sizes) for d, sizes in zip(spec.dims, spec.sizes))
+    local = gather_boxes(unwrap(input), spec, [p[1] for p in per_dim]) if upsampling else unwrap(input)
+    for axis, (d, needs, (a, b), i0, i1, lam) in enumerate(per_dim):
+        if not upsampling:
+            local = gather_along(local, spec, axis, needs)
         if b == a:
             shape_now = list(local.shape)
             shape_now[d] = 0
             local = weight_connected_zeros(local, shape_now, local)
         else:
             local = lerp_rows(local, d, i0[a:b], i1[a:b], lam[a:b], mode)
-        out_sizes.append(mine)
     out_spec = spec.with_sizes(tuple(out_sizes))
     rest = [local.shape[2 + i] if 2 + i in spec.dims else outs[i] for i in range(nd)]
     if rest != list(local.shape[2:]):
@@ -179,8 +187,8 @@ def _pad(input, pad, mode="constant", value=None):
     spec = input._spec
     if mode not in ("constant", "reflect", "replicate", "circular"):
         raise ValueError(f"F.pad mode={mode!r} is not supported on blocks")
-    pad, local, new_sizes = list(pad), unwrap(input), []
-    for axis, (d, sizes) in enumerate(zip(spec.dims, spec.sizes)):
+    pad, new_sizes, all_needs = list(pad), [], []
+    for d, sizes in zip(spec.dims, spec.sizes):
         pos = input.ndim - 1 - d
         pl, pr = (pad[2 * pos], pad[2 * pos + 1]) if 2 * pos + 1 < len(pad) else (0, 0)
         n = sum(sizes)
@@ -191,12 +199,12 @@ def _pad(input, pad, mode="constant", value=None):
         nonempty = [r for r, s in enumerate(sizes) if s > 0]
         new[nonempty[0]] += pl
         new[nonempty[-1]] += pr
-        needs = tuple(_padded_rows(o, o + s, n, pl, mode) for o, s in zip(offsets_of(new), new))
-        if (pl, pr) != (0, 0):
-            local = gather_along(local, spec, axis, needs, 0.0 if value is None else float(value))
+        all_needs.append(tuple(_padded_rows(o, o + s, n, pl, mode) for o, s in zip(offsets_of(new), new)))
         new_sizes.append(tuple(new))
         if 2 * pos + 1 < len(pad):
             pad[2 * pos] = pad[2 * pos + 1] = 0
+    # every padded block dim in one round; the fill value fills constant padding's rows (and their corners)
+    local = gather_boxes(unwrap(input), spec, all_needs, 0.0 if value is None else float(value))
     return adopt(pad_local(local, pad, mode, value), spec.with_sizes(tuple(new_sizes)))
 
 
