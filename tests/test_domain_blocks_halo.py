@@ -9,10 +9,12 @@ from __future__ import annotations
 import itertools
 
 import torch
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from domain_cases import domain_sum, max_err
+from mesh3d import DistributedManager, domain
 from mesh3d.domain.blocks import halo_rows_only
 from mesh3d.domain.blocks_halo import FILL, OWN, _box, _pack, plan_box
 from mesh3d.domain.halo import plan_window, window_output_length
@@ -83,10 +85,6 @@ def test_one_round_plans_deliver_exactly_the_rows_each_window_reads(layout):
 def _resample_body(grid, shape, sizes):
     """F.pad in every mode, transposed convs and interpolation on blocks vs one process (fp64): values, input and
     weight gradients, and how many exchange rounds each forward took."""
-    import torch.nn.functional as F
-
-    from mesh3d import DistributedManager, domain
-
     DistributedManager.initialize(batch=1, domain=grid)
     torch.manual_seed(0)
     weight = torch.randn(3, 2, 3, 2, dtype=torch.float64, requires_grad=True)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from domain_cases import domain_sum, max_err, shard_sizes
 from domain_models import GridViT
+from mesh3d.domain.ops.grid_reshape import place_run
 
 TOL = 1e-10
 
@@ -173,8 +174,6 @@ def test_token_layouts_and_refusals_on_every_rank(ranks):
 
 def test_a_reshape_places_the_sharded_run_the_same_on_empty_and_full_blocks():
     """Every rank must find the same target dim; an empty block cannot infer a -1 from its element count."""
-    from mesh3d.domain.ops.grid_reshape import place_run
-
     assert place_run([2, 3, -1], [2, 3, 4, 5], 2, 3, [20]) == (2, [2, 3, 20])           # flatten(2) of blocks
     assert place_run([2, 3, -1], [2, 3, 0, 5], 2, 3, [0]) == (2, [2, 3, 0])             # ... of an empty block
     assert place_run([1, 4, 5, -1], [1, 20, 8], 1, 1, [4, 5]) == (1, [1, 4, 5, 8])      # reshape(b, h, w, -1)

@@ -47,7 +47,6 @@ class BoxPlan:
     send: tuple[tuple[int, tuple[Runs, ...]], ...]  # (peer, per dim the local runs it gets), in peer order
     recv: tuple[tuple[int, tuple[int, ...]], ...]  # (peer, its message's length along each grid dim), in peer order
     cells: tuple[tuple[int, Cell], ...]  # (peer, OWN or FILL, (result box, box in the message or shard))
-    local_shape: tuple[int, ...]
 
 
 def _per_dim(plan: ExchangePlan, me: int) -> tuple[dict[int, Runs], dict[int, int], list[tuple[int, ...]]]:
@@ -103,7 +102,7 @@ def plan_box(plans: tuple[ExchangePlan, ...], coords: tuple[int, ...], grid: tup
     return BoxPlan(shape=tuple(p.length for p in plans),
                    send=tuple((p, r) for p, r in send if p != me),
                    recv=tuple((p, n) for p, n in recv if p != me),
-                   cells=tuple(cells), local_shape=tuple(p.local_rows for p in plans))
+                   cells=tuple(cells))
 
 
 def _box(t: torch.Tensor, dims: Sequence[int], box: Sequence[tuple[int, int]]) -> torch.Tensor:
