@@ -20,8 +20,11 @@ __all__ = [
     "clear_dtensor_caches",
     "disable_torch_function_subclass",
     "flatten_mesh",
+    "gloo_backend",
     "group_options",
+    "live_process_groups",
     "local_shape_and_global_offset",
+    "post_barrier",
     "unflatten_mesh",
     "wait_async_collective",
 ]
@@ -151,3 +154,40 @@ def wait_async_collective(t: torch.Tensor) -> torch.Tensor:
     if type(t).__name__ == "AsyncCollectiveTensor":
         return t.clone()
     return t
+
+
+def live_process_groups() -> list[dist.ProcessGroup]:
+    """Every process group this rank belongs to, oldest first (empty when torch.distributed is not initialized).
+
+    Why private: torch keeps the registry of live groups in ``distributed_c10d._world.pg_names`` and
+    exposes no public list; teardown at exit must drain every group, including those torch's own
+    libraries or the user made.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    return list(dist.distributed_c10d._world.pg_names)
+
+
+def gloo_backend(group: dist.ProcessGroup) -> dist.ProcessGroup | None:
+    """The gloo backend object behind ``group`` (its CPU backend), or None when it has none.
+
+    Why private: ``ProcessGroup._get_backend`` is the only way to reach a group's backend; mesh3d posts a
+    barrier on it directly so the barrier can carry its own timeout (``BarrierOptions.timeout``) and goes
+    to gloo even when the group's default device is CUDA.
+    """
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+    except (RuntimeError, ValueError):
+        return None
+    gloo = getattr(dist, "ProcessGroupGloo", None)
+    return backend if gloo is not None and isinstance(backend, gloo) else None
+
+
+def post_barrier(backend: dist.ProcessGroup, timeout: timedelta) -> dist.Work:
+    """Post a barrier on a backend object (from ``gloo_backend``) that fails after ``timeout``; returns its work.
+
+    Why here: it goes with ``gloo_backend`` (a backend object is only reachable privately).
+    """
+    options = dist.BarrierOptions()
+    options.timeout = timeout
+    return backend.barrier(options)

@@ -12,6 +12,8 @@ Usage::
 from __future__ import annotations
 
 import os
+import sys
+import warnings
 from datetime import timedelta
 from typing import ClassVar
 
@@ -19,9 +21,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, unflatten_mesh
+from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, live_process_groups, unflatten_mesh
+from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_backend, choose_device
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
+from mesh3d.teardown import EXIT_DRAIN_TIMEOUT_ON_ERROR, SHUTDOWN_DRAIN_TIMEOUT, Teardown, exiting_on_error
 
 __all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT", "refuse_if_launched_uninitialized"]
 
@@ -30,13 +34,6 @@ __all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT", "refuse_if_l
 #: spans every rank. Both are built once, eagerly, because creating a group is a
 #: collective that every rank must join: building one lazily on a subset of ranks hangs.
 DERIVED_AXES: tuple[str, str] = ("batch_domain", "world")
-
-#: Collectives that wait longer than this raise instead of hanging the job. Ten minutes
-#: is NCCL's default; gloo's own default is 30 minutes, too long to notice a hang.
-DEFAULT_TIMEOUT = timedelta(minutes=10)
-
-_MESH3D_TIMEOUT_ENV = "MESH3D_TIMEOUT"
-
 
 def refuse_if_launched_uninitialized(what: str) -> None:
     """Raise if a launcher started several ranks but nothing initialized mesh3d or torch.distributed.
@@ -56,40 +53,6 @@ def refuse_if_launched_uninitialized(what: str) -> None:
         )
 
 
-def _as_timeout(timeout: float | timedelta | None) -> timedelta:
-    if timeout is None:
-        env = os.environ.get(_MESH3D_TIMEOUT_ENV)
-        if env is None:
-            return DEFAULT_TIMEOUT
-        try:
-            timeout = float(env)
-        except ValueError:
-            raise ValueError(f"{_MESH3D_TIMEOUT_ENV}={env!r} must be a number of seconds") from None
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = timedelta(seconds=timeout)
-    if not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0:
-        raise ValueError(f"timeout={timeout!r} must be a positive number of seconds or a timedelta")
-    return timeout
-
-
-def _choose_backend(backend: str | None) -> str:
-    if backend is None:
-        return "nccl" if torch.cuda.is_available() else "gloo"
-    if "nccl" in backend and not torch.cuda.is_available():
-        raise ValueError(
-            f"backend={backend!r} needs CUDA, but torch.cuda.is_available() is False on this machine "
-            f"(torch {torch.__version__}); use backend='gloo' for CPU, or leave backend=None to choose automatically"
-        )
-    return backend
-
-
-def _choose_device(backend: str, local_rank: int) -> torch.device:
-    if "nccl" in backend:
-        # Map local ranks onto visible GPUs; more ranks than GPUs on a node shares them round-robin.
-        return torch.device("cuda", local_rank % torch.cuda.device_count())
-    return torch.device("cpu")
-
-
 class DistributedManager:
     """Singleton owning the process group and the named 3-D ``DeviceMesh``.
 
@@ -103,6 +66,8 @@ class DistributedManager:
     _instance: ClassVar[DistributedManager | None] = None
     #: Called by ``shutdown()`` after the groups are gone: per-mesh state other parts keep (``on_shutdown``).
     _shutdown_hooks: ClassVar[list] = []
+    #: What runs before the groups go (``on_teardown``), the drain, and the exit handler (mesh3d/teardown.py).
+    _teardown: ClassVar[Teardown] = Teardown()
 
     mesh: DeviceMesh
     rank: int
@@ -145,7 +110,7 @@ class DistributedManager:
         ``domain=(2, 2)`` factors the domain axis into a grid (blocks; ``dm.domain_grid``, and the
         grid lines' groups ``dm.group("domain_0")``, ``"domain_1"``, ...); the mesh keeps its three axes.
         """
-        timeout = _as_timeout(timeout)
+        timeout = as_timeout(timeout)
         reuse = dist.is_available() and dist.is_initialized()
         if reuse:
             info = LaunchInfo(
@@ -170,8 +135,8 @@ class DistributedManager:
         if reuse:
             backend = str(dist.get_backend())
         else:
-            backend = _choose_backend(backend)
-        device = _choose_device(backend, info.local_rank)
+            backend = choose_backend(backend)
+        device = choose_device(backend, info.local_rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)
 
@@ -192,6 +157,7 @@ class DistributedManager:
                 dist.destroy_process_group()
             raise
         cls._instance = self
+        cls._teardown.run_at_exit(cls._teardown_at_exit)
         return self
 
     @staticmethod
@@ -234,32 +200,85 @@ class DistributedManager:
 
     @classmethod
     def shutdown(cls) -> None:
-        """Destroy the groups the manager created and forget the singleton.
+        """Finish background work, drain and destroy the groups the manager created, and forget the singleton.
 
-        A default process group that the user initialized before :meth:`initialize` is
-        left alone; one the manager created is destroyed. Safe to call when not initialized.
+        Call it on every rank (it waits, at most ``SHUTDOWN_DRAIN_TIMEOUT``, for the peers' drain: see
+        mesh3d/teardown.py). A pending background save is finished first; if it failed and nobody has seen
+        its error, that ``CheckpointError`` is raised here, after the teardown, on every rank alike. A
+        default process group that the user initialized before :meth:`initialize` is drained and left
+        alone; one the manager created is destroyed, with every group made from it. Safe to call when not
+        initialized. A script that never calls it gets the same teardown at interpreter exit.
         """
         self = cls._instance
         if self is None:
             return
+        failures = cls._teardown.finish_background_work()
+        late = cls._teardown.drain(self._owned_groups(), min(self.timeout, SHUTDOWN_DRAIN_TIMEOUT))
+        if late:
+            warnings.warn(
+                "DistributedManager.shutdown(): some peers did not reach the teardown barrier in time (they left "
+                "first, or never called shutdown()); this rank's own teardown is complete: " + "; ".join(late[:4]),
+                RuntimeWarning, stacklevel=2)
+        self._destroy_groups()
+        if failures:
+            raise failures[0]
+
+    def _destroy_groups(self) -> None:
+        """Destroy the (drained) groups this manager owns, forget the singleton and the per-mesh state."""
+        cls = type(self)
+        owned = self._owned_groups()
         cls._instance = None
-        default = dist.group.WORLD
-        seen: set[int] = set()
-        groups = [mesh.get_group() for mesh in self._meshes.values()]
-        groups += [split.get_group(dim) for split in self._batch_domain_splits.values() for dim in range(2)]
         self._batch_domain_splits.clear()
-        for group in groups:
-            if group is default or id(group) in seen:
-                continue
-            seen.add(id(group))
-            dist.destroy_process_group(group)
-        if self._created_default_group and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._created_default_group:
+            if dist.is_initialized():
+                dist.destroy_process_group()  # the default group and every group made from it
+        else:
+            live = live_process_groups()
+            for group in owned:
+                if group in live:  # the user may have destroyed some already
+                    dist.destroy_process_group(group)
         # DeviceMesh equality ignores process groups, so DTensor's caches would hand a later
         # mesh of the same shape these destroyed groups; forget them with the groups.
         clear_dtensor_caches()
         for hook in cls._shutdown_hooks:
             hook()
+
+    def _owned_groups(self) -> list[dist.ProcessGroup]:
+        """The groups shutdown destroys: every live group when the manager made the default one, else the mesh's."""
+        if self._created_default_group:
+            return live_process_groups()
+        groups = [mesh.get_group() for mesh in self._meshes.values()]
+        groups += [split.get_group(dim) for split in self._batch_domain_splits.values() for dim in range(2)]
+        unique: dict[int, dist.ProcessGroup] = {}
+        for group in groups:
+            if group is not dist.group.WORLD:
+                unique.setdefault(id(group), group)
+        return list(unique.values())
+
+    @classmethod
+    def _teardown_at_exit(cls) -> None:
+        """The ``atexit`` handler: the teardown of :meth:`shutdown` for a script that never called it.
+
+        Every live gloo group is drained, the manager's or not (the process is ending), then the manager's groups
+        are destroyed. After an uncaught exception the peers are waited for only briefly (the drain itself is
+        local), so the error reaches the launcher soon; nothing is raised from here.
+        """
+        for err in cls._teardown.finish_background_work():
+            print(f"mesh3d: at exit, {type(err).__name__}: {err}", file=sys.stderr)
+        timeout = EXIT_DRAIN_TIMEOUT_ON_ERROR if exiting_on_error() else SHUTDOWN_DRAIN_TIMEOUT
+        if cls._instance is not None:
+            timeout = min(timeout, cls._instance.timeout)
+        cls._teardown.drain(live_process_groups(), timeout)
+        if cls._instance is not None:
+            cls._instance._destroy_groups()
+
+    @classmethod
+    def on_teardown(cls, hook) -> None:
+        """Run ``hook()`` first at ``shutdown()`` and at exit, while the groups still work (finish background work).
+
+        Usage: ``DistributedManager.on_teardown(IN_FLIGHT.finish)``
+        """
+        cls._teardown.add(hook)
 
     @classmethod
     def on_shutdown(cls, hook) -> None:

@@ -22,6 +22,12 @@ from mesh3d.checkpoint.manager import CheckpointManager
 from mesh3d.checkpoint.pretrained import PretrainedInfo, load_pretrained
 from mesh3d.checkpoint.save import save
 from mesh3d.checkpoint.weight_source import key_prefix
+from mesh3d.checkpoint.inflight import IN_FLIGHT
+from mesh3d.manager import DistributedManager
+
+# NOTE: a background save still being written finishes (commit included) before the groups go, at shutdown()
+# and at exit; its failure, if nobody has seen it, is raised by shutdown() on every rank.
+DistributedManager.on_teardown(IN_FLIGHT.wait)
 
 __all__ = [
     "AsyncSave",

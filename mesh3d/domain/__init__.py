@@ -16,7 +16,7 @@ from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
 from mesh3d.manager import DistributedManager
 from mesh3d.domain.dispatch import dispatch
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
-from mesh3d.domain.exchange import count_traffic
+from mesh3d.domain.exchange import NOTICES, count_traffic
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.io import NpyArray, read
 from mesh3d.domain.overlap import window_overlap
@@ -30,6 +30,8 @@ DomainTensor._dispatcher = staticmethod(dispatch)
 DomainTensor._gather_whole = staticmethod(full_tensor)
 # NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
 DistributedManager.on_shutdown(JOURNAL.reset)
+# Notices to peers still in flight are given their chance to land before the groups go.
+DistributedManager.on_teardown(NOTICES.settle)
 
 __all__ = [
     "DomainDivergenceError",

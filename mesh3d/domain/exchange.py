@@ -30,7 +30,7 @@ import torch.distributed as dist
 from mesh3d.domain import divergence
 from mesh3d.domain.rows import ExchangePlan, Piece
 
-__all__ = ["DomainComm", "PendingExchange", "TrafficCounter", "count_traffic", "exchange_all", "exchange_point",
+__all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "exchange_all", "exchange_point",
            "gather_rows", "new_buffers", "rows_of", "start_exchange"]
 
 
@@ -157,11 +157,40 @@ def _abort(comm: DomainComm, skip: set[int]) -> None:
     """Tell every other domain rank to stop: its next header from this rank says so (nobody waits on us)."""
     stop = divergence.header(divergence.KIND_ABORT)
     others = [(q, stop) for q in range(comm.size) if q != comm.index and q not in skip]
-    _PENDING_ABORTS.extend(_post(comm, others, []))
+    NOTICES.keep(_post(comm, others, []))
 
 
-#: Abort notices posted but never waited on (kept alive until the process ends).
-_PENDING_ABORTS: list = []
+class PendingNotices:
+    """Notices to domain peers (stop, failed) posted without waiting: a peer reads them at its next exchange.
+
+    Usage: ``NOTICES.keep(works)``; at teardown ``NOTICES.settle()`` (a ``DistributedManager.on_teardown`` hook)
+    """
+
+    def __init__(self) -> None:
+        self._works: list = []
+
+    def keep(self, works: list) -> None:
+        """Hold the posted works (and so their buffers) until they complete."""
+        self._works.extend(works)
+
+    def settle(self, timeout: timedelta = timedelta(seconds=1)) -> None:
+        """Wait, at most ``timeout`` in all, for the notices to be taken; keep those that were not.
+
+        NOTE: gloo cannot cancel a posted send, so a notice no peer took (it left first) stays held until the
+        process ends, when its peer's connection is gone too.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        pending = []
+        for work in self._works:
+            try:
+                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:
+                pending.append(work)
+        self._works = pending
+
+
+#: The process's notices in flight (one domain group per process at a time).
+NOTICES = PendingNotices()
 
 
 def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.0) -> Exception:
@@ -183,7 +212,7 @@ def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.
             work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
             break
-    _PENDING_ABORTS.extend(works)
+    NOTICES.keep(works)
     differ = [q for q, h in replies.items() if int(h[0]) == divergence.MAGIC and int(h[2]) != fingerprint]
     if not differ:
         return err

@@ -50,7 +50,8 @@ from mesh3d.lightning._lightning_private import (
 from mesh3d.lightning.batches import DomainDims, check_domain_dims, plain_step_output, shard_batch
 from mesh3d.data.sampler import MeshSampler, check_mesh_sampler
 from mesh3d.lightning.checkpointing import load_lightning_checkpoint, remove_checkpoint, save_lightning_checkpoint
-from mesh3d.manager import DistributedManager, _as_timeout
+from mesh3d.group_settings import as_timeout
+from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import resolve_mesh_shape
 from mesh3d.parallel.apply import parallelize
 from mesh3d.parallel.plan import Plan
@@ -127,7 +128,7 @@ class MeshStrategy(ParallelStrategy):
         self._plan = plan
         self._domain_dims = domain_dims
         self._seed = seed
-        self._timeout = _as_timeout(timeout)
+        self._timeout = as_timeout(timeout)
         self._process_group_backend = process_group_backend
         self._dm: DistributedManager | None = None
         self._planned: torch.nn.Module | None = None  # the module this strategy's plan was applied to
