@@ -211,3 +211,41 @@ def test_a_failed_staging_copy_fails_the_save_without_leaving_anything(tmp_path)
         handle.wait()
     assert os.listdir(tmp_path) == []
     checkpoint.save(str(tmp_path / "ck"), model, opt)  # reported once; the next save works
+
+
+def _shutdown_with_pending_saves(root: str) -> list[str]:
+    from mesh3d import DistributedManager
+
+    rank = torch.distributed.get_rank()
+    seen = []
+    DistributedManager.initialize(batch=2)
+    model, opt = _trained()
+    handle = checkpoint.async_save(os.path.join(root, "landed"), model, opt, step=1,
+                                   stage_hook=lambda s: time.sleep(0.3) if s == "staged" else None)
+    DistributedManager.shutdown()  # finishes the save before the groups go
+    seen.append(f"{handle.done()} {os.path.isdir(handle.path)}")
+
+    def fail_on_rank_1(stage: str) -> None:
+        if stage == "shards_written" and rank == 1:
+            raise OSError("disk full (injected)")
+
+    DistributedManager.initialize(batch=2)
+    checkpoint.async_save(os.path.join(root, "failed"), model, opt, step=2, stage_hook=fail_on_rank_1)
+    try:  # nobody waited for it: shutdown reports it, on every rank, after tearing down
+        DistributedManager.shutdown()
+        seen.append("shutdown raised nothing")
+    except CheckpointError as err:
+        seen.append(str(err))
+    seen.append(f"initialized after: {DistributedManager.is_initialized()}")
+    DistributedManager.initialize(batch=2)  # and a new mesh works
+    total = torch.ones(1)
+    torch.distributed.all_reduce(total, group=DistributedManager().group("batch"))
+    seen.append(f"sum {int(total)}; {' '.join(sorted(os.listdir(root)))}")
+    return seen
+
+
+def test_shutdown_finishes_a_pending_save_and_raises_an_unseen_failure_on_every_rank(ranks, tmp_path):
+    for seen in ranks.run(2, _shutdown_with_pending_saves, str(tmp_path), timeout=120):
+        assert seen[0] == "True True", seen
+        assert "rank 1: OSError after writing shards: disk full (injected)" in seen[1], seen
+        assert seen[2:] == ["initialized after: False", "sum 2; landed"], seen
