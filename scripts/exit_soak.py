@@ -48,10 +48,10 @@ def one_run(scenario: str) -> str:
     with tempfile.TemporaryDirectory(prefix="mesh3d-soak-") as tmp:
         done = launch(scenario, world, Path(tmp), torchrun=torchrun)
         if done.aborted:
-            return "aborted"
+            return "aborted\n" + done.output[-2000:]
         zero = all(code == 0 for code in done.returncodes)
         if zero != (expect == "zero"):
-            return f"exit status {done.returncodes}"
+            return f"exit status {done.returncodes}\n" + done.output[-2000:]
         if scenario == "mixed" and not _save_landed(Path(tmp)):
             return "the pending save did not land"
     return "ok"
@@ -68,7 +68,7 @@ def main() -> None:
     for i in range(args.runs):
         scenario = order[i % len(order)]
         verdict = one_run(scenario)
-        tally[(scenario, verdict)] += 1
+        tally[(scenario, verdict.splitlines()[0])] += 1
         print(f"[{i + 1}/{args.runs}] {scenario}: {verdict}  ({time.monotonic() - start:.0f} s)", flush=True)
     print("\nscenario     result   runs")
     for (scenario, verdict), n in sorted(tally.items()):
