@@ -15,7 +15,9 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["LaunchInfo", "detect_launcher", "first_slurm_host", "slurm_master_port"]
+import torch.distributed as dist
+
+__all__ = ["LaunchInfo", "detect_launcher", "first_slurm_host", "refuse_if_launched_uninitialized", "slurm_master_port"]
 
 # SLURM gives every rank the same job id, so a port derived from it agrees across
 # ranks without any communication; the range avoids well-known and ephemeral ports.
@@ -147,3 +149,21 @@ def detect_launcher(environ: Mapping[str, str] | None = None) -> LaunchInfo:
         return LaunchInfo("slurm", rank, world_size, local_rank, addr, port)
 
     return LaunchInfo("none", 0, 1, 0, None, None)
+
+
+def refuse_if_launched_uninitialized(what: str) -> None:
+    """Raise if a launcher started several ranks but nothing initialized mesh3d or torch.distributed.
+
+    Without a process group every rank would act as a world of one (each keeping the whole
+    tensor, or all writing the same checkpoint files); in a plain ``python`` process being
+    alone is right, so that case passes.
+    """
+    if dist.is_available() and dist.is_initialized():
+        return
+    launched = detect_launcher()
+    if launched.world_size > 1:
+        raise RuntimeError(
+            f"{what}: this is rank {launched.rank} of {launched.world_size} ({launched.launcher}), but "
+            "DistributedManager.initialize(batch=..., domain=..., model=...) has not been called; call it "
+            "first, on every rank"
+        )

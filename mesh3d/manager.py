@@ -27,31 +27,13 @@ from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
 from mesh3d.teardown import EXIT_DRAIN_TIMEOUT_ON_ERROR, SHUTDOWN_DRAIN_TIMEOUT, Teardown, exiting_on_error
 
-__all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT", "refuse_if_launched_uninitialized"]
+__all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT"]
 
 #: Meshes derived from the 3-D mesh: ``batch_domain`` is where parameter gradients are
 #: reduced (averaged over batch, summed over domain) and where FSDP shards; ``world``
 #: spans every rank. Both are built once, eagerly, because creating a group is a
 #: collective that every rank must join: building one lazily on a subset of ranks hangs.
 DERIVED_AXES: tuple[str, str] = ("batch_domain", "world")
-
-def refuse_if_launched_uninitialized(what: str) -> None:
-    """Raise if a launcher started several ranks but nothing initialized mesh3d or torch.distributed.
-
-    Without a process group every rank would act as a world of one (each keeping the whole
-    tensor, or all writing the same checkpoint files); in a plain ``python`` process being
-    alone is right, so that case passes.
-    """
-    if dist.is_available() and dist.is_initialized():
-        return
-    launched = detect_launcher()
-    if launched.world_size > 1:
-        raise RuntimeError(
-            f"{what}: this is rank {launched.rank} of {launched.world_size} ({launched.launcher}), but "
-            "DistributedManager.initialize(batch=..., domain=..., model=...) has not been called; call it "
-            "first, on every rank"
-        )
-
 
 class DistributedManager:
     """Singleton owning the process group and the named 3-D ``DeviceMesh``.
@@ -68,6 +50,8 @@ class DistributedManager:
     _shutdown_hooks: ClassVar[list] = []
     #: What runs before the groups go (``on_teardown``), the drain, and the exit handler (mesh3d/teardown.py).
     _teardown: ClassVar[Teardown] = Teardown()
+    #: Counts the meshes this process has built: state keyed to a mesh (a domain tensor's spec) records it.
+    _epochs: ClassVar[int] = 0
 
     mesh: DeviceMesh
     rank: int
@@ -79,6 +63,8 @@ class DistributedManager:
     timeout: timedelta
     #: The domain axis as a grid: ``(D,)`` for slabs, e.g. ``(2, 2)`` for blocks (``initialize(domain=(2, 2))``).
     domain_grid: tuple[int, ...]
+    #: This mesh's number among the meshes this process built (``group_of_epoch``).
+    epoch: int
     _created_default_group: bool
 
     def __new__(cls) -> DistributedManager:
@@ -156,6 +142,8 @@ class DistributedManager:
             if created_default_group:
                 dist.destroy_process_group()
             raise
+        cls._epochs += 1
+        self.epoch = cls._epochs
         cls._instance = self
         cls._teardown.run_at_exit(cls._teardown_at_exit)
         return self
@@ -192,6 +180,7 @@ class DistributedManager:
             self._meshes.update({name: grid_mesh[name] for name in names})
         # Splits of batch_domain into (replicate, shard), made on first use (HSDP/DDP), shard size -> mesh.
         self._batch_domain_splits: dict[int, DeviceMesh] = {}
+        self._groups: dict[str, dist.ProcessGroup] = {}  # axis -> group, looked up once (hot: every domain exchange)
 
     @classmethod
     def is_initialized(cls) -> bool:
@@ -289,6 +278,21 @@ class DistributedManager:
         if hook not in cls._shutdown_hooks:
             cls._shutdown_hooks.append(hook)
 
+    def manual_seed(self, seed: int) -> int:
+        """Seed torch's generators so every rank of a batch rank's domain and model groups draws the same numbers.
+
+        Usage: ``dm.manual_seed(0)`` once after ``initialize``; returns this rank's seed.
+
+        Batch rank ``b`` gets ``seed + b * 0x9E3779B97F4A7C15`` (mod 2**63; batch rank 0 gets ``seed`` itself, as one
+        process seeded with ``seed`` would), so samples on different batch ranks draw different masks while the
+        shards of one sample draw one realization: a stochastic-depth mask from ``torch.rand`` is the same on every
+        domain rank, and ``F.dropout`` on a domain tensor draws the one-process mask and keeps this rank's rows.
+        Domain ranks must then make the same random draws in the same order (as one program does).
+        """
+        mine = (int(seed) + self.axis_rank("batch") * 0x9E3779B97F4A7C15) % 2**63
+        torch.manual_seed(mine)
+        return mine
+
     # ------------------------------------------------------------------ per-axis views
 
     def _axis(self, axis: str) -> DeviceMesh:
@@ -305,7 +309,24 @@ class DistributedManager:
 
     def group(self, axis: str) -> dist.ProcessGroup:
         """This rank's process group on ``axis``."""
-        return self._axis(axis).get_group()
+        group = self._groups.get(axis)
+        if group is None:
+            group = self._groups[axis] = self._axis(axis).get_group()
+        return group
+
+    @classmethod
+    def group_of_epoch(cls, axis: str, epoch: int) -> dist.ProcessGroup:
+        """The group on ``axis`` of the mesh numbered ``epoch`` (``dm.epoch``); raises once that mesh is gone.
+
+        Usage: ``DistributedManager.group_of_epoch("domain", spec.comm.mesh_epoch)``
+        """
+        dm = cls._instance
+        if dm is None or dm.epoch != epoch:
+            raise RuntimeError(
+                f"this domain tensor belongs to a mesh that DistributedManager.shutdown() has destroyed (mesh #{epoch}; "
+                f"the current one is #{dm.epoch if dm else 'none'}); make domain tensors again on the current mesh "
+                "(domain.shard / from_local)")
+        return dm.group(axis)
 
     def axis_size(self, axis: str) -> int:
         """How many ranks share this rank's group on ``axis``."""

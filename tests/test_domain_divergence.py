@@ -1,5 +1,5 @@
-"""Ranks that take different paths (models branching on local shapes) all raise DomainDivergenceError,
-and splits aligned to the model's downsampling keep deep U-Nets equal to one process."""
+"""Ranks that take different paths (a branch on this rank's local sizes or data) all raise DomainDivergenceError;
+with global sizes, deep U-Nets that branch on shapes equal one process on any split, aligned or not."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ TOL = 1e-9
 
 
 class BranchesOnLocalShape(nn.Module):
-    """Pads its activation when the *local* height is odd: what decoders do to fix odd edges."""
+    """Pads its activation when the *local* height (``local_shape``, this rank's shard) is odd."""
 
     def __init__(self, loss_after_exchange: bool = True) -> None:
         super().__init__()
@@ -30,7 +30,7 @@ class BranchesOnLocalShape(nn.Module):
 
     def forward(self, x):
         y = self.a(x)
-        if y.shape[2] % 2:
+        if y.local_shape[2] % 2:
             y = F.pad(y, (0, 0, 0, 1))  # the line each rank's message must name
         if self.loss_after_exchange:
             return self.b(y).mean()
@@ -68,7 +68,7 @@ def test_a_model_branching_on_local_shapes_raises_on_every_rank(ranks, loss_afte
     for msg in rank_errors(failure.value, 2):
         assert "DomainDivergenceError" in msg and "ran different domain ops" in msg, msg
         assert "torch.nn.functional.pad" in msg and "test_domain_divergence.py" in msg, msg
-        assert "multiple_of" in msg and "x.shape" in msg, msg
+        assert "local sizes" in msg and "global" in msg, msg
 
 
 def _unet_body(sizes_rule: str, net: str = "BasicUNet"):
@@ -100,18 +100,17 @@ def _unet_body(sizes_rule: str, net: str = "BasicUNet"):
                        grads_err(ref, model))}
 
 
-def test_monai_unets_aligned_split_equal_one_process_and_misaligned_raises_everywhere(ranks):
+def test_monai_unets_equal_one_process_on_any_split(ranks):
+    """BasicUNet's UpCat pads a skip to its partner's shape: with global sizes every rank pads alike, so the default
+    (11, 11, 10) split, which is not a multiple of the downsampling factor 16, runs and equals one process."""
     pytest.importorskip("monai")  # the zoo extra (scripts/test.sh installs it)
+    for result in ranks.run(3, _unet_body, "default", timeout=120):
+        assert result["sizes"] == (11, 11, 10) and result["err"] < TOL, result
     for result in ranks.run(3, _unet_body, "aligned", timeout=120):
         assert result["factor"] == 16 and result["error"] is None, result
         assert result["sizes"] == (16, 16, 0) and result["err"] < TOL, result
-    for result in ranks.run(3, _unet_body, "aligned", "UNet", timeout=120):
-        assert result["factor"] == 8 and result["sizes"] == (16, 8, 8) and result["err"] < TOL, result
-    with pytest.raises(RankFailure) as failure:  # the default (11, 11, 10) split; a hang: RankTimeout at 60 s
-        ranks.run(3, _unet_body, "default", timeout=60)
-    for msg in rank_errors(failure.value, 3):
-        assert "DomainDivergenceError" in msg and "different" in msg and "multiple_of" in msg, msg
-        assert "basic_unet.py" in msg, msg  # the user's (the library's) source line of the op
+    for result in ranks.run(3, _unet_body, "default", "UNet", timeout=120):
+        assert result["sizes"] == (11, 11, 10) and result["err"] < TOL, result
 
 
 def _factor_of(model, shape, dim):

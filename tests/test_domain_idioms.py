@@ -189,8 +189,8 @@ def _idiom_refusals_body():
         "tensor_index_sharded": lambda: xs[:, :, torch.tensor([0, 1])],
         "embedding_max_norm": lambda: F.embedding(domain.shard(torch.zeros(2, 4, dtype=torch.long), dim=1),
                                                   torch.randn(3, 2), max_norm=1.0),
-        "setitem": lambda: xs.__setitem__((slice(None), 0), 1.0),
-        "unknown_op": lambda: torch.flip(xs, [2]),
+        "setitem": lambda: xs.__setitem__((slice(None), slice(None), torch.tensor([0, 1])), 1.0),
+        "unknown_op": lambda: torch.cumsum(xs, 2),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -211,14 +211,13 @@ def test_idiom_refusals_raise_on_every_rank(ranks):
         assert "whole rows of 5" in messages["unflatten_partial_rows"]
         assert "several sharded" in messages["cat_two_sharded"]
         assert "every dim" in messages["fft_all_dims"]
-        assert "torch.flip" in messages["unknown_op"] and "no domain rule" in messages["unknown_op"]
+        assert "torch.cumsum" in messages["unknown_op"] and "no domain rule" in messages["unknown_op"]
         assert "__setitem__" in messages["setitem"]
 
 
-def _local_length_body():
-    """Shape entries along the sharded dim carry the global length; a size read from them means the global one."""
+def _global_size_body():
+    """Sizes read from a domain tensor are the whole tensor's; a size argument made from them means the global one."""
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.tensor import LocalLength
 
     DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
@@ -227,15 +226,15 @@ def _local_length_body():
     bigs = domain.shard(big, dim=2, sizes=(7, 0, 5))
     smalls = domain.shard(small, dim=2, sizes=(2, 3, 1))
     h, w = bigs.shape[2], bigs.shape[3]
-    facts = [isinstance(h, LocalLength), h.global_length == 12, type(w) is int, bigs.size(2) == h,
-             getattr(bigs.size(2), "global_length", None) == 12, type(h // 2) is int]
+    facts = [type(h) is int, h == 12, type(w) is int, bigs.size(2) == 12, bigs.local_shape[2] in (7, 0, 5),
+             bigs.to_local().shape[2] == bigs.local_shape[2]]
     want = torch.nn.functional.interpolate(small, size=big.shape[2:], mode="bilinear")
     got = torch.nn.functional.interpolate(smalls, size=bigs.shape[2:], mode="bilinear")
     return facts, float((got.full_tensor().to_local() - want).abs().max())
 
 
-def test_a_size_read_from_a_domain_tensors_shape_means_its_global_length(ranks):
-    for facts, err in ranks.run(3, _local_length_body):
+def test_a_size_read_from_a_domain_tensors_shape_is_the_global_one(ranks):
+    for facts, err in ranks.run(3, _global_size_body):
         assert all(facts), facts
         assert err < 1e-12
 

@@ -166,14 +166,14 @@ def _refusals_body():
     x = torch.randn(2, 4, H, 6, dtype=torch.float64)
     xs = domain.shard(x, dim=2)
     attempts = {
-        "flip": lambda: torch.flip(xs, [2]),
-        "dropout": lambda: F.dropout(xs, 0.5, training=True),
+        "cumsum": lambda: torch.cumsum(xs, 2),
+        "alpha_dropout": lambda: F.alpha_dropout(xs, 0.5, training=True),
         "cat_sharded": lambda: torch.cat([xs, xs], 2),
         "plain_broadcast": lambda: xs + x[:, :, :4],  # neither length 1 nor the global length
         "ce_plain_target": lambda: F.cross_entropy(xs, torch.zeros(2, H, 6, dtype=torch.long)),
         "bicubic": lambda: F.interpolate(xs, scale_factor=2, mode="bicubic"),
         "avg_no_pad_count": lambda: F.avg_pool2d(xs, 3, 1, 1, count_include_pad=False),
-        "softmax_sharded": lambda: torch.softmax(xs, dim=2),
+        "roll_flattened": lambda: torch.roll(xs, 2),
         "linear_sharded": lambda: F.linear(xs.transpose(2, 3), torch.randn(3, H, dtype=torch.float64)),
         "conv_channel_sharded": lambda: F.conv2d(domain.shard(x, dim=1), torch.randn(2, 4, 3, 3, dtype=torch.float64)),
         "max_dim": lambda: xs.max(dim=2),
@@ -198,7 +198,9 @@ def test_refusals_raise_clearly_on_every_rank(ranks, world):
     for messages in ranks.run(world, _refusals_body, timeout=60):
         missing = [k for k, v in messages.items() if v is None]
         assert not missing, f"did not raise: {missing}"
-        assert "flip" in messages["flip"] and "full_tensor" in messages["flip"]
+        assert "torch.cumsum" in messages["cumsum"] and "full_tensor" in messages["cumsum"]
+        assert "alpha_dropout" in messages["alpha_dropout"]
+        assert "torch.roll" in messages["roll_flattened"] and "dims=" in messages["roll_flattened"]
         assert "sizes" in messages["bad_sizes"] and "sum to" in messages["bad_sizes"]
         assert "domain.shard" in messages["plain_broadcast"]
         assert "bicubic" in messages["bicubic"]

@@ -122,19 +122,19 @@ def test_planning_is_o_d(parts, length):
 def test_a_second_rule_for_one_op_is_refused_unless_overridden():
     from mesh3d.domain.registry import RULES, register
 
-    original = RULES.get(torch.flip) if torch.flip in RULES else None
-    assert original is None  # torch.flip has no rule: the dispatcher raises naming it
+    original = RULES.get(torch.cummin) if torch.cummin in RULES else None
+    assert original is None  # torch.cummin has no rule: the dispatcher raises naming it
     try:
-        register(torch.flip)(lambda input, dims: None)
+        register(torch.cummin)(lambda input, dims: None)
         try:
-            register(torch.flip)(lambda input, dims: None)
+            register(torch.cummin)(lambda input, dims: None)
             raise AssertionError("a duplicate rule was accepted")
         except ValueError as err:
-            assert "torch.flip already has a domain rule" in str(err) and "override=True" in str(err)
-        register(torch.flip, override=True)(lambda input, dims: "replaced")
-        assert RULES.get(torch.flip)(None, None) == "replaced"
+            assert "torch.cummin already has a domain rule" in str(err) and "override=True" in str(err)
+        register(torch.cummin, override=True)(lambda input, dims: "replaced")
+        assert RULES.get(torch.cummin)(None, None) == "replaced"
     finally:
-        RULES._rules.pop(torch.flip, None)
+        RULES._rules.pop(torch.cummin, None)
 
 
 @settings(max_examples=100, deadline=None)

@@ -24,12 +24,13 @@ def _one_rank_tensor():
 
 def test_every_op_without_a_rule_raises_naming_it():
     """The dispatcher's guarantee, op by op over torch's whole overridable surface (about 1,500 functions)."""
-    from mesh3d.domain.dispatch import METADATA, dispatch
+    from mesh3d.domain.dispatch import GLOBAL_SIZES, METADATA, dispatch
     from mesh3d.domain.registry import RULES, op_name
     from mesh3d.domain.tensor import DomainTensor
 
     x = _one_rank_tensor()
-    unruled = [f for f in torch.overrides.get_testing_overrides() if f not in RULES and f not in METADATA]
+    unruled = [f for f in torch.overrides.get_testing_overrides()
+               if f not in RULES and f not in METADATA and f not in GLOBAL_SIZES]
     assert len(unruled) > 500 and len(RULES) > 100, (len(unruled), len(RULES))
     silent = []
     for func in unruled:
@@ -43,13 +44,12 @@ def test_every_op_without_a_rule_raises_naming_it():
 
 
 @pytest.mark.parametrize("call", [
-    lambda x: torch.flip(x, [2]),
     lambda x: torch.cumsum(x, 2),
     lambda x: torch.sort(x, 2),
-    lambda x: torch.roll(x, 1, 2),
+    lambda x: torch.argmax(x, 2),
     lambda x: x.cummax(2),
     lambda x: torch.nn.functional.unfold(x, 2),
-], ids=["flip", "cumsum", "sort", "roll", "cummax", "unfold"])
+], ids=["cumsum", "sort", "argmax", "cummax", "unfold"])
 def test_unknown_ops_called_through_torch_raise_naming_the_op(call):
     with pytest.raises(NotImplementedError, match="has no domain rule"):
         call(_one_rank_tensor())

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.checkpoint.errors import CheckpointError
-from mesh3d.manager import refuse_if_launched_uninitialized
+from mesh3d.launcher import refuse_if_launched_uninitialized
 
 __all__ = ["world", "allgather_json", "allgather_int64", "collective_step", "raise_if_any_failed", "StepFailure"]
 

@@ -28,7 +28,8 @@ from mesh3d.domain.relayout import relayout
 from mesh3d.domain.split import aligned_sizes, split_sizes
 from mesh3d.domain.transpose import move_sharding
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
-from mesh3d.manager import DistributedManager, refuse_if_launched_uninitialized
+from mesh3d.launcher import refuse_if_launched_uninitialized
+from mesh3d.manager import DistributedManager
 
 __all__ = ["domain_comm", "from_local", "full_tensor", "redistribute", "scatter", "shard"]
 
@@ -44,7 +45,7 @@ def domain_comm() -> DomainComm:
         refuse_if_launched_uninitialized("mesh3d.domain")
         return DomainComm(None, (dist.get_rank() if dist.is_initialized() else 0,), 0)
     dm = DistributedManager()
-    return DomainComm(dm.group("domain"), tuple(dm.axis_ranks("domain")), dm.axis_rank("domain"))
+    return DomainComm("domain", tuple(dm.axis_ranks("domain")), dm.axis_rank("domain"), dm.epoch)
 
 
 def _check_dim(op: str, dim: int, ndim: int) -> int:
@@ -68,7 +69,7 @@ def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence | None = None, *,
     Usage: ``xs = domain.shard(x, dim=2)  # or sizes=(5, 3, 4, 4), or multiple_of=16``
 
     ``multiple_of=m`` makes every rank's size but the last a multiple of m: for models that
-    downsample the dim by m and compare local shapes (see ``downsampling_factor``).
+    downsample the dim by m, so no rank keeps a sliver after pooling (see ``downsampling_factor``).
     ``dims=(2, 3)`` on a domain grid (``initialize(domain=(2, 2))``) keeps this rank's *block*, one
     sharded dim per grid dim; ``sizes`` then gives each dim's sizes, e.g. ``((5, 3), (4, 4))``.
     """
@@ -84,7 +85,8 @@ def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence | None = None, *,
     spec = DomainSpec(dim, sizes, comm)
     if sizes[comm.index] == x.shape[dim]:  # the whole dim (one rank): no slice, so no slice backward (a full copy)
         return wrap(x, spec)
-    return wrap(x.narrow(dim, spec.offset, sizes[comm.index]), spec)
+    # NOTE: a contiguous shard, as the whole tensor is: its metadata (is_contiguous, views) then answers alike.
+    return adopt(x.narrow(dim, spec.offset, sizes[comm.index]).contiguous(), spec)
 
 
 def from_local(local: torch.Tensor, dim: int, sizes: Sequence[int]) -> DomainTensor:

@@ -86,9 +86,9 @@ def grid_comms() -> tuple[tuple[int, ...], tuple[DomainComm, ...]]:
     dm = DistributedManager()
     grid = dm.domain_grid
     if len(grid) == 1:
-        return grid, (DomainComm(dm.group("domain"), tuple(dm.axis_ranks("domain")), dm.axis_rank("domain")),)
+        return grid, (DomainComm("domain", tuple(dm.axis_ranks("domain")), dm.axis_rank("domain"), dm.epoch),)
     names = [f"domain_{i}" for i in range(len(grid))]
-    return grid, tuple(DomainComm(dm.group(n), tuple(dm.axis_ranks(n)), dm.axis_rank(n)) for n in names)
+    return grid, tuple(DomainComm(n, tuple(dm.axis_ranks(n)), dm.axis_rank(n), dm.epoch) for n in names)
 
 
 def grid_coords(index: int, grid: tuple[int, ...]) -> tuple[int, ...]:
@@ -124,7 +124,7 @@ def shard_blocks(x: torch.Tensor, dims: Sequence[int], sizes: Sequence[Sequence[
     for d, start, count in zip(dims, spec.offsets, spec.local_sizes):
         if count != x.shape[d]:
             local = local.narrow(d, start, count)
-    return wrap(local, spec)
+    return wrap(local, spec) if local is x else adopt(local.contiguous(), spec)  # contiguous, as the whole tensor
 
 
 def _bad_dim(dim: object, ndim: int) -> int:

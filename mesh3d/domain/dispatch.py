@@ -2,8 +2,9 @@
 
 Usage: not called directly; ``DomainTensor.__torch_function__`` sends every torch call here.
 
-For each call it picks, in order: a metadata query (``.shape``, ``.dtype`` ...: answered from the
-local shard, on the DomainTensor itself so autograd hooks attach to the right node); the op's rule
+For each call it picks, in order: a metadata query (``.dtype``, ``.device`` ...: answered from the
+local shard, on the DomainTensor itself so autograd hooks attach to the right node); a size query
+(``.shape``, ``size()``, ``numel()``, ``len()``, ``stride()``: answered for the whole tensor); the op's rule
 when some input is sharded (the rule returns a ``step.Step``: the requirements are resolved here,
 the local function is called on plain tensors and the results are wrapped); for replicated values
 only, the op itself (every rank holds the same value, so any op is right); otherwise it raises
@@ -12,6 +13,8 @@ only, the op itself (every rank holds the same value, so any op is right); other
 
 from __future__ import annotations
 
+import inspect
+import math
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -29,51 +32,83 @@ from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
 from mesh3d.domain.registry import BLOCK_RULES, RULES, TOKEN_RULES, op_name, tree_map
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, LocalLength, adopt, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, global_shape_of, unwrap
 
-__all__ = ["METADATA", "dispatch", "redistribute_local", "run_step"]
+__all__ = ["GLOBAL_SIZES", "METADATA", "dispatch", "redistribute_local", "run_step"]
 
-# Queries whose answer is about the local shard and contains no tensor data to get wrong.
-_METADATA_NAMES = (
-    "shape", "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "layout", "grad",
+# Queries answered from the local shard: they hold no size and no tensor data to get wrong.
+_LOCAL_METADATA_NAMES = (
+    "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "layout", "grad",
     "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "_version", "output_nr", "_base", "is_nested",
     # autograd bookkeeping that torch itself reads and writes during in-place ops and hook registration
     "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "_grad", "_grad_fn", "is_cpu",
+    # introspection by torch.compile, FSDP and the autograd engine: must never raise (compile_anchors.md)
+    "_is_view", "is_inference", "is_shared", "is_pinned", "is_conj", "is_neg", "_is_zerotensor", "itemsize",
+    "is_mps", "is_xpu", "is_mkldnn", "is_vulkan", "is_ipu", "is_sparse_csr", "has_names", "_python_dispatch",
 )
 METADATA: set = set()
-for _name in _METADATA_NAMES:
+for _name in _LOCAL_METADATA_NAMES:
     _attr = getattr(torch.Tensor, _name, None)
-    if _attr is not None and hasattr(_attr, "__get__"):
+    if _attr is None:
+        continue
+    if inspect.isdatadescriptor(_attr):  # a property such as .dtype: its getter (and setter) is what torch passes
         METADATA.add(_attr.__get__)
         if hasattr(_attr, "__set__"):
             METADATA.add(_attr.__set__)
+    else:
+        METADATA.add(_attr)
 METADATA.update(
     getattr(torch.Tensor, n)
     for n in (
-        "dim", "size", "stride", "is_contiguous", "element_size", "data_ptr", "is_floating_point", "is_complex",
+        "dim", "is_contiguous", "element_size", "data_ptr", "is_floating_point", "is_complex",
         "backward", "retain_grad", "register_hook", "get_device", "__hash__", "__format__", "storage_offset",
-        "requires_grad_", "untyped_storage", "__reduce_ex__", "__deepcopy__", "__setstate__", "numel", "nelement",
+        "requires_grad_", "untyped_storage", "__reduce_ex__", "__deepcopy__", "__setstate__", "is_signed",
+        "register_post_accumulate_grad_hook", "_is_view", "is_set_to", "nbytes",
     )
     if hasattr(torch.Tensor, n)
 )
 # Their function forms too: FSDP's mixed precision asks torch.is_floating_point(x) of every input.
 METADATA.update((torch.is_floating_point, torch.is_complex))
 
+#: Size queries: answered for the whole tensor, as DTensor does (``x.shape`` is the one-process shape).
+GLOBAL_SIZES = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement,  # type: ignore[attr-defined]
+                torch.Tensor.__len__, torch.Tensor.stride, torch.numel}
 
-_SHAPE_QUERIES = {torch.Tensor.shape.__get__, torch.Tensor.size}  # type: ignore[attr-defined]
+
+def _global_size_answer(func: Callable, x: DomainTensor, rest: tuple, kwargs: dict) -> Any:
+    """``func``'s answer (a size query) for the whole tensor ``x`` stands for."""
+    whole = global_shape_of(x)
+    if func is torch.Tensor.shape.__get__:  # type: ignore[attr-defined]
+        return whole
+    if func in (torch.Tensor.numel, torch.Tensor.nelement, torch.numel):
+        return math.prod(whole)
+    if func is torch.Tensor.__len__:
+        if not whole:
+            raise TypeError("len() of a 0-d tensor")
+        return whole[0]
+    dim = rest[0] if rest else kwargs.get("dim")
+    if func is torch.Tensor.stride:
+        strides = _global_strides(x, whole)
+        return strides if dim is None else strides[dim]
+    return whole if dim is None else whole[dim]  # size()
 
 
-def _with_global_lengths(out: Any, x: DomainTensor, rest: tuple, kwargs: dict) -> Any:
-    """A shape query's answer with each sharded dim's entry a ``LocalLength`` (local value, global length known)."""
-    spec = x._spec
-    dims = getattr(spec, "dims", None) or ((spec.dim,) if spec.dim is not None else ())
-    if not dims:
-        return out
-    whole = x.global_shape
-    if isinstance(out, int):  # x.size(dim)
-        dim = (rest[0] if rest else kwargs["dim"]) % len(whole)
-        return LocalLength(out, whole[dim]) if dim in dims else out
-    return torch.Size([LocalLength(n, whole[i]) if i in dims else n for i, n in enumerate(out)])
+def _global_strides(x: DomainTensor, whole: torch.Size) -> tuple[int, ...]:
+    """Strides of the whole tensor laid out in the shard's memory order (contiguous, channels-last, ...).
+
+    Dims the shard expands (stride 0, length > 1) keep stride 0. A zero stride on a dim of an empty shard is only
+    the product with its zero length: such dims are outermost, as they are in the shard's peers.
+    """
+    with disable_torch_function_subclass():
+        local, sizes = x.stride(), x.shape
+    expanded = {d for d in range(len(whole)) if local[d] == 0 and sizes[d] > 1} if 0 not in sizes else set()
+    order = sorted((d for d in range(len(whole)) if d not in expanded),
+                   key=lambda d: (local[d] != 0, -local[d], d))  # outermost first, as in memory
+    strides, step = [0] * len(whole), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(whole[d], 1)
+    return tuple(strides)
 
 
 def _replicated_dtensor_to_local(o: Any) -> Any:
@@ -147,10 +182,9 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """
     if func in METADATA:
         with disable_torch_function_subclass():
-            out = func(*args, **kwargs)
-        if func in _SHAPE_QUERIES and isinstance(args[0], DomainTensor):
-            return _with_global_lengths(out, args[0], args[1:], kwargs)
-        return out
+            return func(*args, **kwargs)
+    if func in GLOBAL_SIZES and isinstance(args[0], DomainTensor):
+        return _global_size_answer(func, args[0], args[1:], kwargs)
     found, sharded, dtensor = _scan(args, kwargs)
     if dtensor:
         args, kwargs = tree_map(_replicated_dtensor_to_local, args), tree_map(_replicated_dtensor_to_local, kwargs)

@@ -4,12 +4,14 @@ Usage::
 
     from mesh3d.domain.divergence import DomainDivergenceError
     try:
-        loss = model(xs).mean()        # a model that branches on x.shape (the local shape)
+        loss = model(xs).mean()        # a model that branches on this rank's data or local sizes
     except DomainDivergenceError as err:
         print(err)                     # the first op that differs on each rank, and its source line
 
-Unchanged models read local shapes (``x.shape`` is this rank's shard), so code such as
-``if x.shape[2] % 2: x = F.pad(...)`` can take a different path on each domain rank. Each rank keeps
+Sizes are global (``x.shape`` is the whole tensor's), so branches on sizes take the same path on every
+rank. What they cannot cover can still differ per rank: a branch on this rank's data
+(``if xs.to_local().max() > 0:``) or local sizes (``xs.local_shape``), or random numbers drawn on some
+ranks only, can send each domain rank down a different path. Each rank keeps
 a journal of the layout-changing domain ops it ran (op name, the result's sharded dim and global
 length, the user's source line) as a running fingerprint. Every exchange (halo, gather, redistribute
 and the domain reductions, forward and backward) first swaps a fixed-size header with each peer it
@@ -46,7 +48,7 @@ _INTERNAL_DIRS = (os.path.dirname(torch.__file__ or "") + os.sep,
 
 
 class DomainDivergenceError(RuntimeError):
-    """Domain ranks ran different domain ops (usually: the model branches on local shapes).
+    """Domain ranks ran different domain ops (a branch on per-rank data or local sizes, or a one-rank random draw).
 
     Usage: ``except DomainDivergenceError as err: print(err)``
     """
@@ -143,9 +145,9 @@ def recent_ops(count: int = 3) -> str:
 
 
 LIKELY_CAUSE = (
-    "Likely cause: the model branches on local shapes. On the domain axis x.shape is this rank's shard, so "
-    "code like `if x.shape[2] % 2:` or padding a skip connection to match its partner's shape can take a "
-    "different path on each rank. Shard so that every rank's size (but the last) is a multiple of the model's "
-    "downsampling factor: m = domain.downsampling_factor(model, x.shape, dim); "
-    "xs = domain.shard(x, dim, multiple_of=m). See docs/domain.md, 'Models that read x.shape'."
+    "Likely cause: the ranks branched on something that differs per rank: this rank's data (a branch on "
+    "xs.to_local()), its local sizes (xs.local_shape, xs.to_local().shape), or random numbers drawn on some ranks "
+    "only. Sizes read from x.shape are global and the same on every rank; branch on global values (a reduction such "
+    "as x.amax() is replicated), and seed with DistributedManager.manual_seed so every domain rank draws alike. "
+    "See docs/domain.md, 'When ranks take different paths'."
 )

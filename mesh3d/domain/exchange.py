@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.domain import divergence
+from mesh3d.manager import DistributedManager
 from mesh3d.domain.rows import ExchangePlan, Piece
 
 __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "exchange_all", "exchange_point",
@@ -36,15 +37,28 @@ __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "Traffi
 
 @dataclass(frozen=True)
 class DomainComm:
-    """The domain group: its process group, its members' global ranks in axis order, and my index."""
+    """A domain group as plain data: the manager's axis it is (``"domain"``, a grid line ``"domain_0"``, or None
+    for a one-rank domain), its members' global ranks in axis order, my index, and the mesh it belongs to.
 
-    group: dist.ProcessGroup | None
+    Plain, hashable data (no process group inside), so a domain tensor's spec can be compared, hashed and
+    deep-copied, and torch.compile can guard on it; ``group`` looks the process group up by axis.
+    """
+
+    axis: str | None
     ranks: tuple[int, ...]
     index: int
+    mesh_epoch: int = 0
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (None for a one-rank domain); raises for a domain tensor of an earlier mesh."""
+        if self.axis is None:
+            return None
+        return DistributedManager.group_of_epoch(self.axis, self.mesh_epoch)
 
 
 class TrafficCounter:
@@ -86,8 +100,9 @@ def count_traffic() -> Iterator[TrafficCounter]:
 
 def _post(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
           incoming: list[tuple[int, torch.Tensor]]) -> list:
-    ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], comm.group) for peer, buf in outgoing]
-    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], comm.group) for peer, buf in incoming]
+    group = comm.group
+    ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], group) for peer, buf in outgoing]
+    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], group) for peer, buf in incoming]
     return dist.batch_isend_irecv(ops) if ops else []
 
 

@@ -5,10 +5,9 @@ Usage::
     m = domain.downsampling_factor(model, x.shape, dim=2)     # e.g. 16 for a U-Net with four 2x poolings
     xs = domain.shard(x, dim=2, multiple_of=m)                 # every rank's size but the last: a multiple of m
 
-A model that compares local shapes (a decoder padding a skip to its partner's shape, ``if h % 2:``)
-sees on every rank the shapes one process sees only when each shard stays a whole number of
-windows all the way down; that holds when every size but the last is a multiple of the product of
-the strides that downsample the dim.
+Sizes are global, so any split gives the one-process answer; a split whose sizes (but the last) are
+multiples of the product of the strides that downsample the dim keeps every shard a whole number of
+windows all the way down, so pooling leaves no rank with a sliver of the work.
 """
 
 from __future__ import annotations

@@ -1,19 +1,29 @@
-"""DomainTensor: a tensor holding this rank's shard of a sample sharded over the ``domain`` axis.
+"""DomainTensor: a tensor sharded over the ``domain`` axis that answers every question as the whole tensor does.
 
 Usage::
 
     from mesh3d import domain
-    xs = domain.shard(x, dim=2)          # a DomainTensor; its data is the local shard
-    xs.global_shape, xs.offset, xs.sizes, xs.to_local()
+    xs = domain.shard(x, dim=2)          # a DomainTensor: this rank holds rows [offset, offset + local)
+    xs.shape, xs.numel(), len(xs)        # the WHOLE tensor's: exactly what x.shape, x.numel(), len(x) say
+    xs.to_local(), xs.local_shape        # this rank's shard (a plain tensor) and its shape
     y = conv(xs)                         # nn.Conv2d / F.conv2d: halo exchange, one-process answer
     y.full_tensor()                      # differentiable gather
 
-A DomainTensor *is* its local shard (``.shape`` is the local shape, so unchanged modules see local
-tensors), plus a ``DomainSpec``: the sharded dim and the per-rank sizes along it. A spec with
-``dim=None`` marks a value replicated over the domain (results of global reductions). Ops are
-intercepted with ``__torch_function__`` (so ``nn.Conv2d`` and ``F.conv2d`` are both covered and no
-torch function is patched); each op needs a rule in ``mesh3d.domain.registry``, and an op with no
-rule raises ``NotImplementedError`` naming it: never a silently wrong local answer.
+The contract is DTensor's: metadata is global (``shape``, ``size()``, ``numel()``, ``nelement()``, ``len()``,
+``stride()``), so model code that computes with sizes gets the one-process answer and every domain rank
+takes the same branch; the shard is ``to_local()``. Storage and autograd are local: a DomainTensor's data
+*is* its shard, so autograd runs on local tensors and every op rule's adjoint is a local one plus the
+exchanges it declares. The ``DomainSpec`` says which dim is sharded and every rank's size along it; a spec
+with ``dim=None`` marks a value replicated over the domain (results of global reductions). Ops are
+intercepted with ``__torch_function__`` (so ``nn.Conv2d`` and ``F.conv2d`` are both covered and no torch
+function is patched); each op needs a rule in ``mesh3d.domain.registry``, and an op with no rule raises
+``NotImplementedError`` naming it: never a silently wrong local answer.
+
+NOTE (the mechanism, measured in scripts/spike_subclass_compile.py): a ``__torch_function__`` subclass with
+global answers, not a ``__torch_dispatch__`` wrapper subclass as DTensor. The wrapper would move autograd to
+the global level and every rule to ATen; the ``__torch_function__`` subclass keeps ~50 rule families whose
+local adjoints are tested, and Dynamo traces it whole (one frame, fullgraph) once the dispatcher follows
+torch's own subclass pattern.
 """
 
 from __future__ import annotations
@@ -28,33 +38,7 @@ from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.exchange import DomainComm
 from mesh3d.domain.split import offsets_of
 
-__all__ = ["DomainSpec", "DomainTensor", "LocalLength", "adopt", "global_length", "sharded_dims", "unwrap", "wrap"]
-
-
-class LocalLength(int):
-    """A domain tensor's length along a sharded dim as this rank sees it (``xs.shape[2]``), carrying the global one.
-
-    Usage: ``h = xs.shape[2]; int(h), h.global_length``
-
-    It is an ``int`` (local code indexing its shard works as before); rules that take a *size* (e.g.
-    ``F.interpolate(y, size=xs.shape[2:])``, as Segformer's decoder does) read its global length, which is
-    what the same expression means in one process.
-    """
-
-    global_length: int
-
-    def __new__(cls, local: int, global_len: int) -> LocalLength:
-        out = super().__new__(cls, local)
-        out.global_length = global_len
-        return out
-
-
-def global_length(n: int) -> int:
-    """``n``'s global length when it is a ``LocalLength``, else ``n``.
-
-    Usage: ``m = global_length(size[sp])``
-    """
-    return n.global_length if isinstance(n, LocalLength) else n
+__all__ = ["DomainSpec", "DomainTensor", "adopt", "local_shape", "sharded_dims", "unwrap", "wrap"]
 
 
 @dataclass(frozen=True)
@@ -115,6 +99,29 @@ def adopt(fresh: torch.Tensor, spec: DomainSpec, keep: tuple = ()) -> DomainTens
     return fresh
 
 
+def local_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of ``t``'s storage: a domain tensor's shard, a plain tensor's own shape.
+
+    Usage: ``rows = local_shape(xs)[xs.spec.dim]``
+    """
+    with disable_torch_function_subclass():
+        return t.shape
+
+
+def global_shape_of(x: DomainTensor) -> torch.Size:
+    """The whole tensor's shape: the local shape with each sharded dim's length summed over the domain.
+
+    Usage: ``global_shape_of(xs) == xs.shape``
+    """
+    shape = list(local_shape(x))
+    spec = x._spec
+    if hasattr(spec, "dims"):  # blocks and token grids (mesh3d.domain.blocks / tokens)
+        return spec.global_shape(shape)  # type: ignore[attr-defined]
+    if spec.dim is not None:
+        shape[spec.dim] = sum(spec.sizes)
+    return torch.Size(shape)
+
+
 def unwrap(t: Any) -> Any:
     """The plain local tensor behind a DomainTensor (differentiable); anything else unchanged."""
     if isinstance(t, DomainTensor):
@@ -124,9 +131,9 @@ def unwrap(t: Any) -> Any:
 
 
 class DomainTensor(torch.Tensor):
-    """This rank's shard of a domain-sharded tensor (see the module docstring).
+    """A domain-sharded tensor: global metadata, this rank's shard as its data (see the module docstring).
 
-    Usage: ``xs = domain.shard(x, dim=2); xs.to_local(), xs.global_shape, xs.offset, xs.sizes``
+    Usage: ``xs = domain.shard(x, dim=2); xs.shape (global), xs.to_local(), xs.local_shape, xs.offset, xs.sizes``
     """
 
     _spec: DomainSpec
@@ -153,14 +160,13 @@ class DomainTensor(torch.Tensor):
 
     @property
     def global_shape(self) -> torch.Size:
-        """The shape of the whole (unsharded) tensor."""
-        with disable_torch_function_subclass():
-            shape = list(self.shape)
-        if hasattr(self._spec, "dims"):  # blocks (mesh3d.domain.blocks.BlockSpec)
-            return self._spec.global_shape(shape)  # type: ignore[attr-defined]
-        if self._spec.dim is not None:
-            shape[self._spec.dim] = sum(self._spec.sizes)
-        return torch.Size(shape)
+        """The shape of the whole (unsharded) tensor: the same as ``.shape``."""
+        return global_shape_of(self)
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's shard (``to_local().shape``)."""
+        return local_shape(self)
 
     def to_local(self) -> torch.Tensor:
         """This rank's shard as a plain tensor (differentiable)."""
@@ -176,7 +182,7 @@ class DomainTensor(torch.Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         local = unwrap(self)
         where = f"dims={self._spec.dims}" if hasattr(self._spec, "dims") else f"dim={self._spec.dim}"
-        return f"DomainTensor({where}, sizes={self._spec.sizes}, local={local!r})"
+        return f"DomainTensor(shape={tuple(global_shape_of(self))}, {where}, sizes={self._spec.sizes}, local={local!r})"
 
     # ----------------------------------------------------------------- dispatch
     #: The dispatcher (``mesh3d.domain.dispatch.dispatch``), set when ``mesh3d.domain`` is imported.

@@ -3,8 +3,9 @@
 Each ``ZooModel`` names its library, a builder, how to call it, an input shape, the sharded dim and
 the uneven 3-rank split it is tested on (aligned to the model's downsampling where it compares local
 shapes). ``refusal`` is None for a model that must equal one process, else a piece of the error it
-must raise (the op without an exact domain form); ``workaround`` says what a user can do then.
-Dropout is 0 (a per-shard mask cannot match one process); everything runs in float64.
+must raise (the op without an exact domain form) on the layouts in ``refused_on`` ("2" and "3" ranks
+of slabs, "blocks" for a 2x2 grid); it equals one process on the others. ``workaround`` says what a
+user can do. Dropout is 0 here; everything runs in float64.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class ZooModel:
     covers: str
     refusal: str | None = None
     workaround: str = ""
+    refused_on: frozenset[str] = frozenset({"2", "3", "blocks"})
+
+    def refused(self, layout: str) -> bool:
+        """Whether this model must raise ``refusal`` on ``layout`` ("2", "3" or "blocks")."""
+        return self.refusal is not None and layout in self.refused_on
 
 
 def _call(model, x):
@@ -175,10 +181,11 @@ ZOO: dict[str, ZooModel] = {
                                     "2-D U-Net with attention gates (sigmoid gating of skips)"),
     "monai.SwinUNETR": ZooModel("monai", _monai_swin_unetr, _call, (1, 1, 64, 64), 2, (32, 16, 16),
                                 "2-D shifted-window transformer encoder, conv decoder",
-                                # 3 ranks: its own shape check fails on ranks 1 and 2; rank 0 then names them
-                                refusal="domain tensors sharded along different dims | must be divisible by "
-                                        "| did not complete the exchange",
-                                workaround="shard along the batch dim, or gather before the window attention"),
+                                # 3 ranks: the third stage's rows (4, 2, 2) are not whole windows; blocks: the window
+                                # partition splits both block dims
+                                refusal="whole rows of | would mix the blocks' rows", refused_on=frozenset({"3", "blocks"}),
+                                workaround="shard in whole windows at every stage (multiples of window x 2^stages), "
+                                           "or along the batch dim"),
     "diffusers.UNet2DModel": ZooModel("diffusers", _diffusers_unet2d, _sample, (1, 2, 16, 16), 2, (8, 4, 4),
                                       "2-D diffusion U-Net, timestep embedding, self-attention blocks, GroupNorm"),
     "diffusers.AutoencoderKL": ZooModel("diffusers", _diffusers_autoencoder, _autoencoder_forward, (1, 2, 16, 16), 2,
@@ -188,17 +195,16 @@ ZOO: dict[str, ZooModel] = {
     "transformers.ResNet": ZooModel("transformers", _hf_resnet, _logits, (2, 2, 32, 16), 2, (16, 8, 8),
                                     "2-D ResNet, BatchNorm, max pooling, classifier head"),
     # Its decoder upsamples to F.interpolate(size=encoder_hidden_states[0].size()[2:]): a size read from a domain
-    # tensor's shape, whose sharded entry carries its global length (LocalLength).
+    # tensor's shape, which is global, as in one process.
     "transformers.Segformer": ZooModel("transformers", _hf_segformer, _logits, (1, 2, 32, 16), 2, (16, 8, 8),
                                        "2-D hierarchical transformer, reduced K/V attention, MLP decoder"),
+    # Its embeddings check the input's size against the configured image size: global, so it passes.
     "transformers.ViT": ZooModel("transformers", _hf_vit, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
-                                 "2-D vision transformer, class token, position embedding",
-                                 refusal="doesn't match model",
-                                 workaround="embed the patches, then run the encoder on the sharded tokens"),
+                                 "2-D vision transformer, class token, position embedding"),
     "transformers.Swin": ZooModel("transformers", _hf_swin, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
                                   "2-D shifted-window transformer classifier",
                                   refusal="the query must be a domain tensor sharded along its sequence dim "
-                                          "| failed in torch.scaled_dot_product_attention",
+                                          "| failed in torch.scaled_dot_product_attention | whole rows of",
                                   workaround="shard along the batch dim, or gather before the window attention"),
     "neuraloperator.FNO": ZooModel("neuraloperator", _neuralop_fno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                    "2-D Fourier neural operator (spectral convolutions)", refusal="numpy() | Size of label",
@@ -206,8 +212,9 @@ ZOO: dict[str, ZooModel] = {
     "x-transformers.ViTransformerWrapper": ZooModel(
         "x-transformers", _x_vit, _call, (2, 2, 16, 16), 2, (8, 4, 4),
         "2-D vision transformer via einops patches, position embedding",
-        refusal="varies along the sharded dim 1 | failed in torch.Tensor.add",
-        workaround="add the full position embedding (pos_embedding[:, :num_patches]); mesh3d slices it"),
+        # blocks: einops' (h p1) (w p2) patching splits both block dims
+        refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
+        workaround="patch with a strided conv (the Conv2d patch embedding runs on blocks)"),
 }
 
 

@@ -106,15 +106,15 @@ def _zoo_body(names: list[str], timeout_s: float | None = None, grid: tuple[int,
     return results
 
 
-def _names(refused: bool) -> list[str]:
+def _names(refused: bool, layout: str) -> list[str]:
     from zoo.models import ZOO
 
-    return [name for name, entry in ZOO.items() if (entry.refusal is not None) == refused]
+    return [name for name, entry in ZOO.items() if entry.refused(layout) == refused]
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_zoo_models_equal_one_process(ranks, world):
-    for name, per_rank in _run(ranks, world, _names(refused=False), timeout=600).items():
+    for name, per_rank in _run(ranks, world, _names(refused=False, layout=str(world)), timeout=600).items():
         assert all(r["status"] == "ok" and r["err"] < RTOL for r in per_rank), (name, per_rank)
 
 
@@ -124,7 +124,7 @@ def test_zoo_refusals_raise_their_error_on_every_rank(ranks, world):
     short group timeout: a rank whose peers failed outside mesh3d names them instead of hanging."""
     from zoo.models import ZOO
 
-    for name in _names(refused=True):
+    for name in _names(refused=True, layout=str(world)):
         per_rank = _run(ranks, world, [name], timeout=120, timeout_s=REFUSAL_TIMEOUT_S)[name]
         expected = ZOO[name].refusal.split(" | ")  # alternatives: ranks holding different shards may fail at different checks
         assert all(r["status"] == "refused" and any(e in r["error"] for e in expected) for r in per_rank), (name, per_rank)
@@ -133,7 +133,7 @@ def test_zoo_refusals_raise_their_error_on_every_rank(ranks, world):
 def test_zoo_models_equal_one_process_on_a_2x2_grid_of_blocks(ranks):
     """The same models on 2x2 blocks (their sharded dim and the next): tokens, channels-last LayerNorm, reduced-K/V
     attention by matmul, diffusers' attention blocks and the VAE's posterior chunk all run on blocks."""
-    for name, per_rank in _run(ranks, 4, _names(refused=False), timeout=600, grid=(2, 2)).items():
+    for name, per_rank in _run(ranks, 4, _names(refused=False, layout="blocks"), timeout=600, grid=(2, 2)).items():
         assert all(r["status"] == "ok" and r["err"] < RTOL for r in per_rank), (name, per_rank)
 
 
@@ -141,7 +141,7 @@ def test_zoo_refusals_on_blocks_raise_on_every_rank(ranks):
     """What the models that slabs refuse do on blocks: a refusal naming the op (or the library's own shape check)
     on every rank, never a wrong answer or a hang."""
     named = ("has no rule for", "would mix the blocks' rows", "doesn't match model")
-    for name in _names(refused=True):
+    for name in _names(refused=True, layout="blocks"):
         per_rank = _run(ranks, 4, [name], timeout=120, timeout_s=REFUSAL_TIMEOUT_S, grid=(2, 2))[name]
         assert all(r["status"] == "refused" and any(e in r["error"] for e in named) for r in per_rank), (name, per_rank)
 

@@ -83,7 +83,7 @@ def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, r
     needs = tuple((Span.rows(max(off - radius, 0), min(off + size + radius, n)),) if size else ()
                   for off, size in zip(offsets_of(q.spec.sizes), q.spec.sizes))
     kv, width = _kv_rows(k, v, needs)
-    offset, rows_here = q.offset, q.shape[-2]
+    offset, rows_here = q.offset, q.spec.sizes[q.spec.comm.index]
 
     def compute(query, *gathered):
         k_ext, v_ext = _split_kv(gathered, width)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.blocks import BlockSpec
-from mesh3d.domain.ops.grid_reshape import place_run, shape_rules
+from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.registry import BLOCK_RULES
 from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.tokens import TokenSpec
@@ -57,21 +57,22 @@ def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     Usage: ``t = reshape_blocks(e, [b, c, -1], "torch.reshape", view=False)  # a token grid``
     """
     spec, local = _spec(x), unwrap(x)
-    shape = list(local.shape)
+    shape, whole = list(local.shape), list(x.shape)
     first, last = min(spec.dims), max(spec.dims)
-    run = [shape[d] for d in range(first, last + 1)]
+    run, global_run = shape[first:last + 1], whole[first:last + 1]
     consecutive = spec.dims == tuple(range(first, last + 1))
     reshape = local.view if view else local.reshape
-    placed = place_run(target, shape, first, last, run) if consecutive else None
+    placed = localized(place_run(target, whole, first, last, global_run), run) if consecutive else None
     if placed is not None:
         at, full = placed
         return adopt(reshape(full), _moved(spec, tuple(d - first + at for d in spec.dims)))
-    placed = place_run(target, shape, first, last, [math.prod(run)]) if consecutive else None
+    placed = localized(place_run(target, whole, first, last, [math.prod(global_run)]), [math.prod(run)]) \
+        if consecutive else None
     if placed is not None:
         at, full = placed
         return adopt(reshape(full), TokenSpec(at, spec.sizes, spec.lines, spec.comm))
     raise NotImplementedError(
-        f"{op}{tuple(target)} of a block tensor of local shape {tuple(shape)} (block dims {spec.dims}) would mix the "
+        f"{op}{tuple(target)} of a block tensor of shape {tuple(whole)} (block dims {spec.dims}) would mix the "
         "blocks' rows with other dims. On blocks a reshape may split and merge the other dims, or merge exactly the "
         "block dims (consecutive, in order) into one token dim, as flatten(2) does; call .full_tensor() first "
         "otherwise")

@@ -28,7 +28,7 @@ from mesh3d.domain.ops.interpolate import _sources, lerp_rows
 from mesh3d.domain.registry import BLOCK_RULES, op_name
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, global_length, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 
 __all__: list[str] = []
 
@@ -148,7 +148,7 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     sfs = None if scale_factor is None else list(_tuple(scale_factor, nd))
     if recompute_scale_factor and sfs is not None:
         size, sfs = [math.floor(g * f) for g, f in zip(shape, sfs)], None
-    outs = [global_length(n) for n in _tuple(size, nd)] if size is not None else \
+    outs = [int(n) for n in _tuple(size, nd)] if size is not None else \
         [math.floor(n * f) for n, f in zip(shape, sfs)]
     per_dim, out_sizes = [], []
     for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
@@ -243,7 +243,7 @@ def _adaptive(kind: str, nd: int) -> Callable:
         if return_indices:
             raise NotImplementedError(f"{name}(return_indices=True) on blocks")
         first_dim = input.ndim - nd
-        outs = [o if o is None else global_length(o) for o in _tuple(output_size, nd)]
+        outs = [o if o is None else int(o) for o in _tuple(output_size, nd)]
         local, out_sizes = unwrap(input), []
         for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
             n = sum(sizes)

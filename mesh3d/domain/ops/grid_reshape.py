@@ -7,8 +7,9 @@ A reshape of a block or token-grid tensor is exact on every rank when it keeps t
 run of sizes (the block's rows, the tokens) intact, with the same number of elements before and after
 it: the other dims may split and merge freely (``(B, N, heads*hd) -> (B, N, heads, hd)``). The run may
 also be replaced by another run holding the same rows in the same order: the block dims merged into
-tokens (``flatten(2)``) or the tokens split back into the block (``reshape(b, c, h, w)``). Every rank
-decides from its local sizes, which agree with the global layout by construction; a target that does
+tokens (``flatten(2)``) or the tokens split back into the block (``reshape(b, c, h, w)``). The target is
+global (sizes read from ``.shape``, as in one process): the run is placed in the global shape, and this
+rank reshapes to the same target with its local run there; every rank decides alike. A target that does
 not keep the run is refused.
 """
 
@@ -20,9 +21,9 @@ from typing import Any
 
 import torch
 
-from mesh3d.domain.tensor import DomainTensor, unwrap
+from mesh3d.domain.tensor import DomainTensor
 
-__all__ = ["place_run", "shape_rules", "target_shape"]
+__all__ = ["localized", "place_run", "shape_rules", "target_shape"]
 
 
 def target_shape(args: tuple, op: str) -> list[int]:
@@ -73,6 +74,17 @@ def place_run(target: Sequence[int], local: Sequence[int], first: int, last: int
     return k, shape
 
 
+def localized(placed: tuple[int, list[int]] | None, local_run: Sequence[int]) -> tuple[int, list[int]] | None:
+    """A placement found in the global shape (``place_run``) with the run replaced by this rank's local run.
+
+    Usage: ``at, local_target = localized(place_run(target, whole, 2, 3, global_run), local_run)``
+    """
+    if placed is None:
+        return None
+    at, full = placed
+    return at, [*full[:at], *local_run, *full[at + len(local_run):]]
+
+
 def shape_rules(reshape: Callable[[DomainTensor, list[int], str, bool], Any]) -> dict[Callable, Callable]:
     """The view / reshape / flatten / unflatten rules of a layout, from its ``reshape(x, target, op, view)``.
 
@@ -86,13 +98,13 @@ def shape_rules(reshape: Callable[[DomainTensor, list[int], str, bool], Any]) ->
         return rule
 
     def flatten(input, start_dim=0, end_dim=-1):
-        shape = list(unwrap(input).shape)
+        shape = list(input.shape)
         start, end = start_dim % len(shape), end_dim % len(shape)
         return reshape(input, [*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:]],
                        f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", False)
 
     def unflatten(input, dim, sizes):
-        shape = list(unwrap(input).shape)
+        shape = list(input.shape)
         d = dim % len(shape)
         return reshape(input, [*shape[:d], *sizes, *shape[d + 1:]], "torch.unflatten", False)
 

@@ -6,7 +6,7 @@ Usage: automatic, through torch::
     x = torch.cat([cls_token, x], dim=1)  # rows go to the rank owning that position (layout uneven)
     x = x[:, 1:]                          # slices (any positive step) keep the sharding
     e = F.embedding(ids_s, weight)        # ids sharded: the result is sharded like them
-    pos = domain.positions(xs)            # global positions of this rank's rows (never torch.arange(x.shape[1]))
+    pos = domain.positions(xs)            # global positions of this rank's rows (no O(global) arange on any rank)
 
 Every rule decides from the global layout (``spec.sizes``), so every rank takes the same path and
 raises the same error.
@@ -14,6 +14,9 @@ raises the same error.
 
 from __future__ import annotations
 
+import os
+import traceback
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -21,13 +24,13 @@ import torch.nn.functional as F
 
 from mesh3d.domain.collectives import sum_grad
 from mesh3d.domain.dispatch import run_step
-from mesh3d.domain.ops.reshape import reshaped
+from mesh3d.domain.ops.reshape import reshaped, target_shape
 from mesh3d.domain.registry import register
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.step import Entering, Step
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
 
-__all__ = ["cat_along_sharded", "positions"]
+__all__ = ["cat_along_sharded", "positions", "replicated_slice", "slice_sizes"]
 
 
 def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
@@ -35,7 +38,8 @@ def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
 
     Usage: ``pos = domain.positions(xs); xs + pos_embedding(pos)``
 
-    ``torch.arange(x.shape[1])`` gives *local* positions (``.shape`` is local): use this instead.
+    ``torch.arange(x.shape[1])`` is right too (sizes are global; it is sliced where it meets ``x``), but holds every
+    position on every rank; this holds this rank's only.
     """
     spec = x.spec
     if spec.dim is None:
@@ -47,7 +51,7 @@ def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
 
 
 # ----------------------------------------------------------------------------- indexing
-def _slice_sizes(sizes: Sequence[int], start: int, stop: int, step: int) -> list[tuple[int, int, int]]:
+def slice_sizes(sizes: Sequence[int], start: int, stop: int, step: int) -> list[tuple[int, int, int]]:
     """Per rank: (local start, local stop, count) of ``range(start, stop, step)`` within its rows."""
     out = []
     for off, n in zip(offsets_of(sizes), sizes):
@@ -116,7 +120,7 @@ def _getitem(x: DomainTensor, index):
     n = sum(spec.sizes)
     item = items[_item_of(items, spec.dim)]
     start, stop, step = item.indices(n)
-    per_rank = _slice_sizes(spec.sizes, start, stop, step)
+    per_rank = slice_sizes(spec.sizes, start, stop, step)
     lo, hi, _ = per_rank[spec.comm.index]
     local_items = list(items)
     local_items[_item_of(items, spec.dim)] = slice(lo, hi, step)
@@ -185,11 +189,29 @@ def replicated_slice(o: torch.Tensor, dim: int, ref: DomainTensor) -> torch.Tens
 
     Usage: ``pos = replicated_slice(pos_embed, 1, xs)`` (the element-wise rule calls it for ``xs + pos_embed``)
 
-    A replicated value's gradient is summed over the domain first (each rank contributes its rows).
+    A replicated value's gradient is summed over the domain first (each rank contributes its rows). A plain
+    tensor as large as the whole domain tensor is warned about once per line of user code: it costs O(global)
+    memory on every rank, where ``xs.new_zeros(xs.shape)`` or ``torch.zeros_like(xs)`` hold this rank's rows only.
     """
     spec = ref.spec
+    if not isinstance(o, DomainTensor) and spec.comm.size > 1 and o.numel() >= ref.numel() > 0:
+        _warn_whole_size(o, ref)
     plain = sum_grad(unwrap(o), spec.comm) if isinstance(o, DomainTensor) and o.requires_grad else unwrap(o)
     return plain.narrow(dim, spec.offset, spec.sizes[spec.comm.index])
+
+
+def _warn_whole_size(o: torch.Tensor, ref: DomainTensor) -> None:
+    frame = next((f for f in reversed(traceback.extract_stack()[:-2])
+                  if not any(part in f.filename for part in (f"{os.sep}torch{os.sep}", f"{os.sep}mesh3d{os.sep}"))),
+                 None)
+    message = (f"a plain tensor of shape {tuple(o.shape)} meets a domain tensor of global shape {tuple(ref.shape)}: it "
+               f"holds the whole tensor on each of the {ref.spec.comm.size} domain ranks (O(global) memory each), of "
+               "which each rank uses its rows; build it with x.new_zeros(x.shape) / torch.zeros_like(x) (or from "
+               "domain.positions(x)) to hold this rank's rows only")
+    if frame is None or frame.lineno is None:
+        warnings.warn(message, ResourceWarning, stacklevel=3)
+    else:
+        warnings.warn_explicit(message, ResourceWarning, frame.filename, frame.lineno, module="mesh3d.domain")
 
 
 # ----------------------------------------------------------------------------- embeddings and shape ops
@@ -232,49 +254,27 @@ def _squeeze(input, dim=None) -> Step:
 def _expand(input, *sizes) -> Step:
     sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
     spec = _shifted(input, len(sizes))
-    local = unwrap(input).shape[input.spec.dim]
-    if sizes[spec.dim] not in (-1, local):
-        raise NotImplementedError(
-            f"torch.Tensor.expand{tuple(sizes)} changes the sharded dim {spec.dim} (local length {local}); "
-            "use -1 there (the local length)"
+    length = sum(spec.sizes)
+    if sizes[spec.dim] not in (-1, length):
+        raise RuntimeError(
+            f"torch.Tensor.expand{tuple(sizes)}: the expanded size ({sizes[spec.dim]}) must match the existing size "
+            f"({length}) at the sharded dim {spec.dim}, as in one process; use -1 or {length} there"
         )
-    return Step(lambda t: t.expand(sizes), (input,), out=spec)
+    local = tuple(-1 if i == spec.dim else n for i, n in enumerate(sizes))
+    return Step(lambda t: t.expand(local), (input,), out=spec)
 
 
 @register(torch.Tensor.expand_as)
 def _expand_as(input, other) -> Step:
-    return _expand(input, *unwrap(other).shape)
+    return _expand(input, *other.shape)
 
 
 @register(torch.unflatten, torch.Tensor.unflatten)
 def _unflatten(input, dim, sizes):
-    shape = list(unwrap(input).shape)
+    shape = list(input.shape)
     d = dim % len(shape)
-    return reshaped(input, [*shape[:d], *sizes, *shape[d + 1:]], "torch.unflatten ->", view=False)
-
-
-def _chunk_rule(func):
-    def rule(input, split_size_or_sections, dim=0):
-        if dim % input.ndim == input.spec.dim:
-            raise NotImplementedError(
-                f"{func.__qualname__} along the sharded dim {input.spec.dim} is not supported; split another dim "
-                "or use slicing (x[:, a:b])"
-            )
-        return Step(lambda t: func(t, split_size_or_sections, dim), (input,), out=input.spec)
-
-    return rule
-
-
-for _f in (torch.chunk, torch.Tensor.chunk, torch.split, torch.Tensor.split):
-    register(_f)(_chunk_rule(_f))
-
-
-@register(torch.unbind, torch.Tensor.unbind)
-def _unbind(input, dim=0) -> Step:
-    d = dim % input.ndim
-    if d == input.spec.dim:
-        raise NotImplementedError(f"torch.unbind along the sharded dim {d} is not supported; unbind another dim")
-    return Step(lambda t: t.unbind(d), (input,), out=_shifted(input, input.ndim - 1))
+    inner = target_shape((tuple(sizes),), shape[d])
+    return reshaped(input, [*shape[:d], *inner, *shape[d + 1:]], "torch.unflatten ->", view=False)
 
 
 _COMPLEX_PARTS = (getattr(torch.Tensor, "real").__get__, getattr(torch.Tensor, "imag").__get__, torch.real, torch.imag, torch.conj,

@@ -22,8 +22,8 @@ from mesh3d.domain.ops.conv import spatial_axis, weight_connected_zeros
 from mesh3d.domain.registry import register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
+from mesh3d.domain.tensor import unwrap
 from mesh3d.domain.step import Rows, Step
-from mesh3d.domain.tensor import global_length
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 
@@ -86,8 +86,8 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     if recompute_scale_factor and sfs is not None:
         size, sfs = [math.floor(g * f) for g, f in zip(input.global_shape[2:], sfs)], None
     # NOTE: a size read from a domain tensor's shape (``size=t.shape[2:]``) means its global length, as in one process.
-    outs = [global_length(n) for n in size] if isinstance(size, (list, tuple)) else \
-        ([global_length(size)] * nd if size is not None else None)
+    outs = [int(n) for n in size] if isinstance(size, (list, tuple)) else \
+        ([int(size)] * nd if size is not None else None)
     m = outs[sp] if outs is not None else math.floor(n * sfs[sp])
     if input.spec.comm.size == 1:  # the whole dim is here: torch's own kernel
         return Step(whole, (input,), out=input.spec.with_sizes((m,)))
@@ -97,7 +97,7 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     needs = tuple((Span.rows(int(i0[a]), int(i1[b - 1]) + 1),) if b > a else () for a, b in bounds)
     a, b = bounds[input.spec.comm.index]
     dim = 2 + sp
-    local_shape = list(input.shape)
+    local_shape = list(unwrap(input).shape)
 
     def compute(ext):
         if b == a:

@@ -116,7 +116,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
         return Step(lambda t: F.layer_norm(t, normalized_shape, weight, bias, eps), (input,), out=input.spec)
     count = math.prod(input.global_shape[first:])
     at = input.spec.dim - first
-    offset, rows = input.offset, input.shape[input.spec.dim]
+    offset, rows = input.offset, input.spec.sizes[input.spec.comm.index]
 
     def compute(local):
         y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, input.spec.comm)

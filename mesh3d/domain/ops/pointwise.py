@@ -1,4 +1,4 @@
-"""Element-wise ops, channel-dim ops (Linear, softmax over a channel), cat, transpose and dropout.
+"""Element-wise ops, channel-dim ops (Linear, softmax over a channel), cat and transpose.
 
 Usage: automatic; ``torch.relu(xs)``, ``xs * 2 + ys``, ``nn.Linear`` over channels-last, ``torch.cat``
 of skip connections along channels all return domain tensors with the same sharding.
@@ -140,29 +140,24 @@ def _linear(input, weight, bias=None) -> Step:
     return local_unless_sharded(F.linear, input, [-1], "Linear mixes the last dim", weight, bias)
 
 
-def _softmax_rule(func):
-    def rule(input, dim=None, _stacklevel=3, dtype=None) -> Step:
-        return local_unless_sharded(func, input, [dim], "softmax", dim, dtype=dtype)
-
-    return rule
-
-
-for _sm in (F.softmax, F.log_softmax):
-    register(_sm)(_softmax_rule(_sm))
-for _sm in (torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
-    register(_sm)(lambda input, dim, dtype=None, _sm=_sm: local_unless_sharded(_sm, input, [dim], "softmax", dim,
-                                                                               dtype=dtype))
-
-
 @register(torch.cat, torch.concat)
 def _cat(tensors, dim=0) -> Step:
     ref = _check_same_sharding(torch.cat, _sharded(tensors))
     if _norm_dim(dim, ref.ndim) == ref.spec.dim:
         return cat_along_sharded(tensors, ref.spec.dim, ref)
-    for t in tensors:
-        if not isinstance(t, DomainTensor):
-            raise ValueError("torch.cat: every input must be a domain tensor sharded the same way; shard the plain one")
-    return Step(lambda *ts: torch.cat(ts, dim), tuple(_in_ref_layout(ref, t) for t in tensors), out=ref.spec)
+    length = sum(ref.spec.sizes)
+
+    def requirement(t):
+        if isinstance(t, DomainTensor) and t.spec.dim is not None:
+            return _in_ref_layout(ref, t)
+        if t.ndim == ref.ndim and t.shape[ref.spec.dim] == length:  # e.g. a coordinate channel of global length
+            return replicated_slice(t, ref.spec.dim, ref)
+        raise ValueError(f"torch.cat along dim {dim}: a tensor of shape {tuple(t.shape)} next to a domain tensor of "
+                         f"global shape {tuple(ref.shape)}; give it the global length {length} at the sharded dim "
+                         f"{ref.spec.dim} (each rank then takes its rows), or shard it too")
+
+    return Step(lambda *ts: torch.cat(ts, dim), tuple(requirement(t) for t in tensors), out=ref.spec,
+                keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
 
 
 @register(torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)
@@ -178,16 +173,6 @@ def _permute(input, *dims) -> Step:
     dims = tuple(_norm_dim(d, input.ndim) for d in dims)
     return Step(lambda t: t.permute(dims), (input,),
                 out=input.spec.with_sizes(input.spec.sizes, dim=dims.index(input.spec.dim)))
-
-
-@register(F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout)
-def _dropout(input, p=0.5, training=True, inplace=False):
-    if not training or p == 0:
-        return input
-    raise NotImplementedError(
-        "dropout in training mode on a domain tensor is not supported: a per-shard random mask would not match "
-        "one process; use p=0 or model.eval() on the domain-sharded part, or apply dropout after .full_tensor()"
-    )
 
 
 @register(torch.Tensor.view_as)

@@ -20,7 +20,6 @@ from mesh3d.domain.registry import register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.step import Extended, Rows, Step, Window
-from mesh3d.domain.tensor import global_length
 
 
 def _out_len(n, k, s, p, d, ceil_mode):
@@ -111,7 +110,7 @@ def _adaptive_rule(func, nd: int):
         if sp < 0:
             return Step(lambda t: func(t, output_size), (input,), out=input.spec)
         sizes, n = input.spec.sizes, sum(input.spec.sizes)
-        out = [o if o is None else global_length(o) for o in _tuple(output_size, nd)]  # t.shape sizes: global
+        out = [o if o is None else int(o) for o in _tuple(output_size, nd)]  # t.shape sizes: global
         m = out[sp] if out[sp] is not None else n
         if input.spec.comm.size == 1:
             return Step(lambda t: func(t, output_size), (input,), out=input.spec.with_sizes((m,)))

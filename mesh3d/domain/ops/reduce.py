@@ -19,7 +19,8 @@ import torch.nn.functional as F
 
 from mesh3d.domain.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated
 from mesh3d.domain.ops.pointwise import elementwise
-from mesh3d.domain.registry import register
+from mesh3d.domain.registry import op_name, register
+from mesh3d.domain.step import Step
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
 __all__ = ["domain_reduce"]
@@ -123,6 +124,36 @@ def _extreme_rule(sign: int):
 
 register(torch.max, torch.Tensor.max)(_extreme_rule(1))
 register(torch.min, torch.Tensor.min)(_extreme_rule(-1))
+
+
+def _global_softmax(local: torch.Tensor, dim: int, comm, log: bool) -> torch.Tensor:
+    """Softmax along the sharded dim: the global max (for stability) and the global sum of exponentials."""
+    shape = [1 if d == dim else s for d, s in enumerate(local.shape)]
+    part = local.amax(dim, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
+    top = all_reduce_max(part.detach(), comm)
+    shifted = local - top
+    total = reduce_for_local_use(shifted.exp().sum(dim, keepdim=True), comm)
+    return shifted - total.log() if log else shifted.exp() / total
+
+
+def _softmax_rule(func, log: bool):
+    def rule(input, dim=None, _stacklevel=3, dtype=None):
+        if dim is None:
+            raise NotImplementedError(f"{op_name(func)} without dim= on a domain tensor: give dim=")
+        d = dim % input.ndim
+        if dtype is not None:
+            input = elementwise(torch.Tensor.to, input, dtype)
+        if d != input.spec.dim or input.spec.comm.size == 1:
+            return Step(lambda t: func(t, d), (input,), out=input.spec)
+        return Step(lambda t: _global_softmax(t, d, input.spec.comm, log), (input,), out=input.spec)
+
+    return rule
+
+
+for _sm in (F.softmax, torch.softmax, torch.Tensor.softmax):
+    register(_sm)(_softmax_rule(_sm, log=False))
+for _sm in (F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
+    register(_sm)(_softmax_rule(_sm, log=True))
 
 
 def _loss(elementwise_loss: torch.Tensor, reduction: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 from mesh3d.domain.registry import register
 from mesh3d.domain.split import split_sizes
 from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor, adopt, global_length, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.transpose import move_sharding
 
 __all__: list[str] = []
@@ -34,13 +34,13 @@ _OPS = {
 
 
 def global_sizes(size):
-    """``n=``/``s=`` of a transform with any length read from a domain tensor's shape made global (``s=x.shape[-2:]``).
+    """``n=``/``s=`` of a transform as plain ints: global lengths, as in one process (``s=x.shape[-2:]`` reads them).
 
     Usage: ``s = global_sizes(s)``
     """
     if size is None or isinstance(size, int):
-        return None if size is None else global_length(size)
-    return type(size)(global_length(v) for v in size) if isinstance(size, (list, tuple)) else size
+        return None if size is None else int(size)
+    return type(size)(int(v) for v in size) if isinstance(size, (list, tuple)) else size
 
 
 def _transformed_dims(kind: int, ndim: int, dim, s) -> list[int]:

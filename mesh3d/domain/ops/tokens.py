@@ -5,7 +5,7 @@ Usage (through torch)::
     t = e.flatten(2).transpose(1, 2) + pos     # pos: (1, N, C), indexed by each rank's global token indices
     q = q_proj(norm(t)).view(b, -1, heads, hd).transpose(1, 2)
     t = t + out_proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, c))
-    g = t.transpose(1, 2).reshape(b, c, h, w)  # back to blocks (h, w from e.shape: this rank's block)
+    g = t.transpose(1, 2).reshape(b, c, h, w)  # back to blocks (h, w from e.shape: the global grid)
     logits = head(t.mean(1))                   # replicated
 
 Position-free ops run on the local tokens; ops that read positions use the spec's global token order.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.ops.blocks import CHANNEL_NORMS, reduction_rules, run_elementwise
 from mesh3d.domain.ops.blocks_layout import _dropout
-from mesh3d.domain.ops.grid_reshape import place_run, shape_rules
+from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.registry import TOKEN_RULES, op_name
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
@@ -157,21 +157,22 @@ def reshape_tokens(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     Usage: ``g = reshape_tokens(t, [b, c, h, w], "torch.reshape", view=False)  # blocks again``
     """
     spec, local = _spec(x), unwrap(x)
-    shape, d = list(local.shape), spec.token_dim
+    shape, whole, d = list(local.shape), list(x.shape), spec.token_dim
     reshape = local.view if view else local.reshape
     grid = list(spec.local_grid)
-    placed = place_run(target, shape, d, d, grid) if len(grid) > 1 and not spec.prefix else None
+    placed = localized(place_run(target, whole, d, d, list(spec.grid_shape)), grid) \
+        if len(grid) > 1 and not spec.prefix else None
     if placed is not None:
         at, full = placed
         blocks, bspec = tokens_to_blocks(reshape([*full[:at], math.prod(grid), *full[at + len(grid):]]),
                                          spec.with_token_dim(at))
         return adopt(blocks, bspec)
-    placed = place_run(target, shape, d, d, [shape[d]])
+    placed = localized(place_run(target, whole, d, d, [whole[d]]), [shape[d]])
     if placed is not None:
         at, full = placed
         return adopt(reshape(full), spec.with_token_dim(at))
     raise NotImplementedError(
-        f"{op}{tuple(target)} of a token grid of local shape {tuple(shape)} (tokens along dim {d}, this rank's "
+        f"{op}{tuple(target)} of a token grid of shape {tuple(whole)} (tokens along dim {d}, this rank's "
         f"block {tuple(grid)}{f', {spec.prefix} prefix tokens' if spec.prefix else ''}) would mix tokens with other "
         "dims. Keep the token dim (split and merge the others), or split it into this rank's block, "
         "reshape(b, c, h, w) with h, w from the patch embedding's .shape (drop prefix tokens first: t[:, 1:]); "

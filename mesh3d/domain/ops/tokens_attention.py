@@ -30,7 +30,7 @@ from mesh3d.domain.ops.conv import weight_connected_zeros
 from mesh3d.domain.registry import TOKEN_RULES
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, global_length, sharded_dims, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, sharded_dims, unwrap
 from mesh3d.domain.tokens import TokenSpec, gather_all_tokens
 
 __all__ = ["neighbourhood_attention"]
@@ -124,8 +124,8 @@ def _on_token_grid(q: DomainTensor, k: DomainTensor, v: DomainTensor, radius, gr
     if spec.prefix or q._spec != spec:
         raise ValueError("neighbourhood_attention on a token grid: queries, keys and values must be the grid's tokens "
                          "laid out alike, without prefix tokens (drop class tokens first: t[:, 1:])")
-    if grid is not None and tuple(global_length(g) for g in grid) != spec.grid_shape:
-        raise ValueError(f"neighbourhood_attention: grid={tuple(global_length(g) for g in grid)} but the tokens form "
+    if grid is not None and tuple(int(g) for g in grid) != spec.grid_shape:
+        raise ValueError(f"neighbourhood_attention: grid={tuple(int(g) for g in grid)} but the tokens form "
                          f"a {spec.grid_shape} grid")
     radii = _radii(radius, len(spec.sizes))
     d = spec.token_dim
@@ -167,7 +167,7 @@ def neighbourhood_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, r
     if isinstance(q, DomainTensor):
         raise NotImplementedError("neighbourhood_attention over a multi-dim grid on slabs: shard the grid as blocks "
                                   "(domain.shard(x, dims=...)) and flatten them into tokens")
-    shape = tuple(global_length(g) for g in grid) if grid is not None else (q.shape[-2],)
+    shape = tuple(int(g) for g in grid) if grid is not None else (q.shape[-2],)
     radii = _radii(radius, len(shape))
     ranges = [range(n) for n in shape]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_window_mask(ranges, ranges, radii, q.device))

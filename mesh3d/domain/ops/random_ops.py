@@ -1,0 +1,56 @@
+"""Dropout on domain tensors in training mode: the one-process mask, this rank's rows of it.
+
+Usage: automatic, after ``DistributedManager.manual_seed(seed)`` (every rank of a sample's domain group then
+shares one random stream)::
+
+    dm.manual_seed(0)
+    y = F.dropout(xs, p=0.1, training=True)   # the mask F.dropout(x) draws in one process, rows of this rank
+
+Every domain rank draws the mask of the whole tensor (the same numbers, in the same order, as the one-process
+call) and keeps its own rows, so the generator stays in step across the domain and the result is exact.
+NOTE: drawing the whole mask costs O(global) transient memory and time on every rank; an offset-based draw
+of this rank's rows only (DTensor's RNG tracker) needs the CUDA Philox generator and is not implemented.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.registry import op_name, register
+from mesh3d.domain.step import Step
+from mesh3d.domain.tensor import DomainTensor
+
+__all__: list[str] = []
+
+
+def _dropout_rule(func):
+    def rule(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return input
+        if not isinstance(input, DomainTensor) or input.spec.dim is None:
+            raise NotImplementedError(f"{op_name(func)}: dropout of a plain tensor by a domain-sharded p is not supported")
+        spec, whole = input.spec, input.shape
+        offset, rows = spec.offset, spec.sizes[spec.comm.index]
+
+        def compute(local):
+            with torch.no_grad():  # the one-process call's draw: the same shape, dtype and device, the same numbers
+                mask = func(torch.ones(whole, dtype=local.dtype, device=local.device), p, True)
+            return local * mask.narrow(spec.dim, offset, rows)
+
+        return Step(compute, (input,), out=spec)
+
+    return rule
+
+
+for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d):
+    register(_f)(_dropout_rule(_f))
+
+
+@register(F.alpha_dropout, F.feature_alpha_dropout)
+def _alpha_dropout(input, p=0.5, training=False, inplace=False):
+    if not training or p == 0:
+        return input
+    raise NotImplementedError(
+        "F.alpha_dropout in training mode on a domain tensor is not supported (its noise is not a multiplicative "
+        "mask); use F.dropout, p=0, or apply it after .full_tensor()")
