@@ -9,6 +9,7 @@ process: forward and the input/parameter gradients exact (1e-12), or a refusal t
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -40,6 +41,9 @@ def _metadata(x):
         "new_zeros shape": tuple(x.new_zeros(x.shape).shape), "select shape": tuple(x.select(2, -1).shape),
         "unbind count": len(x.unbind(2)), "narrow shape": tuple(x.narrow(2, 3, 7).shape),
         "branch": "odd" if x.shape[2] % 2 else "even", "_is_view never raises": type(x._is_view()).__name__,
+        "nbytes": x.nbytes, "element_size": x.element_size(), "itemsize": x.itemsize, "data shape": tuple(x.data.shape),
+        "deepcopy shape": tuple(copy.deepcopy(x).shape), "is_inference": x.is_inference(), "_base": x._base is None or 1,
+        "unsqueeze shape": tuple(x[None].shape), "permute shape": tuple(x.permute(0, 2, 3, 1).shape),
     }
 
 
@@ -281,3 +285,56 @@ def test_dropout_and_stochastic_depth_equal_one_process_under_manual_seed(ranks,
     per_batch = [seeds[b * len(sizes):(b + 1) * len(sizes)] for b in range(batch)]
     assert all(len(set(s)) == 1 for s in per_batch), seeds           # one stream per sample's domain group
     assert len({s[0] for s in per_batch}) == batch, seeds             # and its own per batch rank
+
+
+# ----------------------------------------------------------------------------- blocks and token grids answer alike
+def _blocks_body(sizes):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=(2, 2), model=1)
+    x, _ = _input("field", 7)
+    xs = domain.shard(x, dims=(2, 3), sizes=sizes)
+    tokens, tx = x.flatten(2).transpose(1, 2), xs.flatten(2).transpose(1, 2)
+    meta = [(tuple(a.shape), a.numel(), len(a), tuple(a.stride()), a.size(-1)) for a in (x, tokens)]
+    got = [(tuple(a.shape), a.numel(), len(a), tuple(a.stride()), a.size(-1)) for a in (xs, tx)]
+    mean = float(((xs ** 2).sum() / xs.numel()).to_local()) - float((x ** 2).sum() / x.numel())
+    back = tx.transpose(1, 2).reshape(x.shape[0], x.shape[1], *xs.shape[2:])
+    errs = {"hand-written mean": abs(mean),
+            "tokens back to the grid": float((back.full_tensor().to_local() - x).abs().max()),
+            "view(b, c, -1)": float((xs.view(x.shape[0], x.shape[1], -1).full_tensor().to_local()
+                                     - x.view(x.shape[0], x.shape[1], -1)).abs().max())}
+    return meta, got, errs
+
+
+@pytest.mark.parametrize("sizes", [((9, 7), (3, 2)), ((16, 0), (1, 4))])
+def test_blocks_and_token_grids_answer_sizes_as_the_whole_tensor(ranks, sizes):
+    for meta, got, errs in ranks.run(4, _blocks_body, sizes, timeout=120):
+        assert got == meta, (sizes, got, meta)
+        assert max(errs.values()) < TOL, errs
+
+
+# ----------------------------------------------------------------------------- the O(global) warning
+def _warning_body():
+    import warnings
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=2, model=1)
+    x, _ = _input("field", 3)
+    xs = domain.shard(x, dim=2, sizes=(9, 7))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("default")
+        for _ in range(3):
+            y = xs + torch.zeros(xs.shape, dtype=xs.dtype)  # the line the warning names
+        z = xs + xs.new_zeros(xs.shape)                       # this rank's rows only: no warning
+    ours = [w for w in seen if issubclass(w.category, ResourceWarning)]
+    return [(w.filename.endswith("test_domain_global_sizes.py"), str(w.message)) for w in ours], \
+        float((y - z).abs().max().to_local() if hasattr(y - z, "to_local") else 0.0)
+
+
+def test_a_whole_size_plain_tensor_is_warned_about_once_naming_the_line(ranks):
+    for warned, diff in ranks.run(2, _warning_body):
+        assert len(warned) == 1, warned
+        here, message = warned[0]
+        assert here and "O(global) memory" in message and "new_zeros" in message, warned
+        assert diff == 0.0

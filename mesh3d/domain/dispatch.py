@@ -32,7 +32,7 @@ from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
 from mesh3d.domain.registry import BLOCK_RULES, RULES, TOKEN_RULES, op_name, tree_map
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, global_shape_of, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, global_shape_of, unwrap, wrap
 
 __all__ = ["GLOBAL_SIZES", "METADATA", "dispatch", "redistribute_local", "run_step"]
 
@@ -62,7 +62,7 @@ METADATA.update(
     for n in (
         "dim", "is_contiguous", "element_size", "data_ptr", "is_floating_point", "is_complex",
         "backward", "retain_grad", "register_hook", "get_device", "__hash__", "__format__", "storage_offset",
-        "requires_grad_", "untyped_storage", "__reduce_ex__", "__deepcopy__", "__setstate__", "is_signed",
+        "requires_grad_", "untyped_storage", "__reduce_ex__", "__setstate__", "is_signed",
         "register_post_accumulate_grad_hook", "_is_view", "is_set_to", "nbytes",
     )
     if hasattr(torch.Tensor, n)
@@ -72,16 +72,24 @@ METADATA.update((torch.is_floating_point, torch.is_complex))
 
 #: Size queries: answered for the whole tensor, as DTensor does (``x.shape`` is the one-process shape).
 GLOBAL_SIZES = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement,  # type: ignore[attr-defined]
-                torch.Tensor.__len__, torch.Tensor.stride, torch.numel}
+                torch.Tensor.__len__, torch.Tensor.stride, torch.numel, torch.Tensor.nbytes.__get__}  # type: ignore[attr-defined]
+
+
+_SHAPE_GET = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
+_NBYTES_GET = torch.Tensor.nbytes.__get__  # type: ignore[attr-defined]
+#: ``x.data``: a detached alias of the shard, still a domain tensor (its sizes stay global).
+_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
 
 
 def _global_size_answer(func: Callable, x: DomainTensor, rest: tuple, kwargs: dict) -> Any:
     """``func``'s answer (a size query) for the whole tensor ``x`` stands for."""
     whole = global_shape_of(x)
-    if func is torch.Tensor.shape.__get__:  # type: ignore[attr-defined]
+    if func == _SHAPE_GET:  # NOTE: ==, not is: each access to a slot's __get__ makes a new method-wrapper
         return whole
     if func in (torch.Tensor.numel, torch.Tensor.nelement, torch.numel):
         return math.prod(whole)
+    if func == _NBYTES_GET:
+        return math.prod(whole) * x.element_size()
     if func is torch.Tensor.__len__:
         if not whole:
             raise TypeError("len() of a 0-d tensor")
@@ -102,8 +110,10 @@ def _global_strides(x: DomainTensor, whole: torch.Size) -> tuple[int, ...]:
     with disable_torch_function_subclass():
         local, sizes = x.stride(), x.shape
     expanded = {d for d in range(len(whole)) if local[d] == 0 and sizes[d] > 1} if 0 not in sizes else set()
+    # Outermost first, as in memory. torch computes an empty tensor's strides with each length clamped to 1, so
+    # an empty dim ties with the dim just outside it: in a tie the empty dim is the inner one.
     order = sorted((d for d in range(len(whole)) if d not in expanded),
-                   key=lambda d: (local[d] != 0, -local[d], d))  # outermost first, as in memory
+                   key=lambda d: (local[d] != 0, -local[d], sizes[d] == 0, d))
     strides, step = [0] * len(whole), 1
     for d in reversed(order):
         strides[d] = step
@@ -185,6 +195,8 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
             return func(*args, **kwargs)
     if func in GLOBAL_SIZES and isinstance(args[0], DomainTensor):
         return _global_size_answer(func, args[0], args[1:], kwargs)
+    if func == _DATA_GET and isinstance(args[0], DomainTensor):
+        return wrap(unwrap(args[0]).data, args[0]._spec)
     found, sharded, dtensor = _scan(args, kwargs)
     if dtensor:
         args, kwargs = tree_map(_replicated_dtensor_to_local, args), tree_map(_replicated_dtensor_to_local, kwargs)

@@ -28,6 +28,7 @@ torch's own subclass pattern.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -178,6 +179,13 @@ class DomainTensor(torch.Tensor):
     def full_tensor(self) -> DomainTensor:
         """The whole tensor on every domain rank, replicated (differentiable; backward keeps each rank's slice)."""
         return type(self)._gather_whole(self)
+
+    def __deepcopy__(self, memo: dict) -> DomainTensor:
+        """A copy with the same spec (torch's default deep copy of a subclass needs ``new_empty([])`` to keep the class)."""
+        copied = copy.deepcopy(unwrap(self), memo)
+        copied.__class__ = DomainTensor  # the copy is fresh: no caller holds it as a plain tensor
+        copied._spec = self._spec
+        return copied
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         local = unwrap(self)

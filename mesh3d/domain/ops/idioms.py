@@ -210,8 +210,13 @@ def _warn_whole_size(o: torch.Tensor, ref: DomainTensor) -> None:
                "domain.positions(x)) to hold this rank's rows only")
     if frame is None or frame.lineno is None:
         warnings.warn(message, ResourceWarning, stacklevel=3)
-    else:
-        warnings.warn_explicit(message, ResourceWarning, frame.filename, frame.lineno, module="mesh3d.domain")
+    else:  # the registry makes "default" mean once per line of user code, as warnings.warn does per call site
+        warnings.warn_explicit(message, ResourceWarning, frame.filename, frame.lineno, module="mesh3d.domain",
+                               registry=_WHOLE_SIZE_WARNINGS.setdefault(frame.filename, {}))
+
+
+#: Per user file, the warnings registry of the whole-size warning (which lines have warned).
+_WHOLE_SIZE_WARNINGS: dict[str, dict] = {}
 
 
 # ----------------------------------------------------------------------------- embeddings and shape ops
