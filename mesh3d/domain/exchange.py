@@ -21,7 +21,7 @@ import contextlib
 import json
 import time
 from datetime import timedelta
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,8 +30,8 @@ import torch.distributed as dist
 from mesh3d.domain import divergence
 from mesh3d.domain.rows import ExchangePlan, Piece
 
-__all__ = ["DomainComm", "PendingExchange", "TrafficCounter", "count_traffic", "exchange_all", "exchange_point",
-           "gather_rows", "new_buffers", "rows_of", "start_exchange"]
+__all__ = ["DomainComm", "PendingExchange", "TrafficCounter", "count_traffic", "dry_run", "exchange_all",
+           "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange"]
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,39 @@ def count_traffic() -> Iterator[TrafficCounter]:
         TrafficCounter._active.remove(counter)
 
 
+ExchangeObserver = Callable[[DomainComm, list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]], None]
+
+
+class _Transport:
+    """Whether exchanges send (the default) or only report what they would send (``dry_run``)."""
+
+    def __init__(self) -> None:
+        self.observer: ExchangeObserver | None = None
+
+
+_TRANSPORT = _Transport()
+
+
+@contextlib.contextmanager
+def dry_run(observer: ExchangeObserver) -> Iterator[None]:
+    """Inside the block no exchange sends anything: each calls ``observer(comm, outgoing, incoming)`` with the
+    (peer, buffer) pairs it would post, counts its bytes in ``count_traffic`` as a real one would, and leaves the
+    incoming buffers as they are. For ``mesh3d.planner``, which runs one rank's ops on meta tensors with a
+    ``DomainComm`` of the real size and no process group.
+
+    Usage: ``with dry_run(lambda comm, out, inc: seen.append(len(out))): model(xs_on_meta)``
+    """
+    previous, _TRANSPORT.observer = _TRANSPORT.observer, observer
+    try:
+        yield
+    finally:
+        _TRANSPORT.observer = previous
+
+
 def _post(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
           incoming: list[tuple[int, torch.Tensor]]) -> list:
+    if _TRANSPORT.observer is not None:  # a dry run: nothing is posted (headers and notices included)
+        return []
     ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], comm.group) for peer, buf in outgoing]
     ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], comm.group) for peer, buf in incoming]
     return dist.batch_isend_irecv(ops) if ops else []
@@ -221,9 +252,15 @@ def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     Usage: ``start_exchange(comm, [(peer, rows)], [(peer, buffer)], exchange_point(comm)).wait()``
     """
     start = time.perf_counter()
+    sends = [(peer, buf) for peer, buf in outgoing if buf.numel()]
+    if _TRANSPORT.observer is not None:
+        recvs = [(peer, buf) for peer, buf in incoming if buf.numel()]
+        _TRANSPORT.observer(comm, sends, recvs)
+        if sends or recvs:  # counted as a real exchange is: one round when anything would be posted
+            TrafficCounter.record(sum(b.numel() * b.element_size() for _, b in sends), len(sends), 0.0)
+        return PendingExchange([], [], 0.0)
     if fingerprint is not None:
         _check_peers(comm, outgoing, incoming, fingerprint)
-    sends = [(peer, buf) for peer, buf in outgoing if buf.numel()]
     works = _post(comm, sends, [(peer, buf) for peer, buf in incoming if buf.numel()])
     return PendingExchange(works, sends, time.perf_counter() - start)
 
