@@ -7,6 +7,7 @@ Usage::
     mesh3d explain pkg.mod:make_model pkg.mod:plan --batch 2 --model 2
     mesh3d ckpt inspect|verify|coalesce PATH [OUT]
     mesh3d plan pkg.mod:make_model --world 4096 --domain 4x4 --model 4 --input 1x1x512x512 [--json]
+    mesh3d check pkg.mod:make_model --input 1x1x32x32 [--plan pkg.mod:plan] [--meshes 1,2,1 2,2,1]
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
              ckpt_cli.add_arguments, ckpt_cli.run),
     "plan": ("size a job before it runs: memory, communication and checkpoint files per class of ranks, on one CPU",
              planner_cli.add_plan_arguments, planner_cli.run_plan),
+    "check": ("run a model and plan on small uneven meshes of local gloo ranks against one process, in fp64",
+              planner_cli.add_check_arguments, planner_cli.run_check),
 }
 
 

@@ -1,9 +1,10 @@
-"""``mesh3d plan`` on the command line.
+"""``mesh3d plan`` and ``mesh3d check`` on the command line.
 
 Usage::
 
     mesh3d plan mypkg.models:make_unet --world 4096 --domain 4x4x4 --model 1 --input 1x1x512x512x512 \\
         --plan mypkg.plans:PLAN --to 64,8x8,1 --device-memory 80GiB [--json]
+    mesh3d check mypkg.models:make_unet --input 1x1x32x32 [--plan mypkg.plans:PLAN] [--meshes 1,2,1 2,2,1] [--json]
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import sys
 
 import torch
 
+from mesh3d.planner.check import CheckSpec
+from mesh3d.planner.check_run import check_model
 from mesh3d.planner.job import plan_job
 from mesh3d.planner.mesh import JobMesh, parse_grid
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_plan, load_spec
 
-__all__ = ["add_plan_arguments", "input_arguments", "parse_bytes", "parse_input", "run_plan"]
+__all__ = ["add_check_arguments", "add_plan_arguments", "input_arguments", "parse_bytes", "parse_input", "run_check",
+           "run_plan"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -104,3 +108,25 @@ def run_plan(args: argparse.Namespace) -> int:
     print(json.dumps(job.to_json(), indent=1) if args.json else job.table())
     return 0
 
+
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    input_arguments(parser)
+    parser.add_argument("--meshes", nargs="+", metavar="MESH", help="meshes BATCH,DOMAIN,MODEL to check on (default: "
+                        "1,2,1 1,3,1 2,2,1, and 1,1,2 when the plan has tensor parallelism)")
+    parser.add_argument("--tolerance", type=float, default=1e-9, help="largest relative difference counted as equal")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """``mesh3d check ...``: 0 when every mesh gives the one-process answer, 1 when one does not, 2 for bad arguments."""
+    try:
+        inputs = parse_input(args.input, args.dtype, args.shard_dims, args.sizes)
+        meshes = [JobMesh.parse(m) for m in args.meshes] if args.meshes else None
+        load_plan(args.plan)  # a bad --plan fails here, before any process starts
+        spec = CheckSpec(args.model, args.plan, inputs)
+    except (ValueError, TypeError, ImportError, AttributeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    report = check_model(spec, meshes, tolerance=args.tolerance)
+    print(json.dumps(report.to_json(), indent=1) if args.json else report.table())
+    return 0 if report.equal else 1
