@@ -143,3 +143,18 @@ def test_the_command_line_prints_tables_for_people_and_json_for_tools(capsys):
     assert job["reshard"]["bytes_needed"] > 0 and job["checkpoint"]["files"] == 2 * job["checkpoint"]["writers"]
     assert main(["plan", "plan_models:conv_stack", "--domain", "-1", "--input", "1x2x32x16"]) == 2
     assert "give --world when an axis size is -1" in capsys.readouterr().err
+
+
+def test_attention_is_planned_as_the_fused_kernel_and_recomputation_sees_it_too():
+    """On meta, SDPA decomposes into its math form and keeps the (queries x keys) scores; devices run a fused kernel.
+    Activation checkpointing recomputes in backward, where torch's function modes are off: the plan enters them
+    again there, else the recomputation would take the other path and torch would refuse it."""
+    def peak(plan, device):
+        job = plan_job(lambda: transformer(), plan, JobMesh.resolve(1, 1, 1, 1), InputSpec((1, 4096), torch.int64, (1,)),
+                       device=device)
+        return job.classes[0].memory["step_peak"]
+
+    scores = 4096 * 4096 * 4 * 4  # one layer's fp32 scores, 4 heads
+    for device in ("cpu", "cuda"):
+        plain, recomputed = peak(Plan(), device), peak(Plan(checkpoint=["layers.*"]), device)
+        assert plain < scores / 4 and recomputed < plain, (device, plain, recomputed)

@@ -35,6 +35,7 @@ from mesh3d.domain.split import split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, sharded_dims, unwrap, wrap
 from mesh3d.parallel.validate import PlanFields
 from mesh3d.planner.emulate import Collective, FsdpEmulation, TpEmulation
+from mesh3d.planner.fused_sdpa import FusedAttention
 from mesh3d.planner.layout import ModelLayout
 from mesh3d.planner.tracker import GRADS, HALO, MemoryTracker
 from mesh3d.planner.workspace import cpu_kernel_workspace
@@ -169,13 +170,16 @@ class Simulator:
                  device: str = "cuda", loss: Callable[[Any], torch.Tensor] | None = None) -> None:
         self.model, self.layout, self.inputs = model, layout, inputs
         self.loss = loss or default_loss
+        self.device = device
         self.workspace = cpu_kernel_workspace if device == "cpu" else None
         self.dims, self.sizes = inputs.layout(layout.mesh.grid)
         param_dtype = getattr(plan, "param_dtype", None)
         self._by_unit: dict[str, list[nn.Parameter]] = {}
         self._params = self._meta_parameters(param_dtype)
         for fqn in layout.checkpointed:
-            checkpoint_module(model.get_submodule(fqn))
+            # NOTE: torch function modes are not active in backward, where activation checkpointing recomputes:
+            # the recomputation enters the simulation's own ones again.
+            checkpoint_module(model.get_submodule(fqn), context_fn=lambda: (contextlib.nullcontext(), self._modes()))
         self.fsdp = FsdpEmulation(layout, plan) if layout.sharding.fsdp else None
         self.tp = TpEmulation(layout)
         self._handles = self.tp.install(model) + (self.fsdp.install(model) if self.fsdp else [])
@@ -186,6 +190,16 @@ class Simulator:
                 p.register_post_accumulate_grad_hook(self._note_grad)
         self._tracker: MemoryTracker | None = None
         self._lines: dict[int, int] = {}  # id of a grid line's DomainComm -> its grid dim (blocks)
+        self._watch: _OpWatch | None = None
+
+    @contextlib.contextmanager
+    def _modes(self) -> Iterator[None]:
+        """The function modes a step runs under (``FusedAttention`` first: it must stay below the op watch)."""
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(FusedAttention(self.device))
+            if self._watch is not None:
+                stack.enter_context(self._watch)
+            yield
 
     def close(self) -> None:
         for handle in self._handles:
@@ -247,7 +261,7 @@ class Simulator:
         x = self._input(domain_index)
         tracker = MemoryTracker(self.workspace)
         self._tracker = tracker
-        watch = _OpWatch(sim)
+        watch = self._watch = _OpWatch(sim)
         grid = self.layout.mesh.grid
 
         def observe(comm: DomainComm, sends: list, recvs: list) -> None:
@@ -273,7 +287,7 @@ class Simulator:
             self.fsdp.start(tracker)
         self.tp.collectives.clear()
         try:
-            with _journal_kept(), dry_run(observe), tracker, watch:
+            with _journal_kept(), dry_run(observe), tracker, self._modes():
                 with count_traffic() as forward:
                     loss = self.loss(self.model(x))
                 with count_traffic() as backward:
@@ -288,7 +302,7 @@ class Simulator:
                 "that fit (colwise before rowwise), the input must suit the model, and ops on meta tensors cannot read "
                 "values (.item(), data-dependent shapes)") from err
         finally:
-            self._tracker = None
+            self._tracker = self._watch = None
             for p in self._params:
                 p.grad = None
         sim.peak, sim.peak_by_category = tracker.peak, tracker.peak_by_category
