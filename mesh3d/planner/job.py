@@ -205,6 +205,15 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     reshard = _reshard(ckpt, CheckpointLayout(target, optimizer), to) if target is not None and to is not None else None
 
     warnings = list(layout.warnings)
+    padded = [(p.name, layout.tp_shape(p)[0]) for p in layout.params
+              if layout.sharding.fsdp and layout.chunk(p) * layout.sharding.shard >= 2 * layout.tp_shape(p)[0]]
+    if padded:
+        waste = sum(layout.param_storage(p) * layout.sharding.shard - math.prod(layout.tp_shape(p)) * p.itemsize
+                    for p in layout.params if p.name in dict(padded))
+        warnings.append(f"FSDP pads {len(padded)} parameter(s) whose dim 0 is small next to the {layout.sharding.shard}-way "
+                        f"shard to at least twice their size ({', '.join(f'{n} ({r} rows)' for n, r in padded[:4])}"
+                        f"{', ...' if len(padded) > 4 else ''}): {human_bytes(waste)} of padding over the shard group, "
+                        "gathered in full; put the long dim first, or use HSDP with a smaller shard")
     refused: dict[str, str] = {}
     thin: dict[str, int] = {}
     for rs in sims.values():

@@ -105,15 +105,24 @@ class JobPlan:
         lines += _aligned(["classes", "at the step peak"], [[_spans(ix), text] for text, ix in groups.items()]) + [""]
         comm: dict[tuple, list[int]] = {}
         for i, c in enumerate(self.classes):
-            rows = tuple((d["axis"], d["collective"], d["phase"], d["calls"], d["bytes"]) for d in c.comm)
-            rows += tuple(("domain", "point-to-point", phase, c.domain["messages"][phase], c.domain["bytes"][phase])
-                          for phase in ("forward", "backward") if c.domain["bytes"].get(phase))
-            comm.setdefault(rows, []).append(i)
+            comm.setdefault(tuple((d["axis"], d["collective"], d["phase"], d["calls"], d["bytes"]) for d in c.comm),
+                            []).append(i)
         head = ["classes", "axis", "collective", "phase", "calls", "per call", "bytes/step"]
         table = [[_spans(ix), axis, kind, phase, str(calls), human_bytes(nbytes / max(calls, 1)), human_bytes(nbytes)]
                  for rows, ix in comm.items() for axis, kind, phase, calls, nbytes in rows]
-        lines += ["communication per rank and step (domain: messages sent)"]
-        lines += (_aligned(head, table) if table else ["  none"]) + [""]
+        lines += ["collectives per rank and step"] + (_aligned(head, table) if table else ["  none"]) + [""]
+        p2p: dict[tuple, list[int]] = {}
+        for i, c in enumerate(self.classes):
+            d = c.domain
+            key = (d["bytes"]["forward"], d["messages"]["forward"], d["bytes"]["backward"], d["messages"]["backward"],
+                   d["largest_halo_received"])
+            if any(key[:4]):
+                p2p.setdefault(key, []).append(i)
+        if p2p:
+            head = ["classes", "sent forward", "messages", "sent backward", "messages", "largest exchange received"]
+            lines += ["domain point-to-point per rank and step (halos, gathers, reductions)"]
+            lines += _aligned(head, [[_spans(ix), human_bytes(k[0]), str(k[1]), human_bytes(k[2]), str(k[3]),
+                                      human_bytes(k[4])] for k, ix in p2p.items()]) + [""]
         ops: dict[str, int] = {}
         for c in self.classes:
             for op, n in c.domain["by_op"].items():
