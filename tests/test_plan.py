@@ -10,6 +10,7 @@ import math
 
 import pytest
 import torch
+from torch import nn
 
 from domain_models import TinyUNet
 from plan_models import ConvStack, Flips, WideKernel, transformer
@@ -117,7 +118,7 @@ def test_shards_thinner_than_a_halo_and_device_memory_are_warned():
                    device_memory=1000)
     text = "\n".join(job.warnings)
     assert "torch.conv2d: domain ranks read halo rows from ranks up to 2 grid steps away" in text  # 2-row shards, halo 3
-    assert "more than the 1000 B of device memory" in text
+    assert "need more than the 1000 B of device memory" in text
 
 
 def test_a_plan_that_does_not_fit_the_model_raises_as_parallelize_would():
@@ -136,7 +137,7 @@ def test_the_command_line_prints_tables_for_people_and_json_for_tools(capsys):
     assert main(args + ["--device-memory", "100KiB"]) == 0
     table = capsys.readouterr().out
     assert "memory per rank" in table and "checkpoint:" in table and "load onto batch 2 x domain 2 x model 1" in table
-    assert "more than the 100.0 KiB of device memory" in table
+    assert "need more than the 100.0 KiB of device memory" in table
     assert main(args + ["--json"]) == 0
     job = json.loads(capsys.readouterr().out)
     assert job["world"] == 16 and sum(c["count"] for c in job["classes"]) == 16
@@ -158,3 +159,13 @@ def test_attention_is_planned_as_the_fused_kernel_and_recomputation_sees_it_too(
     for device in ("cpu", "cuda"):
         plain, recomputed = peak(Plan(), device), peak(Plan(checkpoint=["layers.*"]), device)
         assert plain < scores / 4 and recomputed < plain, (device, plain, recomputed)
+
+
+@pytest.mark.parametrize("grid, expected_rows", [((2,), lambda h, w: w), ((2, 2), lambda h, w: h // 2 + w // 2 + 1)])
+def test_planned_halo_bytes_are_the_geometric_minimum(grid, expected_rows):
+    """A 'same' 3x3 conv: one row to the slab neighbour; on 2x2 blocks a row, a column and a corner (mesh3d's
+    halo planner sends exactly that; the plan counts its exchanges)."""
+    c, h, w = 3, 12, 10
+    job = plan_job(lambda: nn.Conv2d(c, c, 3, padding=1), Plan(batch=None), JobMesh.resolve(math.prod(grid), 1, grid, 1),
+                   InputSpec((1, c, h, w)))
+    assert all(k.domain["by_op"]["torch.conv2d"] == c * expected_rows(h, w) * 4 for k in job.classes)

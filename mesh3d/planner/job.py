@@ -225,10 +225,12 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     if refused:
         warnings.append("the ops above have no domain rule: the model cannot run on this domain as written, and the "
                         "figures after the first of them assume each ran on the local shard")
-    for i, c in enumerate(result):
-        if device_memory is not None and c.memory["peak"] > device_memory:
-            warnings.append(f"class {i} ({c.count} ranks, e.g. rank {c.examples[0]}) peaks at "
-                            f"{human_bytes(c.memory['peak'])}, more than the {human_bytes(device_memory)} of device memory")
+    over = [i for i, c in enumerate(result) if device_memory is not None and c.memory["peak"] > device_memory]
+    if over and device_memory is not None:
+        worst = max(over, key=lambda i: result[i].memory["peak"])
+        warnings.append(f"{len(over)} of {len(result)} classes ({sum(result[i].count for i in over)} ranks) need more than "
+                        f"the {human_bytes(device_memory)} of device memory; the most, class {worst} (e.g. rank "
+                        f"{result[worst].examples[0]}), peaks at {human_bytes(result[worst].memory['peak'])}")
     return JobPlan(name or getattr(model, "__qualname__", type(meta).__name__), mesh.text(), mesh.world,
                    plan.describe(), {"shape": list(inputs.shape), "dtype": str(inputs.dtype).replace("torch.", ""),
                                      "sharded_dims": list(dims), "sizes": [list(x) for x in sizes]},
