@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -88,7 +89,7 @@ def main() -> int:
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    report: dict = {"machine": cpu_model(), "torch": torch.__version__, "jobs": {}}
+    report: dict = {"machine": cpu_model(), "torch": torch.__version__, "jobs": {}, "load_average_before": os.getloadavg()[0]}
     for name, (factory, plan, mesh, inputs, to) in _jobs().items():
         walls, cpus = [], []
         for _ in range(args.repeats):
@@ -117,6 +118,7 @@ def main() -> int:
     for key in ("fsdp_scaling", "domain_scaling"):
         for row in report[key]:
             print(key, row["degree"], {k: (round(v, 3) if v is not None else None) for k, v in row["ratio_x_degree"].items()})
+    report["load_average_after"] = os.getloadavg()[0]
     Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
     _plot(report, Path(args.out).with_suffix(".png"))
     print(f"wrote {args.out}")

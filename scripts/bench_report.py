@@ -312,7 +312,9 @@ def _plan(lines: list[str]) -> None:
               "of the repeats. The alternative keys no classes: it simulates every domain rank (the model and batch "
               "axes need no simulation of their own either way); its time is the plan's with the classes' simulations "
               "replaced by every domain rank's, measured in the same run. Goal: under 10 s for 4096 ranks. Wall time "
-              "moves with the machine's other load; CPU time is this process's own.", "",
+              "moves with the machine's other load (load average "
+              f"{d.get('load_average_before', float('nan')):.0f} before, {d.get('load_average_after', float('nan')):.0f} "
+              "after, on 2 cores); CPU time is this process's own.", "",
               "| job (4096 ranks) | classes | ranks simulated | wall | CPU | every domain rank simulated | ratio |",
               "|---|---|---|---|---|---|---|"]
     for name, j in d["jobs"].items():

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from mesh3d.domain.tensor import unwrap
 from mesh3d.parallel.styles import style_kind
 from mesh3d.parallel.validate import PlanFields
 from mesh3d.planner.layout import ModelLayout
@@ -37,6 +38,12 @@ __all__ = ["FsdpEmulation", "TpEmulation", "Collective"]
 
 #: (axis, collective, phase, message bytes per rank, result bytes per rank)
 Collective = tuple[str, str, str, int, int]
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    """Bytes of this rank's data (a domain tensor's local shard: its shape may describe the whole tensor)."""
+    local = unwrap(t)
+    return local.numel() * local.element_size()
 
 
 def _tensors_needing_grad(obj: Any) -> list[torch.Tensor]:
@@ -234,7 +241,7 @@ class _AllReduceGradInBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        nbytes = grad.numel() * grad.element_size()
+        nbytes = _local_bytes(grad)
         ctx.emulation.collectives.append(("model", "all_reduce", "backward", nbytes, nbytes))
         return None, grad.clone()
 
@@ -260,7 +267,7 @@ class TpEmulation:
         return handles
 
     def _all_reduce_output(self, module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        nbytes = output.numel() * output.element_size()
+        nbytes = _local_bytes(output)
         self.collectives.append(("model", "all_reduce", "forward", nbytes, nbytes))
         return output.clone()
 
