@@ -2,7 +2,7 @@
 
 Per rank, exactly: parameter, gradient, optimizer-state and buffer bytes; every collective by axis, kind and
 phase (calls, bytes sent, bytes received); the domain axis's point-to-point bytes and messages forward and
-backward (``domain.count_traffic``); the size of every checkpoint shard file; what a load onto another mesh
+backward (``domain.count_traffic``); the size of every checkpoint shard file (index.json within 1 %); what a load onto another mesh
 reads (``LoadInfo.bytes_read``/``bytes_needed``). Within 10 %: the step's peak memory against the measured
 peak RSS growth of forward and backward on the CPU.
 """
@@ -78,6 +78,7 @@ def _measure_case(case: dict, ckpt: str | None, rss: bool) -> dict:
     if ckpt is not None:
         checkpoint.save(ckpt, model, opt, step=1)
         if dm.rank == 0:
+            out["index"] = os.path.getsize(os.path.join(ckpt, "index.json"))
             out["files"] = {f"{role}/{name}": os.path.getsize(os.path.join(ckpt, role, name))
                             for role in ("model", "optimizer") for name in sorted(os.listdir(os.path.join(ckpt, role)))}
     DistributedManager.shutdown()
@@ -124,6 +125,8 @@ def _check_exact(name: str, case: dict, measured: list[dict]) -> None:
     files = {f: size for c in job.classes for r in range(case["world"]) if job.class_of(r) is c
              for f, size in _files_of(job, c, r).items()}
     assert files == measured[0]["files"], (name, files, measured[0]["files"])
+    index = measured[0]["index"]
+    assert abs(job.checkpoint["index_bytes"] - index) <= 0.01 * index, (name, job.checkpoint["index_bytes"], index)
 
 
 def _files_of(job, cls, rank: int) -> dict[str, int]:

@@ -15,7 +15,6 @@ Usage::
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -119,30 +118,18 @@ class CheckpointLayout:
             sig = sig * 1000003 + part
         return sig
 
-    def index_bytes(self, classes: list[tuple[int, int]]) -> int:
-        """About how large ``index.json`` will be: its fixed part plus each class's chunk records times its count.
-
-        ``classes``: (example rank, number of ranks) pairs covering every rank.
-        """
-        per_rank: dict[int, int] = {}
-        for rank, _ in classes:
-            size = 0
-            for e in self.entries:
-                part = self.part(e, rank)
-                if part is None:
-                    continue
-                nbytes = part.numel * e.dtype.itemsize
-                chunk = {"checksums": ["0" * 16] * -(-nbytes // self.block), "data_offsets": [4096, 4096 + nbytes],
-                         "file": f"{e.role}/r{rank:05d}-of-{self.world:05d}.safetensors", "key": e.name,
-                         "offsets": list(part.offsets), "shape": list(part.shape)}
-                text = json.dumps(chunk, sort_keys=True, indent=1)
-                size += len(text) + 4 * (text.count("\n") + 1) + 2  # nested four deep (indent 1), then ",\n"
-            per_rank[rank] = size
-        fixed = sum(len(json.dumps({"dtype": TORCH_TO_ST[e.dtype], "shape": list(e.shape), "role": e.role,
-                                    "layout": "plain", "chunks": []}, indent=1)) + len(e.name) + 20
-                    for e in self.entries)
-        files = sum(count * 2 * 80 for _, count in classes)
-        return 1024 + fixed + files + sum(per_rank[rank] * count for rank, count in classes)
+    def chunk_records(self, rank: int) -> list[dict]:
+        """The index's chunk records for what ``rank`` writes (checksums as placeholders of the right form)."""
+        out = []
+        for e in self.entries:
+            part = self.part(e, rank)
+            if part is None:
+                continue
+            nbytes = part.numel * e.dtype.itemsize
+            out.append({"checksums": ["0" * 16] * -(-nbytes // self.block), "data_offsets": [4096, 4096 + nbytes],
+                        "file": f"{e.role}/r{rank:05d}-of-{self.world:05d}.safetensors", "key": e.name,
+                        "offsets": list(part.offsets), "shape": list(part.shape)})
+        return out
 
     # ------------------------------------------------------------------ loading onto another mesh
     def saved_chunks(self, e: Entry, box: Box) -> list[tuple[Box, int]]:

@@ -30,6 +30,7 @@ from torch import nn
 from mesh3d.domain.blocks import grid_coords
 from mesh3d.domain.probe import downsampling_factor
 from mesh3d.parallel.plan import Plan
+from mesh3d.planner.ckpt_index import index_bytes
 from mesh3d.planner.ckpt_plan import CheckpointLayout
 from mesh3d.planner.classes import DomainClasses
 from mesh3d.planner.layout import ModelLayout, optimizer_state_keys
@@ -201,7 +202,7 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     checkpoint = {"files": sum(n for n, _ in files), "bytes": sum(n * size for n, size in files),
                   "largest_file": max((size for _, size in files), default=0),
                   "writers": sum(c.count for c in result if c.checkpoint_files),
-                  "index_bytes": ckpt.index_bytes([(c.examples[0], c.count) for c in result])}
+                  "index_bytes": index_bytes(ckpt, [(c.examples[0], c.count) for c in result], optimizer)}
     reshard = _reshard(ckpt, CheckpointLayout(target, optimizer), to) if target is not None and to is not None else None
 
     warnings = list(layout.warnings)

@@ -53,6 +53,7 @@ class ParamLayout:
     tp_dim: int | None
     unit: str | None
     requires_grad: bool
+    tp_style: bool = False  # its module has a tensor-parallel style: a DTensor on the model mesh even if whole
 
     @property
     def itemsize(self) -> int:
@@ -128,7 +129,8 @@ class ModelLayout:
                 if sharding.fsdp and p.dim() == 0:
                     raise ValueError(f"parameter {fqn}.{pname} is 0-dim; FSDP shards dim 0, so the planner cannot lay it out")
                 params.append(ParamLayout(f"{fqn}.{pname}" if fqn else pname, tuple(p.shape), p.dtype, dim,
-                                          unit_of.get(fqn) if sharding.fsdp else None, p.requires_grad))
+                                          unit_of.get(fqn) if sharding.fsdp else None, p.requires_grad,
+                                          style is not None and mesh.model > 1))
         persistent = set(model.state_dict(keep_vars=True))
         buffers = [(n, tuple(b.shape), b.dtype, n in persistent) for n, b in model.named_buffers()]
         return cls(mesh, sharding, params, buffers, resolved.units if sharding.fsdp else [], dict(resolved.styles),
