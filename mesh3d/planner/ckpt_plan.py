@@ -91,9 +91,10 @@ class CheckpointLayout:
         widest = 10 ** len(str(self.world - 1)) - 1
         return any(list(self.files(r, 0).values()) != list(self.files(r, widest).values()) for r in ranks)
 
-    def signatures(self, digits: bool = False) -> torch.Tensor:
+    def signatures(self, digits: bool = False, held: bool = False) -> torch.Tensor:
         """One int64 per rank, equal for ranks whose files hold parts of the same shapes (a hash; O(N) vector ops);
-        ``digits``: ranks whose numbers have different lengths differ too."""
+        ``digits``: ranks whose numbers have different lengths differ too; ``held``: the boxes ranks hold (what a
+        load reads into) instead of the parts they write."""
         mesh, sharding = self.layout.mesh, self.layout.sharding
         r = torch.arange(self.world, dtype=torch.int64)
         bd, m = r // mesh.model, r % mesh.model
@@ -114,7 +115,10 @@ class CheckpointLayout:
                     n, i = torch.full_like(r, sharding.replicas), rep
                 else:
                     n, i = torch.full_like(r, sharding.replicas * mesh.model), rep * mesh.model + m
-            part = rows * (i + 1) // n - rows * i // n if e.shape else (i == 0).long()
+            if held:
+                part = rows
+            else:
+                part = rows * (i + 1) // n - rows * i // n if e.shape else (i == 0).long()
             sig = sig * 1000003 + part
         return sig
 
@@ -184,9 +188,7 @@ class CheckpointLayout:
         """``ShardReader.read_into``'s bytes for one overlap: one block-aligned read, or the blocks under each run."""
         runs = row_major_runs(chunk, ov)
         block, chunk_bytes = self.block, chunk.numel * item
-        dst = torch.empty(box.shape, device="meta")[tuple(slice(o - b, o - b + k) for o, b, k in
-                                                        zip(ov.offsets, box.offsets, ov.shape))]
-        if dst.is_contiguous() and len(runs) == 1:
+        if _contiguous_slice(ov.shape, box.shape) and len(runs) == 1:
             (start, count), = runs
             span0, span1 = start * item, (start + count) * item
             lo, hi = span0 // block * block, min(-(-span1 // block) * block, chunk_bytes)
@@ -201,6 +203,14 @@ class CheckpointLayout:
                 group_start = b
             prev = b
         return ov.numel * item, read
+
+
+def _contiguous_slice(part: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+    """Whether a ``part``-shaped slice of a C-contiguous ``whole``-shaped tensor is contiguous (as torch says)."""
+    if 0 in part:
+        return True
+    dims = [d for d, n in enumerate(part) if n != 1]
+    return not dims or all(part[d] == whole[d] for d in range(dims[0] + 1, len(whole)))
 
 
 def _rows_part(held: Box, n: int, i: int) -> Box | None:

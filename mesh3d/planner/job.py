@@ -41,7 +41,7 @@ from mesh3d.planner.simulate import InputSpec, RankSim, Simulator
 __all__ = ["plan_job"]
 
 #: Up to this many target ranks, a reshard's reads are computed for every rank; above, for one rank per class.
-_EXACT_RESHARD_RANKS = 1024
+_EXACT_RESHARD_RANKS = 64
 
 
 def _meta_model(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
@@ -129,7 +129,7 @@ def _reshard(source: CheckpointLayout, target: CheckpointLayout, to: JobMesh) ->
         ranks = list(range(n))
         weights = dict.fromkeys(ranks, 1)
     else:  # one rank per class of equal box shapes (reads may differ by a checksum block at chunk edges)
-        _, inverse, counts = torch.unique(target.signatures(), return_inverse=True, return_counts=True)
+        _, inverse, counts = torch.unique(target.signatures(held=True), return_inverse=True, return_counts=True)
         ranks = _firsts(inverse, len(counts))
         weights = dict(zip(ranks, counts.tolist()))
     groups: dict[tuple[int, int, int], list[int]] = {}

@@ -138,7 +138,8 @@ class JobPlan:
         if self.reshard is not None:
             rs = self.reshard
             lines.append(f"load onto {rs['to']}: {human_bytes(rs['bytes_needed'])} needed, {human_bytes(rs['bytes_read'])} "
-                         f"read (amplification {rs['bytes_read'] / max(rs['bytes_needed'], 1):.3f})")
+                         f"read (amplification {rs['bytes_read'] / max(rs['bytes_needed'], 1):.3f}"
+                         + ("" if rs["exact"] else "; reads of one rank per class of equal boxes") + ")")
             head = ["ranks", "e.g.", "needed", "read", "files opened"]
             rows = [[str(r["count"]), ",".join(map(str, r["examples"][:3])), human_bytes(r["bytes_needed"]),
                      human_bytes(r["bytes_read"]), str(r["files_opened"])] for r in rs["classes"]]

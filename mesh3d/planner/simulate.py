@@ -242,16 +242,16 @@ class Simulator:
         local = torch.empty(shape, dtype=self.inputs.dtype, device="meta")
         if self.layout.mesh.domain == 1:
             return local
-        self._domain = DomainComm(None, tuple(range(math.prod(grid))), index)
+        domain = DomainComm(None, tuple(range(math.prod(grid))), index)
         if len(grid) == 1:
-            return wrap(local, DomainSpec(self.dims[0], self.sizes[0], self._domain))
+            return wrap(local, DomainSpec(self.dims[0], self.sizes[0], domain))
         lines = []
         for k, g in enumerate(grid):
             members = tuple(i for i in range(math.prod(grid)) if all(
                 a == b for j, (a, b) in enumerate(zip(grid_coords(i, grid), coords)) if j != k))
             lines.append(DomainComm(None, members, coords[k]))
         self._lines = {id(line): k for k, line in enumerate(lines)}
-        return wrap(local, BlockSpec(self.dims, self.sizes, tuple(lines), self._domain))
+        return wrap(local, BlockSpec(self.dims, self.sizes, tuple(lines), domain))
 
     # ------------------------------------------------------------------ one step
     def run(self, domain_index: int) -> RankSim:
