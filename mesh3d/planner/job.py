@@ -87,6 +87,14 @@ def _firsts(inverse: torch.Tensor, classes: int) -> list[int]:
     return first.scatter_reduce(0, inverse, torch.arange(len(inverse)), "amin").tolist()
 
 
+def _by_signature(signature: torch.Tensor, classes: list[RankClass]) -> list[tuple[int, int]]:
+    """(example rank, ranks) per distinct checkpoint signature: classes that write alike, counted together."""
+    out: dict[int, list[int]] = {}
+    for c in classes:
+        out.setdefault(int(signature[c.examples[0]]), [c.examples[0], 0])[1] += c.count
+    return [(rank, count) for rank, count in out.values()]
+
+
 def _collectives(sim: RankSim) -> list[dict[str, Any]]:
     table: dict[tuple[str, str, str], dict[str, Any]] = {}
     for axis, kind, phase, sent, result in sim.collectives:
@@ -182,6 +190,16 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
         rows = torch.stack([dom, static_key[s], ckpt.signatures(digits=True)], 1)
         _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
     firsts = _firsts(inverse, len(counts))
+    # NOTE: files depend only on the checkpoint signature (classes also differ by domain position): sized once each.
+    sized: dict[int, tuple[int, dict[str, int]]] = {}
+
+    def files_of(rank: int) -> dict[str, int]:
+        key = int(rows[rank, 2])
+        if key not in sized:
+            sized[key] = (rank, ckpt.files(rank))
+        first, files = sized[key]
+        return {name.replace(f"r{first:05d}-", f"r{rank:05d}-"): size for name, size in files.items()}
+
     result: list[RankClass] = []
     for k in sorted(range(len(counts)), key=firsts.__getitem__):
         members = (inverse == k).nonzero().flatten()
@@ -196,13 +214,13 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
         result.append(RankClass(int(counts[k]), spans(members.tolist()), members[:4].tolist(), {"batch": b, "domain": dd, "model": m}, memory,
                                 dict(rs.peak_by_category), _collectives(rs),
                                 {"bytes": rs.domain_bytes, "messages": rs.domain_messages, "by_op": rs.domain_by_op,
-                                 "largest_halo_received": rs.largest_halo}, ckpt.files(rep)))
+                                 "largest_halo_received": rs.largest_halo}, files_of(rep)))
 
     files = [(c.count, size) for c in result for size in c.checkpoint_files.values()]
     checkpoint = {"files": sum(n for n, _ in files), "bytes": sum(n * size for n, size in files),
                   "largest_file": max((size for _, size in files), default=0),
                   "writers": sum(c.count for c in result if c.checkpoint_files),
-                  "index_bytes": index_bytes(ckpt, [(c.examples[0], c.count) for c in result], optimizer)}
+                  "index_bytes": index_bytes(ckpt, _by_signature(rows[:, 2], result), optimizer)}
     reshard = _reshard(ckpt, CheckpointLayout(target, optimizer), to) if target is not None and to is not None else None
 
     warnings = list(layout.warnings)
