@@ -44,6 +44,15 @@ class UNet3d(nn.Module):
         return self.dec(torch.cat([e, self.up(m)], dim=1))     # 2-class logits per voxel
 
 
+#: HSDP: each batch index's domain ranks shard the weights, the batch axis replicates them (docs/plan.md).
+HSDP = Plan(batch="hsdp")
+
+
+def unet3d_wide() -> UNet3d:
+    """The same network, 32 features wide (``mesh3d plan examples/volume_unet3d.py:unet3d_wide ...``, docs/plan.md)."""
+    return UNet3d(width=32)
+
+
 def volumes(n: int, depth: int, side: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Noisy volumes with a few bright spheres; labels mark the voxels inside a sphere."""
     g = torch.Generator().manual_seed(seed)

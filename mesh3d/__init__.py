@@ -32,12 +32,13 @@ __all__ = [
     "global_mean_loss",
     "grad_norm",
     "parallelize",
+    "planner",
     "resolve_mesh_shape",
 ]
 
 #: Subpackages loaded on first use: ``import mesh3d`` stays cheap (the checkpointer pulls in
 #: torch.distributed.checkpoint's state-dict helpers), yet ``mesh3d.checkpoint.save`` works.
-_LAZY_SUBPACKAGES = ("checkpoint", "domain")
+_LAZY_SUBPACKAGES = ("checkpoint", "domain", "planner")
 
 
 def __getattr__(name: str) -> ModuleType:

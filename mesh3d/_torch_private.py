@@ -74,15 +74,19 @@ def unflatten_mesh(mesh: DeviceMesh, sizes: tuple[int, ...], names: tuple[str, .
     return mesh._unflatten(0, sizes, names, backend_override={name: backend_override for name in names})
 
 
-def checkpoint_module(module: object) -> None:
+def checkpoint_module(module: object, context_fn: object | None = None) -> None:
     """Activation checkpointing on ``module`` without changing its parameter names.
 
     Why private: ``torch.distributed._composable.checkpoint`` is the only activation
     checkpointing API that keeps fully-qualified names (``checkpoint_wrapper`` inserts
     ``_checkpoint_wrapped_module.`` into every name, which breaks checkpoints keyed by name)
-    and composes with ``fully_shard``.
+    and composes with ``fully_shard``. ``context_fn`` is ``torch.utils.checkpoint``'s: two context
+    managers, for the forward and for the recomputation (the planner re-enters its modes there).
     """
-    checkpoint(module)
+    if context_fn is None:
+        checkpoint(module)
+    else:
+        checkpoint(module, context_fn=context_fn)
 
 
 def local_shape_and_global_offset(

@@ -6,6 +6,8 @@ Usage::
     mesh3d info            # torch version, backends, devices and the launcher this process sees
     mesh3d explain pkg.mod:make_model pkg.mod:plan --batch 2 --model 2
     mesh3d ckpt inspect|verify|coalesce PATH [OUT]
+    mesh3d plan pkg.mod:make_model --world 4096 --domain 4x4 --model 4 --input 1x1x512x512 [--json]
+    mesh3d check pkg.mod:make_model --input 1x1x32x32 [--plan pkg.mod:plan] [--meshes 1,2,1 2,2,1]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from mesh3d.checkpoint import cli as ckpt_cli
 from mesh3d.launcher import detect_launcher
 from mesh3d.parallel.explain import explain_table
 from mesh3d.parallel.plan import Plan
+from mesh3d.planner import cli as planner_cli
 
 __all__ = ["main", "build_parser", "environment_report", "TESTED_TORCH"]
 
@@ -116,6 +119,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
     ),
     "ckpt": ("inspect, verify or coalesce (to Hugging Face safetensors) a mesh3d checkpoint",
              ckpt_cli.add_arguments, ckpt_cli.run),
+    "plan": ("size a job before it runs: memory, communication and checkpoint files per class of ranks, on one CPU",
+             planner_cli.add_plan_arguments, planner_cli.run_plan),
+    "check": ("run a model and plan on small uneven meshes of local gloo ranks against one process, in fp64",
+              planner_cli.add_check_arguments, planner_cli.run_check),
 }
 
 

@@ -29,6 +29,8 @@ echo "== 4b/5 load_pretrained vs DCP's HuggingFaceStorageReader (4 ranks, 256 MB
 "$PY" scripts/bench_pretrained.py
 echo "== 5/5 Lightning: MeshStrategy vs ModelParallelStrategy (4 ranks, Lightning's launcher)"
 "$PY" scripts/bench_lightning.py "${l[@]}"
+echo "== planner: mesh3d plan at 4096 ranks vs simulating every domain rank, and its scaling check"
+"$PY" scripts/bench_plan.py
 if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "== GPU: the nccl/CUDA paths on one GPU and a 1 GB checkpoint vs DCP"
   "$PY" scripts/gpu_check.py --out docs/benchmarks

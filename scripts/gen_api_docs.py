@@ -18,14 +18,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint", "mesh3d.data", "mesh3d.lightning")
+PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint", "mesh3d.data", "mesh3d.lightning", "mesh3d.planner")
 HEADER = """# API reference
 
 Generated from the code by `scripts/gen_api_docs.py` (a test fails when this file is stale).
-Every public name of `mesh3d`, `mesh3d.domain`, `mesh3d.checkpoint`, `mesh3d.data` and `mesh3d.lightning`
-(the optional Lightning extra), with its signature and docstring. The guides explain how the pieces fit:
-[concepts](concepts.md), [parallelize](parallelize.md), [domain](domain.md), [checkpoint](checkpoint.md),
-[data](data.md), [lightning](lightning.md).
+Every public name of `mesh3d`, `mesh3d.domain`, `mesh3d.checkpoint`, `mesh3d.data`, `mesh3d.lightning`
+(the optional Lightning extra) and `mesh3d.planner`, with its signature and docstring. The guides explain how the
+pieces fit: [concepts](concepts.md), [parallelize](parallelize.md), [domain](domain.md), [checkpoint](checkpoint.md),
+[data](data.md), [lightning](lightning.md), [plan](plan.md).
 """
 
 

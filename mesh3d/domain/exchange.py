@@ -17,11 +17,9 @@ Peers are the *global* ranks of the domain group (``comm.ranks``), never global 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from datetime import timedelta
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -30,9 +28,10 @@ import torch.distributed as dist
 from mesh3d.domain import divergence
 from mesh3d.manager import DistributedManager
 from mesh3d.domain.rows import ExchangePlan, Piece
+from mesh3d.domain.traffic import _TRANSPORT, TrafficCounter, count_traffic, dry_run
 
-__all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "exchange_all", "exchange_point",
-           "gather_rows", "new_buffers", "rows_of", "start_exchange"]
+__all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "dry_run",
+           "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange"]
 
 
 @dataclass(frozen=True)
@@ -61,45 +60,10 @@ class DomainComm:
         return DistributedManager.group_of_epoch(self.axis, self.mesh_epoch)
 
 
-class TrafficCounter:
-    """Bytes this process sent through ``gather_rows`` (forward and backward) while it was active.
-
-    Usage: ``with count_traffic() as traffic: step(); traffic.bytes_sent``
-    """
-
-    _active: list[TrafficCounter] = []  # counters open now (nested ones all count)
-
-    def __init__(self) -> None:
-        self.bytes_sent = 0
-        self.messages = 0
-        self.rounds = 0  # batched exchanges (one batch_isend_irecv each) this rank took part in
-        self.exchange_seconds = 0.0  # wall time inside exchanges (posting and waiting): what overlap could hide
-
-    @classmethod
-    def record(cls, nbytes: int, messages: int, seconds: float) -> None:
-        for counter in cls._active:
-            counter.bytes_sent += nbytes
-            counter.messages += messages
-            counter.rounds += 1
-            counter.exchange_seconds += seconds
-
-
-@contextlib.contextmanager
-def count_traffic() -> Iterator[TrafficCounter]:
-    """Count the bytes sent by domain exchanges inside the block.
-
-    Usage: ``with count_traffic() as traffic: loss.backward(); print(traffic.bytes_sent)``
-    """
-    counter = TrafficCounter()
-    TrafficCounter._active.append(counter)
-    try:
-        yield counter
-    finally:
-        TrafficCounter._active.remove(counter)
-
-
 def _post(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
           incoming: list[tuple[int, torch.Tensor]]) -> list:
+    if _TRANSPORT.observer is not None:  # a dry run: nothing is posted (headers and notices included)
+        return []
     group = comm.group
     ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], group) for peer, buf in outgoing]
     ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], group) for peer, buf in incoming]
@@ -265,9 +229,15 @@ def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     Usage: ``start_exchange(comm, [(peer, rows)], [(peer, buffer)], exchange_point(comm)).wait()``
     """
     start = time.perf_counter()
+    sends = [(peer, buf) for peer, buf in outgoing if buf.numel()]
+    if _TRANSPORT.observer is not None:
+        recvs = [(peer, buf) for peer, buf in incoming if buf.numel()]
+        _TRANSPORT.observer(comm, sends, recvs)
+        if sends or recvs:  # counted as a real exchange is: one round when anything would be posted
+            TrafficCounter.record(sum(b.numel() * b.element_size() for _, b in sends), len(sends), 0.0)
+        return PendingExchange([], [], 0.0)
     if fingerprint is not None:
         _check_peers(comm, outgoing, incoming, fingerprint)
-    sends = [(peer, buf) for peer, buf in outgoing if buf.numel()]
     works = _post(comm, sends, [(peer, buf) for peer, buf in incoming if buf.numel()])
     return PendingExchange(works, sends, time.perf_counter() - start)
 

@@ -1,0 +1,132 @@
+"""Live memory of one simulated step: every storage an op allocates (meta tensors included), plus named buffers.
+
+A ``TorchDispatchMode`` sees each aten op's outputs; a storage not seen before and not aliasing an input is an
+allocation, and a weakref finalizer on it records its release, so the count follows autograd's own lifetimes
+(saved tensors freed as backward consumes them). Buffers that the step would hold but the simulation does not
+allocate (FSDP's gathered parameters and reduce-scatter buffers) are added by name. The peak keeps a
+breakdown by category.
+
+Usage::
+
+    with MemoryTracker() as mem:
+        loss = model(x_on_meta).sum(); loss.backward()
+    mem.peak, mem.peak_by_category          # bytes, {"activations": ..., "fsdp buffers": ..., ...}
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["ACTIVATIONS", "FSDP_BUFFERS", "GRADS", "HALO", "MemoryTracker", "Workspace"]
+
+ACTIVATIONS, HALO, FSDP_BUFFERS, GRADS, WORKSPACE = "activations", "halo buffers", "fsdp buffers", "grads", "kernel workspace"
+
+#: A function giving the transient bytes a kernel needs beside its inputs and outputs (0: none).
+Workspace = Callable[[object, tuple, dict, object], int]
+
+
+def _storages(obj: object) -> list[torch.UntypedStorage]:
+    """The storages of every tensor in nested tuples, lists and dicts (an op's arguments or results).
+
+    NOTE: not ``torch.utils._pytree.tree_flatten``: this runs for every op of the simulated step, and pytree's
+    generality cost a third of a plan's time."""
+    out, stack = [], [obj]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x.untyped_storage())
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Bytes alive during a step, their peak and what made it up (see the module docstring)."""
+
+    def __init__(self, workspace: Workspace | None = None) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[str, int]] = {}  # storage key -> (category, bytes)
+        self._named: dict[str, tuple[str, int]] = {}  # named buffers (FSDP's) -> (category, bytes)
+        self._by_category: dict[str, int] = {}
+        self._workspace = workspace
+        self.current = 0
+        self.peak = 0
+        self.peak_by_category: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _add(self, category: str, nbytes: int) -> None:
+        self.current += nbytes
+        self._by_category[category] = self._by_category.get(category, 0) + nbytes
+        self._note_peak()
+
+    def _sub(self, category: str, nbytes: int) -> None:
+        self.current -= nbytes
+        self._by_category[category] -= nbytes
+
+    def _note_peak(self, extra: int = 0, extra_category: str = WORKSPACE) -> None:
+        if self.current + extra > self.peak:
+            self.peak = self.current + extra
+            self.peak_by_category = {k: v for k, v in self._by_category.items() if v}
+            if extra:
+                self.peak_by_category[extra_category] = self.peak_by_category.get(extra_category, 0) + extra
+
+    def _release(self, key: int) -> None:
+        entry = self._live.pop(key, None)
+        if entry is not None:
+            self._sub(*entry)
+
+    def track(self, t: torch.Tensor, category: str) -> None:
+        """Count ``t``'s storage (if new) under ``category``, or move it there if already counted."""
+        storage = t.untyped_storage()
+        key = storage._cdata
+        old = self._live.get(key)
+        if old is not None:
+            self._sub(*old)
+            self._live[key] = (category, old[1])
+            self._add(category, old[1])
+            return
+        nbytes = storage.nbytes()
+        self._live[key] = (category, nbytes)
+        self._add(category, nbytes)
+        weakref.finalize(storage, self._release, key)
+
+    def alloc(self, name: str, category: str, nbytes: int) -> None:
+        """A buffer the simulation does not create itself (FSDP's), alive until ``free(name)``."""
+        if name in self._named:
+            return
+        self._named[name] = (category, nbytes)
+        self._add(category, nbytes)
+
+    def free(self, name: str) -> None:
+        entry = self._named.pop(name, None)
+        if entry is not None:
+            self._sub(*entry)
+
+    def spike(self, category: str, nbytes: int) -> None:
+        """A buffer alive only for a moment (allocated and released at once): it can only raise the peak."""
+        self._note_peak(nbytes, category)
+
+    # ------------------------------------------------------------------ the dispatch mode
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = {s._cdata for s in _storages((args, kwargs))}
+        out = func(*args, **kwargs)
+        for storage in _storages(out):
+            key = storage._cdata
+            if key in inputs or key in self._live:
+                continue  # a view, or an in-place result
+            nbytes = storage.nbytes()
+            self._live[key] = (ACTIVATIONS, nbytes)
+            self._add(ACTIVATIONS, nbytes)
+            weakref.finalize(storage, self._release, key)
+        if self._workspace is not None:
+            extra = self._workspace(func, args, kwargs, out)
+            if extra:
+                self._note_peak(extra)
+        return out

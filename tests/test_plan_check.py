@@ -1,0 +1,97 @@
+"""``mesh3d check``: a zoo model is reported equal to one process on the default uneven meshes (and its checkpoint
+loads bitwise on every other mesh); a planted wrong rule is reported DIFFERENT; refused ops are named with their
+fix; the command line launches its local ranks once for every mesh."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from plan_models import Flips
+
+from mesh3d.cli import main
+from mesh3d.domain.registry import RULES
+from mesh3d.domain.step import Step
+from mesh3d.planner import InputSpec, JobMesh
+from mesh3d.planner.check import CheckSpec, check_on_rank
+from mesh3d.planner.check_run import check_model, uneven_sizes
+
+
+def _pool(ranks, body=None):
+    return lambda world, fn, *args: ranks.run(world, body or fn, *args, timeout=300)
+
+
+def test_uneven_sizes_keep_the_model_s_granularity():
+    assert uneven_sizes(32, 2, 4) == (20, 12) and uneven_sizes(16, 3, 4) == (8, 4, 4) and uneven_sizes(17, 2, 1) == (9, 8)
+    assert uneven_sizes(8, 3, 4) == (8, 0, 0)  # fewer windows than ranks: empty shards
+
+
+def test_a_zoo_model_is_reported_equal_on_the_default_meshes(ranks):
+    pytest.importorskip("monai")
+    from zoo.models import ZOO
+
+    entry = ZOO["monai.UNet"]
+    report = check_model(CheckSpec(entry.build, None, InputSpec(entry.shape, dims=(entry.dim,))), runner=_pool(ranks))
+    print(report.table())
+    assert [m.mesh for m in report.meshes] == ["1,2,1", "1,3,1", "2,2,1"]
+    assert report.equal and all(m.verdict == "equal" for m in report.meshes)
+    assert all(len(m.diffs) == 2 + len(list(entry.build().parameters())) for m in report.meshes)
+    assert report.meshes[0].sizes == [[12, 4]] and report.meshes[1].sizes == [[8, 4, 4]]  # uneven, at its factor 4
+    assert report.meshes[0].checkpoint.startswith("saved")
+    assert all(m.checkpoint.startswith("loaded bitwise") for m in report.meshes[1:])
+
+
+_ORIGINAL_CONV2D = RULES.get(F.conv2d)
+
+
+def _halo_free_conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+    """A wrong rule: stride-1 convolutions computed on the local rows alone, as if the neighbours' rows were zeros."""
+    if stride not in (1, (1, 1)):
+        return _ORIGINAL_CONV2D(input, weight, bias, stride, padding, dilation, groups)
+    return Step(lambda x: F.conv2d(x, weight, bias, stride, padding, dilation, groups), (input,), out=input.spec)
+
+
+def _check_with_a_wrong_rule(*args):
+    RULES.register(F.conv2d, _halo_free_conv2d, override=True)
+    try:
+        return check_on_rank(*args)
+    finally:
+        RULES.register(F.conv2d, _ORIGINAL_CONV2D, override=True)
+
+
+def test_a_planted_wrong_rule_is_reported_different(ranks):
+    spec = CheckSpec("plan_models:conv_stack", None, InputSpec((1, 2, 16, 8)))
+    report = check_model(spec, [JobMesh(1, (2,), 1)], runner=_pool(ranks, _check_with_a_wrong_rule))
+    print(report.table())
+    mesh = report.meshes[0]
+    assert mesh.verdict == "DIFFERENT" and not report.equal
+    assert mesh.diffs["output"] > 1e-3 and mesh.diffs["grad stem.weight"] > 1e-3
+    assert "NOT equal" in report.table()
+
+
+def test_ops_that_would_be_refused_are_named_with_their_fix_before_anything_runs():
+    def no_ranks(*_):
+        raise AssertionError("a mesh with refused ops must not start ranks")
+
+    report = check_model(CheckSpec(Flips, None, InputSpec((1, 2, 8, 8))), [JobMesh(1, (2,), 1)], runner=no_ranks)
+    mesh = report.meshes[0]
+    assert mesh.verdict == "refused" and set(mesh.refused) == {"torch.flip", "torch.roll"}
+    assert "Call .full_tensor() first, or register a rule" in report.table()
+
+
+def test_the_command_line_checks_on_local_ranks_started_once(capsys):
+    code = main(["check", "plan_models:conv_stack", "--input", "1x2x16x8", "--meshes", "1,2,1", "2,1,1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0 and report["equal"], report
+    assert [m["checkpoint"].split(" (")[0] for m in report["meshes"]] == ["saved", "loaded bitwise"]
+    assert main(["check", "plan_models:conv_stack", "--input", "1x2x16x8", "--meshes", "pipe=2"]) == 2
+    assert "unknown axis 'pipe'" in capsys.readouterr().err
+
+
+def test_a_rank_that_fails_is_reported_not_raised(ranks):
+    spec = CheckSpec("plan_models:conv_stack", None, InputSpec((1, 2, 16, 8), dtype=torch.float32))
+    results = ranks.run(2, check_on_rank, spec, JobMesh(1, (2,), 1), ((9, 8),), None, None, 30.0)
+    assert all(r["status"] == "error" and "sum to 17 but the sharded dim has length 16" in r["error"] for r in results)

@@ -1,0 +1,185 @@
+"""``mesh3d plan`` held to reality: the cases of tests/plan_models.py run for real on 3, 4 and 8 gloo ranks.
+
+Per rank, exactly: parameter, gradient, optimizer-state and buffer bytes; every collective by axis, kind and
+phase (calls, bytes sent, bytes received); the domain axis's point-to-point bytes and messages forward and
+backward (``domain.count_traffic``); the size of every checkpoint shard file (index.json within 1 %); what a load onto another mesh
+reads (``LoadInfo.bytes_read``/``bytes_needed``). Within 10 %: the step's peak memory against the measured
+peak RSS growth of forward and backward on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from plan_models import EXACT_CASES, FACTORIES, RESHARD_CASES, RSS_CASE, input_of, plan_of
+
+from mesh3d.planner import InputSpec, JobMesh, plan_job
+
+
+def _planned(case: dict, to: str | None = None):
+    mesh = JobMesh.resolve(case["world"], case["batch"], case["domain"], case["model"])
+    dtype = torch.int64 if case["net"] == "transformer" else torch.float32
+    return plan_job(FACTORIES[case["net"]], plan_of(case), mesh, InputSpec(case["input"], dtype, case["dims"], case["sizes"]),
+                    device="cpu", to=JobMesh.parse(to) if to else None)
+
+
+def _shard(x, case: dict, dm):
+    from mesh3d import domain
+
+    if dm.axis_size("domain") == 1:
+        return x
+    if isinstance(case["domain"], tuple):
+        return domain.shard(x, dims=case["dims"], sizes=case["sizes"])
+    return domain.shard(x, dim=case["dims"][0], sizes=case["sizes"][0])
+
+
+def _build(case: dict):
+    from mesh3d import DistributedManager, parallelize
+
+    dm = DistributedManager.initialize(case["batch"], case["domain"], case["model"])
+    with torch.device("meta"):
+        model = FACTORIES[case["net"]]()
+    model = parallelize(model, plan_of(case), seed=0)
+    return dm, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _measure_case(case: dict, ckpt: str | None, rss: bool) -> dict:
+    from mesh3d import DistributedManager, checkpoint, domain
+    from mesh3d.planner import default_loss
+    from mesh3d.planner.measure import CollectiveCounter, PeakRss, local_tensors, storage_bytes
+
+    dm, model, opt = _build(case)
+    xs = _shard(input_of(case, dm.axis_rank("batch")), case, dm)
+    default_loss(model(xs)).backward()  # a first step: lazy initialization, optimizer state
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    shard = plan_of(case).hsdp_shard_size or (dm.axis_size("domain") if case.get("batch_mode") == "hsdp" else None)
+    shard = 1 if case.get("batch_mode") == "ddp" else shard
+    with CollectiveCounter(dm, shard) as comm, PeakRss() as peak:
+        with domain.count_traffic() as forward:
+            loss = default_loss(model(xs))
+        comm.phase = "backward"
+        with domain.count_traffic() as backward:
+            loss.backward()
+    out = {
+        "params": storage_bytes(local_tensors(model.parameters())),
+        "params_unpadded": sum(t.numel() * t.element_size() for t in local_tensors(model.parameters())),
+        "grads": storage_bytes(local_tensors(p.grad for p in model.parameters())),
+        "optimizer": storage_bytes(local_tensors(v for state in opt.state.values() for v in state.values())),
+        "buffers": storage_bytes(model.buffers()),
+        "comm": comm.rows,
+        "domain": {"bytes": {"forward": forward.bytes_sent, "backward": backward.bytes_sent},
+                   "messages": {"forward": forward.messages, "backward": backward.messages}},
+        "rss_growth": peak.growth if rss else None,
+    }
+    if ckpt is not None:
+        checkpoint.save(ckpt, model, opt, step=1)
+        if dm.rank == 0:
+            out["index"] = os.path.getsize(os.path.join(ckpt, "index.json"))
+            out["files"] = {f"{role}/{name}": os.path.getsize(os.path.join(ckpt, role, name))
+                            for role in ("model", "optimizer") for name in sorted(os.listdir(os.path.join(ckpt, role)))}
+    DistributedManager.shutdown()
+    return out
+
+
+def _measure_body(cases: dict[str, dict], root: str, rss: bool = False) -> dict:
+    return {name: _measure_case(case, os.path.join(root, name.replace(" ", "_").replace(",", "")) if root else None, rss)
+            for name, case in cases.items()}
+
+
+def _load_body(case: dict, to: str, path: str) -> dict:
+    from mesh3d import DistributedManager, checkpoint
+
+    b, d, m = to.split(",")
+    target = dict(case, batch=int(b), domain=int(d), model=int(m))
+    _, model, opt = _build(target)
+    info = checkpoint.load(path, model, opt)
+    DistributedManager.shutdown()
+    return {"needed": info.bytes_needed, "read": info.bytes_read}
+
+
+def _comm_table(rows) -> list[dict]:
+    table: dict[tuple, dict] = {}
+    for axis, kind, phase, sent, result in rows:
+        row = table.setdefault((axis, kind, phase), {"axis": axis, "collective": kind, "phase": phase, "calls": 0,
+                                                     "bytes": 0, "result_bytes": 0})
+        row["calls"] += 1
+        row["bytes"] += sent
+        row["result_bytes"] += result
+    return sorted(table.values(), key=lambda r: (r["axis"], r["phase"] != "forward", r["collective"]))
+
+
+def _check_exact(name: str, case: dict, measured: list[dict]) -> None:
+    job = _planned(case)
+    for rank, got in enumerate(measured):
+        planned = job.class_of(rank)
+        where = f"{name}, rank {rank}"
+        for key in ("params", "params_unpadded", "grads", "optimizer", "buffers"):
+            assert planned.memory[key] == got[key], (where, key, planned.memory[key], got[key])
+        assert planned.comm == _comm_table(got["comm"]), (where, planned.comm, _comm_table(got["comm"]))
+        assert planned.domain["bytes"] == got["domain"]["bytes"], (where, planned.domain, got["domain"])
+        assert planned.domain["messages"] == got["domain"]["messages"], (where, planned.domain, got["domain"])
+    files = {f: size for c in job.classes for r in range(case["world"]) if job.class_of(r) is c
+             for f, size in _files_of(job, c, r).items()}
+    assert files == measured[0]["files"], (name, files, measured[0]["files"])
+    index = measured[0]["index"]
+    assert abs(job.checkpoint["index_bytes"] - index) <= 0.01 * index, (name, job.checkpoint["index_bytes"], index)
+
+
+def _files_of(job, cls, rank: int) -> dict[str, int]:
+    """The planned files of ``rank`` (its class lists one example's names; the sizes are the class's)."""
+    example = cls.examples[0]
+    return {f.replace(f"r{example:05d}", f"r{rank:05d}"): size for f, size in cls.checkpoint_files.items()}
+
+
+@pytest.fixture(scope="module")
+def exact_runs(ranks, tmp_path_factory):
+    """Every exact case run once, batched by world size (one rank-pool call per size)."""
+    root = str(tmp_path_factory.mktemp("plan-ckpt"))
+    results: dict[str, list[dict]] = {}
+    for world in sorted({c["world"] for c in EXACT_CASES.values()}):
+        cases = {n: c for n, c in EXACT_CASES.items() if c["world"] == world}
+        per_rank = ranks.run(world, _measure_body, cases, root, timeout=600)
+        for name in cases:
+            results[name] = [r[name] for r in per_rank]
+    return root, results
+
+
+@pytest.mark.parametrize("name", list(EXACT_CASES))
+def test_planned_bytes_equal_measured_bytes(exact_runs, name):
+    _check_exact(name, EXACT_CASES[name], exact_runs[1][name])
+
+
+def test_planned_reshard_reads_equal_measured_reads(ranks, exact_runs):
+    root, _ = exact_runs
+    for name, (source, to) in RESHARD_CASES.items():
+        case = EXACT_CASES[source]
+        path = os.path.join(root, source.replace(" ", "_").replace(",", ""))
+        b, d, m = (int(v) for v in to.split(","))
+        measured = ranks.run(b * d * m, _load_body, case, to, path, timeout=300)
+        planned = _planned(case, to).reshard
+        assert planned["exact"]
+        for rank, got in enumerate(measured):
+            cls = next(c for c in planned["classes"] if rank in _members(c["ranks"]))
+            assert (cls["bytes_needed"], cls["bytes_read"]) == (got["needed"], got["read"]), (name, rank, cls, got)
+
+
+def _members(text: str) -> set[int]:
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def test_planned_step_peak_is_within_ten_percent_of_peak_rss_growth(ranks):
+    measured = ranks.run(RSS_CASE["world"], _measure_body, {"rss": RSS_CASE}, "", True, timeout=600)
+    job = _planned(RSS_CASE)
+    for rank, got in enumerate(r["rss"] for r in measured):
+        planned = job.class_of(rank).memory["step_peak"]
+        growth = got["rss_growth"]
+        print(f"rank {rank}: planned step peak {planned / 2**20:.2f} MiB, measured peak RSS growth {growth / 2**20:.2f} MiB")
+        assert abs(planned - growth) <= 0.10 * growth, (rank, planned, growth)
