@@ -112,3 +112,27 @@ def test_sgd_momentum_and_adam_resume_across_meshes(ranks, tmp_path):
             for key in want:
                 torch.testing.assert_close(states[kind][key], want[key], rtol=1e-10, atol=1e-12,
                                            msg=lambda m: f"{kind} {key}: {m}")
+
+
+def test_loading_into_a_model_with_gradients_and_no_optimizer_state_restores_both(tmp_path):
+    """A backward before the load (a warm-up step, a sanity check) used to leave torch's optimizer template empty,
+    and the loaded optimizer state was read into the parameters themselves: silently wrong weights."""
+    from mesh3d import checkpoint
+
+    for make_opt in (lambda ps: torch.optim.AdamW(ps, lr=0.1), lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)):
+        torch.manual_seed(0)
+        saved = torch.nn.Linear(4, 3).double()
+        opt = make_opt(saved.parameters())
+        saved(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        path = str(tmp_path / f"ck-{type(opt).__name__}")
+        checkpoint.save(path, saved, opt, step=1)
+        torch.manual_seed(1)
+        target = torch.nn.Linear(4, 3).double()
+        target_opt = make_opt(target.parameters())
+        target(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+        grads = [p.grad.clone() for p in target.parameters()]
+        checkpoint.load(path, target, target_opt)
+        for a, b, g in zip(saved.parameters(), target.parameters(), grads):
+            assert torch.equal(a, b) and torch.equal(b.grad, g)
+            assert all(torch.equal(opt.state[a][k], target_opt.state[b][k]) for k in opt.state[a])

@@ -81,7 +81,9 @@ def _plan(index: dict[str, Any], model_sd: dict[str, torch.Tensor], osd: dict[st
             if entry["role"] == "optimizer" and name not in wanted and entry["param"] in model_sd:
                 param = model_sd[entry["param"]]
                 if list(param.shape) == entry["shape"]:
-                    wanted[name] = param
+                    # NOTE: a fresh tensor laid out like the parameter, never the parameter itself: loads read
+                    # into their targets in place, and the parameter would be overwritten with optimizer state.
+                    wanted[name] = torch.empty_like(param)
     roles = {"model"} | ({"optimizer"} if osd is not None else set())
     missing = sorted(n for n in wanted if n not in saved)
     unexpected = sorted(n for n, e in saved.items() if e["role"] in roles and n not in wanted)

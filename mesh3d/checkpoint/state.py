@@ -106,8 +106,23 @@ def flat_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> tup
 
 
 def optimizer_template(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The target optimizer's FQN-keyed state dict (state initialized if empty, as torch does)."""
-    return get_optimizer_state_dict(model, optimizer)
+    """The target optimizer's FQN-keyed state dict (state initialized if empty, as torch does).
+
+    NOTE: torch initializes an empty optimizer state (a step with zero gradients and lr 0) only when no parameter
+    has a gradient; with gradients left from a backward it returns an empty template, and the loaded state then
+    landed in the wrong tensors (parameters overwritten, silently). The gradients are set aside for the
+    initialization and put back.
+    """
+    if optimizer.state:
+        return get_optimizer_state_dict(model, optimizer)
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    for p, _ in grads:
+        p.grad = None
+    try:
+        return get_optimizer_state_dict(model, optimizer)
+    finally:
+        for p, g in grads:
+            p.grad = g
 
 
 def apply_state(
