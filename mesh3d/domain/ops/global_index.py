@@ -64,7 +64,8 @@ def _roll(input, shifts, dims=None) -> Step:
     return Step(roll_others, (Rows(input, needs),), out=spec)
 
 
-def _flip(input, *dims) -> Step:
+def _flip(input, *dims, **kwargs) -> Step:
+    dims = kwargs.pop("dims", dims)  # torch.flip(x, dims=...) or x.flip(2, 3) or x.flip([2, 3])
     dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
     flipped = _dims(dims, input.ndim)
     spec = input.spec
