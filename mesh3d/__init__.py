@@ -41,7 +41,13 @@ __all__ = [
 _LAZY_SUBPACKAGES = ("checkpoint", "domain", "planner")
 
 
+#: Functions opt_einsum looks up by a domain tensor's module (``mesh3d.domain.array_backend`` says why).
+_ARRAY_BACKEND = ("einsum", "tensordot", "transpose")
+
+
 def __getattr__(name: str) -> ModuleType:
     if name in _LAZY_SUBPACKAGES:
         return importlib.import_module(f"mesh3d.{name}")
+    if name in _ARRAY_BACKEND:
+        return getattr(importlib.import_module("mesh3d.domain.array_backend"), name)
     raise AttributeError(f"module 'mesh3d' has no attribute {name!r}")

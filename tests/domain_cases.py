@@ -21,10 +21,17 @@ def domain_sum(t: torch.Tensor | None) -> torch.Tensor | None:
     """Sum a tensor over the domain group (how parameter and input gradients are combined)."""
     from mesh3d import DistributedManager
 
+    dm = DistributedManager()
+    if dm.axis_size("domain") > 1:  # a grad missing on some ranks only would desynchronize FSDP's reductions: say so
+        present = torch.tensor([t is not None], dtype=torch.int64)
+        both = [present.clone(), present.clone()]
+        dist.all_reduce(both[0], op=dist.ReduceOp.MIN, group=dm.group("domain"))
+        dist.all_reduce(both[1], op=dist.ReduceOp.MAX, group=dm.group("domain"))
+        assert int(both[0]) == int(both[1]), "a gradient is None on some domain ranks only (an empty shard's rule " \
+            "left a parameter unconnected)"
     if t is None:
         return None
     t = t.detach().clone()
-    dm = DistributedManager()
     if dm.axis_size("domain") > 1:
         dist.all_reduce(t, group=dm.group("domain"))
     return t

@@ -91,6 +91,14 @@ def _write_domain_into_plain(x):
     return out.sum(dim=2)
 
 
+def _plain_buffer_of_a_reduction(x):
+    """A global statistic written into a plain buffer (as an FNO writes its spectrum), then meeting the shards: the
+    buffer's gradient must reach every rank's rows of the statistic (cross terms), not only this rank's."""
+    out = torch.zeros(x.shape[0], x.shape[1], 3, x.shape[3], dtype=x.dtype)
+    out[:, :, :2] = x.mean(dim=2, keepdim=True) * torch.ones(1, 1, 2, 1, dtype=x.dtype)
+    return x * out.sum(dim=2, keepdim=True)
+
+
 def _rotary(t):                                   # (B, T, E) tokens: a rotary table from the global length
     pos = torch.arange(t.shape[1], dtype=t.dtype)
     inv = 1.0 / (10000 ** (torch.arange(0, t.shape[2], 2, dtype=t.dtype) / t.shape[2]))
@@ -150,7 +158,11 @@ VALUES = [
     ("einsum with ellipsis", "field", lambda x: torch.einsum("...hw,...hw->...w", x, x)),
     ("setitem with global indices", "field", _setitem),
     ("a domain value written into a plain tensor", "field", _write_domain_into_plain),
+    ("a statistic through a plain buffer", "field", _plain_buffer_of_a_reduction),
     ("expand", "field", lambda x: x[:1].expand(3, -1, -1, -1) * 2),
+    ("pixels into the batch and back", "field",
+     lambda x: (x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]) @ torch.linspace(-1, 1, 6, dtype=x.dtype).view(3, 2))
+     .reshape(x.shape[0], x.shape[2], x.shape[3], -1).permute(0, 3, 1, 2)),
     ("rotary table from the length", "tokens", _rotary),
     ("GPT-2 position ids from the length", "tokens", _gpt2_positions),
     ("attention scores, causal mask from the length", "tokens", _causal_mask),
@@ -159,7 +171,6 @@ VALUES = [
 
 #: Idioms refused on purpose (the result would need a layout mesh3d does not have): each must name its op.
 REFUSED = [
-    ("pixels into the batch", "field", lambda x: x.permute(0, 2, 3, 1).reshape(-1, x.shape[1]), "torch.reshape"),
     ("roll without dims", "field", lambda x: torch.roll(x, 3), "torch.roll"),
     ("cumsum along the sharded dim", "field", lambda x: x.cumsum(2), "cumsum"),
 ]

@@ -180,7 +180,7 @@ def _refusals_body():
         "bad_sizes": lambda: domain.shard(x, dim=2, sizes=(H + 1,) + (0,) * (xs.spec.comm.size - 1)),
         "bad_dim": lambda: domain.shard(x, dim=7),
         "reshape_mixing_rows": lambda: xs.reshape(2, -1, 3),
-        "flatten_into_sharded": lambda: xs.flatten(1, 2),
+        "strided_without_rule": lambda: xs.flatten(1, 2).flip(1),  # channels merged into the rows: a strided layout
         "bad_src": lambda: domain.scatter(x, dim=2, src=99),
     }
     messages = {}
@@ -205,7 +205,7 @@ def test_refusals_raise_clearly_on_every_rank(ranks, world):
         assert "domain.shard" in messages["plain_broadcast"]
         assert "bicubic" in messages["bicubic"]
         assert "mix rows of the sharded dim" in messages["reshape_mixing_rows"]
-        assert "torch.flatten" in messages["flatten_into_sharded"] and "mix rows" in messages["flatten_into_sharded"]
+        assert "flip" in messages["strided_without_rule"] and "strided layout" in messages["strided_without_rule"]
 
 
 def test_split_rule_is_torch_chunk():

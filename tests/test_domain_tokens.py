@@ -145,11 +145,13 @@ def _layout_body():
     back = xe.flatten(2).transpose(1, 2).reshape(2, *xe.shape[2:], -1).permute(0, 3, 1, 2)
     checks["empty blocks find the same dims"] = bool(torch.equal(back.full_tensor().to_local(), x))
     pos = torch.arange(24, dtype=torch.float64).view(1, 24, 1)
+    checks["softmax over the tokens"] = bool(torch.allclose(t.softmax(2).full_tensor().to_local(),
+                                                            x.flatten(2).softmax(2), rtol=1e-12, atol=1e-15))
     checks["position rows follow the tokens"] = bool(torch.equal(
         (t.transpose(1, 2) + pos).full_tensor().to_local(), x.flatten(2).transpose(1, 2) + pos))
     refusals = []
     for attempt in (lambda: xs.flatten(1), lambda: t.reshape(2, 72), lambda: t.transpose(1, 2) + torch.ones(1, 5, 1),
-                    lambda: torch.roll(t, 1, 2), lambda: t.softmax(2), lambda: t[:, :, 3],
+                    lambda: torch.roll(t, 1, 2), lambda: t.cumsum(2), lambda: t[:, :, 3],
                     lambda: domain.redistribute(t, dim=2)):
         try:
             attempt()
@@ -167,7 +169,7 @@ def test_token_layouts_and_refusals_on_every_rank(ranks):
         assert "would mix tokens with other dims" in refusals[1]
         assert "meets a token grid of 24 tokens" in refusals[2] and "give it 24 rows" in refusals[2]
         assert "torch.roll has no rule for token grids" in refusals[3]
-        assert "acts along the token dim 2" in refusals[4]
+        assert "cumsum has no rule for token grids" in refusals[4]
         assert "only prefix tokens" in refusals[5]
         assert "reshape the tokens back to the grid first" in refusals[6]
 

@@ -29,12 +29,12 @@ from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
 from mesh3d.domain.gather import replicate_if_singleton
 from mesh3d.domain.halo import WindowProbe, window_exchange
 from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
-from mesh3d.domain.registry import BLOCK_RULES, RULES, TOKEN_RULES, op_name, tree_map
+from mesh3d.domain.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, tree_map, writes_into_first
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, global_shape_of, unwrap, wrap
 
-__all__ = ["GLOBAL_SIZES", "METADATA", "dispatch", "redistribute_local", "run_step"]
+__all__ = ["DATA_QUERIES", "GLOBAL_SIZES", "METADATA", "dispatch", "redistribute_local", "run_step"]
 
 # Queries answered from the local shard: they hold no size and no tensor data to get wrong.
 _LOCAL_METADATA_NAMES = (
@@ -79,6 +79,8 @@ _SHAPE_GET = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
 _NBYTES_GET = torch.Tensor.nbytes.__get__  # type: ignore[attr-defined]
 #: ``x.data``: a detached alias of the shard, still a domain tensor (its sizes stay global).
 _DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
+#: Queries answered by the dispatcher itself besides METADATA and GLOBAL_SIZES.
+DATA_QUERIES = {_DATA_GET}
 
 
 def _global_size_answer(func: Callable, x: DomainTensor, rest: tuple, kwargs: dict) -> Any:
@@ -204,7 +206,13 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     if blocks:
         return _dispatch_blocks(func, args, kwargs, blocks)
     if sharded:
-        rule = RULES.get(func)
+        strided = any(getattr(t._spec, "outer", 1) > 1 for t in found)
+        rule = (STRIDED_RULES if strided else RULES).get(func)
+        if rule is None and strided:
+            raise NotImplementedError(
+                f"{op_name(func)} has no rule for a strided layout (a sharded dim merged under the dims before it, "
+                "as x.view(-1, c) of a (B, T, c) tensor sharded along T makes): reshape it back to the unstrided "
+                "shape first (x.view(B, T, c)), or call .full_tensor()")
         if rule is None:
             dims = sorted({t._spec.dim for t in found if t._spec.dim is not None})
             raise NotImplementedError(
@@ -266,7 +274,17 @@ def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict)
             return scale_grad(o, 1.0 / size)
         return unwrap(o)
 
-    out = func(*tree_map(prepare, args), **tree_map(prepare, kwargs))
+    target = args[0] if args and writes_into_first(func) else None
+    if isinstance(target, DomainTensor) or not isinstance(target, torch.Tensor):
+        target = None
+    out = func(*((target, *tree_map(prepare, args[1:])) if target is not None else tree_map(prepare, args)),
+               **tree_map(prepare, kwargs))
+    if target is not None:
+        # NOTE: a plain tensor written with replicated values holds values computed from the domain tensor: it
+        # becomes a replicated domain tensor, so what follows from it keeps the replicated gradient convention.
+        target.__class__ = DomainTensor
+        target._spec = spec  # type: ignore[attr-defined]  # re-classed on the line above
+        return target if out is target else out
     plain = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and not isinstance(t, DomainTensor))
     return tree_map(lambda o: adopt(o, spec, plain) if isinstance(o, torch.Tensor) else o, out)
 

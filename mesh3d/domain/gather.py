@@ -51,7 +51,12 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
     """
     if x.spec.dim is None:
         return x
-    return adopt(_FullTensor.apply(unwrap(x), x.spec), DomainSpec(None, None, x.spec.comm))
+    spec = x.spec
+    if spec.outer > 1:  # a strided layout: its blocks split out (an unstrided slab), gathered, merged again
+        d, whole = spec.dim, list(x.shape)
+        blocks = x.view([*whole[:d], spec.outer, sum(spec.sizes), *whole[d + 1:]])
+        return full_tensor(blocks).view(whole)
+    return adopt(_FullTensor.apply(unwrap(x), spec), DomainSpec(None, None, spec.comm))
 
 
 def replicate_if_singleton(x: DomainTensor) -> DomainTensor:

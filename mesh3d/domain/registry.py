@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["BLOCK_RULES", "RULES", "TOKEN_RULES", "RuleTable", "flat_tensors", "op_name", "register", "tree_map"]
+__all__ = ["BLOCK_RULES", "RULES", "STRIDED_RULES", "TOKEN_RULES", "RuleTable", "flat_tensors", "op_name", "register", "tree_map",
+           "writes_into_first"]
 
 
 class RuleTable:
@@ -58,6 +59,8 @@ RULES = RuleTable()
 BLOCK_RULES = RuleTable()
 #: Rules for token grids (blocks flattened into tokens, ``mesh3d.domain.tokens``; ``mesh3d.domain.ops.tokens``).
 TOKEN_RULES = RuleTable()
+#: Rules for strided layouts (``DomainSpec.outer > 1``; registered by ``mesh3d.domain.ops.strided``).
+STRIDED_RULES = RuleTable()
 
 
 def register(*funcs: Callable, override: bool = False) -> Callable[[Callable], Callable]:
@@ -87,6 +90,19 @@ def op_name(func: Callable) -> str:
     if module.startswith("torch._C") or not module:
         return f"torch.{name}"
     return f"{module}.{name}"
+
+
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+def writes_into_first(func: Callable) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``copy_``, ``x[i] = v``, ``x += y``).
+
+    Usage: ``if writes_into_first(func) and not isinstance(args[0], DomainTensor): ...``
+    """
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
 
 
 def tree_map(fn: Callable[[Any], Any], obj: Any) -> Any:

@@ -47,11 +47,17 @@ class DomainSpec:
     """Sharded dim (None: replicated), per-rank sizes along it, and the domain group.
 
     Usage: ``xs.spec.dim, xs.spec.sizes, xs.spec.offset``
+
+    ``outer > 1``: a *strided* layout (DTensor's ``_StridedShard``): the sharded dim holds ``outer`` blocks of
+    ``sum(sizes)`` rows one after the other (a reshape merged the dims before it in, as ``x.view(-1, c)`` of a
+    ``(B, T, c)`` tensor sharded along T does), and this rank holds its ``sizes[index]`` rows of each block, block
+    by block. Its rules are ``mesh3d.domain.ops.strided``'s.
     """
 
     dim: int | None
     sizes: tuple[int, ...] | None
     comm: DomainComm
+    outer: int = 1
 
     @cached_property
     def offset(self) -> int:
@@ -62,7 +68,7 @@ class DomainSpec:
         dim = self.dim if dim is None else dim
         if dim == self.dim and sizes == self.sizes:
             return self
-        return DomainSpec(dim, tuple(sizes), self.comm)
+        return DomainSpec(dim, tuple(sizes), self.comm, self.outer)
 
 
 def sharded_dims(spec: Any) -> tuple[int, ...]:
@@ -119,7 +125,7 @@ def global_shape_of(x: DomainTensor) -> torch.Size:
     if hasattr(spec, "dims"):  # blocks and token grids (mesh3d.domain.blocks / tokens)
         return spec.global_shape(shape)  # type: ignore[attr-defined]
     if spec.dim is not None:
-        shape[spec.dim] = sum(spec.sizes)
+        shape[spec.dim] = sum(spec.sizes) * spec.outer
     return torch.Size(shape)
 
 

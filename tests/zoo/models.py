@@ -15,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from zoo import transformer_models as tm
+from zoo.transformer_models import token_ids
+
 
 @dataclass(frozen=True)
 class ZooModel:
@@ -28,10 +31,21 @@ class ZooModel:
     refusal: str | None = None
     workaround: str = ""
     refused_on: frozenset[str] = frozenset({"2", "3", "blocks"})
+    #: "field": a float input; "ids": token ids (language models)
+    inputs: str = "field"
+    #: relative tolerance; looser only where the library itself computes in float32 (said at the entry)
+    rtol: float = 1e-9
+
+    def make_input(self) -> torch.Tensor:
+        return token_ids(self.shape) if self.inputs == "ids" else torch.randn(self.shape, dtype=torch.float64)
 
     def refused(self, layout: str) -> bool:
         """Whether this model must raise ``refusal`` on ``layout`` ("2", "3" or "blocks")."""
         return self.refusal is not None and layout in self.refused_on
+
+    def runs_on(self, layout: str) -> bool:
+        """Blocks (a 2x2 grid over the sharded dim and the next) are for fields (images, volumes), not sequences."""
+        return layout != "blocks" or (self.inputs == "field" and len(self.shape) >= 4)
 
 
 def _call(model, x):
@@ -181,11 +195,9 @@ ZOO: dict[str, ZooModel] = {
                                     "2-D U-Net with attention gates (sigmoid gating of skips)"),
     "monai.SwinUNETR": ZooModel("monai", _monai_swin_unetr, _call, (1, 1, 64, 64), 2, (32, 16, 16),
                                 "2-D shifted-window transformer encoder, conv decoder",
-                                # 3 ranks: the third stage's rows (4, 2, 2) are not whole windows; blocks: the window
-                                # partition splits both block dims
-                                refusal="whole rows of | would mix the blocks' rows", refused_on=frozenset({"3", "blocks"}),
-                                workaround="shard in whole windows at every stage (multiples of window x 2^stages), "
-                                           "or along the batch dim"),
+                                # blocks: the window partition splits both block dims
+                                refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
+                                workaround="shard as slabs (windows are moved to whole windows per rank there)"),
     "diffusers.UNet2DModel": ZooModel("diffusers", _diffusers_unet2d, _sample, (1, 2, 16, 16), 2, (8, 4, 4),
                                       "2-D diffusion U-Net, timestep embedding, self-attention blocks, GroupNorm"),
     "diffusers.AutoencoderKL": ZooModel("diffusers", _diffusers_autoencoder, _autoencoder_forward, (1, 2, 16, 16), 2,
@@ -203,18 +215,43 @@ ZOO: dict[str, ZooModel] = {
                                  "2-D vision transformer, class token, position embedding"),
     "transformers.Swin": ZooModel("transformers", _hf_swin, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
                                   "2-D shifted-window transformer classifier",
-                                  refusal="the query must be a domain tensor sharded along its sequence dim "
-                                          "| failed in torch.scaled_dot_product_attention | whole rows of",
-                                  workaround="shard along the batch dim, or gather before the window attention"),
+                                  refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
+                                  workaround="shard as slabs"),
     "neuraloperator.FNO": ZooModel("neuraloperator", _neuralop_fno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
-                                   "2-D Fourier neural operator (spectral convolutions)", refusal="numpy() | Size of label",
-                                   workaround="write the spectral layer with torch.fft on the domain tensor"),
+                                   "2-D Fourier neural operator (spectral convolutions into a plain spectrum buffer)"),
     "x-transformers.ViTransformerWrapper": ZooModel(
         "x-transformers", _x_vit, _call, (2, 2, 16, 16), 2, (8, 4, 4),
         "2-D vision transformer via einops patches, position embedding",
         # blocks: einops' (h p1) (w p2) patching splits both block dims
         refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
         workaround="patch with a strided conv (the Conv2d patch embedding runs on blocks)"),
+    # ----- issue 27: transformers and neural operators
+    "transformers.GPT2": ZooModel("transformers", tm.hf_gpt2, tm.lm_logits, (2, 16), 1, (8, 5, 3),
+                                  "decoder on a sharded sequence: causal attention, learned positions", inputs="ids"),
+    "transformers.Llama": ZooModel("transformers", tm.hf_llama, tm.lm_logits, (2, 16), 1, (7, 0, 9),
+                                   "decoder: rotary embeddings, grouped K/V, RMSNorm", inputs="ids"),
+    # rtol 1e-6: Dinov2 interpolates its position embedding in float32 whatever the model's dtype (in one process
+    # too), so the float64 run carries float32 rounding there
+    "transformers.Bert": ZooModel("transformers", tm.hf_bert, tm.hf_hidden_ids, (2, 16), 1, (0, 9, 7),
+                                  "encoder on a sharded sequence: absolute positions, token types, dropout",
+                                  inputs="ids"),
+    "transformers.Qwen2": ZooModel("transformers", tm.hf_qwen2, tm.lm_logits, (2, 16), 1, (5, 5, 6),
+                                   "decoder: rotary embeddings, grouped K/V, biased projections", inputs="ids"),
+    "transformers.Dinov2": ZooModel("transformers", tm.hf_dinov2, tm.hidden, (2, 2, 16, 16), 2, (8, 4, 4),
+                                    "ViT that interpolates its position embedding to the input size", rtol=1e-6),
+    "monai.ViT": ZooModel("monai", tm.monai_vit, tm.first, (2, 2, 16, 16), 2, (8, 4, 4),
+                          "ViT, einsum attention (SABlock)"),
+    "monai.UNETR": ZooModel("monai", tm.monai_unetr, tm.first, (1, 1, 16, 16), 2, (8, 4, 4),
+                            "ViT encoder, tokens back to grids, conv decoder",
+                            # blocks: its attention's einsum meets the keys in another layout than the queries
+                            refusal="laid out differently over the domain grid", refused_on=frozenset({"blocks"}),
+                            workaround="shard as slabs"),
+    "neuraloperator.TFNO": ZooModel("neuraloperator", tm.neuralop_tfno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
+                                    "Tucker-factorized Fourier neural operator"),
+    "x-transformers.Decoder": ZooModel("x-transformers", tm.x_decoder, _call, (2, 16), 1, (3, 8, 5),
+                                       "decoder with rotary embeddings", inputs="ids"),
+    "perceiver-pytorch.Perceiver": ZooModel("perceiver-pytorch", tm.perceiver, _call, (2, 16, 12, 2), 1, (8, 4, 4),
+                                            "latents cross-attending to a sharded image, Fourier position features"),
 }
 
 

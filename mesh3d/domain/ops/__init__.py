@@ -2,5 +2,6 @@
 
 from mesh3d.domain.ops import (  # noqa: F401
     attention, blocks, blocks_layout, blocks_resample, blocks_spectral, conv, einsum, global_index, idioms, interpolate,
-    matmul, norm, pointwise, pool, random_ops, reduce, reshape, spectral, tokens, tokens_attention, tokens_prefix,
+    matmul, norm, pointwise, pool, random_ops, reduce, reshape, spectral, strided, tokens, tokens_attention,
+    tokens_prefix,
 )

@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.dispatch import block_needs, run_step
+from mesh3d.domain.ops.conv import weight_connected_zeros
+from mesh3d.domain.ops.idioms import replicated_slice as idioms_rows, strided_rows
 from mesh3d.domain.registry import register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.step import Rows, Step
+from mesh3d.domain.step import Entering, Rows, Step
 from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
 
 __all__ = ["neighbourhood_attention"]
@@ -49,28 +51,76 @@ def _split_kv(gathered: tuple, width: int | None):
     return both[..., :width], both[..., width:]
 
 
+def _batched(query, key, value) -> bool:
+    """q, k and v sharded alike along a batch or head dim (windows of Swin in the batch dim): attention is local."""
+    specs = [t.spec if isinstance(t, DomainTensor) else None for t in (query, key, value)]
+    return all(s is not None and s.dim is not None and s.dim < t.ndim - 2 and t.ndim - s.dim == query.ndim - specs[0].dim
+               and (s.sizes, s.outer) == (specs[0].sizes, specs[0].outer) for s, t in zip(specs, (query, key, value)))
+
+
+def _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Step:
+    if dropout_p:
+        raise NotImplementedError("scaled_dot_product_attention with dropout_p on domain tensors is not supported; use "
+                                  "dropout_p=0 (or eval mode)")
+    spec = query.spec
+    mask = attn_mask
+    if isinstance(mask, torch.Tensor) and not (isinstance(mask, DomainTensor) and mask.spec.dim is not None):
+        aligned = spec.dim - (query.ndim - mask.ndim)
+        if aligned >= 0 and mask.shape[aligned] != 1:  # a mask per window: this rank's windows of it
+            mask = strided_rows(unwrap(mask), aligned, spec)
+
+    def compute(q, k, v, m):
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal, scale=scale,
+                                             enable_gqa=enable_gqa)
+        if q.numel() == 0:  # no window here: torch leaves the mask without a gradient; keep every input connected
+            return weight_connected_zeros(out, list(out.shape), q, k, v, m if isinstance(m, torch.Tensor) else None)
+        return out
+    return Step(compute, (query, key, value, mask), out=spec)
+
+
 @register(F.scaled_dot_product_attention)
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Step:
+    if _batched(query, key, value):
+        return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     _check(query, key, value)
-    if attn_mask is not None or dropout_p:
-        raise NotImplementedError("scaled_dot_product_attention on domain tensors: attn_mask and dropout_p are "
-                                  "not supported (use is_causal for causal masks)")
+    if dropout_p:
+        raise NotImplementedError("scaled_dot_product_attention on domain tensors: dropout_p is not supported; use "
+                                  "dropout_p=0 (or eval mode)")
+    if attn_mask is not None and is_causal:
+        raise RuntimeError("scaled_dot_product_attention: _scaled_dot_product_attention: Explicit attn_mask should "
+                           "not be set when is_causal=True")
     n = sum(key.spec.sizes)
     everything = tuple((Span.rows(0, n),) for _ in key.spec.sizes)
     if key.spec.comm.size == 1:
         everything = block_needs(key.spec.sizes)
     kv, width = _kv_rows(key, value, everything)
     offset = query.offset
+    mask = _mask_rows(attn_mask, query)
 
     def compute(q, *gathered):
-        k_all, v_all = _split_kv(gathered, width)
-        mask = None
+        *gathered, m = gathered
+        k_all, v_all = _split_kv(tuple(gathered), width)
         if is_causal:
             rows = torch.arange(offset, offset + q.shape[-2], device=q.device)[:, None]
-            mask = rows >= torch.arange(n, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+            m = rows >= torch.arange(n, device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=m, scale=scale, enable_gqa=enable_gqa)
 
-    return Step(compute, (query, *kv), out=query.spec)
+    return Step(compute, (query, *kv, mask), out=query.spec)
+
+
+def _mask_rows(mask, query: DomainTensor):
+    """An ``attn_mask`` for this rank's query rows: a plain (or replicated) mask of the global (..., S, S) is cut to
+    its rows (every key column kept: the keys are gathered whole); a mask sharded like the query is used as is."""
+    if not isinstance(mask, torch.Tensor):
+        return mask
+    if isinstance(mask, DomainTensor) and mask.spec.dim is not None:
+        if mask.spec.dim != mask.ndim - 2 or mask.spec.sizes != query.spec.sizes:
+            raise NotImplementedError("scaled_dot_product_attention: an attn_mask sharded otherwise than the query "
+                                      "rows; pass it whole or sharded like the query along dim -2")
+        return mask
+    if mask.ndim >= 2 and mask.shape[-2] != 1:
+        return idioms_rows(mask, mask.ndim - 2, query)
+    return Entering(mask) if isinstance(mask, DomainTensor) else mask
 
 
 def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, radius: int) -> DomainTensor:

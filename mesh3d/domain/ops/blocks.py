@@ -58,14 +58,21 @@ def _elementwise(func: Callable) -> Callable:
                     raise ValueError(f"{op_name(func)}: a slab-sharded tensor meets a block-sharded one; "
                                      "shard both as blocks")
                 plain = unwrap(o)
-                return sum_grad(plain, spec.comm) if plain.requires_grad else plain
-            for d in spec.dims:
+                plain = sum_grad(plain, spec.comm) if plain.requires_grad else plain
+            else:
+                plain = o
+            whole = ref.shape
+            for k, d in enumerate(spec.dims):
                 aligned = d - (ref.ndim - o.ndim)
-                if aligned >= 0 and o.shape[aligned] != 1:
+                if aligned < 0 or plain.shape[aligned] == 1:
+                    continue
+                if plain.shape[aligned] != whole[d]:
                     raise ValueError(
-                        f"{op_name(func)}: a plain tensor of shape {tuple(o.shape)} varies along the block-sharded "
-                        f"dim {d}; give it size 1 there, or shard it as blocks too with domain.shard(t, dims={spec.dims})")
-            return o
+                        f"{op_name(func)}: a tensor of shape {tuple(o.shape)} meets blocks of global shape "
+                        f"{tuple(whole)} along the block-sharded dim {d}; give it size 1 or the global length "
+                        f"{whole[d]} there (each block then takes its rows), or shard it as blocks too")
+                plain = plain.narrow(aligned, spec.offsets[k], spec.local_sizes[k])  # this block's rows of it
+            return plain
 
         return run_elementwise(func, args, kwargs, local, ref, "blocks")
     return rule

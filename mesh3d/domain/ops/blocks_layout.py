@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.blocks import BlockSpec
-from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
-from mesh3d.domain.registry import BLOCK_RULES
+from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
+from mesh3d.domain.ops.idioms import expand_index, slice_sizes
+from mesh3d.domain.registry import BLOCK_RULES, op_name
 from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.tokens import TokenSpec
 
@@ -119,7 +120,41 @@ def _dropout(input, p=0.5, training=True, inplace=False):
                               "match one process; use p=0 or model.eval(), or apply it after .full_tensor()")
 
 
+def _getitem(x: DomainTensor, index):
+    """Indexing of blocks: anything on the other dims, and slices with a positive step on block dims (each grid line
+    keeps its own rows of the slice: the spectrum's modes of an FNO, a crop); an int on a block dim is refused."""
+    spec = _spec(x)
+    moved = untouched_index(index, x.ndim, spec.dims)
+    if moved is not None:
+        return adopt(unwrap(x)[index], _moved(spec, tuple(moved(d) for d in spec.dims)))
+    items = expand_index(index, x.ndim)
+    sizes, seen, out, new_dims = list(spec.sizes), -1, 0, {}
+    for i, item in enumerate(items):
+        if item is None:
+            out += 1
+            continue
+        seen += 1
+        if seen in spec.dims:
+            k = spec.dims.index(seen)
+            if not isinstance(item, slice) or (item.step or 1) < 1:
+                raise NotImplementedError(f"{op_name(torch.Tensor.__getitem__)} with {item!r} on the block dim {seen}: "
+                                          "only slices with a positive step are supported there; call .full_tensor()")
+            per_line = slice_sizes(spec.sizes[k], *item.indices(sum(spec.sizes[k])))
+            lo, hi, _ = per_line[spec.lines[k].index]
+            items[i] = slice(lo, hi, item.step)
+            sizes[k] = tuple(c for _, _, c in per_line)
+            new_dims[seen] = out
+        elif not isinstance(item, (int, slice)):
+            raise NotImplementedError(f"{op_name(torch.Tensor.__getitem__)} with a tensor index on blocks is not "
+                                      "supported; call .full_tensor() first")
+        if not isinstance(item, int):
+            out += 1
+    out_spec = BlockSpec(tuple(new_dims[d] for d in spec.dims), tuple(sizes), spec.lines, spec.comm)
+    return adopt(unwrap(x)[tuple(items)], out_spec)
+
+
 for _funcs, _rule in (
+    ((torch.Tensor.__getitem__,), _getitem),
     ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
     ((torch.permute, torch.Tensor.permute), _permute),
     ((F.linear,), _linear),

@@ -22,13 +22,14 @@ import torch.nn.functional as F
 
 from mesh3d.domain.blocks import (BlockSpec, extend_windows, gather_along, gather_boxes, in_layout,
                                   replicate_blocks_if_singleton)
+from mesh3d.domain.collectives import sum_grad
 from mesh3d.domain.halo import sizes_by_first_index
 from mesh3d.domain.ops.conv import _padded_rows, _tuple, pad_local, transpose_plan, weight_connected_zeros
 from mesh3d.domain.ops.interpolate import _sources, lerp_rows
 from mesh3d.domain.registry import BLOCK_RULES, op_name
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, sharded_dims, unwrap
 
 __all__: list[str] = []
 
@@ -213,10 +214,27 @@ def _cat(tensors, dim=0):
     spec = blocks[0]._spec
     assert isinstance(spec, BlockSpec)
     dim = dim % blocks[0].ndim
-    if dim in spec.dims or len(blocks) != len(tensors):
-        raise NotImplementedError(f"{op_name(torch.cat)} on blocks: every input must be a block tensor (dims "
-                                  f"{spec.dims}), joined along another dim than those")
-    return adopt(torch.cat([in_layout(t, spec) for t in tensors], dim), spec)
+    if dim in spec.dims:
+        raise NotImplementedError(f"{op_name(torch.cat)} on blocks: join along another dim than the block dims "
+                                  f"{spec.dims}")
+    whole = blocks[0].shape
+
+    def local(t):
+        if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec):
+            return in_layout(t, spec)
+        if isinstance(t, DomainTensor) and sharded_dims(t._spec) or t.ndim != len(whole):
+            raise NotImplementedError(f"{op_name(torch.cat)} on blocks: every input must be a block tensor laid out "
+                                      f"alike, or a plain one of the global shape (dims {spec.dims})")
+        plain = sum_grad(unwrap(t), spec.comm) if isinstance(t, DomainTensor) and t.requires_grad else unwrap(t)
+        for k, d in enumerate(spec.dims):  # a plain tensor of the global lengths (coordinates, Fourier features)
+            if plain.shape[d] != whole[d]:
+                raise NotImplementedError(f"{op_name(torch.cat)} on blocks: a tensor of shape {tuple(t.shape)} next to "
+                                          f"blocks of global shape {tuple(whole)}; give it the global lengths")
+            plain = plain.narrow(d, spec.offsets[k], spec.local_sizes[k])
+        return plain
+
+    return adopt(torch.cat([local(t) for t in tensors], dim), spec,
+                 tuple(t for t in tensors if not isinstance(t, DomainTensor)))
 
 
 # ----------------------------------------------------------------------------- adaptive pooling

@@ -17,14 +17,17 @@ partial sum when it is contracted, which one all-reduce over the domain complete
 from __future__ import annotations
 
 import string
+from typing import Any
 
 import torch
 
-from mesh3d.domain.collectives import reduce_to_replicated
-from mesh3d.domain.registry import register
+from mesh3d.domain.blocks import BlockSpec
+from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
+from mesh3d.domain.ops.tokens import token_rows
+from mesh3d.domain.registry import BLOCK_RULES, TOKEN_RULES, register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.step import Entering, Layout, Rows, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
 
 __all__ = ["explicit_equation"]
 
@@ -105,3 +108,109 @@ def _einsum(equation, *operands):
                     keep=tuple(o for o in operands if isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor)))
     return Step(lambda *ts: reduce_to_replicated(local_einsum(*ts), spec.comm), tuple(reqs),
                 out=DomainSpec(None, None, spec.comm))
+
+
+@register(torch.tensordot)
+def _tensordot(a, b, dims=2, out=None, einsum=None):
+    """``torch.tensordot`` as the einsum it is (so it shards as einsum does)."""
+    if out is not None:
+        raise NotImplementedError("torch.tensordot(out=...) on a domain tensor is not supported")
+    if isinstance(dims, int):
+        dims_a, dims_b = list(range(a.ndim - dims, a.ndim)), list(range(dims))
+    elif isinstance(dims, torch.Tensor):
+        dims_a, dims_b = [int(d) for d in dims[0]], [int(d) for d in dims[1]]
+    else:
+        dims_a, dims_b = [list(d) if isinstance(d, (list, tuple)) else [d] for d in dims]
+    dims_a, dims_b = [d % a.ndim for d in dims_a], [d % b.ndim for d in dims_b]
+    letters = iter(string.ascii_letters)
+    sa = [next(letters) for _ in range(a.ndim)]
+    sb = [next(letters) for _ in range(b.ndim)]
+    for i, j in zip(dims_a, dims_b):
+        sb[j] = sa[i]
+    out_letters = [c for i, c in enumerate(sa) if i not in dims_a] + [c for j, c in enumerate(sb) if j not in dims_b]
+    return (einsum or _einsum)(f"{''.join(sa)},{''.join(sb)}->{''.join(out_letters)}", a, b)
+
+
+# ----------------------------------------------------------------------------- blocks and token grids
+def _grid_einsum(equation, *operands):
+    """``einsum`` on blocks (every block letter kept, or every one contracted: one all-reduce) and on token grids
+    (the token letter kept, or the two products of attention, ``q k^T`` and ``scores v``, which the token grid's
+    matmul rule runs with the keys gathered in order)."""
+    operands = tuple(operands[0]) if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
+    terms, output = explicit_equation(equation, [o.ndim for o in operands])
+    grids = [(o, t) for o, t in zip(operands, terms) if isinstance(o, DomainTensor) and sharded_dims(o._spec)]
+    spec: Any = grids[0][0]._spec  # a BlockSpec or a TokenSpec
+    token_letters = {t[getattr(o._spec, "token_dim")] for o, t in grids} if getattr(spec, "is_token_grid", False) else set()
+    if len(token_letters) == 2 and len(grids) == len(operands) == 2:  # queries' tokens against keys' tokens
+        product = _attention_product(operands, terms, output)
+        if product is not None:
+            return product
+    axes = tuple(grids[0][1][d] for d in sharded_dims(spec))  # the letter of each grid axis
+    letters = set(axes)
+    if any(_layout(o._spec) != _layout(spec) or tuple(t[d] for d in sharded_dims(o._spec)) != axes for o, t in grids):
+        raise NotImplementedError(f"torch.einsum({equation!r}) on operands laid out differently over the domain grid; "
+                                  "bring them to one layout (domain.redistribute) or call .full_tensor() first")
+    kept = letters <= set(output)
+    if not kept and letters & set(output):
+        raise NotImplementedError(f"torch.einsum({equation!r}) contracts some of the grid's sharded letters and keeps "
+                                  "others; call .full_tensor() first")
+    ref_term = next(t for o, t in grids if o is grids[0][0])
+    dim_of = {ref_term[d]: d for d in sharded_dims(spec)}
+    local = []
+    for o, t in zip(operands, terms):
+        if isinstance(o, DomainTensor) and sharded_dims(o._spec):
+            local.append(unwrap(o))
+        elif isinstance(o, torch.Tensor):
+            local.append(_grid_rows(o, t, spec, dim_of))
+        else:
+            local.append(o)
+    out = torch.einsum(",".join(terms) + "->" + output, *local)
+    if not kept:
+        return adopt(reduce_to_replicated(out, spec.comm), DomainSpec(None, None, spec.comm))
+    if getattr(spec, "is_token_grid", False):
+        return adopt(out, spec.with_token_dim(output.index(ref_term[spec.token_dim])))
+    return adopt(out, BlockSpec(tuple(output.index(ref_term[d]) for d in spec.dims), spec.sizes, spec.lines, spec.comm))
+
+
+def _layout(spec) -> tuple:
+    """What must agree between two operands laid out over the grid (where their sharded dims sit may differ)."""
+    return (spec.sizes, spec.lines, spec.comm, getattr(spec, "prefix", 0), getattr(spec, "keys", None))
+
+
+def _grid_rows(o: torch.Tensor, term: str, spec, dim_of: dict[str, int]) -> torch.Tensor:
+    """A plain (or replicated) operand's rows for this rank: each sharded letter it holds at the global length cut to
+    this rank's block (or, on a token grid, its tokens in order)."""
+    plain = sum_grad(unwrap(o), spec.comm) if isinstance(o, DomainTensor) and o.requires_grad else unwrap(o)
+    for position, letter in enumerate(term):
+        if letter not in dim_of or plain.shape[position] == 1:
+            continue
+        if getattr(spec, "is_token_grid", False):
+            plain = token_rows(plain, position, spec, "torch.einsum")
+        else:
+            k = spec.dims.index(dim_of[letter])
+            plain = plain.narrow(position, spec.offsets[k], spec.local_sizes[k])
+    return plain
+
+
+def _attention_product(operands, terms, output):
+    """``...xd,...yd->...xy`` (scores) and ``...xy,...yd->...xd`` (scores times values) as ``torch.matmul``."""
+    if len(operands) != 2:
+        return None
+    (a, b), (ta, tb) = operands, terms
+    lead = ta[:-2]
+    if tb[:-2] != lead or output[:-2] != lead:
+        return None
+    x, d = ta[-2:]
+    if tb[-2:] == output[-1] + d and output[-2:] == x + tb[-2] and d not in output:
+        return torch.matmul(a, b.transpose(-1, -2))
+    y = ta[-1]
+    if tb[-2] == y and output[-2:] == x + tb[-1] and y not in output:
+        return torch.matmul(a, b)
+    return None
+
+
+for _f in (torch.einsum,):
+    BLOCK_RULES.register(_f, _grid_einsum)
+    TOKEN_RULES.register(_f, _grid_einsum)
+BLOCK_RULES.register(torch.tensordot, lambda a, b, dims=2, out=None: _tensordot(a, b, dims, out, einsum=_grid_einsum))
+TOKEN_RULES.register(torch.tensordot, lambda a, b, dims=2, out=None: _tensordot(a, b, dims, out, einsum=_grid_einsum))

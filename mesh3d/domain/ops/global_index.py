@@ -16,13 +16,12 @@ from __future__ import annotations
 import torch
 
 from mesh3d.domain.dispatch import redistribute_local
-from mesh3d.domain.gather import full_tensor
 from mesh3d.domain.ops.idioms import slice_sizes
-from mesh3d.domain.registry import op_name, register
+from mesh3d.domain.registry import BLOCK_RULES, TOKEN_RULES, op_name, register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.step import Rows, Step
-from mesh3d.domain.tensor import DomainTensor, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, sharded_dims, unwrap
 
 __all__ = ["piece"]
 
@@ -207,11 +206,20 @@ def _setitem(target, index, value):
     """``target[index] = value`` with global indices: each rank writes the rows it owns.
 
     Writing a domain value into a plain tensor gathers the value whole first (the plain tensor is whole on every
-    rank, so a rank writing only its rows would leave the others' rows stale: never a partial write).
+    rank, so a rank writing only its rows would leave the others' rows stale: never a partial write), and the
+    tensor becomes a replicated domain tensor.
     """
     if not isinstance(target, DomainTensor):
-        whole = full_tensor(value) if isinstance(value, DomainTensor) and value.spec.dim is not None else value
+        sharded = isinstance(value, DomainTensor) and bool(sharded_dims(value._spec))
+        whole = value.full_tensor() if sharded else value  # slabs, blocks and token grids alike
         unwrap(target)[index] = unwrap(whole)
+        # NOTE: the target now holds values computed from the domain tensor: it becomes a replicated domain tensor
+        # itself, so what is computed from it stays replicated and its gradient follows the replicated convention
+        # (summed over the domain where it meets the shards). Left plain, each rank's slice of it would carry only
+        # that rank's part of the gradient back into the replicated value: wrong weight gradients (an FNO's
+        # spectral weights, whose output spectrum is such a plain buffer).
+        target.__class__ = DomainTensor
+        target._spec = DomainSpec(None, None, value._spec.comm)
         return None
     if target.spec.dim is None:
         unwrap(target)[index] = unwrap(value)
@@ -247,6 +255,11 @@ def _setitem(target, index, value):
         rows = unwrap(value)
     unwrap(target)[tuple(items)] = rows
     return None
+
+
+# A domain value written into a plain tensor: the same on blocks and token grids (a block-sharded target refuses).
+BLOCK_RULES.register(torch.Tensor.__setitem__, _setitem)
+TOKEN_RULES.register(torch.Tensor.__setitem__, _setitem)
 
 
 def _expand(target: DomainTensor, index) -> tuple[list, int, int]:

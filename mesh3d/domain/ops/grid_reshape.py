@@ -23,7 +23,7 @@ import torch
 
 from mesh3d.domain.tensor import DomainTensor
 
-__all__ = ["localized", "place_run", "shape_rules", "target_shape"]
+__all__ = ["localized", "place_run", "shape_rules", "target_shape", "untouched_index"]
 
 
 def target_shape(args: tuple, op: str) -> list[int]:
@@ -72,6 +72,35 @@ def place_run(target: Sequence[int], local: Sequence[int], first: int, last: int
         return None
     _, k, shape = min(found)
     return k, shape
+
+
+def untouched_index(index: Any, ndim: int, sharded: Sequence[int]) -> Callable[[int], int] | None:
+    """For an index that leaves every sharded dim whole (``qkv[0]``, ``t[..., :c]``): where each of those dims lands in
+    the result (a map old dim -> new dim); None when the index touches a sharded dim or is not ints, slices, ``None``
+    and ``...``. Such an index runs on the local block as it is.
+
+    Usage: ``moved = untouched_index(index, x.ndim, spec.dims)``
+    """
+    items = list(index) if isinstance(index, tuple) else [index]
+    if not all(i is None or i is Ellipsis or isinstance(i, (int, slice)) for i in items) or items.count(Ellipsis) > 1:
+        return None
+    if Ellipsis in items:
+        at = items.index(Ellipsis)
+        items[at:at + 1] = [slice(None)] * (ndim - sum(1 for i in items if i is not None and i is not Ellipsis))
+    items += [slice(None)] * (ndim - sum(1 for i in items if i is not None))
+    where, seen, out = {}, -1, 0
+    for item in items:
+        if item is None:
+            out += 1
+            continue
+        seen += 1
+        if seen in sharded:
+            if item != slice(None):
+                return None
+            where[seen] = out
+        if not isinstance(item, int):
+            out += 1
+    return where.__getitem__
 
 
 def localized(placed: tuple[int, list[int]] | None, local_run: Sequence[int]) -> tuple[int, list[int]] | None:

@@ -30,7 +30,7 @@ from mesh3d.domain.split import offsets_of
 from mesh3d.domain.step import Entering, Step
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
 
-__all__ = ["cat_along_sharded", "positions", "replicated_slice", "slice_sizes"]
+__all__ = ["cat_along_sharded", "expand_index", "positions", "replicated_slice", "slice_sizes", "strided_rows"]
 
 
 def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
@@ -65,7 +65,7 @@ def slice_sizes(sizes: Sequence[int], start: int, stop: int, step: int) -> list[
     return out
 
 
-def _expand_index(index, ndim: int) -> list:
+def expand_index(index, ndim: int) -> list:
     items = list(index) if isinstance(index, tuple) else [index]
     used = sum(1 for i in items if i is not None and i is not Ellipsis
                and not (isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.ndim > 1))
@@ -82,7 +82,7 @@ def _getitem(x: DomainTensor, index):
             "indexing with a domain-sharded index tensor is not supported; index with plain tensors or use "
             "F.embedding for lookups")
     spec = x.spec
-    items = _expand_index(index, x.ndim)
+    items = expand_index(index, x.ndim)
     in_dim = out_dim = 0
     new_dim = None
     take_one = None
@@ -197,7 +197,18 @@ def replicated_slice(o: torch.Tensor, dim: int, ref: DomainTensor) -> torch.Tens
     if not isinstance(o, DomainTensor) and spec.comm.size > 1 and o.numel() >= ref.numel() > 0:
         _warn_whole_size(o, ref)
     plain = sum_grad(unwrap(o), spec.comm) if isinstance(o, DomainTensor) and o.requires_grad else unwrap(o)
-    return plain.narrow(dim, spec.offset, spec.sizes[spec.comm.index])
+    return strided_rows(plain, dim, spec)
+
+
+def strided_rows(t: torch.Tensor, dim: int, spec: DomainSpec) -> torch.Tensor:
+    """This rank's rows of the plain ``t``, which has the global length of ``spec``'s sharded dim along ``dim``.
+
+    Usage: ``mine = strided_rows(mask, 0, xs.spec)``; with a strided layout (``spec.outer > 1``) its rows of each block.
+    """
+    n, offset = spec.sizes[spec.comm.index], spec.offset
+    if spec.outer == 1:
+        return t.narrow(dim, offset, n)
+    return t.unflatten(dim, (spec.outer, sum(spec.sizes))).narrow(dim + 1, offset, n).flatten(dim, dim + 1)
 
 
 def _warn_whole_size(o: torch.Tensor, ref: DomainTensor) -> None:

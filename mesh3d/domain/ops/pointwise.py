@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.dispatch import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
-from mesh3d.domain.registry import op_name, register
+from mesh3d.domain.registry import op_name, register, writes_into_first
 from mesh3d.domain.step import Entering, Layout, Step
 from mesh3d.domain.tensor import DomainTensor
 
@@ -27,7 +27,8 @@ _NAMES = (
     "clamp_max where maximum minimum square reciprocal sign erf log1p expm1 lerp addcmul addcdiv floor ceil round "
     "exp2 log2 sinh cosh atan2 hypot fmod remainder gt lt ge le eq ne logical_and logical_or logical_not isnan "
     "isfinite nan_to_num masked_fill zeros_like ones_like full_like empty_like detach clone contiguous to float "
-    "double half bfloat16 type type_as cpu cuda detach_ zero_ fill_ copy_ sub_ add_ mul_ div_ relu_ clamp_ "
+    "double half bfloat16 long int short bool byte char type type_as cpu cuda detach_ zero_ fill_ copy_ sub_ add_ "
+    "mul_ div_ relu_ clamp_ "
     "sigmoid_ tanh_ neg_ pow_ abs_ exp_ masked_fill_ float_power"
 ).split()
 _DUNDER = (
@@ -83,6 +84,11 @@ def elementwise_step(func, args: tuple, kwargs: dict) -> Step:
     operands = [*args, *kwargs.values()]
     tensors = [t for t in operands if isinstance(t, torch.Tensor)]
     ref = _check_same_sharding(func, _sharded(tensors))
+    if writes_into_first(func) and args and not (isinstance(args[0], DomainTensor) and args[0].spec.dim is not None):
+        raise NotImplementedError(
+            f"{op_name(func)} writes a domain-sharded value into a tensor that is whole on every rank (shape "
+            f"{tuple(args[0].shape)}): each rank would write only its own rows. Compute it out of place "
+            f"(y = t + xs), write into a domain tensor (xs.new_zeros(...)), or assign t[...] = xs (which gathers xs)")
     out_ndim = max(t.ndim for t in tensors)
     out_dim = ref._spec.dim + (out_ndim - ref.ndim)
 
@@ -142,6 +148,8 @@ def _linear(input, weight, bias=None) -> Step:
 
 @register(torch.cat, torch.concat)
 def _cat(tensors, dim=0) -> Step:
+    # torch.cat skips 1-D empty tensors next to higher-dim ones (a legacy rule that KV caches start from)
+    tensors = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() == 0)] or tensors
     ref = _check_same_sharding(torch.cat, _sharded(tensors))
     if _norm_dim(dim, ref.ndim) == ref.spec.dim:
         return cat_along_sharded(tensors, ref.spec.dim, ref)
@@ -158,6 +166,13 @@ def _cat(tensors, dim=0) -> Step:
 
     return Step(lambda *ts: torch.cat(ts, dim), tuple(requirement(t) for t in tensors), out=ref.spec,
                 keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+
+
+@register(torch.stack)
+def _stack(tensors, dim=0):
+    """``torch.stack`` as a ``cat`` of unsqueezed operands (the new dim is never the sharded one)."""
+    d = dim % (tensors[0].ndim + 1)
+    return torch.cat([t.unsqueeze(d) for t in tensors], d)
 
 
 @register(torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes)

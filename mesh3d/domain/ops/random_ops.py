@@ -21,7 +21,17 @@ from mesh3d.domain.registry import op_name, register
 from mesh3d.domain.step import Step
 from mesh3d.domain.tensor import DomainTensor
 
-__all__: list[str] = []
+__all__ = ["dropout_mask"]
+
+
+def dropout_mask(func, whole: torch.Size, like: torch.Tensor, p: float) -> torch.Tensor:
+    """The scaled keep-mask ``func`` (``F.dropout``, ``dropout2d`` ...) draws for a tensor of shape ``whole``: the same
+    shape, dtype and device as the one-process call, so the same numbers from the same generator state.
+
+    Usage: ``mask = dropout_mask(F.dropout, xs.shape, local, 0.1)``
+    """
+    with torch.no_grad():
+        return func(torch.ones(whole, dtype=like.dtype, device=like.device), p, True)
 
 
 def _dropout_rule(func):
@@ -34,9 +44,7 @@ def _dropout_rule(func):
         offset, rows = spec.offset, spec.sizes[spec.comm.index]
 
         def compute(local):
-            with torch.no_grad():  # the one-process call's draw: the same shape, dtype and device, the same numbers
-                mask = func(torch.ones(whole, dtype=local.dtype, device=local.device), p, True)
-            return local * mask.narrow(spec.dim, offset, rows)
+            return local * dropout_mask(func, whole, local, p).narrow(spec.dim, offset, rows)
 
         return Step(compute, (input,), out=spec)
 

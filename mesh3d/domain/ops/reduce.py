@@ -23,7 +23,7 @@ from mesh3d.domain.registry import op_name, register
 from mesh3d.domain.step import Step
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
 
-__all__ = ["domain_reduce"]
+__all__ = ["domain_reduce", "global_softmax"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -126,7 +126,7 @@ register(torch.max, torch.Tensor.max)(_extreme_rule(1))
 register(torch.min, torch.Tensor.min)(_extreme_rule(-1))
 
 
-def _global_softmax(local: torch.Tensor, dim: int, comm, log: bool) -> torch.Tensor:
+def global_softmax(local: torch.Tensor, dim: int, comm, log: bool) -> torch.Tensor:
     """Softmax along the sharded dim: the global max (for stability) and the global sum of exponentials."""
     shape = [1 if d == dim else s for d, s in enumerate(local.shape)]
     part = local.amax(dim, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
@@ -145,7 +145,7 @@ def _softmax_rule(func, log: bool):
             input = elementwise(torch.Tensor.to, input, dtype)
         if d != input.spec.dim or input.spec.comm.size == 1:
             return Step(lambda t: func(t, d), (input,), out=input.spec)
-        return Step(lambda t: _global_softmax(t, d, input.spec.comm, log), (input,), out=input.spec)
+        return Step(lambda t: global_softmax(t, d, input.spec.comm, log), (input,), out=input.spec)
 
     return rule
 

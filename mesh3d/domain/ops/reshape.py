@@ -16,14 +16,15 @@ Usage (through torch; nothing to call)::
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from mesh3d.domain.registry import register
-from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.step import Layout, Step
+from mesh3d.domain.tensor import DomainSpec, DomainTensor
 
-__all__ = ["reshaped", "target_shape"]
+__all__ = ["NeedsAlignment", "Placement", "aligned_to", "place_rows", "reshaped", "target_shape"]
 
 
 def target_shape(args: tuple, numel: int) -> list[int]:
@@ -46,73 +47,120 @@ def target_shape(args: tuple, numel: int) -> list[int]:
     return shape
 
 
-def _sharded_dim_after(whole: tuple[int, ...], dim: int, target: list[int],
-                       sizes: tuple[int, ...]) -> tuple[int, int, int] | None:
-    """(target dim holding the sharded rows, elements per row before, elements per target row), or None.
+@dataclass(frozen=True)
+class Placement:
+    """Where a reshape puts the sharded rows: target dim ``dim``, each rank's ``n`` rows becoming ``n * after // rest``
+    target rows per block, ``outer`` blocks (the dims before it that the target merges in: a strided layout)."""
 
-    ``whole`` and ``target`` are global shapes.
+    dim: int
+    after: int
+    rest: int
+    outer: int
 
-    With the same element count before it, target dim ``c`` holds the rows when each rank's block of
-    ``n_r * after`` elements (per index of the dims before) is whole target rows of ``rest`` elements:
-    then the global reshape is the concatenation of the local ones. This covers keeping the rows,
-    merging them with whole dims after (``flatten``), and splitting a token run into (rows, W) (the
-    inverse of ``flatten(2)``) when every rank's run is whole rows. Every rank decides from the
-    global ``sizes``; an empty shard finds the same dim as the others. With dims of size 1 next to a
-    shard of length 1 the first fitting target dim is taken. Raises when the run is not whole rows.
+    def sizes(self, sizes: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(n * self.after // self.rest for n in sizes)
+
+
+class NeedsAlignment(Exception):
+    """The target splits the rows into whole target rows of ``unit`` rows each, and some rank's run is not whole."""
+
+    def __init__(self, dim: int, unit: int) -> None:
+        super().__init__(dim, unit)
+        self.dim, self.unit = dim, unit
+
+
+def place_rows(virtual: tuple[int, ...], dim: int, target: list[int], sizes: tuple[int, ...]) -> Placement | None:
+    """Where the rows of the sharded dim ``dim`` of the global shape ``virtual`` land in the global ``target``; None.
+
+    ``virtual`` is the global shape with a strided dim seen as ``(outer, rows)``. Target dim ``c`` holds the rows
+    when, per index of the target dims before it, each rank's block of ``n_r * after`` elements is whole target
+    rows of ``rest`` elements: then the global reshape is the concatenation of the local ones, block by block.
+    That covers keeping the rows; merging them with whole dims after (``flatten``); merging whole dims *before*
+    them in (``view(-1, c)`` of ``(B, T, c)``: a strided layout of ``outer = B`` blocks) or splitting such dims
+    out again; and splitting a token run into ``(rows, W)`` (the inverse of ``flatten(2)``) when every rank's run
+    is whole rows (else ``NeedsAlignment``). Every rank decides from the global ``sizes``; with dims of size 1 next
+    to a shard of length 1 the first fitting target dim is taken.
     """
-    before, after = math.prod(whole[:dim]), math.prod(whole[dim + 1:])
-    merged = {math.prod(whole[dim + 1:dim + 1 + k]) for k in range(len(whole) - dim)}  # whole trailing dims
-    found, whole_rows_missing = [], None
+    rows = virtual[dim]
+    after = math.prod(virtual[dim + 1:])
+    merged_after = {math.prod(virtual[dim + 1:dim + 1 + k]) for k in range(len(virtual) - dim)}
+    merged_before = {math.prod(virtual[j:dim]): j for j in range(dim, -1, -1)}  # whole dims just before the rows
+    before = math.prod(virtual[:dim])
+    found, misaligned = [], None
     for candidate, size in enumerate(target):
-        rest = math.prod(target[candidate + 1:])
-        if math.prod(target[:candidate]) != before or rest == 0:
+        rest, target_before = math.prod(target[candidate + 1:]), math.prod(target[:candidate])
+        if rest == 0 or target_before == 0 or before % target_before:
             continue
-        # Prefer targets keeping the dims before the sharded one as they are (a leading 1 is not the rows).
-        priority = 0 if candidate >= dim and list(target[:dim]) == list(whole[:dim]) else 1
-        if after % rest == 0:  # the rows stay rows, possibly merged with whole dims after them
-            if after // rest in merged and size * rest == whole[dim] * after:
-                found.append((priority, candidate, rest))
-        elif rest % after == 0:  # a run of tokens split into (rows, W): every rank's run must be whole rows
+        outer = before // target_before
+        if outer not in merged_before:
+            continue
+        # Prefer no strided layout, then targets keeping the dims before the rows as they are.
+        priority = (outer != 1, not (candidate >= dim and list(target[:dim]) == list(virtual[:dim])))
+        if after % rest == 0:  # the rows stay rows, possibly merged with whole dims after (and before) them
+            if after // rest in merged_after and size * rest == outer * rows * after:
+                found.append((priority, candidate, Placement(candidate, after, rest, outer)))
+        elif rest % after == 0 and outer == 1:  # a run of tokens split into (rows, W)
             if any((n * after) % rest for n in sizes):
-                whole_rows_missing = whole_rows_missing or (candidate, rest)
-            elif size * rest == whole[dim] * after:
-                found.append((priority, candidate, rest))
+                misaligned = misaligned or NeedsAlignment(candidate, rest // math.gcd(rest, after))
+            elif size * rest == rows * after:
+                found.append((priority, candidate, Placement(candidate, after, rest, 1)))
     if found:
-        _, candidate, rest = min(found)
-        return candidate, after, rest
-    if whole_rows_missing is not None:
-        candidate, rest = whole_rows_missing
-        raise NotImplementedError(
-            f"reshape of a domain tensor sharded along dim {dim} with sizes {sizes}: target dim "
-            f"{candidate} needs every rank's run ({after} elements per row) to be whole rows of {rest} elements, "
-            f"and it is not; shard with sizes that are multiples of {rest // math.gcd(rest, after)} "
-            "(domain.redistribute(x, sizes=...)) or call .full_tensor() first"
-        )
+        return min(found, key=lambda f: (f[0], f[1]))[2]
+    if misaligned is not None:
+        raise misaligned
     return None
+
+
+def aligned_to(sizes: tuple[int, ...], unit: int) -> tuple[int, ...]:
+    """``sizes`` with every boundary between ranks moved to the nearest multiple of ``unit`` (the total unchanged).
+
+    Usage: ``aligned_to((5, 6, 5), 4)  # (4, 8, 4)``
+    """
+    total, bounds, at = sum(sizes), [0], 0
+    for n in sizes[:-1]:
+        at += n
+        bounds.append(max(bounds[-1], min(total - total % unit, unit * round(at / unit))))
+    bounds.append(total)
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
 def reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> Step:
     """``x`` reshaped to the global ``target`` when the ranks' results concatenate to the one-process one; else a refusal.
 
     Usage: ``reshaped(xs, [b, c, h, w], "torch.reshape", view=False)``
+
+    A split of the rows into whole windows (Swin's ``view(B, H // ws, ws, ...)``) that some rank's run would cut
+    first moves the rank boundaries to whole windows (the fewest rows travel): no window straddles two ranks.
     """
     spec = x.spec
     whole = tuple(x.shape)
     if math.prod(target) != math.prod(whole):
         raise RuntimeError(f"{op_name}: shape {list(target)} is invalid for input of size {math.prod(whole)}")
-    found = _sharded_dim_after(whole, spec.dim, target, spec.sizes)
-    if found is None:
+    d, rows = spec.dim, sum(spec.sizes)
+    virtual = (*whole[:d], spec.outer, rows, *whole[d + 1:]) if spec.outer > 1 else whole
+    at = d + 1 if spec.outer > 1 else d
+    sizes, source = spec.sizes, x
+    try:
+        placed = place_rows(virtual, at, target, sizes)
+    except NeedsAlignment as need:
+        if spec.outer > 1:
+            raise NotImplementedError(
+                f"{op_name}{tuple(target)}: the rows of a strided layout would have to move to whole target rows of "
+                f"{need.unit}; reshape back to the unstrided shape first, or call .full_tensor()") from None
+        sizes = aligned_to(sizes, need.unit)
+        source = Layout(x, sizes)
+        placed = place_rows(virtual, at, target, sizes)
+    if placed is None:
         raise NotImplementedError(
-            f"{op_name}{tuple(target)} of a domain tensor of shape {whole} sharded along dim {spec.dim} would mix "
+            f"{op_name}{tuple(target)} of a domain tensor of shape {whole} sharded along dim {d} would mix "
             "rows of the sharded dim with other dims; reshape only dims other than the sharded one (or merge it "
-            "with whole dims after it), or call .full_tensor() first"
+            "with whole dims before or after it), or call .full_tensor() first"
         )
-    new_dim, after, rest = found
-    sizes = tuple(n * after // rest for n in spec.sizes)
+    new_sizes = placed.sizes(sizes)
     local_target = list(target)
-    local_target[new_dim] = sizes[spec.comm.index]
-    return Step((lambda t: t.view(local_target)) if view else (lambda t: t.reshape(local_target)), (x,),
-                out=spec.with_sizes(sizes, dim=new_dim))
+    local_target[placed.dim] = placed.outer * new_sizes[spec.comm.index]
+    out = DomainSpec(placed.dim, new_sizes, spec.comm, placed.outer)
+    return Step((lambda t: t.view(local_target)) if view else (lambda t: t.reshape(local_target)), (source,), out=out)
 
 
 def _reshape_rule(op_name: str, view: bool):

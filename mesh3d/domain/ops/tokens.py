@@ -26,6 +26,7 @@ from mesh3d.domain.ops.blocks import CHANNEL_NORMS, reduction_rules, run_element
 from mesh3d.domain.ops.blocks_layout import _dropout
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
+from mesh3d.domain.ops.reduce import global_softmax
 from mesh3d.domain.registry import TOKEN_RULES, op_name
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
 from mesh3d.domain.tokens import TokenSpec, gather_all_tokens, tokens_to_blocks
@@ -217,9 +218,11 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 def _softmax(func):
     def rule(input, dim=None, *args, **kwargs):
         spec = _spec(input, scores=True)  # over the scores' keys: they are all here
-        if spec.token_dim == dim % input.ndim:
-            raise NotImplementedError(f"softmax acts along the token dim {spec.token_dim} of a token grid; this needs "
-                                      "every token: call .full_tensor() first")
+        if spec.token_dim == dim % input.ndim:  # over every rank's tokens: the global max and sum (as on slabs)
+            if args or kwargs.get("dtype") is not None:
+                raise NotImplementedError(f"{op_name(func)} over the token dim with a dtype: cast first")
+            log = "log_softmax" in op_name(func)
+            return adopt(global_softmax(unwrap(input), spec.token_dim, spec.comm, log), spec)
         return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
     return rule
 

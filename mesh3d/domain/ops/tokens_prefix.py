@@ -16,6 +16,7 @@ import torch
 
 from mesh3d.domain.collectives import sum_grad
 from mesh3d.domain.exchange import gather_rows
+from mesh3d.domain.ops.grid_reshape import untouched_index
 from mesh3d.domain.registry import TOKEN_RULES
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
@@ -79,6 +80,9 @@ def _getitem(x: DomainTensor, index):
     assert isinstance(spec, TokenSpec)
     if spec.keys is not None:
         raise NotImplementedError("indexing attention scores of a token grid is not supported")
+    moved = untouched_index(index, x.ndim, (spec.token_dim,))
+    if moved is not None:  # the tokens whole (qkv[0] before them, t[..., :c] after): local
+        return adopt(unwrap(x)[index], spec.moved(moved))
     items = list(index) if isinstance(index, tuple) else [index]
     if Ellipsis in items:
         at = items.index(Ellipsis)
