@@ -33,11 +33,12 @@ def _fail_on_rank(bad_rank):
     return "fine"
 
 
-def _hang_on_rank(bad_rank):
+def _hang_on_rank(bad_rank, hang_s):
     import torch.distributed as dist
 
     if dist.get_rank() == bad_rank:
-        time.sleep(3600)  # a rank stuck here must not hang the suite
+        time.sleep(hang_s)  # a rank stuck here must not hang the suite
+        return "woke up"  # the pool waited the whole hang out: the test sees this instead of a RankTimeout
     return "fine"
 
 
@@ -67,21 +68,18 @@ def test_failing_rank_reports_its_traceback_and_pool_recovers(ranks):
 
 
 def test_hanging_rank_times_out_with_its_stack_and_pool_recovers(ranks):
-    start = time.monotonic()
+    # The hang (300 s) outlasts the timeout (3 s) by far: a pool that did not stop waiting would return results.
     with pytest.raises(RankTimeout) as info:
-        ranks.run(2, _hang_on_rank, 1, timeout=3)
-    elapsed = time.monotonic() - start
+        ranks.run(2, _hang_on_rank, 1, 300, timeout=3)
     message = str(info.value)
-    assert elapsed < 30, f"a hang must fail within a bounded time, took {elapsed:.1f} s"
-    assert "ranks [1] did not answer" in message
+    assert "timed out after 3.0 s on 2 ranks" in message and "ranks [1] did not answer (ranks [0] did)" in message
     assert "_hang_on_rank" in message, "the hung rank's stack should show where it is stuck"
     assert ranks.run(2, _all_reduce_rank_sum) == [1.0, 1.0]
 
 
 def test_dead_rank_is_reported_without_waiting_for_timeout(ranks):
-    start = time.monotonic()
+    # A pool that did not notice the death would wait for an answer and raise RankTimeout (not RankFailure).
     with pytest.raises(RankFailure) as info:
         ranks.run(2, _exit_on_rank, 0, timeout=60)
-    assert time.monotonic() - start < 30
     assert "rank 0 died (exit code 3)" in str(info.value)
     assert ranks.run(2, _rank_and_world) == [(0, 2), (1, 2)]
