@@ -1,13 +1,16 @@
 """The manager under real launchers, each in fresh processes (not the pool).
 
 These start processes, so there are few of them: one torchrun job of 8 ranks,
-one SLURM-style job of 2 ranks started by hand, and a plain ``python -c``.
+SLURM-style jobs of 2 ranks started by hand (one of them on a port that is taken at first),
+and a plain ``python -c``.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 
+import launch_helpers
 from launch_helpers import ROOT, clean_env, run, run_on_free_port
 
 EXAMPLE = str(ROOT / "examples" / "mesh_table.py")
@@ -56,3 +59,28 @@ def test_bad_sizes_fail_fast_under_torchrun_on_every_rank():
                EXAMPLE, "--batch", "3"], timeout=120)
     assert out.returncode != 0
     assert out.stderr.count("batch=3 does not divide world size 2") >= 2, out.stderr[-3000:]
+
+
+def test_a_launch_whose_port_was_taken_starts_again_on_another(monkeypatch):
+    """The retry itself: the first port handed out is held by another listener, as when a process binds it
+    between launch_helpers.free_port() and rank 0's store; rank 0 fails with EADDRINUSE, the job runs again."""
+    code = "from mesh3d import DistributedManager as D; d = D.initialize(); print(d.rank, d.world_size); D.shutdown()"
+    started = []
+
+    def start(port):
+        started.append(port)
+        return [([sys.executable, "-c", code], clean_env(SLURM_PROCID=str(rank), SLURM_NTASKS="2", SLURM_LOCALID=str(rank),
+                                                          SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
+                for rank in range(2)]
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        taken_port = taken.getsockname()[1]
+        handed_out = iter([taken_port])
+        real_free_port = launch_helpers.free_port
+        monkeypatch.setattr(launch_helpers, "free_port", lambda: next(handed_out, None) or real_free_port())
+        done = run_on_free_port(start, timeout=120)
+    assert len(started) == 2 and started[0] == taken_port != started[1], started
+    assert [d.returncode for d in done] == [0, 0], [d.stderr[-2000:] for d in done]
+    assert [d.stdout.split() for d in done] == [["0", "2"], ["1", "2"]]
