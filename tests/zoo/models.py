@@ -173,11 +173,12 @@ ZOO: dict[str, ZooModel] = {
                                "2-D dense blocks, BatchNorm, global pooling, classifier head"),
     "monai.AttentionUnet": ZooModel("monai", _monai_attention_unet, _call, (1, 1, 16, 8), 2, (8, 4, 4),
                                     "2-D U-Net with attention gates (sigmoid gating of skips)"),
-    "monai.SwinUNETR": ZooModel("monai", _monai_swin_unetr, _call, (1, 1, 64, 64), 2, (32, 16, 16),
+    # Its own check wants every local size a multiple of 2**5 (it reads x.shape, the local shape): the split is
+    # aligned to 32, so no rank fails outside mesh3d (tests/test_domain_divergence.py covers that). At 3 ranks rank 0
+    # holds more windows and takes another path: ranks 1 and 2 refuse the op and tell it so.
+    "monai.SwinUNETR": ZooModel("monai", _monai_swin_unetr, _call, (1, 1, 128, 64), 2, (64, 32, 32),
                                 "2-D shifted-window transformer encoder, conv decoder",
-                                # 3 ranks: its own shape check fails on ranks 1 and 2; rank 0 then names them
-                                refusal="domain tensors sharded along different dims | must be divisible by "
-                                        "| did not complete the exchange",
+                                refusal="domain tensors sharded along different dims | failed in a domain op and stopped",
                                 workaround="shard along the batch dim, or gather before the window attention"),
     "diffusers.UNet2DModel": ZooModel("diffusers", _diffusers_unet2d, _sample, (1, 2, 16, 16), 2, (8, 4, 4),
                                       "2-D diffusion U-Net, timestep embedding, self-attention blocks, GroupNorm"),
