@@ -202,17 +202,31 @@ def _idiom_refusals_body():
     return messages
 
 
-def test_idiom_refusals_raise_on_every_rank(ranks):
+#: What every rank's refusal must say: the op it refuses, and what to do instead.
+IDIOM_REFUSALS = {
+    "unflatten_partial_rows": ["reshape of a domain tensor sharded along dim 2 with sizes (7, 13, 0)", "whole rows of 5",
+                               "domain.redistribute(x, sizes=...)"],
+    "cat_two_sharded": ["torch.cat along the sharded dim 2 of several sharded tensors",
+                        "concatenate along another dim, or call .full_tensor() first"],
+    "fft_all_dims": ["torch.fft.fftn over every dim", "keep the batch or channel dim out of dim="],
+    "tensor_index_sharded": ["torch.Tensor.__getitem__ with a Tensor index along the sharded dim 2",
+                             "call .full_tensor() first"],
+    "embedding_max_norm": ["F.embedding with max_norm or scale_grad_by_freq on sharded ids",
+                           "use max_norm=None, scale_grad_by_freq=False"],
+    "setitem": ["torch.Tensor.__setitem__ has no domain rule", "Call .full_tensor() first"],
+    "unknown_op": ["torch.flip has no domain rule", "Call .full_tensor() first"],
+}
+
+
+def test_idiom_refusals_name_the_op_and_what_to_do_on_every_rank(ranks):
     results = ranks.run(3, _idiom_refusals_body, timeout=60)
+    assert set(results[0]) == set(IDIOM_REFUSALS)
     for messages in results:
         assert messages == results[0]                                     # the same error on every rank
-        missing = [k for k, v in messages.items() if v is None]
-        assert not missing, f"did not raise: {missing}"
-        assert "whole rows of 5" in messages["unflatten_partial_rows"]
-        assert "several sharded" in messages["cat_two_sharded"]
-        assert "every dim" in messages["fft_all_dims"]
-        assert "torch.flip" in messages["unknown_op"] and "no domain rule" in messages["unknown_op"]
-        assert "__setitem__" in messages["setitem"]
+        for name, fragments in IDIOM_REFUSALS.items():
+            assert messages[name] is not None, f"{name} did not raise"
+            missing = [f for f in fragments if f not in messages[name]]
+            assert not missing, (name, missing, messages[name])
 
 
 def _local_length_body():
