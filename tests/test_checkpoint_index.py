@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 from mesh3d.checkpoint.errors import CheckpointFormatError
 from mesh3d.checkpoint.index import FORMAT, SUPPORTED_VERSIONS, encode_index, validate_index
 from mesh3d.checkpoint.st_format import ITEMSIZE
+from profiles import examples
 
 BLOCK = 512
 
@@ -139,14 +140,14 @@ def assert_safe_to_read(doc: dict) -> None:
         assert all(e0 <= b1 or e1 <= b0 for i, (b0, e0) in enumerate(spans) for b1, e1 in spans[:i]), rel
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(indexes())
 def test_well_formed_indexes_are_accepted(doc):
     assert validate_index(doc) is doc
     assert_safe_to_read(doc)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(indexes(), st.data())
 def test_random_edits_are_refused_or_leave_an_index_safe_to_read(doc, data):
     """Any edit of any field: CheckpointFormatError (never another exception), or an index a reader can follow."""
@@ -208,7 +209,7 @@ CORRUPTIONS = {
 }
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(indexes(), st.sampled_from(sorted(CORRUPTIONS)), st.integers(0, 1000), st.booleans())
 def test_corruptions_are_always_refused(doc, kind, value, reseal):
     CORRUPTIONS[kind](doc, value)
@@ -217,7 +218,7 @@ def test_corruptions_are_always_refused(doc, kind, value, reseal):
         validate_index(_reseal(doc) if reseal else doc)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(indexes(), st.sampled_from(sorted(CORRUPTIONS)), st.integers(0, 1000))
 def test_the_independent_check_sees_every_corruption_too(doc, kind, value):
     """assert_safe_to_read is no rubber stamp: each corruption, resealed, fails it (a missing field as a KeyError)."""

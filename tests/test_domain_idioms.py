@@ -4,13 +4,12 @@ embeddings on sharded ids, domain.positions, torch.fft along the sharded dim, ei
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from domain_cases import compare_to_one_process, domain_sum, max_err, shard_sizes
+from domain_cases import compare_to_one_process, domain_sum, edge_examples, layout_case, max_err
+from profiles import examples
 
 TOL = 1e-10
 H = 7
@@ -165,14 +164,19 @@ def _idioms_body(sizes):
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_idioms_match_one_process(ranks, world, data):
-    sizes = data.draw(shard_sizes(H, world))
-    for rank_errors in ranks.run(world, _idioms_body, sizes, timeout=90):
-        bad = {k: v for k, v in rank_errors.items() if not v < TOL}
-        assert not bad, (sizes, bad)
+def _idioms_on_layouts(layouts):
+    return [_idioms_body(sizes) for sizes in layouts]
+
+
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=layout_case(H, (2, 3)))
+@edge_examples(H, (2, 3))
+def test_idioms_match_one_process(ranks, case):
+    world, layouts = case
+    for rank_errors in ranks.run(world, _idioms_on_layouts, layouts, timeout=90 * len(layouts)):
+        for sizes, errors in zip(layouts, rank_errors):
+            bad = {k: v for k, v in errors.items() if not v < TOL}
+            assert not bad, (sizes, bad)
 
 
 def _idiom_refusals_body():

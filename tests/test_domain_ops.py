@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from domain_cases import domain_sum, grads_err, max_err, shard_sizes
+from domain_cases import domain_sum, edge_examples, grads_err, layout_case, max_err
+from profiles import examples
 
 TOL = 1e-10
 H = 9
@@ -149,14 +149,19 @@ def _ops_body(sizes):
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_ops_match_one_process(ranks, world, data):
-    sizes = data.draw(shard_sizes(H, world))
-    for rank_errors in ranks.run(world, _ops_body, sizes, timeout=90):
-        bad = {k: v for k, v in rank_errors.items() if not v < TOL}
-        assert not bad, (sizes, bad)
+def _ops_on_layouts(layouts):
+    return [_ops_body(sizes) for sizes in layouts]
+
+
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=layout_case(H, (2, 4)))
+@edge_examples(H, (2, 4))
+def test_ops_match_one_process(ranks, case):
+    world, layouts = case
+    for rank_errors in ranks.run(world, _ops_on_layouts, layouts, timeout=90 * len(layouts)):
+        for sizes, errors in zip(layouts, rank_errors):
+            bad = {k: v for k, v in errors.items() if not v < TOL}
+            assert not bad, (sizes, bad)
 
 
 def _refusals_body():

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh3d.mesh_shape import AXES, divisors
+from profiles import examples
 
 WORLD_SIZES = [1, 2, 4, 8]
 
@@ -98,7 +99,7 @@ def _check_mixed(requests, world):
 size = st.sampled_from([-1, -1, 0, 1, 1, 2, 2, 3, 4, 8])
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(st.lists(st.tuples(size, size, size), min_size=1, max_size=6))
 def test_hypothesis_requests_agree_on_every_rank(ranks, requests):
     outcomes = ranks.run(8, _check_mixed, requests, 8, timeout=60)

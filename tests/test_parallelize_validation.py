@@ -8,8 +8,11 @@ ranks that never come, and the rank pool's timeout would fail the test naming wh
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesh3d import Plan
+from profiles import examples
 
 
 def _cases():
@@ -115,11 +118,7 @@ def test_plan_rejects_bad_fields(kwargs, fragment):
     assert fragment in str(info.value)
 
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(out=st.integers(1, 48), inp=st.integers(1, 48), model=st.sampled_from([1, 2, 3, 4, 6, 8]),
        style=st.sampled_from(["colwise", "rowwise"]), embedding=st.booleans())
 def test_divisibility_check_is_exact(out, inp, model, style, embedding):
