@@ -6,7 +6,7 @@ restore it after every test.
 
 Usage::
 
-    clean = ProcessState.capture()      # once, before the first test
+    clean = ProcessState.capture(whole_process=True)   # once, before the first test (False: pytest's process)
     ...                                 # a test
     clean.restore()                     # as captured; raises if a test left what cannot be undone
 
@@ -14,9 +14,10 @@ What is restored: mesh3d's per-process state (a background save still being writ
 and its groups, the domain op journal, open traffic counters, rules registered by a test, DTensor's
 caches), torch's global settings (default dtype and device, grad and anomaly mode, deterministic
 algorithms, float32 matmul precision, intra-op threads, dynamo's compiled code, the RNG seed), the
-RNG seeds of ``random`` and NumPy, logging (the root logger, those that existed, and ``mesh3d.*``),
-and with ``whole_process=True`` (the pool's ranks; pytest and its monkeypatch own these in its own
-process) the environment variables, the working directory, ``sys.path`` and the warnings filters.
+RNG seeds of ``random`` and NumPy, the ``mesh3d.*`` loggers, and with ``whole_process=True`` (the
+pool's ranks; in its own process pytest owns these: its log capture, monkeypatch, warnings capture)
+every other logger, the environment variables, the working directory, ``sys.path`` and the warnings
+filters.
 """
 
 from __future__ import annotations
@@ -111,13 +112,15 @@ class ProcessState:
     def _restore_logging(self) -> None:
         manager = logging.Logger.manager
         for name, logger in list(manager.loggerDict.items()):
-            if not isinstance(logger, logging.Logger):
+            ours = name == "mesh3d" or name.startswith("mesh3d.")
+            if not isinstance(logger, logging.Logger) or not (ours or self.whole_process):
                 continue
             if name in self.loggers:
                 self.loggers[name].apply(logger)
-            elif name == "mesh3d" or name.startswith("mesh3d."):  # made by a test: back to a plain child logger
+            elif ours:  # made by a test: back to a plain child logger
                 _LoggerState(logging.NOTSET, [], True, False).apply(logger)
-        self.loggers[""].apply(logging.getLogger())
+        if self.whole_process:
+            self.loggers[""].apply(logging.getLogger())
 
 
 #: The op rule tables; a test may register (or override) a rule.
