@@ -52,6 +52,14 @@ def layout_case(draw, length: int, worlds: tuple[int, ...]):
     return world, (draw(shard_sizes(length, world)),)
 
 
+def on_each_layout(body, layouts) -> list:
+    """``[body(sizes) for sizes in layouts]`` on the ranks: a test's layouts in one rank-pool call.
+
+    Usage: ``ranks.run(world, on_each_layout, _ops_body, layouts)``
+    """
+    return [body(sizes) for sizes in layouts]
+
+
 def edge_examples(length: int, worlds: tuple[int, ...]):
     """Explicit hypothesis examples for a test taking ``case=(world, layouts)``: for each world size, all of its
     edge layouts in one case (one rank-pool call). Hypothesis runs them first, on every run and in every profile.

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 
-from domain_cases import compare_to_one_process, domain_sum, edge_examples, layout_case, max_err
+from domain_cases import compare_to_one_process, domain_sum, edge_examples, layout_case, max_err, on_each_layout
 from profiles import examples
 
 TOL = 1e-10
@@ -164,16 +164,12 @@ def _idioms_body(sizes):
     return errors
 
 
-def _idioms_on_layouts(layouts):
-    return [_idioms_body(sizes) for sizes in layouts]
-
-
 @settings(max_examples=examples(6), deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=layout_case(H, (2, 3)))
 @edge_examples(H, (2, 3))
 def test_idioms_match_one_process(ranks, case):
     world, layouts = case
-    for rank_errors in ranks.run(world, _idioms_on_layouts, layouts, timeout=90 * len(layouts)):
+    for rank_errors in ranks.run(world, on_each_layout, _idioms_body, layouts, timeout=90 * len(layouts)):
         for sizes, errors in zip(layouts, rank_errors):
             bad = {k: v for k, v in errors.items() if not v < TOL}
             assert not bad, (sizes, bad)

@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from domain_cases import compare_to_one_process, edge_examples, shard_sizes
+from domain_cases import compare_to_one_process, edge_examples, on_each_layout, shard_sizes
 from profiles import examples
 
 TOL = 1e-10
@@ -150,10 +150,6 @@ def _sweep_case(draw):
     return world, (sizes,)
 
 
-def _sweep_on_layouts(layouts):
-    return [_sweep_body(sizes) for sizes in layouts]
-
-
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.reuse, Phase.generate))  # a rank-pool failure is not shrunk (slow)
 @given(case=_sweep_case())
@@ -162,7 +158,7 @@ def test_every_rules_module_users_equal_one_process(ranks, case):
     from mesh3d.domain.registry import RULES, op_name
 
     world, layouts = case
-    results = ranks.run(world, _sweep_on_layouts, layouts, timeout=300 * len(layouts))
+    results = ranks.run(world, on_each_layout, _sweep_body, layouts, timeout=300 * len(layouts))
     for per_layout in results:
         for sizes, (errors, _) in zip(layouts, per_layout):
             bad = {k: v for k, v in errors.items() if not (isinstance(v, float) and v < TOL)}

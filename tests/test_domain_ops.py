@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 
-from domain_cases import domain_sum, edge_examples, grads_err, layout_case, max_err
+from domain_cases import domain_sum, edge_examples, grads_err, layout_case, max_err, on_each_layout
 from profiles import examples
 
 TOL = 1e-10
@@ -149,16 +149,12 @@ def _ops_body(sizes):
     return errors
 
 
-def _ops_on_layouts(layouts):
-    return [_ops_body(sizes) for sizes in layouts]
-
-
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=layout_case(H, (2, 4)))
 @edge_examples(H, (2, 4))
 def test_ops_match_one_process(ranks, case):
     world, layouts = case
-    for rank_errors in ranks.run(world, _ops_on_layouts, layouts, timeout=90 * len(layouts)):
+    for rank_errors in ranks.run(world, on_each_layout, _ops_body, layouts, timeout=90 * len(layouts)):
         for sizes, errors in zip(layouts, rank_errors):
             bad = {k: v for k, v in errors.items() if not v < TOL}
             assert not bad, (sizes, bad)
