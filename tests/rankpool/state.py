@@ -60,8 +60,10 @@ class _LoggerState:
         return cls(logger.level, list(logger.handlers), logger.propagate, logger.disabled)
 
     def apply(self, logger: logging.Logger) -> None:
-        logger.setLevel(self.level)
-        logger.handlers[:] = self.handlers
+        if logger.level != self.level:  # NOTE: setLevel clears every logger's cache: only where it changed
+            logger.setLevel(self.level)
+        if logger.handlers != self.handlers:
+            logger.handlers[:] = self.handlers
         logger.propagate, logger.disabled = self.propagate, self.disabled
 
 
