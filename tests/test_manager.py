@@ -173,11 +173,16 @@ def _collective_times_out():
 
     dm = DistributedManager.initialize(batch=1, domain=1, model=2, timeout=2)
     if dm.rank == 1:
-        return None  # never joins: rank 0's collective on the model group must time out
+        # Never joins rank 0's collective on the model group, but stays until it is over: a rank that left would
+        # shut its groups down, and rank 0 would see a closed connection instead of its timeout.
+        dist.barrier()  # the pool's own group (its timeout is minutes)
+        return None
     try:
         dist.all_reduce(torch.ones(1), group=dm.group("model"))
     except RuntimeError as err:
         return str(err)
+    finally:
+        dist.barrier()
     raise AssertionError("the all_reduce should have timed out")
 
 
