@@ -9,11 +9,12 @@ root last; "plain" models are DDP-like replicas.
 from __future__ import annotations
 
 import os
-import time
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from rankpool import forkserver_context
 
 #: name -> (batch, domain, model) mesh shape and data-parallel kind ("plain", "fsdp", "hsdp").
 CONFIGS: dict[str, tuple[tuple[int, int, int], str]] = {
@@ -152,19 +153,26 @@ def synthetic_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range) 
         opt.zero_grad()
 
 
-def exit_code_of_forked(child: Callable[[], None], timeout: float = 60) -> int:
-    """Run ``child`` in a forked process that must end with ``os._exit`` (3 if it returns); its exit code."""
-    pid = os.fork()
-    if pid == 0:  # never return into pytest
-        try:
-            child()
-        finally:
-            os._exit(3)
-    deadline = time.time() + timeout
-    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.time() < deadline:
-        time.sleep(0.01)
-    if done[0] != pid:
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        raise AssertionError(f"the forked child did not exit within {timeout} s")
-    return os.waitstatus_to_exitcode(done[1])
+def exit_code_of_child(target: Callable[..., None], *args: Any, timeout: float = 120) -> int:
+    """Run ``target(*args)`` in a new process that must end with ``os._exit`` (3 if it returns); its exit code.
+
+    ``target`` is a module-level function (the child imports it by name) that builds what it needs itself.
+    NOTE: never ``os.fork()`` the pytest process: another of its threads (torch's, a background save's
+    writer) may hold a lock that the child would then wait on forever. The child comes from the rank pool's
+    forkserver, a process of its own started by exec, single-threaded, with torch and mesh3d imported.
+    """
+    child = forkserver_context().Process(target=_run_then_exit, args=(target, args), daemon=True)
+    child.start()
+    child.join(timeout)  # bounds a hang only
+    if child.exitcode is None:
+        child.kill()
+        child.join()
+        raise AssertionError(f"the child process did not exit within {timeout} s")
+    return child.exitcode
+
+
+def _run_then_exit(target: Callable[..., None], args: tuple) -> None:
+    try:
+        target(*args)
+    finally:
+        os._exit(3)  # never return into multiprocessing's own exit path

@@ -1,3 +1,72 @@
-"""Shared pytest configuration: registers the multi-rank pool plugin (tests/rankpool)."""
+"""Shared pytest configuration: the multi-rank pool plugin (tests/rankpool), a clean process state around every
+test, ``--shuffle SEED`` (or MESH3D_TEST_SHUFFLE=SEED) to run the suite in a shuffled order, and the hypothesis
+profiles (HYPOTHESIS_PROFILE=ci, the default, or thorough). See tests/README.md."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from profiles import CI_EXAMPLES
+from rankpool.state import ProcessState
 
 pytest_plugins = ["rankpool.plugin"]
+
+# ci: the same examples on every run (a seed derived from each test), no deadline on two busy cores, no database.
+settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
+                          max_examples=CI_EXAMPLES, suppress_health_check=[HealthCheck.too_slow])
+# thorough, by hand: a new random seed every run, failures kept in .hypothesis/, 10x the examples of every test.
+settings.register_profile("thorough", deadline=None, print_blob=True, max_examples=10 * CI_EXAMPLES,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+SHUFFLE_ENV = "MESH3D_TEST_SHUFFLE"
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shuffle", metavar="SEED", type=int, default=None,
+                     help=f"run the tests in an order shuffled with SEED, across and within files (or set {SHUFFLE_ENV})")
+
+
+def _shuffle_seed(config: pytest.Config) -> int | None:
+    seed = config.getoption("--shuffle")
+    if seed is None and os.environ.get(SHUFFLE_ENV):
+        try:
+            seed = int(os.environ[SHUFFLE_ENV])
+        except ValueError:
+            raise pytest.UsageError(f"{SHUFFLE_ENV}={os.environ[SHUFFLE_ENV]!r} must be an integer seed") from None
+    return seed
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    seed = _shuffle_seed(config)
+    profile = settings.get_current_profile_name()
+    order = f"shuffled with seed {seed} (--shuffle {seed} repeats it)" if seed is not None else "as collected"
+    return f"mesh3d: test order {order}; hypothesis profile {profile!r}"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """With a seed, shuffle every collected test (files interleaved, and tests within each file)."""
+    seed = _shuffle_seed(config)
+    if seed is not None:
+        random.Random(seed).shuffle(items)
+
+
+@pytest.fixture(scope="session")
+def _clean_process_state() -> ProcessState:
+    state = ProcessState.capture(whole_process=False)
+    state.restore()  # the first test starts from the same state as every later one
+    return state
+
+
+@pytest.fixture(autouse=True)
+def _restore_process_state(_clean_process_state: ProcessState) -> Iterator[None]:
+    """What a single-process test leaves behind (the manager, a pending save, torch's settings, seeds) is undone
+    after it, as the pool's ranks do after every body (rankpool/state.py)."""
+    yield
+    _clean_process_state.restore()

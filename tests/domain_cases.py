@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from hypothesis import example
 from hypothesis import strategies as st
 
 
@@ -15,6 +16,61 @@ def shard_sizes(draw, length: int, parts: int):
     cuts = sorted(draw(st.lists(st.integers(0, length), min_size=parts - 1, max_size=parts - 1)))
     bounds = [0, *cuts, length]
     return tuple(bounds[i + 1] - bounds[i] for i in range(parts))
+
+
+def edge_layouts(length: int, parts: int) -> tuple[tuple[int, ...], ...]:
+    """The uneven layouts every run covers, whatever hypothesis draws: a one-row shard first and empty shards
+    inside, the rows all on the last rank, and empty first and last ranks (one rank holding everything at 3).
+
+    ``edge_layouts(9, 2) == ((1, 8), (0, 9), (9, 0))``; ``edge_layouts(9, 4) == ((1, 0, 0, 8), (0, 5, 4, 0))``
+    """
+    if parts == 1:
+        return ((length,),)
+    if length < 2:
+        return tuple(dict.fromkeys([(length,) + (0,) * (parts - 1), (0,) * (parts - 1) + (length,)]))
+    if parts == 2:
+        return ((1, length - 1), (0, length), (length, 0))
+    inner = parts - 2
+    middle = tuple(length // inner + (i < length % inner) for i in range(inner))
+    return ((1,) + (0,) * inner + (length - 1,), (0, *middle, 0))
+
+
+def with_edge_layouts(cases: list[dict], parts: int) -> list[dict]:
+    """``cases`` (dicts with ``length`` and ``sizes``), the first ones laid out as the edge layouts of their own
+    lengths: every rank-pool call covers them, with the rest of each case (kernel, stride ...) as drawn."""
+    out = [dict(c) for c in cases]
+    for i, case in enumerate(out[:len(edge_layouts(2, parts))]):
+        layouts = edge_layouts(case["length"], parts)
+        case["sizes"] = layouts[i % len(layouts)]
+    return out
+
+
+@st.composite
+def layout_case(draw, length: int, worlds: tuple[int, ...]):
+    """``(world, (sizes,))``: a world size and one layout of ``length`` rows drawn for it (see ``edge_examples``)."""
+    world = draw(st.sampled_from(worlds))
+    return world, (draw(shard_sizes(length, world)),)
+
+
+def on_each_layout(body, layouts) -> list:
+    """``[body(sizes) for sizes in layouts]`` on the ranks: a test's layouts in one rank-pool call.
+
+    Usage: ``ranks.run(world, on_each_layout, _ops_body, layouts)``
+    """
+    return [body(sizes) for sizes in layouts]
+
+
+def edge_examples(length: int, worlds: tuple[int, ...]):
+    """Explicit hypothesis examples for a test taking ``case=(world, layouts)``: for each world size, all of its
+    edge layouts in one case (one rank-pool call). Hypothesis runs them first, on every run and in every profile.
+
+    Usage: ``@given(case=layout_case(9, (2, 4)))`` then ``@edge_examples(9, (2, 4))`` above ``def test(ranks, case)``
+    """
+    def decorate(test):
+        for world in reversed(worlds):
+            test = example(case=(world, edge_layouts(length, world)))(test)
+        return test
+    return decorate
 
 
 def domain_sum(t: torch.Tensor | None) -> torch.Tensor | None:

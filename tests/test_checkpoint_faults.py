@@ -23,7 +23,7 @@ import torch
 import xxhash
 from torch import nn
 
-from ckpt_helpers import Net, build, exit_code_of_forked, shutdown, synthetic_steps
+from ckpt_helpers import Net, build, exit_code_of_child, shutdown, synthetic_steps
 from mesh3d import checkpoint
 from mesh3d.checkpoint import CheckpointError
 from mesh3d.checkpoint.chunks import Box
@@ -220,7 +220,9 @@ def _digest(path: str) -> dict[str, str]:
     return {rel: hashlib.sha256(open(os.path.join(path, rel), "rb").read()).hexdigest() for rel in _files(path)}
 
 
-def _save_and_crash(target: str, model: nn.Module, opt: torch.optim.Optimizer, stage: str, mode: str) -> None:
+def _save_and_crash(target: str, stage: str, mode: str) -> None:
+    """In a child process: save step 2 of ``_trained()`` (the state the parent holds too), dying at ``stage``."""
+    model, opt = _trained()
     if mode == "sync":
         checkpoint.save(target, model, opt, step=2, stage_hook=lambda s: os._exit(17) if s == stage else None)
         return
@@ -241,7 +243,7 @@ def _save_and_crash(target: str, model: nn.Module, opt: torch.optim.Optimizer, s
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_save_killed_at_every_stage_leaves_nothing_or_a_complete_checkpoint(tmp_path, mode):
-    """A forked child saves step-2 next to step-1 and dies (os._exit) at each stage of the protocol.
+    """A child process saves step-2 next to step-1 and dies (os._exit) at each stage of the protocol.
 
     ``async``: the child starts a background save, trains on, and its writer thread dies at the stage.
     """
@@ -252,7 +254,7 @@ def test_save_killed_at_every_stage_leaves_nothing_or_a_complete_checkpoint(tmp_
     before = _digest(str(root / "step-1"))
     for stage in STAGES:
         target = root / f"step-2-{stage}"
-        assert exit_code_of_forked(lambda: _save_and_crash(str(target), model, opt, stage, mode)) == 17, stage
+        assert exit_code_of_child(_save_and_crash, str(target), stage, mode) == 17, stage
         if stage == "committed":
             fresh = _fresh()[0]
             assert checkpoint.load(str(target), fresh).step == 2

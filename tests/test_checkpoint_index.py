@@ -1,8 +1,9 @@
 """Hypothesis fuzzing of the index validator (pure, so thousands of cases run in seconds).
 
 Properties, for both format versions (2: xxh3_64 hex strings, 1: crc32 integers):
-(1) every well-formed index is accepted; (2) any random edit of any field either passes or
-raises CheckpointFormatError, never another exception; (3) each kind of corruption the issue
+(1) every well-formed index is accepted; (2) any random edit of any field either raises
+CheckpointFormatError (never another exception) or leaves an index that is still safe to read
+(checked independently: paths, byte ranges, tiling of the chunks, checksums); (3) each kind of corruption the issue
 names (escaping paths, overlapping / missing chunks, absurd sizes or offsets, unknown
 version, unknown dtype, a stale self-checksum; unknown checksum algorithm, bad block size,
 checksums of the wrong count or form) is always refused.
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 from mesh3d.checkpoint.errors import CheckpointFormatError
 from mesh3d.checkpoint.index import FORMAT, SUPPORTED_VERSIONS, encode_index, validate_index
 from mesh3d.checkpoint.st_format import ITEMSIZE
+from profiles import examples
 
 BLOCK = 512
 
@@ -88,15 +90,67 @@ def _paths(node, prefix=()):
             yield from _paths(v, (*prefix, i))
 
 
-@settings(max_examples=300, deadline=None)
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _disjoint(a: tuple[list[int], list[int]], b: tuple[list[int], list[int]]) -> bool:
+    return any(ao + an <= bo or bo + bn <= ao for ao, an, bo, bn in zip(a[0], a[1], b[0], b[1]))
+
+
+def assert_safe_to_read(doc: dict) -> None:
+    """What a reader relies on in an index the validator accepted, checked here independently (by brute force):
+    shard paths stay inside the checkpoint, every chunk's bytes lie inside its file and hold exactly its box,
+    the boxes tile the tensor, no two chunks share a byte, and there is one well-formed checksum per block."""
+    assert doc["format"] == FORMAT and _is_int(doc["version"]) and doc["version"] in SUPPORTED_VERSIONS
+    if doc["version"] == 2:
+        assert doc["checksum"] == "xxh3_64"
+    block = doc[_block_field(doc)]
+    assert _is_int(block) and 512 <= block <= 2**30
+    assert doc.get("step") is None or _is_int(doc["step"])
+    for rel, info in doc["files"].items():
+        parts = rel.split("/")
+        assert not rel.startswith("/") and not {"", ".", ".."} & set(parts) and rel.endswith(".safetensors"), rel
+        assert _is_int(info["bytes"]) and info["bytes"] >= 8
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for name, entry in doc["tensors"].items():
+        shape, itemsize = entry["shape"], ITEMSIZE[entry["dtype"]]
+        assert entry["role"] in ("model", "optimizer") and all(_is_int(n) and n >= 0 for n in shape), name
+        boxes = []
+        for chunk in entry["chunks"]:
+            offsets, cshape = chunk["offsets"], chunk["shape"]
+            assert len(offsets) == len(cshape) == len(shape) and all(_is_int(v) for v in offsets + cshape), chunk
+            assert all(0 <= o and 0 < n and o + n <= g for o, n, g in zip(offsets, cshape, shape)), chunk
+            nbytes = math.prod(cshape) * itemsize
+            begin, end = chunk["data_offsets"]
+            assert _is_int(begin) and _is_int(end) and 0 <= begin and end - begin == nbytes, chunk
+            assert end <= doc["files"][chunk["file"]]["bytes"], chunk
+            assert isinstance(chunk["key"], str) and chunk["key"], chunk
+            sums = chunk[_sums_field(doc)]
+            assert len(sums) == -(-nbytes // block), chunk
+            if doc["version"] == 1:
+                assert all(_is_int(v) and 0 <= v < 2**32 for v in sums), chunk
+            else:
+                assert all(isinstance(v, str) and len(v) == 16 and set(v) <= set("0123456789abcdef") for v in sums), chunk
+            boxes.append((offsets, cshape))
+            ranges.setdefault(chunk["file"], []).append((begin, end))
+        assert sum(math.prod(c) for _, c in boxes) == math.prod(shape), name
+        assert all(_disjoint(a, b) for i, a in enumerate(boxes) for b in boxes[:i]), name
+    for rel, spans in ranges.items():
+        assert all(e0 <= b1 or e1 <= b0 for i, (b0, e0) in enumerate(spans) for b1, e1 in spans[:i]), rel
+
+
+@settings(max_examples=examples(300), deadline=None)
 @given(indexes())
 def test_well_formed_indexes_are_accepted(doc):
     assert validate_index(doc) is doc
+    assert_safe_to_read(doc)
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(indexes(), st.data())
-def test_random_edits_pass_or_raise_format_error(doc, data):
+def test_random_edits_are_refused_or_leave_an_index_safe_to_read(doc, data):
+    """Any edit of any field: CheckpointFormatError (never another exception), or an index a reader can follow."""
     paths = [p for p in _paths(doc) if p and p[0] != "index_crc32"]
     path = data.draw(st.sampled_from(paths))
     value = data.draw(json_values)
@@ -105,9 +159,10 @@ def test_random_edits_pass_or_raise_format_error(doc, data):
         node = node[key]
     node[path[-1]] = value
     try:
-        validate_index(_reseal(doc))
+        accepted = validate_index(_reseal(doc))
     except CheckpointFormatError:
-        pass
+        return
+    assert_safe_to_read(accepted)
 
 
 def _first_chunk(doc):
@@ -154,13 +209,22 @@ CORRUPTIONS = {
 }
 
 
-@settings(max_examples=1000, deadline=None)
+@settings(max_examples=examples(1000), deadline=None)
 @given(indexes(), st.sampled_from(sorted(CORRUPTIONS)), st.integers(0, 1000), st.booleans())
 def test_corruptions_are_always_refused(doc, kind, value, reseal):
     CORRUPTIONS[kind](doc, value)
     # Unsealed, the self-checksum alone must catch it; resealed, the structural checks must.
     with pytest.raises(CheckpointFormatError):
         validate_index(_reseal(doc) if reseal else doc)
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(indexes(), st.sampled_from(sorted(CORRUPTIONS)), st.integers(0, 1000))
+def test_the_independent_check_sees_every_corruption_too(doc, kind, value):
+    """assert_safe_to_read is no rubber stamp: each corruption, resealed, fails it (a missing field as a KeyError)."""
+    CORRUPTIONS[kind](doc, value)
+    with pytest.raises((AssertionError, KeyError, TypeError)):
+        assert_safe_to_read(_reseal(doc))
 
 
 def test_error_messages_say_what_and_where():

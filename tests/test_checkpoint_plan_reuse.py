@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ckpt_helpers import build, full_state, shutdown, train_steps
 from mesh3d import checkpoint
 from mesh3d.checkpoint import CheckpointError
+from profiles import examples
 
 
 class _Cursor:
@@ -129,7 +130,7 @@ def test_snapshot_is_a_bitwise_copy_split_over_threads_or_not(monkeypatch):
         torch.set_num_threads(threads)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.integers(0, 1000), min_size=1, max_size=8), st.integers(1, 6))
 def test_split_moves_every_byte_once_in_balanced_parts(sizes, parts):
     from mesh3d.checkpoint.staging import _split

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from mesh3d.data import MeshDataLoader, MeshSampler, SlabDataset
 from mesh3d.domain.io import NpyArray, read_rows
+from profiles import examples
 
 import data_helpers as dh
 
@@ -42,7 +43,7 @@ def _global_batches(n, g, ranks, *, tail="drop", seed=0, state=None, epochs=2):
 sizes = st.tuples(st.integers(1, 40), st.integers(1, 4), st.integers(1, 4)).filter(lambda t: t[1] * t[2] <= t[0])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(sizes, st.integers(0, 3), st.sampled_from(["drop", "pad"]))
 def test_every_sample_once_per_epoch_and_the_order_ignores_the_mesh(shape, seed, tail):
     n, per_rank, ranks = shape
@@ -64,7 +65,7 @@ def test_every_sample_once_per_epoch_and_the_order_ignores_the_mesh(shape, seed,
         assert sum(last.valid) == n - (steps - 1) * g and last.valid == tuple(sorted(last.valid, reverse=True))
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.integers(2, 30), st.integers(1, 3), st.integers(1, 3), st.integers(1, 3), st.data())
 def test_resume_at_any_point_on_other_batch_ranks_equals_uninterrupted(n, per_rank, ranks_a, ranks_b, data):
     g = per_rank * ranks_a * ranks_b

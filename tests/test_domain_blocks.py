@@ -15,8 +15,9 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from domain_cases import domain_sum, max_err, shard_sizes
+from domain_cases import domain_sum, edge_layouts, max_err, shard_sizes
 from mesh3d.mesh_shape import grid_factorizations, resolve_domain_grid
+from profiles import examples
 
 TOL = 1e-10
 
@@ -85,7 +86,7 @@ def _blocks_body(grid, cases, steps):
     return worst, dm.domain_grid
 
 
-@settings(max_examples=3, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no slow shrinking
+@settings(max_examples=examples(3), deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))  # no slow shrinking
 @given(data=st.data())
 def test_2d_blocks_train_like_one_process(ranks, data):
     for grid in ((2, 2), (2, 3)):
@@ -94,7 +95,8 @@ def test_2d_blocks_train_like_one_process(ranks, data):
             shape = (data.draw(st.integers(9, 14)), data.draw(st.integers(9, 14)))
             sizes = tuple(data.draw(shard_sizes(n, g)) for n, g in zip(shape, grid))
             cases.append((2, shape, (2, 3), sizes))
-        cases.append((2, (12, 10), (2, 3), ((12, 0), (4, 3, 3)[:grid[1]] if grid[1] == 3 else (10, 0))))  # empty blocks
+        # Every call: blocks of one row, and empty blocks (the last column, or both outer columns at 3).
+        cases.append((2, (12, 10), (2, 3), (edge_layouts(12, grid[0])[0], edge_layouts(10, grid[1])[-1])))
         results = ranks.run(grid[0] * grid[1], _blocks_body, grid, cases, 3)
         assert all(r[1] == grid for r in results)
         assert max(r[0] for r in results) < TOL, results

@@ -10,7 +10,7 @@ import itertools
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from domain_cases import domain_sum, max_err
@@ -20,6 +20,7 @@ from mesh3d.domain.blocks_halo import FILL, OWN, _box, _pack, plan_box
 from mesh3d.domain.halo import plan_window, window_output_length
 from mesh3d.domain.rows import plan_exchange
 from mesh3d.domain.split import offsets_of
+from profiles import examples
 
 
 @st.composite
@@ -37,8 +38,12 @@ def _layouts(draw):
     return grid, tuple(sizes), windows, draw(st.booleans())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(_layouts())
+# Every run, whatever is drawn: one-row blocks, empty blocks first, inside and last, on 2-D and 3-D grids.
+@example(((2, 3), ((1, 7), (0, 5, 0)), [(3, 1, 1, 1, 1), (3, 2, 2, 2, 1)], False))
+@example(((2, 3), ((1, 7), (0, 5, 0)), [(3, 1, 1, 1, 1), (3, 2, 2, 2, 1)], True))
+@example(((3, 2, 2), ((1, 0, 4), (0, 3), (3, 0)), [(3, 1, 1, 1, 1), (2, 1, 1, 1, 0), (4, 2, 1, 0, 3)], True))
 def test_one_round_plans_deliver_exactly_the_rows_each_window_reads(layout):
     """Halo-only plans (window ops: the kernel pads) or whole row maps with fill rows (transposed conv, F.pad)."""
     grid, sizes, windows, with_fill = layout

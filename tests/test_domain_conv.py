@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from domain_cases import domain_sum, grads_err, max_err, shard_sizes
+from domain_cases import domain_sum, grads_err, max_err, shard_sizes, with_edge_layouts
+from profiles import examples
 
 TOL = 1e-10
 MODES = ("zeros", "reflect", "replicate", "circular")
@@ -85,20 +86,20 @@ def _conv_body(cases, transpose=False):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(15), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_conv_matches_one_process(ranks, world, data):
-    cases = data.draw(st.lists(conv_case(world), min_size=8, max_size=8))
+    cases = with_edge_layouts(data.draw(st.lists(conv_case(world), min_size=8, max_size=8)), world)
     for rank_errors in ranks.run(world, _conv_body, cases, timeout=60):
         for case, err in zip(cases, rank_errors):
             assert err < TOL, (case, err)
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_conv_transpose_matches_one_process(ranks, world, data):
-    cases = data.draw(st.lists(conv_case(world, transpose=True), min_size=8, max_size=8))
+    cases = with_edge_layouts(data.draw(st.lists(conv_case(world, transpose=True), min_size=8, max_size=8)), world)
     for rank_errors in ranks.run(world, _conv_body, cases, True, timeout=60):
         for case, err in zip(cases, rank_errors):
             assert err < TOL, (case, err)
@@ -213,10 +214,10 @@ F = torch.nn.functional
 
 
 @pytest.mark.parametrize("world", [2, 4])
-@settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=examples(10), deadline=None, suppress_health_check=list(HealthCheck))
 @given(data=st.data())
 def test_pool_and_interpolate_match_one_process(ranks, world, data):
-    cases = data.draw(st.lists(window_case(world), min_size=10, max_size=10))
+    cases = with_edge_layouts(data.draw(st.lists(window_case(world), min_size=10, max_size=10)), world)
     for rank_errors in ranks.run(world, _window_body, cases, timeout=60):
         for case, err in zip(cases, rank_errors):
             assert err < TOL, (case, err)

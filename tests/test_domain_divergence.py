@@ -4,6 +4,9 @@ with global sizes, deep U-Nets that branch on shapes equal one process on any sp
 from __future__ import annotations
 
 import copy
+import os
+import sys
+import traceback
 
 import pytest
 import torch
@@ -149,23 +152,30 @@ def test_shard_refuses_sizes_and_multiple_of_together():
 
 
 def _outside_failure_body():
-    """Domain rank 1 fails in the model's own code (a library's shape check) before a conv; rank 0 goes on."""
+    """Domain rank 1 fails in the model's own code (a library's shape check) before a conv and its process ends, as a
+    script's does; rank 0 goes on into the conv's exchange with it."""
     from mesh3d import DistributedManager, domain
 
-    dm = DistributedManager.initialize(batch=1, domain=-1, timeout=8)
+    dm = DistributedManager.initialize(batch=1, domain=-1)  # the default group timeout (minutes): no rank waits it out
     conv = torch.nn.Conv2d(1, 1, 3, padding=1)
     xs = domain.shard(torch.randn(1, 1, 8, 4), dim=2)
-    try:
-        if dm.axis_rank("domain") == 1:
+    if dm.axis_rank("domain") == 1:
+        try:
             raise ValueError("the library's own check failed on this rank")
-        conv(xs)
-        return "no error"
-    except Exception as err:  # noqa: BLE001 - the test asserts each rank's error
-        return f"{type(err).__name__}: {err}"
+        except ValueError:
+            traceback.print_exc()  # into this rank's log, which the RankFailure shows
+            sys.stderr.flush()
+            os._exit(1)
+    conv(xs)
 
 
-def test_a_peer_failing_outside_mesh3d_is_named_after_the_timeout_not_a_hang(ranks):
-    messages = ranks.run(2, _outside_failure_body, timeout=90)
-    assert messages[1] == "ValueError: the library's own check failed on this rank"
-    assert messages[0].startswith("DomainDivergenceError: domain rank(s) [1] did not complete the exchange"), messages
-    assert "failed outside mesh3d" in messages[0] and "torch.nn.functional.conv2d" not in messages[1]
+def test_a_peer_failing_outside_mesh3d_is_named_when_it_ends_not_a_hang(ranks):
+    """A closed connection ends rank 0's wait at once: the error it raises names the missing peer and says what to
+    look for. The pool's timeout only bounds a hang (rank 0 waiting for the group timeout would be a RankTimeout)."""
+    with pytest.raises(RankFailure) as failure:
+        ranks.run(2, _outside_failure_body, timeout=90)
+    text = str(failure.value)
+    assert "--- rank 1 died (exit code 1) ---" in text and "ValueError: the library's own check failed" in text, text
+    rank0 = text[text.index("--- rank 0 ---"):text.index("--- rank 1 died")]
+    assert "DomainDivergenceError: domain rank(s) [1] did not complete the exchange this rank (domain rank 0)" in rank0, text
+    assert "failed outside mesh3d" in rank0 and "torch.conv2d" in rank0 and "in _outside_failure_body" in rank0, rank0

@@ -4,13 +4,12 @@ embeddings on sharded ids, domain.positions, torch.fft along the sharded dim, ei
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from domain_cases import compare_to_one_process, domain_sum, max_err, shard_sizes
+from domain_cases import compare_to_one_process, domain_sum, edge_examples, layout_case, max_err, on_each_layout
+from profiles import examples
 
 TOL = 1e-10
 H = 7
@@ -165,14 +164,15 @@ def _idioms_body(sizes):
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_idioms_match_one_process(ranks, world, data):
-    sizes = data.draw(shard_sizes(H, world))
-    for rank_errors in ranks.run(world, _idioms_body, sizes, timeout=90):
-        bad = {k: v for k, v in rank_errors.items() if not v < TOL}
-        assert not bad, (sizes, bad)
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=layout_case(H, (2, 3)))
+@edge_examples(H, (2, 3))
+def test_idioms_match_one_process(ranks, case):
+    world, layouts = case
+    for rank_errors in ranks.run(world, on_each_layout, _idioms_body, layouts, timeout=90 * len(layouts)):
+        for sizes, errors in zip(layouts, rank_errors):
+            bad = {k: v for k, v in errors.items() if not v < TOL}
+            assert not bad, (sizes, bad)
 
 
 def _idiom_refusals_body():
@@ -200,16 +200,30 @@ def _idiom_refusals_body():
     return messages
 
 
-def test_idiom_refusals_raise_on_every_rank(ranks):
+#: What every rank's refusal must say: the op it refuses, and what to do instead.
+IDIOM_REFUSALS = {
+    "cat_two_sharded": ["torch.cat along the sharded dim 2 of several sharded tensors",
+                        "concatenate along another dim, or call .full_tensor() first"],
+    "fft_all_dims": ["torch.fft.fftn over every dim", "keep the batch or channel dim out of dim="],
+    "tensor_index_sharded": ["torch.Tensor.__getitem__ with a Tensor index along the sharded dim 2",
+                             "call .full_tensor() first"],
+    "embedding_max_norm": ["F.embedding with max_norm or scale_grad_by_freq on sharded ids",
+                           "use max_norm=None, scale_grad_by_freq=False"],
+    "setitem": ["torch.Tensor.__setitem__ with a Tensor index along the sharded dim 2 is not supported",
+                "(ints and slices are)"],
+    "unknown_op": ["torch.cumsum has no domain rule", "Call .full_tensor() first"],
+}
+
+
+def test_idiom_refusals_name_the_op_and_what_to_do_on_every_rank(ranks):
     results = ranks.run(3, _idiom_refusals_body, timeout=60)
+    assert set(results[0]) == set(IDIOM_REFUSALS)
     for messages in results:
         assert messages == results[0]                                     # the same error on every rank
-        missing = [k for k, v in messages.items() if v is None]
-        assert not missing, f"did not raise: {missing}"
-        assert "several sharded" in messages["cat_two_sharded"]
-        assert "every dim" in messages["fft_all_dims"]
-        assert "torch.cumsum" in messages["unknown_op"] and "no domain rule" in messages["unknown_op"]
-        assert "__setitem__" in messages["setitem"]
+        for name, fragments in IDIOM_REFUSALS.items():
+            assert messages[name] is not None, f"{name} did not raise"
+            missing = [f for f in fragments if f not in messages[name]]
+            assert not missing, (name, missing, messages[name])
 
 
 def _global_size_body():

@@ -5,14 +5,14 @@ them (or be listed in ``NOT_SWEPT`` with the test that covers it), so a new rule
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from domain_cases import compare_to_one_process, shard_sizes
+from domain_cases import compare_to_one_process, edge_examples, on_each_layout, shard_sizes
+from profiles import examples
 
 TOL = 1e-10
 D64 = torch.float64
@@ -143,19 +143,27 @@ def _sweep_body(sizes: tuple[int, ...]):
     return errors, sorted(hit)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck),
+@st.composite
+def _sweep_case(draw):
+    """(world, (sizes,)) on a drawn length (the torch.chunk rule written out where the draw says None)."""
+    world, length = draw(st.sampled_from((2, 3))), draw(st.integers(8, 13))
+    sizes = draw(shard_sizes(length, world)) or tuple(len(c) for c in torch.arange(length).chunk(world))
+    return world, (sizes,)
+
+
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.reuse, Phase.generate))  # a rank-pool failure is not shrunk (slow)
-@given(data=st.data())
-def test_every_rules_module_users_equal_one_process(ranks, world, data):
+@given(case=_sweep_case())
+@edge_examples(9, (2, 3))
+def test_every_rules_module_users_equal_one_process(ranks, case):
     from mesh3d.domain.registry import RULES, op_name
 
-    length = data.draw(st.integers(8, 13))
-    sizes = data.draw(shard_sizes(length, world)) or tuple(len(c) for c in torch.arange(length).chunk(world))
-    results = ranks.run(world, _sweep_body, sizes, timeout=300)
-    for errors, _ in results:
-        bad = {k: v for k, v in errors.items() if not (isinstance(v, float) and v < TOL)}
-        assert not bad, (sizes, bad)
+    world, layouts = case
+    results = ranks.run(world, on_each_layout, _sweep_body, layouts, timeout=300 * len(layouts))
+    for per_layout in results:
+        for sizes, (errors, _) in zip(layouts, per_layout):
+            bad = {k: v for k, v in errors.items() if not (isinstance(v, float) and v < TOL)}
+            assert not bad, (sizes, bad)
     functional = {op_name(f) for f in RULES if any(f is v for v in vars(F).values())}
-    missing = functional - set(results[0][1]) - set(NOT_SWEPT)
+    missing = functional - {op for _, hit in results[0] for op in hit} - set(NOT_SWEPT)
     assert not missing, f"registered functional rules that no swept module reaches: {sorted(missing)}"

@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
-from domain_cases import domain_sum, grads_err, max_err, shard_sizes
+from domain_cases import domain_sum, edge_examples, grads_err, layout_case, max_err, on_each_layout
+from profiles import examples
 
 TOL = 1e-10
 H = 9
@@ -149,14 +149,15 @@ def _ops_body(sizes):
     return errors
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_ops_match_one_process(ranks, world, data):
-    sizes = data.draw(shard_sizes(H, world))
-    for rank_errors in ranks.run(world, _ops_body, sizes, timeout=90):
-        bad = {k: v for k, v in rank_errors.items() if not v < TOL}
-        assert not bad, (sizes, bad)
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=layout_case(H, (2, 4)))
+@edge_examples(H, (2, 4))
+def test_ops_match_one_process(ranks, case):
+    world, layouts = case
+    for rank_errors in ranks.run(world, on_each_layout, _ops_body, layouts, timeout=90 * len(layouts)):
+        for sizes, errors in zip(layouts, rank_errors):
+            bad = {k: v for k, v in errors.items() if not v < TOL}
+            assert not bad, (sizes, bad)
 
 
 def _refusals_body():
@@ -193,19 +194,48 @@ def _refusals_body():
     return messages
 
 
-@pytest.mark.parametrize("world", [1, 4])
-def test_refusals_raise_clearly_on_every_rank(ranks, world):
-    for messages in ranks.run(world, _refusals_body, timeout=60):
-        missing = [k for k, v in messages.items() if v is None]
-        assert not missing, f"did not raise: {missing}"
-        assert "torch.cumsum" in messages["cumsum"] and "full_tensor" in messages["cumsum"]
-        assert "alpha_dropout" in messages["alpha_dropout"]
-        assert "torch.roll" in messages["roll_flattened"] and "dims=" in messages["roll_flattened"]
-        assert "sizes" in messages["bad_sizes"] and "sum to" in messages["bad_sizes"]
-        assert "domain.shard" in messages["plain_broadcast"]
-        assert "bicubic" in messages["bicubic"]
-        assert "mix rows of the sharded dim" in messages["reshape_mixing_rows"]
-        assert "flip" in messages["strided_without_rule"] and "strided layout" in messages["strided_without_rule"]
+#: What every rank's refusal must say: the op (or the argument) it refuses, and what to do instead. ``{sizes}`` is the
+#: default split of the H rows (torch.chunk's rule), ``{balanced}`` the balanced one, ``{last}`` the last domain rank.
+REFUSALS = {
+    "cumsum": ["torch.cumsum has no domain rule", "Call .full_tensor() first", "mesh3d.domain.registry.register"],
+    "alpha_dropout": ["F.alpha_dropout in training mode on a domain tensor", "use F.dropout, p=0",
+                      "after .full_tensor()"],
+    "cat_sharded": ["torch.cat along the sharded dim 2", "concatenate along another dim, or call .full_tensor() first"],
+    "plain_broadcast": ["torch.Tensor.add: a non-sharded tensor of shape (2, 4, 4, 6) varies along the sharded dim 2",
+                        "domain.shard(t, dim=2, sizes={sizes})", "or give it size 1 there"],
+    "ce_plain_target": ["F.cross_entropy: the target must be sharded like the input",
+                        "domain.shard(target, dim=1, sizes={sizes})"],
+    "bicubic": ["F.interpolate(mode='bicubic'", "use nearest, linear, bilinear or trilinear"],
+    "avg_no_pad_count": ["torch.nn.functional.avg_pool2d: count_include_pad=False", "use count_include_pad=True, ceil_mode=False"],
+    "roll_flattened": ["torch.roll without dims= flattens the tensor", "give dims=", "or call .full_tensor() first"],
+    "linear_sharded": ["torch.linear acts along dim 3, which is sharded", "call .full_tensor() first or shard a different dim"],
+    "conv_channel_sharded": ["torch.nn.functional.conv2d: the domain-sharded dim 1 is a channel dim",
+                             "shard a spatial dim (2..3) instead"],
+    "max_dim": ["torch.max/min with dim=", "use torch.amax(x, dim) or torch.maximum(a, b)"],
+    "bad_sizes": ["sum to 10 but the sharded dim has length 9", "e.g. sizes={balanced}"],
+    "bad_dim": ["domain.shard: dim=7 is out of range for a 4-D tensor", "(use 0..3)"],
+    "reshape_mixing_rows": ["torch.reshape(2, ", "would mix rows of the sharded dim", "or call .full_tensor() first"],
+    "strided_without_rule": ["flip has no rule for a strided layout", "reshape it back to the unstrided shape first",
+                             "or call .full_tensor()"],
+    "bad_src": ["domain.scatter: src=99 must be a domain rank index in 0..{last}"],
+}
+#: Refusals that quote this rank's local shape (so they differ between ranks): none, sizes are global.
+QUOTES_LOCAL_SHAPE: set[str] = set()
+
+
+@pytest.mark.parametrize(("world", "sizes", "balanced"), [(1, "(9,)", "(9,)"), (4, "(3, 3, 3, 0)", "(3, 2, 2, 2)")])
+def test_refusals_name_the_op_and_what_to_do_on_every_rank(ranks, world, sizes, balanced):
+    results = ranks.run(world, _refusals_body, timeout=60)
+    assert set(results[0]) == set(REFUSALS)
+    for rank, messages in enumerate(results):
+        for name, fragments in REFUSALS.items():
+            message = messages[name]
+            assert message is not None, f"{name} did not raise on rank {rank}"
+            missing = [f for f in (f.format(sizes=sizes, balanced=balanced, last=world - 1) for f in fragments)
+                       if f not in message]
+            assert not missing, (name, rank, missing, message)
+            if name not in QUOTES_LOCAL_SHAPE:
+                assert message == results[0][name], (name, rank)
 
 
 def test_split_rule_is_torch_chunk():

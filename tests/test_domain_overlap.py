@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from domain_cases import domain_sum, grads_err, max_err, shard_sizes
+from domain_cases import domain_sum, edge_layouts, grads_err, max_err, shard_sizes, with_edge_layouts
 from mesh3d.domain.halo import window_exchange
 from mesh3d.domain.halo import plan_window
 from mesh3d.domain.overlap import split_window
 from mesh3d.domain.split import offsets_of, split_sizes
+from profiles import examples
 
 TOL = 1e-10
 
@@ -32,7 +33,7 @@ def _extended_rows(x: torch.Tensor, plan, pad: int, offset: int) -> torch.Tensor
     return parts
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data(), parts=st.integers(2, 6))
 def test_strips_and_interior_concatenate_to_the_kernel_output(data, parts):
     """Left strip + interior (own rows only) + right strip == the kernel on the whole extended input."""
@@ -40,7 +41,11 @@ def test_strips_and_interior_concatenate_to_the_kernel_output(data, parts):
     p = data.draw(st.integers(0, 4))
     least = max(1, d * (k - 1) + 1 - 2 * p)
     length = data.draw(st.integers(least, least + 20))
-    sizes = split_sizes(length, parts, data.draw(shard_sizes(length, parts)))
+    for sizes in (split_sizes(length, parts, data.draw(shard_sizes(length, parts))), *edge_layouts(length, parts)):
+        _check_strips(sizes, length, k, s, d, p)
+
+
+def _check_strips(sizes, length, k, s, d, p):
     x = torch.randn(1, 2, length, dtype=torch.float64)
     w = torch.randn(3, 2, k, dtype=torch.float64)
     plan = plan_window(sizes, k, s, d, p, p)
@@ -149,12 +154,13 @@ def _overlap_body(cases):
     return worst, OVERLAP.calls - calls
 
 
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.reuse, Phase.generate))  # a rank-pool failure is not shrunk (slow)
 @given(data=st.data())
 def test_overlapped_conv_stacks_equal_one_process(ranks, data):
     for world in (2, 3):
-        cases = [c for c in (data.draw(conv_stack_case(world)) for _ in range(6)) if _fits(c)]
+        drawn = with_edge_layouts([data.draw(conv_stack_case(world)) for _ in range(6)], world)
+        cases = [c for c in drawn if _fits(c)]
         # and one stack that surely overlaps on every rank (a 'same' conv, then a strided dilated one)
         cases.append(dict(nd=2, layers=[(3, 1, 1, 1), (3, 2, 2, 2)], length=23, sizes=(8, 15) if world == 2 else (8, 7, 8)))
         results = ranks.run(world, _overlap_body, cases)

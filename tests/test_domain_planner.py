@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from domain_cases import shard_sizes
+from domain_cases import edge_layouts, shard_sizes
 from mesh3d.domain.halo import window_exchange
 from mesh3d.domain.halo import plan_window, window_output_length
 from mesh3d.domain.rows import Span, map_length, plan_exchange, runs_from_indices
 from mesh3d.domain.split import offsets_of, split_sizes
+from profiles import examples
 
 
 def simulate(full: torch.Tensor, sizes: tuple[int, ...], needs, fill: float = 0.0) -> list[torch.Tensor]:
@@ -53,19 +54,19 @@ def expected_rows(full: torch.Tensor, indices: list[int], fill: float = 0.0) -> 
     return torch.stack(rows) if rows else full[:0]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(data=st.data(), parts=st.integers(1, 6), length=st.integers(0, 20))
 def test_any_row_map_gathers_exactly_its_rows(data, parts, length):
-    sizes = split_sizes(length, parts, data.draw(shard_sizes(length, parts)))
     full = torch.arange(length * 2, dtype=torch.float64).view(length, 2)
     row = st.integers(-1, length - 1) if length else st.just(-1)
     indices = [data.draw(st.lists(row, max_size=25)) for _ in range(parts)]
     needs = tuple(runs_from_indices(i) for i in indices)
-    for got, want in zip(simulate(full, sizes, needs, fill=-7.0), indices):
-        assert torch.equal(got, expected_rows(full, want, fill=-7.0))
+    for sizes in (split_sizes(length, parts, data.draw(shard_sizes(length, parts))), *edge_layouts(length, parts)):
+        for got, want in zip(simulate(full, sizes, needs, fill=-7.0), indices):
+            assert torch.equal(got, expected_rows(full, want, fill=-7.0)), sizes
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data(), parts=st.integers(1, 6))
 def test_window_ops_concatenate_to_the_one_process_output(data, parts):
     """conv1d and max_pool1d through the window plan + the kernel padding the dispatcher leaves to torch."""
@@ -73,7 +74,11 @@ def test_window_ops_concatenate_to_the_one_process_output(data, parts):
     pl, pr = data.draw(st.integers(0, 4)), data.draw(st.integers(0, 4))
     least = max(1, d * (k - 1) + 1 - pl - pr)
     length = data.draw(st.integers(least, least + 14))
-    sizes = split_sizes(length, parts, data.draw(shard_sizes(length, parts)))
+    for sizes in (split_sizes(length, parts, data.draw(shard_sizes(length, parts))), *edge_layouts(length, parts)):
+        _check_window_plan(sizes, length, parts, k, s, d, pl, pr)
+
+
+def _check_window_plan(sizes, length, parts, k, s, d, pl, pr):
     x = torch.randn(1, 2, length, dtype=torch.float64)
     w = torch.randn(3, 2, k, dtype=torch.float64)
     want = F.conv1d(F.pad(x, (pl, pr)), w, stride=s, dilation=d)
@@ -105,7 +110,7 @@ def _trimmed(row_map, pad):
     return tuple(sp for sp in spans if sp.stop > sp.start)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(parts=st.integers(1, 8), length=st.integers(1, 10**6))
 def test_planning_is_o_d(parts, length):
     """Full gathers and window plans of a million rows are a handful of runs (no per-row Python)."""
@@ -137,7 +142,7 @@ def test_a_second_rule_for_one_op_is_refused_unless_overridden():
         RULES._rules.pop(torch.cummin, None)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(units=st.lists(st.integers(0, 6), min_size=1, max_size=6), stride=st.sampled_from([2, 4]))
 def test_pooling_divides_an_aligned_layout_and_upsampling_restores_it(units, stride):
     """Sizes that are multiples of the stride: a stride-s pool gives sizes/s on every rank, and an s-fold

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from domain_cases import compare_to_one_process, shard_sizes
+from domain_cases import compare_to_one_process, edge_layouts, shard_sizes
+from profiles import examples
 
 TOL = 1e-10
 D64 = torch.float64
@@ -86,12 +87,30 @@ def _einops_body(sizes, p):
     return compare_to_one_process(lambda: ZooEinops(p), x, 2, sizes)
 
 
-@pytest.mark.parametrize("world", [2, 3])
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
-@given(data=st.data())
-def test_zoo_einops_patterns_match_one_process(ranks, world, data):
-    p = data.draw(st.sampled_from([1, 2]))
-    units = data.draw(shard_sizes(data.draw(st.integers(world, 5)), world))
-    sizes = tuple(u * p for u in units) if units is not None else (p * 2,) * world  # whole patches per rank
-    for err in ranks.run(world, _einops_body, sizes, p, timeout=90):
-        assert err < TOL, (sizes, p, err)
+def _einops_on_layouts(layouts):
+    return [_einops_body(sizes, p) for sizes, p in layouts]
+
+
+def _edge_patches(units: int, world: int) -> tuple:
+    """The edge layouts of ``units`` patches, with patches of 1 row and of 2."""
+    return tuple((tuple(u * p for u in layout), p) for p in (1, 2) for layout in edge_layouts(units, world))
+
+
+@st.composite
+def _einops_case(draw):
+    """(world, ((sizes, p),)): whole patches of p rows per rank, p drawn from 1 and 2."""
+    world, p = draw(st.sampled_from((2, 3))), draw(st.sampled_from([1, 2]))
+    units = draw(shard_sizes(draw(st.integers(world, 5)), world))
+    sizes = tuple(u * p for u in units) if units is not None else (p * 2,) * world
+    return world, ((sizes, p),)
+
+
+@settings(max_examples=examples(6), deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=_einops_case())
+@example(case=(2, _edge_patches(4, 2)))
+@example(case=(3, _edge_patches(4, 3)))
+def test_zoo_einops_patterns_match_one_process(ranks, case):
+    world, layouts = case
+    for errs in ranks.run(world, _einops_on_layouts, layouts, timeout=90 * len(layouts)):
+        for (sizes, p), err in zip(layouts, errs):
+            assert err < TOL, (sizes, p, err)

@@ -9,22 +9,15 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                          "MASTER_PORT"} and not k.startswith(("TORCHELASTIC_", "SLURM_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    return env
+from launch_helpers import clean_env, run, run_on_free_port
 
 
 def _run(args: list[str]) -> str:
-    done = subprocess.run([sys.executable, *args], env=_env(), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    """Runs torchrun with --standalone (no port to race for); the others choose a port themselves, and
+    a launch whose port was taken meanwhile is started again (launch_helpers)."""
+    done = run(args)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done.stdout
 
@@ -57,8 +50,6 @@ def test_checkpoint_reshard_example_saves_resumes_elsewhere_and_exports(tmp_path
 
 def test_lightning_example_under_lightnings_launcher_torchrun_and_slurm(tmp_path):
     """Fit with Lightning's own launcher (plain python), resume on other meshes under torchrun and SLURM."""
-    import socket
-
     ck = str(tmp_path / "lightning" / "epoch1.ckpt")
     fit = _run(["examples/lightning_3d.py", "fit", "--devices", "4", "--mesh", "1,2,2", "--ckpt", ck])
     assert "(LightningEnvironment)" in fit and "MATCHES one process" in fit, fit
@@ -67,20 +58,17 @@ def test_lightning_example_under_lightnings_launcher_torchrun_and_slurm(tmp_path
                      "resume", "--mesh", "2,1,2", "--ckpt", ck])
     assert "(TorchElasticEnvironment), global step 8, epoch 2" in torchrun and "MATCHES one process" in torchrun
 
-    with socket.socket() as s:  # srun's variables on four processes started by hand
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(4):
-        env = _env()
-        env.update(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="4",
-                   SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NAME="mesh3d", SLURM_JOB_ID="7", SLURM_NODELIST="localhost",
-                   SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port))
-        procs.append(subprocess.Popen([sys.executable, "examples/lightning_3d.py", "resume", "--mesh", "4,1,1", "--ckpt",
-                                       ck], env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outs[0][-3000:]
-    assert "(SLURMEnvironment), global step 8, epoch 2" in outs[0] and "MATCHES one process" in outs[0], outs[0]
+    def srun(port):  # srun's variables on four processes started by hand; rank 0 hosts the store on `port`
+        return [([sys.executable, "examples/lightning_3d.py", "resume", "--mesh", "4,1,1", "--ckpt", ck],
+                 clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="4",
+                           SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NAME="mesh3d", SLURM_JOB_ID="7",
+                           SLURM_NODELIST="localhost", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
+                for rank in range(4)]
+
+    done = run_on_free_port(srun)
+    assert all(d.returncode == 0 for d in done), [d.stdout[-2000:] + d.stderr[-2000:] for d in done]
+    out = done[0].stdout
+    assert "(SLURMEnvironment), global step 8, epoch 2" in out and "MATCHES one process" in out, out
 
 
 def test_data_resume_example_continues_the_same_global_batches_on_another_mesh(tmp_path):

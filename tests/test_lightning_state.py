@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh3d.lightning.trainer_state import decode_trainer_state, encode_trainer_state
+from profiles import examples
 
 
 def _roundtrip(state):
@@ -58,7 +59,7 @@ _values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.dictionaries(st.text(max_size=10), _values, max_size=5))
 def test_any_nesting_of_json_types_tuples_and_int_keys_round_trips(state):
     assert _roundtrip(state) == state

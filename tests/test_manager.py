@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import itertools
-import time
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh3d.mesh_shape import AXES, divisors
+from profiles import examples
 
 WORLD_SIZES = [1, 2, 4, 8]
 
@@ -99,7 +99,7 @@ def _check_mixed(requests, world):
 size = st.sampled_from([-1, -1, 0, 1, 1, 2, 2, 3, 4, 8])
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=examples(12), deadline=None)
 @given(st.lists(st.tuples(size, size, size), min_size=1, max_size=6))
 def test_hypothesis_requests_agree_on_every_rank(ranks, requests):
     outcomes = ranks.run(8, _check_mixed, requests, 8, timeout=60)
@@ -122,10 +122,9 @@ def _errors_on_every_rank():
     return messages
 
 
-def test_errors_are_raised_on_every_rank_within_seconds(ranks):
-    start = time.monotonic()
-    results = ranks.run(8, _errors_on_every_rank, timeout=30)
-    assert time.monotonic() - start < 30
+def test_errors_are_raised_on_every_rank(ranks):
+    # A check behind a collective would leave ranks waiting: the pool's timeout bounds that hang (no speed limit).
+    results = ranks.run(8, _errors_on_every_rank, timeout=120)
     for messages in results:
         assert len(messages) == 5
         assert "batch=3 does not divide world size 8" in messages[0] and "1, 2, 4, 8" in messages[0]
@@ -174,19 +173,24 @@ def _collective_times_out():
 
     dm = DistributedManager.initialize(batch=1, domain=1, model=2, timeout=2)
     if dm.rank == 1:
-        return None  # never joins: rank 0's collective on the model group must time out
-    start = time.monotonic()
+        # Never joins rank 0's collective on the model group, but stays until it is over: a rank that left would
+        # shut its groups down, and rank 0 would see a closed connection instead of its timeout.
+        dist.barrier()  # the pool's own group (its timeout is minutes)
+        return None
     try:
         dist.all_reduce(torch.ones(1), group=dm.group("model"))
     except RuntimeError as err:
-        return time.monotonic() - start, str(err)[:200]
+        return str(err)
+    finally:
+        dist.barrier()
     raise AssertionError("the all_reduce should have timed out")
 
 
 def test_mesh_groups_use_the_managers_timeout(ranks):
-    result = ranks.run(2, _collective_times_out, timeout=60)[0]
-    elapsed, message = result
-    assert 1.5 < elapsed < 20, f"expected a ~2 s timeout, got {elapsed:.1f} s ({message})"
+    """The model group gives up after the manager's 2 s, as gloo's own message says; with gloo's default
+    (30 minutes) rank 0 would still be waiting when the pool's 60 s run out (a RankTimeout)."""
+    message = ranks.run(2, _collective_times_out, timeout=60)[0]
+    assert "Timed out waiting 2000ms" in message, message
 
 
 def _log_lines():

@@ -1,16 +1,18 @@
-"""Bad plans raise a clear error on every rank, within seconds, before any collective.
+"""Bad plans raise a clear error on every rank, before any collective.
 
 "Before any collective" is tested directly: each local check also runs on rank 0 ALONE
-(the other ranks never call parallelize); a check behind a collective would hang there.
+(the other ranks never call parallelize); a check behind a collective would wait there for
+ranks that never come, and the rank pool's timeout would fail the test naming where it waited.
 """
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesh3d import Plan
+from profiles import examples
 
 
 def _cases():
@@ -46,7 +48,6 @@ def _cases():
 
 
 def _expect(fn, exc, fragments):
-    start = time.monotonic()
     try:
         fn()
     except exc as err:
@@ -55,7 +56,7 @@ def _expect(fn, exc, fragments):
         raise AssertionError("no error raised")
     missing = [f for f in fragments if f not in message]
     assert not missing, f"message lacks {missing}: {message}"
-    return message, time.monotonic() - start
+    return message
 
 
 def _validation_body():
@@ -84,17 +85,18 @@ def _validation_body():
                                ["already parallelized"])
     names_after = [n for n, _ in model.named_parameters()]
     assert names_after == [n for n, _ in pm.Transformer().named_parameters()]
-    return {k: (m, round(t, 3)) for k, (m, t) in results.items()}
+    return results
 
 
-def test_every_validation_error_on_every_rank_within_seconds(ranks):
+def test_every_validation_error_on_every_rank_before_any_collective(ranks):
+    # NOTE: the timeout only bounds a hang (rank 0 alone stuck in a collective); it is no speed limit.
     results = ranks.run(8, _validation_body, timeout=120)
     for rank, per_rank in enumerate(results):
-        for name, (message, seconds) in per_rank.items():
-            assert seconds < 5, (rank, name, seconds)
+        for name, message in per_rank.items():
             if not name.endswith("/alone") and name != "differs":
-                assert message == results[0][name][0], (rank, name)
-    assert all(k + "/alone" in results[0] for k in _case_names())
+                assert message == results[0][name], (rank, name)
+    # Rank 0 alone got each local check's error, the same one as with every rank taking part.
+    assert all(results[0][k + "/alone"] == results[0][k] for k in _case_names())
 
 
 def _case_names():
@@ -116,11 +118,7 @@ def test_plan_rejects_bad_fields(kwargs, fragment):
     assert fragment in str(info.value)
 
 
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(out=st.integers(1, 48), inp=st.integers(1, 48), model=st.sampled_from([1, 2, 3, 4, 6, 8]),
        style=st.sampled_from(["colwise", "rowwise"]), embedding=st.booleans())
 def test_divisibility_check_is_exact(out, inp, model, style, embedding):

@@ -3,6 +3,6 @@
 See tests/README.md for how to write a multi-rank test.
 """
 
-from rankpool.pool import DEFAULT_TIMEOUT_S, RankFailure, RankPool, RankTimeout
+from rankpool.pool import DEFAULT_TIMEOUT_S, RankFailure, RankPool, RankTimeout, forkserver_context
 
-__all__ = ["DEFAULT_TIMEOUT_S", "RankFailure", "RankPool", "RankTimeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "RankFailure", "RankPool", "RankTimeout", "forkserver_context"]

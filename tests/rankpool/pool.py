@@ -28,7 +28,7 @@ from typing import Any
 
 from rankpool.worker import DUMP_SIGNAL, worker_main
 
-__all__ = ["RankPool", "RankFailure", "RankTimeout", "DEFAULT_TIMEOUT_S"]
+__all__ = ["RankPool", "RankFailure", "RankTimeout", "DEFAULT_TIMEOUT_S", "forkserver_context"]
 
 #: Default seconds a body may take on all ranks before it counts as hung.
 DEFAULT_TIMEOUT_S = 120.0
@@ -39,12 +39,17 @@ _LOG_TAIL_CHARS = 6000
 _context: Any = None
 
 
-def _forkserver_context() -> Any:
-    """One forkserver for the session, with torch (and mesh3d) imported before any fork."""
+def forkserver_context() -> Any:
+    """One forkserver for the session, with torch (and mesh3d) imported before any fork.
+
+    Its children are forks of that single-threaded server, never of the (threaded) pytest process.
+    """
     global _context
     if _context is None:
         _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(["torch", "torch.distributed", "mesh3d", "rankpool.worker"])
+        # NOTE: torch._dynamo is what a process's first optimizer step imports (~1.5 s): preloaded once here,
+        # not again in every rank (pools restart after each failing body) and every checkpoint crash child.
+        _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "mesh3d", "rankpool.worker"])
     return _context
 
 
@@ -79,7 +84,7 @@ class RankPool:
     def _start(self) -> None:
         import torch.distributed as dist
 
-        ctx = _forkserver_context()
+        ctx = forkserver_context()
         store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                               timeout=timedelta(seconds=60))
         # Held for the pool's life: every new_group (each mesh a test builds) rendezvouses through it.

@@ -29,15 +29,12 @@ def _redirect_output(log_path: str) -> Any:
     return log
 
 
-def _reset_process_state() -> None:
-    """Undo what a test body may have left behind, so the next body starts clean."""
-    import torch
+def _check_default_group(world_size: int) -> None:
+    """The pool's own group must outlive every body (a body that destroyed it would break the next test)."""
+    import torch.distributed as dist
 
-    if "mesh3d" in sys.modules:
-        from mesh3d.manager import DistributedManager
-
-        DistributedManager.shutdown()
-    torch.set_default_dtype(torch.float32)
+    if not dist.is_initialized() or dist.get_world_size() != world_size:
+        raise RuntimeError("the test body destroyed or replaced the pool's default process group")
 
 
 def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path: str, pg_timeout_s: float) -> None:
@@ -46,6 +43,8 @@ def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path
     import torch
     import torch.distributed as dist
 
+    from rankpool.state import ProcessState
+
     # Several ranks share two cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -53,6 +52,10 @@ def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout_s)
     )
+    # NOTE: captured once the rank is set up, restored after every body: no body sees what an earlier one left
+    # (rankpool/state.py lists what that covers), so the suite passes in any order.
+    clean = ProcessState.capture(whole_process=True)
+    clean.restore()
     conn.send(("ready", rank))
     while True:
         message = conn.recv()
@@ -66,9 +69,11 @@ def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path
         except BaseException:  # noqa: BLE001 - every failure is reported to the parent
             reply = ("error", task_id, traceback.format_exc())
         try:
-            _reset_process_state()
+            clean.restore()
+            _check_default_group(world_size)
         except BaseException:  # noqa: BLE001
-            reply = ("error", task_id, "cleanup after the test body failed:\n" + traceback.format_exc())
+            earlier = reply[2] + "\n" if reply[0] == "error" else ""
+            reply = ("error", task_id, earlier + "cleanup after the test body failed:\n" + traceback.format_exc())
         try:
             conn.send(reply)
         except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
