@@ -1,13 +1,13 @@
-"""Attention on a domain-sharded sequence: global SDPA (keys/values gathered) and windowed attention.
+"""Attention on a domain-sharded sequence: global SDPA (ring, gather or ulysses) and windowed attention.
 
 Usage::
 
     out = F.scaled_dot_product_attention(qs, ks, vs)   # q, k, v sharded along the sequence dim (-2)
 
-Each rank keeps its queries and gathers every key/value row (point-to-point, differentiable: the
-backward sends each rank's key/value gradients to their owners, which add them). ``is_causal``
-uses global positions. ``neighbourhood_attention`` attends within a window of +-radius tokens via a
-halo of exactly ``radius`` rows from the neighbours.
+SDPA runs in the mode ``domain.attention_mode`` picks (``mesh3d.domain.attention_modes``: a ring of K/V
+blocks by default on long sequences, all keys gathered on short ones); masks, windows and ``is_causal`` use
+global positions. ``neighbourhood_attention`` attends within a window of +-radius tokens via a halo of
+exactly ``radius`` rows from the neighbours.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.dispatch import block_needs, run_step
+from mesh3d.domain.attention_modes import sharded_attention
+from mesh3d.domain.dispatch import run_step
 from mesh3d.domain.registry import register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
@@ -50,27 +51,9 @@ def _split_kv(gathered: tuple, width: int | None):
 
 
 @register(F.scaled_dot_product_attention)
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Step:
-    _check(query, key, value)
-    if attn_mask is not None or dropout_p:
-        raise NotImplementedError("scaled_dot_product_attention on domain tensors: attn_mask and dropout_p are "
-                                  "not supported (use is_causal for causal masks)")
-    n = sum(key.spec.sizes)
-    everything = tuple((Span.rows(0, n),) for _ in key.spec.sizes)
-    if key.spec.comm.size == 1:
-        everything = block_needs(key.spec.sizes)
-    kv, width = _kv_rows(key, value, everything)
-    offset = query.offset
-
-    def compute(q, *gathered):
-        k_all, v_all = _split_kv(gathered, width)
-        mask = None
-        if is_causal:
-            rows = torch.arange(offset, offset + q.shape[-2], device=q.device)[:, None]
-            mask = rows >= torch.arange(n, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-
-    return Step(compute, (query, *kv), out=query.spec)
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention_modes.py)
+    return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, radius: int) -> DomainTensor:
