@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -152,3 +153,87 @@ def test_ring_on_a_token_grid_equals_one_process(ranks, data):
     for rank_results in results:
         for c, (err, _) in zip(cases, rank_results):
             assert err < TOL, (c, err)
+
+
+def _traffic_body(sizes, groups):
+    """Bytes and messages of one ring forward and backward, and the most K/V bytes held in transit at once."""
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.ring import RING_STATS
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    q, k, v = (domain.shard(torch.randn(2, 4, sum(sizes), 3, dtype=torch.float64, requires_grad=True), dim=2,
+                            sizes=sizes) for _ in range(3))
+    RING_STATS.reset()
+    with domain.attention_mode("ring", head_groups=groups), domain.count_traffic() as fwd:
+        out = domain.attention(q, k, v)
+    forward = (fwd.bytes_sent, fwd.messages, RING_STATS.max_in_flight_bytes)
+    loss = out.full_tensor().sum()
+    with domain.count_traffic() as bwd:
+        loss.backward()
+    return forward, bwd.bytes_sent, RING_STATS.max_grad_in_flight_bytes
+
+
+def test_ring_sends_each_block_once_around_and_holds_two_blocks(ranks):
+    """At D=4, rank r sends the blocks of ranks r, r-1, r-2 on (one message per head group each), never holds more
+    than two blocks of a head group, and its backward sends them again plus their gradients home (D hops)."""
+    sizes, groups = (5, 0, 7, 3), 2
+    per_row = 2 * 2 * 3 * 8  # batch x (key + value) x head size x 8 bytes, per head
+    for r, (forward, backward, grad_in_flight) in enumerate(ranks.run(4, _traffic_body, sizes, groups)):
+        blocks = [sizes[(r - t) % 4] for t in range(3)]
+        assert forward[0] == sum(blocks) * per_row * 4  # all 4 heads, in 2 groups
+        assert forward[1] == groups * sum(1 for b in blocks if b)
+        held = max(sizes[(r - t) % 4] + sizes[(r - t - 1) % 4] for t in range(3))
+        assert forward[2] <= held * per_row * 2  # two blocks of one group (2 heads)
+        home = sum(sizes[(r - t) % 4] for t in range(4))
+        assert backward == forward[0] + home * per_row * 4  # K/V again, plus every block's dK/dV one hop per step
+        assert grad_in_flight <= 2 * max(sizes) * per_row * 2
+
+
+def _refusals_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=2)
+    x = torch.randn(2, 4, 10, 3, dtype=torch.float64)
+    q = domain.shard(x, dim=2)
+    three = domain.shard(torch.randn(2, 3, 10, 3, dtype=torch.float64), dim=2)
+    two = domain.shard(torch.randn(2, 2, 10, 3, dtype=torch.float64), dim=2)
+    mask = torch.ones(10, 10, dtype=torch.bool)
+    attempts = {
+        "dropout": lambda: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1),
+        "mask_and_causal": lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=mask, is_causal=True),
+        "ulysses_heads": lambda: domain.attention(three, three, three, mode="ulysses"),
+        "mask_shape": lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.ones(10, 7, dtype=torch.bool)),
+        "mask_dtype": lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(10, 10)),
+        "window": lambda: domain.attention(q, q, q, window=(-1, 0)),
+        "causal_window": lambda: domain.attention(q, q, q, is_causal=True, window=(2, 3)),
+        "plain_key": lambda: F.scaled_dot_product_attention(q, x, q),
+        "gqa_heads": lambda: F.scaled_dot_product_attention(three, two, two, enable_gqa=True),
+        "heads_without_gqa": lambda: F.scaled_dot_product_attention(q, two, two),
+        "mode": lambda: domain.attention(q, q, q, mode="flash"),
+        "kernel": lambda: domain.attention_mode("ring", kernel="cudnn").__enter__(),
+        "sharded_mask_ulysses": lambda: domain.attention(q, q, q, attn_mask=domain.shard(torch.ones(1, 1, 10, 10,
+                                                         dtype=torch.bool), dim=2), mode="ulysses"),
+    }
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+            messages[name] = None
+        except (NotImplementedError, ValueError) as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+    return messages
+
+
+def test_refusals_raise_clearly_on_every_rank(ranks):
+    results = ranks.run(2, _refusals_body, timeout=60)
+    assert results[0] == results[1]
+    m = results[0]
+    assert not [k for k, v in m.items() if v is None], m
+    assert "NotImplementedError" in m["dropout"] and "dropout_p=0" in m["dropout"]
+    assert "not both" in m["mask_and_causal"]
+    assert "divide by 2" in m["ulysses_heads"] and "'ring'" in m["ulysses_heads"]
+    assert "(..., 10, 10)" in m["mask_shape"] and "torch.float32" in m["mask_dtype"]
+    assert "non-negative" in m["window"] and "is_causal=True" in m["causal_window"]
+    assert "plain tensor" in m["plain_key"] and "multiple" in m["gqa_heads"] and "enable_gqa" in m["heads_without_gqa"]
+    assert "'flash' is not one of" in m["mode"] and "'cudnn'" in m["kernel"]
+    assert "ulysses" in m["sharded_mask_ulysses"] and "'ring' or 'gather'" in m["sharded_mask_ulysses"]
