@@ -98,42 +98,43 @@ def gather_attention(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
     return _attend(call, q, k_all, v_all, mask, call.q_layout[comm.index], _all_rows(call.kv_layout), local)
 
 
+def _part(t: torch.Tensor, counts: tuple[int, ...], p: int, size: int, to_heads: bool) -> torch.Tensor:
+    """What goes to rank ``p``: its head chunk of my rows (``to_heads``), or its rows of my head chunk (a view)."""
+    if to_heads:
+        h = t.shape[1] // size
+        return t[:, p * h:(p + 1) * h]
+    return t[:, :, offsets_of(counts)[p]:offsets_of(counts)[p] + counts[p]]
+
+
 def _swap(comm: DomainComm, tensors: list[torch.Tensor], rows: list[tuple[int, ...]], to_heads: bool):
     """Rows -> heads (``to_heads``: (B, H, rows_me, E) becomes (B, H/D, all rows, E)) or back, for several
-    tensors in one exchange; ``rows[i]``: every rank's rows of tensor i."""
+    tensors in one exchange; ``rows[i]``: every rank's rows of tensor i. Each result is filled in place from
+    the messages (and this rank's own part), so only the messages are extra."""
     size, me = comm.size, comm.index
-    out_parts: dict[int, list[torch.Tensor]] = {}
-    outgoing, incoming, shapes = [], [], []
-    for p in range(size):
-        pieces, shape_p = [], []
-        for t, counts in zip(tensors, rows):
-            b, h, _, e = t.shape
-            if to_heads:
-                hp = h // size
-                pieces.append(t[:, p * hp:(p + 1) * hp].reshape(-1))
-                shape_p.append((b, hp, counts[p], e))
-            else:
-                off = offsets_of(counts)[p]
-                pieces.append(t[:, :, off:off + counts[p]].reshape(-1))
-                shape_p.append((b, h, counts[me], e))
-        flat = torch.cat(pieces) if pieces else tensors[0].new_zeros(0)
-        shapes.append(shape_p)
-        if p == me:
-            out_parts[p] = [flat]
+    shapes = []  # per tensor: the result's shape, and per peer the shape of the part it sends me
+    for t, counts in zip(tensors, rows):
+        b, h, _, e = t.shape
+        if to_heads:
+            shapes.append(((b, h // size, sum(counts), e), [(b, h // size, counts[p], e) for p in range(size)]))
         else:
-            outgoing.append((p, flat))
-            incoming.append((p, flat.new_empty(sum(int(torch.Size(s).numel()) for s in shape_p))))
+            shapes.append(((b, h * size, counts[me], e), [(b, h, counts[me], e)] * size))
+    outgoing, incoming = [], []
+    for p in range(size):
+        if p != me:
+            outgoing.append((p, torch.cat([_part(t, c, p, size, to_heads).reshape(-1) for t, c in zip(tensors, rows)])))
+            numel = sum(torch.Size(parts[p]).numel() for _, parts in shapes)
+            incoming.append((p, tensors[0].new_empty(numel)))
     start_exchange(comm, outgoing, incoming, exchange_point(comm)).wait()
-    for p, buf in incoming:
-        out_parts[p] = [buf]
-    results = []
-    for i in range(len(tensors)):
-        parts = []
-        for p in range(size):
-            flat = out_parts[p][0]
-            at = sum(int(torch.Size(s).numel()) for s in shapes[p][:i])
-            parts.append(flat[at:at + int(torch.Size(shapes[p][i]).numel())].view(shapes[p][i]))
-        results.append(torch.cat(parts, 2 if to_heads else 1))
+    del outgoing
+    received = dict(incoming)
+    results = [tensors[0].new_empty(shape) for shape, _ in shapes]
+    for p in range(size):
+        at = 0
+        for i, ((_, parts), t, counts) in enumerate(zip(shapes, tensors, rows)):
+            n = torch.Size(parts[p]).numel()
+            part = _part(t, counts, me, size, to_heads) if p == me else received[p][at:at + n].view(parts[p])
+            at += n
+            _part(results[i], rows[i], p, size, not to_heads).copy_(part)
     return results
 
 

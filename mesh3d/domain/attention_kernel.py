@@ -163,5 +163,5 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, 
     new = torch.logaddexp(lse_acc, lse)
     safe = new.masked_fill(new == float("-inf"), 0.0)  # rows no block has seen yet: both weights 0
     out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1).to(out_acc.dtype))
-    out_acc.add_(out * torch.exp(lse - safe).unsqueeze(-1).to(out.dtype))
+    out_acc.add_(out.to(out_acc.dtype) * torch.exp(lse.to(safe.dtype) - safe).unsqueeze(-1).to(out_acc.dtype))
     lse_acc.copy_(new)

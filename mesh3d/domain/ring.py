@@ -99,8 +99,9 @@ def _mask_heads(mask: torch.Tensor | None, heads: slice, q_heads: int) -> torch.
 
 
 class _Pass:
-    """Blocks going round the ring: ``start(block, rows_next)`` posts the send on and the receive of the next
-    block (the first exchange of a ring checks the peers' headers), ``finish()`` waits and returns it."""
+    """Blocks going round the ring: ``start(block, rows)`` posts the send of ``block`` to the next rank and the
+    receive of the previous rank's (``rows`` long) and returns its buffer; ``finish()`` waits for both. The first
+    exchange of a pass checks the peers' headers (divergence detection); waits are bounded by the group timeout."""
 
     def __init__(self, comm: DomainComm) -> None:
         self.comm = comm
@@ -148,6 +149,15 @@ def _blocks(plan: RingPlan, src: int, mask: torch.Tensor | None, device):
                 yield p, slice(at + p.q0, at + p.q1), slice(p.k0, p.k1), m, (qseg, kseg, at)
 
 
+def _block_forward(plan: RingPlan, src: int, block: torch.Tensor, width: int, qg, mg, og, lg) -> None:
+    """Fold the block of rank ``src`` into this rank's output (``og``/``lg``: views of one head group)."""
+    for p, rows, cols, m, _ in _blocks(plan, src, mg, qg.device):
+        RING_STATS.work += piece_work(p) * qg.shape[0] * qg.shape[1]
+        o, lz = block_forward(qg[:, :, rows], block[:, :, cols, :width], block[:, :, cols, width:], m,
+                              p.causal, plan.scale, plan.math)
+        merge_into(og[:, :, rows], lg[:, :, rows], o, lz)
+
+
 def _forward(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
     acc = accumulation_dtype(q.dtype)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)
@@ -160,11 +170,7 @@ def _forward(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             incoming = ring.start(block, plan.keys[(me - t - 1) % size].rows) if t < size - 1 else None
             RING_STATS.max_in_flight_bytes = max(RING_STATS.max_in_flight_bytes,
                                                  _nbytes(block, *(() if incoming is None else (incoming,))))
-            for p, rows, cols, m, _ in _blocks(plan, src, mg, q.device):
-                RING_STATS.work += piece_work(p) * qg.shape[0] * qg.shape[1]
-                o, lz = block_forward(qg[:, :, rows], block[:, :, cols, :width], block[:, :, cols, width:], m,
-                                      p.causal, plan.scale, plan.math)
-                merge_into(og[:, :, rows], lg[:, :, rows], o, lz)
+            _block_forward(plan, src, block, width, qg, mg, og, lg)
             ring.finish()
             if incoming is not None:
                 block, src = incoming, (me - t - 1) % size
@@ -198,6 +204,21 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, heads: slice, q_heads:
         target.index_add_(r_dim, qseg.index(g.device)[piece.q0:piece.q1], g)
 
 
+def _block_backward(plan: RingPlan, src: int, block, grads, width: int, want_dmask: bool, dmask, heads: slice,
+                    q_heads: int, qg, dog, og, lg, mg, dqg) -> None:
+    """Add the block of rank ``src``'s share of dQ (into ``dqg``), of its dK/dV (into ``grads``, which travels with
+    it) and of the mask's gradient. NOTE: a function, so each piece's gradients are freed before the next exchange."""
+    for p, rows, cols, m, segs in _blocks(plan, src, mg, qg.device):
+        gq, gk, gv, ds = block_backward(dog[:, :, rows], qg[:, :, rows], block[:, :, cols, :width],
+                                        block[:, :, cols, width:], og[:, :, rows], lg[:, :, rows], m,
+                                        p.causal, plan.scale, want_dmask, plan.math)
+        dqg[:, :, rows] += gq
+        grads[:, :, cols, :width] += gk
+        grads[:, :, cols, width:] += gv
+        if dmask is not None:
+            _add_mask_grad(dmask, ds, heads, q_heads, p, segs, plan.mask_rows == "local")
+
+
 def _backward(plan: RingPlan, dout, q, k, v, mask, out, lse, want_dmask: bool):
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -205,30 +226,22 @@ def _backward(plan: RingPlan, dout, q, k, v, mask, out, lse, want_dmask: bool):
     dmask = torch.zeros(mask.shape, dtype=mask.dtype, device=mask.device) if want_dmask else None
     width, size, me = k.shape[-1], plan.comm.size, plan.comm.index
     for kv_heads, q_heads in _head_groups(plan.head_groups, k.shape[1], q.shape[1]):
-        qg, dog, og, lg = q[:, q_heads], dout[:, q_heads], out[:, q_heads], lse[:, q_heads]
-        mg, dqg = _mask_heads(mask, q_heads, q.shape[1]), dq[:, q_heads]
+        views = (q[:, q_heads], dout[:, q_heads], out[:, q_heads], lse[:, q_heads],
+                 _mask_heads(mask, q_heads, q.shape[1]), dq[:, q_heads])
         block, src = torch.cat((k[:, kv_heads], v[:, kv_heads]), -1), me
         grads = torch.zeros(block.shape, dtype=acc, device=block.device)  # travels with the block
         ring, home = _Pass(plan.comm), _Pass(plan.comm)
         for t in range(size):
             incoming = ring.start(block, plan.keys[(me - t - 1) % size].rows) if t < size - 1 else None
-            for p, rows, cols, m, segs in _blocks(plan, src, mg, q.device):
-                gq, gk, gv, ds = block_backward(dog[:, :, rows], qg[:, :, rows], block[:, :, cols, :width],
-                                                block[:, :, cols, width:], og[:, :, rows], lg[:, :, rows], m,
-                                                p.causal, plan.scale, want_dmask, plan.math)
-                dqg[:, :, rows] += gq
-                grads[:, :, cols, :width] += gk
-                grads[:, :, cols, width:] += gv
-                if dmask is not None:
-                    _add_mask_grad(dmask, ds, q_heads, q.shape[1], p, segs, plan.mask_rows == "local")
+            _block_backward(plan, src, block, grads, width, want_dmask, dmask, q_heads, q.shape[1], *views)
             ring.finish()
+            if incoming is not None:  # the block was sent on: let it go before its gradients travel
+                block, src = incoming, (me - t - 1) % size
             if size > 1:  # the accumulator follows its block; after the last step it goes home (to me + 1)
                 arriving = home.start(grads, plan.keys[(me - t - 1) % size].rows)
                 RING_STATS.max_grad_in_flight_bytes = max(RING_STATS.max_grad_in_flight_bytes, _nbytes(grads, arriving))
                 home.finish()
                 grads = arriving
-            if incoming is not None:
-                block, src = incoming, (me - t - 1) % size
         dk[:, kv_heads], dv[:, kv_heads] = grads[..., :width], grads[..., width:]
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 
