@@ -110,11 +110,12 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 class DecoderAttention(nn.Module):
     """Causal self-attention written as Hugging Face writes it: q/k/v/o projections, (B, T, heads, hd) views
-    transposed to heads, rotary embeddings (Llama) when given, grouped K/V heads (``enable_gqa``)."""
+    transposed to heads, rotary embeddings (Llama) when given, grouped K/V heads (``enable_gqa``), and a causal
+    sliding ``window`` (Mistral) through ``domain.attention``, which also runs on plain tensors."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, window: int | None = None) -> None:
         super().__init__()
-        self.hd, self.kv_heads = dim // heads, kv_heads
+        self.hd, self.kv_heads, self.window = dim // heads, kv_heads, window
         self.q_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.k_proj, self.v_proj = nn.Linear(dim, kv_heads * self.hd), nn.Linear(dim, kv_heads * self.hd)
 
@@ -124,16 +125,21 @@ class DecoderAttention(nn.Module):
         if rope is not None:
             cos, sin = rope
             q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
-        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                             enable_gqa=k.shape[1] != q.shape[1])
+        if self.window is None:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                 enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            from mesh3d.domain import attention
+
+            y = attention(q, k, v, is_causal=True, window=(self.window, 0), enable_gqa=k.shape[1] != q.shape[1])
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class DecoderBlock(nn.Module):
-    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, window: int | None = None) -> None:
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
-        self.attn = DecoderAttention(dim, heads, kv_heads)
+        self.attn = DecoderAttention(dim, heads, kv_heads, window)
         self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
 
     def forward(self, x, rope=None):
@@ -143,18 +149,19 @@ class DecoderBlock(nn.Module):
 
 class TinyDecoder(nn.Module):
     """A small decoder-only LM in the style of GPT-2 (learned positions) or Llama (``rotary=True``, grouped K/V
-    heads): embeddings, pre-norm blocks with causal SDPA, a final norm and an LM head. Runs unchanged in one
+    heads; ``window``: a causal sliding window, as Mistral): embeddings, pre-norm blocks with causal SDPA, a final
+    norm and an LM head. Runs unchanged in one
     process and on a sequence sharded over the domain (``domain.shard(ids, dim=1)``)."""
 
     def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 4, kv_heads: int | None = None, layers: int = 2,
-                 rotary: bool = False, max_len: int = 64) -> None:
+                 rotary: bool = False, max_len: int = 64, window: int | None = None) -> None:
         super().__init__()
         self.rotary, self.hd = rotary, dim // heads
         self.tok = nn.Embedding(vocab, dim)
         self.wpe = None if rotary else nn.Embedding(max_len, dim)
         self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd),
                              persistent=False)
-        self.blocks = nn.ModuleList(DecoderBlock(dim, heads, kv_heads or heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(DecoderBlock(dim, heads, kv_heads or heads, window) for _ in range(layers))
         self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
 
     def forward(self, ids):

@@ -126,7 +126,7 @@ def _cases(data, world: int, layout: str, modes=("ring",)) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 @settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(data=st.data())

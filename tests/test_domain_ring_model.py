@@ -39,9 +39,9 @@ def _decoder_body(shape, cases, steps=3):
     dm = DistributedManager.initialize(*shape)
     nb, b = dm.axis_size("batch"), dm.axis_rank("batch")
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for i, (sizes, mode, rotary) in enumerate(cases):
+    for i, (sizes, mode, rotary, window) in enumerate(cases):
         torch.manual_seed(i)
-        ref = TinyDecoder(rotary=rotary, kv_heads=4 if rotary else None, heads=8, dim=32).double()
+        ref = TinyDecoder(rotary=rotary, kv_heads=4 if rotary else None, heads=8, dim=32, window=window).double()
         styles = {k: v for k, v in STYLES.items() if k != "wpe" or not rotary} if shape[2] > 1 else None
         model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles))
         opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
@@ -73,17 +73,19 @@ def _decoder_body(shape, cases, steps=3):
 
 
 MESHES = {
-    (2, 2, 2): [((8, 5), "ring", False), ((6, 7), "ulysses", False), ((9, 4), "ring", True)],
+    (2, 2, 2): [((8, 5), "ring", False, None), ((6, 7), "ulysses", False, None), ((9, 4), "ring", True, None),
+                ((7, 6), "ring", True, 3)],
     # NOTE: an empty domain shard is not run with a model axis: torch's ColwiseParallel fails on a 0-row input
     # (DTensor's view propagation divides by zero) outside any domain rule, so the domain peers are never told
     # and wait in their next exchange (see docs/limitations.md).
-    (2, 2, 1): [((13, 0), "ring", False), ((0, 11), "ring", True)],
+    (2, 2, 1): [((13, 0), "ring", False, None), ((0, 11), "ring", True, 2)],
 }
 
 
 @pytest.mark.parametrize("shape", list(MESHES), ids=lambda s: "x".join(map(str, s)))
 def test_decoder_with_ring_fsdp_and_tp_trains_like_one_process(ranks, shape):
-    """GPT-2-style and Llama-style (rotary, GQA) decoders, 3 SGD steps each: ring (zigzag-balanced), Ulysses."""
+    """GPT-2-style and Llama-style (rotary, GQA, a sliding window) decoders, 3 SGD steps each: ring (zigzag-balanced
+    when causal), Ulysses."""
     world = shape[0] * shape[1] * shape[2]
     for worst in ranks.run(world, _decoder_body, shape, MESHES[shape], timeout=240):
         assert max(worst.values()) < 1e-10, worst
