@@ -220,7 +220,8 @@ def _ratios(rows: list[dict], seq: int) -> dict:
 
 
 def _plot(path: Path, rows: list[dict], seq: int) -> None:
-    """Peak memory per rank and step time against D, per mode (no file without matplotlib)."""
+    """Peak memory per rank and compute time against D, per mode (no file without matplotlib). Compute, not wall
+    time: on a shared 2-core machine the wall time mostly measures the other processes."""
     try:
         import matplotlib
 
@@ -232,13 +233,13 @@ def _plot(path: Path, rows: list[dict], seq: int) -> None:
     for mode, marker in (("ring", "o-"), ("gather", "s--"), ("ulysses", "^:")):
         pts = [r for r in rows if r["phase"] == "modes" and (r["mode"] == mode or r["domain"] == 1)]
         mem.plot([r["domain"] for r in pts], [r["peak_growth_mb"] for r in pts], marker, label=mode)
-        time_ax.plot([r["domain"] for r in pts], [r["step_s"] for r in pts], marker, label=mode)
+        time_ax.plot([r["domain"] for r in pts], [r["cpu_s_max"] for r in pts], marker, label=mode)
     for mode, marker in (("ring", "o-"), ("gather", "s--")):
         pts = [r for r in rows if r["phase"] == "weak" and r["mode"] == mode]
         weak.plot([r["domain"] for r in pts], [r["peak_growth_mb"] for r in pts], marker, label=mode)
     mem.set_title(f"peak growth per rank, S={seq}")
     mem.set_ylabel("MB")
-    time_ax.set_title("forward+backward step")
+    time_ax.set_title("forward+backward: compute, slowest rank")
     time_ax.set_ylabel("s")
     weak.set_title(f"peak per rank, S = {seq // 4} x D")
     weak.set_ylabel("MB")

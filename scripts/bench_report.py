@@ -197,6 +197,7 @@ def _attention(lines: list[str]) -> None:
         lines.append(f"| {row['domain']} | {row['mode'] if row['domain'] > 1 else 'torch SDPA'} | "
                      f"{row['peak_growth_mb']:.0f} MB | {row['step_s']:.2f} s | {row['cpu_s_max']:.2f} s | {flight} |")
     weak = {(x["mode"], x["domain"]): x["peak_growth_mb"] for x in d["rows"] if x["phase"] == "weak"}
+    causal = {x["balance"]: x["peak_growth_mb"] for x in d["rows"] if x["phase"] == "causal"}
     lines += ["", f"Peak growth per rank at D=4 / D=1 (goal for the ring: <= 0.35): ring "
               f"{r['peak_ring_d4_over_d1']:.2f}, Ulysses {r['peak_ulysses_d4_over_d1']:.2f}, gather "
               f"{r['peak_gather_d4_over_d1']:.2f}. The ring's default head groups (8) against one group (all heads per "
@@ -210,7 +211,13 @@ def _attention(lines: list[str]) -> None:
               f"{r['causal_work_max_over_mean_contiguous']:.3f} on contiguous slabs (goal <= 1.05); compute of the "
               f"slowest rank, zigzag / contiguous {r['causal_cpu_max_zigzag_over_contiguous']:.2f} (max/mean "
               f"{r['causal_cpu_max_over_mean_zigzag']:.2f} against {r['causal_cpu_max_over_mean_contiguous']:.2f}); "
-              f"wall step, zigzag / contiguous {r['causal_step_zigzag_over_contiguous']:.2f}.", "",
+              f"wall step, zigzag / contiguous {r['causal_step_zigzag_over_contiguous']:.2f} (4 ranks on 2 cores: the "
+              "total compute, not the slowest rank's, sets the wall time here). Peak growth per rank, zigzag / "
+              f"contiguous: {causal[True]:.0f} / {causal[False]:.0f} MB (the per-call relayout of q, k, v and the "
+              "output).", "",
+              "Wall times come from a machine shared with other work: the ring's exchange rounds (one or two per step "
+              "and head group) each wait for every rank to be scheduled, so its wall time moves most; the compute column does "
+              "not depend on that.", "",
               "Ring / gather at D=4 by sequence length (compute of the slowest rank; wall step): "
               + ", ".join(f"S={s}: {v:.2f}; {r['crossover_d4_step_ring_over_gather'][s]:.2f}"
                           for s, v in r["crossover_d4_cpu_ring_over_gather"].items()) + "."]
