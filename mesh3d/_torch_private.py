@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor, _redistribute
 __all__ = [
     "checkpoint_module",
     "clear_dtensor_caches",
+    "cpu_flash_attention",
+    "cpu_flash_attention_backward",
     "disable_torch_function_subclass",
     "flatten_mesh",
     "gloo_backend",
@@ -195,3 +197,29 @@ def post_barrier(backend: dist.ProcessGroup, timeout: timedelta) -> dist.Work:
     options = dist.BarrierOptions()
     options.timeout = timeout
     return backend.barrier(options)
+
+
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                        causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, logsumexp) of softmax attention on CPU, without materializing the scores.
+
+    Why private: ring attention merges partial results by their log-sum-exp, and the public
+    ``F.scaled_dot_product_attention`` does not return it. ``aten._scaled_dot_product_flash_attention_for_cpu``
+    is the fused kernel that public call dispatches to on CPU (fp32/fp64/bf16/fp16, GQA, an additive mask
+    of 2 or 4 dims, causal masking aligned top-left). NOTE: it crashes on an empty query or key (callers
+    skip those) and returns logsumexp 0 for a row whose keys are all masked (callers set -inf there).
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                       scale=scale)
+
+
+def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`cpu_flash_attention`, given the output and logsumexp to differentiate against.
+
+    Why private: the ring's backward runs the kernel's backward per block against the *merged* (global)
+    output and logsumexp, which autograd of the public call cannot do.
+    """
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every benchmark, each against the best alternative measured in the same run; JSON + PNG plots
-# land in docs/benchmarks/ (see docs/benchmarks.md). About 10 minutes on a 2-core CPU box.
+# land in docs/benchmarks/ (see docs/benchmarks.md). About 20 minutes on a 2-core CPU box.
 #   scripts/bench_all.sh
 #   QUICK=1 scripts/bench_all.sh      # smaller sizes, ~3 minutes (a smoke run; do not publish its figures)
 set -euo pipefail
@@ -10,9 +10,9 @@ cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "${QUICK:-0}" = 1 ]; then
   p=(--rounds 5 --warmup 1); d=(--size 256 --domains 1 2 4); c=(--size-mb 256); l=(--rounds 1 --steps 5)
-  b=(--size 256 --steps 3 --rounds 1); h=(--sides 32 128 --iters 50)
+  b=(--size 256 --steps 3 --rounds 1); h=(--sides 32 128 --iters 50); a=(--seq 1024 --steps 1)
 else
-  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024); l=(); b=(); h=()
+  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024); l=(); b=(); h=(); a=()
 fi
 echo "== 1/5 parallelize vs hand-written fully_shard + parallelize_module (4 ranks)"
 "$PY" scripts/bench_parallelize.py --nproc 4 "${p[@]}"
@@ -23,6 +23,8 @@ echo "== 3/5 domain parallelism: halo bytes, time vs gathering the input, activa
 echo "== 3b/5 blocks vs slabs at D=4, and the halo exchange on blocks: one round vs one pass per grid dim"
 "$PY" scripts/bench_blocks.py "${b[@]}"
 "$PY" scripts/bench_halo_rounds.py "${h[@]}"
+echo "== 3c/5 attention over the domain: ring vs gather vs Ulysses at D = 1, 2, 4 (memory, time, causal balance)"
+"$PY" scripts/bench_attention.py "${a[@]}"
 echo "== 4/5 checkpoint: mesh3d vs torch.distributed.checkpoint vs raw safetensors"
 "$PY" scripts/bench_checkpoint.py "${c[@]}"
 echo "== 4b/5 load_pretrained vs DCP's HuggingFaceStorageReader (4 ranks, 256 MB)"

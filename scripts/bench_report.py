@@ -177,6 +177,55 @@ def _halo_rounds(lines: list[str]) -> None:
               "![halo rounds](benchmarks/halo_rounds.png)", ""]
 
 
+def _attention(lines: list[str]) -> None:
+    d = _load("attention.json")
+    if not d:
+        return
+    c, r = d["config"], d["ratios"]
+    load = c.get("load_average_1_5_15_min_at_end")
+    lines += ["## Attention over the domain: ring, gather, Ulysses", "",
+              f"`scripts/bench_attention.py`: one forward+backward of `F.scaled_dot_product_attention` on S={c['seq']} "
+              f"tokens, {c['heads']} heads of {c['head_dim']}, {c['dtype']}, q/k/v built on each rank for its own rows; "
+              f"D processes with one thread each on {c['cpu_count']} cores ({c.get('cpu', 'CPU not recorded')}); D=1 is "
+              "torch's SDPA in one process. Peak: RSS growth of the step (VmHWM), the worst rank. Step: median wall "
+              "time of the slowest rank; compute: its main thread's CPU time (what a core per rank would take)"
+              + (f"; load average {load[0]:.0f} on the machine at the end of the run" if load else "") + ".", "",
+              "| D | mode | peak growth per rank | step | compute (slowest rank) | K/V in flight |",
+              "|---|---|---|---|---|---|"]
+    for row in (x for x in d["rows"] if x["phase"] == "modes"):
+        flight = f"{row['in_flight_blocks']:.2f} blocks" if row.get("in_flight_blocks") else "-"
+        lines.append(f"| {row['domain']} | {row['mode'] if row['domain'] > 1 else 'torch SDPA'} | "
+                     f"{row['peak_growth_mb']:.0f} MB | {row['step_s']:.2f} s | {row['cpu_s_max']:.2f} s | {flight} |")
+    weak = {(x["mode"], x["domain"]): x["peak_growth_mb"] for x in d["rows"] if x["phase"] == "weak"}
+    causal = {x["balance"]: x["peak_growth_mb"] for x in d["rows"] if x["phase"] == "causal"}
+    lines += ["", f"Peak growth per rank at D=4 / D=1 (goal for the ring: <= 0.35): ring "
+              f"{r['peak_ring_d4_over_d1']:.2f}, Ulysses {r['peak_ulysses_d4_over_d1']:.2f}, gather "
+              f"{r['peak_gather_d4_over_d1']:.2f}. The ring's default head groups (8) against one group (all heads per "
+              f"block): {1 / r['ring_head_groups_1_peak_over_default_d4']:.2f}x the peak. K/V held in transit by the "
+              f"ring: at most {r['ring_in_flight_blocks_max']:.2f} blocks (this rank's keys and values of a head group).",
+              "", f"S and D doubling together (S = {c['seq'] // 4} x D), peak growth per rank at D = 1, 2, 4: ring "
+              + ", ".join(f"{weak[('ring', k)]:.0f}" for k in (1, 2, 4)) + " MB; gather "
+              + ", ".join(f"{weak[('gather', k)]:.0f}" for k in (1, 2, 4)) + " MB.", "",
+              f"Causal (`is_causal`, D=4): (query, key) pairs per rank, max / mean: "
+              f"{r['causal_work_max_over_mean_zigzag']:.3f} in the zigzag layout against "
+              f"{r['causal_work_max_over_mean_contiguous']:.3f} on contiguous slabs (goal <= 1.05); compute of the "
+              f"slowest rank, zigzag / contiguous {r['causal_cpu_max_zigzag_over_contiguous']:.2f} (max/mean "
+              f"{r['causal_cpu_max_over_mean_zigzag']:.2f} against {r['causal_cpu_max_over_mean_contiguous']:.2f}); "
+              f"wall step, zigzag / contiguous {r['causal_step_zigzag_over_contiguous']:.2f} (4 ranks on 2 cores: the "
+              "total compute, not the slowest rank's, sets the wall time here). Peak growth per rank, zigzag / "
+              f"contiguous: {causal[True]:.0f} / {causal[False]:.0f} MB (the per-call relayout of q, k, v and the "
+              "output).", "",
+              "Wall times come from a machine shared with other work: the ring's exchange rounds (one or two per step "
+              "and head group) each wait for every rank to be scheduled, so its wall time moves most; the compute column does "
+              "not depend on that.", "",
+              "Ring / gather at D=4 by sequence length (compute of the slowest rank; wall step): "
+              + ", ".join(f"S={s}: {v:.2f}; {r['crossover_d4_step_ring_over_gather'][s]:.2f}"
+                          for s, v in r["crossover_d4_cpu_ring_over_gather"].items()) + "."]
+    if (BENCH / "attention.png").exists():
+        lines += ["", "![attention](benchmarks/attention.png)"]
+    lines.append("")
+
+
 def _checkpoint(lines: list[str]) -> None:
     d = _load("checkpoint.json")
     if not d:
@@ -351,6 +400,7 @@ def main() -> None:
     _parallelize(lines)
     _domain(lines)
     _blocks(lines)
+    _attention(lines)
     _checkpoint(lines)
     _pretrained(lines)
     _checkpoint_async(lines)

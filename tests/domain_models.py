@@ -88,3 +88,92 @@ class GridViT(nn.Module):
         g = g + neighbourhood_attention(q, k, v, radius=1, grid=grid).transpose(1, 2).reshape(b, -1, c)
         g = g + self.mlp(g)
         return self.decode(g.transpose(1, 2).reshape(b, c, *grid)), self.head(cls + g.mean(dim=1))
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    """Global positions of the sequence dim (dim 1): ``domain.positions`` on a domain tensor.
+
+    NOTE: Hugging Face decoders build ``torch.arange(seq_len)`` from ``ids.shape[1]``; on a domain tensor that is
+    the local length (positions would restart at 0 on every rank) until domain tensors answer with global sizes.
+    """
+    from mesh3d.domain import DomainTensor, positions
+
+    if isinstance(ids, DomainTensor):
+        return positions(ids, dim=1)
+    return torch.arange(ids.shape[1], device=ids.device)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class DecoderAttention(nn.Module):
+    """Causal self-attention written as Hugging Face writes it: q/k/v/o projections, (B, T, heads, hd) views
+    transposed to heads, rotary embeddings (Llama) when given, grouped K/V heads (``enable_gqa``), and a causal
+    sliding ``window`` (Mistral) through ``domain.attention``, which also runs on plain tensors."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, window: int | None = None) -> None:
+        super().__init__()
+        self.hd, self.kv_heads, self.window = dim // heads, kv_heads, window
+        self.q_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.k_proj, self.v_proj = nn.Linear(dim, kv_heads * self.hd), nn.Linear(dim, kv_heads * self.hd)
+
+    def forward(self, x, rope=None):
+        b, t = x.shape[:2]
+        q, k, v = (p(x).view(b, t, -1, self.hd).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        if rope is not None:
+            cos, sin = rope
+            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if self.window is None:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                                 enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            from mesh3d.domain import attention
+
+            y = attention(q, k, v, is_causal=True, window=(self.window, 0), enable_gqa=k.shape[1] != q.shape[1])
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class DecoderBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, kv_heads: int, window: int | None = None) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.attn = DecoderAttention(dim, heads, kv_heads, window)
+        self.up, self.down = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+
+    def forward(self, x, rope=None):
+        x = x + self.attn(self.ln1(x), rope)
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+class TinyDecoder(nn.Module):
+    """A small decoder-only LM in the style of GPT-2 (learned positions) or Llama (``rotary=True``, grouped K/V
+    heads; ``window``: a causal sliding window, as Mistral): embeddings, pre-norm blocks with causal SDPA, a final
+    norm and an LM head. Runs unchanged in one
+    process and on a sequence sharded over the domain (``domain.shard(ids, dim=1)``)."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16, heads: int = 4, kv_heads: int | None = None, layers: int = 2,
+                 rotary: bool = False, max_len: int = 64, window: int | None = None) -> None:
+        super().__init__()
+        self.rotary, self.hd = rotary, dim // heads
+        self.tok = nn.Embedding(vocab, dim)
+        self.wpe = None if rotary else nn.Embedding(max_len, dim)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, self.hd, 2, dtype=torch.float64) / self.hd),
+                             persistent=False)
+        self.blocks = nn.ModuleList(DecoderBlock(dim, heads, kv_heads or heads, window) for _ in range(layers))
+        self.norm, self.head = nn.LayerNorm(dim), nn.Linear(dim, vocab)
+
+    def forward(self, ids):
+        pos = _positions(ids)
+        x = self.tok(ids)
+        rope = None
+        if self.wpe is not None:
+            x = x + self.wpe(pos)
+        else:
+            freqs = pos.to(self.inv_freq.dtype)[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd), broadcast over batch and heads
+            rope = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        for block in self.blocks:
+            x = block(x, rope)
+        return self.head(self.norm(x))

@@ -17,6 +17,7 @@ from mesh3d.manager import DistributedManager
 from mesh3d.domain.dispatch import dispatch
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import NOTICES, count_traffic
+from mesh3d.domain.attention_modes import attention, attention_mode
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.io import NpyArray, read
 from mesh3d.domain.overlap import window_overlap
@@ -39,6 +40,8 @@ __all__ = [
     "DomainTensor",
     "NpyArray",
     "aligned_sizes",
+    "attention",
+    "attention_mode",
     "balanced_sizes",
     "count_traffic",
     "domain_comm",

@@ -1,13 +1,13 @@
-"""Attention on a domain-sharded sequence: global SDPA (keys/values gathered) and windowed attention.
+"""Attention on a domain-sharded sequence: global SDPA (ring, gather or ulysses) and windowed attention.
 
 Usage::
 
     out = F.scaled_dot_product_attention(qs, ks, vs)   # q, k, v sharded along the sequence dim (-2)
 
-Each rank keeps its queries and gathers every key/value row (point-to-point, differentiable: the
-backward sends each rank's key/value gradients to their owners, which add them). ``is_causal``
-uses global positions. ``neighbourhood_attention`` attends within a window of +-radius tokens via a
-halo of exactly ``radius`` rows from the neighbours.
+SDPA runs in the mode ``domain.attention_mode`` picks (``mesh3d.domain.attention_modes``: a ring of K/V
+blocks by default on long sequences, all keys gathered on short ones); masks, windows and ``is_causal`` use
+global positions. ``neighbourhood_attention`` attends within a window of +-radius tokens via a halo of
+exactly ``radius`` rows from the neighbours.
 """
 
 from __future__ import annotations
@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.dispatch import block_needs, run_step
+from mesh3d.domain.attention_modes import sharded_attention
+from mesh3d.domain.dispatch import run_step
 from mesh3d.domain.ops.conv import weight_connected_zeros
-from mesh3d.domain.ops.idioms import replicated_slice as idioms_rows, strided_rows
+from mesh3d.domain.ops.idioms import strided_rows
 from mesh3d.domain.registry import register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.step import Entering, Rows, Step
+from mesh3d.domain.step import Rows, Step
 from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
 
 __all__ = ["neighbourhood_attention"]
@@ -59,6 +60,7 @@ def _batched(query, key, value) -> bool:
 
 
 def _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Step:
+    """Attention within each batch (window) this rank holds; a mask per window is cut to this rank's windows."""
     if dropout_p:
         raise NotImplementedError("scaled_dot_product_attention with dropout_p on domain tensors is not supported; use "
                                   "dropout_p=0 (or eval mode)")
@@ -66,7 +68,7 @@ def _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
     mask = attn_mask
     if isinstance(mask, torch.Tensor) and not (isinstance(mask, DomainTensor) and mask.spec.dim is not None):
         aligned = spec.dim - (query.ndim - mask.ndim)
-        if aligned >= 0 and mask.shape[aligned] != 1:  # a mask per window: this rank's windows of it
+        if aligned >= 0 and mask.shape[aligned] != 1:
             mask = strided_rows(unwrap(mask), aligned, spec)
 
     def compute(q, k, v, m):
@@ -79,48 +81,11 @@ def _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
 
 
 @register(F.scaled_dot_product_attention)
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False) -> Step:
-    if _batched(query, key, value):
+def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if _batched(query, key, value):  # sharded along a batch dim (Swin's windows): local
         return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    _check(query, key, value)
-    if dropout_p:
-        raise NotImplementedError("scaled_dot_product_attention on domain tensors: dropout_p is not supported; use "
-                                  "dropout_p=0 (or eval mode)")
-    if attn_mask is not None and is_causal:
-        raise RuntimeError("scaled_dot_product_attention: _scaled_dot_product_attention: Explicit attn_mask should "
-                           "not be set when is_causal=True")
-    n = sum(key.spec.sizes)
-    everything = tuple((Span.rows(0, n),) for _ in key.spec.sizes)
-    if key.spec.comm.size == 1:
-        everything = block_needs(key.spec.sizes)
-    kv, width = _kv_rows(key, value, everything)
-    offset = query.offset
-    mask = _mask_rows(attn_mask, query)
-
-    def compute(q, *gathered):
-        *gathered, m = gathered
-        k_all, v_all = _split_kv(tuple(gathered), width)
-        if is_causal:
-            rows = torch.arange(offset, offset + q.shape[-2], device=q.device)[:, None]
-            m = rows >= torch.arange(n, device=q.device)[None, :]
-        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=m, scale=scale, enable_gqa=enable_gqa)
-
-    return Step(compute, (query, *kv, mask), out=query.spec)
-
-
-def _mask_rows(mask, query: DomainTensor):
-    """An ``attn_mask`` for this rank's query rows: a plain (or replicated) mask of the global (..., S, S) is cut to
-    its rows (every key column kept: the keys are gathered whole); a mask sharded like the query is used as is."""
-    if not isinstance(mask, torch.Tensor):
-        return mask
-    if isinstance(mask, DomainTensor) and mask.spec.dim is not None:
-        if mask.spec.dim != mask.ndim - 2 or mask.spec.sizes != query.spec.sizes:
-            raise NotImplementedError("scaled_dot_product_attention: an attn_mask sharded otherwise than the query "
-                                      "rows; pass it whole or sharded like the query along dim -2")
-        return mask
-    if mask.ndim >= 2 and mask.shape[-2] != 1:
-        return idioms_rows(mask, mask.ndim - 2, query)
-    return Entering(mask) if isinstance(mask, DomainTensor) else mask
+    # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention_modes.py)
+    return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, radius: int) -> DomainTensor:

@@ -5,11 +5,10 @@ Usage::
     out = F.scaled_dot_product_attention(q, k, v)                 # q, k, v: (B, heads, tokens, hd) token grids
     out = domain.neighbourhood_attention(q, k, v, radius=2, grid=(h, w))   # window of +-2 tokens per grid dim
 
-SDPA: each rank keeps its queries and gathers every rank's keys and values (in domain rank order).
-Unmasked softmax attention does not depend on the keys' order, so no reordering is needed; a mask
-(``attn_mask`` of global shape ``(..., N, N)``, or ``is_causal`` over the global token order) is indexed
-by the queries' and the gathered keys' global token indices. The backward sends each rank's key/value
-gradients to their owners, which add them.
+SDPA runs in the mode ``domain.attention_mode`` picks (``mesh3d.domain.attention_modes``): a ring of K/V
+blocks, all keys gathered, or Ulysses. A mask (``attn_mask`` of global shape ``(..., N, N)``, ``is_causal``
+or a window over the global token order) is indexed by the queries' and keys' global token indices, which
+every rank knows from the grid's block sizes.
 
 Neighbourhood attention: token ``(i, j)`` attends to the tokens ``(i', j')`` with ``|i - i'| <= r`` and
 ``|j - j'| <= r`` (per grid dim radii allowed). On a token grid each rank gathers a halo of ``r`` rows
@@ -24,14 +23,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mesh3d.domain.attention_modes import sharded_attention
 from mesh3d.domain.blocks import BlockSpec, gather_along
 from mesh3d.domain.ops.attention import neighbourhood_attention as slab_neighbourhood_attention
 from mesh3d.domain.ops.conv import weight_connected_zeros
 from mesh3d.domain.registry import TOKEN_RULES
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, sharded_dims, unwrap
-from mesh3d.domain.tokens import TokenSpec, gather_all_tokens
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.tokens import TokenSpec
 
 __all__ = ["neighbourhood_attention"]
 
@@ -55,31 +55,8 @@ def _kv(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, int | Non
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    kspec = _check("scaled_dot_product_attention", query, key, value)
-    qspec = query._spec
-    if dropout_p:
-        raise NotImplementedError("scaled_dot_product_attention on a token grid: dropout_p must be 0 (a per-rank "
-                                  "random mask would not match one process)")
-    if attn_mask is not None and is_causal:
-        raise ValueError("scaled_dot_product_attention: pass attn_mask or is_causal, not both")
-    if isinstance(attn_mask, DomainTensor) and sharded_dims(attn_mask._spec):
-        raise NotImplementedError("scaled_dot_product_attention on a token grid: attn_mask must be a plain or "
-                                  "replicated (..., N, N) tensor over the global token order")
-    k, v = unwrap(key), unwrap(value)
-    both, width = _kv(k, v)
-    gathered = gather_all_tokens(both, kspec) if width is not None else None
-    k_all = gathered[..., :width] if gathered is not None else gather_all_tokens(k, kspec)
-    v_all = gathered[..., width:] if gathered is not None else gather_all_tokens(v, kspec)
-    mask = None
-    if attn_mask is not None or is_causal:
-        rows, cols = qspec.global_index.to(k.device), kspec.gathered_index.to(k.device)
-        if is_causal:
-            mask = rows[:, None] >= cols[None, :]
-        else:
-            mask = unwrap(attn_mask).index_select(-2, rows).index_select(-1, cols)
-    q = unwrap(query)
-    out = F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return adopt(_connected(out, q, k_all, v_all, mask), qspec)
+    # ring, gather or ulysses over the global token order (mesh3d/domain/attention_modes.py)
+    return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 TOKEN_RULES.register(F.scaled_dot_product_attention, _sdpa)
