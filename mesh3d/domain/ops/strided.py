@@ -155,6 +155,8 @@ for _f in (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.flatten
     STRIDED_RULES.register(_f, RULES.get(_f))
 for _f in (torch.addmm, torch.Tensor.addmm, F.linear):
     STRIDED_RULES.register(_f, _rows_local(_f))
+for _f in (torch.addmm, torch.Tensor.addmm):  # on slabs too (Conv1D of a batch of one merges nothing)
+    RULES.register(_f, _rows_local(_f))
 for _f in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm):
     STRIDED_RULES.register(_f, _matmul_rule(_f))
 for _f in (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
