@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:
-    from mesh3d.domain.exchange import DomainComm
 
 __all__ = ["ExchangeObserver", "TrafficCounter", "count_traffic", "dry_run"]
 
@@ -62,7 +59,8 @@ def count_traffic() -> Iterator[TrafficCounter]:
         TrafficCounter._active.remove(counter)
 
 
-ExchangeObserver = Callable[["DomainComm", list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]], Any]
+#: ``observer(comm, outgoing, incoming)``: the exchange's ``DomainComm`` and its (peer, buffer) pairs.
+ExchangeObserver = Callable[[Any, list[tuple[int, torch.Tensor]], list[tuple[int, torch.Tensor]]], Any]
 
 
 class _Transport:
