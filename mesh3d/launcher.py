@@ -20,9 +20,11 @@ import torch.distributed as dist
 __all__ = ["LaunchInfo", "detect_launcher", "first_slurm_host", "refuse_if_launched_uninitialized", "slurm_master_port"]
 
 # SLURM gives every rank the same job id, so a port derived from it agrees across
-# ranks without any communication; the range avoids well-known and ephemeral ports.
+# ranks without any communication. NOTE: the range 15000-32767 stays below Linux's ephemeral
+# ports (32768-60999 by default), which the kernel hands to outgoing connections: a master
+# port in that range can be taken by a connection before rank 0 binds it.
 _SLURM_PORT_BASE = 15000
-_SLURM_PORT_SPAN = 20000
+_SLURM_PORT_SPAN = 17768
 
 
 @dataclass(frozen=True)

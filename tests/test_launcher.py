@@ -47,6 +47,8 @@ def test_slurm_port_is_the_same_for_every_rank_of_a_job():
     assert slurm_master_port("99") == slurm_master_port("99")
     assert slurm_master_port("99") != slurm_master_port("100")
     assert 1024 < slurm_master_port("4294967295") < 65536
+    # below the kernel's ephemeral range (32768-60999), from which outgoing connections take their ports
+    assert max(slurm_master_port(str(job)) for job in range(40000)) == 32767
 
 
 @pytest.mark.parametrize(
