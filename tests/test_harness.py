@@ -144,3 +144,30 @@ def test_a_body_leaves_nothing_behind_for_the_next(ranks, tmp_path):
     after = ranks.run(2, _state_seen)
     assert after == fresh, (after, fresh)
     assert all(c[k] != f[k] for c, f in zip(changed, fresh) for k in f), (changed, fresh)  # each one was changed
+
+
+def _hold_gloo_groups(count: int) -> int:
+    """Make ``count`` gloo groups and keep them alive past the body, as torch's own state sometimes does."""
+    import sys
+
+    import torch.distributed as dist
+
+    from rankpool.worker import gloo_loop_threads
+
+    held = [dist.new_group(backend="gloo") for _ in range(count)]
+    for group in held:
+        dist.barrier(group=group)  # connected: each group now has its transport thread
+    sys.modules[__name__].__dict__.setdefault("_HELD", []).extend(held)
+    return gloo_loop_threads()
+
+
+def test_a_rank_holding_many_gloo_groups_is_recycled_before_the_next_body(ranks):
+    from rankpool.pool import _MAX_GLOO_THREADS
+
+    pool = ranks.pool(2)
+    ranks.run(2, _hold_gloo_groups, 0)  # the pool is up
+    starts = pool.starts
+    held = ranks.run(2, _hold_gloo_groups, _MAX_GLOO_THREADS)
+    assert min(held) > _MAX_GLOO_THREADS, held
+    after = ranks.run(2, _hold_gloo_groups, 0)
+    assert pool.starts == starts + 1 and max(after) < _MAX_GLOO_THREADS, (pool.starts, starts, after)

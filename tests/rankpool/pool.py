@@ -35,6 +35,8 @@ DEFAULT_TIMEOUT_S = 120.0
 _START_TIMEOUT_S = 120.0
 _STACK_DUMP_WAIT_S = 1.0
 _LOG_TAIL_CHARS = 6000
+#: A rank holding more live gloo groups than this (worker.gloo_loop_threads) is recycled after its body.
+_MAX_GLOO_THREADS = 32
 
 _context: Any = None
 
@@ -220,7 +222,7 @@ class RankPool:
             )
         failures = []
         for rank in range(self.world_size):
-            status, _, value = replies[rank]
+            status, _, value = replies[rank][:3]
             if status == "error":
                 failures.append(f"--- rank {rank} ---\n{value}")
             elif status == "died":
@@ -231,4 +233,8 @@ class RankPool:
             raise RankFailure(
                 f"{name} failed on {len(failures)} of {self.world_size} ranks:\n" + "\n".join(failures)
             )
+        if max(reply[3] for reply in replies.values()) > _MAX_GLOO_THREADS:
+            # NOTE: destroyed groups that torch still holds keep their gloo threads polling (worker.py): a long
+            # suite's ranks would spend a good part of the two cores on them. Fresh ranks for the next body.
+            self._kill()
         return [replies[rank][2] for rank in range(self.world_size)]

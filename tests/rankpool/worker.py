@@ -37,6 +37,23 @@ def _check_default_group(world_size: int) -> None:
         raise RuntimeError("the test body destroyed or replaced the pool's default process group")
 
 
+def gloo_loop_threads() -> int:
+    """This process's gloo transport threads: one per gloo group still alive in C++, destroyed or not.
+
+    NOTE: a destroyed gloo group lives on while anything in torch still holds it (for example the last mesh's
+    FSDP or DTensor state), and its thread wakes about a hundred times a second: a rank that ran hundreds of
+    bodies spends a tenth of a core on groups it no longer uses. The pool recycles such ranks (pool.py).
+    """
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # a thread that ended meanwhile
+            continue
+    return names.count("gloo_tcp_loop")
+
+
 def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path: str, pg_timeout_s: float) -> None:
     """Entry point of one pooled rank (runs in a process forked from the forkserver)."""
     log = _redirect_output(log_path)
@@ -74,9 +91,11 @@ def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path
         except BaseException:  # noqa: BLE001
             earlier = reply[2] + "\n" if reply[0] == "error" else ""
             reply = ("error", task_id, earlier + "cleanup after the test body failed:\n" + traceback.format_exc())
+        reply = (*reply, gloo_loop_threads())
         try:
             conn.send(reply)
         except Exception:  # noqa: BLE001 - e.g. an unpicklable return value
-            conn.send(("error", task_id, "could not send the result back:\n" + traceback.format_exc()))
+            conn.send(("error", task_id, "could not send the result back:\n" + traceback.format_exc(),
+                       gloo_loop_threads()))
     dist.destroy_process_group()
     log.close()
