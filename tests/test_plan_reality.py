@@ -17,6 +17,7 @@ import torch
 from plan_models import EXACT_CASES, FACTORIES, RESHARD_CASES, RSS_CASE, input_of, plan_of
 
 from mesh3d.planner import InputSpec, JobMesh, plan_job
+from mesh3d.planner.job import collective_table
 
 
 def _planned(case: dict, to: str | None = None):
@@ -115,17 +116,6 @@ def _load_body(case: dict, to: str, path: str) -> dict:
     return {"needed": info.bytes_needed, "read": info.bytes_read}
 
 
-def _comm_table(rows) -> list[dict]:
-    table: dict[tuple, dict] = {}
-    for axis, kind, phase, sent, result in rows:
-        row = table.setdefault((axis, kind, phase), {"axis": axis, "collective": kind, "phase": phase, "calls": 0,
-                                                     "bytes": 0, "result_bytes": 0})
-        row["calls"] += 1
-        row["bytes"] += sent
-        row["result_bytes"] += result
-    return sorted(table.values(), key=lambda r: (r["axis"], r["phase"] != "forward", r["collective"]))
-
-
 def _check_exact(name: str, case: dict, measured: list[dict]) -> None:
     job = _planned(case)
     for rank, got in enumerate(measured):
@@ -133,7 +123,7 @@ def _check_exact(name: str, case: dict, measured: list[dict]) -> None:
         where = f"{name}, rank {rank}"
         for key in ("params", "params_unpadded", "grads", "optimizer", "buffers"):
             assert planned.memory[key] == got[key], (where, key, planned.memory[key], got[key])
-        assert planned.comm == _comm_table(got["comm"]), (where, planned.comm, _comm_table(got["comm"]))
+        assert planned.comm == collective_table(got["comm"]), (where, planned.comm, collective_table(got["comm"]))
         assert planned.domain["bytes"] == got["domain"]["bytes"], (where, planned.domain, got["domain"])
         assert planned.domain["messages"] == got["domain"]["messages"], (where, planned.domain, got["domain"])
     files = {f: size for c in job.classes for r in range(case["world"]) if job.class_of(r) is c

@@ -21,7 +21,7 @@ from __future__ import annotations
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -38,7 +38,7 @@ from mesh3d.planner.mesh import JobMesh
 from mesh3d.planner.report import JobPlan, RankClass, human_bytes, spans
 from mesh3d.planner.simulate import InputSpec, RankSim, Simulator
 
-__all__ = ["plan_job"]
+__all__ = ["collective_table", "plan_job"]
 
 #: Up to this many target ranks, a reshard's reads are computed for every rank; above, for one rank per class.
 _EXACT_RESHARD_RANKS = 64
@@ -95,9 +95,14 @@ def _by_signature(signature: torch.Tensor, classes: list[RankClass]) -> list[tup
     return [(rank, count) for rank, count in out.values()]
 
 
-def _collectives(sim: RankSim) -> list[dict[str, Any]]:
+def collective_table(rows: Iterable[tuple[str, str, str, int, int]]) -> list[dict[str, Any]]:
+    """Collective calls (axis, kind, phase, bytes sent, result bytes) summed per (axis, kind, phase), as a job reports
+    them; a measured run's rows (``mesh3d.planner.measure.CollectiveCounter.rows``) go through the same table.
+
+    Usage: ``collective_table(counter.rows)``
+    """
     table: dict[tuple[str, str, str], dict[str, Any]] = {}
-    for axis, kind, phase, sent, result in sim.collectives:
+    for axis, kind, phase, sent, result in rows:
         row = table.setdefault((axis, kind, phase), {"axis": axis, "collective": kind, "phase": phase, "calls": 0,
                                                      "bytes": 0, "result_bytes": 0})
         row["calls"] += 1
@@ -212,7 +217,7 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
                   "optimizer": int(opt[s[rep]]), "buffers": fixed["buffers"], "input": local_input, "step_peak": rs.peak}
         memory["peak"] = memory["params"] + memory["optimizer"] + memory["buffers"] + local_input + rs.peak
         result.append(RankClass(int(counts[k]), spans(members.tolist()), members[:4].tolist(), {"batch": b, "domain": dd, "model": m}, memory,
-                                dict(rs.peak_by_category), _collectives(rs),
+                                dict(rs.peak_by_category), collective_table(rs.collectives),
                                 {"bytes": rs.domain_bytes, "messages": rs.domain_messages, "by_op": rs.domain_by_op,
                                  "largest_halo_received": rs.largest_halo}, files_of(rep)))
 
