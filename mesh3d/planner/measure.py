@@ -109,15 +109,26 @@ class CollectiveCounter(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
+#: glibc's mallopt parameter number, and the allocation size from which PeakRss gives each its own mapping
+_M_MMAP_THRESHOLD = -3
+_OWN_MAPPING_BYTES = 16 * 1024
+
+
 class PeakRss:
     """Peak resident memory growth of this process inside the block, in bytes (Linux; for CPU runs).
 
-    Usage: ``with PeakRss() as rss: step(); rss.growth``
+    Usage: ``PeakRss.follow_tensor_lifetimes()`` before the workload's first step, then
+    ``with PeakRss() as rss: step(); rss.growth``
 
     So that the peak follows tensor lifetimes, allocations of 16 KiB and more get their own mappings (glibc's
     ``mallopt(M_MMAP_THRESHOLD)``; freed at once, instead of staying in malloc's heap), freed heap memory is
     returned first (``malloc_trim``), and the kernel's high-water mark is reset (``/proc/self/clear_refs``).
     The threshold stays set afterwards (glibc cannot restore its adaptive default).
+
+    NOTE: set the threshold before the first step, not only at the window. Under glibc's adaptive default the
+    first step's freed activations raise the threshold to their size and later ones land in malloc's heap;
+    those heap chunks stay free afterwards and the measured step reuses them piecemeal, so its RSS peak grew
+    10-35 MiB above the live bytes, by a different amount on each run, in a fresh 4-rank conv step of 52 MiB.
     """
 
     def __init__(self) -> None:
@@ -135,9 +146,14 @@ class PeakRss:
                     hwm = int(line.split()[1]) * 1024
         return rss, hwm
 
+    @staticmethod
+    def follow_tensor_lifetimes() -> None:
+        """Give every allocation of 16 KiB or more its own mapping from now on, so that freeing returns it."""
+        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _OWN_MAPPING_BYTES)
+
     def __enter__(self) -> PeakRss:
         libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, 16 * 1024)  # M_MMAP_THRESHOLD
+        self.follow_tensor_lifetimes()
         gc.collect()
         libc.malloc_trim(0)
         with open("/proc/self/clear_refs", "w") as f:
