@@ -99,6 +99,13 @@ def plan_of(case: dict):
                 hsdp_shard_size=case.get("hsdp"))
 
 
+def attention_of(case: dict):
+    """The attention mode the case runs in (``mesh3d.domain.attention_mode``): its ``attention`` key, else auto."""
+    from mesh3d.domain import attention_mode
+
+    return attention_mode(case.get("attention", "auto"))
+
+
 def input_of(case: dict, batch_index: int) -> torch.Tensor:
     """One batch rank's input (whole over the domain), the same on every domain and model rank."""
     g = torch.Generator().manual_seed(100 + batch_index)
@@ -119,6 +126,8 @@ EXACT_CASES: dict[str, dict] = {
                                      sizes=((7, 6),), dims=(1,), batch_mode="ddp"),
     "fsdp b2 x d2 x tp2 transformer": dict(world=8, batch=2, domain=2, model=2, net="transformer", input=(2, 11),
                                            sizes=((6, 5),), dims=(1,)),
+    "fsdp d3 transformer, ring attention, uneven": dict(world=3, batch=1, domain=3, model=1, net="transformer",
+                                                        input=(2, 14), sizes=((6, 5, 3),), dims=(1,), attention="ring"),
     "fsdp d3, empty shard": dict(world=3, batch=1, domain=3, model=1, net="conv", input=(1, 2, 18, 10),
                                  sizes=((10, 8, 0),), dims=(2,)),
 }

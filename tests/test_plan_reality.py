@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from plan_models import EXACT_CASES, FACTORIES, RESHARD_CASES, RSS_CASE, input_of, plan_of
+from plan_models import EXACT_CASES, FACTORIES, RESHARD_CASES, RSS_CASE, attention_of, input_of, plan_of
 
 from mesh3d.planner import InputSpec, JobMesh, plan_job
 from mesh3d.planner.job import collective_table
@@ -23,8 +23,10 @@ from mesh3d.planner.job import collective_table
 def _planned(case: dict, to: str | None = None):
     mesh = JobMesh.resolve(case["world"], case["batch"], case["domain"], case["model"])
     dtype = torch.int64 if case["net"] == "transformer" else torch.float32
-    return plan_job(FACTORIES[case["net"]], plan_of(case), mesh, InputSpec(case["input"], dtype, case["dims"], case["sizes"]),
-                    device="cpu", to=JobMesh.parse(to) if to else None)
+    with attention_of(case):
+        return plan_job(FACTORIES[case["net"]], plan_of(case), mesh,
+                        InputSpec(case["input"], dtype, case["dims"], case["sizes"]), device="cpu",
+                        to=JobMesh.parse(to) if to else None)
 
 
 def _shard(x, case: dict, dm):
@@ -45,6 +47,11 @@ def _build(case: dict):
         model = FACTORIES[case["net"]]()
     model = parallelize(model, plan_of(case), seed=0)
     return dm, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _measure_in_mode(case: dict, ckpt: str | None, rss: bool) -> dict:
+    with attention_of(case):
+        return _measure_case(case, ckpt, rss)
 
 
 def _measure_case(case: dict, ckpt: str | None, rss: bool) -> dict:
@@ -93,7 +100,7 @@ def _measure_case(case: dict, ckpt: str | None, rss: bool) -> dict:
 
 
 def _measure_body(cases: dict[str, dict], root: str, rss: bool = False) -> dict:
-    return {name: _measure_case(case, os.path.join(root, name.replace(" ", "_").replace(",", "")) if root else None, rss)
+    return {name: _measure_in_mode(case, os.path.join(root, name.replace(" ", "_").replace(",", "")) if root else None, rss)
             for name, case in cases.items()}
 
 

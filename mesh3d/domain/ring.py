@@ -18,6 +18,10 @@ share of every block's key/value gradient into an accumulator that travels with 
 last step the accumulator takes one more hop home. dQ stays local. Each block's backward uses the merged
 output and log-sum-exp, so the gradients are the one-process ones.
 
+In a dry run (``mesh3d.planner``, meta tensors) without a user mask the blocks are not computed one by one:
+each pass allocates its buffers and, for a moment, its largest kernel call's workspace, and reports every
+exchange it would post (``_forward_modeled``): the same bytes and messages in a fraction of the ops.
+
 Heads are independent: ``head_groups`` runs the ring over groups of K/V heads one after the other, so the
 blocks in flight (and the backward's accumulators) are that much smaller. A plain float mask that requires
 grad gets this rank's rows of its gradient (a partial sum, added over the domain like a parameter's).
@@ -25,6 +29,7 @@ grad gets this rank's rows of its gradient (a partial sum, added over the domain
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -32,8 +37,10 @@ import torch
 
 from mesh3d.domain.attention_blocks import MaskRule, Segment, piece_mask, piece_work, pieces
 from mesh3d.domain.attention_kernel import accumulation_dtype, block_backward, block_forward, merge_into, unit_stride
-from mesh3d.domain.exchange import DomainComm, PendingExchange, exchange_point, start_exchange
+from mesh3d.domain.exchange import DomainComm, PendingExchange, TrafficCounter, exchange_point, start_exchange
+from mesh3d.domain.kernel_workspace import BlockShape, block_workspace
 from mesh3d.domain.split import balanced_sizes, offsets_of
+from mesh3d.domain.traffic import dry_run_observer
 
 __all__ = ["RING_STATS", "RingPlan", "RingStats", "ring_attention"]
 
@@ -246,11 +253,114 @@ def _backward(plan: RingPlan, dout, q, k, v, mask, out, lse, want_dmask: bool):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 
 
+def _prod(dims) -> int:
+    out = 1
+    for d in dims:
+        out *= d
+    return out
+
+
+def _report_pass(plan: RingPlan, held: torch.Tensor, steps: int, rows: list[int]) -> torch.Tensor:
+    """A modeled pass of ``steps`` exchanges: at step ``t`` the buffer of ``rows[t]`` rows goes to the next rank and
+    one of ``rows[t + 1]`` arrives. Returns the arriving buffer at its largest (alive beside ``held``); the dry
+    run's observer sees the pass's buffers once, the traffic counters see every step as ``start_exchange``'s."""
+    comm, size = plan.comm, plan.comm.size
+    shape = list(held.shape)
+    shape[-2] = max(rows[(t + 1) % size] for t in range(steps))
+    arriving = held.new_empty(shape)
+    observer = dry_run_observer()
+    if observer is not None:
+        observer(comm, [((comm.index + 1) % size, held)] if held.numel() else [],
+                 [((comm.index - 1) % size, arriving)] if arriving.numel() else [])
+    per_row = _prod(held.shape[:-2]) * held.shape[-1] * held.element_size()
+    for t in range(steps):
+        sent, got = rows[t] * per_row, rows[(t + 1) % size] * per_row
+        if sent or got:
+            TrafficCounter.record(sent, int(sent > 0), 0.0)
+        RING_STATS.messages += int(sent > 0)
+    return arriving
+
+
+def _most_workspace(plan: RingPlan, q_shape: tuple[int, ...], block: torch.Tensor, width: int, backward: bool) -> int:
+    """The most one kernel call on any block holds (``kernel_workspace``), over the pieces this rank computes."""
+    most, work = _workspace_and_work(plan, q_shape[0], q_shape[1], block.shape[1], width, block.shape[-1] - width,
+                                     block.dtype, backward)
+    if not backward:
+        RING_STATS.work += work
+    return most
+
+
+@functools.lru_cache(maxsize=4096)
+def _workspace_and_work(plan: RingPlan, batch: int, q_heads: int, kv_heads: int, width: int, value_width: int,
+                        dtype: torch.dtype, backward: bool) -> tuple[int, int]:
+    """(the largest kernel workspace, the (query, key) pairs computed) over every piece of this rank's ring.
+
+    NOTE: cached: a dry run meets the same ring in every layer of every simulated step."""
+    most = work = 0
+    for kseg in plan.keys:
+        for qseg in plan.queries:
+            for p in pieces(qseg, kseg, plan.rule):
+                work += piece_work(p) * batch * q_heads
+                shape = BlockShape(batch, q_heads, kv_heads, p.q1 - p.q0, p.k1 - p.k0, width, value_width, dtype,
+                                   p.causal, p.banded)
+                most = max(most, block_workspace(shape, backward))
+    return most, work
+
+
+def _spike(like: torch.Tensor, nbytes: int) -> None:
+    """Allocate ``nbytes`` on ``like``'s device for a moment: what a dry run's memory tracker sees as the workspace."""
+    torch.empty(nbytes, dtype=torch.uint8, device=like.device)
+
+
+def _forward_modeled(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """``_forward``'s outputs, buffers, workspace and traffic, without its kernels (a dry run's)."""
+    acc = accumulation_dtype(q.dtype)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)
+    lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
+    width, size, me = k.shape[-1], plan.comm.size, plan.comm.index
+    rows = [plan.keys[(me - t) % size].rows for t in range(size)]
+    for kv_heads, q_heads in _head_groups(plan.head_groups, k.shape[1], q.shape[1]):
+        block = torch.cat((k[:, kv_heads], v[:, kv_heads]), -1)
+        arriving = _report_pass(plan, block, size - 1, rows) if size > 1 else None
+        RING_STATS.max_in_flight_bytes = max(RING_STATS.max_in_flight_bytes,
+                                             _nbytes(block, *(() if arriving is None else (arriving,))))
+        _spike(block, _most_workspace(plan, (q.shape[0], q_heads.stop - q_heads.start), block, width, False))
+    return out.to(q.dtype), lse
+
+
+def _backward_modeled(plan: RingPlan, dout, q, k, v):
+    """``_backward``'s outputs, buffers, workspace and traffic, without its kernels (a dry run's)."""
+    acc = accumulation_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
+    width, size, me = k.shape[-1], plan.comm.size, plan.comm.index
+    rows = [plan.keys[(me - t) % size].rows for t in range(size)]
+    for kv_heads, q_heads in _head_groups(plan.head_groups, k.shape[1], q.shape[1]):
+        block = torch.cat((k[:, kv_heads], v[:, kv_heads]), -1)
+        grads = torch.zeros(block.shape, dtype=acc, device=block.device)
+        buffers = []
+        if size > 1:  # the blocks go round again; each accumulator follows its block and takes one more hop home
+            buffers = [_report_pass(plan, block, size - 1, rows), _report_pass(plan, grads, size, rows)]
+            RING_STATS.max_grad_in_flight_bytes = max(RING_STATS.max_grad_in_flight_bytes, _nbytes(grads, buffers[1]))
+        _spike(block, _most_workspace(plan, (q.shape[0], q_heads.stop - q_heads.start), block, width, True))
+        dk[:, kv_heads], dv[:, kv_heads] = grads[..., :width], grads[..., width:]
+    del dout
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _modeled(mask: torch.Tensor | None) -> bool:
+    """Whether this call is modeled (``_forward_modeled``) rather than computed: in a dry run, without a user mask.
+
+    NOTE: a dry run with a user mask computes: the mask's values decide which blocks are skipped."""
+    return mask is None and dry_run_observer() is not None
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: RingPlan, q, k, v, mask):
         q = unit_stride(q)  # once here, not per block (the fused kernel needs it)
-        out, lse = _forward(plan, q, k, v, mask)
+        ctx.modeled = _modeled(mask)
+        out, lse = _forward_modeled(plan, q, k, v) if ctx.modeled else _forward(plan, q, k, v, mask)
         ctx.plan = plan
         ctx.save_for_backward(q, k, v, mask, out, lse)
         return out
@@ -259,6 +369,8 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
         dout = unit_stride(dout)
+        if ctx.modeled:
+            return (None, *_backward_modeled(ctx.plan, dout, q, k, v))
         dq, dk, dv, dmask = _backward(ctx.plan, dout, q, k, v, mask, out, lse, ctx.needs_input_grad[4])
         return None, dq, dk, dv, dmask
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ExchangeObserver", "TrafficCounter", "count_traffic", "dry_run"]
+__all__ = ["ExchangeObserver", "TrafficCounter", "count_traffic", "dry_run", "dry_run_observer"]
 
 
 class TrafficCounter:
@@ -87,3 +87,11 @@ def dry_run(observer: ExchangeObserver) -> Iterator[None]:
         yield
     finally:
         _TRANSPORT.observer = previous
+
+
+def dry_run_observer() -> ExchangeObserver | None:
+    """The observer of the ``dry_run`` in force, or None when exchanges send for real.
+
+    Usage: ``if dry_run_observer() is not None: ...  # only shapes and sizes matter``
+    """
+    return _TRANSPORT.observer
