@@ -196,3 +196,40 @@ def test_modeled_ring_attention_plans_what_the_computed_ring_does(monkeypatch, d
         assert (m_bytes, m_msgs) == (c_bytes, c_msgs)
         assert c_peak <= m_peak <= 1.05 * c_peak, (m_peak, c_peak)
 
+
+def test_meta_outputs_reuse_only_pure_ops_and_give_their_metadata():
+    """The planner's cache of meta outputs: the same shape, strides and dtype as the op, a fresh storage each time;
+    views, in-place ops and ops on other devices run as they are."""
+    from mesh3d.planner.meta_outputs import MetaOutputs
+
+    outputs = MetaOutputs()
+    a = torch.empty(3, 1, 5, device="meta").transpose(0, 2)
+    b = torch.empty(4, 1, dtype=torch.float64, device="meta")
+    same_shape = torch.empty(5, 1, 3, device="meta")  # as ``a``, other strides: a different output layout
+    calls = [(torch.ops.aten.mul.Tensor, (a, b)), (torch.ops.aten.mul.Tensor, (same_shape, b)),
+             (torch.ops.aten.cat.default, ([b, b], 1)),
+             (torch.ops.aten.sum.dim_IntList, (a, [0], True)), (torch.ops.aten.pow.Tensor_Scalar, (b, 2))]
+    for func, args in calls:
+        first, again, direct = outputs.call(func, args, {}), outputs.call(func, args, {}), func(*args)
+        for got in (first, again):
+            assert (got.shape, got.stride(), got.dtype, got.device) == (direct.shape, direct.stride(), direct.dtype,
+                                                                        direct.device), func
+        assert first.untyped_storage()._cdata != again.untyped_storage()._cdata
+    view = outputs.call(torch.ops.aten.transpose.int, (b, 0, 1), {})
+    assert view.untyped_storage()._cdata == b.untyped_storage()._cdata
+    assert outputs.call(torch.ops.aten.add_.Tensor, (b, b), {}) is b
+    cpu = torch.ones(2)
+    assert torch.equal(outputs.call(torch.ops.aten.mul.Tensor, (cpu, cpu), {}), cpu)
+
+
+def test_thin_shard_warning_names_halos_not_attention_relayouts():
+    """A 5x5 conv on 1-row shards reads rows two ranks away: warned. Causal ring attention moves rows to far ranks
+    on purpose (its zigzag layout), forward and backward: not warned."""
+    from mesh3d.domain import attention_mode
+
+    conv = plan_job(lambda: nn.Conv2d(2, 2, 5, padding=2), Plan(batch=None), JobMesh.resolve(6, 1, 6, 1),
+                    InputSpec((1, 2, 6, 8)))
+    assert any("torch.conv2d: domain ranks read halo rows from ranks up to 2 grid steps" in w for w in conv.warnings)
+    with attention_mode("ring"):
+        ring = plan_job(transformer, Plan(batch=None), JobMesh.resolve(6, 1, 6, 1), InputSpec((2, 24), torch.int64, (1,)))
+    assert not any("grid steps away" in w for w in ring.warnings), ring.warnings

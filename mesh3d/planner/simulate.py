@@ -37,6 +37,7 @@ from mesh3d.parallel.validate import PlanFields
 from mesh3d.planner.emulate import Collective, FsdpEmulation, TpEmulation
 from mesh3d.planner.fused_sdpa import FusedAttention
 from mesh3d.planner.layout import ModelLayout
+from mesh3d.planner.meta_outputs import MetaOutputs
 from mesh3d.planner.tracker import GRADS, HALO, MemoryTracker
 from mesh3d.planner.workspace import cpu_kernel_workspace
 
@@ -118,6 +119,10 @@ def _journal_kept() -> Iterator[None]:
         JOURNAL.fingerprint, JOURNAL.count = fingerprint, count
 
 
+#: Ops whose far exchanges relayout rows (attention's layouts), not halos read from beyond a thin neighbour.
+_RELAYOUT_OPS = ("scaled_dot_product_attention", ".attention")
+
+
 def _cyclic(step: int, n: int) -> int:
     return min(abs(step), n - abs(step))
 
@@ -172,6 +177,7 @@ class Simulator:
         self.loss = loss or default_loss
         self.device = device
         self.workspace = cpu_kernel_workspace if device == "cpu" else None
+        self.meta_outputs = MetaOutputs()
         self.dims, self.sizes = inputs.layout(layout.mesh.grid)
         param_dtype = getattr(plan, "param_dtype", None)
         self._by_unit: dict[str, list[nn.Parameter]] = {}
@@ -259,7 +265,7 @@ class Simulator:
         sim = RankSim(domain_index)
         self._lines = {}
         x = self._input(domain_index)
-        tracker = MemoryTracker(self.workspace)
+        tracker = MemoryTracker(self.workspace, self.meta_outputs)
         self._tracker = tracker
         watch = self._watch = _OpWatch(sim)
         grid = self.layout.mesh.grid
@@ -279,8 +285,11 @@ class Simulator:
                 me = grid_coords(comm.index, grid)
                 far = max(max(_cyclic(a - b, n) for a, b, n in zip(grid_coords(p, grid), me, grid)) for p in peers)
             sim.reach = max(sim.reach, far)
-            if far > 1 and recvs:
-                op = watch.op or "backward"
+            op = watch.op or "backward"
+            # NOTE: attention moves rows to far ranks on purpose (the causal ring's zigzag layout, Ulysses' heads),
+            # not because a shard is thinner than a halo; backward's far exchanges mirror forward's.
+            relayout = op.endswith(_RELAYOUT_OPS) or (op == "backward" and not sim.thin)
+            if far > 1 and recvs and not relayout:
                 sim.thin[op] = max(sim.thin.get(op, 0), far)
 
         if self.fsdp is not None:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from mesh3d.planner.meta_outputs import MetaOutputs
+
 __all__ = ["ACTIVATIONS", "FSDP_BUFFERS", "GRADS", "HALO", "MemoryTracker", "Workspace"]
 
 ACTIVATIONS, HALO, FSDP_BUFFERS, GRADS, WORKSPACE = "activations", "halo buffers", "fsdp buffers", "grads", "kernel workspace"
@@ -49,12 +51,13 @@ def _storages(obj: object) -> list[torch.UntypedStorage]:
 class MemoryTracker(TorchDispatchMode):
     """Bytes alive during a step, their peak and what made it up (see the module docstring)."""
 
-    def __init__(self, workspace: Workspace | None = None) -> None:
+    def __init__(self, workspace: Workspace | None = None, outputs: MetaOutputs | None = None) -> None:
         super().__init__()
         self._live: dict[int, tuple[str, int]] = {}  # storage key -> (category, bytes)
         self._named: dict[str, tuple[str, int]] = {}  # named buffers (FSDP's) -> (category, bytes)
         self._by_category: dict[str, int] = {}
         self._workspace = workspace
+        self._outputs = outputs or MetaOutputs()  # shared by a plan's simulated ranks: their layers repeat
         self.current = 0
         self.peak = 0
         self.peak_by_category: dict[str, int] = {}
@@ -116,7 +119,7 @@ class MemoryTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         inputs = {s._cdata for s in _storages((args, kwargs))}
-        out = func(*args, **kwargs)
+        out = self._outputs.call(func, args, kwargs)
         for storage in _storages(out):
             key = storage._cdata
             if key in inputs or key in self._live:
