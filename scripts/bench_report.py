@@ -360,7 +360,10 @@ def _plan(lines: list[str]) -> None:
               f"`scripts/bench_plan.py` on {d['machine']}, one process, no process group (torch {d['torch']}), median "
               "of the repeats. The alternative keys no classes: it simulates every domain rank (the model and batch "
               "axes need no simulation of their own either way); its time is the plan's with the classes' simulations "
-              "replaced by every domain rank's, measured in the same run. Goal: under 10 s for 4096 ranks. Wall time "
+              "replaced by every domain rank's, measured in the same run. A causal ring in the zigzag layout gives every "
+              "domain rank its own queries, so the decoder's 16 domain ranks are 16 classes and keying them saves "
+              "nothing there; its ring attention is modeled per pass, not run block by block. Goal: under 10 s for "
+              "4096 ranks. Wall time "
               "moves with the machine's other load (load average "
               f"{d.get('load_average_before', float('nan')):.0f} before, {d.get('load_average_after', float('nan')):.0f} "
               "after, on 2 cores); CPU time is this process's own.", "",
