@@ -170,12 +170,13 @@ def _outside_failure_body():
 
 
 def test_a_peer_failing_outside_mesh3d_is_named_when_it_ends_not_a_hang(ranks):
-    """A closed connection ends rank 0's wait at once: the error it raises names the missing peer and says what to
-    look for. The pool's timeout only bounds a hang (rank 0 waiting for the group timeout would be a RankTimeout)."""
+    """A closed connection ends rank 0's wait at once: the error it raises names the peer as gone (not a divergence)
+    and says what to do. The pool's timeout only bounds a hang (rank 0 waiting for the group timeout would be a RankTimeout)."""
     with pytest.raises(RankFailure) as failure:
         ranks.run(2, _outside_failure_body, timeout=90)
     text = str(failure.value)
     assert "--- rank 1 died (exit code 1) ---" in text and "ValueError: the library's own check failed" in text, text
     rank0 = text[text.index("--- rank 0 ---"):text.index("--- rank 1 died")]
-    assert "DomainDivergenceError: domain rank(s) [1] did not complete the exchange this rank (domain rank 0)" in rank0, text
-    assert "failed outside mesh3d" in rank0 and "torch.conv2d" in rank0 and "in _outside_failure_body" in rank0, rank0
+    assert "DomainPeerLostError: domain rank 1 (global rank 1; batch 0, domain 1, model 0) is gone: its connection " \
+        "closed while this rank (domain rank 0) waited for it" in rank0, text
+    assert "an error outside mesh3d" in rank0 and "torch.conv2d" in rank0 and "in _outside_failure_body" in rank0, rank0

@@ -21,6 +21,7 @@ from mesh3d.domain.attention_modes import attention, attention_mode
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.io import NpyArray, read
 from mesh3d.domain.overlap import window_overlap
+from mesh3d.domain.peer_lost import DomainPeerLostError
 from mesh3d.domain.ops.idioms import positions
 from mesh3d.domain.ops.tokens_attention import neighbourhood_attention
 from mesh3d.domain.probe import downsampling_factor
@@ -36,6 +37,7 @@ DistributedManager.on_teardown(NOTICES.settle)
 
 __all__ = [
     "DomainDivergenceError",
+    "DomainPeerLostError",
     "DomainSpec",
     "DomainTensor",
     "NpyArray",

@@ -29,6 +29,7 @@ from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
 from mesh3d.domain.gather import replicate_if_singleton
 from mesh3d.domain.halo import WindowProbe, window_exchange
 from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
+from mesh3d.domain.peer_lost import DomainPeerLostError
 from mesh3d.domain.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, tree_map, writes_into_first
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
@@ -163,7 +164,7 @@ def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[]
     """
     try:
         return run()
-    except DomainDivergenceError:
+    except (DomainDivergenceError, DomainPeerLostError):  # its peers were told already
         raise
     except Exception as err:
         reported = report_failure(comm, _op_label(func), err)

@@ -40,7 +40,7 @@ __all__ = ["DomainDivergenceError", "JOURNAL", "OpJournal", "describe_divergence
 #: Header words: MAGIC, kind, fingerprint, bytes the sender sends the receiver, bytes it expects from it.
 MAGIC = 0x6D657368  # "mesh"
 HEADER_WORDS = 5
-KIND_DATA, KIND_ABORT, KIND_ERROR = 1, 2, 3
+KIND_DATA, KIND_ABORT, KIND_ERROR, KIND_LOST = 1, 2, 3, 4  # KIND_LOST: the fingerprint word holds the lost rank
 
 # Frames in these folders are torch's or mesh3d's own: the "user's source line" is the first frame outside them.
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__ or "") + os.sep,

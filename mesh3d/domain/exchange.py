@@ -27,6 +27,8 @@ import torch.distributed as dist
 
 from mesh3d.domain import divergence
 from mesh3d.manager import DistributedManager
+from mesh3d.domain.notices import NOTICES, PendingNotices
+from mesh3d.domain.peer_lost import lost_peers, peer_lost_error
 from mesh3d.domain.rows import ExchangePlan, Piece
 from mesh3d.domain.traffic import _TRANSPORT, TrafficCounter, count_traffic, dry_run
 
@@ -78,9 +80,10 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     peers = sorted(set(to_peer) | set(from_peer))
     mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0)) for q in peers}
     theirs = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in peers}
-    try:
-        for work in _post(comm, list(mine.items()), list(theirs.items())):
-            work.wait()  # bounded by the domain group's timeout (DistributedManager.initialize(timeout=...))
+    try:  # each wait is bounded by the domain group's timeout (DistributedManager.initialize(timeout=...))
+        works = _post(comm, list(mine.items()), list(theirs.items()))
+        sent = dict(zip(mine, works)) if len(works) == 2 * len(peers) else {}  # gloo: one work per message
+        lost, closed = lost_peers(works[len(sent):], list(theirs) if sent else peers)
     except RuntimeError as err:
         # NOTE: a peer that raised outside mesh3d (a library's own shape check) never reaches this exchange:
         # say who is missing and where this rank waited, rather than only the transport's message.
@@ -89,9 +92,20 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
             f"({type(err).__name__}: {str(err)[:200]}). A peer that failed outside mesh3d (in the model's or a "
             "library's own code; look at its log) or took a different path never arrives. Latest here:\n"
             + divergence.recent_ops()) from err
+    # NOTE: a send completes only once its peer posts the receive; a peer that stopped (a notice came instead of its
+    # header) or is gone never will: that send is held, not waited for.
+    stopped = set(lost) | {q for q in peers if q not in lost and int(theirs[q][1]) != divergence.KIND_DATA}
+    NOTICES.keep([w for q, w in sent.items() if q in stopped])
+    lost_peers([w for q, w in sent.items() if q not in stopped], [])
+    if lost:  # NOTE: the peers whose headers matched still get their data: none may wait for the group timeout
+        _leave(comm, outgoing, incoming, _matched(theirs, fingerprint, to_peer, from_peer, skip=set(lost)), lost)
+        raise peer_lost_error(comm, lost, closed)
     differ: dict[int, str] = {}
     for q in peers:
         magic, kind, their_print, to_me, from_me = (int(v) for v in theirs[q])
+        if magic == divergence.MAGIC and kind == divergence.KIND_LOST:
+            _leave(comm, outgoing, incoming, _matched(theirs, fingerprint, to_peer, from_peer, skip={q}), [their_print])
+            raise peer_lost_error(comm, [their_print], None, seen_by=q)
         if magic != divergence.MAGIC:
             differ[q] = "a message that is not a mesh3d header arrived"
         elif kind in (divergence.KIND_ABORT, divergence.KIND_ERROR):
@@ -119,6 +133,26 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
         divergence.describe_divergence(comm.index, q, entries, journals.get(q), differ[q]))
 
 
+def _matched(theirs: dict[int, torch.Tensor], fingerprint: int, to_peer: dict[int, int], from_peer: dict[int, int],
+             skip: set[int]) -> set[int]:
+    """The peers whose header says they will exchange exactly this data (same journal, expected sizes)."""
+    return {q for q, h in theirs.items() if q not in skip and [int(v) for v in h] == list(divergence.header(
+        divergence.KIND_DATA, fingerprint, from_peer.get(q, 0), to_peer.get(q, 0)).tolist())}
+
+
+def _leave(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]],
+           matched: set[int], lost: list[int]) -> None:
+    """A peer is gone: finish this exchange's data with ``matched`` peers (they wait for it), then tell every other
+    domain rank (a ``KIND_LOST`` notice, read as its next header from this rank)."""
+    try:
+        lost_peers(_post(comm, [(q, b) for q, b in outgoing if q in matched and b.numel()],
+                         [(q, b) for q, b in incoming if q in matched and b.numel()]), [])
+    except RuntimeError:
+        pass  # a second peer gone too: the notices below still go to everyone left
+    notice = divergence.header(divergence.KIND_LOST, min(lost))
+    NOTICES.keep(_post(comm, [(q, notice) for q in range(comm.size) if q != comm.index and q not in lost], []))
+
+
 def _swap_journals(comm: DomainComm, peers: list[int], entries: list) -> dict[int, list]:
     """Both sides of a divergence saw it: swap sizes, then the journals themselves (for the message)."""
     data = torch.frombuffer(bytearray(divergence.encode_journal(entries)), dtype=torch.uint8)
@@ -137,51 +171,6 @@ def _abort(comm: DomainComm, skip: set[int]) -> None:
     stop = divergence.header(divergence.KIND_ABORT)
     others = [(q, stop) for q in range(comm.size) if q != comm.index and q not in skip]
     NOTICES.keep(_post(comm, others, []))
-
-
-class PendingNotices:
-    """Notices to domain peers (stop, failed) posted without waiting: a peer reads them at its next exchange.
-
-    Usage: ``NOTICES.keep(works)``; at teardown ``NOTICES.settle()`` (a ``DistributedManager.on_teardown`` hook)
-    """
-
-    def __init__(self) -> None:
-        self._works: list = []
-        self._abandoned: list = []  # notices no peer took within a settle: held, never waited for again
-
-    def keep(self, works: list) -> None:
-        """Hold the posted works (and so their buffers) until they complete."""
-        self._works.extend(works)
-
-    @property
-    def pending(self) -> int:
-        """Notices posted since the last settle and not yet known to have landed."""
-        return len(self._works)
-
-    @property
-    def abandoned(self) -> int:
-        """Notices that no peer took within a settle (held until the process ends)."""
-        return len(self._abandoned)
-
-    def settle(self, timeout: timedelta = timedelta(seconds=1)) -> None:
-        """Wait, at most ``timeout`` in all, for the notices posted since the last settle to be taken.
-
-        NOTE: gloo cannot cancel a posted send, so a notice no peer took (it left first) stays held until the
-        process ends, when its peer's connection is gone too. It is waited for once: a process that builds and
-        shuts down meshes again and again (a test pool, a sweep) must not pay ``timeout`` at every shutdown
-        for a notice that can no longer land (the peers' drain would wait for it too).
-        """
-        deadline = time.monotonic() + timeout.total_seconds()
-        for work in self._works:
-            try:
-                work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            except RuntimeError:
-                self._abandoned.append(work)
-        self._works = []
-
-
-#: The process's notices in flight (one domain group per process at a time).
-NOTICES = PendingNotices()
 
 
 def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.0) -> Exception:
@@ -219,14 +208,18 @@ class PendingExchange:
     Usage: ``pending = start_exchange(comm, outgoing, incoming, fp); ...compute...; pending.wait()``
     """
 
-    def __init__(self, works: list, sends: list[tuple[int, torch.Tensor]], blocked_s: float) -> None:
+    def __init__(self, works: list, sends: list[tuple[int, torch.Tensor]], blocked_s: float,
+                 comm: DomainComm | None = None, peers: list[int] | None = None) -> None:
         self._works, self._sends, self._blocked_s = works, sends, blocked_s  # sends stay alive until done
+        self._comm, self._peers = comm, peers or []  # the peer of each work
         self._counted = bool(works)
 
     def wait(self) -> None:
         start = time.perf_counter()
-        for work in self._works:
-            work.wait()
+        lost, closed = lost_peers(self._works, self._peers)
+        if lost and self._comm is not None:
+            _leave(self._comm, [], [], set(), lost)
+            raise peer_lost_error(self._comm, lost, closed)
         sends, self._works, self._sends = self._sends, [], []
         if TrafficCounter._active and self._counted:
             self._counted = False
@@ -250,8 +243,9 @@ def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
         return PendingExchange([], [], 0.0)
     if fingerprint is not None:
         _check_peers(comm, outgoing, incoming, fingerprint)
-    works = _post(comm, sends, [(peer, buf) for peer, buf in incoming if buf.numel()])
-    return PendingExchange(works, sends, time.perf_counter() - start)
+    recvs = [(peer, buf) for peer, buf in incoming if buf.numel()]
+    works = _post(comm, sends, recvs)
+    return PendingExchange(works, sends, time.perf_counter() - start, comm, [p for p, _ in sends + recvs])
 
 
 def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],

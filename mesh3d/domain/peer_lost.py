@@ -1,0 +1,96 @@
+"""A domain peer that is gone: its connection closed during an exchange because its process ended.
+
+A rank killed mid-step (out of memory, the scheduler, ``kill -9``) or ended by an error outside mesh3d closes
+its sockets; a survivor waiting for it in an exchange gets gloo's "Connection closed by peer" (no rank in it).
+That is not a divergence: the survivor names the lost rank, tells its other domain peers (a ``KIND_LOST``
+notice, read as their next header from it, so none waits for the group timeout), and raises
+``DomainPeerLostError``. A peer that stays alive but never arrives is a timeout, reported as before.
+
+Usage::
+
+    try:
+        loss = model(xs).mean()
+    except DomainPeerLostError as err:
+        err.lost                       # the lost domain ranks (indices on the domain axis)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from mesh3d.domain.divergence import recent_ops
+from mesh3d.manager import DistributedManager
+
+__all__ = ["DomainPeerLostError", "closed_connection", "lost_peers", "peer_lost_error"]
+
+#: What a transport says when the other end of a connection went away (gloo's pairs; NCCL's remote errors).
+_CLOSED = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket closed",
+           "ncclremoteerror", "remote process exited")
+
+_WHAT_TO_DO = (
+    "This rank cannot finish the step without it: let this process end (every other survivor raises this too) "
+    "and restart the job from its latest complete checkpoint (torchrun --max-restarts resumes it by itself; see "
+    "docs/recipes.md). The lost rank's own log says why it ended.")
+
+
+class DomainPeerLostError(RuntimeError):
+    """A domain peer's process ended during a step (killed, or an error outside mesh3d); ``lost``: its domain rank(s).
+
+    Usage: ``except DomainPeerLostError as err: print(err.lost, err)  # then end, and restart from a checkpoint``
+    """
+
+    def __init__(self, message: str, lost: list[int]) -> None:
+        super().__init__(message)
+        self.lost = lost
+
+
+def closed_connection(err: BaseException) -> bool:
+    """Whether ``err`` says the other end of a connection went away (not a timeout, not a size mismatch)."""
+    text = str(err).lower()
+    return any(s in text for s in _CLOSED)
+
+
+def lost_peers(works: list, peers: list[int], timeout: timedelta | None = None) -> tuple[list[int], BaseException | None]:
+    """Wait for every work; return the peers whose connection closed, and the first such error.
+
+    ``peers[i]`` is the peer of ``works[i]`` (gloo: one work per message). A backend that coalesces the
+    messages into fewer works (NCCL) cannot say which peer failed: every peer of the exchange is named then.
+    Errors other than a closed connection (a timeout) are raised as they are.
+    """
+    lost: list[int] = []
+    first: BaseException | None = None
+    for i, work in enumerate(works):
+        try:
+            work.wait() if timeout is None else work.wait(timeout)
+        except RuntimeError as err:
+            if not closed_connection(err):
+                raise
+            first = first or err
+            lost.extend(peers if len(works) != len(peers) else [peers[i]])
+    return sorted(set(lost)), first
+
+
+def _who(comm, q: int) -> str:
+    """``domain rank q (global rank r; batch b, domain d, model m)``, the coordinates where the manager knows them."""
+    rank = comm.ranks[q]
+    where = ""
+    if DistributedManager.is_initialized():
+        mesh = DistributedManager().mesh  # the (batch, domain, model) mesh
+        hit = (mesh.mesh == rank).nonzero()
+        if len(hit):
+            where = "; " + ", ".join(f"{name} {int(c)}" for name, c in zip(mesh.mesh_dim_names or (), hit[0]))
+    return f"domain rank {q} (global rank {rank}{where})"
+
+
+def peer_lost_error(comm, lost: list[int], err: BaseException | None, seen_by: int | None = None) -> DomainPeerLostError:
+    """The error a survivor raises: who is gone, how this rank learned it, what to do."""
+    names = ", ".join(_who(comm, q) for q in lost)
+    if seen_by is None:
+        how = (f"its connection closed while this rank (domain rank {comm.index}) waited for it in a domain exchange"
+               f" ({type(err).__name__}: {str(err).splitlines()[0][:160] if err else ''}). Its process ended: killed "
+               "(out of memory, the scheduler, a signal) or an error outside mesh3d")
+    else:
+        how = (f"domain rank {seen_by} saw its connection close in a domain exchange and told this rank "
+               f"(domain rank {comm.index})")
+    return DomainPeerLostError(f"{names} is gone: {how}. {_WHAT_TO_DO} Latest here:\n{recent_ops()}", lost)
+

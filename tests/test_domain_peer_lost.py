@@ -1,0 +1,52 @@
+"""A domain peer whose process ends mid-step (SIGKILL, as the kernel's out-of-memory killer or a scheduler ends it)
+is named as gone on every survivor, not reported as a divergence, and nobody waits for the group timeout: the
+survivors next to it see its connection close; the others hear it from them (``mesh3d.domain.peer_lost``)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+import torch
+
+from rankpool.pool import RankFailure
+
+
+def _killed_mid_step_body(victim: int):
+    """Three domain ranks on slabs run two convs; domain rank ``victim`` is SIGKILLed before the first."""
+    from mesh3d import DistributedManager, domain
+
+    dm = DistributedManager.initialize(batch=1, domain=-1)  # the default group timeout (minutes): nobody waits it out
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 2, 3, padding=1), torch.nn.Conv2d(2, 1, 3, padding=1))
+    xs = domain.shard(torch.randn(1, 1, 12, 5), dim=2)
+    if dm.axis_rank("domain") == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    net(xs).sum().backward()
+
+
+def _outputs(text: str) -> dict[int, str]:
+    """Each rank's section of a RankFailure's message."""
+    marks = [(m.start(), int(m.group(1))) for m in re.finditer(r"--- rank (\d+)", text)]
+    return {rank: text[start:(marks[i + 1][0] if i + 1 < len(marks) else len(text))] for i, (start, rank) in enumerate(marks)}
+
+
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_rank_killed_mid_step_is_named_as_gone_on_every_survivor(ranks, victim):
+    """Victim 1: both survivors border it. Victim 2: domain rank 1 sees it go and tells domain rank 0, which has
+    no exchange with it (rank 0 learns at its next exchange with rank 1)."""
+    with pytest.raises(RankFailure) as failure:
+        ranks.run(3, _killed_mid_step_body, victim, timeout=120)
+    sections = _outputs(str(failure.value))
+    assert "died" in sections[victim] and "signal" in sections[victim].lower() or "-9" in sections[victim], sections[victim]
+    for rank in set(range(3)) - {victim}:
+        text = sections[rank]
+        assert f"DomainPeerLostError: domain rank {victim} (global rank {victim}; batch 0, domain {victim}, model 0) is gone" \
+            in text, text
+        assert "DomainDivergenceError" not in text, text
+        assert "restart the job from its latest complete checkpoint" in text, text
+        told = victim == 2 and rank == 0
+        assert ("domain rank 1 saw its connection close" in text) == told, text
+        assert ("its connection closed while this rank" in text) == (not told), text
