@@ -5,6 +5,7 @@ Usage::
     timeout = as_timeout(None)                  # MESH3D_TIMEOUT seconds, else DEFAULT_TIMEOUT (10 minutes)
     backend = choose_backend(None)              # "nccl" with CUDA, else "gloo"
     device = choose_device(backend, local_rank) # cuda:local_rank % GPUs, or cpu
+    store = restart_store(timeout)              # under torchrun's shared store: this restart's own keys
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import os
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "choose_backend", "choose_device"]
+__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "choose_backend", "choose_device", "restart_store"]
 
 #: Collectives that wait longer than this raise instead of hanging the job. Ten minutes
 #: is NCCL's default; gloo's own default is 30 minutes, too long to notice a hang.
@@ -58,3 +60,19 @@ def choose_device(backend: str, local_rank: int) -> torch.device:
         # Map local ranks onto visible GPUs; more ranks than GPUs on a node shares them round-robin.
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def restart_store(timeout: timedelta) -> dist.Store | None:
+    """Under torchrun with its rendezvous store shared (the default), a store for this restart's keys only; else None.
+
+    NOTE: torchrun's agent keeps one TCPStore across restarts (TORCHELASTIC_USE_AGENT_STORE=True) and
+    ``init_process_group`` keys it the same way every time, so after ``--max-restarts`` restarts the job, gloo reads
+    the dead attempt's addresses and fails with "connectFullMesh ... Connection refused" (pytorch#135712; NCCL
+    reads a stale unique id). The restart count, which torchrun gives every worker, prefixes this attempt's keys.
+    """
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or "MASTER_ADDR" not in env or "MASTER_PORT" not in env:
+        return None
+    client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
+                           timeout=timeout)
+    return dist.PrefixStore(f"mesh3d/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, live_process_groups, unflatten_mesh
-from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_backend, choose_device
+from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_backend, choose_device, restart_store
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
 from mesh3d.teardown import EXIT_DRAIN_TIMEOUT_ON_ERROR, SHUTDOWN_DRAIN_TIMEOUT, Teardown, exiting_on_error
@@ -156,14 +156,10 @@ class DistributedManager:
             store = dist.HashStore()
             dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
             return
+        store = restart_store(timeout)  # torchrun: this restart's keys (its shared store outlives a restart)
         dist.init_process_group(
-            backend,
-            init_method=f"tcp://{info.master_addr}:{info.master_port}",
-            rank=info.rank,
-            world_size=info.world_size,
-            timeout=timeout,
-            device_id=device_id,
-        )
+            backend, init_method=None if store else f"tcp://{info.master_addr}:{info.master_port}", store=store,
+            rank=info.rank, world_size=info.world_size, timeout=timeout, device_id=device_id)
 
     def _build_meshes(self, shape: tuple[int, int, int]) -> None:
         options = group_options(self.backend, self.timeout)
