@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mesh3d import DistributedManager, Plan, global_mean_loss, parallelize
+from mesh3d import PREEMPTED_EXIT_CODE, DistributedManager, Plan, global_mean_loss, parallelize
 from mesh3d.checkpoint import CheckpointManager
 from mesh3d.parallel.init import capture_init_specs, materialize
 
@@ -75,9 +75,14 @@ def run_rank(args) -> None:
         opt.step()
         opt.zero_grad()
         say(f"step {step} loss {loss.item():.6f}", flush=True)
-        if (step + 1) % args.save_every == 0 or step + 1 == last:
+        stop = dm.should_stop()  # a stop signal on any rank (the sbatch file: --signal=USR1@120, MESH3D_STOP_SIGNALS)
+        if stop or (step + 1) % args.save_every == 0 or step + 1 == last:
             manager.save(model, opt, step=step + 1)
             say(f"  saved {manager.path_for(step + 1)}", flush=True)
+        if stop:
+            say(f"stop signal: saved step {step + 1}; exiting with {PREEMPTED_EXIT_CODE} for the job to requeue", flush=True)
+            DistributedManager.shutdown()
+            sys.exit(PREEMPTED_EXIT_CODE)
     if last < args.steps:
         say(f"preempted after step {last - 1} (simulated); requeue the job to resume", flush=True)
     else:

@@ -15,6 +15,7 @@ from mesh3d.log import get_logger
 from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
 from mesh3d.parallel import Plan, parallelize
+from mesh3d.preempt import PREEMPTED_EXIT_CODE
 
 __version__ = "0.1.0"
 
@@ -22,6 +23,7 @@ __all__ = [
     "AXES",
     "DistributedManager",
     "LaunchInfo",
+    "PREEMPTED_EXIT_CODE",
     "Plan",
     "__version__",
     "checkpoint",

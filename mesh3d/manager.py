@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import ClassVar
 
@@ -25,6 +26,7 @@ from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_opti
 from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_backend, choose_device, restart_store
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
+from mesh3d.preempt import STOP, agree_to_stop
 from mesh3d.teardown import EXIT_DRAIN_TIMEOUT_ON_ERROR, SHUTDOWN_DRAIN_TIMEOUT, Teardown, exiting_on_error
 
 __all__ = ["DistributedManager", "DERIVED_AXES", "DEFAULT_TIMEOUT"]
@@ -86,6 +88,7 @@ class DistributedManager:
         *,
         backend: str | None = None,
         timeout: float | timedelta | None = None,
+        stop_signals: Iterable[int | str] | None = None,
     ) -> DistributedManager:
         """Join (or start) the process group and build the (batch, domain, model) mesh.
 
@@ -95,8 +98,10 @@ class DistributedManager:
         ``MESH3D_TIMEOUT`` or 10 minutes) bounds every collective on the mesh's groups.
         ``domain=(2, 2)`` factors the domain axis into a grid (blocks; ``dm.domain_grid``, and the
         grid lines' groups ``dm.group("domain_0")``, ``"domain_1"``, ...); the mesh keeps its three axes.
+        ``stop_signals`` (default ``MESH3D_STOP_SIGNALS``, e.g. ``"SIGUSR1"``) set the flag ``should_stop`` agrees on.
         """
         timeout = as_timeout(timeout)
+        STOP.install(stop_signals)  # bad names raise here, on every rank, before any collective
         reuse = dist.is_available() and dist.is_initialized()
         if reuse:
             info = LaunchInfo(
@@ -205,6 +210,7 @@ class DistributedManager:
                 "first, or never called shutdown()); this rank's own teardown is complete: " + "; ".join(late[:4]),
                 RuntimeWarning, stacklevel=2)
         self._destroy_groups()
+        STOP.uninstall()
         if failures:
             raise failures[0]
 
@@ -273,6 +279,13 @@ class DistributedManager:
         """
         if hook not in cls._shutdown_hooks:
             cls._shutdown_hooks.append(hook)
+
+    def should_stop(self) -> bool:
+        """True on every rank once any rank got a stop signal: call it at a step boundary, on every rank.
+
+        Usage: ``if dm.should_stop(): manager.save(...); DistributedManager.shutdown(); sys.exit(PREEMPTED_EXIT_CODE)``
+        """
+        return agree_to_stop(self.group("world"), self.device if "nccl" in self.backend else None)
 
     def manual_seed(self, seed: int) -> int:
         """Seed torch's generators so every rank of a batch rank's domain and model groups draws the same numbers.

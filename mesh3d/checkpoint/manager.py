@@ -13,6 +13,7 @@ Usage::
     info = manager.load(model, optimizer, data=loader)     # None on a fresh run
     manager.save(model, optimizer, step=100, data=loader)  # all ranks
     manager.async_save(model, optimizer, step=200)         # returns once staged; manager.wait() to finish
+    manager.maybe_save(model, optimizer, step=step, every=100, data=loader)  # every step: periodic + preemption
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
 from mesh3d.checkpoint.index import INDEX_NAME
 from mesh3d.checkpoint.load import LoadInfo, load
 from mesh3d.checkpoint.save import StageHook, save, write_file_atomic
+from mesh3d.manager import DistributedManager
+from mesh3d.preempt import PREEMPTED_EXIT_CODE, agree_to_stop
 
 __all__ = ["CheckpointManager"]
 
@@ -76,13 +79,14 @@ class CheckpointManager:
         return self.path_for(steps[-1]) if steps else None
 
     def save(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
-             extra: Any = None, data: Any = None) -> str:
-        """Save ``root/step-<step>`` (all ranks), then point ``latest`` at it and prune (rank 0)."""
+             extra: Any = None, data: Any = None, stage_hook: StageHook | None = None) -> str:
+        """Save ``root/step-<step>`` (all ranks), then point ``latest`` at it and prune (rank 0).
+        ``stage_hook`` is ``checkpoint.save``'s (progress, fault injection)."""
         IN_FLIGHT.wait()  # before touching root: a pending save's failure is raised first, on every rank
         rank, _ = world()
         if rank == 0:
             os.makedirs(self.root, exist_ok=True)
-        path = save(self.path_for(step), model, optimizer, step=step, extra=extra, data=data)
+        path = save(self.path_for(step), model, optimizer, step=step, extra=extra, data=data, stage_hook=stage_hook)
         error = None
         if rank == 0:
             try:
@@ -109,6 +113,32 @@ class CheckpointManager:
     def wait(self) -> None:
         """Finish the save still being written, if any (raises its failure on every rank)."""
         IN_FLIGHT.wait()
+
+    def maybe_save(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, step: int,
+                   every: int | None = None, data: Any = None, extra: Any = None, exit: bool = True) -> bool:
+        """Call at every step boundary, on every rank: a background save every ``every`` steps, and preemption.
+
+        Usage: ``manager.maybe_save(model, opt, step=step, every=100, data=loader)`` after each optimizer step.
+
+        ``step`` counts the steps done (a resumed run starts from ``info.step``). One small all-reduce agrees on
+        the stop flag (``DistributedManager.initialize(stop_signals=...)``): when any rank got a stop signal,
+        every rank saves ``step`` (with ``data``'s cursor), waits until it is committed and ``latest`` points at
+        it, and then, with ``exit=True``, shuts down and exits with status 75 (``PREEMPTED_EXIT_CODE``, which a
+        job script requeues: docs/recipes.md). Returns whether it started a save.
+        """
+        if DistributedManager.is_initialized():
+            stop = DistributedManager().should_stop()
+        else:
+            stop = agree_to_stop(None)
+        if not (stop or (every is not None and step % every == 0)):
+            return False
+        self.async_save(model, optimizer, step=step, extra=extra, data=data)
+        if stop:
+            self.wait()
+            if exit:
+                DistributedManager.shutdown()
+                raise SystemExit(PREEMPTED_EXIT_CODE)
+        return True
 
     def _publish(self, path: str) -> None:
         """Rank 0, after ``path`` is committed: point ``latest`` at it, then apply retention."""
