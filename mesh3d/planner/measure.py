@@ -129,6 +129,8 @@ class PeakRss:
     first step's freed activations raise the threshold to their size and later ones land in malloc's heap;
     those heap chunks stay free afterwards and the measured step reuses them piecemeal, so its RSS peak grew
     10-35 MiB above the live bytes, by a different amount on each run, in a fresh 4-rank conv step of 52 MiB.
+    The same holds for a process that ran other work before the threshold was set (its heap keeps what that
+    work freed): measure in a fresh process.
     """
 
     def __init__(self) -> None:

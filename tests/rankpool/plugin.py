@@ -36,9 +36,9 @@ class RankPools:
         return self._pools[world_size]
 
     def run(self, world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S,
-            **kwargs: Any) -> list[Any]:
-        """``fn(*args, **kwargs)`` on each of ``world_size`` ranks; the per-rank results."""
-        return self.pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+            fresh: bool = False, **kwargs: Any) -> list[Any]:
+        """``fn(*args, **kwargs)`` on each of ``world_size`` ranks (``fresh``: new processes); the per-rank results."""
+        return self.pool(world_size).run(fn, *args, timeout=timeout, fresh=fresh, **kwargs)
 
     def close(self) -> None:
         for pool in self._pools.values():

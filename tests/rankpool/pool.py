@@ -190,14 +190,18 @@ class RankPool:
                  for rank in ranks]
         return "\n".join(parts)
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = DEFAULT_TIMEOUT_S, fresh: bool = False,
+            **kwargs: Any) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on every rank and return each rank's result, by rank.
 
         ``fn`` must be importable (a module-level function). Raises :class:`RankFailure`
         with every failing rank's traceback, or :class:`RankTimeout` with the stacks of
         the ranks that had not answered after ``timeout`` seconds; after either, the
-        ranks are restarted so the next body starts from a clean group.
+        ranks are restarted so the next body starts from a clean group. ``fresh``: new processes
+        for this body (what it measures must not depend on what earlier bodies left, e.g. malloc's heap).
         """
+        if fresh and self.alive:
+            self.close()
         if not self.alive:
             self._kill()
             self._start()
