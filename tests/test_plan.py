@@ -16,10 +16,12 @@ from domain_models import TinyUNet
 from plan_models import ConvStack, Flips, WideKernel, transformer
 
 from mesh3d import Plan
+from mesh3d.domain import attention_mode, ring
 from mesh3d.planner import InputSpec, JobMesh, plan_job
 from mesh3d.planner.classes import DomainClasses
 from mesh3d.planner.job import _factors
 from mesh3d.planner.layout import ModelLayout
+from mesh3d.planner.meta_outputs import MetaOutputs
 from mesh3d.planner.simulate import Simulator
 
 
@@ -176,8 +178,6 @@ def test_modeled_ring_attention_plans_what_the_computed_ring_does(monkeypatch, d
     """A dry run models ring attention per pass (buffers, its largest kernel workspace, every exchange) instead of
     running each block's kernels: the same domain bytes and messages as computing it, and a step peak no lower
     (the arriving buffer is held at its largest for the whole pass) and within 5 %, with no block kernel run."""
-    from mesh3d.domain import attention_mode, ring
-
     def planned():
         with attention_mode("ring"):
                 job = plan_job(transformer, Plan(batch=None), JobMesh.resolve(domain, 1, domain, 1),
@@ -206,8 +206,6 @@ def test_modeled_ring_attention_plans_what_the_computed_ring_does(monkeypatch, d
 def test_meta_outputs_reuse_only_pure_ops_and_give_their_metadata():
     """The planner's cache of meta outputs: the same shape, strides and dtype as the op, a fresh storage each time;
     views, in-place ops and ops on other devices run as they are."""
-    from mesh3d.planner.meta_outputs import MetaOutputs
-
     outputs = MetaOutputs()
     a = torch.empty(3, 1, 5, device="meta").transpose(0, 2)
     b = torch.empty(4, 1, dtype=torch.float64, device="meta")
@@ -231,8 +229,6 @@ def test_meta_outputs_reuse_only_pure_ops_and_give_their_metadata():
 def test_thin_shard_warning_names_halos_not_attention_relayouts():
     """A 5x5 conv on 1-row shards reads rows two ranks away: warned. Causal ring attention moves rows to far ranks
     on purpose (its zigzag layout), forward and backward: not warned."""
-    from mesh3d.domain import attention_mode
-
     conv = plan_job(lambda: nn.Conv2d(2, 2, 5, padding=2), Plan(batch=None), JobMesh.resolve(6, 1, 6, 1),
                     InputSpec((1, 2, 6, 8)))
     assert any("torch.conv2d: domain ranks read halo rows from ranks up to 2 grid steps" in w for w in conv.warnings)

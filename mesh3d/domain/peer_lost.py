@@ -16,8 +16,6 @@ Usage::
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from mesh3d.domain.divergence import recent_ops
 from mesh3d.manager import DistributedManager
 
@@ -50,7 +48,7 @@ def closed_connection(err: BaseException) -> bool:
     return any(s in text for s in _CLOSED)
 
 
-def lost_peers(works: list, peers: list[int], timeout: timedelta | None = None) -> tuple[list[int], BaseException | None]:
+def lost_peers(works: list, peers: list[int]) -> tuple[list[int], BaseException | None]:
     """Wait for every work; return the peers whose connection closed, and the first such error.
 
     ``peers[i]`` is the peer of ``works[i]`` (gloo: one work per message). A backend that coalesces the
@@ -61,7 +59,7 @@ def lost_peers(works: list, peers: list[int], timeout: timedelta | None = None) 
     first: BaseException | None = None
     for i, work in enumerate(works):
         try:
-            work.wait() if timeout is None else work.wait(timeout)
+            work.wait()  # bounded by the group timeout
         except RuntimeError as err:
             if not closed_connection(err):
                 raise

@@ -30,6 +30,7 @@ grad gets this rank's rows of its gradient (a partial sum, added over the domain
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -253,13 +254,6 @@ def _backward(plan: RingPlan, dout, q, k, v, mask, out, lse, want_dmask: bool):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask
 
 
-def _prod(dims) -> int:
-    out = 1
-    for d in dims:
-        out *= d
-    return out
-
-
 def _report_pass(plan: RingPlan, held: torch.Tensor, steps: int, rows: list[int]) -> torch.Tensor:
     """A modeled pass of ``steps`` exchanges: at step ``t`` the buffer of ``rows[t]`` rows goes to the next rank and
     one of ``rows[t + 1]`` arrives. Returns the arriving buffer at its largest (alive beside ``held``); the dry
@@ -272,7 +266,7 @@ def _report_pass(plan: RingPlan, held: torch.Tensor, steps: int, rows: list[int]
     if observer is not None:
         observer(comm, [((comm.index + 1) % size, held)] if held.numel() else [],
                  [((comm.index - 1) % size, arriving)] if arriving.numel() else [])
-    per_row = _prod(held.shape[:-2]) * held.shape[-1] * held.element_size()
+    per_row = math.prod(held.shape[:-2]) * held.shape[-1] * held.element_size()
     for t in range(steps):
         sent, got = rows[t] * per_row, rows[(t + 1) % size] * per_row
         if sent or got:
