@@ -7,6 +7,7 @@ If a torch upgrade breaks mesh3d, this is the first file to look at.
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor import DTensor, _redistribute
+from torch._library.effects import EffectType
 
 __all__ = [
     "checkpoint_module",
@@ -24,6 +26,9 @@ __all__ = [
     "flatten_mesh",
     "gloo_backend",
     "group_options",
+    "is_operator_overload",
+    "keep_in_program_order",
+    "let_compiled_graphs_take_function_subclasses",
     "live_process_groups",
     "local_shape_and_global_offset",
     "post_barrier",
@@ -223,3 +228,34 @@ def cpu_flash_attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: tor
     """
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, q, k, v, out, lse, 0.0, causal, attn_mask=mask, scale=scale)
+
+
+def let_compiled_graphs_take_function_subclasses() -> None:
+    """Skip AOTAutograd's first-call aliasing check of custom ops, which refuses ``__torch_function__`` subclasses.
+
+    Why private: a compiled graph called with a ``DomainTensor`` runs its ops on the real input, a
+    ``__torch_function__`` subclass. On its first call AOTAutograd runs them under a debug dispatch mode
+    (``_AnalyzeCustomOpInputOutputMode``) that returns ``NotImplemented`` for any tensor type other than
+    ``torch.Tensor``, so the call fails (torch 2.13). ``torch._functorch.config.check_custom_op_aliasing``
+    turns that debug check off; mesh3d's one custom op (``mesh3d::exchange_rows``) returns fresh buffers only.
+    """
+    torch._functorch.config.check_custom_op_aliasing = False
+
+
+def keep_in_program_order(op: Any) -> None:
+    """Mark the custom op ``op`` as having an ordered side effect: a compiled graph neither reorders, merges nor drops it.
+
+    Why private: every domain rank must post its exchanges in the same order, and an op whose outputs are unused
+    (a rank that receives nothing) must still send. ``CustomOpDef.register_effect`` is public, but the only effect
+    type it takes, ``EffectType.ORDERED``, lives in the private ``torch._library.effects``.
+    """
+    op.register_effect(EffectType.ORDERED)
+
+
+def is_operator_overload(func: Any) -> bool:
+    """Whether ``func`` is an ATen-level operator (``torch.ops.aten.view.default``), not a torch function.
+
+    Why private: ``torch._ops.OpOverload`` is the class of those operators; torch exposes no public predicate.
+    A compiled graph's runtime calls them on its inputs (domain tensors included), with sizes traced on the shard.
+    """
+    return isinstance(func, torch._ops.OpOverload)

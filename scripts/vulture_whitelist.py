@@ -40,3 +40,6 @@ _.world_mesh  # mesh3d/manager.py
 _.explain  # mesh3d/parallel/plan.py: Plan.explain
 
 # Dead, in a module owned by the domain work (#9): to be removed there.
+
+# A torch config flag mesh3d sets (read by torch's AOTAutograd, not by mesh3d): _torch_private.py.
+_.check_custom_op_aliasing

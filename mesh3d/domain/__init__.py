@@ -12,6 +12,7 @@ Usage::
 See docs/domain.md.
 """
 
+from mesh3d._torch_private import let_compiled_graphs_take_function_subclasses
 from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
 from mesh3d.manager import DistributedManager
 from mesh3d.domain.dispatch import dispatch
@@ -34,6 +35,8 @@ DomainTensor._gather_whole = staticmethod(full_tensor)
 DistributedManager.on_shutdown(JOURNAL.reset)
 # Notices to peers still in flight are given their chance to land before the groups go.
 DistributedManager.on_teardown(NOTICES.settle)
+# torch.compile of models called with domain tensors (docs/domain.md, "torch.compile").
+let_compiled_graphs_take_function_subclasses()
 
 __all__ = [
     "DomainDivergenceError",

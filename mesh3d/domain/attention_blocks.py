@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cached_property
+
 
 import torch
+from mesh3d.domain.plan_cache import plan_property
 
 __all__ = ["MaskRule", "Piece", "Segment", "piece_mask", "piece_work", "pieces", "slice_user_mask"]
 
@@ -52,15 +53,15 @@ class Segment:
                 out.append((a, b))
         return Segment(tuple(out))
 
-    @cached_property
+    @plan_property
     def rows(self) -> int:
         return sum(b - a for a, b in self.runs)
 
-    @cached_property
+    @plan_property
     def lo(self) -> int:
         return min((a for a, _ in self.runs), default=0)
 
-    @cached_property
+    @plan_property
     def hi(self) -> int:
         """One past the largest index."""
         return max((b for _, b in self.runs), default=0)
@@ -69,7 +70,7 @@ class Segment:
     def contiguous(self) -> bool:
         return len(self.runs) == 1
 
-    @cached_property
+    @plan_property
     def _index(self) -> torch.Tensor:
         parts = [torch.arange(a, b) for a, b in self.runs]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)

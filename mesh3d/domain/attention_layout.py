@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from functools import lru_cache
 
 import torch
 
@@ -31,13 +30,14 @@ from mesh3d.domain.exchange import DomainComm, gather_rows
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.split import balanced_sizes, offsets_of
 from mesh3d.domain.tokens import TokenSpec
+from mesh3d.domain.plan_cache import plan_cache
 
 __all__ = ["Layout", "relayout", "slab_layout", "token_layout", "zigzag_layout"]
 
 Layout = tuple[Segment, ...]
 
 
-@lru_cache(maxsize=256)
+@plan_cache(maxsize=256)
 def slab_layout(sizes: tuple[int, ...]) -> Layout:
     """Slabs: rank r holds one run, ``offsets[r] .. offsets[r] + sizes[r]``.
 
@@ -46,7 +46,7 @@ def slab_layout(sizes: tuple[int, ...]) -> Layout:
     return tuple(Segment.run(o, o + n) for o, n in zip(offsets_of(sizes), sizes))
 
 
-@lru_cache(maxsize=256)
+@plan_cache(maxsize=256)
 def zigzag_layout(length: int, ranks: int) -> Layout:
     """Rank r holds chunks r and 2D-1-r of ``2 * ranks`` chunks (lengths differ by at most one).
 
@@ -77,7 +77,7 @@ def _token_runs(spec: TokenSpec, rank: int) -> Segment:
     return Segment.joined(runs)
 
 
-@lru_cache(maxsize=64)
+@plan_cache(maxsize=64)
 def token_layout(spec: TokenSpec) -> Layout:
     """A token grid: each rank's tokens in its local (block) order, one run per row of its block (prefix
     tokens first on rank 0).
@@ -87,7 +87,7 @@ def token_layout(spec: TokenSpec) -> Layout:
     return tuple(_token_runs(spec, r) for r in range(spec.comm.size))
 
 
-@lru_cache(maxsize=256)
+@plan_cache(maxsize=256)
 def _needs(src: Layout, dst: Layout) -> tuple[tuple[int, ...], tuple[tuple[Span, ...], ...]]:
     """(source rows per rank, each rank's destination runs as runs of the source read rank after rank)."""
     starts, table = [], []  # every source run, sorted by global start: (start, stop, position in source order)

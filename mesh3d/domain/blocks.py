@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+
 
 import torch
 
@@ -35,6 +35,7 @@ from mesh3d.domain.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.split import offsets_of, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager
+from mesh3d.domain.plan_cache import plan_cache, plan_property
 
 __all__ = ["BlockSpec", "block_full_tensor", "extend_windows", "gather_along", "gather_boxes", "grid_comms",
            "grid_coords", "halo_rows_only", "in_layout", "replicate_blocks_if_singleton", "shard_blocks"]
@@ -52,12 +53,12 @@ class BlockSpec:
     lines: tuple[DomainComm, ...]
     comm: DomainComm
 
-    @cached_property
+    @plan_property
     def offsets(self) -> tuple[int, ...]:
         """This rank's global start along each sharded dim."""
         return tuple(offsets_of(s)[line.index] for s, line in zip(self.sizes, self.lines))
 
-    @cached_property
+    @plan_property
     def local_sizes(self) -> tuple[int, ...]:
         return tuple(s[line.index] for s, line in zip(self.sizes, self.lines))
 
@@ -165,7 +166,7 @@ def block_full_tensor(x: DomainTensor) -> DomainTensor:
     return adopt(_BlockFullTensor.apply(unwrap(x), spec), DomainSpec(None, None, spec.comm))
 
 
-@lru_cache(maxsize=1024)
+@plan_cache(maxsize=1024)
 def halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[ExchangePlan, int, int]:
     """This rank's window exchange without its padding rows, and the padding (left, right) for the kernel.
 

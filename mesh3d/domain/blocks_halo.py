@@ -25,12 +25,13 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 
 import torch
 
-from mesh3d.domain.exchange import DomainComm, exchange_point, rows_of, start_exchange
+from mesh3d.domain.exchange import DomainComm, exchange_point, rows_of, swap
+from mesh3d.domain.exchange_op import received_shape
 from mesh3d.domain.rows import ExchangePlan
+from mesh3d.domain.plan_cache import plan_cache
 
 __all__ = ["FILL", "OWN", "BoxPlan", "gather_box", "plan_box"]
 
@@ -73,7 +74,7 @@ def _per_dim(plan: ExchangePlan, me: int) -> tuple[dict[int, Runs], dict[int, in
     return send, recv, pieces
 
 
-@lru_cache(maxsize=1024)
+@plan_cache(maxsize=1024)
 def plan_box(plans: tuple[ExchangePlan, ...], coords: tuple[int, ...], grid: tuple[int, ...]) -> BoxPlan:
     """The product of one 1-D halo plan per grid dim (``coords``: this rank's grid coordinates).
 
@@ -131,23 +132,14 @@ def _runs_boxes(runs: tuple[Runs, ...]):
         yield tuple(c[0] for c in combo), tuple(c[1] for c in combo)
 
 
-def _with_lengths(t: torch.Tensor, dims: Sequence[int], lengths: Sequence[int]) -> list[int]:
-    shape = list(t.shape)
-    for d, n in zip(dims, lengths):
-        shape[d] = n
-    return shape
-
-
 class _GatherBox(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
                 fingerprint):
         ctx.dims, ctx.plan, ctx.comm, ctx.local_shape = dims, plan, comm, local.shape
         outgoing = [(peer, _pack(local, dims, runs)) for peer, runs in plan.send]
-        incoming = [(peer, local.new_empty(_with_lengths(local, dims, lengths))) for peer, lengths in plan.recv]
-        start_exchange(comm, outgoing, incoming, fingerprint).wait()
-        received = dict(incoming)
-        out = local.new_empty(_with_lengths(local, dims, plan.shape))
+        received = swap(comm, outgoing, local, dims, list(plan.recv), fingerprint)
+        out = local.new_empty(received_shape(local, dims, plan.shape))
         for peer, (result, source) in plan.cells:
             if peer == FILL:
                 _box(out, dims, result).fill_(fill)
@@ -158,15 +150,15 @@ class _GatherBox(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         dims, plan = ctx.dims, ctx.plan
-        back = {peer: grad.new_empty(_with_lengths(grad, dims, lengths)) for peer, lengths in plan.recv}
+        back = {peer: grad.new_empty(received_shape(grad, dims, lengths)) for peer, lengths in plan.recv}
         grad_local = grad.new_zeros(ctx.local_shape)
         for peer, (result, source) in plan.cells:  # every message is covered by its peer's cells exactly once
             if peer != FILL:
                 target = _box(grad_local, dims, source).add_ if peer == OWN else _box(back[peer], dims, source).copy_
                 target(_box(grad, dims, result))
-        incoming = [(peer, grad.new_empty(_with_lengths(grad, dims, [sum(n for _, n in r) for r in runs])))
-                    for peer, runs in plan.send]
-        start_exchange(ctx.comm, list(back.items()), incoming, exchange_point(ctx.comm)).wait()
+        counts = [(peer, tuple([sum([n for _, n in r]) for r in runs])) for peer, runs in plan.send]
+        received = swap(ctx.comm, list(back.items()), grad, dims, counts, exchange_point(ctx.comm))
+        incoming = [(peer, received[peer]) for peer, _ in counts]
         for (_, runs), (_, buf) in zip(plan.send, incoming):
             for local_box, message_box in _runs_boxes(runs):
                 _box(grad_local, dims, local_box).add_(_box(buf, dims, message_box))

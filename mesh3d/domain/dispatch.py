@@ -16,13 +16,12 @@ from __future__ import annotations
 import inspect
 import math
 from collections.abc import Callable
-from functools import lru_cache
 from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from mesh3d._torch_private import disable_torch_function_subclass
+from mesh3d._torch_private import disable_torch_function_subclass, is_operator_overload
 from mesh3d.domain.collectives import scale_grad, sum_grad
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
@@ -34,8 +33,9 @@ from mesh3d.domain.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULE
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.step import Entering, Extended, Layout, Rows, Step, Window
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, global_shape_of, unwrap, wrap
+from mesh3d.domain.plan_cache import plan_cache
 
-__all__ = ["DATA_QUERIES", "GLOBAL_SIZES", "METADATA", "dispatch", "redistribute_local", "run_step"]
+__all__ = ["DATA_QUERIES", "GLOBAL_SIZES", "METADATA", "dispatch", "redispatch", "redistribute_local", "run_step"]
 
 # Queries answered from the local shard: they hold no size and no tensor data to get wrong.
 _LOCAL_METADATA_NAMES = (
@@ -150,7 +150,7 @@ def _dispatch_blocks(func: Callable, args: tuple, kwargs: dict, blocks: list[Dom
             "run it, because the local answer could differ from the one-process answer. The ops supported are "
             "listed in docs/domain.md, 'Blocks' and 'Token grids'. Call .full_tensor() first, or move to slabs with "
             "domain.redistribute(x, dim=...)")
-    if spec.comm.size == 1:
+    if spec.comm.size == 1 or torch.compiler.is_dynamo_compiling():  # NOTE: see dispatch() on compiled graphs
         return rule(*args, **kwargs)
     JOURNAL.record(_op_label(func), (spec.dims, tuple(sum(s) for s in spec.sizes)))  # type: ignore[attr-defined]
     return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
@@ -196,7 +196,15 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     if func in METADATA:
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
+    if is_operator_overload(func):
+        # NOTE: from a compiled graph's runtime: traced on the shard (rules ran at trace time), they run on it.
+        with disable_torch_function_subclass():
+            return func(*args, **kwargs)
     if func in GLOBAL_SIZES and isinstance(args[0], DomainTensor):
+        if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling():
+            # NOTE: torch.compile fakifying the real input sees the shard; traced model code still gets global sizes.
+            with disable_torch_function_subclass():
+                return func(*args, **kwargs)
         return _global_size_answer(func, args[0], args[1:], kwargs)
     if func == _DATA_GET and isinstance(args[0], DomainTensor):
         return wrap(unwrap(args[0]).data, args[0]._spec)
@@ -223,11 +231,23 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
                 "(docs/domain.md, 'Adding an op rule')"
             )
         comm = found[0]._spec.comm
-        if comm.size == 1:
+        # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
+        # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
+        if comm.size == 1 or torch.compiler.is_dynamo_compiling():
             result = rule(*args, **kwargs)
             return run_step(result) if isinstance(result, Step) else result
         return _telling_peers_of_failure(comm, func, lambda: _run_rule_checked(func, rule, found, args, kwargs))
     return _run_replicated(func, found[0]._spec, args, kwargs)
+
+
+def redispatch(func: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` on domain tensors from inside a rule, through this dispatcher explicitly.
+
+    Usage: ``return redispatch(torch.Tensor.select, one, take_one, 0)``
+
+    NOTE: Dynamo, unlike eager torch, turns subclass dispatch off inside ``__torch_function__``: traced, a rule's own
+    ``a - b`` would run on the shards as a plain op (``nesting.NestedDispatchCheck`` finds such calls)."""
+    return dispatch(func, (), args, kwargs)
 
 
 def _run_rule_checked(func: Callable, rule: Callable, found: list[DomainTensor], args: tuple, kwargs: dict) -> Any:
@@ -327,7 +347,7 @@ def redistribute_local(x: DomainTensor, sizes: tuple[int, ...]) -> torch.Tensor:
 def _overlapped(step: Step) -> torch.Tensor | None:
     """The step's result computed with its halo exchange in flight (``mesh3d.domain.overlap``), or None
     where that does not apply: overlap off or not declared, nothing received, or no interior rows."""
-    if not OVERLAP.enabled or len(step.args) != 1 or step.kwargs:
+    if not OVERLAP.enabled or len(step.args) != 1 or step.kwargs or torch.compiler.is_dynamo_compiling():
         return None
     req = step.args[0]
     if not isinstance(req, Window) or req.overlap is None or req.x._spec.comm.size == 1:
@@ -345,7 +365,7 @@ def _overlapped(step: Step) -> torch.Tensor | None:
     return run_overlapped(step.compute, unwrap(req.x), spec.dim, xplan, split, spec.comm, req.fill)
 
 
-@lru_cache(maxsize=512)
+@plan_cache(maxsize=512)
 def block_needs(sizes: tuple[int, ...]) -> tuple[tuple[Span, ...], ...]:
     """Each rank's rows of the layout ``sizes``: one run each (O(D))."""
     out, at = [], 0

@@ -27,13 +27,14 @@ import torch.distributed as dist
 
 from mesh3d.domain import divergence
 from mesh3d.manager import DistributedManager
+from mesh3d.domain.exchange_op import TRANSPORT, comm_key, exchange_rows, received_shape
 from mesh3d.domain.notices import NOTICES, PendingNotices
 from mesh3d.domain.peer_lost import lost_peers, peer_lost_error
 from mesh3d.domain.rows import ExchangePlan, Piece
 from mesh3d.domain.traffic import _TRANSPORT, TrafficCounter, count_traffic, dry_run
 
 __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "dry_run",
-           "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange"]
+           "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange", "swap"]
 
 
 @dataclass(frozen=True)
@@ -254,8 +255,38 @@ def _exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     start_exchange(comm, outgoing, incoming, fingerprint).wait()
 
 
+def swap(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]], like: torch.Tensor, dims: tuple[int, ...],
+         counts: list[tuple[int, tuple[int, ...]]], fingerprint: int | None) -> dict[int, torch.Tensor]:
+    """Send ``outgoing``; from each ``(peer, lengths)`` of ``counts`` receive a message shaped like ``like`` but
+    ``lengths[k]`` long along ``dims[k]``. Returns {peer: message received}.
+
+    Usage: ``received = swap(comm, [(1, rows)], local, (2,), [(1, (3,))], exchange_point(comm))``
+
+    Compiled, it is the ``mesh3d::exchange_rows`` custom op (``exchange_op``): the same exchange, headers checked.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        received = exchange_rows([b for _, b in outgoing], like, list(dims), [q for q, _ in outgoing],
+                                 [q for q, _ in counts], [n for _, lengths in counts for n in lengths],
+                                 comm_key(comm.axis, comm.ranks, comm.index, comm.mesh_epoch))
+        return {q: buf for (q, _), buf in zip(counts, received)}
+    incoming = [(q, like.new_empty(received_shape(like, dims, lengths))) for q, lengths in counts]
+    _exchange(comm, outgoing, incoming, fingerprint)
+    return dict(incoming)
+
+
+def _run_in_graph(comm_fields: tuple, outgoing: list[tuple[int, torch.Tensor]],
+                  incoming: list[tuple[int, torch.Tensor]]) -> None:
+    comm = DomainComm(*comm_fields)
+    _exchange(comm, outgoing, incoming, exchange_point(comm))
+
+
+TRANSPORT.run = _run_in_graph
+
+
 def exchange_point(comm: DomainComm) -> int | None:
     """What this rank's peers check at an exchange: the op journal's fingerprint (None on a one-rank domain)."""
+    if torch.compiler.is_dynamo_compiling():  # NOTE: read when the graph runs, by mesh3d::exchange_rows itself
+        return None
     return divergence.JOURNAL.fingerprint if comm.size > 1 else None
 
 
@@ -298,9 +329,8 @@ class _GatherRows(torch.autograd.Function):
     def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, fingerprint):
         ctx.dim, ctx.plan, ctx.comm, ctx.local_shape = dim, plan, comm, local.shape
         outgoing = [(peer, rows_of(local, dim, runs)) for peer, runs in plan.send]
-        incoming = new_buffers(local, dim, list(plan.recv))
-        _exchange(comm, outgoing, incoming, fingerprint)
-        return _assemble(local, dim, plan.pieces, dict(incoming), fill)
+        received = swap(comm, outgoing, local, (dim,), [(q, (n,)) for q, n in plan.recv], fingerprint)
+        return _assemble(local, dim, plan.pieces, received, fill)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -317,8 +347,9 @@ class _GatherRows(torch.autograd.Function):
         # Reverse every message: what I received goes back as gradient; what I sent comes back.
         outgoing = [(peer, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim))
                     for peer, parts in back.items()]
-        incoming = new_buffers(grad, dim, [(peer, sum(c for _, c in runs)) for peer, runs in plan.send])
-        _exchange(ctx.comm, outgoing, incoming, exchange_point(ctx.comm))
+        counts = [(peer, (sum([c for _, c in runs]),)) for peer, runs in plan.send]
+        received = swap(ctx.comm, outgoing, grad, (dim,), counts, exchange_point(ctx.comm))
+        incoming = [(peer, received[peer]) for peer, _ in counts]
         whole = len(own) == 1 and own[0][0].start == 0 and own[0][0].count == ctx.local_shape[dim]
         if whole and not incoming:
             return own[0][1], None, None, None, None, None
@@ -362,8 +393,8 @@ def exchange_all(t: torch.Tensor, comm: DomainComm) -> list[torch.Tensor]:
     if comm.size == 1:
         return [t]
     others = [q for q in range(comm.size) if q != comm.index]
-    incoming = [(q, torch.empty_like(t)) for q in others]
-    _exchange(comm, [(q, t) for q in others], incoming, fingerprint)
-    parts = dict(incoming)
+    row = t.reshape(1, -1)  # one row of every element, so a 0-d partial sum travels like any message
+    parts = {q: part.view(t.shape) for q, part in swap(comm, [(q, row) for q in others], row, (0,),
+                                                        [(q, (1,)) for q in others], fingerprint).items()}
     parts[comm.index] = t
     return [parts[q] for q in range(comm.size)]

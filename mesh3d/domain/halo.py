@@ -23,10 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import lru_cache
 
 from mesh3d.domain.rows import ExchangePlan, RowMap, Span, plan_exchange
 from mesh3d.domain.split import offsets_of
+from mesh3d.domain.plan_cache import plan_cache
 
 __all__ = ["WindowPlan", "WindowProbe", "extent_map", "plan_window", "sizes_by_first_index", "window_exchange",
            "window_output_length"]
@@ -78,7 +78,7 @@ def extent_map(lo: int, hi: int, length: int) -> RowMap:
     return tuple(out)
 
 
-@lru_cache(maxsize=1024)
+@plan_cache(maxsize=1024)
 def plan_window(
     sizes: tuple[int, ...],
     kernel: int,
@@ -137,7 +137,7 @@ class WindowProbe:
             probe.lengths.append((length_in, length_out))
 
 
-@lru_cache(maxsize=2048)
+@plan_cache(maxsize=2048)
 def window_exchange(sizes: tuple[int, ...], plan: WindowPlan, me: int, kernel_pads: bool) -> tuple[ExchangePlan, int]:
     """This rank's exchange for a window op, and the padding left to the kernel.
 

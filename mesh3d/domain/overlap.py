@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import torch
@@ -33,6 +32,7 @@ from mesh3d.domain.exchange import (DomainComm, PendingExchange, exchange_point,
                                     start_exchange)
 from mesh3d.domain.rows import ExchangePlan, Piece
 from mesh3d.domain.step import Extended
+from mesh3d.domain.plan_cache import plan_cache
 
 __all__ = ["OVERLAP", "HaloInFlight", "OverlapPolicy", "WindowSplit", "run_overlapped", "split_window", "window_overlap"]
 
@@ -91,7 +91,7 @@ class WindowSplit:
     right_own_start: int
 
 
-@lru_cache(maxsize=1024)
+@plan_cache(maxsize=1024)
 def split_window(plan: ExchangePlan, pad: int, extent: int, stride: int, out_rows: int) -> WindowSplit | None:
     """The split of a window op's rows (module docstring), or None when no output reads only own rows.
 

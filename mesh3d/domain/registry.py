@@ -31,6 +31,7 @@ class RuleTable:
 
     def __init__(self) -> None:
         self._rules: dict[Callable, Callable] = {}
+        self._listed: list[Callable] = []  # every rule once, for compiled lookups (``get``)
 
     def register(self, func: Callable, rule: Callable, *, override: bool = False) -> None:
         old = self._rules.get(func)
@@ -40,8 +41,13 @@ class RuleTable:
                 "pass override=True to replace it on purpose"
             )
         self._rules[func] = rule
+        if not any(r is rule for r in self._listed):
+            self._listed.append(rule)
 
     def get(self, func: Callable) -> Callable | None:
+        if torch.compiler.is_dynamo_compiling():
+            at = _rule_index_at_trace_time(self, func)
+            return None if at < 0 else self._listed[at]
         return self._rules.get(func)
 
     def __contains__(self, func: Callable) -> bool:
@@ -52,6 +58,17 @@ class RuleTable:
 
     def __len__(self) -> int:
         return len(self._rules)
+
+
+@torch.compiler.assume_constant_result
+def _rule_index_at_trace_time(table: RuleTable, func: Callable) -> int:
+    """Where ``table``'s rule for ``func`` sits in ``table._listed`` (-1: none), looked up once while Dynamo traces.
+
+    NOTE: Dynamo's own dict lookup of a torch function key can miss, and a function returned by a constant-result
+    call cannot be guarded; an int can, and ``_listed`` is a plain list Dynamo indexes with guards.
+    """
+    rule = table._rules.get(func)
+    return -1 if rule is None else table._listed.index(rule)
 
 
 RULES = RuleTable()
@@ -77,6 +94,7 @@ def register(*funcs: Callable, override: bool = False) -> Callable[[Callable], C
     return deco
 
 
+@torch.compiler.assume_constant_result  # NOTE: a fact about the function alone: a constant in a compiled graph
 def op_name(func: Callable) -> str:
     """A readable name such as ``torch.flip``, ``torch.Tensor.add`` or ``torch.nn.functional.conv2d``.
 
@@ -96,6 +114,7 @@ _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrued
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 
 
+@torch.compiler.assume_constant_result  # NOTE: a fact about the function alone: a constant in a compiled graph
 def writes_into_first(func: Callable) -> bool:
     """Whether ``func`` writes into its first argument (``add_``, ``copy_``, ``x[i] = v``, ``x += y``).
 

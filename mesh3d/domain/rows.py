@@ -18,10 +18,12 @@ from __future__ import annotations
 import bisect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import NamedTuple
 
+import torch
+
 from mesh3d.domain.split import offsets_of
+from mesh3d.domain.plan_cache import plan_cache
 
 __all__ = ["ExchangePlan", "Piece", "RowMap", "Span", "map_length", "plan_exchange", "runs_from_indices"]
 
@@ -112,7 +114,10 @@ class ExchangePlan:
 def _owned_parts(span: Span, starts: Sequence[int], ends: Sequence[int], ranks: Sequence[int]):
     """Split a row run into (rank, global start, global stop) by owner: O(log D + parts)."""
     g = span.start
-    i = bisect.bisect_right(starts, g) - 1
+    if torch.compiler.is_dynamo_compiling():  # NOTE: Dynamo cannot trace the C ``bisect``; D is small, scan instead
+        i = sum(1 for s in starts if s <= g) - 1
+    else:
+        i = bisect.bisect_right(starts, g) - 1
     while g < span.stop:
         if i < 0 or g >= ends[i]:
             raise IndexError(f"row {g} is outside the global length {ends[-1] if ends else 0}")
@@ -122,7 +127,7 @@ def _owned_parts(span: Span, starts: Sequence[int], ends: Sequence[int], ranks: 
         i += 1
 
 
-@lru_cache(maxsize=4096)
+@plan_cache(maxsize=4096)
 def plan_exchange(sizes: tuple[int, ...], needs: tuple[RowMap, ...], me: int) -> ExchangePlan:
     """Rank ``me``'s plan, given every rank's row map over a dim split as ``sizes``: O(D + spans).
 

@@ -19,18 +19,17 @@ intercepted with ``__torch_function__`` (so ``nn.Conv2d`` and ``F.conv2d`` are b
 function is patched); each op needs a rule in ``mesh3d.domain.registry``, and an op with no rule raises
 ``NotImplementedError`` naming it: never a silently wrong local answer.
 
-NOTE (the mechanism, measured in scripts/spike_subclass_compile.py): a ``__torch_function__`` subclass with
-global answers, not a ``__torch_dispatch__`` wrapper subclass as DTensor. The wrapper would move autograd to
-the global level and every rule to ATen; the ``__torch_function__`` subclass keeps ~50 rule families whose
-local adjoints are tested, and Dynamo traces it whole (one frame, fullgraph) once the dispatcher follows
-torch's own subclass pattern.
+NOTE (the mechanism): a ``__torch_function__`` subclass with global answers, not a ``__torch_dispatch__`` wrapper
+subclass as DTensor. The wrapper would move autograd to the global level and every rule to ATen; the
+``__torch_function__`` subclass keeps ~50 rule families whose local adjoints are tested, and Dynamo traces it whole,
+dispatcher and rules (docs/domain.md, "torch.compile").
 """
 
 from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from functools import cached_property
+
 from typing import Any
 
 import torch
@@ -38,8 +37,9 @@ import torch
 from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.exchange import DomainComm
 from mesh3d.domain.split import offsets_of
+from mesh3d.domain.plan_cache import plan_property
 
-__all__ = ["DomainSpec", "DomainTensor", "adopt", "local_shape", "sharded_dims", "unwrap", "wrap"]
+__all__ = ["DomainSpec", "DomainTensor", "adopt", "local_shape", "sharded_dims", "size_of", "unwrap", "wrap"]
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class DomainSpec:
     comm: DomainComm
     outer: int = 1
 
-    @cached_property
+    @plan_property
     def offset(self) -> int:
         return offsets_of(self.sizes)[self.comm.index] if self.sizes else 0
 
@@ -99,7 +99,9 @@ def adopt(fresh: torch.Tensor, spec: DomainSpec, keep: tuple = ()) -> DomainTens
     result keeps the op's own autograd node. Tensors a caller may still hold as plain tensors
     (leaves that need grad, parameters, anything in ``keep``) are wrapped as views instead.
     """
-    if type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) or any(fresh is k for k in keep):
+    if torch.compiler.is_dynamo_compiling() or type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) \
+            or any(fresh is k for k in keep):
+        # NOTE: Dynamo cannot set ``__class__``; a compiled graph's outputs are fresh tensors of its own anyway.
         return wrap(fresh, spec)
     fresh.__class__ = DomainTensor
     fresh._spec = spec
@@ -129,10 +131,26 @@ def global_shape_of(x: DomainTensor) -> torch.Size:
     return torch.Size(shape)
 
 
+def size_of(t: torch.Tensor) -> torch.Size:
+    """The whole tensor's shape for a domain tensor, the shape for a plain one: what a rule reads instead of ``.shape``.
+
+    Usage: ``n = size_of(xs)[2]  # global, in eager and compiled graphs alike``
+
+    NOTE: inside a rule, ``x.shape`` answers globally in eager code only: Dynamo (torch 2.13) turns subclass
+    dispatch off while it traces a ``__torch_function__``, so a compiled rule reading ``x.shape`` would get the
+    shard's. ``redispatch`` is the same for ops (``mesh3d.domain.dispatch``).
+    """
+    return global_shape_of(t) if isinstance(t, DomainTensor) else t.shape
+
+
 def unwrap(t: Any) -> Any:
     """The plain local tensor behind a DomainTensor (differentiable); anything else unchanged."""
     if isinstance(t, DomainTensor):
         with disable_torch_function_subclass():
+            if torch.compiler.is_dynamo_compiling():
+                # NOTE: Dynamo cannot trace ``as_subclass`` of a subclass; an alias made with subclass dispatch
+                # off is a plain tensor too (the spike in scripts/spike_subclass_compile.py).
+                return t.view_as(t)
             return t.as_subclass(torch.Tensor)
     return t
 

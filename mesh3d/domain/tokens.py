@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from functools import cached_property
+
 from typing import ClassVar
 
 import torch
@@ -33,6 +33,7 @@ from mesh3d.domain.exchange import DomainComm, gather_rows
 from mesh3d.domain.rows import Span, plan_exchange
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.plan_cache import plan_property
 
 __all__ = ["TokenSpec", "blocks_to_tokens", "gather_all_tokens", "token_full_tensor", "tokens_to_blocks"]
 
@@ -79,19 +80,19 @@ class TokenSpec:
     def global_tokens(self) -> int:
         return self.prefix + math.prod(self.grid_shape)
 
-    @cached_property
+    @plan_property
     def local_grid(self) -> tuple[int, ...]:
         """This rank's block of the token grid (rows along each grid dim)."""
         return tuple(s[line.index] for s, line in zip(self.sizes, self.lines))
 
-    @cached_property
+    @plan_property
     def counts(self) -> tuple[int, ...]:
         """Tokens held by each domain rank, in domain rank order (prefix tokens on rank 0)."""
         grid = tuple(len(s) for s in self.sizes)
         out = []
         for r in range(self.comm.size):
             coords = grid_coords(r, grid)
-            out.append(math.prod(s[c] for s, c in zip(self.sizes, coords)) + (self.prefix if r == 0 else 0))
+            out.append(math.prod([s[c] for s, c in zip(self.sizes, coords)]) + (self.prefix if r == 0 else 0))
         return tuple(out)
 
     def global_index_of(self, rank: int) -> torch.Tensor:
@@ -105,12 +106,12 @@ class TokenSpec:
         index = index.flatten() + self.prefix
         return torch.cat([torch.arange(self.prefix), index]) if rank == 0 and self.prefix else index
 
-    @cached_property
+    @plan_property
     def global_index(self) -> torch.Tensor:
         """This rank's tokens' global indices (row-major over the grid, after the prefix), in local order."""
         return self.global_index_of(self.comm.index)
 
-    @cached_property
+    @plan_property
     def gathered_index(self) -> torch.Tensor:
         """Global indices of every rank's tokens, in domain rank order (what ``gather_all_tokens`` returns)."""
         return torch.cat([self.global_index_of(r) for r in range(self.comm.size)])

@@ -22,7 +22,7 @@ import torch
 
 from mesh3d.domain.exchange import DomainComm, _exchange, exchange_point
 from mesh3d.domain.split import offsets_of, split_sizes
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, size_of, unwrap
 
 __all__ = ["move_local", "move_rows", "move_sharding"]
 
@@ -93,7 +93,7 @@ def move_sharding(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None)
     if spec.dim is None:
         raise ValueError("move_sharding: x is replicated (not sharded); use domain.shard on it instead")
     dim = dim % x.ndim
-    new_sizes = split_sizes(x.shape[dim], spec.comm.size, sizes)
+    new_sizes = split_sizes(size_of(x)[dim], spec.comm.size, sizes)
     if dim == spec.dim:
         raise ValueError(f"move_sharding: x is already sharded along dim {dim}; use domain.redistribute(x, sizes=...)")
     local = unwrap(x)

@@ -84,8 +84,19 @@ def _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if _batched(query, key, value):  # sharded along a batch dim (Swin's windows): local
         return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if torch.compiler.is_dynamo_compiling():
+        if query.spec.comm.size == 1:  # the whole sequence is here: torch's own SDPA, traced like any op
+            return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        # NOTE: the ring (and gather, Ulysses) keep exchanges in flight between block kernels, which no custom op
+        # carries yet: a compiled graph breaks around it and the attention runs eagerly (docs/domain.md).
+        return _eager_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention_modes.py)
     return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+
+
+@torch.compiler.disable(reason="mesh3d: attention over a sharded sequence runs eagerly in a compiled model")
+def _eager_sharded_attention(*args):
+    return sharded_attention(*args)
 
 
 def neighbourhood_attention(q: DomainTensor, k: DomainTensor, v: DomainTensor, radius: int) -> DomainTensor:

@@ -22,12 +22,13 @@ import torch.nn.functional as F
 from mesh3d.domain.blocks import BlockSpec, extend_windows, in_layout
 from mesh3d.domain.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo import plan_window
+from mesh3d.domain.dispatch import redispatch
 from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.ops.conv import weight_connected_zeros
 from mesh3d.domain.ops.norm import normalize
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.registry import BLOCK_RULES, op_name
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, size_of, unwrap
 
 __all__ = ["CHANNEL_NORMS", "reduction_rules", "run_elementwise"]
 
@@ -102,7 +103,7 @@ def _view_as(input, other):
     # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input to hook its backward: exact on an identically
     # laid out block of the same shape; anything else would reinterpret rows across blocks.
     if isinstance(input, DomainTensor) and isinstance(other, DomainTensor) and input._spec == other._spec \
-            and input.shape == other.shape:
+            and size_of(input) == size_of(other):
         return adopt(unwrap(input).view_as(unwrap(other)), _spec_of(input))
     raise NotImplementedError("torch.Tensor.view_as on blocks: only onto an identically laid out block tensor of "
                               "the same shape; call .full_tensor() first")
@@ -266,7 +267,7 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
     if not set(spec.dims) <= set(dims):
         raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
                                   f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
-    count = math.prod(x.global_shape[d] for d in dims)
+    count = math.prod([x.global_shape[d] for d in dims])
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim) if len(dims) < x.ndim or keepdim else local.sum(),
                                  spec.comm)
     return adopt(total / count if kind == "mean" else total, DomainSpec(None, None, spec.comm))
@@ -289,13 +290,15 @@ def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, 
                 raise NotImplementedError(f"{name} with weight= on {layout}")
             if reduction not in ("mean", "sum", "none"):
                 raise ValueError(f"{name}: reduction={reduction!r} must be 'mean', 'sum' or 'none'")
-            difference = input - target  # the element-wise rule checks the layouts
-            per_element = adopt(pointwise(unwrap(difference)), difference._spec)
+            difference = redispatch(torch.Tensor.sub, input, target)  # the element-wise rule checks the layouts
+            # NOTE: the pointwise op on the domain tensor (its own rule), not adopted from the shard: a compiled
+            # graph cannot read the spec of a tensor a rule wrapped itself before a __torch_function__ returns it.
+            per_element = redispatch(pointwise, difference)
             return per_element if reduction == "none" else reducer(per_element, reduction)
         return rule
 
     return {torch.sum: total, torch.Tensor.sum: total, torch.mean: mean, torch.Tensor.mean: mean,
-            F.mse_loss: loss("F.mse_loss", lambda d: d * d), F.l1_loss: loss("F.l1_loss", torch.abs)}
+            F.mse_loss: loss("F.mse_loss", torch.square), F.l1_loss: loss("F.l1_loss", torch.abs)}
 
 
 for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_norm), ((F.instance_norm,), _instance_norm),

@@ -23,7 +23,7 @@ from mesh3d.domain.blocks import BlockSpec
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
 from mesh3d.domain.ops.idioms import expand_index, slice_sizes
 from mesh3d.domain.registry import BLOCK_RULES, op_name
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.tokens import TokenSpec
 
 __all__: list[str] = []
@@ -58,7 +58,7 @@ def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     Usage: ``t = reshape_blocks(e, [b, c, -1], "torch.reshape", view=False)  # a token grid``
     """
     spec, local = _spec(x), unwrap(x)
-    shape, whole = list(local.shape), list(x.shape)
+    shape, whole = list(local.shape), list(size_of(x))
     first, last = min(spec.dims), max(spec.dims)
     run, global_run = shape[first:last + 1], whole[first:last + 1]
     consecutive = spec.dims == tuple(range(first, last + 1))

@@ -25,11 +25,11 @@ from mesh3d.domain.blocks import (BlockSpec, extend_windows, gather_along, gathe
 from mesh3d.domain.collectives import sum_grad
 from mesh3d.domain.halo import sizes_by_first_index
 from mesh3d.domain.ops.conv import _padded_rows, _tuple, pad_local, transpose_plan, weight_connected_zeros
-from mesh3d.domain.ops.interpolate import _sources, lerp_rows
+from mesh3d.domain.ops.interpolate import _row_plan, lerp_rows
 from mesh3d.domain.registry import BLOCK_RULES, op_name
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import DomainTensor, adopt, sharded_dims, unwrap
+from mesh3d.domain.tensor import DomainTensor, adopt, sharded_dims, size_of, unwrap
 
 __all__: list[str] = []
 
@@ -153,26 +153,24 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
         [math.floor(n * f) for n, f in zip(shape, sfs)]
     per_dim, out_sizes = [], []
     for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
-        n, m = sum(sizes), outs[d - 2]
-        i0, i1, lam = _sources(n, m, sfs[d - 2] if sfs else None, mode, align_corners, input.dtype)
-        mine = sizes_by_first_index(sizes, m, lambda row, i0=i0: int(torch.searchsorted(i0, row)))
-        bounds = [(a, a + s) for a, s in zip(offsets_of(mine), mine)]
-        needs = tuple((Span.rows(int(i0[a]), int(i1[b - 1]) + 1),) if b > a else () for a, b in bounds)
-        per_dim.append((d, needs, bounds[line.index], i0, i1, lam))
+        m = outs[d - 2]
+        mine, needs, i0, i1, lam = _row_plan(sizes, m, sfs[d - 2] if sfs else None, mode, align_corners,
+                                             input.dtype, line.index)
+        per_dim.append((d, needs, i0, i1, lam))
         out_sizes.append(mine)
     # NOTE: upsampling, the source rows are fewer than the resampled ones: fetch them all in one round. Downsampling,
     # one grid dim after the other sends rows already shrunk along the earlier dims.
     upsampling = all(outs[d - 2] >= sum(sizes) for d, sizes in zip(spec.dims, spec.sizes))
     local = gather_boxes(unwrap(input), spec, [p[1] for p in per_dim]) if upsampling else unwrap(input)
-    for axis, (d, needs, (a, b), i0, i1, lam) in enumerate(per_dim):
+    for axis, (d, needs, i0, i1, lam) in enumerate(per_dim):
         if not upsampling:
             local = gather_along(local, spec, axis, needs)
-        if b == a:
+        if not i0:
             shape_now = list(local.shape)
             shape_now[d] = 0
             local = weight_connected_zeros(local, shape_now, local)
         else:
-            local = lerp_rows(local, d, i0[a:b], i1[a:b], lam[a:b], mode)
+            local = lerp_rows(local, d, i0, i1, lam, mode)
     out_spec = spec.with_sizes(tuple(out_sizes))
     rest = [local.shape[2 + i] if 2 + i in spec.dims else outs[i] for i in range(nd)]
     if rest != list(local.shape[2:]):
@@ -217,7 +215,7 @@ def _cat(tensors, dim=0):
     if dim in spec.dims:
         raise NotImplementedError(f"{op_name(torch.cat)} on blocks: join along another dim than the block dims "
                                   f"{spec.dims}")
-    whole = blocks[0].shape
+    whole = size_of(blocks[0])
 
     def local(t):
         if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec):

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.dispatch import redistribute_local
+from mesh3d.domain.dispatch import redispatch, redistribute_local
 from mesh3d.domain.ops.idioms import slice_sizes
 from mesh3d.domain.registry import BLOCK_RULES, TOKEN_RULES, op_name, register
 from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.step import Rows, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, sharded_dims, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, sharded_dims, size_of, unwrap
 
 __all__ = ["piece"]
 
@@ -90,7 +90,7 @@ def piece(x: DomainTensor, dim: int, start: int, stop: int) -> DomainTensor:
     Usage: ``left = piece(xs, 2, 0, 5)``
     """
     index = (slice(None),) * dim + (slice(start, stop),)
-    return x[index]
+    return redispatch(torch.Tensor.__getitem__, x, index)
 
 
 def _bounds(length: int, sections: list[int]) -> list[tuple[int, int]]:
@@ -123,7 +123,7 @@ def _pieces_rule(func, sections):
         d = dim % input.ndim
         if d != input.spec.dim:
             return Step(lambda t: func(t, how, d), (input,), out=input.spec)
-        n = input.shape[d]
+        n = size_of(input)[d]
         return tuple(piece(input, d, a, b) for a, b in _bounds(n, sections(n, how)))
 
     return rule
@@ -142,13 +142,13 @@ def _unbind(input, dim=0):
         spec = input.spec
         new = spec.dim - (d < spec.dim)
         return Step(lambda t: t.unbind(d), (input,), out=spec.with_sizes(spec.sizes, dim=new))
-    return tuple(input.select(d, i) for i in range(input.shape[d]))
+    return tuple([redispatch(torch.Tensor.select, input, d, i) for i in range(size_of(input)[d])])
 
 
 @register(torch.narrow, torch.Tensor.narrow)
 def _narrow(input, dim, start, length):
     d = dim % input.ndim
-    n = input.shape[d]
+    n = size_of(input)[d]
     start = int(start) + (n if int(start) < 0 else 0)
     if not 0 <= start <= n or length < 0 or start + length > n:
         raise IndexError(f"narrow: start ({start}) + length ({length}) exceeds dimension size ({n}) of dim {d}")
@@ -158,7 +158,7 @@ def _narrow(input, dim, start, length):
 @register(torch.select, torch.Tensor.select)
 def _select(input, dim, index):
     d = dim % input.ndim
-    return input[(slice(None),) * d + (index,)]
+    return redispatch(torch.Tensor.__getitem__, input, (slice(None),) * d + (index,))
 
 
 # ----------------------------------------------------------------------------- factories
@@ -178,7 +178,7 @@ def _factory_rule(func, takes_fill: bool):
         else:
             size, fill, rest = _requested(args), None, ()
         spec = input.spec
-        whole = input.shape
+        whole = size_of(input)
         if len(size) == len(whole) and size[spec.dim] == whole[spec.dim]:
             local = list(size)
             local[spec.dim] = spec.sizes[spec.comm.index]

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.tensor import DomainTensor, size_of
 
 __all__ = ["localized", "place_run", "shape_rules", "target_shape", "untouched_index"]
 
@@ -41,7 +41,7 @@ def _solve(dims: list[int], total: int) -> list[int] | None:
     """``dims`` with a ``-1`` solved so that they hold ``total`` elements, or None when they cannot."""
     if -1 not in dims:
         return dims if math.prod(dims) == total else None
-    known = math.prod(d for d in dims if d != -1)
+    known = math.prod([d for d in dims if d != -1])
     if known <= 0 or total % known:
         return None
     return [total // known if d == -1 else d for d in dims]
@@ -127,13 +127,13 @@ def shape_rules(reshape: Callable[[DomainTensor, list[int], str, bool], Any]) ->
         return rule
 
     def flatten(input, start_dim=0, end_dim=-1):
-        shape = list(input.shape)
+        shape = list(size_of(input))
         start, end = start_dim % len(shape), end_dim % len(shape)
         return reshape(input, [*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:]],
                        f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", False)
 
     def unflatten(input, dim, sizes):
-        shape = list(input.shape)
+        shape = list(size_of(input))
         d = dim % len(shape)
         return reshape(input, [*shape[:d], *sizes, *shape[d + 1:]], "torch.unflatten", False)
 

@@ -14,6 +14,7 @@ raises the same error.
 
 from __future__ import annotations
 
+import math
 import os
 import traceback
 import warnings
@@ -23,12 +24,12 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.collectives import sum_grad
-from mesh3d.domain.dispatch import run_step
+from mesh3d.domain.dispatch import redispatch, run_step
 from mesh3d.domain.ops.reshape import reshaped, target_shape
 from mesh3d.domain.registry import register
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.step import Entering, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, size_of, unwrap, wrap
 
 __all__ = ["cat_along_sharded", "expand_index", "positions", "replicated_slice", "slice_sizes", "strided_rows"]
 
@@ -129,7 +130,7 @@ def _getitem(x: DomainTensor, index):
     if take_one is None:
         return step_
     one = run_step(step_)  # global length 1: replicated now; drop the indexed dim as the int index does
-    return one.select(take_one, 0)
+    return redispatch(torch.Tensor.select, one, take_one, 0)
 
 
 def _item_of(items: list, dim: int) -> int:
@@ -194,7 +195,7 @@ def replicated_slice(o: torch.Tensor, dim: int, ref: DomainTensor) -> torch.Tens
     memory on every rank, where ``xs.new_zeros(xs.shape)`` or ``torch.zeros_like(xs)`` hold this rank's rows only.
     """
     spec = ref.spec
-    if not isinstance(o, DomainTensor) and spec.comm.size > 1 and o.numel() >= ref.numel() > 0:
+    if not isinstance(o, DomainTensor) and spec.comm.size > 1 and o.numel() >= math.prod(size_of(ref)) > 0:
         _warn_whole_size(o, ref)
     plain = sum_grad(unwrap(o), spec.comm) if isinstance(o, DomainTensor) and o.requires_grad else unwrap(o)
     return strided_rows(plain, dim, spec)
@@ -215,7 +216,7 @@ def _warn_whole_size(o: torch.Tensor, ref: DomainTensor) -> None:
     frame = next((f for f in reversed(traceback.extract_stack()[:-2])
                   if not any(part in f.filename for part in (f"{os.sep}torch{os.sep}", f"{os.sep}mesh3d{os.sep}"))),
                  None)
-    message = (f"a plain tensor of shape {tuple(o.shape)} meets a domain tensor of global shape {tuple(ref.shape)}: it "
+    message = (f"a plain tensor of shape {tuple(o.shape)} meets a domain tensor of global shape {tuple(size_of(ref))}: it "
                f"holds the whole tensor on each of the {ref.spec.comm.size} domain ranks (O(global) memory each), of "
                "which each rank uses its rows; build it with x.new_zeros(x.shape) / torch.zeros_like(x) (or from "
                "domain.positions(x)) to hold this rank's rows only")

@@ -12,7 +12,7 @@ locally by torch with the sharded dim left unchanged (scale 1 there is an exact 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -24,11 +24,12 @@ from mesh3d.domain.rows import Span
 from mesh3d.domain.split import offsets_of
 from mesh3d.domain.tensor import unwrap
 from mesh3d.domain.step import Rows, Step
+from mesh3d.domain.plan_cache import plan_cache
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 
 
-@lru_cache(maxsize=256)
+@plan_cache(maxsize=256)
 def _sources(n: int, m: int, scale_factor, mode: str, align_corners, dtype):
     """(i0, i1, lambda) per output row along one dim, as torch computes them (cached per shape).
 
@@ -51,19 +52,34 @@ def _sources(n: int, m: int, scale_factor, mode: str, align_corners, dtype):
     return i0, i1, lam
 
 
-def lerp_rows(ext: torch.Tensor, dim: int, i0: torch.Tensor, i1: torch.Tensor, lam: torch.Tensor,
+def lerp_rows(ext: torch.Tensor, dim: int, i0: Sequence[int], i1: Sequence[int], lam: Sequence[float],
               mode: str) -> torch.Tensor:
     """Output rows along ``dim`` from the gathered source rows ``ext`` (whose first row is source row ``i0[0]``).
 
-    Usage: ``y = lerp_rows(ext, 2, i0[a:b], i1[a:b], lam[a:b], "bilinear")``
+    Usage: ``y = lerp_rows(ext, 2, i0[a:b], i1[a:b], lam[a:b], "bilinear")  # plain ints and floats``
     """
-    base = int(i0[0])
-    lo = ext.index_select(dim, (i0 - base).to(ext.device))
+    base = i0[0]
+    lo = ext.index_select(dim, torch.tensor([i - base for i in i0], device=ext.device))
     if mode == "nearest":
         return lo
-    hi = ext.index_select(dim, (i1 - base).to(ext.device))
-    w = lam.to(ext.device).view([-1 if i == dim else 1 for i in range(ext.ndim)])
+    hi = ext.index_select(dim, torch.tensor([i - base for i in i1], device=ext.device))
+    w = torch.tensor(lam, dtype=ext.dtype, device=ext.device).view([-1 if i == dim else 1 for i in range(ext.ndim)])
     return lo * (1 - w) + hi * w
+
+
+@plan_cache(maxsize=256, run_at_trace_time=True)
+def _row_plan(sizes: tuple[int, ...], m: int, scale_factor, mode: str, align_corners, dtype, me: int):
+    """Output sizes per rank, the source rows each rank needs, and this rank's (i0, i1, lambda) as plain data.
+
+    NOTE: plain ints and floats, computed for real even under torch.compile (``run_at_trace_time``): the
+    indices are tensor values, which a traced planner could not branch on.
+    """
+    i0, i1, lam = _sources(sum(sizes), m, scale_factor, mode, align_corners, dtype)
+    out_sizes = sizes_by_first_index(sizes, m, lambda row: int(torch.searchsorted(i0, row)))
+    bounds = [(a, a + s) for a, s in zip(offsets_of(out_sizes), out_sizes)]
+    needs = tuple((Span.rows(int(i0[a]), int(i1[b - 1]) + 1),) if b > a else () for a, b in bounds)
+    a, b = bounds[me]
+    return out_sizes, needs, tuple(i0[a:b].tolist()), tuple(i1[a:b].tolist()), tuple(lam[a:b].tolist())
 
 
 @register(F.interpolate)
@@ -91,21 +107,18 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     m = outs[sp] if outs is not None else math.floor(n * sfs[sp])
     if input.spec.comm.size == 1:  # the whole dim is here: torch's own kernel
         return Step(whole, (input,), out=input.spec.with_sizes((m,)))
-    i0, i1, lam = _sources(n, m, sfs[sp] if sfs else None, mode, align_corners, input.dtype)
-    out_sizes = sizes_by_first_index(sizes, m, lambda row: int(torch.searchsorted(i0, row)))
-    bounds = [(a, a + s) for a, s in zip(offsets_of(out_sizes), out_sizes)]
-    needs = tuple((Span.rows(int(i0[a]), int(i1[b - 1]) + 1),) if b > a else () for a, b in bounds)
-    a, b = bounds[input.spec.comm.index]
+    out_sizes, needs, i0, i1, lam = _row_plan(sizes, m, sfs[sp] if sfs else None, mode, align_corners, input.dtype,
+                                              input.spec.comm.index)
     dim = 2 + sp
     local_shape = list(unwrap(input).shape)
 
     def compute(ext):
-        if b == a:
+        if not i0:
             shape = list(local_shape)
             shape[dim] = 0
             y = weight_connected_zeros(ext, shape, ext)
         else:
-            y = lerp_rows(ext, dim, i0[a:b], i1[a:b], lam[a:b], mode)
+            y = lerp_rows(ext, dim, i0, i1, lam, mode)
         if nd == 1:
             return y
         if outs is not None:

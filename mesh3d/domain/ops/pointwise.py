@@ -18,7 +18,7 @@ from mesh3d.domain.dispatch import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
 from mesh3d.domain.registry import op_name, register, writes_into_first
 from mesh3d.domain.step import Entering, Layout, Step
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.tensor import DomainTensor, size_of
 
 __all__ = ["elementwise", "elementwise_step"]
 
@@ -98,9 +98,9 @@ def elementwise_step(func, args: tuple, kwargs: dict) -> Step:
         if isinstance(o, DomainTensor) and o._spec.dim is not None:
             return _in_ref_layout(ref, o)
         aligned = out_dim - (out_ndim - o.ndim)
-        if aligned >= 0 and o.shape[aligned] == sum(ref._spec.sizes) != 1:
+        if aligned >= 0 and size_of(o)[aligned] == sum(ref._spec.sizes) != 1:
             return replicated_slice(o, aligned, ref)  # a position embedding: this rank's rows of it
-        if aligned >= 0 and o.shape[aligned] != 1:
+        if aligned >= 0 and size_of(o)[aligned] != 1:
             raise ValueError(
                 f"{op_name(func)}: a non-sharded tensor of shape {tuple(o.shape)} varies along the sharded dim "
                 f"{out_dim} of a domain tensor (global shape {tuple(ref.global_shape)}); give it the global length there "
@@ -196,7 +196,7 @@ def _view_as(input, other) -> Step:
     # identically sharded tensor of the same shape is exact on shards. Anything else would
     # reinterpret rows across the shard boundary, so it is refused.
     if isinstance(input, DomainTensor) and isinstance(other, DomainTensor) and input.spec == other.spec \
-            and input.shape == other.shape:
+            and size_of(input) == size_of(other):
         return Step(lambda t, o: t.view_as(o), (input, other), out=input.spec)
     raise NotImplementedError(
         "torch.Tensor.view_as on a domain tensor is supported only onto an identically sharded tensor of "

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.registry import op_name, register
 from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.tensor import DomainTensor, size_of
 
 __all__ = ["dropout_mask"]
 
@@ -40,7 +40,7 @@ def _dropout_rule(func):
             return input
         if not isinstance(input, DomainTensor) or input.spec.dim is None:
             raise NotImplementedError(f"{op_name(func)}: dropout of a plain tensor by a domain-sharded p is not supported")
-        spec, whole = input.spec, input.shape
+        spec, whole = input.spec, size_of(input)
         offset, rows = spec.offset, spec.sizes[spec.comm.index]
 
         def compute(local):

@@ -53,7 +53,7 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
             r = fn(local, dims, keepdim=keepdim)
         new_dim = x.spec.dim if keepdim else x.spec.dim - sum(d < x.spec.dim for d in dims)
         return adopt(r, x.spec.with_sizes(x.spec.sizes, dim=new_dim))
-    count = math.prod(x.global_shape[d] for d in dims)
+    count = math.prod([x.global_shape[d] for d in dims])
     if kind in ("sum", "mean"):
         if len(dims) == x.ndim and not keepdim:  # everything: torch's full reduction kernel, a 0-d result
             r = reduce_to_replicated(local.sum(), comm)

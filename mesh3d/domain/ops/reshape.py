@@ -22,7 +22,7 @@ import torch
 
 from mesh3d.domain.registry import register
 from mesh3d.domain.step import Layout, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, size_of
 
 __all__ = ["NeedsAlignment", "Placement", "aligned_to", "place_rows", "reshaped", "target_shape"]
 
@@ -37,7 +37,7 @@ def target_shape(args: tuple, numel: int) -> list[int]:
         raise NotImplementedError(f"view/reshape of a domain tensor needs a shape of ints, got {args!r}")
     if shape.count(-1) > 1:
         raise RuntimeError(f"only one dimension can be inferred (shape {tuple(shape)})")
-    known = math.prod(s for s in shape if s != -1)
+    known = math.prod([s for s in shape if s != -1])
     if -1 in shape:
         if known == 0 or numel % known:
             raise RuntimeError(f"shape {list(shape)} is invalid for input of size {numel}")
@@ -105,7 +105,11 @@ def place_rows(virtual: tuple[int, ...], dim: int, target: list[int], sizes: tup
             elif size * rest == rows * after:
                 found.append((priority, candidate, Placement(candidate, after, rest, 1)))
     if found:
-        return min(found, key=lambda f: (f[0], f[1]))[2]
+        best = found[0]
+        for f in found[1:]:  # NOTE: a loop, not min(key=...): Dynamo traces this planner and refuses that call
+            if (f[0], f[1]) < (best[0], best[1]):
+                best = f
+        return best[2]
     if misaligned is not None:
         raise misaligned
     return None
@@ -133,7 +137,7 @@ def reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> St
     first moves the rank boundaries to whole windows (the fewest rows travel): no window straddles two ranks.
     """
     spec = x.spec
-    whole = tuple(x.shape)
+    whole = tuple(size_of(x))
     if math.prod(target) != math.prod(whole):
         raise RuntimeError(f"{op_name}: shape {list(target)} is invalid for input of size {math.prod(whole)}")
     d, rows = spec.dim, sum(spec.sizes)
@@ -167,7 +171,7 @@ def _reshape_rule(op_name: str, view: bool):
     def rule(x: DomainTensor, *shape) -> Step:
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise NotImplementedError(f"{op_name}(dtype) on a domain-sharded tensor is not supported; call .to_local()")
-        return reshaped(x, target_shape(shape, x.numel()), op_name, view)
+        return reshaped(x, target_shape(shape, math.prod(size_of(x))), op_name, view)
 
     return rule
 
@@ -179,7 +183,7 @@ register(torch.reshape, torch.Tensor.reshape)(_reshape_rule("torch.reshape", vie
 @register(torch.flatten, torch.Tensor.flatten)
 def _flatten(x: DomainTensor, start_dim: int = 0, end_dim: int = -1) -> Step | DomainTensor:
     """A reshape merging dims [start, end]: fine when the sharded dim is outside them or is their first."""
-    shape = list(x.shape)
+    shape = list(size_of(x))
     if not shape:
         return x
     start, end = start_dim % len(shape), end_dim % len(shape)

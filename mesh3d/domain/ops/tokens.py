@@ -28,7 +28,7 @@ from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.ops.reduce import global_softmax
 from mesh3d.domain.registry import TOKEN_RULES, op_name
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
+from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, size_of, unwrap
 from mesh3d.domain.tokens import TokenSpec, gather_all_tokens, tokens_to_blocks
 
 __all__: list[str] = []
@@ -126,7 +126,7 @@ def _matmul(input, other, *, out=None):
 
 def _view_as(input, other):
     # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input: exact on an identically laid out grid.
-    if _is_grid(input) and _is_grid(other) and input._spec == other._spec and input.shape == other.shape:
+    if _is_grid(input) and _is_grid(other) and input._spec == other._spec and size_of(input) == size_of(other):
         return adopt(unwrap(input).view_as(unwrap(other)), input._spec)
     raise NotImplementedError("torch.Tensor.view_as on a token grid: only onto an identically laid out token grid "
                               "of the same shape; call .full_tensor() first")
@@ -158,7 +158,7 @@ def reshape_tokens(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     Usage: ``g = reshape_tokens(t, [b, c, h, w], "torch.reshape", view=False)  # blocks again``
     """
     spec, local = _spec(x), unwrap(x)
-    shape, whole, d = list(local.shape), list(x.shape), spec.token_dim
+    shape, whole, d = list(local.shape), list(size_of(x)), spec.token_dim
     reshape = local.view if view else local.reshape
     grid = list(spec.local_grid)
     placed = localized(place_run(target, whole, d, d, list(spec.grid_shape)), grid) \
@@ -236,7 +236,7 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
     if spec.token_dim not in dims:  # every rank reduces its own tokens
         shift = 0 if keepdim else sum(d < spec.token_dim for d in dims)
         return adopt(fn(local, dims, keepdim=keepdim), spec.with_token_dim(spec.token_dim - shift))
-    count = math.prod(x.global_shape[d] for d in dims)
+    count = math.prod([x.global_shape[d] for d in dims])
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim), spec.comm)
     return adopt(total / count if kind == "mean" else total, DomainSpec(None, None, spec.comm))
 

@@ -1,0 +1,84 @@
+"""``plan_cache``: memoize a pure planning function and let ``torch.compile`` run it at trace time.
+
+Usage::
+
+    @plan_cache(maxsize=1024)
+    def plan_window(sizes: tuple[int, ...], kernel: int, ...) -> WindowPlan: ...
+
+A domain rule plans its exchanges from the spec alone (every rank's sizes, kernel, stride, padding): plain ints in,
+a frozen plan out, the same plan every time. Eager calls hit an ``lru_cache``. Under ``torch.compile``, Dynamo
+would otherwise trace the planner's Python line by line (and break the graph on builtins it cannot trace, such as
+``bisect``); ``torch.compiler.assume_constant_result`` makes it call the planner once, with the concrete
+arguments, and bake the plan into the graph as a constant.
+
+NOTE: only for functions whose result depends on their arguments alone (no tensors, no global state), which is
+what the ``lru_cache`` already assumed. Dynamo guards on the arguments through the specs it reads them from, so a
+new layout (other sizes) recompiles rather than reusing a stale plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["plan_cache"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def plan_cache(maxsize: int, *, run_at_trace_time: bool = False) -> Callable[[F], F]:
+    """Decorator: ``lru_cache(maxsize)`` for eager calls; under ``torch.compile`` Dynamo traces the planner (its result
+    is a constant of the graph), or with ``run_at_trace_time`` calls it for real, once, and keeps its result.
+
+    ``run_at_trace_time`` is for planners that compute with tensors (interpolation's source rows): traced, each
+    ``int(t[i])`` would be a data-dependent value. Their arguments must be plain constants (ints, floats, strings,
+    tuples of them, dtypes) and their result plain data: Dynamo guards neither an argument object nor a result.
+    """
+
+    def decorate(fn: F) -> F:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def planned(*args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_dynamo_compiling() and not run_at_trace_time:
+                return fn(*args, **kwargs)  # Dynamo traces the planner itself: its result is a constant
+            return cached(*args, **kwargs)
+
+        planned.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        planned.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        if run_at_trace_time:
+            return torch.compiler.assume_constant_result(planned)
+        return planned
+
+    return decorate
+
+
+class plan_property:  # noqa: N801  (a decorator, named like functools.cached_property which it replaces)
+    """``functools.cached_property`` for the frozen specs and plans, which ``torch.compile`` can trace.
+
+    Usage: ``@plan_property`` above ``def offset(self) -> int: ...`` in a frozen dataclass.
+
+    NOTE: on Python 3.11 ``cached_property`` takes an ``RLock``, which Dynamo cannot enter; traced, the value is
+    simply computed (it is a constant of the graph), and eager calls cache it in the instance as before.
+    """
+
+    def __init__(self, fn: Callable[[Any], Any]) -> None:
+        self.fn = fn
+        self.name = fn.__name__
+        self.__doc__ = fn.__doc__
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        if torch.compiler.is_dynamo_compiling():
+            return self.fn(obj)
+        cache = obj.__dict__
+        if self.name not in cache:
+            cache[self.name] = self.fn(obj)
+        return cache[self.name]

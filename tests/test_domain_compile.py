@@ -1,0 +1,143 @@
+"""``torch.compile`` of models called with domain tensors: equal to one process, one graph, no recompiles.
+
+Each body trains the same model three Adam steps (fp64, tolerance 1e-9: Adam's sqrt(v) would turn summation-order
+noise into a visible step, torch_pitfalls.md) three ways on every rank: in one process on the whole tensor, eagerly
+on domain shards and compiled on domain shards. It checks losses, raw gradients (domain-summed) before every step
+and the parameters after the last one, and counts Dynamo frames: a frame compiled after the first step is a
+recompile. ``fullgraph=True`` where the graph must be whole: a graph break then raises.
+
+Compiling is slow on two cores: the models are the small ones of ``domain_models``, Inductor runs where the issue
+asks for it (one rank, and the U-Net at D=2) and ``aot_eager`` (the same Dynamo graph and AOTAutograd joint graph,
+without code generation) elsewhere.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from domain_cases import domain_sum, max_err
+from domain_models import H, W, TinyUNet, TinyViT
+
+STEPS = 3
+
+
+def _model(kind: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return (TinyUNet() if kind == "unet" else TinyViT()).double()
+
+
+def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: tuple[int, int] | None = None):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=grid or -1)
+    ref = _model(kind)
+    eager, compiled = copy.deepcopy(ref), copy.deepcopy(ref)
+    opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, eager, compiled)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 2, H, W, generator=g, dtype=torch.float64)
+    y = torch.randn(2, 2, H, W, generator=g, dtype=torch.float64) if kind == "unet" else \
+        torch.randn(2, 3, generator=g, dtype=torch.float64)
+    where = {"dims": (2, 3)} if grid else {"dim": 2}
+    counter = CompileCounterWithBackend(backend)
+
+    def model_and_loss(model):
+        return lambda xs, ys: _loss(model(xs), ys)
+
+    # NOTE: the whole step (model and loss) is one compiled function, as a user's compiled training step would be.
+    compiled_step = torch.compile(model_and_loss(compiled), backend=counter, fullgraph=fullgraph)
+    errs, frames_after_first = [], None
+    for i in range(STEPS):
+        xs = domain.shard(x, sizes=sizes, **where)
+        ys = domain.shard(y, sizes=sizes, **where) if kind == "unet" else y
+        losses = []
+        for model, opt, run in ((ref, opts[0], lambda: _loss(ref(x), y)),
+                                (eager, opts[1], lambda: _loss(eager(xs), ys)),
+                                (compiled, opts[2], lambda: compiled_step(xs, ys))):
+            opt.zero_grad()
+            loss = run()
+            loss.backward()
+            if model is not ref:
+                for p in model.parameters():
+                    p.grad = domain_sum(p.grad)
+            losses.append(float(loss.detach().to_local() if isinstance(loss, domain.DomainTensor) else loss.detach()))
+        errs.append(max(abs(a - losses[0]) for a in losses[1:]))
+        errs.extend(max(max_err(p.grad, q.grad) for p, q in zip(ref.parameters(), m.parameters()))
+                    for m in (eager, compiled))
+        for opt in opts:
+            opt.step()
+        if i == 0:
+            frames_after_first = counter.frame_count
+    param_err = max(max_err(p, q) for m in (eager, compiled) for p, q in zip(ref.parameters(), m.parameters()))
+    return max(errs), param_err, frames_after_first, counter.frame_count
+
+
+def _check(results, frames: int | None = 1) -> None:
+    for err, param_err, first, last in results:
+        assert err < 1e-9 and param_err < 1e-9
+        assert last == first, f"recompiled after the first step: {first} frame(s), then {last}"
+        if frames is not None:
+            assert first == frames
+
+
+@pytest.mark.parametrize(("kind", "backend"), [("unet", "inductor"), ("vit", "aot_eager")])
+def test_one_rank_compiles_to_one_graph_equal_to_one_process(ranks, kind, backend):
+    """D=1: the model and loss are one graph (fullgraph: no break), compiled once, and train as one process."""
+    _check(ranks.run(1, _train_compiled_body, kind, None, backend, True, timeout=300))
+
+
+@pytest.mark.parametrize(("world", "sizes", "backend"), [(2, (9, 5), "inductor"), (3, (8, 6, 0), "aot_eager")],
+                         ids=["D2-inductor", "D3-empty-shard"])
+def test_sharded_unet_compiles_whole_and_trains_as_one_process(ranks, world, sizes, backend):
+    """D=2 and D=3 (uneven, one empty shard): every halo exchange is in the graph (fullgraph), no recompiles."""
+    _check(ranks.run(world, _train_compiled_body, "unet", sizes, backend, True, timeout=300))
+
+
+def test_unet_on_blocks_compiles_whole_and_trains_as_one_process(ranks):
+    """A 2x2 domain grid (uneven blocks): box halos, pooling and interpolation on blocks, all in one graph."""
+    _check(ranks.run(4, _train_compiled_body, "unet", ((8, 6), (6, 4)), "aot_eager", True, (2, 2), timeout=300))
+
+
+def test_vit_with_sharded_attention_compiles_around_it(ranks):
+    """D=2: attention over the sharded sequence runs eagerly between compiled graphs (a counted break), the rest
+    compiles; the result is still one process's, with no recompiles."""
+    _check(ranks.run(2, _train_compiled_body, "vit", (8, 6), "aot_eager", False, timeout=300), frames=None)
+
+
+def _nested_dispatch_body(grid: tuple[int, int] | None):
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.nesting import NestedDispatchCheck
+    from domain_models import GridViT
+
+    DistributedManager.initialize(batch=1, domain=grid or -1)
+    found: set[str] = set()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 2, H, W, generator=g, dtype=torch.float64)
+    where = {"dims": (2, 3)} if grid else {"dim": 2}
+    models = [_model("unet"), _model("vit")] + ([GridViT(tokens=(H // 2) * (W // 2)).double()] if grid else [])
+    for model in models:  # GridViT's neighbourhood attention runs on a grid of blocks
+        xs = domain.shard(x, **where)
+        with NestedDispatchCheck() as check:
+            out = model(xs)
+            outs = out if isinstance(out, tuple) else (out,)
+            loss = sum(F.mse_loss(o, torch.zeros_like(o)) for o in outs)
+            loss.backward()
+        found.update(check.found)
+    return sorted(found)
+
+
+@pytest.mark.parametrize(("world", "grid"), [(2, None), (4, (2, 2))], ids=["slabs", "blocks"])
+def test_rules_send_their_own_torch_calls_through_the_dispatcher(ranks, world, grid):
+    """A rule's own ``x.shape`` or ``a - b`` on domain tensors is global in eager code only (Dynamo turns subclass
+    dispatch off inside ``__torch_function__``): the models above make none, on slabs, blocks and token grids."""
+    for found in ranks.run(world, _nested_dispatch_body, grid, timeout=120):
+        assert found == []
