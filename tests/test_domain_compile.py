@@ -141,3 +141,27 @@ def test_rules_send_their_own_torch_calls_through_the_dispatcher(ranks, world, g
     dispatch off inside ``__torch_function__``): the models above make none, on slabs, blocks and token grids."""
     for found in ranks.run(world, _nested_dispatch_body, grid, timeout=120):
         assert found == []
+
+
+@pytest.mark.parametrize("kind", ["unet", "vit"])
+@pytest.mark.parametrize(("shape", "sizes"), [((2, 1, 2), None), ((2, 2, 2), {"unet": (9, 5), "vit": (8, 6)})],
+                         ids=["2x1x2", "2x2x2"])
+def test_parallelize_compiles_blocks_with_fsdp_tp_and_domain(ranks, shape, sizes, kind):
+    """``Plan(compile=...)``: TP, then compile of each block, then FSDP; the domain axis in the model. Trains as one
+    process (so as the same plan uncompiled, which test_domain_parallelize checks the same way)."""
+    world = shape[0] * shape[1] * shape[2]
+    layout = sizes[kind] if sizes else None
+    for loss_err, grad_err, param_err, graphs in ranks.run(world, _compiled_compose_body, shape, kind, layout,
+                                                           timeout=300):
+        assert loss_err < 1e-9 and grad_err < 1e-9 and param_err < 1e-9
+        assert graphs > 0  # the blocks were compiled, not run eagerly
+
+
+def _compiled_compose_body(shape, kind, sizes):
+    from torch._dynamo.utils import counters
+
+    from domain_compose import compose_body
+
+    counters.clear()
+    errs = compose_body(shape, kind, sizes, 3, None, {"backend": "aot_eager"})
+    return (*errs, counters["stats"]["unique_graphs"])

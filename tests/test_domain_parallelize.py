@@ -20,73 +20,11 @@ SGD with momentum, which is not.
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from domain_cases import max_err
-from domain_models import H, W, TinyUNet, TinyViT
-
-PER_RANK = 2  # samples per batch rank
-UNET_STYLES = {name: "replicate" for name in ("enc.0", "enc.1", "down", "mid.0", "mid.1", "up_t", "dec")}
-VIT_STYLES = {"mlp.0": "colwise", "mlp.2": "rowwise", "head.0": "colwise", "head.2": "rowwise", "embed": "replicate"}
-
-
-def _data(kind: str, n: int):
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(n, 2, H, W, generator=g, dtype=torch.float64)
-    y = torch.randn(n, 2, H, W, generator=g, dtype=torch.float64) if kind == "unet" else torch.randn(n, 3, generator=g, dtype=torch.float64)
-    return x, y
-
-
-def _optimizer(kind: str, params):
-    if kind == "unet":
-        return torch.optim.Adam(params, lr=1e-2)
-    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
-
-
-def _compose_body(shape, kind, sizes, steps=3, param_dtype=None):
-    import torch.distributed as dist
-
-    from mesh3d import DistributedManager, Plan, domain, parallelize
-    from parallel_models import full
-
-    dm = DistributedManager.initialize(*shape)
-    torch.manual_seed(0)
-    ref = (TinyUNet() if kind == "unet" else TinyViT()).double()
-    styles = (UNET_STYLES if kind == "unet" else VIT_STYLES) if shape[2] > 1 else None
-    model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles, param_dtype=param_dtype))
-    opt_ref, opt = _optimizer(kind, ref.parameters()), _optimizer(kind, model.parameters())
-
-    nb, b = dm.axis_size("batch"), dm.axis_rank("batch")
-    x, y = _data(kind, nb * PER_RANK)
-    mine = slice(b * PER_RANK, (b + 1) * PER_RANK)
-    # a domain grid (blocks over H and W) or slabs over H
-    where = {"dims": (2, 3)} if isinstance(shape[1], tuple) else {"dim": 2}
-    xs = domain.shard(x[mine], sizes=sizes, **where)
-    ys = domain.shard(y[mine], sizes=sizes, **where) if kind == "unet" else y[mine]
-
-    loss_errs, grad_errs = [], []
-    for _ in range(steps):
-        opt_ref.zero_grad()
-        loss_ref = F.mse_loss(ref(x), y)
-        loss_ref.backward()
-        opt_ref.step()
-
-        opt.zero_grad()
-        loss = F.mse_loss(model(xs), ys)  # the mean over this batch rank's samples, on every domain rank
-        loss.backward()
-        global_loss = loss.detach().to_local().clone() if isinstance(loss, domain.DomainTensor) else loss.detach().clone()
-        dist.all_reduce(global_loss, group=dm.group("batch"))
-        loss_errs.append(abs(float(global_loss) / nb - float(loss_ref)))
-        ref_grads = [p.grad for p in ref.parameters()]  # the step above does not touch .grad
-        grad_errs.append(max(max_err(full(p.grad), g) for p, g in zip(model.parameters(), ref_grads)))
-        opt.step()
-    param_err = max(max_err(full(p), q) for p, q in zip(model.parameters(), ref.parameters()))
-    return max(loss_errs), max(grad_errs), param_err
-
+from domain_compose import compose_body
 
 MESHES = [((1, 4, 1), (5, 1, 6, 2)), ((2, 2, 1), (10, 4)), ((1, 2, 2), (3, 11)), ((2, 2, 2), None)]
 VIT_SIZES = {4: (2, 6, 4, 2), 2: (8, 6)}  # the ViT's patch conv has stride 2: shards of even height
@@ -95,7 +33,7 @@ VIT_SIZES = {4: (2, 6, 4, 2), 2: (8, 6)}  # the ViT's patch conv has stride 2: s
 @pytest.mark.parametrize(("shape", "sizes"), MESHES, ids=lambda v: "x".join(map(str, v)) if v else "chunk")
 def test_unet_with_fsdp_trains_like_one_process(ranks, shape, sizes):
     world = shape[0] * shape[1] * shape[2]
-    for loss_err, grad_err, param_err in ranks.run(world, _compose_body, shape, "unet", sizes, timeout=120):
+    for loss_err, grad_err, param_err in ranks.run(world, compose_body, shape, "unet", sizes, timeout=120):
         assert loss_err < 1e-9
         assert grad_err < 1e-9
         assert param_err < 1e-9
@@ -110,7 +48,7 @@ def test_blocks_with_fsdp_and_tp_train_like_one_process(ranks, shape, sizes, kin
     """Blocks on a 2x2 domain grid composed with FSDP on batch (8 ranks) and with TP styles on model: the U-Net,
     and the ViT on the token grid its patch embedding's blocks flatten into."""
     world = shape[0] * 4 * shape[2]
-    for loss_err, grad_err, param_err in ranks.run(world, _compose_body, shape, kind, sizes, timeout=120):
+    for loss_err, grad_err, param_err in ranks.run(world, compose_body, shape, kind, sizes, timeout=120):
         assert loss_err < 1e-9
         assert grad_err < 1e-9
         assert param_err < 1e-9
@@ -120,7 +58,7 @@ def test_blocks_with_fsdp_and_tp_train_like_one_process(ranks, shape, sizes, kin
 def test_vit_with_fsdp_trains_like_one_process(ranks, shape):
     world = shape[0] * shape[1] * shape[2]
     sizes = VIT_SIZES[shape[1]]
-    for loss_err, grad_err, param_err in ranks.run(world, _compose_body, shape, "vit", sizes, timeout=120):
+    for loss_err, grad_err, param_err in ranks.run(world, compose_body, shape, "vit", sizes, timeout=120):
         assert loss_err < 1e-9
         assert grad_err < 1e-9
         assert param_err < 1e-9
@@ -129,7 +67,7 @@ def test_vit_with_fsdp_trains_like_one_process(ranks, shape):
 def test_fsdp_mixed_precision_casts_domain_inputs(ranks):
     """Plan(param_dtype=fp32) on an fp64 model: FSDP casts each domain-sharded input (is_floating_point,
     .to) and computes in fp32; fp32 rounding (~1e-7 per op) bounds the distance to the fp64 run."""
-    for loss_err, grad_err, param_err in ranks.run(4, _compose_body, (1, 2, 2), "vit", VIT_SIZES[2], 3,
+    for loss_err, grad_err, param_err in ranks.run(4, compose_body, (1, 2, 2), "vit", VIT_SIZES[2], 3,
                                                    torch.float32, timeout=120):
         assert 0 < loss_err < 1e-5 and grad_err < 1e-5 and param_err < 1e-5
 

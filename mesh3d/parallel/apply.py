@@ -1,7 +1,7 @@
 """``parallelize(model, plan)``: one call that spreads a model over the manager's (batch, domain, model) mesh.
 
-Fixed order: tensor parallelism on the model axis → activation checkpointing → FSDP/HSDP/DDP
-on the batch×domain ranks (units bottom-up, root last) → initialization of a meta model.
+Fixed order: tensor parallelism on the model axis → activation checkpointing → compile of each block
+(``Plan.compile``) → FSDP/HSDP/DDP on the batch×domain ranks (units bottom-up, root last) → initialization of a meta model.
 Every check runs before the first collective; the one collective before any work is a hash
 of the plan and model, all-gathered over every rank, so plans that differ raise everywhere.
 
@@ -21,10 +21,11 @@ from torch import nn
 from mesh3d._torch_private import checkpoint_module
 from mesh3d.manager import DistributedManager
 from mesh3d.parallel.batch_parallel import apply_batch_parallel
+from mesh3d.parallel.compile_blocks import apply_compile, compile_options, compiled_blocks
 from mesh3d.parallel.init import InitFn, capture_init_specs, materialize
 from mesh3d.parallel.plan import Plan
 from mesh3d.parallel.tensor_parallel import apply_tp
-from mesh3d.parallel.validate import resolve_plan
+from mesh3d.parallel.validate import default_units, resolve_plan
 
 __all__ = ["parallelize", "check_same_plan_everywhere"]
 
@@ -89,6 +90,9 @@ def parallelize(
     apply_tp(model, resolved.styles, dm.axis_mesh("model"), meta=meta)
     for fqn in resolved.checkpointed:
         checkpoint_module(model.get_submodule(fqn))
+    options = compile_options(plan.compile)
+    if options is not None:
+        apply_compile(model, compiled_blocks(model, resolved.units or default_units(model)), options)
     if plan.batch is not None:
         apply_batch_parallel(model, plan, resolved.units, dm)
     if specs is not None:

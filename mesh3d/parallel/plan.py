@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from mesh3d.parallel.compile_blocks import compile_options
 from mesh3d.parallel.explain import explain_table
 from mesh3d.parallel.styles import BATCH_MODES, STYLE_NAMES, style_description
 
@@ -44,6 +45,9 @@ class Plan:
             parameter (must divide batch·domain); ``None``: all ranks of one batch index
             (the domain group) when domain > 1, else half of the batch ranks (two replicas).
         checkpoint: glob patterns of modules whose activations are recomputed in backward.
+        compile: ``torch.compile`` each block (the non-root FSDP units, else the whole model) after tensor
+            parallelism and checkpointing, before FSDP: ``True``, or a dict of ``torch.compile`` options
+            (``{"backend": "aot_eager", "fullgraph": True}``).
     """
 
     model: dict[str, str | ParallelStyle] = field(default_factory=dict)
@@ -55,6 +59,7 @@ class Plan:
     cpu_offload: bool = False
     hsdp_shard_size: int | None = None
     checkpoint: list[str] = field(default_factory=list)
+    compile: bool | dict[str, Any] = False
 
     def __post_init__(self) -> None:
         if self.model is None:  # "no tensor parallelism", as with batch=None
@@ -84,6 +89,7 @@ class Plan:
             raise ValueError(f"Plan.hsdp_shard_size={self.hsdp_shard_size!r} must be a positive int or None")
         if self.hsdp_shard_size is not None and self.batch != "hsdp":
             raise ValueError(f"Plan.hsdp_shard_size is only used with batch='hsdp', but batch={self.batch!r}")
+        compile_options(self.compile)  # raises for a value that is not True/False/a dict of known options
         if self.batch is None and (self.param_dtype or self.reduce_dtype or self.cpu_offload):
             raise ValueError("mixed precision and cpu_offload are applied by the batch axis; they need batch='fsdp'/'hsdp'/'ddp'")
 
@@ -93,7 +99,7 @@ class Plan:
         return (
             f"model[{model}] batch={self.batch} units={self.units} reshard={self.reshard_after_forward} "
             f"param_dtype={self.param_dtype} reduce_dtype={self.reduce_dtype} offload={self.cpu_offload} "
-            f"hsdp_shard_size={self.hsdp_shard_size} checkpoint={self.checkpoint}"
+            f"hsdp_shard_size={self.hsdp_shard_size} checkpoint={self.checkpoint} compile={compile_options(self.compile)}"
         )
 
     def fingerprint(self, model: nn.Module | None = None) -> int:

@@ -121,7 +121,8 @@ def _check_heads(fqn: str, model: nn.Module, kind: str | None, model_size: int) 
             )
 
 
-def _default_units(model: nn.Module) -> list[str]:
+def default_units(model: nn.Module) -> list[str]:
+    """Every child (with parameters) of every ``nn.ModuleList``/``nn.Sequential``: the default FSDP units, the blocks."""
     units = []
     for name, module in model.named_modules():
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -166,7 +167,7 @@ def resolve_plan(plan: PlanFields, model: nn.Module, sizes: dict[str, int]) -> R
 
     units: list[str] = []
     if plan.batch is not None:
-        names = list(match_modules(plan.units, model, "Plan.units")) if plan.units is not None else _default_units(model)
+        names = list(match_modules(plan.units, model, "Plan.units")) if plan.units is not None else default_units(model)
         units = sorted((n for n in names if n), key=lambda n: -n.count("."))
         units.append("")  # the root is always the last unit: it owns the parameters left over
         batch_domain = sizes["batch"] * sizes["domain"]

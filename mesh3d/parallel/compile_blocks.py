@@ -1,0 +1,90 @@
+"""The compile step of ``parallelize``: ``torch.compile`` each block of the model, in place, before FSDP wraps it.
+
+Usage (inside ``parallelize``; users write ``Plan(compile=True)`` or ``Plan(compile={"backend": "aot_eager"})``)::
+
+    apply_compile(model, blocks=compiled_blocks(model, resolved.units), options={})
+
+NOTE (torchtitan's order): tensor parallelism, then activation checkpointing, then compile, then FSDP. Each block
+is compiled on its own (``nn.Module.compile``: the module and its parameter names stay as they are, so state dicts
+and checkpoints do not change), not the whole model: FSDP's all-gathers and reduce-scatters run between blocks, in
+eager hooks, and a graph break in one block costs that block only. Compiling a block that already holds DTensor
+parameters (after TP) lets Dynamo trace the DTensor ops; domain tensors flowing through a block compile through
+their dispatcher (docs/domain.md, "torch.compile").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from mesh3d.domain.registry import tree_map
+from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+
+__all__ = ["COMPILE_OPTIONS", "apply_compile", "compiled_blocks", "compile_options"]
+
+#: The ``torch.compile`` keyword arguments ``Plan.compile`` may give.
+COMPILE_OPTIONS = ("backend", "fullgraph", "dynamic", "mode", "options")
+
+
+def compile_options(value: bool | dict[str, Any]) -> dict[str, Any] | None:
+    """``Plan.compile`` as ``torch.compile`` keyword arguments (None: no compile); raises naming what is wrong.
+
+    Usage: ``compile_options({"backend": "aot_eager"})  # {"dynamic": False, "backend": "aot_eager"}``
+    """
+    if value is False or value is None:
+        return None
+    if value is True:
+        value = {}
+    if not isinstance(value, dict):  # checked before any work: Plan.__post_init__ calls this
+        raise TypeError(f"Plan.compile must be True, False or a dict of torch.compile options, got {value!r}")
+    unknown = sorted(set(value) - set(COMPILE_OPTIONS))
+    if unknown:
+        raise ValueError(f"Plan.compile has unknown torch.compile options {unknown}; the ones it takes: "
+                         f"{', '.join(COMPILE_OPTIONS)}")
+    # NOTE: static shapes unless asked otherwise: a domain rule plans its halos from sizes, and a sharded block's
+    # sizes change only with the layout (a recompile then, as for a new shape).
+    return {"dynamic": False, **value}
+
+
+def compiled_blocks(model: nn.Module, units: list[str]) -> list[str]:
+    """The modules to compile: the outermost non-root FSDP units (the blocks), or the whole model when there are none.
+
+    Usage: ``compiled_blocks(model, ["layers.0", "layers.1", ""])  # ["layers.0", "layers.1"]``
+    """
+    blocks = [u for u in units if u]
+    outermost = [u for u in blocks if not any(u.startswith(other + ".") for other in blocks if other != u)]
+    return sorted(outermost, key=[n for n, _ in model.named_modules()].index) or [""]
+
+
+def apply_compile(model: nn.Module, blocks: list[str], options: dict[str, Any]) -> None:
+    """``torch.compile`` each of ``blocks`` (FQNs; ``""`` is the model itself) in place with ``options``."""
+    for fqn in blocks:
+        block = model.get_submodule(fqn)
+        block.compile(**options)
+        # NOTE: registered before FSDP's own hooks (fully_shard comes next), so it runs before FSDP's post-forward.
+        block.register_forward_hook(_fresh_domain_outputs)
+
+
+@torch.compiler.disable(reason="mesh3d: re-makes a compiled block's outputs as fresh domain tensors, eagerly")
+def _fresh_domain_outputs(module: nn.Module, args: Any, output: Any) -> Any:
+    """The compiled block's domain-tensor outputs as fresh tensors, not alias views of the graph's outputs.
+
+    NOTE: a compiled graph returns plain tensors, which Dynamo's code makes domain tensors with ``as_subclass``: an
+    alias view. FSDP2 registers its "re-gather the parameters before backward" hook on each unit's output, and an
+    in-place op on a view (the ``ReLU(inplace=True)`` after the block) drops it: backward would then run on freed
+    parameters. The view's base is the graph's own fresh output, held by nobody else: it becomes the domain tensor.
+    ``nn.Module.compile`` compiles the hooks with the forward, so this one is marked to run eagerly, after the graph.
+    """
+    def fresh(t: Any) -> Any:
+        if not isinstance(t, DomainTensor):
+            return t
+        base = t._base
+        local = unwrap(t)
+        if type(base) is not torch.Tensor or base.shape != local.shape or base.stride() != local.stride() \
+                or base.requires_grad != local.requires_grad:
+            return t
+        return adopt(base, t.spec)
+
+    return tree_map(fresh, output)
