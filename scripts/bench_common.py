@@ -10,13 +10,21 @@ Usage (from a script in scripts/, whose folder is on sys.path)::
 
 from __future__ import annotations
 
+import os
 import platform
+import socket
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from mesh3d import DistributedManager, domain
 
 
 def _status_kb(field: str) -> int:
@@ -90,3 +98,87 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown CPU"
+
+
+# ----------------------------------------------------------------------------- models shared by the domain benchmarks
+def conv_stack(channels: int, layers: int, dims: int = 2) -> nn.Module:
+    conv = nn.Conv2d if dims == 2 else nn.Conv3d
+    mods: list[nn.Module] = [conv(1, channels, 3, padding=1)]
+    for _ in range(layers - 2):
+        mods += [nn.GELU(), conv(channels, channels, 3, padding=1)]
+    mods += [nn.GELU(), conv(channels, 1, 3, padding=1)]
+    return nn.Sequential(*mods)
+
+
+class UNet(nn.Module):
+    """Two levels: conv-GroupNorm-GELU blocks, max pooling, transposed-conv and bilinear upsampling, skips."""
+
+    def __init__(self, c: int = 16) -> None:
+        super().__init__()
+
+        def block(i: int, o: int) -> nn.Module:
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.GroupNorm(4, o), nn.GELU(),
+                                 nn.Conv2d(o, o, 3, padding=1), nn.GroupNorm(4, o), nn.GELU())
+
+        self.enc1, self.enc2, self.mid = block(3, c), block(c, 2 * c), block(2 * c, 4 * c)
+        self.up2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2)
+        self.dec2 = block(4 * c, 2 * c)
+        self.dec1 = block(3 * c, c)
+        self.head = nn.Conv2d(c, 1, 1)
+
+    def forward(self, x):
+        e1 = self.enc1(x)
+        e2 = self.enc2(F.max_pool2d(e1, 2))
+        m = self.mid(F.max_pool2d(e2, 2))
+        d2 = self.dec2(torch.cat([self.up2(m), e2], 1))
+        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
+        return self.head(self.dec1(torch.cat([up, e1], 1)))
+
+
+def paired_times(plain, other, repeats: int, sync) -> tuple[float, float]:
+    """Median times of two steps run alternately, call by call, so the allocator's and caches' state
+    drifts alike for both (blocks of one then the other differ by up to 2x on CPU from malloc alone)."""
+    plain(), other()
+    sync()
+    a, b = [], []
+    for _ in range(repeats):
+        for fn, out in ((plain, a), (other, b)):
+            start = time.perf_counter()
+            fn()
+            sync()
+            out.append(time.perf_counter() - start)
+    return statistics.median(a), statistics.median(b)
+
+
+def spawn_ranks(target: Callable[..., None], world: int, *args: object, timeout: float = 600) -> dict[int, object]:
+    """Run ``target(rank, world, port, *args, queue)`` on ``world`` fresh processes; each puts ``(rank, result)``.
+
+    Usage: ``per_rank = spawn_ranks(_scaling_rank, 4, args)  # {0: result, 1: result, ...}``
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    per_rank = dict(queue.get(timeout=timeout) for _ in procs)
+    for p in procs:
+        p.join()
+    return per_rank
+
+
+def conv_stack_rank(rank: int, world: int, port: int, args) -> tuple[nn.Module, torch.Tensor, tuple[int, ...]]:
+    """One spawned rank of a domain of ``world``: the manager started, the conv stack, its input and the layout.
+
+    Usage: ``model, x, sizes = conv_stack_rank(rank, world, port, args)  # args: channels, layers, batch, size``
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    DistributedManager.initialize(batch=1, domain=world)
+    torch.manual_seed(0)
+    model = conv_stack(args.channels, args.layers)
+    x = torch.randn(args.batch, 1, args.size, args.size)
+    return model, x, domain.balanced_sizes(args.size, world)
+

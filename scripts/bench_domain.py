@@ -16,7 +16,10 @@ Parts (each against plain torch on the same inputs, in the same run):
    time (goal: D=2 at least 1.8x faster than D=1), bytes sent vs the minimum halo bytes, time spent
    inside exchanges (the most that overlapping them with compute could hide), activation bytes and
    peak RSS per rank vs plain torch in one process.
-Writes docs/benchmarks/domain.json and domain.png; scripts/bench_report.py puts them in docs/benchmarks.md.
+4. ``compile``: ``torch.compile`` (scripts/bench_compile.py): compiled domain vs compiled plain at D=1, compiled vs
+   eager at D=2 and 4, compile time, graph breaks, recompiles, peak memory.
+Writes docs/benchmarks/domain.json and domain.png (the compile part: domain_compile.json and .png);
+scripts/bench_report.py puts them in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -24,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -32,49 +34,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import median_step_time, peak_rss_kb, reset_peak_rss, rss_kb  # noqa: E402
+from mesh3d import DistributedManager, domain  # noqa: E402
+from bench_common import (UNet, conv_stack, conv_stack_rank, cpu_model, median_step_time, paired_times, peak_rss_kb,  # noqa: E402
+                          reset_peak_rss, rss_kb, spawn_ranks)
+from bench_compile import add_arguments as add_compile_arguments, part_compile, plot_compile  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
-
-
-# ----------------------------------------------------------------------------- models
-def conv_stack(channels: int, layers: int, dims: int = 2) -> nn.Module:
-    conv = nn.Conv2d if dims == 2 else nn.Conv3d
-    mods: list[nn.Module] = [conv(1, channels, 3, padding=1)]
-    for _ in range(layers - 2):
-        mods += [nn.GELU(), conv(channels, channels, 3, padding=1)]
-    mods += [nn.GELU(), conv(channels, 1, 3, padding=1)]
-    return nn.Sequential(*mods)
-
-
-class UNet(nn.Module):
-    """Two levels: conv-GroupNorm-GELU blocks, max pooling, transposed-conv and bilinear upsampling, skips."""
-
-    def __init__(self, c: int = 16) -> None:
-        super().__init__()
-
-        def block(i: int, o: int) -> nn.Module:
-            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.GroupNorm(4, o), nn.GELU(),
-                                 nn.Conv2d(o, o, 3, padding=1), nn.GroupNorm(4, o), nn.GELU())
-
-        self.enc1, self.enc2, self.mid = block(3, c), block(c, 2 * c), block(2 * c, 4 * c)
-        self.up2 = nn.ConvTranspose2d(4 * c, 2 * c, 2, stride=2)
-        self.dec2 = block(4 * c, 2 * c)
-        self.dec1 = block(3 * c, c)
-        self.head = nn.Conv2d(c, 1, 1)
-
-    def forward(self, x):
-        e1 = self.enc1(x)
-        e2 = self.enc2(F.max_pool2d(e1, 2))
-        m = self.mid(F.max_pool2d(e2, 2))
-        d2 = self.dec2(torch.cat([self.up2(m), e2], 1))
-        up = F.interpolate(d2, scale_factor=2, mode="bilinear", align_corners=False)
-        return self.head(self.dec1(torch.cat([up, e1], 1)))
 
 
 # ----------------------------------------------------------------------------- part 1: ops at domain=1
@@ -88,21 +57,6 @@ def _median_time(fn, repeats: int, sync) -> float:
         sync()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def _paired_times(plain, other, repeats: int, sync) -> tuple[float, float]:
-    """Median times of two steps run alternately, call by call, so the allocator's and caches' state
-    drifts alike for both (blocks of one then the other differ by up to 2x on CPU from malloc alone)."""
-    plain(), other()
-    sync()
-    a, b = [], []
-    for _ in range(repeats):
-        for fn, out in ((plain, a), (other, b)):
-            start = time.perf_counter()
-            fn()
-            sync()
-            out.append(time.perf_counter() - start)
-    return statistics.median(a), statistics.median(b)
 
 
 def _op_cases(size: int, dtype, device):
@@ -140,7 +94,7 @@ def part_ops(args, device) -> dict:
         def sharded(fn=fn, x=x, dim=dim):
             fn(domain.shard(x, dim=dim)).sum().backward()
 
-        a, b = _paired_times(plain, sharded, args.repeats * args.rounds, sync)
+        a, b = paired_times(plain, sharded, args.repeats * args.rounds, sync)
         a, b = [a], [b]
         results[name] = {"plain_s": min(a), "domain_s": min(b), "slowdown": min(b) / min(a)}
         print(f"  {name:24s} {min(a) * 1e3:8.2f} ms  x{min(b) / min(a):.3f}", flush=True)
@@ -155,7 +109,7 @@ def part_ops(args, device) -> dict:
     def unet_domain():
         F.mse_loss(unet(domain.shard(x, dim=2)), domain.shard(target, dim=2)).backward()
 
-    a, b = _paired_times(unet_plain, unet_domain, args.repeats * args.rounds, sync)
+    a, b = paired_times(unet_plain, unet_domain, args.repeats * args.rounds, sync)
     a, b = [a], [b]
     results["U-Net step"] = {"plain_s": min(a), "domain_s": min(b), "slowdown": min(b) / min(a)}
     print(f"  {'U-Net step':24s} {min(a) * 1e3:8.2f} ms  x{min(b) / min(a):.3f}", flush=True)
@@ -236,15 +190,7 @@ class SavedBytes:
 
 
 def _scaling_rank(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    from mesh3d import DistributedManager, domain
-
-    DistributedManager.initialize(batch=1, domain=world)
-    torch.manual_seed(0)
-    model = conv_stack(args.channels, args.layers)
-    x = torch.randn(args.batch, 1, args.size, args.size)
-    sizes = domain.balanced_sizes(args.size, world)
+    model, x, sizes = conv_stack_rank(rank, world, port, args)
     result = {}
     if world == 1:  # plain torch in one process: the reference for time and memory
         def plain_step():
@@ -408,17 +354,7 @@ def _overlap_rank(rank: int, world: int, port: int, args, queue) -> None:
 
 
 def part_overlap(args) -> dict:
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_overlap_rank, args=(r, 2, port, args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    per_rank = dict(queue.get(timeout=600) for _ in procs)
-    for p in procs:
-        p.join()
+    per_rank = spawn_ranks(_overlap_rank, 2, args)
     out = {k: max(per_rank[r][k] for r in per_rank) for k in per_rank[0]}
     out["overlap_vs_no_overlap"] = out["mesh3d"] / out["mesh3d_no_overlap"]
     out["step_overlap_vs_no_overlap"] = out["step"] / out["step_no_overlap"]
@@ -443,17 +379,7 @@ def min_halo_bytes(size: int, world: int, batch: int, channels: int, layers: int
 def part_scaling(args) -> list[dict]:
     runs = []
     for world in args.domains:
-        ctx = mp.get_context("spawn")
-        queue = ctx.Queue()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [ctx.Process(target=_scaling_rank, args=(r, world, port, args, queue)) for r in range(world)]
-        for p in procs:
-            p.start()
-        per_rank = dict(queue.get(timeout=600) for _ in procs)
-        for p in procs:
-            p.join()
+        per_rank = spawn_ranks(_scaling_rank, world, args)
         dom = [per_rank[r]["domain"] for r in range(world)]
         run = {
             "domain": world,
@@ -520,8 +446,8 @@ def _plot(report: dict) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", nargs="+", default=["ops", "dispatch", "scaling", "overlap"],
-                        choices=["ops", "dispatch", "scaling", "overlap"])
+    parser.add_argument("--parts", nargs="+", default=["ops", "dispatch", "scaling", "overlap", "compile"],
+                        choices=["ops", "dispatch", "scaling", "overlap", "compile"])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
     parser.add_argument("--op-size", type=int, default=128)
@@ -536,15 +462,18 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--domains", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--out", default=str(OUT / "domain.json"))
+    add_compile_arguments(parser)
     args = parser.parse_args()
     if args.quick:
         args.op_size, args.unet_size, args.size, args.rounds, args.repeats = 32, 32, 128, 1, 2
         args.dispatch_calls, args.steps = 200, 2
+        args.compile_unet, args.compile_repeats = 32, 3
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(1)
     report = {"config": {**vars(args), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-                         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}}
+                         "device_name": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                         "cpu": cpu_model()}}
     if "ops" in args.parts:
         print("== one rank: domain wrapper vs plain torch, forward+backward", flush=True)
         report["ops"] = part_ops(args, device)
@@ -558,6 +487,15 @@ def main() -> None:
         print("== overlap: halo messages in flight while the interior rows are computed (D=2)", flush=True)
         report["overlap"] = part_overlap(args)
     OUT.mkdir(parents=True, exist_ok=True)
+    if "compile" in args.parts and device.type == "cpu":
+        # NOTE: a file of its own (docs/benchmarks/domain_compile.json), so this part can be rerun alone
+        print("== torch.compile: compiled domain steps vs compiled plain (D=1) and vs eager (D=2, 4)", flush=True)
+        compiled = {"config": report["config"], **part_compile(args)}
+        (OUT / "domain_compile.json").write_text(json.dumps(compiled, indent=2) + "\n")
+        plot_compile(compiled, OUT / "domain_compile.png")
+        if args.parts == ["compile"]:
+            print(f"wrote {OUT / 'domain_compile.json'}")
+            return
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     if Path(args.out).resolve() == (OUT / "domain.json").resolve():
         _plot(report)
