@@ -18,9 +18,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from domain_cases import domain_sum, max_err
+from domain_cases import domain_sum, max_err, shard_sizes, with_edge_layouts
 from domain_models import H, W, TinyUNet, TinyViT
+from profiles import examples
 
 STEPS = 3
 
@@ -208,3 +211,43 @@ def test_zoo_model_compiles_and_trains_as_one_process(ranks):
     for err, buffers, first, last in ranks.run(3, _zoo_compiled_body, "monai.UNet", (8, 4, 4), timeout=300):
         assert err < 1e-9 and buffers < 1e-9
         assert last == first
+
+
+def _compiled_stack_body(cases: list[dict]) -> list[float]:
+    """Each case: a conv (its kernel, stride, padding drawn), GroupNorm, GELU and a pooling, compiled (aot_eager,
+    fullgraph) on the case's layout of its height, forward and backward, against one process."""
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    errs = []
+    for case in cases:
+        torch.manual_seed(0)
+        ref = torch.nn.Sequential(torch.nn.Conv2d(2, 4, case["kernel"], case["stride"], case["padding"]),
+                                  torch.nn.GroupNorm(2, 4), torch.nn.GELU(), torch.nn.AvgPool2d(2)).double()
+        model = copy.deepcopy(ref)
+        x = torch.randn(2, 2, case["length"], 5, dtype=torch.float64)
+        loss_ref = (ref(x) ** 2).mean()
+        loss_ref.backward()
+        # NOTE: static shapes, as docs/domain.md says: each case is a new shape of the same code
+        step = torch.compile(lambda xs, m=model: (m(xs) ** 2).mean(), backend="aot_eager", fullgraph=True, dynamic=False)
+        loss = step(domain.shard(x, dim=2, sizes=case["sizes"]))
+        loss.backward()
+        errs.append(max([abs(float(loss.detach().to_local()) - float(loss_ref))]
+                        + [max_err(domain_sum(q.grad), p.grad) for p, q in zip(ref.parameters(), model.parameters())]))
+    return errs
+
+
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_compiled_windows_on_drawn_layouts_equal_one_process(ranks, data):
+    """Hypothesis draws the height, the conv's kernel, stride and padding and every rank's share (empty and
+    one-row shards included; the first cases are the edge layouts); each case compiles its own graph."""
+    world = data.draw(st.sampled_from([2, 3]))
+    cases = []
+    for _ in range(2):
+        kernel, stride = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 2))
+        length = data.draw(st.integers(kernel + 2 * stride, 14))  # at least 3 rows out of the conv, 1 out of the pool
+        cases.append({"kernel": kernel, "stride": stride, "padding": data.draw(st.integers(0, kernel // 2)),
+                      "length": length, "sizes": data.draw(shard_sizes(length, world))})
+    for errs in ranks.run(world, _compiled_stack_body, with_edge_layouts(cases, world), timeout=120):
+        assert max(errs) < 1e-9, (cases, errs)

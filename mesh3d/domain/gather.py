@@ -25,10 +25,8 @@ __all__ = ["full_tensor", "replicate_if_singleton"]
 
 class _FullTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, spec: DomainSpec):
+    def forward(ctx, local, spec: DomainSpec, plan):
         ctx.spec = spec
-        everything = (Span.rows(0, sum(spec.sizes)),)  # O(D) to plan, whatever the length
-        plan = plan_exchange(spec.sizes, (everything,) * len(spec.sizes), spec.comm.index)
         with torch.no_grad():
             whole = gather_rows(local, spec.dim, plan, spec.comm)
         return whole.view_as(whole) if whole is local else whole
@@ -37,7 +35,7 @@ class _FullTensor(torch.autograd.Function):
     def backward(ctx, grad):
         spec = ctx.spec
         # The whole tensor is replicated, so each rank's gradient is the whole gradient: keep my slice.
-        return grad.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]), None
+        return grad.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]), None, None
 
 
 def full_tensor(x: DomainTensor) -> DomainTensor:
@@ -56,7 +54,10 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
         d, whole = spec.dim, list(x.shape)
         blocks = x.view([*whole[:d], spec.outer, sum(spec.sizes), *whole[d + 1:]])
         return full_tensor(blocks).view(whole)
-    return adopt(_FullTensor.apply(unwrap(x), spec), DomainSpec(None, None, spec.comm))
+    # NOTE: planned here, not in the autograd function: Dynamo traces its forward with the spec's ints as symbols
+    everything = (Span.rows(0, sum(spec.sizes)),)  # O(D) to plan, whatever the length
+    plan = plan_exchange(spec.sizes, (everything,) * len(spec.sizes), spec.comm.index)
+    return adopt(_FullTensor.apply(unwrap(x), spec, plan), DomainSpec(None, None, spec.comm))
 
 
 def replicate_if_singleton(x: DomainTensor) -> DomainTensor:
