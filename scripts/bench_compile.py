@@ -40,7 +40,7 @@ def _steps(model, make_input):
     def loss(t):
         return (model(t) ** 2).mean()
 
-    compiled_loss = torch.compile(loss)
+    compiled_loss = torch.compile(loss, dynamic=False)  # NOTE: static, as Plan(compile=...) does: rows reuse this code
     return (lambda: loss(make_input()).backward()), (lambda: compiled_loss(make_input()).backward())
 
 
