@@ -47,7 +47,7 @@ class Plan:
         checkpoint: glob patterns of modules whose activations are recomputed in backward.
         compile: ``torch.compile`` each block (the non-root FSDP units, else the whole model) after tensor
             parallelism and checkpointing, before FSDP: ``True``, or a dict of ``torch.compile`` options
-            (``{"backend": "aot_eager", "fullgraph": True}``).
+            (``{"backend": "aot_eager", "fullgraph": True}``); ``dynamic=False`` unless given.
     """
 
     model: dict[str, str | ParallelStyle] = field(default_factory=dict)
