@@ -12,6 +12,7 @@ from types import ModuleType
 from mesh3d.grad import clip_grad_norm_, global_mean_loss, grad_norm
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.log import get_logger
+from mesh3d.faults import PEER_LOST_EXIT_CODE, CollectiveTimeoutError, PeerLostError, WatchSettings
 from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import AXES, resolve_mesh_shape
 from mesh3d.parallel import Plan, parallelize
@@ -21,10 +22,14 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AXES",
+    "CollectiveTimeoutError",
     "DistributedManager",
     "LaunchInfo",
+    "PEER_LOST_EXIT_CODE",
+    "PeerLostError",
     "PREEMPTED_EXIT_CODE",
     "Plan",
+    "WatchSettings",
     "__version__",
     "checkpoint",
     "clip_grad_norm_",

@@ -259,3 +259,16 @@ def is_operator_overload(func: Any) -> bool:
     A compiled graph's runtime calls them on its inputs (domain tensors included), with sizes traced on the shard.
     """
     return isinstance(func, torch._ops.OpOverload)
+
+
+def default_store() -> dist.Store | None:
+    """The store the default process group rendezvoused through (torchrun's, SLURM's or our own), or None.
+
+    NOTE: private (``distributed_c10d._get_default_store``). The peer watch (mesh3d/faults/watch.py) writes its
+    heartbeats there: it is the one channel every rank already has that does not go through the (possibly
+    stuck) process groups, and under torchrun its server lives in the agent, so it outlives any worker.
+    """
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None

@@ -16,7 +16,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "choose_backend", "choose_device", "restart_store"]
+from mesh3d.launcher import LaunchInfo
+
+__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "choose_backend", "choose_device", "init_default_group", "restart_store"]
 
 #: Collectives that wait longer than this raise instead of hanging the job. Ten minutes
 #: is NCCL's default; gloo's own default is 30 minutes, too long to notice a hang.
@@ -76,3 +78,17 @@ def restart_store(timeout: timedelta) -> dist.Store | None:
     client = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), int(env["WORLD_SIZE"]), is_master=False,
                            timeout=timeout)
     return dist.PrefixStore(f"mesh3d/restart_{env.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
+
+
+def init_default_group(info: LaunchInfo, backend: str, device: torch.device, timeout: timedelta) -> None:
+    """Join the default process group as ``info`` (from ``detect_launcher``) describes this rank."""
+    device_id = device if device.type == "cuda" else None  # CPU device_id is rejected by torch 2.13
+    if info.world_size == 1 and info.master_addr is None:
+        # A world of one needs no rendezvous: an in-process store avoids binding a port.
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
+        return
+    store = restart_store(timeout)  # torchrun: this restart's keys (its shared store outlives a restart)
+    dist.init_process_group(
+        backend, init_method=None if store else f"tcp://{info.master_addr}:{info.master_port}", store=store,
+        rank=info.rank, world_size=info.world_size, timeout=timeout, device_id=device_id)

@@ -23,7 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, live_process_groups, unflatten_mesh
-from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_backend, choose_device, restart_store
+from mesh3d.faults import PeerWatch, WatchSettings
+from mesh3d.faults.attach import WATCH, start_watch
+from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_backend, choose_device, init_default_group
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
 from mesh3d.preempt import STOP, agree_to_stop
@@ -42,9 +44,8 @@ class DistributedManager:
 
     Usage: ``dm = DistributedManager.initialize(batch=-1, domain=2, model=2); dm.group("model")``
 
-    ``DistributedManager()`` returns the initialized instance (a clear error before
-    :meth:`initialize`). Axis names everywhere are ``"batch"``, ``"domain"``, ``"model"``
-    and the derived ``"batch_domain"`` and ``"world"``.
+    ``DistributedManager()`` returns the initialized instance (a clear error before :meth:`initialize`). Axis names
+    everywhere: ``"batch"``, ``"domain"``, ``"model"`` and the derived ``"batch_domain"`` and ``"world"``.
     """
 
     _instance: ClassVar[DistributedManager | None] = None
@@ -68,6 +69,7 @@ class DistributedManager:
     #: This mesh's number among the meshes this process built (``group_of_epoch``).
     epoch: int
     _created_default_group: bool
+    watch: PeerWatch  #: heartbeats and named faults (mesh3d/faults/watch.py); a no-op watch in a world of one
 
     def __new__(cls) -> DistributedManager:
         if cls._instance is None:
@@ -89,6 +91,7 @@ class DistributedManager:
         backend: str | None = None,
         timeout: float | timedelta | None = None,
         stop_signals: Iterable[int | str] | None = None,
+        watch: WatchSettings | None = None,
     ) -> DistributedManager:
         """Join (or start) the process group and build the (batch, domain, model) mesh.
 
@@ -99,8 +102,10 @@ class DistributedManager:
         ``domain=(2, 2)`` factors the domain axis into a grid (blocks; ``dm.domain_grid``, and the
         grid lines' groups ``dm.group("domain_0")``, ``"domain_1"``, ...); the mesh keeps its three axes.
         ``stop_signals`` (default ``MESH3D_STOP_SIGNALS``, e.g. ``"SIGUSR1"``) set the flag ``should_stop`` agrees on.
+        ``watch`` (default ``WatchSettings.from_env()``) times the peer watch that names a lost rank (mesh3d/faults).
         """
         timeout = as_timeout(timeout)
+        watch = WatchSettings.from_env() if watch is None else watch
         STOP.install(stop_signals)  # bad names raise here, on every rank, before any collective
         reuse = dist.is_available() and dist.is_initialized()
         if reuse:
@@ -133,7 +138,7 @@ class DistributedManager:
 
         created_default_group = False
         if not reuse:
-            cls._init_default_group(info, backend, device, timeout)
+            init_default_group(info, backend, device, timeout)
             created_default_group = True
 
         self = object.__new__(cls)
@@ -142,29 +147,19 @@ class DistributedManager:
         self._created_default_group = created_default_group
         self.domain_grid = grid
         try:
+            self.watch = start_watch(self.rank, self.world_size, watch, self.describe_rank)  # first beat
             self._build_meshes(shape)
         except BaseException:
             if created_default_group:
                 dist.destroy_process_group()
             raise
+        self.watch.begin([r for axis in AXES for r in self.axis_ranks(axis)])  # NOTE: all beat before the mesh
+        WATCH.install(self.watch)
         cls._epochs += 1
         self.epoch = cls._epochs
         cls._instance = self
         cls._teardown.run_at_exit(cls._teardown_at_exit)
         return self
-
-    @staticmethod
-    def _init_default_group(info: LaunchInfo, backend: str, device: torch.device, timeout: timedelta) -> None:
-        device_id = device if device.type == "cuda" else None  # CPU device_id is rejected by torch 2.13
-        if info.world_size == 1 and info.master_addr is None:
-            # A world of one needs no rendezvous: an in-process store avoids binding a port.
-            store = dist.HashStore()
-            dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout, device_id=device_id)
-            return
-        store = restart_store(timeout)  # torchrun: this restart's keys (its shared store outlives a restart)
-        dist.init_process_group(
-            backend, init_method=None if store else f"tcp://{info.master_addr}:{info.master_port}", store=store,
-            rank=info.rank, world_size=info.world_size, timeout=timeout, device_id=device_id)
 
     def _build_meshes(self, shape: tuple[int, int, int]) -> None:
         options = group_options(self.backend, self.timeout)
@@ -192,16 +187,15 @@ class DistributedManager:
     def shutdown(cls) -> None:
         """Finish background work, drain and destroy the groups the manager created, and forget the singleton.
 
-        Call it on every rank (it waits, at most ``SHUTDOWN_DRAIN_TIMEOUT``, for the peers' drain: see
-        mesh3d/teardown.py). A pending background save is finished first; if it failed and nobody has seen
-        its error, that ``CheckpointError`` is raised here, after the teardown, on every rank alike. A
-        default process group that the user initialized before :meth:`initialize` is drained and left
-        alone; one the manager created is destroyed, with every group made from it. Safe to call when not
-        initialized. A script that never calls it gets the same teardown at interpreter exit.
+        Call it on every rank (it waits at most ``SHUTDOWN_DRAIN_TIMEOUT`` for the peers' drain: mesh3d/teardown.py).
+        A pending background save is finished first; its unseen failure is raised here, after the teardown, on every
+        rank. A default group the user made before :meth:`initialize` is drained and left alone; one the manager made
+        is destroyed with every group made from it. Safe when not initialized; at exit it runs by itself.
         """
         self = cls._instance
         if self is None:
             return
+        WATCH.clear()  # the watch stops; peers read "done": this rank is not lost
         failures = cls._teardown.finish_background_work()
         late = cls._teardown.drain(self._owned_groups(), min(self.timeout, SHUTDOWN_DRAIN_TIMEOUT))
         if late:
@@ -248,12 +242,9 @@ class DistributedManager:
 
     @classmethod
     def _teardown_at_exit(cls) -> None:
-        """The ``atexit`` handler: the teardown of :meth:`shutdown` for a script that never called it.
-
-        Every live gloo group is drained, the manager's or not (the process is ending), then the manager's groups
-        are destroyed. After an uncaught exception the peers are waited for only briefly (the drain itself is
-        local), so the error reaches the launcher soon; nothing is raised from here.
-        """
+        """At exit, :meth:`shutdown`'s teardown for a script that never called it: every live gloo group drained (after
+        an uncaught exception the peers are waited for briefly, so the error reaches the launcher), nothing raised."""
+        WATCH.clear()
         for err in cls._teardown.finish_background_work():
             print(f"mesh3d: at exit, {type(err).__name__}: {err}", file=sys.stderr)
         timeout = EXIT_DRAIN_TIMEOUT_ON_ERROR if exiting_on_error() else SHUTDOWN_DRAIN_TIMEOUT
@@ -285,18 +276,34 @@ class DistributedManager:
 
         Usage: ``if dm.should_stop(): manager.save(...); DistributedManager.shutdown(); sys.exit(PREEMPTED_EXIT_CODE)``
         """
-        return agree_to_stop(self.group("world"), self.device if "nccl" in self.backend else None)
+        with self.watch.doing("agreeing to stop (should_stop)"):
+            self.watch.check()
+            try:
+                return agree_to_stop(self.group("world"), self.device if "nccl" in self.backend else None)
+            except RuntimeError as err:
+                raise self.watch.translate(err) from err
+
+    def guard(self, label: str = "a step"):
+        """A block whose collectives fail with a named error: ``PeerLostError`` or ``CollectiveTimeoutError``.
+
+        Usage: ``with dm.guard("train step"): train_step(batch)``. An exception leaving it on one rank tells the
+        peers at once (they raise ``PeerLostError`` naming this rank), so use it around work every rank must finish.
+        """
+        return self.watch.guard(label)
+
+    def describe_rank(self, rank: int) -> str:
+        """``rank 5 (batch 1, domain 0, model 1)``: a global rank with its mesh coordinates."""
+        hit = (self.mesh.mesh == rank).nonzero() if hasattr(self, "mesh") else []
+        return f"rank {rank}" + (f" ({', '.join(f'{n} {int(c)}' for n, c in zip(AXES, hit[0]))})" if len(hit) else "")
 
     def manual_seed(self, seed: int) -> int:
         """Seed torch's generators so every rank of a batch rank's domain and model groups draws the same numbers.
 
         Usage: ``dm.manual_seed(0)`` once after ``initialize``; returns this rank's seed.
 
-        Batch rank ``b`` gets ``seed + b * 0x9E3779B97F4A7C15`` (mod 2**63; batch rank 0 gets ``seed`` itself, as one
-        process seeded with ``seed`` would), so samples on different batch ranks draw different masks while the
-        shards of one sample draw one realization: a stochastic-depth mask from ``torch.rand`` is the same on every
-        domain rank, and ``F.dropout`` on a domain tensor draws the one-process mask and keeps this rank's rows.
-        Domain ranks must then make the same random draws in the same order (as one program does).
+        Batch rank ``b`` gets ``seed + b * 0x9E3779B97F4A7C15`` (mod 2**63; batch rank 0 gets ``seed``, as one process
+        would), so batch ranks draw different masks while one sample's shards draw one realization (``F.dropout`` on a
+        domain tensor draws the one-process mask, keeps this rank's rows). Domain ranks draw in one order.
         """
         mine = (int(seed) + self.axis_rank("batch") * 0x9E3779B97F4A7C15) % 2**63
         torch.manual_seed(mine)
@@ -389,7 +396,5 @@ class DistributedManager:
 
     def __repr__(self) -> str:
         shape = ", ".join(f"{k}={v}" for k, v in self.shape.items())
-        return (
-            f"DistributedManager({shape}, rank={self.rank}/{self.world_size}, device={self.device}, "
-            f"backend={self.backend!r}, launcher={self.launcher!r})"
-        )
+        return (f"DistributedManager({shape}, rank={self.rank}/{self.world_size}, device={self.device}, "
+                f"backend={self.backend!r}, launcher={self.launcher!r})")

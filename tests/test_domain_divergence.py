@@ -177,6 +177,6 @@ def test_a_peer_failing_outside_mesh3d_is_named_when_it_ends_not_a_hang(ranks):
     text = str(failure.value)
     assert "--- rank 1 died (exit code 1) ---" in text and "ValueError: the library's own check failed" in text, text
     rank0 = text[text.index("--- rank 0 ---"):text.index("--- rank 1 died")]
-    assert "DomainPeerLostError: domain rank 1 (global rank 1; batch 0, domain 1, model 0) is gone: its connection " \
+    assert "DomainPeerLostError: rank 1 (batch 0, domain 1, model 0) is gone: its connection " \
         "closed while this rank (domain rank 0) waited for it" in rank0, text
     assert "an error outside mesh3d" in rank0 and "torch.conv2d" in rank0 and "in _outside_failure_body" in rank0, rank0

@@ -43,7 +43,7 @@ def test_a_rank_killed_mid_step_is_named_as_gone_on_every_survivor(ranks, victim
     assert "died" in sections[victim] and "signal" in sections[victim].lower() or "-9" in sections[victim], sections[victim]
     for rank in set(range(3)) - {victim}:
         text = sections[rank]
-        assert f"DomainPeerLostError: domain rank {victim} (global rank {victim}; batch 0, domain {victim}, model 0) is gone" \
+        assert f"DomainPeerLostError: rank {victim} (batch 0, domain {victim}, model 0) is gone" \
             in text, text
         assert "DomainDivergenceError" not in text, text
         assert "restart the job from its latest complete checkpoint" in text, text

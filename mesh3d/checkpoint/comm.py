@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import json
+import threading
 import traceback
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -27,7 +28,9 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.faults.attach import WATCH
 from mesh3d.launcher import refuse_if_launched_uninitialized
+from mesh3d.manager import DistributedManager
 
 __all__ = ["world", "allgather_json", "allgather_int64", "collective_step", "raise_if_any_failed", "StepFailure"]
 
@@ -45,6 +48,14 @@ def world() -> tuple[int, int]:
     return 0, 1
 
 
+def _mesh_world(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """``group``, or for None on the main thread the manager's world group: it carries the manager's timeout, which a
+    default group made outside mesh3d may not (background writers keep their own group: mesh3d/checkpoint/background.py)."""
+    if group is None and DistributedManager.is_initialized() and threading.current_thread() is threading.main_thread():
+        return DistributedManager().group("world")
+    return group
+
+
 def _device(group: dist.ProcessGroup | None) -> torch.device:
     backend = str(dist.get_backend(group))
     if "nccl" in backend:
@@ -58,6 +69,7 @@ def allgather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
     payload = json.dumps(obj, separators=(",", ":")).encode()
     if size == 1:
         return [json.loads(payload)]
+    group = _mesh_world(group)
     device = _device(group)
     length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
     lengths = [torch.zeros_like(length) for _ in range(size)]
@@ -76,6 +88,7 @@ def allgather_int64(values: list[int], group: dist.ProcessGroup | None = None) -
     _, size = world()
     if size == 1:
         return [list(values)]
+    group = _mesh_world(group)
     mine = torch.tensor(values, dtype=torch.int64, device=_device(group))
     rows = [torch.empty_like(mine) for _ in range(size)]
     dist.all_gather(rows, mine, group=group)
@@ -122,7 +135,13 @@ def collective_step(
     except Exception as err:  # shared with every rank below, so all raise together
         mine = err
         payload.update(error=_failure_text(err), traceback="".join(traceback.format_exception(err)))
-    gathered = allgather_json(payload, group)
+    watch = WATCH.current
+    with watch.doing(f"checkpoint: {what}"):
+        watch.check()  # a peer known lost never arrives: name it now instead of waiting for the timeout
+        try:
+            gathered = allgather_json(payload, group)
+        except RuntimeError as err:
+            raise watch.translate(err) from err
     failed = [(r, d["error"]) for r, d in enumerate(gathered) if d["error"] is not None]
     if not failed:
         return result, [d["shared"] for d in gathered]

@@ -23,6 +23,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from mesh3d.data.sampler import BatchInfo, MeshSampler
+from mesh3d.faults.attach import WATCH
 
 __all__ = ["MeshDataLoader"]
 
@@ -71,6 +72,7 @@ class MeshDataLoader(DataLoader):
             sampler.commit(info)
             self.last_batch = info
             position = info.next_position
+            WATCH.current.check()  # a lost peer is named here, before the step that would wait for it
             yield batch
 
     def state_dict(self) -> dict[str, Any]:

@@ -136,6 +136,16 @@ def describe_divergence(me: int, peer: int, mine, theirs: list | None, detail: s
     return "\n".join(lines)
 
 
+def peer_stopped_error(me: int, peer: int, kind: int, same: bool, told: str) -> DomainDivergenceError:
+    """Domain rank ``peer`` stopped (its notice of ``kind`` came instead of its header); ``told``: its error, if known."""
+    what = "failed in a domain op" if kind == KIND_ERROR else "found that the domain ranks ran different domain ops"
+    said = f" with {told}" if told else ""
+    return DomainDivergenceError(
+        f"domain rank {peer} {what}{said} and stopped while this rank (domain rank {me}) waited for it; the two ran "
+        f"{'the same' if same else 'different'} domain ops so far. Rank {peer}'s error says what failed. Latest here:\n"
+        + recent_ops() + "\n" + LIKELY_CAUSE)
+
+
 def recent_ops(count: int = 3) -> str:
     """This rank's last layout-changing domain ops and their source lines (for error messages)."""
     entries = list(JOURNAL.entries)[-count:]

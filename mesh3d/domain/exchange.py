@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from mesh3d.domain import divergence
 from mesh3d.manager import DistributedManager
+from mesh3d.faults.attach import WATCH
 from mesh3d.domain.exchange_op import TRANSPORT, comm_key, exchange_rows, received_shape
 from mesh3d.domain.notices import NOTICES, PendingNotices
 from mesh3d.domain.peer_lost import lost_peers, peer_lost_error
@@ -113,13 +114,8 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
             if kind == divergence.KIND_ERROR:  # it waits to learn whether we ran what it ran
                 _post(comm, [(q, divergence.header(divergence.KIND_DATA, fingerprint))], [])
             _abort(comm, skip=set(peers))
-            what = "failed in a domain op" if kind == divergence.KIND_ERROR else "found that the domain ranks ran " \
-                "different domain ops"
-            same = "the same" if their_print == fingerprint else "different"
-            raise divergence.DomainDivergenceError(
-                f"domain rank {q} {what} and stopped while this rank (domain rank {comm.index}) waited for it; "
-                f"the two ran {same} domain ops so far. Rank {q}'s error says what failed. Latest here:\n"
-                + divergence.recent_ops() + "\n" + divergence.LIKELY_CAUSE)
+            told = WATCH.current.error_of(comm.ranks[q]) if kind == divergence.KIND_ERROR else ""
+            raise divergence.peer_stopped_error(comm.index, q, kind, their_print == fingerprint, told)
         elif their_print != fingerprint:
             differ[q] = "their journals' fingerprints differ"
         elif to_me != from_peer.get(q, 0) or from_me != to_peer.get(q, 0):
@@ -182,6 +178,7 @@ def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.
     Ranks that fail together swap these notices and carry on raising at once; a peer waiting for us in an
     exchange answers with its fingerprint; a peer busy elsewhere is given ``wait_s`` seconds.
     """
+    WATCH.current.publish_error(err, op)  # before the notice: a peer that reads it can say why we stopped
     fingerprint = divergence.JOURNAL.fingerprint
     notice = divergence.header(divergence.KIND_ERROR, fingerprint)
     others = [q for q in range(comm.size) if q != comm.index]

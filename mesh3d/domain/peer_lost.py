@@ -11,12 +11,14 @@ Usage::
     try:
         loss = model(xs).mean()
     except DomainPeerLostError as err:
-        err.lost                       # the lost domain ranks (indices on the domain axis)
+        err.lost                       # {global rank: why}, as every PeerLostError
+        err.lost_domain_ranks          # the same ranks as indices on the domain axis
 """
 
 from __future__ import annotations
 
 from mesh3d.domain.divergence import recent_ops
+from mesh3d.faults import PeerLostError
 from mesh3d.manager import DistributedManager
 
 __all__ = ["DomainPeerLostError", "closed_connection", "lost_peers", "peer_lost_error"]
@@ -31,15 +33,15 @@ _WHAT_TO_DO = (
     "docs/recipes.md). The lost rank's own log says why it ended.")
 
 
-class DomainPeerLostError(RuntimeError):
-    """A domain peer's process ended during a step (killed, or an error outside mesh3d); ``lost``: its domain rank(s).
+class DomainPeerLostError(PeerLostError):
+    """A domain peer's process ended during a domain exchange; ``lost_domain_ranks``: its index on the domain axis.
 
-    Usage: ``except DomainPeerLostError as err: print(err.lost, err)  # then end, and restart from a checkpoint``
+    Usage: ``except PeerLostError as err: print(err.lost, err)  # then end, and restart from a checkpoint``
     """
 
-    def __init__(self, message: str, lost: list[int]) -> None:
-        super().__init__(message)
-        self.lost = lost
+    def __init__(self, message: str, lost: dict[int, str], lost_domain_ranks: list[int]) -> None:
+        super().__init__(message, lost)
+        self.lost_domain_ranks = lost_domain_ranks
 
 
 def closed_connection(err: BaseException) -> bool:
@@ -69,15 +71,9 @@ def lost_peers(works: list, peers: list[int]) -> tuple[list[int], BaseException 
 
 
 def _who(comm, q: int) -> str:
-    """``domain rank q (global rank r; batch b, domain d, model m)``, the coordinates where the manager knows them."""
+    """``rank r (batch b, domain d, model m)``: as every PeerLostError names a rank."""
     rank = comm.ranks[q]
-    where = ""
-    if DistributedManager.is_initialized():
-        mesh = DistributedManager().mesh  # the (batch, domain, model) mesh
-        hit = (mesh.mesh == rank).nonzero()
-        if len(hit):
-            where = "; " + ", ".join(f"{name} {int(c)}" for name, c in zip(mesh.mesh_dim_names or (), hit[0]))
-    return f"domain rank {q} (global rank {rank}{where})"
+    return DistributedManager().describe_rank(rank) if DistributedManager.is_initialized() else f"rank {rank}"
 
 
 def peer_lost_error(comm, lost: list[int], err: BaseException | None, seen_by: int | None = None) -> DomainPeerLostError:
@@ -90,5 +86,6 @@ def peer_lost_error(comm, lost: list[int], err: BaseException | None, seen_by: i
     else:
         how = (f"domain rank {seen_by} saw its connection close in a domain exchange and told this rank "
                f"(domain rank {comm.index})")
-    return DomainPeerLostError(f"{names} is gone: {how}. {_WHAT_TO_DO} Latest here:\n{recent_ops()}", lost)
+    return DomainPeerLostError(f"{names} is gone: {how}. {_WHAT_TO_DO} Latest here:\n{recent_ops()}",
+                               {comm.ranks[q]: "its connection closed in a domain exchange" for q in lost}, lost)
 

@@ -56,7 +56,12 @@ def forkserver_context() -> Any:
 
 
 class RankFailure(AssertionError):
-    """One or more ranks raised; the message holds each failing rank's traceback."""
+    """One or more ranks raised or died; the message holds each failing rank's traceback (or log), and
+    ``results`` what the other ranks returned ({rank: value}: a fault test reads the survivors' outcomes there)."""
+
+    def __init__(self, message: str, results: dict[int, Any] | None = None) -> None:
+        super().__init__(message)
+        self.results = results or {}
 
 
 class RankTimeout(AssertionError):
@@ -235,8 +240,8 @@ class RankPool:
             # A failed body may have left ranks out of step in the group: start afresh.
             self._kill()
             raise RankFailure(
-                f"{name} failed on {len(failures)} of {self.world_size} ranks:\n" + "\n".join(failures)
-            )
+                f"{name} failed on {len(failures)} of {self.world_size} ranks:\n" + "\n".join(failures),
+                {rank: reply[2] for rank, reply in replies.items() if reply[0] == "ok"})
         if max(reply[3] for reply in replies.values()) > _MAX_GLOO_THREADS:
             # NOTE: destroyed groups that torch still holds keep their gloo threads polling (worker.py): a long
             # suite's ranks would spend a good part of the two cores on them. Fresh ranks for the next body.

@@ -1,0 +1,389 @@
+"""The peer watch: heartbeats through the job's store, so every survivor names a lost or hung rank in bounded time.
+
+Usage (the manager owns one; ``DistributedManager.initialize`` starts it on every rank of a world of two or more)::
+
+    with dm.guard("train step"):       # raises PeerLostError / CollectiveTimeoutError instead of gloo's raw error
+        train_step(batch)
+    dm.watch.check()                   # raises PeerLostError at once if any rank is known to be lost
+
+How a loss is learnt, fastest first (docs/troubleshooting.md, "A rank died or hangs"):
+
+1. a rank that fails inside ``dm.guard`` (or with an uncaught exception) marks its heartbeat failed, with the
+   error, and announces it: every watcher reads it at its next tick (``interval``);
+2. a rank whose collective saw a connection close (gloo, when a peer's process ends) looks for the silent peer
+   with a short limit (``suspect_after``) and announces it;
+3. a peer whose heartbeat has not moved for ``dead_after`` is lost, evidence or not (NCCL hangs rather than
+   closing; a process hung holding the GIL stops beating).
+
+A survivor whose main thread then stays blocked inside a collective for ``grace`` seconds cannot be woken (gloo
+has no abort: gloo#388): the watch prints the same named error and ends the process with ``PEER_LOST_EXIT_CODE``,
+so the launcher restarts the job instead of waiting out the group timeout. A peer that is alive but never
+arrives keeps beating; the group timeout ends the wait, and ``guard`` names where each rank was.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from mesh3d.faults.beat import ALIVE, DONE, FAILED, Beat, main_thread_where
+from mesh3d.faults.errors import PEER_LOST_EXIT_CODE, STORE_RANK, CollectiveTimeoutError, PeerLostError
+
+__all__ = ["NO_WATCH", "PeerWatch", "WatchSettings", "closed_connection", "timed_out"]
+
+#: What transports say when the other end went away (gloo's pairs, NCCL's remote errors).
+_CLOSED = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket closed",
+           "ncclremoteerror", "remote process exited")
+_TIMED_OUT = ("timed out", "timeout")
+#: Ranks listed one by one in a timeout report; beyond this, only the ones not waiting in a collective.
+_LIST_ALL_UP_TO = 64
+
+
+def closed_connection(err: BaseException) -> bool:
+    """Whether ``err`` says the other end of a connection went away."""
+    return any(s in str(err).lower() for s in _CLOSED)
+
+
+def timed_out(err: BaseException) -> bool:
+    """Whether ``err`` is a collective's or a store's timeout."""
+    return any(s in str(err).lower() for s in _TIMED_OUT)
+
+
+@dataclass(frozen=True)
+class WatchSettings:
+    """Seconds: heartbeat ``interval``; silence that means lost with (``suspect_after``) and without evidence
+    (``dead_after``); how long a survivor blocked in a collective waits after a loss (``grace``) before it ends.
+
+    Usage: ``WatchSettings.from_env()`` reads ``MESH3D_HEARTBEAT`` (the interval; 0 turns the watch off),
+    ``MESH3D_PEER_DEAD_AFTER`` and ``MESH3D_PEER_GRACE``.
+    """
+
+    interval: float = 1.0
+    suspect_after: float = 3.0
+    dead_after: float = 60.0
+    grace: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "suspect_after", "dead_after", "grace"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or value < 0:
+                raise ValueError(f"WatchSettings.{name}={value!r} must be a number of seconds >= 0")
+        if self.interval and not self.interval * 2 <= self.suspect_after <= self.dead_after:
+            raise ValueError(
+                f"WatchSettings needs 2 * interval <= suspect_after <= dead_after (a peer must miss two beats before it "
+                f"is suspected); got interval={self.interval}, suspect_after={self.suspect_after}, "
+                f"dead_after={self.dead_after}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    @classmethod
+    def from_env(cls) -> WatchSettings:
+        values = {}
+        for field, env in (("interval", "MESH3D_HEARTBEAT"), ("dead_after", "MESH3D_PEER_DEAD_AFTER"),
+                           ("grace", "MESH3D_PEER_GRACE")):
+            if env in os.environ:
+                try:
+                    values[field] = float(os.environ[env])
+                except ValueError:
+                    raise ValueError(f"{env}={os.environ[env]!r} must be a number of seconds") from None
+        if values.get("interval"):
+            values.setdefault("suspect_after", max(cls.suspect_after, 3 * values["interval"]))
+        return cls(**values)
+
+
+class PeerWatch:
+    """This rank's heartbeat thread and what it has learnt about its peers (``lost``: {rank: reason})."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, describe: Callable[[int], str],
+                 settings: WatchSettings) -> None:
+        self.rank, self.world_size, self.settings, self.describe = rank, world_size, settings, describe
+        self.lost: dict[int, str] = {}
+        # NOTE: a generation per mesh: keys from an earlier mesh in this job's store (a test pool's, a restarted
+        # manager's) must not be read as this one's. Every rank joins each mesh once, in the same order.
+        generation = (store.add("mesh3d/watch/joined", 1) - 1) // world_size
+        self._store = dist.PrefixStore(f"mesh3d/watch/{generation}", store.clone())  # type: ignore[attr-defined]  # its own connection
+        self._store.set_timeout(timedelta(seconds=max(2.0, 2 * settings.interval)))
+        self._lock = threading.RLock()  # the store client and the state below
+        self._doing, self._guards, self._seq, self._status, self._detail = "", 0, 0, ALIVE, ""
+        self._seen: dict[int, tuple[int, float]] = {}
+        self._watched: list[int] = []
+        self._announcements_read = 0
+        self._lost_since: float | None = None
+        self._acknowledged = False
+        self._evidence = False
+        self._store_ok_at = time.monotonic()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._beat()  # before the mesh's first collective: once it completes, every peer's key exists
+
+    def begin(self, watched: list[int]) -> None:
+        """Start beating and watching ``watched`` (global ranks; call after a collective every rank joined)."""
+        self._watched = [r for r in sorted(set(watched)) if r != self.rank]
+        now = time.monotonic()
+        self._seen = {r: (-1, now) for r in self._watched}
+        self._thread = threading.Thread(target=self._run, name="mesh3d-peer-watch", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop the thread; the last beat says this rank shut down (unless it failed)."""
+        self._stopped.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * max(self.settings.interval, 0.1))
+        with self._lock:
+            self._status = FAILED if self._status == FAILED else DONE
+            try:
+                self._beat()
+            except (RuntimeError, OSError):
+                pass  # the store is gone: nobody is left to tell
+
+    # -- the main thread's side -----------------------------------------------------------------------------------
+
+    @contextmanager
+    def doing(self, label: str) -> Iterator[None]:
+        """Label what this rank's main thread is doing, for its heartbeat and its peers' errors (other threads: no-op)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous, self._doing = self._doing, label
+        try:
+            yield
+        finally:
+            self._doing = previous
+
+    @contextmanager
+    def guard(self, label: str = "a step") -> Iterator[None]:
+        """Run a block whose collectives' failures are named: a lost peer, a timeout with every rank's position."""
+        previous, self._doing = self._doing, label
+        self._guards += 1
+        try:
+            self.check()
+            yield
+        except (PeerLostError, CollectiveTimeoutError):
+            self._acknowledged = True
+            raise
+        except RuntimeError as err:
+            named = self.translate(err)
+            if named is err:
+                self.report_failure(err)
+                raise
+            raise named from err
+        except BaseException as err:
+            self.report_failure(err)
+            raise
+        finally:
+            self._guards -= 1
+            self._doing = previous
+
+    def check(self) -> None:
+        """Raise ``PeerLostError`` if any rank is known to be lost (cheap: one attribute read when none is)."""
+        if self.lost:
+            self._acknowledged = True
+            raise PeerLostError.naming(self.lost, self.describe, self._doing, None)
+
+    def translate(self, err: BaseException) -> BaseException:
+        """The named error for a collective's raw failure, or ``err`` itself when it is not about peers."""
+        if closed_connection(err) or self.lost:
+            self._evidence = True
+            deadline = time.monotonic() + self.settings.suspect_after + 2 * self.settings.interval
+            while not self.lost and time.monotonic() < deadline and self._thread is not None:
+                time.sleep(self.settings.interval / 4)
+            if self.lost:
+                self._acknowledged = True
+                return PeerLostError.naming(self.lost, self.describe, self._doing, err)
+        if timed_out(err):
+            self._acknowledged = True
+            return self.timeout_error(err)
+        return err
+
+    def report_failure(self, err: BaseException) -> None:
+        """Mark this rank failed (its error in the heartbeat) and announce it, so peers stop waiting for it."""
+        detail = _one_line(err)
+        with self._lock:
+            if self._status == FAILED:
+                return
+            self._status, self._detail = FAILED, detail
+            self._acknowledged = True
+            try:
+                self._beat()
+                self._announce(self.rank, f"failed with {detail} while {self._doing or 'between steps'}")
+            except (RuntimeError, OSError):
+                pass
+
+    def publish_error(self, err: BaseException, during: str) -> None:
+        """Leave this rank's error where peers can read it (``error_of``) before they learn that it stopped."""
+        with self._lock:
+            try:
+                self._store.set(f"error/{self.rank}", f"{_one_line(err)} in {during}")
+            except (RuntimeError, OSError):
+                pass
+
+    def error_of(self, rank: int) -> str:
+        """The error ``rank`` published last, or "" (unknown, or the store is gone)."""
+        with self._lock:
+            try:
+                key = f"error/{rank}"
+                return self._store.get(key).decode() if self._store.check([key]) else ""
+            except (RuntimeError, OSError):
+                return ""
+
+    def timeout_error(self, err: BaseException) -> CollectiveTimeoutError:
+        """A timeout, with what every rank was doing and where its main thread was (from the heartbeats)."""
+        beats = self._read_beats([r for r in range(self.world_size) if r != self.rank])
+        mine = Beat(seq=self._seq, status=self._status, doing=self._doing, where=main_thread_where()[0], waiting=True)
+        beats[self.rank] = mine
+        where = {r: (b.describe() if b.status == ALIVE else f"{b.status} {b.detail}".strip()) for r, b in beats.items()}
+        suspects = [r for r, b in sorted(beats.items()) if not b.waiting or b.status != ALIVE]
+        shown = sorted(where) if len(where) <= _LIST_ALL_UP_TO else suspects
+        lines = "\n".join(f"  {self.describe(r)}: {where[r]}" for r in shown)
+        hint = (f"Not waiting in a collective: {', '.join(self.describe(r) for r in suspects)}: the likely hang."
+                if suspects else "Every rank is waiting in a collective: they wait in different ones (a program "
+                "that diverged), or the ranks without a heartbeat here are the hang.")
+        return CollectiveTimeoutError(
+            f"a collective timed out while this rank ({self.describe(self.rank)}) was {self._doing or 'between steps'}"
+            f" ({type(err).__name__}: {str(err).strip().splitlines()[0][:160]}). {hint} Where each rank was:\n{lines}\n"
+            "Choose the timeout with DistributedManager.initialize(timeout=...) or MESH3D_TIMEOUT "
+            "(docs/troubleshooting.md, 'A rank died or hangs').", where)
+
+    # -- the watch thread ------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.settings.interval):
+            try:
+                with self._lock:
+                    self._tick()
+                self._store_ok_at = time.monotonic()
+            except (RuntimeError, OSError, ValueError) as err:  # the store is unreachable (its host is gone)
+                silent = time.monotonic() - self._store_ok_at
+                if silent > (self.settings.suspect_after if self._evidence else self.settings.dead_after):
+                    self._declare(STORE_RANK, f"unreachable for {silent:.0f} s ({type(err).__name__})", announce=False)
+            self._maybe_fail_stop()
+
+    def _tick(self) -> None:
+        self._beat()
+        self._read_announcements()
+        now = time.monotonic()
+        limit = self.settings.suspect_after if self._evidence else self.settings.dead_after
+        for rank, beat in self._read_beats(self._watched).items():
+            seq, since = self._seen[rank]
+            if beat.seq != seq:
+                self._seen[rank] = (beat.seq, now)
+            if beat.status == FAILED:
+                self._declare(rank, f"failed with {beat.detail} while {beat.doing or 'between steps'}")
+            elif beat.status == ALIVE and beat.seq == seq and now - since > limit:
+                self._declare(rank, f"no heartbeat for {now - since:.1f} s (killed, or hung holding the GIL); last "
+                                    f"heard {beat.describe()}")
+
+    def _beat(self) -> None:
+        where, waiting = main_thread_where()
+        self._seq += 1
+        beat = Beat(seq=self._seq, status=self._status, doing=self._doing, where=where, waiting=waiting,
+                    detail=self._detail)
+        self._store.set(f"beat/{self.rank}", beat.encode())
+
+    def _read_beats(self, ranks: list[int]) -> dict[int, Beat]:
+        if not ranks:
+            return {}
+        with self._lock:
+            try:
+                raw = self._store.multi_get([f"beat/{r}" for r in ranks])
+            except (RuntimeError, OSError):
+                return {}
+        return {r: Beat.decode(value) for r, value in zip(ranks, raw)}
+
+    def _announce(self, rank: int, reason: str) -> None:
+        n = self._store.add("lost_count", 1)
+        self._store.set(f"lost/{n}", json.dumps({"rank": rank, "reason": reason, "by": self.rank}))
+
+    def _read_announcements(self) -> None:
+        count = self._store.add("lost_count", 0)
+        while self._announcements_read < count:
+            key = f"lost/{self._announcements_read + 1}"
+            if not self._store.check([key]):
+                break  # announced, not yet written: next tick
+            record = json.loads(self._store.get(key))
+            self._announcements_read += 1
+            seen = "" if record["by"] == record["rank"] else f" (seen by {self.describe(record['by'])})"
+            self._declare(record["rank"], record["reason"] + seen, announce=False)
+
+    def _declare(self, rank: int, reason: str, announce: bool = True) -> None:
+        with self._lock:
+            if rank == self.rank or rank in self.lost:
+                return
+            self.lost[rank] = reason
+            self._lost_since = self._lost_since or time.monotonic()
+            if announce:
+                try:
+                    self._announce(rank, reason)
+                except (RuntimeError, OSError):
+                    pass
+
+    def _maybe_fail_stop(self) -> None:
+        """End this process if a loss is known, unacknowledged, and the main thread stays stuck in a collective."""
+        if not self.lost or self._acknowledged or self._stopped.is_set() or self._lost_since is None:
+            return
+        if time.monotonic() - self._lost_since < self.settings.grace:
+            return
+        where, waiting = main_thread_where()
+        if not (waiting or self._guards):
+            return  # the main thread is not stuck: its next check() or guard raises
+        error = PeerLostError.naming(self.lost, self.describe, self._doing, None)
+        print(f"mesh3d: {self.describe(self.rank)}: PeerLostError: {error}\nIts main thread stayed blocked at {where} "
+              f"for {self.settings.grace:.0f} s after the loss, and a collective cannot be interrupted there; this "
+              f"process ends now with exit status {PEER_LOST_EXIT_CODE}.", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(PEER_LOST_EXIT_CODE)
+
+
+def _one_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
+
+
+class _NoWatch:
+    """The watch of a world of one, or with ``MESH3D_HEARTBEAT=0``: nothing to watch; errors pass unchanged."""
+
+    lost: dict[int, str] = {}
+
+    def begin(self, watched: list[int]) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    @contextmanager
+    def doing(self, label: str) -> Iterator[None]:
+        yield
+
+    @contextmanager
+    def guard(self, label: str = "a step") -> Iterator[None]:
+        yield
+
+    def check(self) -> None:
+        pass
+
+    def translate(self, err: BaseException) -> BaseException:
+        return err
+
+    def report_failure(self, err: BaseException) -> None:
+        pass
+
+    def publish_error(self, err: BaseException, during: str) -> None:
+        pass
+
+    def error_of(self, rank: int) -> str:
+        return ""
+
+
+#: The watch when there is none.
+NO_WATCH = _NoWatch()
