@@ -31,6 +31,8 @@ echo "== 4b/5 load_pretrained vs DCP's HuggingFaceStorageReader (4 ranks, 256 MB
 "$PY" scripts/bench_pretrained.py
 echo "== 5/5 Lightning: MeshStrategy vs ModelParallelStrategy (4 ranks, Lightning's launcher)"
 "$PY" scripts/bench_lightning.py "${l[@]}"
+echo "== faults: time to a named error for each fault cell (kill, raise, hang x 6 points; 3 ranks)"
+"$PY" scripts/bench_faults.py --repeats "$([ "${QUICK:-0}" = 1 ] && echo 1 || echo 3)" > /dev/null
 echo "== planner: mesh3d plan at 4096 ranks vs simulating every domain rank, and its scaling check"
 "$PY" scripts/bench_plan.py
 if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then

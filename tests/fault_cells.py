@@ -10,6 +10,7 @@ fault), so each survivor's latency is measured on one clock, the host's.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -18,9 +19,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mesh3d import DistributedManager, Plan, WatchSettings, checkpoint, domain, parallelize
+from mesh3d import PEER_LOST_EXIT_CODE, DistributedManager, Plan, WatchSettings, checkpoint, domain, parallelize
 from mesh3d._torch_private import default_store
 from mesh3d.domain import exchange
+from rankpool.pool import RankFailure
 
 POINTS = ("forward", "backward", "halo", "fsdp", "save", "load")
 ACTIONS = ("kill", "raise", "hang")
@@ -141,3 +143,99 @@ def fault_cell_body(point: str, action: str, root: str, tag: str) -> dict:
     finally:
         for undo in restore:
             undo()
+
+
+#: The documented bounds (docs/troubleshooting.md): a loss is named within suspect_after + grace + two beats after
+#: the fault; a hang within the group timeout plus two beats. Generous slack for two busy cores.
+LOSS_BOUND_S = WATCH["suspect_after"] + WATCH["grace"] + 2 * WATCH["interval"] + 6.0
+HANG_BOUND_S = GROUP_TIMEOUT_S + 2 * WATCH["interval"] + 6.0
+
+
+def _sections(text: str) -> dict[int, str]:
+    marks = [(m.start(), int(m.group(1))) for m in re.finditer(r"--- rank (\d+)", text)]
+    return {rank: text[start:(marks[i + 1][0] if i + 1 < len(marks) else len(text))] for i, (start, rank) in enumerate(marks)}
+
+
+def run_cell(run: Callable[..., list], root: str, point: str, action: str, tag: str) -> dict[int, dict]:
+    """Every survivor's outcome: ``{"error", "message", "seconds"}``, or ``{"error": "exit", "message": its log}``.
+
+    ``run(fn, *args, timeout=)`` runs ``fn`` on three ranks (a ``RankPool``'s ``run``)."""
+    try:
+        replies = run(fault_cell_body, point, action, root, tag, timeout=GROUP_TIMEOUT_S * 4 + 30)
+        return {r["rank"]: r for r in replies if r["rank"] != VICTIM}
+    except RankFailure as failure:
+        sections = _sections(str(failure))
+        outcomes = {r: v for r, v in failure.results.items() if r != VICTIM}
+        for rank in set(range(3)) - {VICTIM} - set(outcomes):
+            outcomes[rank] = {"error": "exit", "message": sections.get(rank, ""), "seconds": None}
+        return outcomes
+
+
+#: Errors that name a lost or failed peer. A victim that raises inside a domain op is reported by the domain's own
+#: notice (DomainDivergenceError: "domain rank 1 failed in a domain op"), and inside a checkpoint phase by the
+#: checkpointer's agreement (CheckpointError: "rank 1: InjectedFault ..."): both reach every rank at once.
+NAMED = {"kill": ("PeerLostError", "DomainPeerLostError"),
+         "raise": ("PeerLostError", "DomainPeerLostError", "DomainDivergenceError", "CheckpointError"),
+         "hang": ("CollectiveTimeoutError", "PeerLostError")}
+
+
+def check_outcome(rank: int, out: dict, action: str) -> None:
+    """A survivor's outcome names the victim, within the bound."""
+    text = out["message"]
+    if out["error"] == "exit":  # blocked in a collective: the watch printed the error and ended the process
+        assert f"exit status {PEER_LOST_EXIT_CODE}" in text and "PeerLostError" in text, (rank, text)
+    else:
+        assert out["error"] in NAMED[action], (rank, out)
+        assert out["seconds"] < (HANG_BOUND_S if action == "hang" else LOSS_BOUND_S), (rank, out)
+    assert re.search(rf"\brank {VICTIM}\b", text), (rank, text)
+    if out["error"] in ("PeerLostError", "CollectiveTimeoutError", "exit"):
+        assert f"rank {VICTIM} (batch 0, domain {VICTIM}, model 0)" in text, (rank, text)
+    if action == "raise":
+        assert "injected fault" in text, (rank, text)
+    if action == "hang" and out["error"] == "CollectiveTimeoutError":
+        assert "fault_cells.py" in text.split(f"rank {VICTIM} (batch 0, domain {VICTIM}, model 0): ")[-1], (rank, text)
+
+
+class _BranchesOnLocalShape(nn.Module):
+    """Pads its activation when the *local* height (this rank's shard) is odd: ranks take different paths."""
+
+    def __init__(self, in_forward: bool) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(1, 2, 3, padding=1, dtype=torch.float64)
+        self.b = nn.Conv2d(2, 1, 3, padding=1, dtype=torch.float64)
+        self.in_forward = in_forward
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.local_shape[2] % 2:
+            y = torch.nn.functional.pad(y, (0, 0, 0, 1))
+        return self.b(y).mean() if self.in_forward else (y.to_local() ** 2).sum()  # else: found in backward
+
+
+def diverging_body(sizes: tuple[int, ...], in_forward: bool) -> None:
+    """Two steps of a model that branches on the local shape; raises (DomainDivergenceError, as every rank must: a
+    rank that did not border the divergence learns it from its neighbour's notice at its next exchange)."""
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    model = _BranchesOnLocalShape(in_forward)
+    for _ in range(2):
+        x = torch.randn(1, 1, sum(sizes), 6, dtype=torch.float64, requires_grad=True)
+        model(domain.shard(x, dim=2, sizes=sizes)).backward()
+
+
+def divergence_runs(run: Callable[..., list], runs: int, sizes: tuple[int, ...] = (5, 4, 4)) -> list[list[tuple[str, str]]]:
+    """``runs`` diverging runs (forward and backward alternately) on three ranks: per run, what each rank raised."""
+    outcomes = []
+    for i in range(runs):
+        try:
+            run(diverging_body, sizes, i % 2 == 0, timeout=120)
+            outcomes.append([("none", "")] * 3)
+        except RankFailure as failure:
+            sections = _sections(str(failure))
+            per_rank = []
+            for rank in range(3):
+                text = sections.get(rank, "")
+                found = re.findall(r"^(?:\w+\.)*(\w+(?:Error|Exception)): ", text, flags=re.MULTILINE)
+                per_rank.append((found[-1] if found else "none", text))
+            outcomes.append(per_rank)
+    return outcomes

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from domain_cases import grads_err, max_err
+from fault_cells import divergence_runs
 from rankpool.pool import RankFailure
 from mesh3d.domain.split import aligned_sizes
 
@@ -180,3 +181,13 @@ def test_a_peer_failing_outside_mesh3d_is_named_when_it_ends_not_a_hang(ranks):
     assert "DomainPeerLostError: rank 1 (batch 0, domain 1, model 0) is gone: its connection " \
         "closed while this rank (domain rank 0) waited for it" in rank0, text
     assert "an error outside mesh3d" in rank0 and "torch.conv2d" in rank0 and "in _outside_failure_body" in rank0, rank0
+
+
+
+def test_a_divergence_is_named_on_every_rank_every_run(ranks):
+    """Three ranks (5, 4, 4): only rank 0 pads. Runs diverging in forward and in backward, each on fresh ranks (a
+    divergence leaves the groups out of step): every rank raises DomainDivergenceError every time (the issue saw 4
+    of 7 runs; scripts/bench_faults.py --divergence 20 repeats this 20 times: docs/benchmarks.md)."""
+    for run in divergence_runs(lambda fn, *a, **k: ranks.run(3, fn, *a, **k), 4):
+        assert [kind for kind, _ in run] == ["DomainDivergenceError"] * 3, run
+        assert "torch.nn.functional.pad" in run[0][1], run

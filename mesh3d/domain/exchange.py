@@ -5,19 +5,14 @@ Usage::
     plan = plan_exchange(sizes, needs, me)        # needs[r]: the runs of global rows rank r wants
     ext = gather_rows(local, dim, plan, comm)     # differentiable; backward adds gradients to owners
 
-Every halo (conv, pool, pad modes, interpolation), ``full_tensor`` and ``redistribute`` is a row
-map per rank (``rows.Span`` runs). Rows a rank owns are sliced from its shard (a view when they
-are the whole result: nothing is copied), rows owned by others arrive from their owners, however
-many ranks away, one message per (sender, receiver) pair, all posted together in one
-``batch_isend_irecv``. Fill rows hold a constant (zero padding, ``-inf`` for max pooling). The
-backward is the exact adjoint: gradient rows go back to their owners, which add them; a rank that
-sends nothing gets its gradient as a view, without a zero-filled copy.
-Peers are the *global* ranks of the domain group (``comm.ranks``), never global rank ± 1.
+Every halo, ``full_tensor`` and ``redistribute`` is a row map per rank (``rows.Span`` runs): owned rows are sliced
+from the shard (a view when they are the whole result), others arrive from their owners, one message per (sender,
+receiver) pair, all in one ``batch_isend_irecv``; fill rows hold a constant. The backward is the exact adjoint
+(gradient rows go back to their owners, which add them). Peers are the domain group's *global* ranks (``comm.ranks``).
 """
 
 from __future__ import annotations
 
-import json
 import time
 from datetime import timedelta
 from dataclasses import dataclass
@@ -32,6 +27,7 @@ from mesh3d.domain.exchange_op import TRANSPORT, comm_key, exchange_rows, receiv
 from mesh3d.domain.notices import NOTICES, PendingNotices
 from mesh3d.domain.peer_lost import lost_peers, peer_lost_error
 from mesh3d.domain.rows import ExchangePlan, Piece
+from mesh3d.domain.stopping import abort, finish_matched, leave, matched_peers, post, swap_journals
 from mesh3d.domain.traffic import _TRANSPORT, TrafficCounter, count_traffic, dry_run
 
 __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "dry_run",
@@ -64,16 +60,6 @@ class DomainComm:
         return DistributedManager.group_of_epoch(self.axis, self.mesh_epoch)
 
 
-def _post(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
-          incoming: list[tuple[int, torch.Tensor]]) -> list:
-    if _TRANSPORT.observer is not None:  # a dry run: nothing is posted (headers and notices included)
-        return []
-    group = comm.group
-    ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], group) for peer, buf in outgoing]
-    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], group) for peer, buf in incoming]
-    return dist.batch_isend_irecv(ops) if ops else []
-
-
 def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
                  incoming: list[tuple[int, torch.Tensor]], fingerprint: int) -> None:
     """Swap one fixed-size header with every peer of this exchange; raise on every side of a divergence."""
@@ -83,7 +69,7 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0)) for q in peers}
     theirs = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in peers}
     try:  # each wait is bounded by the domain group's timeout (DistributedManager.initialize(timeout=...))
-        works = _post(comm, list(mine.items()), list(theirs.items()))
+        works = post(comm, list(mine.items()), list(theirs.items()))
         sent = dict(zip(mine, works)) if len(works) == 2 * len(peers) else {}  # gloo: one work per message
         lost, closed = lost_peers(works[len(sent):], list(theirs) if sent else peers)
     except RuntimeError as err:
@@ -100,20 +86,22 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     NOTICES.keep([w for q, w in sent.items() if q in stopped])
     lost_peers([w for q, w in sent.items() if q not in stopped], [])
     if lost:  # NOTE: the peers whose headers matched still get their data: none may wait for the group timeout
-        _leave(comm, outgoing, incoming, _matched(theirs, fingerprint, to_peer, from_peer, skip=set(lost)), lost)
+        leave(comm, outgoing, incoming, matched_peers(theirs, fingerprint, to_peer, from_peer, skip=set(lost)), lost)
         raise peer_lost_error(comm, lost, closed)
     differ: dict[int, str] = {}
     for q in peers:
         magic, kind, their_print, to_me, from_me = (int(v) for v in theirs[q])
         if magic == divergence.MAGIC and kind == divergence.KIND_LOST:
-            _leave(comm, outgoing, incoming, _matched(theirs, fingerprint, to_peer, from_peer, skip={q}), [their_print])
+            leave(comm, outgoing, incoming, matched_peers(theirs, fingerprint, to_peer, from_peer, skip={q}), [their_print])
             raise peer_lost_error(comm, [their_print], None, seen_by=q)
         if magic != divergence.MAGIC:
             differ[q] = "a message that is not a mesh3d header arrived"
         elif kind in (divergence.KIND_ABORT, divergence.KIND_ERROR):
             if kind == divergence.KIND_ERROR:  # it waits to learn whether we ran what it ran
-                _post(comm, [(q, divergence.header(divergence.KIND_DATA, fingerprint))], [])
-            _abort(comm, skip=set(peers))
+                post(comm, [(q, divergence.header(divergence.KIND_DATA, fingerprint))], [])
+            matched = matched_peers(theirs, fingerprint, to_peer, from_peer, skip={q})
+            finish_matched(comm, outgoing, incoming, matched)
+            abort(comm, skip=set(peers) - matched)
             told = WATCH.current.error_of(comm.ranks[q]) if kind == divergence.KIND_ERROR else ""
             raise divergence.peer_stopped_error(comm.index, q, kind, their_print == fingerprint, told)
         elif their_print != fingerprint:
@@ -123,51 +111,12 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     if not differ:
         return
     entries = list(divergence.JOURNAL.entries)
-    journals = _swap_journals(comm, sorted(differ), entries)
-    _abort(comm, skip=set(differ))
+    journals = swap_journals(comm, sorted(differ), entries)
+    finish_matched(comm, outgoing, incoming, matched_peers(theirs, fingerprint, to_peer, from_peer, skip=set(differ)))
+    abort(comm, skip=set(differ))
     q = min(differ)
     raise divergence.DomainDivergenceError(
         divergence.describe_divergence(comm.index, q, entries, journals.get(q), differ[q]))
-
-
-def _matched(theirs: dict[int, torch.Tensor], fingerprint: int, to_peer: dict[int, int], from_peer: dict[int, int],
-             skip: set[int]) -> set[int]:
-    """The peers whose header says they will exchange exactly this data (same journal, expected sizes)."""
-    return {q for q, h in theirs.items() if q not in skip and [int(v) for v in h] == list(divergence.header(
-        divergence.KIND_DATA, fingerprint, from_peer.get(q, 0), to_peer.get(q, 0)).tolist())}
-
-
-def _leave(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]],
-           matched: set[int], lost: list[int]) -> None:
-    """A peer is gone: finish this exchange's data with ``matched`` peers (they wait for it), then tell every other
-    domain rank (a ``KIND_LOST`` notice, read as its next header from this rank)."""
-    try:
-        lost_peers(_post(comm, [(q, b) for q, b in outgoing if q in matched and b.numel()],
-                         [(q, b) for q, b in incoming if q in matched and b.numel()]), [])
-    except RuntimeError:
-        pass  # a second peer gone too: the notices below still go to everyone left
-    notice = divergence.header(divergence.KIND_LOST, min(lost))
-    NOTICES.keep(_post(comm, [(q, notice) for q in range(comm.size) if q != comm.index and q not in lost], []))
-
-
-def _swap_journals(comm: DomainComm, peers: list[int], entries: list) -> dict[int, list]:
-    """Both sides of a divergence saw it: swap sizes, then the journals themselves (for the message)."""
-    data = torch.frombuffer(bytearray(divergence.encode_journal(entries)), dtype=torch.uint8)
-    sizes = {q: torch.empty(1, dtype=torch.int64) for q in peers}
-    for work in _post(comm, [(q, torch.tensor([data.numel()])) for q in peers], list(sizes.items())):
-        work.wait()
-    bufs = {q: torch.empty(int(sizes[q]), dtype=torch.uint8) for q in peers}
-    for work in _post(comm, [(q, data) for q in peers if data.numel()],
-                      [(q, b) for q, b in bufs.items() if b.numel()]):
-        work.wait()
-    return {q: json.loads(bytes(b.numpy())) if b.numel() else [] for q, b in bufs.items()}
-
-
-def _abort(comm: DomainComm, skip: set[int]) -> None:
-    """Tell every other domain rank to stop: its next header from this rank says so (nobody waits on us)."""
-    stop = divergence.header(divergence.KIND_ABORT)
-    others = [(q, stop) for q in range(comm.size) if q != comm.index and q not in skip]
-    NOTICES.keep(_post(comm, others, []))
 
 
 def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.0) -> Exception:
@@ -183,7 +132,7 @@ def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.
     notice = divergence.header(divergence.KIND_ERROR, fingerprint)
     others = [q for q in range(comm.size) if q != comm.index]
     replies = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in others}
-    works = _post(comm, [(q, notice) for q in others], list(replies.items()))
+    works = post(comm, [(q, notice) for q in others], list(replies.items()))
     deadline = time.monotonic() + wait_s
     for work in works:  # NOTE: gloo's p2p works report completion only through wait(), which takes a timeout
         try:
@@ -216,7 +165,7 @@ class PendingExchange:
         start = time.perf_counter()
         lost, closed = lost_peers(self._works, self._peers)
         if lost and self._comm is not None:
-            _leave(self._comm, [], [], set(), lost)
+            leave(self._comm, [], [], set(), lost)
             raise peer_lost_error(self._comm, lost, closed)
         sends, self._works, self._sends = self._sends, [], []
         if TrafficCounter._active and self._counted:
@@ -242,7 +191,7 @@ def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     if fingerprint is not None:
         _check_peers(comm, outgoing, incoming, fingerprint)
     recvs = [(peer, buf) for peer, buf in incoming if buf.numel()]
-    works = _post(comm, sends, recvs)
+    works = post(comm, sends, recvs)
     return PendingExchange(works, sends, time.perf_counter() - start, comm, [p for p, _ in sends + recvs])
 
 
