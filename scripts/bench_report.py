@@ -461,7 +461,8 @@ def _faults(lines: list[str]) -> None:
     named, total, hangs = (sum(r[k] for r in rows) for k in ("named", "survivors", "hangs"))
     lines += ["## Faults: time to a named error", "",
               f"`scripts/bench_faults.py`: the {len(rows)} cells of `tests/faults/` ({d['settings']['ranks']} gloo ranks, "
-              "batch 1 x domain 3, a conv stack with FSDP over batch x domain inside `dm.guard`; rank "
+              "batch 1 x domain 3 with a conv stack under FSDP over batch x domain, or for the tp cell model 3 with a "
+              "colwise/rowwise MLP, inside `dm.guard`; the data cell iterates a `MeshDataLoader`, then agrees to stop; rank "
               f"{d['settings']['victim']} is killed (SIGKILL), raises, or hangs at each point), {d.get('cpu', 'this CPU')}. "
               f"Watch settings: heartbeat every {w['interval']} s, `suspect_after` {w['suspect_after']} s, `dead_after` "
               f"{w['dead_after']} s, `grace` {w['grace']} s; group timeout {d['settings']['group_timeout_s']} s. Seconds run "

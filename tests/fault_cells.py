@@ -1,10 +1,11 @@
 """The fault-injection cells shared by tests/faults/ and scripts/bench_faults.py: one rank is killed, raises or
-hangs at one point of a training step (forward, backward, a halo exchange, an FSDP all-gather, a checkpoint save
-or load); every other rank reports what it raised and how long after the fault it learnt of it.
+hangs at one point of a training step (forward, backward, a halo exchange, an FSDP all-gather, a TP all-reduce, the data
+loader, a checkpoint save or load); every other rank reports what it raised and how long after the fault it learnt
+of it.
 
 The step: three ranks (batch 1, domain 3), a conv stack with FSDP over batch x domain and its input sharded in
-slabs, inside ``dm.guard``. The fault time is read from the job's store (the victim writes it just before the
-fault), so each survivor's latency is measured on one clock, the host's.
+slabs, inside ``dm.guard`` (the tp cell: model 3, a colwise/rowwise MLP). The fault time is read from the job's
+store (the victim writes it just before the fault), so each survivor's latency is measured on one clock, the host's.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from torch.utils.data import TensorDataset
+
 from mesh3d import PEER_LOST_EXIT_CODE, DistributedManager, Plan, WatchSettings, checkpoint, domain, parallelize
+from mesh3d.data import MeshDataLoader, MeshSampler
 from mesh3d._torch_private import default_store
 from mesh3d.domain import exchange
 from rankpool.pool import RankFailure
 
-POINTS = ("forward", "backward", "halo", "fsdp", "save", "load")
+POINTS = ("forward", "backward", "halo", "fsdp", "tp", "data", "save", "load")
 ACTIONS = ("kill", "raise", "hang")
 #: Short settings so a cell ends in seconds: the group timeout bounds a hang, the watch a loss.
 GROUP_TIMEOUT_S = 6.0
@@ -90,16 +94,42 @@ def _once(fn: Callable[[], None], after: int = 0) -> Callable[..., None]:
     return wrapped
 
 
+def victim_name(point: str) -> str:
+    """How every error names the victim: its global rank and mesh coordinates (the tp cell's mesh is (1, 1, 3))."""
+    return f"rank {VICTIM} (batch 0, domain 0, model {VICTIM})" if point == "tp" else \
+        f"rank {VICTIM} (batch 0, domain {VICTIM}, model 0)"
+
+
+def _tp_or_data_step(dm, point: str, victim: bool, fault: Callable[[], None]) -> None:
+    """The tp cell (a colwise/rowwise MLP on the model axis; the victim faults before the rowwise all-reduce) and the
+    data cell (a MeshDataLoader, a short wait per batch, then the stop agreement; the victim faults at its 2nd batch)."""
+    if point == "tp":
+        net = parallelize(nn.Sequential(nn.Linear(6, 12), nn.ReLU(), nn.Linear(12, 6)),
+                          Plan(batch=None, model={"0": "colwise", "2": "rowwise"}))
+        if victim:
+            net[2].register_forward_pre_hook(lambda *_: fault())
+        for _ in range(2):
+            net(torch.randn(2, 6)).square().sum().backward()
+        return
+    loader = MeshDataLoader(TensorDataset(torch.arange(8.0)), MeshSampler(8, global_batch_size=1))
+    for i, _ in enumerate(loader):
+        if victim and i == 1:
+            fault()
+        time.sleep(0.2)
+    dm.should_stop()
+
+
 def fault_cell_body(point: str, action: str, root: str, tag: str) -> dict:
     """One cell on one rank; returns what this rank raised and the seconds from the fault to it."""
-    dm = DistributedManager.initialize(batch=1, domain=-1, timeout=GROUP_TIMEOUT_S, watch=WatchSettings(**WATCH))
+    sizes = {"batch": 1, "domain": 1, "model": -1} if point == "tp" else {"batch": 1, "domain": -1}
+    dm = DistributedManager.initialize(**sizes, timeout=GROUP_TIMEOUT_S, watch=WatchSettings(**WATCH))
     key = f"fault_cells/{tag}"
     torch.manual_seed(0)
     tap = _Tap()
     net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 4, 3, padding=1), tap, nn.Conv2d(4, 1, 3, padding=1))
-    net = parallelize(net, Plan(batch="fsdp", units=["0", "1", "3"]))
+    net = parallelize(net, Plan(batch="fsdp", units=["0", "1", "3"])) if point != "tp" else net
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
-    xs = domain.shard(torch.randn(1, 1, sum(SLABS), 6), dim=2, sizes=SLABS)
+    xs = domain.shard(torch.randn(1, 1, sum(SLABS), 6), dim=2, sizes=SLABS) if point != "tp" else None
     ckpt = os.path.join(root, f"{tag}-ckpt")
     victim = dm.rank == VICTIM
     fault = _once(lambda: _fault(action, key))
@@ -130,6 +160,8 @@ def fault_cell_body(point: str, action: str, root: str, tag: str) -> dict:
                 if victim:
                     fault()
                 checkpoint.load(ckpt, net, opt)
+            elif point in ("tp", "data"):
+                _tp_or_data_step(dm, point, victim, fault)
             else:
                 for _ in range(2):
                     net(xs).square().sum().backward()
@@ -179,7 +211,7 @@ NAMED = {"kill": ("PeerLostError", "DomainPeerLostError"),
          "hang": ("CollectiveTimeoutError", "PeerLostError")}
 
 
-def check_outcome(rank: int, out: dict, action: str) -> None:
+def check_outcome(rank: int, out: dict, action: str, point: str = "forward") -> None:
     """A survivor's outcome names the victim, within the bound."""
     text = out["message"]
     if out["error"] == "exit":  # blocked in a collective: the watch printed the error and ended the process
@@ -189,11 +221,11 @@ def check_outcome(rank: int, out: dict, action: str) -> None:
         assert out["seconds"] < (HANG_BOUND_S if action == "hang" else LOSS_BOUND_S), (rank, out)
     assert re.search(rf"\brank {VICTIM}\b", text), (rank, text)
     if out["error"] in ("PeerLostError", "CollectiveTimeoutError", "exit"):
-        assert f"rank {VICTIM} (batch 0, domain {VICTIM}, model 0)" in text, (rank, text)
+        assert victim_name(point) in text, (rank, text)
     if action == "raise":
         assert "injected fault" in text, (rank, text)
     if action == "hang" and out["error"] == "CollectiveTimeoutError":
-        assert "fault_cells.py" in text.split(f"rank {VICTIM} (batch 0, domain {VICTIM}, model 0): ")[-1], (rank, text)
+        assert "fault_cells.py" in text.split(f"{victim_name(point)}: ")[-1], (rank, text)
 
 
 class _BranchesOnLocalShape(nn.Module):

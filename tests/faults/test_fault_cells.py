@@ -16,4 +16,4 @@ def test_every_survivor_names_the_fault(ranks, tmp_path, point, action):
                         f"{point}-{action}")
     assert sorted(outcomes) == [0, 2]
     for rank, out in outcomes.items():
-        check_outcome(rank, out, action)
+        check_outcome(rank, out, action, point)
