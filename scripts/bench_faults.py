@@ -49,7 +49,7 @@ def _run_cells(cells: list[tuple[str, str]], repeats: int) -> list[dict]:
                     runs += 1
                     for rank, out in outcomes.items():
                         try:
-                            check_outcome(rank, out, action, point)
+                            check_outcome(rank, out, action, point, timed=True)
                             named += 1
                         except AssertionError:
                             pass

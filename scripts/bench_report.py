@@ -443,7 +443,7 @@ def _plan(lines: list[str]) -> None:
 
 def faults_table(rows: list[dict]) -> list[str]:
     """The markdown table of ``scripts/bench_faults.py``'s cells (it prints the same)."""
-    lines = ["| cell | runs | survivors naming the fault | hangs | what they raised | p50 s | max s |",
+    lines = ["| cell | runs | survivors naming the fault within the bound | hangs | what they raised | p50 s | max s |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         kinds = ", ".join(f"{k} x{n}" for k, n in sorted(r["errors"].items()))

@@ -16,29 +16,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 from domain_cases import grads_err, max_err
-from fault_cells import divergence_runs
+from fault_cells import BranchesOnLocalShape, divergence_runs
 from rankpool.pool import RankFailure
 from mesh3d.domain.split import aligned_sizes
 
 TOL = 1e-9
-
-
-class BranchesOnLocalShape(nn.Module):
-    """Pads its activation when the *local* height (``local_shape``, this rank's shard) is odd."""
-
-    def __init__(self, loss_after_exchange: bool = True) -> None:
-        super().__init__()
-        self.a = nn.Conv2d(1, 2, 3, padding=1, dtype=torch.float64)
-        self.b = nn.Conv2d(2, 1, 3, padding=1, dtype=torch.float64)
-        self.loss_after_exchange = loss_after_exchange
-
-    def forward(self, x):
-        y = self.a(x)
-        if y.local_shape[2] % 2:
-            y = F.pad(y, (0, 0, 0, 1))  # the line each rank's message must name
-        if self.loss_after_exchange:
-            return self.b(y).mean()
-        return (y.to_local() ** 2).sum()  # no exchange after the branch: the first one is in backward
 
 
 def _diverging_body(loss_after_exchange: bool, sizes):
@@ -71,7 +53,7 @@ def test_a_model_branching_on_local_shapes_raises_on_every_rank(ranks, loss_afte
         ranks.run(2, _diverging_body, loss_after_exchange, (5, 4), timeout=30)
     for msg in rank_errors(failure.value, 2):
         assert "DomainDivergenceError" in msg and "ran different domain ops" in msg, msg
-        assert "torch.nn.functional.pad" in msg and "test_domain_divergence.py" in msg, msg
+        assert "torch.nn.functional.pad" in msg and "fault_cells.py" in msg, msg
         assert "local sizes" in msg and "global" in msg, msg
 
 

@@ -19,19 +19,11 @@ from __future__ import annotations
 
 from mesh3d.domain.divergence import recent_ops
 from mesh3d.faults import PeerLostError
+from mesh3d.faults.errors import WHAT_TO_DO
+from mesh3d.faults.watch import closed_connection
 from mesh3d.manager import DistributedManager
 
-__all__ = ["DomainPeerLostError", "closed_connection", "lost_peers", "peer_lost_error"]
-
-#: What a transport says when the other end of a connection went away (gloo's pairs; NCCL's remote errors).
-_CLOSED = ("connection closed", "connection reset", "broken pipe", "connection refused", "socket closed",
-           "ncclremoteerror", "remote process exited")
-
-_WHAT_TO_DO = (
-    "This rank cannot finish the step without it: let this process end (every other survivor raises this too) "
-    "and restart the job from its latest complete checkpoint (torchrun --max-restarts resumes it by itself; see "
-    "docs/recipes.md). The lost rank's own log says why it ended.")
-
+__all__ = ["DomainPeerLostError", "lost_peers", "peer_lost_error"]
 
 class DomainPeerLostError(PeerLostError):
     """A domain peer's process ended during a domain exchange; ``lost_domain_ranks``: its index on the domain axis.
@@ -42,12 +34,6 @@ class DomainPeerLostError(PeerLostError):
     def __init__(self, message: str, lost: dict[int, str], lost_domain_ranks: list[int]) -> None:
         super().__init__(message, lost)
         self.lost_domain_ranks = lost_domain_ranks
-
-
-def closed_connection(err: BaseException) -> bool:
-    """Whether ``err`` says the other end of a connection went away (not a timeout, not a size mismatch)."""
-    text = str(err).lower()
-    return any(s in text for s in _CLOSED)
 
 
 def lost_peers(works: list, peers: list[int]) -> tuple[list[int], BaseException | None]:
@@ -86,6 +72,6 @@ def peer_lost_error(comm, lost: list[int], err: BaseException | None, seen_by: i
     else:
         how = (f"domain rank {seen_by} saw its connection close in a domain exchange and told this rank "
                f"(domain rank {comm.index})")
-    return DomainPeerLostError(f"{names} is gone: {how}. {_WHAT_TO_DO} Latest here:\n{recent_ops()}",
+    return DomainPeerLostError(f"{names} is gone: {how}. {WHAT_TO_DO} Latest here:\n{recent_ops()}",
                                {comm.ranks[q]: "its connection closed in a domain exchange" for q in lost}, lost)
 

@@ -13,7 +13,7 @@ Usage::
 
 from __future__ import annotations
 
-__all__ = ["CollectiveTimeoutError", "PEER_LOST_EXIT_CODE", "PeerLostError", "STORE_RANK"]
+__all__ = ["CollectiveTimeoutError", "PEER_LOST_EXIT_CODE", "PeerLostError", "STORE_RANK", "WHAT_TO_DO"]
 
 #: The exit status of a survivor that the peer watch ended because its main thread stayed blocked inside a
 #: backend collective after a peer was lost (gloo cannot abort a collective from another thread: gloo#388).
@@ -23,7 +23,8 @@ PEER_LOST_EXIT_CODE = 76
 #: The key of ``PeerLostError.lost`` when the job's store itself is unreachable (its host is gone).
 STORE_RANK = -1
 
-_WHAT_TO_DO = (
+#: What a survivor of a lost peer should do (every PeerLostError ends with it).
+WHAT_TO_DO = (
     "This rank cannot finish the step without it: let this process end (every survivor reports this too) and "
     "restart the job from its latest complete checkpoint (torchrun --max-restarts does it by itself; "
     "docs/recipes.md). The lost rank's own log says why it ended.")
@@ -46,7 +47,7 @@ class PeerLostError(RuntimeError):
             ("the job's store (its host is gone)" if rank == STORE_RANK else describe(rank)) + f": {reason}"
             for rank, reason in sorted(lost.items()))
         seen = f" ({type(cause).__name__}: {_first_line(cause)})" if cause is not None else ""
-        return cls(f"lost {names}. This rank was {doing or 'between steps'}{seen}. {_WHAT_TO_DO}", dict(lost))
+        return cls(f"lost {names}. This rank was {doing or 'between steps'}{seen}. {WHAT_TO_DO}", dict(lost))
 
 
 class CollectiveTimeoutError(RuntimeError):

@@ -1,6 +1,7 @@
 """The fault-injection suite: one rank of three is killed, raises or hangs at each point of a step; every survivor
-must raise the named error (or, blocked inside a collective, print it and exit with PEER_LOST_EXIT_CODE) within the
-documented bound, and nothing hangs (the pool's timeout would name a hang). See tests/fault_cells.py."""
+must raise the named error (or, blocked inside a collective, print it and exit with PEER_LOST_EXIT_CODE), and
+nothing hangs: the pool's timeout bounds each cell. The documented time bounds are checked by
+scripts/bench_faults.py, not here (no wall-clock asserts in tests). See tests/fault_cells.py."""
 
 from __future__ import annotations
 
