@@ -16,7 +16,9 @@ state). In one run, with barriers around each timed phase (wall = slowest rank):
   how long the training loop is blocked by ``checkpoint.async_save`` (call to return, slowest rank)
   vs DCP ``async_save`` (thread executor, a separate gloo group; its default stager made per call,
   and one stager kept across saves so it reuses its CPU copy) vs mesh3d's synchronous ``save``,
-  plus each one's time until the checkpoint is durable.
+  plus each one's time until the checkpoint is durable. Each contender's *first* call is timed in fresh jobs
+  (``--first-jobs``, the contenders taking turns), after the same two training steps: timed in one process, a
+  later contender would find memory an earlier one freed.
 
 Reads hit the page cache (the box has more RAM than the checkpoint, and dropping caches
 needs root): load figures are warm-cache. Writes are fsynced in every contender.
@@ -37,6 +39,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,31 +133,99 @@ def _copy_floor(model, out: dict[str, float], repeats: int) -> None:
 
 def _async_phases(model, work: str, rm, out: dict[str, float], repeats: int) -> None:
     """The loop-blocking time of a background save: mesh3d vs DCP (two stager set-ups), and the copy floor."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-    from mesh3d import checkpoint
 
     _copy_floor(model, out, repeats)
     group = dist.new_group(backend="gloo")  # DCP's background collectives must not share the loop's group
     stager = DefaultStager(StagingOptions(False, False, False, False))  # CPU: synchronous staging, cached copy
-    contenders = {  # name: (start, finish); each one's first call is timed before any repeat of any of them
+    contenders = _async_contenders(model, work, group, stager)
+    for name, (start, finish) in contenders.items():
+        out[f"async_block_{name}"], out[f"async_durable_{name}"], _ = _timed_async(
+            start, finish, rm(f"{work}/{name}-{{}}"), f"async_save_{name}", repeats)
+    stager.close()
+
+
+def _async_contenders(model, work: str, group, stager) -> dict:
+    """name: (start(i), finish(pending)) of each background save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    from mesh3d import checkpoint
+
+    return {
         "mesh3d": (lambda i: checkpoint.async_save(f"{work}/mesh3d-{i}", model, step=1), lambda h: h.wait()),
         "dcp": (lambda i: dcp.async_save(get_model_state_dict(model), checkpoint_id=f"{work}/dcp-{i}",
                                          process_group=group), lambda f: f.result()),
         "dcp_kept_stager": (lambda i: dcp.async_save(get_model_state_dict(model), checkpoint_id=f"{work}/dcp_kept_stager-{i}",
                                                      process_group=group, async_stager=stager), lambda f: f.result()),
     }
-    # NOTE: first calls first, so none of them finds the heap warmed by another's repeats (glibc keeps freed 16 MB
-    # chunks once its mmap threshold has adapted; a later first call would then skip most page faults).
-    for name, (start, finish) in contenders.items():
-        _, _, out[f"async_first_block_{name}"] = _timed_async(
-            lambda i, start=start: start(f"first-{i}"), finish, lambda i: None, f"first_{name}", 1)
-    for name, (start, finish) in contenders.items():
-        out[f"async_block_{name}"], out[f"async_durable_{name}"], _ = _timed_async(
-            start, finish, rm(f"{work}/{name}-{{}}"), f"async_save_{name}", repeats)
+
+
+def _build(shape: tuple[int, int, int], args: argparse.Namespace) -> torch.nn.Module:
+    """The manager started on ``shape`` and the FSDP-sharded Linear stack (seed 0)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from mesh3d import DistributedManager
+
+    dm = DistributedManager.initialize(*shape)
+    torch.manual_seed(0)
+    model = _model(args.size_mb, args.layer_mb)
+    mesh = dm.batch_domain_mesh if shape[1] == 1 else dm.mesh["batch", "domain"]
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _first_call_rank(rank: int, port: int, args: argparse.Namespace, work: str, results: str, name: str) -> None:
+    """A fresh job: the model built and trained two steps, then ``name``'s first background save, timed.
+
+    NOTE: each contender's first call runs in its own fresh processes, after the same history. Timed one after
+    another in one process, a later contender finds pages an earlier one freed still on glibc's heap (its mmap
+    threshold adapts to freed 16 MB chunks) and skips most page faults: the order, not the contender, decided."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    from mesh3d import DistributedManager
+
+    model = _build((WORLD, 1, 1), args)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(2):
+        x = torch.randn(8, 1024)
+        sum(layer(x).square().mean() for layer in model).backward()  # the layers do not chain: each sees x
+        opt.step()
+        opt.zero_grad()
+    group = dist.new_group(backend="gloo")
+    stager = DefaultStager(StagingOptions(False, False, False, False))
+    start, finish = _async_contenders(model, work, group, stager)[name]
+    _, _, first = _timed_async(lambda i: start(f"first-{i}"), finish, lambda i: None, f"first_{name}", 1)
     stager.close()
+    DistributedManager.shutdown()
+    if rank == 0:
+        with open(results, "w") as f:
+            json.dump({f"async_first_block_{name}": first}, f)
+    dist.destroy_process_group()
+
+
+def _first_calls(args: argparse.Namespace, work: str) -> dict[str, float]:
+    """Every contender's first background save, each in ``args.first_jobs`` fresh jobs (``_first_call_rank``), the
+    contenders taking turns; the median job per contender, and every job's time."""
+    times: dict[str, list[float]] = {}
+    for job in range(args.first_jobs):
+        for name in ("mesh3d", "dcp", "dcp_kept_stager"):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            results = os.path.join(work, f"first-{name}-{job}.json")
+            mp.start_processes(_first_call_rank, args=(port, args, os.path.join(work, f"first-{name}-{job}"), results,
+                                                       name), nprocs=WORLD, start_method="spawn")
+            times.setdefault(name, []).append(json.load(open(results))[f"async_first_block_{name}"])
+    out: dict[str, float] = {}
+    for name, seconds in times.items():
+        out[f"async_first_block_{name}"] = statistics.median(seconds)
+        out[f"async_first_block_{name}_jobs"] = seconds
+    return out
 
 
 def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, results: str) -> None:
@@ -167,23 +238,12 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
     import torch.distributed.checkpoint as dcp
     import safetensors.torch
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
-    from torch.distributed.fsdp import fully_shard
 
     from mesh3d import DistributedManager, checkpoint
     from mesh3d.checkpoint.chunks import local_data
 
-    def build(shape: tuple[int, int, int]):
-        dm = DistributedManager.initialize(*shape)
-        torch.manual_seed(0)
-        model = _model(args.size_mb, args.layer_mb)
-        mesh = dm.batch_domain_mesh if shape[1] == 1 else dm.mesh["batch", "domain"]
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        return model
-
     out: dict[str, float] = {}
-    model = build((WORLD, 1, 1))
+    model = _build((WORLD, 1, 1), args)
     sd = get_model_state_dict(model)
     local = {k: local_data(v).contiguous() for k, v in sd.items()}
     my_bytes = sum(t.numel() * t.element_size() for t in local.values())
@@ -255,7 +315,7 @@ def _rank_main(rank: int, port: int, args: argparse.Namespace, work: str, result
     from mesh3d._torch_private import clear_dtensor_caches
 
     clear_dtensor_caches()
-    hsdp = build((2, 2, 1))
+    hsdp = _build((2, 2, 1), args)
     out["reshard_load_mesh3d"] = _timed(label="reshard_load_mesh3d", fn=lambda i: info.update(r=checkpoint.load(f"{work}/m3-{last}", hsdp)))
     out["reshard_load_mesh3d_all_or_nothing"] = _timed(label="reshard_load_mesh3d_all_or_nothing", fn=lambda i: checkpoint.load(f"{work}/m3-{last}", hsdp, in_place=False))
     out["reshard_load_dcp"] = _timed(label="reshard_load_dcp", fn=lambda i: dcp_load(hsdp))
@@ -281,7 +341,10 @@ def _write_async_report(out: dict[str, float], args: argparse.Namespace) -> None
                    "note": f"gloo on CPU; best of {args.async_repeats} (sync save: of {REPEATS}); blocked = call to "
                            "return, slowest rank; every save fsynced",
                    "load_average_1_5_15_min_at_end": [round(x, 2) for x in os.getloadavg()]},
-        "seconds": {k: v for k, v in out.items() if k.startswith(("async_", "save_mesh3d", "copy_floor"))},
+        "seconds": {k: v for k, v in out.items() if k.startswith(("async_", "save_mesh3d", "copy_floor"))
+                    and not k.endswith("_jobs")},
+        "first_call_jobs_seconds": {k.removeprefix("async_first_block_").removesuffix("_jobs"): v
+                                    for k, v in out.items() if k.endswith("_jobs")},
         "ratios": {
             "async_block_vs_sync_save": out["async_block_mesh3d"] / out["save_mesh3d"],  # goal <= 0.2
             "async_block_vs_best_dcp_async_block": out["async_block_mesh3d"] / best_dcp,  # goal <= 1
@@ -323,6 +386,7 @@ def main() -> None:
     parser.add_argument("--async-only", action="store_true", help="only mesh3d's sync save and the async phases")
     parser.add_argument("--async-json", default="checkpoint_async.json", help="file name of the async report")
     parser.add_argument("--async-repeats", type=int, default=REPEATS, help="runs of each background-save phase")
+    parser.add_argument("--first-jobs", type=int, default=3, help="fresh jobs timing each contender's first async save")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir)
     results = os.path.join(work, "results.json")
@@ -332,6 +396,7 @@ def main() -> None:
     try:
         mp.start_processes(_rank_main, args=(port, args, work, results), nprocs=WORLD, start_method="spawn")
         out = json.load(open(results))
+        out.update(_first_calls(args, work))
         _write_async_report(out, args)
         if args.async_only:
             return

@@ -348,9 +348,15 @@ def _checkpoint_async(lines: list[str]) -> None:
                   "checkpoint_async_256mb.json`), blocked, first call / steady: "
                   + "; ".join(f"{label} {_first(t, key)} / {t[f'async_block_{key}']:.3f} s"
                               for label, key in (("mesh3d", "mesh3d"), ("DCP", "dcp"), ("DCP stager kept", "dcp_kept_stager")))
-                  + ". First calls are timed one per contender, in the table's order, before any repeat; a later "
-                  "contender may find pages an earlier one freed still on glibc's heap (DCP copies per tensor, 16 MB "
-                  "here; mesh3d maps one buffer), so the first-call order is not neutral."]
+                  + "."]
+    lines += ["", "First calls (both sizes) are each contender's first background save in a fresh job of 4 ranks, after "
+              "the same two training steps, the median of several jobs with the contenders taking turns (jobs: "
+              + "; ".join(f"{name} " + ", ".join(f"{v:.3f}" for v in jobs)
+                          for name, jobs in d.get("first_call_jobs_seconds", {}).items())
+              + " s at the larger size). Timed one after another in one process, a later contender would find pages an "
+              "earlier one freed still on glibc's heap and skip most page faults: the order, not the contender, "
+              "would decide. Most of a first call is faulting in fresh pages for the host copy (about 0.45 ms per MB "
+              "alone, twice that with 4 ranks on 2 cores), which every contender pays."]
     lines += ["", f"mesh3d blocked / synchronous save: {r['async_block_vs_sync_save']:.2f}; mesh3d blocked / DCP's best "
               f"blocked: {r['async_block_vs_best_dcp_async_block']:.2f}"
               + (f"; first call, mesh3d / DCP's best first call: {r['async_first_block_vs_best_dcp_first_block']:.2f}"

@@ -95,6 +95,45 @@ def test_repeat_saves_reuse_the_agreed_boxes_only_while_nothing_changed(ranks, t
         assert seen["listing"] == ["a", "b", "c", "d", "f", "g"]  # no staging directory left behind
 
 
+_FIRST = 16 * 1024  # comm._FIRST_BYTES (checked below)
+#: Each rank's payload length (bytes of text), per all-gather: all small, around the first all-gather's size, some long.
+_LENGTHS = ((0, 5, 17), (_FIRST - 100, _FIRST - 40, 3), (1, 3 * _FIRST, 0), (2 * _FIRST, 2 * _FIRST + 2, _FIRST))
+
+
+def _gather_payloads_of_many_lengths() -> list:
+    from mesh3d.checkpoint.comm import allgather_json
+
+    rank = torch.distributed.get_rank()
+    results = []
+    real, calls = torch.distributed.all_gather, [0]
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return real(*args, **kwargs)
+
+    torch.distributed.all_gather = counting
+    try:
+        for lengths in _LENGTHS:
+            calls[0] = 0
+            mine = {"rank": rank, "text": "x" * lengths[rank]}
+            results.append((allgather_json(mine), calls[0]))
+    finally:
+        torch.distributed.all_gather = real
+    return results
+
+
+def test_json_all_gather_takes_payloads_of_any_length_in_one_or_two_collectives(ranks):
+    from mesh3d.checkpoint.comm import _FIRST_BYTES
+
+    assert _FIRST_BYTES == _FIRST
+    for results in ranks.run(3, _gather_payloads_of_many_lengths):
+        assert len(results) == len(_LENGTHS)
+        for lengths, (gathered, collectives) in zip(_LENGTHS, results):
+            assert gathered == [{"rank": r, "text": "x" * n} for r, n in enumerate(lengths)]
+            # the JSON around the text adds under 30 bytes: a payload fits the first all-gather iff its text does
+            assert collectives == (1 if max(lengths) < _FIRST_BYTES - 30 else 2), (lengths, collectives)
+
+
 def test_snapshot_is_a_bitwise_copy_split_over_threads_or_not(monkeypatch):
     import mesh3d.checkpoint.staging as staging_module
     from mesh3d.checkpoint.staging import HostStaging

@@ -245,8 +245,10 @@ def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opti
     except Exception as err:  # shared with every rank by the full agreement below
         failure = err
     last = plans.current()
-    # Every rank takes part whatever its own cache holds, so all take the same branch below.
-    if size > 1 and _unchanged_everywhere(request, plans, path, token, count):
+    # Every rank takes part whatever its own request holds, so all take the same branch below. NOTE: whether a plan
+    # is kept is the same on every rank (all remember one after the same successful agreement, and forget it when
+    # the default group is remade), so a first save skips this collective everywhere.
+    if size > 1 and last is not None and _unchanged_everywhere(request, plans, path, token, count):
         assert request is not None and last is not None  # every rank's request is well formed and unchanged
         plans.advance()
         return _plan(path, staging, request, last.boxes, rank, size, step, extra, checksum_block_bytes), request.entries

@@ -63,6 +63,11 @@ def _device(group: dist.ProcessGroup | None) -> torch.device:
     return torch.device("cpu")
 
 
+#: ``allgather_json`` sends each rank's first this many bytes in its first all-gather, with the length: a small
+#: payload (an outcome, a repeat save's boxes) takes one collective, a larger one a second for the rest.
+_FIRST_BYTES = 16 * 1024
+
+
 def allgather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any]:
     """Every rank's ``obj`` (JSON-serializable), in rank order (over ``group``, default: the default group)."""
     _, size = world()
@@ -71,16 +76,27 @@ def allgather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
         return [json.loads(payload)]
     group = _mesh_world(group)
     device = _device(group)
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [torch.zeros_like(length) for _ in range(size)]
-    dist.all_gather(lengths, length, group=group)
-    longest = max(int(n.item()) for n in lengths)
-    buf = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if payload:
-        buf[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    bufs = [torch.empty_like(buf) for _ in range(size)]
-    dist.all_gather(bufs, buf, group=group)
-    return [json.loads(bytes(b[: int(n.item())].cpu().numpy())) for b, n in zip(bufs, lengths)]
+    head = torch.zeros(8 + _FIRST_BYTES, dtype=torch.uint8)
+    head[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    first = payload[:_FIRST_BYTES]
+    if first:
+        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    head = head.to(device)
+    heads = [torch.empty_like(head) for _ in range(size)]
+    dist.all_gather(heads, head, group=group)
+    heads = [h.cpu() for h in heads]
+    lengths = [int(h[:8].view(torch.int64).item()) for h in heads]
+    texts = [bytes(h[8 : 8 + min(n, _FIRST_BYTES)].numpy()) for h, n in zip(heads, lengths)]
+    rest = max(lengths) - _FIRST_BYTES
+    if rest > 0:  # NOTE: every rank sees the same lengths, so all take this second all-gather or none does
+        tail = torch.zeros(rest, dtype=torch.uint8)
+        if len(payload) > _FIRST_BYTES:
+            tail[: len(payload) - _FIRST_BYTES] = torch.frombuffer(bytearray(payload[_FIRST_BYTES:]), dtype=torch.uint8)
+        tail = tail.to(device)
+        tails = [torch.empty_like(tail) for _ in range(size)]
+        dist.all_gather(tails, tail, group=group)
+        texts = [t + bytes(tl.cpu()[: max(n - _FIRST_BYTES, 0)].numpy()) for t, tl, n in zip(texts, tails, lengths)]
+    return [json.loads(t) for t in texts]
 
 
 def allgather_int64(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
