@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mesh3d.domain.exchange import DomainComm, exchange_all
 
-__all__ = ["all_reduce_max", "reduce_for_local_use", "reduce_to_replicated", "sum_grad"]
+__all__ = ["all_reduce_max", "all_reduce_sum", "reduce_for_local_use", "reduce_to_replicated", "sum_grad"]
 
 
 def _all_reduce(t: torch.Tensor, comm: DomainComm, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -90,6 +90,11 @@ def sum_grad(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     if comm.size == 1:
         return t
     return _SumGrad.apply(t, comm)
+
+
+def all_reduce_sum(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
+    """Element-wise sum over the domain in rank order (not differentiable by itself: for autograd functions' use)."""
+    return _all_reduce(t, comm)
 
 
 def all_reduce_max(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:

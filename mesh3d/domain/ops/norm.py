@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.collectives import reduce_for_local_use
+from mesh3d.domain.collectives import all_reduce_sum
 from mesh3d.domain.registry import register
 from mesh3d.domain.step import Step
 from mesh3d.domain.tensor import DomainTensor
@@ -21,12 +21,38 @@ from mesh3d.domain.tensor import DomainTensor
 __all__ = ["normalize"]
 
 
+class _Normalize(torch.autograd.Function):
+    """(x - mean) * rstd over ``dims`` of the whole domain, saving only its output and ``rstd`` for backward.
+
+    NOTE: written out as ``x - mean``, ``centred * rstd`` in autograd, the normalization saved two full-size tensors
+    (``centred`` and the normalized output, which the affine's multiply saves again), where torch's fused norms save
+    one. Saving the output alone is what brings a conv/GroupNorm step at D=2 to half of one process's peak memory.
+    Backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), both means over the whole domain (one all-reduce).
+    """
+
+    @staticmethod
+    def forward(ctx, local, dims, count, eps, comm):
+        mean = all_reduce_sum(local.sum(dims, keepdim=True), comm) / count
+        centred = local - mean
+        var = all_reduce_sum((centred * centred).sum(dims, keepdim=True), comm) / count
+        rstd = torch.rsqrt(var + eps)
+        normalized = centred.mul_(rstd)
+        ctx.save_for_backward(normalized, rstd)
+        ctx.dims, ctx.count, ctx.comm = dims, count, comm
+        ctx.mark_non_differentiable(mean, var)
+        return normalized, mean, var
+
+    @staticmethod
+    def backward(ctx, grad, _grad_mean, _grad_var):
+        normalized, rstd = ctx.saved_tensors
+        sums = torch.stack([grad.sum(ctx.dims, keepdim=True), (grad * normalized).sum(ctx.dims, keepdim=True)])
+        means = all_reduce_sum(sums, ctx.comm) / ctx.count
+        return rstd * (grad - means[0] - normalized * means[1]), None, None, None, None
+
+
 def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm):
-    """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both."""
-    mean = reduce_for_local_use(local.sum(dims, keepdim=True), comm) / count
-    centred = local - mean
-    var = reduce_for_local_use((centred * centred).sum(dims, keepdim=True), comm) / count
-    return centred * torch.rsqrt(var + eps), mean, var
+    """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both (no gradient)."""
+    return _Normalize.apply(local, dims, count, eps, comm)
 
 
 def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
