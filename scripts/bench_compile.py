@@ -21,6 +21,7 @@ import os
 import json
 import sys
 import time
+import types
 from pathlib import Path
 
 import torch
@@ -34,13 +35,23 @@ from bench_common import UNet, conv_stack, paired_times, peak_rss_kb, reset_peak
 __all__ = ["part_compile"]
 
 
-def _steps(model, make_input):
+def _own_code(fn):
+    """``fn`` with a code object of its own. NOTE: Dynamo keeps its compiled graphs per code object; the rows' losses
+    share one, and a call would first check (and fail) the guards of every other row's graph, which a training
+    script compiling one step never does."""
+    return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+
+
+def _steps(model, make_input, domain_input: bool = False):
     """(eager step, compiled step): forward and loss, then backward; compiled, the model and loss are one
-    ``torch.compile``d function and the input is made (sharded) and the backward run outside it, as in training."""
+    ``torch.compile``d function and the input is made (sharded) and the backward run outside it, as in training.
+    A domain input's step is compiled as docs/domain.md says to: with ``domain.guard_filter``."""
     def loss(t):
         return (model(t) ** 2).mean()
 
-    compiled_loss = torch.compile(loss, dynamic=False)  # NOTE: static, as Plan(compile=...) does: rows reuse this code
+    options = {"guard_filter_fn": domain.guard_filter} if domain_input else None
+    # NOTE: static shapes, as Plan(compile=...) does
+    compiled_loss = torch.compile(_own_code(loss), dynamic=False, options=options)
     return (lambda: loss(make_input()).backward()), (lambda: compiled_loss(make_input()).backward())
 
 
@@ -68,7 +79,7 @@ def _one_rank(args) -> dict:
         x = torch.randn(*shape)
 
         plain_step, compiled_plain = _steps(model, lambda x=x: x)
-        domain_step, compiled_domain = _steps(model, lambda x=x: domain.shard(x, dim=2))
+        domain_step, compiled_domain = _steps(model, lambda x=x: domain.shard(x, dim=2), domain_input=True)
         plain_stats: dict = {}
         domain_stats: dict = {}
         _first_call(compiled_plain, plain_stats)
@@ -116,7 +127,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     model, x = _field(args)
     sizes = domain.balanced_sizes(x.shape[2], world)
 
-    eager_step, compiled_step = _steps(model, lambda: domain.shard(x, dim=2, sizes=sizes))
+    eager_step, compiled_step = _steps(model, lambda: domain.shard(x, dim=2, sizes=sizes), domain_input=True)
     stats: dict = {}
     eager_step()
     _first_call(compiled_step, stats)

@@ -37,7 +37,8 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: tuple[int, int] | None = None):
+def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: tuple[int, int] | None = None,
+                         filtered: bool = False):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from mesh3d import DistributedManager, domain
@@ -57,7 +58,8 @@ def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: 
         return lambda xs, ys: _loss(model(xs), ys)
 
     # NOTE: the whole step (model and loss) is one compiled function, as a user's compiled training step would be.
-    compiled_step = torch.compile(model_and_loss(compiled), backend=counter, fullgraph=fullgraph)
+    options = {"guard_filter_fn": domain.guard_filter} if filtered else None
+    compiled_step = torch.compile(model_and_loss(compiled), backend=counter, fullgraph=fullgraph, options=options)
     errs, frames_after_first = [], None
     for i in range(STEPS):
         xs = domain.shard(x, sizes=sizes, **where)
@@ -101,8 +103,52 @@ def test_one_rank_compiles_to_one_graph_equal_to_one_process(ranks, kind, backen
 @pytest.mark.parametrize(("world", "sizes", "backend"), [(2, (9, 5), "inductor"), (3, (8, 6, 0), "aot_eager")],
                          ids=["D2-inductor", "D3-empty-shard"])
 def test_sharded_unet_compiles_whole_and_trains_as_one_process(ranks, world, sizes, backend):
-    """D=2 and D=3 (uneven, one empty shard): every halo exchange is in the graph (fullgraph), no recompiles."""
-    _check(ranks.run(world, _train_compiled_body, "unet", sizes, backend, True, timeout=300))
+    """D=2 and D=3 (uneven, one empty shard): every halo exchange is in the graph (fullgraph), no recompiles; with
+    ``domain.guard_filter`` (the documented recipe), as without it at D=1."""
+    _check(ranks.run(world, _train_compiled_body, "unet", sizes, backend, True, None, True, timeout=300))
+
+
+def _guard_filter_body():
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.overlap import OVERLAP
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    torch.manual_seed(0)
+    model = TinyUNet().double()
+    x = torch.randn(2, 2, H, W, dtype=torch.float64)
+    decided: list = []
+
+    def recording(entries):
+        keep = domain.guard_filter(entries)
+        decided.extend((e.name, e.guard_type, e.is_global, k) for e, k in zip(entries, keep))
+        return keep
+
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(lambda xs: model(xs).square().mean(), backend=counter, options={"guard_filter_fn": recording})
+    xs = domain.shard(x, dim=2)
+    results = [float(step(xs).to_local())]
+    with domain.window_overlap(not OVERLAP.enabled):  # a setting the graph read: it must recompile
+        results.append(float(step(xs).to_local()))
+    results.append(float(step(xs).to_local()))
+    return decided, counter.frame_count, results, float(model(x).square().mean())
+
+
+def test_guard_filter_drops_only_guards_on_mesh3d_code(ranks):
+    """The guards ``domain.guard_filter`` drops are identity guards on mesh3d's own code (modules, functions, code
+    objects, builtins); guards on the input, its spec, tensors, global state and mesh3d's settings stay: toggling
+    ``window_overlap`` still recompiles, and the results equal eager."""
+    (decided, frames, results, eager), = ranks.run(1, _guard_filter_body, timeout=300)
+    dropped = [(name, kind) for name, kind, _, keep in decided if not keep]
+    kept = [(name, kind) for name, kind, _, keep in decided if keep]
+    assert len(dropped) > 200, (len(dropped), len(kept))  # two graphs' worth of guards on mesh3d's own code
+    assert all("mesh3d" in name or "__builtins_dict" in name or "_spec" in name for name, _ in dropped), dropped
+    assert not any(kind in ("TENSOR_MATCH", "GLOBAL_STATE", "GRAD_MODE", "SHAPE_ENV") for _, kind in dropped)
+    assert any(name.endswith("OVERLAP.enabled") for name, _ in kept), kept
+    assert any("_spec.sizes" in name for name, _ in kept) and any(name.endswith("_spec.dim") for name, _ in kept)
+    assert frames == 2  # the toggled setting recompiled once; toggling back reused the first graph
+    assert max(abs(r - eager) for r in results) < 1e-12
 
 
 def test_unet_on_blocks_compiles_whole_and_trains_as_one_process(ranks):

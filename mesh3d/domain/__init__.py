@@ -19,6 +19,7 @@ from mesh3d.domain.dispatch import dispatch
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import NOTICES, count_traffic
 from mesh3d.domain.attention_modes import attention, attention_mode
+from mesh3d.domain.compile_guards import guard_filter
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.io import NpyArray, read
 from mesh3d.domain.overlap import window_overlap
@@ -54,6 +55,7 @@ __all__ = [
     "from_local",
     "neighbourhood_attention",
     "full_tensor",
+    "guard_filter",
     "positions",
     "read",
     "redistribute",

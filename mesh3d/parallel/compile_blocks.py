@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mesh3d.domain.compile_guards import guard_filter
 from mesh3d.domain.registry import tree_map
 from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
 
@@ -62,9 +63,17 @@ def apply_compile(model: nn.Module, blocks: list[str], options: dict[str, Any]) 
     """``torch.compile`` each of ``blocks`` (FQNs; ``""`` is the model itself) in place with ``options``."""
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        block.compile(**options)
+        block.compile(**_with_guard_filter(options))
         # NOTE: registered before FSDP's own hooks (fully_shard comes next), so it runs before FSDP's post-forward.
         block.register_forward_hook(_fresh_domain_outputs)
+
+
+def _with_guard_filter(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with ``domain.guard_filter`` as Dynamo's guard filter, unless the user set one (or a ``mode``:
+    torch takes ``mode`` or ``options``, not both). A copy: ``torch.compile`` pops the filter from the dict it gets."""
+    if "mode" in options:
+        return dict(options)
+    return {**options, "options": {"guard_filter_fn": guard_filter, **options.get("options", {})}}
 
 
 @torch.compiler.disable(reason="mesh3d: re-makes a compiled block's outputs as fresh domain tensors, eagerly")
