@@ -24,20 +24,20 @@ import shutil
 import uuid
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from mesh3d.checkpoint.chunks import local_box
-from mesh3d.checkpoint.comm import allgather_int64, collective_step, world
+from mesh3d.checkpoint.comm import collective_step, start_allgather_int64, world
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.st_format import TORCH_TO_ST
 from mesh3d.checkpoint.state import Entry, flat_state
 from mesh3d.manager import DistributedManager
 
-__all__ = ["agree", "AgreedPlans", "Plan"]
+__all__ = ["agree", "agree_and_stage", "AgreedPlans", "Meanwhile", "Plan"]
 
 
 @dataclass
@@ -211,15 +211,25 @@ def _disagreement(shared: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def _unchanged_everywhere(request: _Request | None, plans: AgreedPlans, path: str, token: str, count: int) -> bool:
-    """The one small collective of a repeat save: True on every rank iff every rank's request is well
-    formed and its structure, data cursor, path and plan generation match the kept agreement's."""
+def _start_unchanged_check(request: _Request | None, plans: AgreedPlans, path: str, token: str,
+                           count: int) -> Callable[[], bool]:
+    """The one small collective of a repeat save, started: its result is True on every rank iff every rank's request
+    is well formed and its structure, data cursor, path and plan generation match the kept agreement's."""
     last = plans.current()
     unchanged = request is not None and last is not None and request.structure() == last.structure
     data_hash = _hash64(request.data_state) if request is not None else 0
     mine = [int(request is not None), int(unchanged), data_hash, _hash64(path), _hash64([token, count])]
-    rows = allgather_int64(mine)
-    return all(row[0] == 1 and row[1] == 1 and row[2:] == rows[0][2:] for row in rows)
+    finish = start_allgather_int64(mine)
+
+    def everywhere() -> bool:
+        rows = finish()
+        return all(row[0] == 1 and row[1] == 1 and row[2:] == rows[0][2:] for row in rows)
+
+    return everywhere
+
+
+#: Work to do with the boxes as soon as they are known: ``meanwhile(entries, boxes, rank)`` (``agree_and_stage``).
+Meanwhile = Callable[[dict[str, Entry], list[dict[str, list]], int], Any]
 
 
 def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None, step: int | None,
@@ -232,6 +242,19 @@ def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opti
     all-gather of five int64 per rank; otherwise one JSON all-gather. The plan holds no reference to
     the live tensors (only the returned entries do), so a background writer can use it while
     training goes on."""
+    plan, entries, _ = agree_and_stage(path, model, optimizer, step, extra, checksum_block_bytes, data, plans)
+    return plan, entries
+
+
+def agree_and_stage(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                    step: int | None, extra: Any, checksum_block_bytes: int, data: Any = None,
+                    plans: AgreedPlans | None = None, meanwhile: Meanwhile | None = None
+                    ) -> tuple[Plan, dict[str, Entry], Any]:
+    """``agree``, then ``meanwhile(entries, boxes, rank)`` (e.g. ``async_save``'s host copy); returns its result too.
+
+    NOTE: on a repeat save whose structure is unchanged here, ``meanwhile`` runs with the kept boxes while the small
+    all-gather is in flight, so the copy hides the collective's latency; should any rank's request have changed, it
+    runs again with the boxes the full agreement then settles. ``meanwhile`` must not raise."""
     rank, size = world()
     path = os.path.abspath(os.fspath(path))
     plans = plans if plans is not None else AgreedPlans()
@@ -248,10 +271,16 @@ def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opti
     # Every rank takes part whatever its own request holds, so all take the same branch below. NOTE: whether a plan
     # is kept is the same on every rank (all remember one after the same successful agreement, and forget it when
     # the default group is remade), so a first save skips this collective everywhere.
-    if size > 1 and last is not None and _unchanged_everywhere(request, plans, path, token, count):
-        assert request is not None and last is not None  # every rank's request is well formed and unchanged
-        plans.advance()
-        return _plan(path, staging, request, last.boxes, rank, size, step, extra, checksum_block_bytes), request.entries
+    if size > 1 and last is not None:
+        unchanged_everywhere = _start_unchanged_check(request, plans, path, token, count)
+        staged = None
+        if meanwhile is not None and request is not None and request.structure() == last.structure:
+            staged = meanwhile(request.entries, last.boxes, rank)
+        if unchanged_everywhere():
+            assert request is not None  # every rank's request is well formed and unchanged
+            plans.advance()
+            plan = _plan(path, staging, request, last.boxes, rank, size, step, extra, checksum_block_bytes)
+            return plan, request.entries, staged
 
     def check() -> _Request:
         if failure is not None:
@@ -273,7 +302,8 @@ def agree(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Opti
         raise CheckpointError(f"saving {path} failed: {problem}")
     boxes = [d["boxes"] for d in shared]
     plans.remember(request.structure(), boxes, *shared[0]["token"])
-    return _plan(path, shared[0]["staging"], request, boxes, rank, size, step, extra, checksum_block_bytes), request.entries
+    plan = _plan(path, shared[0]["staging"], request, boxes, rank, size, step, extra, checksum_block_bytes)
+    return plan, request.entries, meanwhile(request.entries, boxes, rank) if meanwhile is not None else None
 
 
 def _plan(path: str, staging: str, request: _Request, boxes: list[dict[str, list]], rank: int, size: int,

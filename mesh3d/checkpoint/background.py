@@ -11,7 +11,8 @@ KempnerForge#104 is exactly this). So:
    returns: the request check and box agreement (``agree``, one JSON all-gather) and, the first
    time, making the checkpoint group;
 2. the state this rank writes is copied into one reused host buffer (``HostStaging.snapshot``) so
-   training may change parameters and optimizer state at once;
+   training may change parameters and optimizer state at once; on a repeat save the copy runs while the
+   small all-gather that confirms the kept boxes is in flight (``agree_and_stage``);
 3. the writer thread writes and fsyncs this rank's shards (file I/O only), then gathers the chunk
    records and agrees on the outcome over a **separate gloo group made for checkpoint traffic**
    (its own timeout: the manager's, else torch's default), so the commit happens as soon as every
@@ -41,7 +42,7 @@ from torch import nn
 from mesh3d.checkpoint.comm import StepFailure
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
-from mesh3d.checkpoint.agree import Plan, agree
+from mesh3d.checkpoint.agree import Plan, agree_and_stage
 from mesh3d.checkpoint.save import DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, write_and_commit, write_my_shards
 
 __all__ = ["async_save", "AsyncSave"]
@@ -82,17 +83,9 @@ def async_save(
         extra = json.loads(json.dumps(extra, allow_nan=False))
     except (TypeError, ValueError):
         pass
-    plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data,  # data's cursor: now
-                          plans=IN_FLIGHT.plans)
+    plan, _, (staged, ready, failure) = agree_and_stage(path, model, optimizer, step, extra, checksum_block_bytes,
+                                                        data, plans=IN_FLIGHT.plans, meanwhile=_stage_in_host_memory)
     group = IN_FLIGHT.group()
-    staged, ready, failure = {}, None, None
-    try:
-        with torch.no_grad():  # DTensor.to_local without its autograd function
-            mine = _my_parts(entries, plan.boxes, plan.rank)
-            copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
-        staged = {name: (box, copies[name]) for name, (box, _) in mine.items()}
-    except Exception as err:  # e.g. no memory for the buffer: the writer reports it to every rank's commit
-        failure = f"{type(err).__name__} while staging the state in host memory: {err}"
     handle = AsyncSave(plan.path, plan.staging)
     go = threading.Event()  # the writer idles until we return, so starting it does not hold up the caller
     writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit, go),
@@ -101,6 +94,18 @@ def async_save(
     writer.start()
     go.set()
     return handle
+
+
+def _stage_in_host_memory(entries: dict[str, Any], boxes: list[dict[str, list]], rank: int) -> tuple[dict, Any, str | None]:
+    """(name: (box, host copy) of what this rank writes, the copies' ready event, a failure or None); never raises:
+    a failure (e.g. no memory for the buffer) goes to the writer, which reports it to every rank's commit."""
+    try:
+        with torch.no_grad():  # DTensor.to_local without its autograd function
+            mine = _my_parts(entries, boxes, rank)
+            copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
+        return {name: (box, copies[name]) for name, (box, _) in mine.items()}, ready, None
+    except Exception as err:
+        return {}, None, f"{type(err).__name__} while staging the state in host memory: {err}"
 
 
 def _write(handle: AsyncSave, plan: Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,

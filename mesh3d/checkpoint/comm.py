@@ -32,7 +32,8 @@ from mesh3d.faults.attach import WATCH
 from mesh3d.launcher import refuse_if_launched_uninitialized
 from mesh3d.manager import DistributedManager
 
-__all__ = ["world", "allgather_json", "allgather_int64", "collective_step", "raise_if_any_failed", "StepFailure"]
+__all__ = ["world", "allgather_json", "allgather_int64", "collective_step", "raise_if_any_failed", "start_allgather_int64",
+           "StepFailure"]
 
 T = TypeVar("T")
 
@@ -101,14 +102,25 @@ def allgather_json(obj: Any, group: dist.ProcessGroup | None = None) -> list[Any
 
 def allgather_int64(values: list[int], group: dist.ProcessGroup | None = None) -> list[list[int]]:
     """Every rank's ``values`` (the same count of int64 on every rank), in rank order: one small all-gather."""
+    return start_allgather_int64(values, group)()
+
+
+def start_allgather_int64(values: list[int], group: dist.ProcessGroup | None = None) -> Callable[[], list[list[int]]]:
+    """``allgather_int64`` started in the background: returns the function that waits for it and returns the rows
+    (bounded by the group's timeout). Every rank must call the returned function."""
     _, size = world()
     if size == 1:
-        return [list(values)]
+        return lambda: [list(values)]
     group = _mesh_world(group)
     mine = torch.tensor(values, dtype=torch.int64, device=_device(group))
     rows = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(rows, mine, group=group)
-    return [row.tolist() for row in rows]
+    work = dist.all_gather(rows, mine, group=group, async_op=True)
+
+    def finish() -> list[list[int]]:
+        work.wait()
+        return [row.tolist() for row in rows]
+
+    return finish
 
 
 class StepFailure(CheckpointError):
