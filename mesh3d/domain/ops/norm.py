@@ -22,37 +22,44 @@ __all__ = ["normalize"]
 
 
 class _Normalize(torch.autograd.Function):
-    """(x - mean) * rstd over ``dims`` of the whole domain, saving only its output and ``rstd`` for backward.
+    """(x - mean) * rstd over ``dims`` of the whole domain, saving one full-size tensor for backward, as torch's fused
+    norms do: its output when an affine follows (the affine's multiply saves that output anyway), else its input.
 
     NOTE: written out as ``x - mean``, ``centred * rstd`` in autograd, the normalization saved two full-size tensors
-    (``centred`` and the normalized output, which the affine's multiply saves again), where torch's fused norms save
-    one. Saving the output alone is what brings a conv/GroupNorm step at D=2 to half of one process's peak memory.
-    Backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), both means over the whole domain (one all-reduce).
+    (``centred`` and the normalized output, which the affine's multiply saves again). Saving one is what brings a
+    conv/GroupNorm step at D=2 to half of one process's peak memory. Without an affine the output is the user's
+    tensor, which an in-place op may change (MONAI's InstanceNorm then ``LeakyReLU(inplace=True)``): the input is
+    saved then, and the output recomputed in backward. Backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
+    both means over the whole domain (one all-reduce).
     """
 
     @staticmethod
-    def forward(ctx, local, dims, count, eps, comm):
+    def forward(ctx, local, dims, count, eps, comm, save_output):
         mean = all_reduce_sum(local.sum(dims, keepdim=True), comm) / count
         centred = local - mean
         var = all_reduce_sum((centred * centred).sum(dims, keepdim=True), comm) / count
         rstd = torch.rsqrt(var + eps)
         normalized = centred.mul_(rstd)
-        ctx.save_for_backward(normalized, rstd)
-        ctx.dims, ctx.count, ctx.comm = dims, count, comm
+        ctx.save_for_backward(normalized if save_output else local, mean, rstd)
+        ctx.dims, ctx.count, ctx.comm, ctx.save_output = dims, count, comm, save_output
         ctx.mark_non_differentiable(mean, var)
         return normalized, mean, var
 
     @staticmethod
     def backward(ctx, grad, _grad_mean, _grad_var):
-        normalized, rstd = ctx.saved_tensors
+        saved, mean, rstd = ctx.saved_tensors
+        normalized = saved if ctx.save_output else (saved - mean) * rstd
         sums = torch.stack([grad.sum(ctx.dims, keepdim=True), (grad * normalized).sum(ctx.dims, keepdim=True)])
         means = all_reduce_sum(sums, ctx.comm) / ctx.count
-        return rstd * (grad - means[0] - normalized * means[1]), None, None, None, None
+        return rstd * (grad - means[0] - normalized * means[1]), None, None, None, None, None
 
 
-def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm):
-    """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both (no gradient)."""
-    return _Normalize.apply(local, dims, count, eps, comm)
+def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm, affine: bool = False):
+    """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both (no gradient).
+
+    ``affine``: the caller multiplies or shifts the result (a weight or bias), so the result is not user code's tensor.
+    """
+    return _Normalize.apply(local, dims, count, eps, comm, affine)
 
 
 def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
@@ -87,7 +94,8 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Step:
     def compute(local):
         n, c = local.shape[:2]
         grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
-        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, input.spec.comm)
+        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, input.spec.comm,
+                            affine=weight is not None or bias is not None)
         return _affine(y.reshape(local.shape), weight, bias, local.ndim)
 
     return Step(compute, (input,), out=input.spec)
@@ -109,7 +117,8 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
 
     def compute(local):
-        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, input.spec.comm)
+        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, input.spec.comm,
+                            affine=weight is not None or bias is not None)
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
         return _affine(y, weight, bias, local.ndim)
@@ -127,7 +136,8 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     count = math.prod(input.global_shape[2:])
 
     def compute(local):
-        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, input.spec.comm)
+        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, input.spec.comm,
+                            affine=weight is not None or bias is not None)
         _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
         _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
         return _affine(y, weight, bias, local.ndim)
@@ -145,7 +155,8 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
     offset, rows = input.offset, input.spec.sizes[input.spec.comm.index]
 
     def compute(local):
-        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, input.spec.comm)
+        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, input.spec.comm,
+                            affine=weight is not None or bias is not None)
         # The affine parameters vary along the sharded dim: use this rank's slice of them.
         if weight is not None:
             y = y * weight.narrow(at, offset, rows)
