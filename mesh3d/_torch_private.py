@@ -27,6 +27,7 @@ __all__ = [
     "gloo_backend",
     "group_options",
     "is_operator_overload",
+    "autograd_inside_custom_op",
     "keep_in_program_order",
     "let_compiled_graphs_take_function_subclasses",
     "live_process_groups",
@@ -272,3 +273,18 @@ def default_store() -> dist.Store | None:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
         return None
+
+
+def autograd_inside_custom_op() -> Any:
+    """A context in which a custom op's implementation records autograd (``torch.autograd.grad`` inside it works).
+
+    Why private: an op without autograd of its own runs below the Autograd dispatch key, which stays excluded in the
+    thread's dispatch state for the call; ``torch.enable_grad`` does not lift that. ``mesh3d::sharded_sdpa_backward``
+    recomputes the attention with autograd inside the op (mesh3d/domain/attention_op.py). ``_ForceDispatchKeyGuard``
+    sets the thread's dispatch key sets for the block: the same, less the autograd keys.
+    """
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for name in ("AutogradCPU", "AutogradCUDA", "AutogradOther", "AutogradNestedTensor", "AutogradFunctionality"):
+        if hasattr(torch._C.DispatchKey, name):
+            exclude = exclude.remove(getattr(torch._C.DispatchKey, name))
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)

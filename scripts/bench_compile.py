@@ -11,7 +11,9 @@ Rows, all in one run, each against its alternative measured alternately in the s
 2. D = 2 and 4 (processes, one thread each): a conv/GroupNorm stack on a larger field (1024x512), compiled vs eager;
 3. for every compiled row: compile time (first call), Dynamo graph breaks and recompiles after the first step;
 4. peak memory per rank (peak RSS growth over one forward+backward) at D=2 and 4, eager and compiled, over plain
-   torch in one process (goal at D=2: <= 0.55).
+   torch in one process (goal at D=2: <= 0.55);
+5. at D = 2 and 4, two self-attention blocks on a sequence sharded over the domain, compiled (the attention one
+   custom op in the graph) against eager, with graph breaks and recompiles.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import types
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.utils import counters
 
@@ -120,6 +123,37 @@ def _field(args) -> tuple[nn.Module, torch.Tensor]:
     return conv_norm_stack(args.channels, args.layers), torch.randn(args.batch, 1, height, width)
 
 
+class _AttentionBlock(nn.Module):
+    """Pre-norm self-attention on a (B, S, C) token sequence, residual: the shape of a transformer's attention."""
+
+    def __init__(self, channels: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm, self.qkv, self.proj = nn.LayerNorm(channels), nn.Linear(channels, 3 * channels), \
+            nn.Linear(channels, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, c = x.shape
+        q, k, v = self.qkv(self.norm(x)).view(b, s, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        return x + self.proj(F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, c))
+
+
+def _attention_rows(world: int, args) -> dict:
+    """Two attention blocks on a sequence sharded over the domain, eager against compiled (mesh3d::sharded_sdpa)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_AttentionBlock(64, 4), _AttentionBlock(64, 4))
+    x = torch.randn(args.batch, args.attention_tokens, 64)
+    sizes = domain.balanced_sizes(x.shape[1], world)
+    eager_step, compiled_step = _steps(model, lambda: domain.shard(x, dim=1, sizes=sizes), domain_input=True)
+    stats: dict = {}
+    eager_step()
+    _first_call(compiled_step, stats)
+    t_eager, t_compiled = paired_times(eager_step, compiled_step, args.compile_sharded_repeats, lambda: None)
+    _after_timing(stats)
+    return {f"attention_{k}": v for k, v in (("eager_ms", t_eager * 1e3), ("compiled_ms", t_compiled * 1e3),
+                                             *stats.items())}
+
+
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -136,6 +170,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     t_eager, t_compiled = paired_times(eager_step, compiled_step, args.compile_sharded_repeats, lambda: None)
     _after_timing(stats)
     result.update(eager_ms=t_eager * 1e3, compiled_ms=t_compiled * 1e3, **stats)
+    result.update(_attention_rows(world, args))
     queue.put((rank, result))
     DistributedManager.shutdown()
 
@@ -158,7 +193,8 @@ def _sharded(args, world: int) -> dict:
             "compile_s": max(r["compile_s"] for r in ranks),
             "graph_breaks": max(r["graph_breaks"] for r in ranks), "recompiles": max(r["recompiles"] for r in ranks),
             "eager_peak_kb": max(r["eager_peak_kb"] for r in ranks),
-            "compiled_peak_kb": max(r["compiled_peak_kb"] for r in ranks)}
+            "compiled_peak_kb": max(r["compiled_peak_kb"] for r in ranks),
+            **{k: max(r[k] for r in ranks) for k in ranks[0] if k.startswith("attention_")}}
 
 
 def part_compile(args) -> dict:
@@ -176,6 +212,9 @@ def part_compile(args) -> dict:
               f"{run['compile_s']:.1f} s, {run['graph_breaks']} graph breaks, {run['recompiles']} recompiles; peak "
               f"memory per rank {run['eager_peak_vs_plain']:.2f}x (eager), {run['compiled_peak_vs_plain']:.2f}x "
               "(compiled) plain torch", flush=True)
+        print(f"  D={world} attention ({args.attention_tokens} tokens): compiled {run['attention_compiled_ms']:.1f} ms, "
+              f"eager {run['attention_eager_ms']:.1f} ms; {run['attention_graph_breaks']} graph breaks, "
+              f"{run['attention_recompiles']} recompiles", flush=True)
     return report
 
 
@@ -220,6 +259,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile-field", type=int, nargs=2, default=[1024, 512], metavar=("H", "W"),
                         help="the conv/GroupNorm stack's field at D>1 (sharded along H)")
     parser.add_argument("--compile-sharded-repeats", type=int, default=3, help="timed steps per row (D>1)")
+    parser.add_argument("--attention-tokens", type=int, default=2048, help="the attention rows' sequence (D>1)")
 
 
 def main() -> None:
@@ -233,7 +273,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
     args = parser.parse_args()
     if args.quick:
-        args.compile_field, args.compile_repeats, args.compile_unet = [128, 64], 3, 32
+        args.compile_field, args.compile_repeats, args.compile_unet, args.attention_tokens = [128, 64], 3, 32, 256
     torch.set_num_threads(1)
     report = part_compile(args)
     if args.out:

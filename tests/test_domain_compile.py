@@ -156,10 +156,72 @@ def test_unet_on_blocks_compiles_whole_and_trains_as_one_process(ranks):
     _check(ranks.run(4, _train_compiled_body, "unet", ((8, 6), (6, 4)), "aot_eager", True, (2, 2), timeout=300))
 
 
-def test_vit_with_sharded_attention_compiles_around_it(ranks):
-    """D=2: attention over the sharded sequence runs eagerly between compiled graphs (a counted break), the rest
-    compiles; the result is still one process's, with no recompiles."""
-    _check(ranks.run(2, _train_compiled_body, "vit", (8, 6), "aot_eager", False, timeout=300), frames=None)
+def test_vit_with_sharded_attention_compiles_whole(ranks):
+    """D=2: attention over the sharded sequence is one custom op in the graph (fullgraph: no break), and the ViT
+    trains as one process, with no recompiles."""
+    _check(ranks.run(2, _train_compiled_body, "vit", (8, 6), "aot_eager", True, timeout=300))
+
+
+def _compiled_sdpa_body(cases: list[dict]) -> list[tuple[float, int]]:
+    """Each case: SDPA on shards inside one compiled graph (fullgraph), in a given mode, against one process."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    results = []
+    for case in cases:
+        gen = torch.Generator().manual_seed(case["seed"])
+        kind, sizes = case["kind"], case["sizes"]
+        n, kv_heads = sum(sizes), 2 if kind == "gqa" else 4
+        q, k, v = (torch.randn(2, h, n, 3, dtype=torch.float64, generator=gen).requires_grad_(True)
+                   for h in (4, kv_heads, kv_heads))
+        causal = kind in ("causal", "gqa")
+        mask = None
+        if kind == "bool":
+            mask = torch.rand(1, 4, n, n, generator=gen) > 0.4
+        elif kind in ("float", "local_bias"):
+            mask = torch.randn(2, 1, n, n, dtype=torch.float64, generator=gen).requires_grad_(True)
+
+        def sdpa(a, b, c, m, causal=causal, gqa=kind == "gqa"):
+            return F.scaled_dot_product_attention(a, b, c, attn_mask=m, is_causal=causal, enable_gqa=gqa)
+
+        ref = sdpa(q, k, v, mask)
+        cot = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
+        (ref * cot).sum().backward()
+        leaves = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
+        want = [t.grad.clone() for t in leaves]
+        for t in leaves:
+            t.grad = None
+        qs, ks, vs = (domain.shard(t, dim=2, sizes=sizes) for t in (q, k, v))
+        ms = domain.shard(mask, dim=2, sizes=sizes) if kind == "local_bias" else mask
+        counter = CompileCounterWithBackend(case["backend"])  # Inductor checks the custom op's strides too
+        step = torch.compile(sdpa, backend=counter, fullgraph=True, dynamic=False)
+        with domain.attention_mode(case["mode"]):
+            out = step(qs, ks, vs, ms)
+            whole = out.full_tensor()
+            (whole * cot).sum().backward()
+        errors = [max_err(whole.to_local(), ref)] + [max_err(domain_sum(t.grad), w) for t, w in zip(leaves, want)]
+        results.append((max(errors), counter.frame_count))
+    return results
+
+
+#: SDPA cases compiled on shards: every mode, masks plain, sharded like the queries and with a gradient, GQA.
+_SDPA_CASES = [{"kind": kind, "mode": mode, "seed": i, "backend": "inductor" if i in (1, 2) else "aot_eager"}
+               for i, (kind, mode) in enumerate(
+    [("plain", "ring"), ("causal", "ring"), ("float", "ring"), ("bool", "gather"), ("local_bias", "gather"),
+     ("gqa", "ring"), ("plain", "ulysses"), ("causal", "auto")])]
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, (5, 4)), (3, (4, 0, 5))], ids=["D2", "D3-empty-shard"])
+def test_sharded_attention_is_one_custom_op_in_the_graph(ranks, world, sizes):
+    """At D>1, SDPA over a sharded sequence compiles into the graph (``mesh3d::sharded_sdpa``, fullgraph: no break)
+    in every mode, and equals one process: output and the gradients of q, k, v and a float mask (fp64)."""
+    cases = [{**c, "sizes": sizes} for c in _SDPA_CASES if world == 2 or c["mode"] != "ulysses"]
+    for results in ranks.run(world, _compiled_sdpa_body, cases, timeout=300):
+        for case, (err, frames) in zip(cases, results):
+            assert err < 1e-9, (case, err)
+            assert frames == 1, (case, frames)
 
 
 def _nested_dispatch_body(grid: tuple[int, int] | None):

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.attention_modes import sharded_attention
+from mesh3d.domain.attention_op import compiled_sharded_attention, takes
 from mesh3d.domain.dispatch import run_step
 from mesh3d.domain.ops.conv import weight_connected_zeros
 from mesh3d.domain.ops.idioms import strided_rows
@@ -87,8 +88,9 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     if torch.compiler.is_dynamo_compiling():
         if query.spec.comm.size == 1:  # the whole sequence is here: torch's own SDPA, traced like any op
             return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        # NOTE: the ring (and gather, Ulysses) keep exchanges in flight between block kernels, which no custom op
-        # carries yet: a compiled graph breaks around it and the attention runs eagerly (docs/domain.md).
+        if takes(query, key, value, attn_mask):  # slabs: one custom op pair carries any mode (attention_op.py)
+            return compiled_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        # NOTE: blocks and token grids keep the graph break: the attention runs eagerly between graphs (docs/domain.md).
         return _eager_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention_modes.py)
     return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
