@@ -211,14 +211,18 @@ NAMED = {"kill": ("PeerLostError", "DomainPeerLostError"),
          "hang": ("CollectiveTimeoutError", "PeerLostError")}
 
 
-def check_outcome(rank: int, out: dict, action: str, point: str = "forward", timed: bool = False) -> None:
-    """A survivor's outcome names the victim; ``timed`` (the benchmark, never a test): within the documented bound."""
+def bound_s(action: str) -> float:
+    """The documented bound on a survivor's time to its error (checked by scripts/bench_faults.py, never by a test)."""
+    return HANG_BOUND_S if action == "hang" else LOSS_BOUND_S
+
+
+def check_outcome(rank: int, out: dict, action: str, point: str = "forward") -> None:
+    """A survivor's outcome names the victim."""
     text = out["message"]
     if out["error"] == "exit":  # blocked in a collective: the watch printed the error and ended the process
         assert f"exit status {PEER_LOST_EXIT_CODE}" in text and "PeerLostError" in text, (rank, text)
     else:
         assert out["error"] in NAMED[action], (rank, out)
-        assert not timed or out["seconds"] < (HANG_BOUND_S if action == "hang" else LOSS_BOUND_S), (rank, out)
     assert re.search(rf"\brank {VICTIM}\b", text), (rank, text)
     if out["error"] in ("PeerLostError", "CollectiveTimeoutError", "exit"):
         assert victim_name(point) in text, (rank, text)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ckpt_helpers import build, full_state, shutdown, train_steps
 from mesh3d import checkpoint
 from mesh3d.checkpoint import CheckpointError
+from mesh3d.checkpoint.comm import _FIRST_BYTES, allgather_json
 from profiles import examples
 
 
@@ -101,8 +102,6 @@ _LENGTHS = ((0, 5, 17), (_FIRST - 100, _FIRST - 40, 3), (1, 3 * _FIRST, 0), (2 *
 
 
 def _gather_payloads_of_many_lengths() -> list:
-    from mesh3d.checkpoint.comm import allgather_json
-
     rank = torch.distributed.get_rank()
     results = []
     real, calls = torch.distributed.all_gather, [0]
@@ -123,8 +122,6 @@ def _gather_payloads_of_many_lengths() -> list:
 
 
 def test_json_all_gather_takes_payloads_of_any_length_in_one_or_two_collectives(ranks):
-    from mesh3d.checkpoint.comm import _FIRST_BYTES
-
     assert _FIRST_BYTES == _FIRST
     for results in ranks.run(3, _gather_payloads_of_many_lengths):
         assert len(results) == len(_LENGTHS)

@@ -34,7 +34,7 @@ __all__ = ["compiled_sharded_attention", "takes"]
 
 
 def takes(*tensors: Any) -> bool:
-    """Whether the op carries these operands: slabs (no blocks or token grids) and plain masks or none."""
+    """Whether the op carries these operands: slabs, not blocks or token grids (a mask: none, plain or a slab)."""
     return all(t is None or not isinstance(t, DomainTensor) or not hasattr(t._spec, "dims") for t in tensors)
 
 

@@ -34,8 +34,8 @@ _FUNCTION_PARTS = ("__code__", "__closure__", "__defaults__", "__kwdefaults__", 
 
 
 def _mesh3d_code(name: str) -> bool:
-    """A guard source inside mesh3d's modules, the builtins dict, or the domain spec's class."""
-    return "__import_mesh3d" in name or "__builtins_dict" in name or "_spec" in name
+    """A guard source inside mesh3d's modules, the builtins dict, or a domain tensor's spec (``L['x']._spec...``)."""
+    return "__import_mesh3d" in name or "__builtins_dict" in name or "._spec" in name
 
 
 def _dropped(entry: Any) -> bool:

@@ -193,7 +193,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     n, c = local.shape[:2]
     count = (c // num_groups) * math.prod(input.global_shape[2:])
     grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
-    y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm, affine=weight is not None or bias is not None)
+    y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm, affine=(weight, bias))
     return adopt(_affine(y.reshape(local.shape), weight, bias), spec)
 
 
@@ -209,8 +209,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     if not training:
         return adopt(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), spec)
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
-    y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm,
-                             affine=weight is not None or bias is not None)
+    y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm, affine=(weight, bias))
     _update_running(running_mean, mean.flatten(), momentum)
     _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
     return adopt(_affine(y, weight, bias), spec)
@@ -225,8 +224,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     if running_mean is not None or running_var is not None:
         raise NotImplementedError("F.instance_norm with track_running_stats on blocks: use slabs, or "
                                   "track_running_stats=False")
-    y, _, _ = normalize(local, list(range(2, local.ndim)), math.prod(input.global_shape[2:]), eps, spec.comm,
-                        affine=weight is not None or bias is not None)
+    y, _, _ = normalize(local, list(range(2, local.ndim)), math.prod(input.global_shape[2:]), eps, spec.comm, affine=(weight, bias))
     return adopt(_affine(y, weight, bias), spec)
 
 
@@ -245,8 +243,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         raise NotImplementedError(f"F.layer_norm over {len(axes)} of the {len(spec.dims)} block dims: normalize over "
                                   "one block dim or all of them")
     count = math.prod(input.global_shape[first:])
-    y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm,
-                        affine=weight is not None or bias is not None)
+    y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm, affine=(weight, bias))
     # The affine parameters vary along the block dims: this rank's block of them.
     for d, start, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
         if d >= first:

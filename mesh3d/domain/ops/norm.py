@@ -54,12 +54,12 @@ class _Normalize(torch.autograd.Function):
         return rstd * (grad - means[0] - normalized * means[1]), None, None, None, None, None
 
 
-def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm, affine: bool = False):
+def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm, affine: tuple = ()):
     """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both (no gradient).
 
-    ``affine``: the caller multiplies or shifts the result (a weight or bias), so the result is not user code's tensor.
+    ``affine``: the (weight, bias) the caller applies to the result; with either, the result is not user code's tensor.
     """
-    return _Normalize.apply(local, dims, count, eps, comm, affine)
+    return _Normalize.apply(local, dims, count, eps, comm, any(p is not None for p in affine))
 
 
 def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
@@ -94,8 +94,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Step:
     def compute(local):
         n, c = local.shape[:2]
         grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
-        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, input.spec.comm,
-                            affine=weight is not None or bias is not None)
+        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, input.spec.comm, affine=(weight, bias))
         return _affine(y.reshape(local.shape), weight, bias, local.ndim)
 
     return Step(compute, (input,), out=input.spec)
@@ -117,8 +116,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
 
     def compute(local):
-        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, input.spec.comm,
-                            affine=weight is not None or bias is not None)
+        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, input.spec.comm, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
         return _affine(y, weight, bias, local.ndim)
@@ -136,8 +134,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     count = math.prod(input.global_shape[2:])
 
     def compute(local):
-        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, input.spec.comm,
-                            affine=weight is not None or bias is not None)
+        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, input.spec.comm, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
         _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
         return _affine(y, weight, bias, local.ndim)
@@ -155,8 +152,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
     offset, rows = input.offset, input.spec.sizes[input.spec.comm.index]
 
     def compute(local):
-        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, input.spec.comm,
-                            affine=weight is not None or bias is not None)
+        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, input.spec.comm, affine=(weight, bias))
         # The affine parameters vary along the sharded dim: use this rank's slice of them.
         if weight is not None:
             y = y * weight.narrow(at, offset, rows)
