@@ -15,6 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._composable import checkpoint
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor import DTensor, _redistribute
+from torch._dynamo.output_graph import OutputGraph
 from torch._library.effects import EffectType
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "live_process_groups",
     "local_shape_and_global_offset",
     "post_barrier",
+    "run_compiled_graphs_without_subclass_dispatch",
     "unflatten_mesh",
     "wait_async_collective",
 ]
@@ -288,3 +290,33 @@ def autograd_inside_custom_op() -> Any:
         if hasattr(torch._C.DispatchKey, name):
             exclude = exclude.remove(getattr(torch._C.DispatchKey, name))
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def run_compiled_graphs_without_subclass_dispatch() -> bool:
+    """On a torch older than 2.13, make Dynamo run each compiled graph with ``__torch_function__`` subclass dispatch
+    off, as torch 2.13 itself does for a graph that inlined a subclass's ``__torch_function__``. Returns whether it
+    patched anything (False on 2.13 and later). Not called by mesh3d: for a script on an older torch, such as the one
+    a GPU image ships (``scripts/gpu_compile.py``).
+
+    Why private: torch 2.11 calls the compiled graph with the domain tensors themselves, so an Inductor extern kernel
+    on a graph input (``extern_kernels.convolution`` on CUDA, ``extern_kernels.mm``) re-enters the dispatcher at run
+    time with a torch function the rules already handled at trace time. The graph comes back from Dynamo's private
+    ``OutputGraph.call_user_compiler``; this wraps what it returns.
+    """
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    if (major, minor) >= (2, 13) or getattr(OutputGraph.call_user_compiler, "_mesh3d_wrapped", False):
+        return False
+    call_user_compiler = OutputGraph.call_user_compiler
+
+    def wrapped(self: Any, gm: Any, example_inputs: Any) -> Any:
+        compiled = call_user_compiler(self, gm, example_inputs)
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with torch._C.DisableTorchFunctionSubclass():
+                return compiled(*args, **kwargs)
+
+        return run
+
+    wrapped._mesh3d_wrapped = True  # type: ignore[attr-defined]
+    OutputGraph.call_user_compiler = wrapped
+    return True

@@ -9,13 +9,16 @@ on nccl (no launcher needed) and checks, printing one line each and exiting 1 if
 * a domain tensor on CUDA (conv, GroupNorm, loss) equals the plain computation;
 * a checkpoint of CUDA state saves, verifies, loads into a fresh parallelized model and coalesces;
 * ``MeshStrategy`` fits a LightningModule on ``accelerator="gpu"`` like plain Lightning (if installed);
+* ``torch.compile`` (Inductor) of a U-Net and a strided stack on a domain tensor trains like eager plain torch;
 
-and times, on the GPU, a 1 GB checkpoint save/load against ``torch.distributed.checkpoint``.
+and times, on the GPU, a 1 GB checkpoint save/load against ``torch.distributed.checkpoint``, and the compile rows
+of ``bench_compile.py`` at D=1 (``scripts/gpu_compile.py``: compiled domain against compiled plain, with and
+without CUDA graphs; compile time, graph breaks, recompiles, peak memory).
 
 Usage::
 
     python scripts/gpu_check.py                 # writes gpu_check.json beside --out
-    python scripts/gpu_check.py --out /tmp/gpu  --ckpt-mb 1024
+    python scripts/gpu_check.py --out /tmp/gpu  --ckpt-mb 1024 --compile-repeats 100
 """
 
 from __future__ import annotations
@@ -37,6 +40,9 @@ from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from gpu_compile import check_compiled_equals_eager, time_compile  # noqa: E402
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize  # noqa: E402
 
@@ -161,6 +167,11 @@ def check_lightning(dm: DistributedManager) -> str:
     return f"(3 steps fp64, max parameter diff {worst:.1e} vs plain Lightning)"
 
 
+@check("compiled == eager on cuda")
+def check_compile(dm: DistributedManager) -> str:
+    return check_compiled_equals_eager(dm.device)
+
+
 def time_checkpoint(tmp: str, megabytes: int) -> dict:
     """mesh3d vs torch.distributed.checkpoint: save and load of FSDP state on the GPU (world of one)."""
     import torch.distributed.checkpoint as dcp
@@ -204,10 +215,16 @@ def time_checkpoint(tmp: str, megabytes: int) -> dict:
     return out
 
 
+def _write(folder: str, report: dict) -> None:
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "gpu_check.json").write_text(json.dumps(report, indent=1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=".", help="folder for gpu_check.json")
     parser.add_argument("--ckpt-mb", type=int, default=1024, help="state size of the checkpoint timing")
+    parser.add_argument("--compile-repeats", type=int, default=100, help="timed steps per compile row, alternated")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this check is for a GPU machine (the test suite covers CPU/gloo)")
@@ -220,15 +237,19 @@ def main() -> int:
         check_domain(dm)
         check_checkpoint(dm, tmp)
         check_lightning(dm)
+        check_compile(dm)
+        report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "checks": RESULTS}
+        _write(args.out, report)  # after each stage: a run cut short still leaves what it measured
         timing = time_checkpoint(tmp, args.ckpt_mb)
     gb = timing["state_bytes"] / 1e9
     print(f"checkpoint timing ({gb:.2f} GB of FSDP state on the GPU, best of 3): "
           + ", ".join(f"{k} {v:.2f} s" for k, v in timing.items() if k.startswith(("save", "load")))
           + "; ratios (>1: mesh3d faster) " + ", ".join(f"{k} {v:.2f}" for k, v in timing["ratios"].items()))
-    report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "checks": RESULTS,
-              "checkpoint_timing": timing}
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    report["checkpoint_timing"] = timing
+    _write(args.out, report)
+    print(f"compile rows (D=1, {args.compile_repeats} alternated steps each, medians):", flush=True)
+    report["compile_d1"] = time_compile(dm.device, args.compile_repeats)
+    _write(args.out, report)
     DistributedManager.shutdown()
     failed = [k for k, v in RESULTS.items() if v.startswith("FAIL")]
     print(f"{len(RESULTS) - len(failed)} passed, {len(failed)} failed")

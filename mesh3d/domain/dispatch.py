@@ -13,7 +13,6 @@ only, the op itself (every rank holds the same value, so any op is right); other
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,8 @@ from mesh3d._torch_private import disable_torch_function_subclass, is_operator_o
 from mesh3d.domain.collectives import scale_grad, sum_grad
 from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.exchange import DomainComm, gather_rows, report_failure
+from mesh3d.domain.func_groups import (DATA_GET, DATA_QUERIES, GLOBAL_SIZES, METADATA, NBYTES_GET, SHAPE_GET,
+                                      is_global_size, is_metadata)
 from mesh3d.domain.gather import replicate_if_singleton
 from mesh3d.domain.halo import WindowProbe, window_exchange
 from mesh3d.domain.overlap import OVERLAP, run_overlapped, split_window
@@ -37,61 +38,15 @@ from mesh3d.domain.plan_cache import plan_cache
 
 __all__ = ["DATA_QUERIES", "GLOBAL_SIZES", "METADATA", "dispatch", "redispatch", "redistribute_local", "run_step"]
 
-# Queries answered from the local shard: they hold no size and no tensor data to get wrong.
-_LOCAL_METADATA_NAMES = (
-    "dtype", "device", "requires_grad", "grad_fn", "is_leaf", "ndim", "layout", "grad",
-    "is_cuda", "is_sparse", "is_quantized", "is_meta", "names", "_version", "output_nr", "_base", "is_nested",
-    # autograd bookkeeping that torch itself reads and writes during in-place ops and hook registration
-    "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "_grad", "_grad_fn", "is_cpu",
-    # introspection by torch.compile, FSDP and the autograd engine: must never raise (compile_anchors.md)
-    "_is_view", "is_inference", "is_shared", "is_pinned", "is_conj", "is_neg", "_is_zerotensor", "itemsize",
-    "is_mps", "is_xpu", "is_mkldnn", "is_vulkan", "is_ipu", "is_sparse_csr", "has_names", "_python_dispatch",
-)
-METADATA: set = set()
-for _name in _LOCAL_METADATA_NAMES:
-    _attr = getattr(torch.Tensor, _name, None)
-    if _attr is None:
-        continue
-    if inspect.isdatadescriptor(_attr):  # a property such as .dtype: its getter (and setter) is what torch passes
-        METADATA.add(_attr.__get__)
-        if hasattr(_attr, "__set__"):
-            METADATA.add(_attr.__set__)
-    else:
-        METADATA.add(_attr)
-METADATA.update(
-    getattr(torch.Tensor, n)
-    for n in (
-        "dim", "is_contiguous", "element_size", "data_ptr", "is_floating_point", "is_complex",
-        "backward", "retain_grad", "register_hook", "get_device", "__hash__", "__format__", "storage_offset",
-        "requires_grad_", "untyped_storage", "__reduce_ex__", "__setstate__", "is_signed",
-        "register_post_accumulate_grad_hook", "_is_view", "is_set_to", "nbytes",
-    )
-    if hasattr(torch.Tensor, n)
-)
-# Their function forms too: FSDP's mixed precision asks torch.is_floating_point(x) of every input.
-METADATA.update((torch.is_floating_point, torch.is_complex))
-
-#: Size queries: answered for the whole tensor, as DTensor does (``x.shape`` is the one-process shape).
-GLOBAL_SIZES = {torch.Tensor.shape.__get__, torch.Tensor.size, torch.Tensor.numel, torch.Tensor.nelement,  # type: ignore[attr-defined]
-                torch.Tensor.__len__, torch.Tensor.stride, torch.numel, torch.Tensor.nbytes.__get__}  # type: ignore[attr-defined]
-
-
-_SHAPE_GET = torch.Tensor.shape.__get__  # type: ignore[attr-defined]
-_NBYTES_GET = torch.Tensor.nbytes.__get__  # type: ignore[attr-defined]
-#: ``x.data``: a detached alias of the shard, still a domain tensor (its sizes stay global).
-_DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
-#: Queries answered by the dispatcher itself besides METADATA and GLOBAL_SIZES.
-DATA_QUERIES = {_DATA_GET}
-
 
 def _global_size_answer(func: Callable, x: DomainTensor, rest: tuple, kwargs: dict) -> Any:
     """``func``'s answer (a size query) for the whole tensor ``x`` stands for."""
     whole = global_shape_of(x)
-    if func == _SHAPE_GET:  # NOTE: ==, not is: each access to a slot's __get__ makes a new method-wrapper
+    if func == SHAPE_GET:  # NOTE: ==, not is: each access to a slot's __get__ makes a new method-wrapper
         return whole
     if func in (torch.Tensor.numel, torch.Tensor.nelement, torch.numel):
         return math.prod(whole)
-    if func == _NBYTES_GET:
+    if func == NBYTES_GET:
         return math.prod(whole) * x.element_size()
     if func is torch.Tensor.__len__:
         if not whole:
@@ -193,20 +148,20 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
 
     Usage: ``DomainTensor.__torch_function__`` calls ``dispatch(func, types, args, kwargs)``
     """
-    if func in METADATA:
+    if is_metadata(func):
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
     if is_operator_overload(func):
         # NOTE: from a compiled graph's runtime: traced on the shard (rules ran at trace time), they run on it.
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
-    if func in GLOBAL_SIZES and isinstance(args[0], DomainTensor):
+    if is_global_size(func) and isinstance(args[0], DomainTensor):
         if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling():
             # NOTE: torch.compile fakifying the real input sees the shard; traced model code still gets global sizes.
             with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         return _global_size_answer(func, args[0], args[1:], kwargs)
-    if func == _DATA_GET and isinstance(args[0], DomainTensor):
+    if func == DATA_GET and isinstance(args[0], DomainTensor):
         return wrap(unwrap(args[0]).data, args[0]._spec)
     found, sharded, dtensor = _scan(args, kwargs)
     if dtensor:

@@ -23,13 +23,22 @@ __all__ = ["BLOCK_RULES", "RULES", "STRIDED_RULES", "TOKEN_RULES", "RuleTable", 
            "writes_into_first"]
 
 
+#: Every rule table by its name: a compiled lookup names its table (see ``_rule_index_at_trace_time``).
+_TABLES: dict[str, RuleTable] = {}
+
+
 class RuleTable:
     """Torch function → rule. One instance, ``RULES``, is what the dispatcher reads.
 
-    Usage: ``RULES.get(torch.nn.functional.conv2d)``, ``RULES.register(f, rule, override=False)``
+    Usage: ``RULES.get(torch.nn.functional.conv2d)``, ``RULES.register(f, rule, override=False)``;
+    a new table: ``RuleTable("MY_RULES")`` (names are unique in a process).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
+        if name in _TABLES:
+            raise ValueError(f"a rule table named {name!r} exists already; names: {sorted(_TABLES)}")
+        self.name = name
+        _TABLES[name] = self
         self._rules: dict[Callable, Callable] = {}
         self._listed: list[Callable] = []  # every rule once, for compiled lookups (``get``)
 
@@ -46,7 +55,7 @@ class RuleTable:
 
     def get(self, func: Callable) -> Callable | None:
         if torch.compiler.is_dynamo_compiling():
-            at = _rule_index_at_trace_time(self, func)
+            at = _rule_index_at_trace_time(self.name, func)
             return None if at < 0 else self._listed[at]
         return self._rules.get(func)
 
@@ -61,23 +70,26 @@ class RuleTable:
 
 
 @torch.compiler.assume_constant_result
-def _rule_index_at_trace_time(table: RuleTable, func: Callable) -> int:
-    """Where ``table``'s rule for ``func`` sits in ``table._listed`` (-1: none), looked up once while Dynamo traces.
+def _rule_index_at_trace_time(table_name: str, func: Callable) -> int:
+    """Where the table ``table_name``'s rule for ``func`` sits in its ``_listed`` (-1: none), looked up once while
+    Dynamo traces.
 
     NOTE: Dynamo's own dict lookup of a torch function key can miss, and a function returned by a constant-result
-    call cannot be guarded; an int can, and ``_listed`` is a plain list Dynamo indexes with guards.
+    call cannot be guarded; an int can, and ``_listed`` is a plain list Dynamo indexes with guards. The table goes by
+    name: torch 2.11's Dynamo takes only constants as a constant-result call's arguments.
     """
+    table = _TABLES[table_name]
     rule = table._rules.get(func)
     return -1 if rule is None else table._listed.index(rule)
 
 
-RULES = RuleTable()
+RULES = RuleTable("RULES")
 #: Rules for block-sharded inputs (``mesh3d.domain.blocks``; registered by ``mesh3d.domain.ops.blocks``).
-BLOCK_RULES = RuleTable()
+BLOCK_RULES = RuleTable("BLOCK_RULES")
 #: Rules for token grids (blocks flattened into tokens, ``mesh3d.domain.tokens``; ``mesh3d.domain.ops.tokens``).
-TOKEN_RULES = RuleTable()
+TOKEN_RULES = RuleTable("TOKEN_RULES")
 #: Rules for strided layouts (``DomainSpec.outer > 1``; registered by ``mesh3d.domain.ops.strided``).
-STRIDED_RULES = RuleTable()
+STRIDED_RULES = RuleTable("STRIDED_RULES")
 
 
 def register(*funcs: Callable, override: bool = False) -> Callable[[Callable], Callable]:

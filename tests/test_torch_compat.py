@@ -1,0 +1,55 @@
+"""What lets mesh3d's compile path run on an older torch (2.11, the GPU image's), checked on the torch the suite runs.
+
+The fallbacks themselves run only where torch needs them; these tests check the logic they rely on, which any torch
+can check: a freshly fetched method-wrapper is found by equality, the rule lookup goes by table name, and the compiled-
+graph wrapper patches nothing on a torch that wraps graphs itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.output_graph import OutputGraph
+
+from mesh3d._torch_private import run_compiled_graphs_without_subclass_dispatch
+from mesh3d.domain import func_groups
+from mesh3d.domain.func_groups import GLOBAL_SIZES, METADATA, is_global_size, is_metadata
+from mesh3d.domain.registry import BLOCK_RULES, RULES, RuleTable, _rule_index_at_trace_time
+
+
+def test_tracing_membership_finds_each_query_fetched_anew_and_nothing_else():
+    # NOTE: each access to a slot's __get__ makes a new method-wrapper: identity fails where equality holds
+    fresh = [torch.Tensor.dtype.__get__, torch.Tensor.requires_grad.__get__, torch.Tensor.ndim.__get__,  # type: ignore[attr-defined]
+             torch.Tensor.grad.__set__]  # type: ignore[attr-defined]
+    assert not any(f is m for f in fresh for m in METADATA)  # none is the very object listed
+    for f in fresh:
+        assert func_groups._equal_to_any(f, func_groups._METADATA_LISTED)
+        assert is_metadata(f)
+        assert not func_groups._equal_to_any(f, func_groups._GLOBAL_SIZES_LISTED)
+    for f in (torch.Tensor.shape.__get__, torch.Tensor.size, torch.numel, torch.Tensor.nbytes.__get__):  # type: ignore[attr-defined]
+        assert func_groups._equal_to_any(f, func_groups._GLOBAL_SIZES_LISTED) and is_global_size(f)
+        assert not func_groups._equal_to_any(f, func_groups._METADATA_LISTED)
+    for op in (torch.add, torch.Tensor.add, F.conv2d, torch.Tensor.sum, torch.Tensor.data.__get__):  # type: ignore[attr-defined]
+        assert not func_groups._equal_to_any(op, func_groups._METADATA_LISTED + func_groups._GLOBAL_SIZES_LISTED)
+        assert not is_metadata(op) and not is_global_size(op)
+    assert len(func_groups._METADATA_LISTED) == len(METADATA) and not METADATA & GLOBAL_SIZES
+
+
+def test_a_compiled_rule_lookup_names_its_table_and_finds_the_eager_rule():
+    at = _rule_index_at_trace_time("RULES", F.conv2d)
+    assert at >= 0 and RULES._listed[at] is RULES.get(F.conv2d)
+    assert _rule_index_at_trace_time("RULES", test_a_compiled_rule_lookup_names_its_table_and_finds_the_eager_rule) == -1
+    block_at = _rule_index_at_trace_time("BLOCK_RULES", F.conv2d)
+    assert BLOCK_RULES._listed[block_at] is BLOCK_RULES.get(F.conv2d) is not RULES.get(F.conv2d)
+    with pytest.raises(ValueError, match="'RULES' exists already"):
+        RuleTable("RULES")
+
+
+def test_the_compiled_graph_wrapper_patches_nothing_where_torch_wraps_graphs_itself():
+    before = OutputGraph.call_user_compiler
+    patched = run_compiled_graphs_without_subclass_dispatch()
+    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
+    assert patched is ((major, minor) < (2, 13))
+    if not patched:
+        assert OutputGraph.call_user_compiler is before
