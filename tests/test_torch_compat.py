@@ -7,13 +7,15 @@ graph wrapper patches nothing on a torch that wraps graphs itself.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 from torch._dynamo.output_graph import OutputGraph
 
 from mesh3d._torch_private import run_compiled_graphs_without_subclass_dispatch
-from mesh3d.domain import func_groups
+from mesh3d.domain import func_groups, guard_filter
 from mesh3d.domain.func_groups import GLOBAL_SIZES, METADATA, is_global_size, is_metadata
 from mesh3d.domain.registry import BLOCK_RULES, RULES, RuleTable, _rule_index_at_trace_time
 
@@ -53,3 +55,15 @@ def test_the_compiled_graph_wrapper_patches_nothing_where_torch_wraps_graphs_its
     assert patched is ((major, minor) < (2, 13))
     if not patched:
         assert OutputGraph.call_user_compiler is before
+
+
+def test_guard_filter_drops_mesh3d_dataclass_defaults_and_keeps_the_users():
+    """torch 2.11 guards the field defaults of the dataclasses a trace constructs (``Step``, ``Window``) through a
+    Python lambda per call; mesh3d's never change while a process runs, a user's may be theirs to change."""
+    def entry(name: str, kind: str = "NONE_MATCH") -> SimpleNamespace:
+        return SimpleNamespace(name=name, guard_type=kind, is_global=True)
+
+    ours = "___dataclass_fields(G['__import_mesh3d_dot_domain_dot_ops_dot_conv'].Step)[4].default"
+    users = "___dataclass_fields(G['__import_my_model'].Config)[0].default"
+    spec_value = "L['x']._spec.dim"
+    assert guard_filter([entry(ours), entry(users), entry(spec_value, "CONSTANT_MATCH")]) == [False, True, True]

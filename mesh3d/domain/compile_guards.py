@@ -11,7 +11,8 @@ them before every call, and between two training steps they fall out of the CPU 
 decides the graph: sizes, sharded dim, rank), on user code and tensors, on the global state, on mesh3d's settings
 (``domain.window_overlap``, ``domain.attention_mode``: a change recompiles) and on the rule tables' lengths (a
 rule registered later recompiles); it drops only the identity guards on mesh3d's own code: a module, class,
-function or builtin that mesh3d's source never replaces while a process runs. ``Plan(compile=...)`` passes it; a
+function or builtin that mesh3d's source never replaces while a process runs, and the field defaults of mesh3d's
+dataclasses (torch 2.11 reads them through a Python lambda on every call: 3 to 5% of a small D=1 step there). ``Plan(compile=...)`` passes it; a
 model compiled by hand takes it as below.
 
 Usage::
@@ -29,8 +30,9 @@ __all__ = ["guard_filter"]
 _IDENTITY = frozenset({"ID_MATCH", "CLOSURE_MATCH", "BUILTIN_MATCH", "MODULE_MATCH", "CLASS_MATCH", "TYPE_MATCH",
                        "NOT_PRESENT_IN_GENERIC_DICT", "DUPLICATE_INPUT"})
 
-#: Parts of a guard's source naming a function's own internals (its code, closure cells or defaults).
-_FUNCTION_PARTS = ("__code__", "__closure__", "__defaults__", "__kwdefaults__", "__func__", ".fget")
+#: Parts of a guard's source naming a function's own internals (its code, closure cells or defaults), or a class's
+#: dataclass field defaults (torch 2.11 guards those of ``Step`` and ``Window`` through a Python lambda per call).
+_FUNCTION_PARTS = ("__code__", "__closure__", "__defaults__", "__kwdefaults__", "__func__", ".fget", "___dataclass_fields(")
 
 
 def _mesh3d_code(name: str) -> bool:
