@@ -32,8 +32,9 @@ def _optimizer(kind: str, params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 
 
-def compose_body(shape, kind, sizes, steps=3, param_dtype=None, compile_options=None):
+def compose_body(shape, kind, sizes, steps=3, param_dtype=None, compile_options=None, checkpoint=None):
     import torch.distributed as dist
+    from torch.distributed._composable.contract import _get_registry
 
     from mesh3d import DistributedManager, Plan, domain, parallelize
     from parallel_models import full
@@ -43,7 +44,9 @@ def compose_body(shape, kind, sizes, steps=3, param_dtype=None, compile_options=
     ref = (TinyUNet() if kind == "unet" else TinyViT()).double()
     styles = (UNET_STYLES if kind == "unet" else VIT_STYLES) if shape[2] > 1 else None
     model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles, param_dtype=param_dtype,
-                                                 compile=compile_options or False))
+                                                 compile=compile_options or False, checkpoint=checkpoint or []))
+    for name in checkpoint or []:  # activation checkpointing applied where the plan said, compiled or not
+        assert "checkpoint" in (_get_registry(model.get_submodule(name)) or {}), name
     opt_ref, opt = _optimizer(kind, ref.parameters()), _optimizer(kind, model.parameters())
 
     nb, b = dm.axis_size("batch"), dm.axis_rank("batch")
