@@ -52,6 +52,26 @@ class TinyViT(nn.Module):
         return self.head(t.mean(dim=1))  # replicated (B, 3)
 
 
+class GridAttention(nn.Module):
+    """A grid flattened into tokens, multi-head SDPA over every token of the grid, reshaped back to the grid: on
+    blocks, the query, key and value are token grids (no class token)."""
+
+    def __init__(self, dim: int = 8, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Conv2d(2, dim, 3, padding=1)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)  # no key bias: its gradient is rounding noise (see TinyViT)
+        self.decode = nn.Conv2d(dim, 2, 1)
+
+    def forward(self, x):
+        e = self.embed(x)
+        b, c, grid = e.shape[0], e.shape[1], e.shape[2:]
+        t = e.flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(t).reshape(b, -1, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        t = t + torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, c)
+        return self.decode(t.transpose(1, 2).reshape(b, c, *grid))
+
+
 class GridViT(nn.Module):
     """A ViT on a token grid (2-D or 3-D patches): class token, learned position embedding, a global-attention
     block (timm-style fused qkv), a neighbourhood-attention block on the grid, the tokens reshaped back to the

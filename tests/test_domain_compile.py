@@ -13,6 +13,7 @@ without code generation) elsewhere.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -22,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from domain_cases import domain_sum, max_err, shard_sizes, with_edge_layouts
-from domain_models import H, W, TinyUNet, TinyViT
+from domain_models import H, W, GridAttention, TinyUNet, TinyViT
 from profiles import examples
 
 STEPS = 3
@@ -30,7 +31,7 @@ STEPS = 3
 
 def _model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    return (TinyUNet() if kind == "unet" else TinyViT()).double()
+    return {"unet": TinyUNet, "vit": TinyViT, "tokens": GridAttention}[kind]().double()
 
 
 def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,7 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: tuple[int, int] | None = None,
-                         filtered: bool = False):
+                         filtered: bool = False, mode: str | None = None):
     from torch._dynamo.testing import CompileCounterWithBackend
 
     from mesh3d import DistributedManager, domain
@@ -49,8 +50,8 @@ def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: 
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref, eager, compiled)]
     g = torch.Generator().manual_seed(1)
     x = torch.randn(2, 2, H, W, generator=g, dtype=torch.float64)
-    y = torch.randn(2, 2, H, W, generator=g, dtype=torch.float64) if kind == "unet" else \
-        torch.randn(2, 3, generator=g, dtype=torch.float64)
+    y = torch.randn(2, 3, generator=g, dtype=torch.float64) if kind == "vit" else \
+        torch.randn(2, 2, H, W, generator=g, dtype=torch.float64)
     where = {"dims": (2, 3)} if grid else {"dim": 2}
     counter = CompileCounterWithBackend(backend)
 
@@ -61,9 +62,12 @@ def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: 
     options = {"guard_filter_fn": domain.guard_filter} if filtered else None
     compiled_step = torch.compile(model_and_loss(compiled), backend=counter, fullgraph=fullgraph, options=options)
     errs, frames_after_first = [], None
+    in_mode = contextlib.ExitStack()
+    if mode is not None:  # the mode every attention runs in, eager and compiled (read when the graph runs)
+        in_mode.enter_context(domain.attention_mode(mode))
     for i in range(STEPS):
         xs = domain.shard(x, sizes=sizes, **where)
-        ys = domain.shard(y, sizes=sizes, **where) if kind == "unet" else y
+        ys = y if kind == "vit" else domain.shard(y, sizes=sizes, **where)
         losses = []
         for model, opt, run in ((ref, opts[0], lambda: _loss(ref(x), y)),
                                 (eager, opts[1], lambda: _loss(eager(xs), ys)),
@@ -82,6 +86,7 @@ def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: 
             opt.step()
         if i == 0:
             frames_after_first = counter.frame_count
+    in_mode.close()
     param_err = max(max_err(p, q) for m in (eager, compiled) for p, q in zip(ref.parameters(), m.parameters()))
     return max(errs), param_err, frames_after_first, counter.frame_count
 
@@ -154,6 +159,14 @@ def test_guard_filter_drops_only_guards_on_mesh3d_code(ranks):
 def test_unet_on_blocks_compiles_whole_and_trains_as_one_process(ranks):
     """A 2x2 domain grid (uneven blocks): box halos, pooling and interpolation on blocks, all in one graph."""
     _check(ranks.run(4, _train_compiled_body, "unet", ((8, 6), (6, 4)), "aot_eager", True, (2, 2), timeout=300))
+
+
+@pytest.mark.parametrize("mode", ["ring", "gather", "ulysses"])
+def test_attention_on_a_token_grid_compiles_whole(ranks, mode):
+    """A 2x2 grid of uneven blocks flattened into tokens: SDPA over every token of the grid is one custom op in the
+    graph in each mode (fullgraph: no break), no recompiles, and the model trains as one process."""
+    _check(ranks.run(4, _train_compiled_body, "tokens", ((8, 6), (6, 4)), "aot_eager", True, (2, 2), True, mode,
+                     timeout=300))
 
 
 def test_vit_with_sharded_attention_compiles_whole(ranks):

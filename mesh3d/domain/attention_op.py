@@ -28,26 +28,43 @@ from mesh3d._torch_private import autograd_inside_custom_op, keep_in_program_ord
 from mesh3d.domain.attention_modes import sharded_attention
 from mesh3d.domain.exchange import DomainComm
 from mesh3d.domain.exchange_op import COMMS
+from mesh3d.domain.blocks import BlockSpec
 from mesh3d.domain.tensor import DomainSpec, DomainTensor, unwrap, wrap
+from mesh3d.domain.tokens import TokenSpec
 
 __all__ = ["compiled_sharded_attention", "takes"]
 
 
 def takes(*tensors: Any) -> bool:
-    """Whether the op carries these operands: slabs, not blocks or token grids (a mask: none, plain or a slab)."""
-    return all(t is None or not isinstance(t, DomainTensor) or not hasattr(t._spec, "dims") for t in tensors)
+    """Whether the op carries these operands: slabs or token grids, not blocks (a mask: none, plain or a slab)."""
+    return all(t is None or not isinstance(t, DomainTensor) or not isinstance(t._spec, BlockSpec) for t in tensors)
+
+
+def _comm_fields(comm: DomainComm) -> tuple:
+    return (comm.axis, comm.ranks, comm.index, comm.mesh_epoch)
 
 
 def _spec_fields(t: Any) -> tuple | None:
-    if not isinstance(t, DomainTensor):
+    return _encoded(t._spec) if isinstance(t, DomainTensor) else None
+
+
+def _encoded(spec: DomainSpec | TokenSpec | None) -> tuple | None:
+    """``spec`` as nested tuples of ints and strings (what a constant-result call may take, torch 2.11 included)."""
+    if spec is None:
         return None
-    spec = t._spec
-    return (spec.dim, spec.sizes, spec.outer, spec.comm.axis, spec.comm.ranks, spec.comm.index, spec.comm.mesh_epoch)
+    if isinstance(spec, TokenSpec):
+        return ("tokens", spec.token_dim, spec.sizes, tuple(_comm_fields(c) for c in spec.lines),
+                _comm_fields(spec.comm), spec.prefix, _encoded(spec.keys), spec.keys_dim)
+    return ("slab", spec.dim, spec.sizes, spec.outer, _comm_fields(spec.comm))
 
 
-def _spec(fields: tuple) -> DomainSpec:
-    dim, sizes, outer, axis, ranks, index, epoch = fields
-    return DomainSpec(dim, sizes, DomainComm(axis, ranks, index, epoch), outer)
+def _spec(fields: tuple) -> DomainSpec | TokenSpec:
+    if fields[0] == "tokens":
+        _, token_dim, sizes, lines, comm, prefix, keys, keys_dim = fields
+        return TokenSpec(token_dim, sizes, tuple(DomainComm(*c) for c in lines), DomainComm(*comm), prefix,
+                         None if keys is None else _spec(keys), keys_dim)
+    _, dim, sizes, outer, comm = fields
+    return DomainSpec(dim, sizes, DomainComm(*comm), outer)
 
 
 @torch.compiler.assume_constant_result

@@ -90,7 +90,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if takes(query, key, value, attn_mask):  # slabs: one custom op pair carries any mode (attention_op.py)
             return compiled_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-        # NOTE: blocks and token grids keep the graph break: the attention runs eagerly between graphs (docs/domain.md).
+        # NOTE: a mask laid out as blocks keeps the graph break: the attention runs eagerly between graphs.
         return _eager_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention_modes.py)
     return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.attention_modes import sharded_attention
+from mesh3d.domain.attention_op import compiled_sharded_attention, takes
 from mesh3d.domain.blocks import BlockSpec, gather_along
 from mesh3d.domain.ops.attention import neighbourhood_attention as slab_neighbourhood_attention
 from mesh3d.domain.ops.conv import weight_connected_zeros
@@ -55,6 +56,9 @@ def _kv(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, int | Non
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    if torch.compiler.is_dynamo_compiling() and query.spec.comm.size > 1 and takes(query, key, value, attn_mask):
+        # NOTE: as on slabs, one custom op pair carries any mode in the graph (mesh3d/domain/attention_op.py)
+        return compiled_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # ring, gather or ulysses over the global token order (mesh3d/domain/attention_modes.py)
     return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
