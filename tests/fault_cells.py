@@ -10,6 +10,7 @@ store (the victim writes it just before the fault), so each survivor's latency i
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import signal
@@ -30,6 +31,8 @@ from rankpool.pool import RankFailure
 
 POINTS = ("forward", "backward", "halo", "fsdp", "tp", "data", "save", "load")
 ACTIONS = ("kill", "raise", "hang")
+#: A hang in native code that holds the GIL (a stuck C extension): the victim's own watch thread stops beating too.
+FREEZE = "freeze"
 #: Short settings so a cell ends in seconds: the group timeout bounds a hang, the watch a loss.
 GROUP_TIMEOUT_S = 6.0
 WATCH = {"interval": 0.25, "suspect_after": 1.0, "dead_after": 4.0, "grace": 2.0}
@@ -51,6 +54,9 @@ def _fault(action: str, key: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "raise":
         raise InjectedFault("injected fault")
+    if action == "freeze":  # NOTE: libc's sleep through PyDLL keeps the GIL: no Python thread runs, the watch's neither
+        ctypes.PyDLL(None).sleep(int(GROUP_TIMEOUT_S + 6.0))
+        raise InjectedFault("woke up after the freeze")
     time.sleep(GROUP_TIMEOUT_S + 6.0)  # a hang that outlasts the survivors' group timeout
     raise InjectedFault("woke up after the hang")
 
@@ -208,12 +214,13 @@ def run_cell(run: Callable[..., list], root: str, point: str, action: str, tag: 
 #: checkpointer's agreement (CheckpointError: "rank 1: InjectedFault ..."): both reach every rank at once.
 NAMED = {"kill": ("PeerLostError", "DomainPeerLostError"),
          "raise": ("PeerLostError", "DomainPeerLostError", "DomainDivergenceError", "CheckpointError"),
-         "hang": ("CollectiveTimeoutError", "PeerLostError")}
+         "hang": ("CollectiveTimeoutError", "PeerLostError"),
+         FREEZE: ("CollectiveTimeoutError", "PeerLostError")}
 
 
 def bound_s(action: str) -> float:
     """The documented bound on a survivor's time to its error (checked by scripts/bench_faults.py, never by a test)."""
-    return HANG_BOUND_S if action == "hang" else LOSS_BOUND_S
+    return HANG_BOUND_S if action in ("hang", FREEZE) else LOSS_BOUND_S
 
 
 def check_outcome(rank: int, out: dict, action: str, point: str = "forward") -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from fault_cells import ACTIONS, POINTS, check_outcome, run_cell
+from fault_cells import ACTIONS, FREEZE, POINTS, check_outcome, run_cell
 
 
 @pytest.mark.parametrize("action", ACTIONS)
@@ -18,3 +18,14 @@ def test_every_survivor_names_the_fault(ranks, tmp_path, point, action):
     assert sorted(outcomes) == [0, 2]
     for rank, out in outcomes.items():
         check_outcome(rank, out, action, point)
+
+
+@pytest.mark.parametrize("point", ["forward", "fsdp"])
+def test_every_survivor_names_a_rank_frozen_holding_the_gil(ranks, tmp_path, point):
+    """The victim hangs in native code holding the GIL, so its own watch thread cannot beat or say where it waits:
+    the survivors still name it (its silence, or their collective's timeout), within the pool's bound."""
+    outcomes = run_cell(lambda fn, *args, **kw: ranks.run(3, fn, *args, **kw), str(tmp_path), point, FREEZE,
+                        f"{point}-{FREEZE}")
+    assert sorted(outcomes) == [0, 2]
+    for rank, out in outcomes.items():
+        check_outcome(rank, out, FREEZE, point)
