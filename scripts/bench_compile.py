@@ -13,7 +13,9 @@ Rows, all in one run, each against its alternative measured alternately in the s
 4. peak memory per rank (peak RSS growth over one forward+backward) at D=2 and 4, eager and compiled, over plain
    torch in one process (goal at D=2: <= 0.55);
 5. at D = 2 and 4, two self-attention blocks on a sequence sharded over the domain, compiled (the attention one
-   custom op in the graph) against eager, with graph breaks and recompiles.
+   custom op in the graph) against eager, with graph breaks and recompiles;
+6. at D = 4 as a 2x2 grid of blocks, a field flattened into a token grid with SDPA over every token (the same custom
+   op), compiled against eager in the ring and gather modes, with graph breaks and recompiles.
 """
 
 from __future__ import annotations
@@ -154,6 +156,53 @@ def _attention_rows(world: int, args) -> dict:
                                              *stats.items())}
 
 
+class _GridAttention(nn.Module):
+    """Conv embedding, the grid flattened into tokens, 4-head self-attention over every token, back to the grid."""
+
+    def __init__(self, channels: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed, self.qkv, self.decode = nn.Conv2d(1, channels, 3, padding=1), nn.Linear(channels, 3 * channels), \
+            nn.Conv2d(channels, 1, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        e = self.embed(x)
+        b, c, grid = e.shape[0], e.shape[1], e.shape[2:]
+        t = e.flatten(2).transpose(1, 2)
+        q, k, v = self.qkv(t).reshape(b, -1, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4).unbind(0)
+        t = t + F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, -1, c)
+        return self.decode(t.transpose(1, 2).reshape(b, c, *grid))
+
+
+def _token_grid_rank(rank: int, world: int, port: int, args, queue) -> None:
+    """Row 6 on one rank of a 2x2 domain grid."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    DistributedManager.initialize(batch=1, domain=(2, 2))
+    torch.manual_seed(0)
+    model = _GridAttention()
+    side = args.token_grid_side
+    x = torch.randn(args.batch, 1, side, side)
+    result = {}
+    for mode in ("ring", "gather"):
+        with domain.attention_mode(mode):
+            eager_step, compiled_step = _steps(model, lambda: domain.shard(x, dims=(2, 3)), domain_input=True)
+            stats: dict = {}
+            eager_step()
+            _first_call(compiled_step, stats)
+            t_eager, t_compiled = paired_times(eager_step, compiled_step, args.compile_sharded_repeats, lambda: None)
+            _after_timing(stats)
+        result[mode] = {"eager_ms": t_eager * 1e3, "compiled_ms": t_compiled * 1e3, **stats}
+    queue.put((rank, result))
+    DistributedManager.shutdown()
+
+
+def _token_grid(args) -> dict:
+    per_rank = spawn_ranks(_token_grid_rank, 4, args, timeout=900)
+    ranks = [per_rank[r] for r in range(4)]
+    return {mode: {k: max(r[mode][k] for r in ranks) for k in ranks[0][mode]} for mode in ranks[0]}
+
+
 def _rank(rank: int, world: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -215,6 +264,12 @@ def part_compile(args) -> dict:
         print(f"  D={world} attention ({args.attention_tokens} tokens): compiled {run['attention_compiled_ms']:.1f} ms, "
               f"eager {run['attention_eager_ms']:.1f} ms; {run['attention_graph_breaks']} graph breaks, "
               f"{run['attention_recompiles']} recompiles", flush=True)
+    if 4 in args.domains:
+        report["token_grid"] = _token_grid(args)
+        for mode, row in report["token_grid"].items():
+            print(f"  D=4 (2x2 grid) token-grid attention, {args.token_grid_side}x{args.token_grid_side} field, {mode}: "
+                  f"compiled {row['compiled_ms']:.1f} ms, eager {row['eager_ms']:.1f} ms; {row['graph_breaks']} graph "
+                  f"breaks, {row['recompiles']} recompiles", flush=True)
     return report
 
 
@@ -260,6 +315,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the conv/GroupNorm stack's field at D>1 (sharded along H)")
     parser.add_argument("--compile-sharded-repeats", type=int, default=3, help="timed steps per row (D>1)")
     parser.add_argument("--attention-tokens", type=int, default=2048, help="the attention rows' sequence (D>1)")
+    parser.add_argument("--token-grid-side", type=int, default=40, help="the token-grid rows' field side (D=4 grid)")
 
 
 def main() -> None:
@@ -274,6 +330,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.compile_field, args.compile_repeats, args.compile_unet, args.attention_tokens = [128, 64], 3, 32, 256
+        args.token_grid_side = 16
     torch.set_num_threads(1)
     report = part_compile(args)
     if args.out:
