@@ -303,8 +303,7 @@ def run_compiled_graphs_without_subclass_dispatch() -> bool:
     time with a torch function the rules already handled at trace time. The graph comes back from Dynamo's private
     ``OutputGraph.call_user_compiler``; this wraps what it returns.
     """
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    if (major, minor) >= (2, 13) or getattr(OutputGraph.call_user_compiler, "_mesh3d_wrapped", False):
+    if torch.__version__ >= (2, 13) or getattr(OutputGraph.call_user_compiler, "_mesh3d_wrapped", False):
         return False
     call_user_compiler = OutputGraph.call_user_compiler
 

@@ -7,10 +7,14 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed._composable.contract import _get_registry
 
 from domain_cases import max_err
 from domain_models import H, W, TinyUNet, TinyViT
+from mesh3d import DistributedManager, Plan, domain, parallelize
+from parallel_models import full
 
 __all__ = ["compose_body"]
 
@@ -33,12 +37,6 @@ def _optimizer(kind: str, params):
 
 
 def compose_body(shape, kind, sizes, steps=3, param_dtype=None, compile_options=None, checkpoint=None):
-    import torch.distributed as dist
-    from torch.distributed._composable.contract import _get_registry
-
-    from mesh3d import DistributedManager, Plan, domain, parallelize
-    from parallel_models import full
-
     dm = DistributedManager.initialize(*shape)
     torch.manual_seed(0)
     ref = (TinyUNet() if kind == "unet" else TinyViT()).double()

@@ -21,9 +21,15 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
 
 from domain_cases import domain_sum, max_err, shard_sizes, with_edge_layouts
-from domain_models import H, W, GridAttention, TinyUNet, TinyViT
+from domain_compose import compose_body
+from domain_models import H, W, GridAttention, GridViT, TinyUNet, TinyViT
+from mesh3d import DistributedManager, domain
+from mesh3d.domain.nesting import NestedDispatchCheck
+from mesh3d.domain.overlap import OVERLAP
 from profiles import examples
 
 STEPS = 3
@@ -40,10 +46,6 @@ def _loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: tuple[int, int] | None = None,
                          filtered: bool = False, mode: str | None = None):
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from mesh3d import DistributedManager, domain
-
     DistributedManager.initialize(batch=1, domain=grid or -1)
     ref = _model(kind)
     eager, compiled = copy.deepcopy(ref), copy.deepcopy(ref)
@@ -114,11 +116,6 @@ def test_sharded_unet_compiles_whole_and_trains_as_one_process(ranks, world, siz
 
 
 def _guard_filter_body():
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from mesh3d import DistributedManager, domain
-    from mesh3d.domain.overlap import OVERLAP
-
     DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
     model = TinyUNet().double()
@@ -177,10 +174,6 @@ def test_vit_with_sharded_attention_compiles_whole(ranks):
 
 def _compiled_sdpa_body(cases: list[dict]) -> list[tuple[float, int]]:
     """Each case: SDPA on shards inside one compiled graph (fullgraph), in a given mode, against one process."""
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from mesh3d import DistributedManager, domain
-
     DistributedManager.initialize(batch=1, domain=-1)
     results = []
     for case in cases:
@@ -238,10 +231,6 @@ def test_sharded_attention_is_one_custom_op_in_the_graph(ranks, world, sizes):
 
 
 def _nested_dispatch_body(grid: tuple[int, int] | None):
-    from mesh3d import DistributedManager, domain
-    from mesh3d.domain.nesting import NestedDispatchCheck
-    from domain_models import GridViT
-
     DistributedManager.initialize(batch=1, domain=grid or -1)
     found: set[str] = set()
     g = torch.Generator().manual_seed(1)
@@ -282,10 +271,6 @@ def test_parallelize_compiles_blocks_with_fsdp_tp_and_domain(ranks, shape, sizes
 
 
 def _compiled_compose_body(shape, kind, sizes, checkpoint=None):
-    from torch._dynamo.utils import counters
-
-    from domain_compose import compose_body
-
     counters.clear()
     errs = compose_body(shape, kind, sizes, 3, None, {"backend": "aot_eager"}, checkpoint)
     return (*errs, counters["stats"]["unique_graphs"])
@@ -301,10 +286,7 @@ def test_parallelize_compiles_checkpointed_blocks_with_fsdp_tp_and_domain(ranks)
 
 
 def _zoo_compiled_body(name: str, sizes: tuple[int, ...]):
-    from torch._dynamo.testing import CompileCounterWithBackend
-
-    from mesh3d import DistributedManager, domain
-    from zoo.models import ZOO, to_fp64
+    from zoo.models import ZOO, to_fp64  # NOTE: here, not at the top: it imports every zoo library, on this rank only
 
     DistributedManager.initialize(batch=1, domain=-1)
     entry = ZOO[name]
@@ -346,8 +328,6 @@ def test_zoo_model_compiles_and_trains_as_one_process(ranks):
 def _compiled_stack_body(cases: list[dict]) -> list[float]:
     """Each case: a conv (its kernel, stride, padding drawn), GroupNorm, GELU and a pooling, compiled (aot_eager,
     fullgraph) on the case's layout of its height, forward and backward, against one process."""
-    from mesh3d import DistributedManager, domain
-
     DistributedManager.initialize(batch=1, domain=-1)
     errs = []
     for case in cases:

@@ -69,11 +69,6 @@ DATA_GET = torch.Tensor.data.__get__  # type: ignore[attr-defined]
 DATA_QUERIES = {DATA_GET}
 
 
-def _dynamo_hashes_descriptors() -> bool:
-    major, minor = (int(p) for p in torch.__version__.split(".")[:2])
-    return (major, minor) >= (2, 13)
-
-
 _METADATA_LISTED = tuple(METADATA)
 _GLOBAL_SIZES_LISTED = tuple(GLOBAL_SIZES)
 
@@ -85,7 +80,7 @@ def _equal_to_any(func: Callable, members: tuple) -> bool:
     return False
 
 
-if _dynamo_hashes_descriptors():
+if torch.__version__ >= (2, 13):  # NOTE: TorchVersion compares with tuples
     def is_metadata(func: Callable) -> bool:
         """``func`` is a query answered from the local shard. Usage: ``if is_metadata(func): ...``"""
         return func in METADATA
