@@ -131,7 +131,7 @@ def test_json_all_gather_takes_payloads_of_any_length_in_one_or_two_collectives(
             assert collectives == (1 if max(lengths) < _FIRST_BYTES - 30 else 2), (lengths, collectives)
 
 
-def test_snapshot_is_a_bitwise_copy_split_over_threads_or_not(monkeypatch):
+def test_snapshot_is_a_bitwise_copy_with_either_kernel_split_over_threads_or_not(monkeypatch):
     import mesh3d.checkpoint.staging as staging_module
     from mesh3d.checkpoint.staging import HostStaging
 
@@ -148,39 +148,70 @@ def test_snapshot_is_a_bitwise_copy_split_over_threads_or_not(monkeypatch):
     }
     staging = HostStaging()
     threads = torch.get_num_threads()
+    used = []
     try:
-        for parallel_from, n_threads in ((2**40, 1), (1, 3)):
-            monkeypatch.setattr(staging_module, "_PARALLEL_BYTES", parallel_from)
-            torch.set_num_threads(n_threads)
-            copies, event = staging.snapshot(tensors)
-            assert event is None
-            for name, t in tensors.items():
-                assert copies[name].shape == t.shape and copies[name].dtype == t.dtype
-                assert torch.equal(copies[name], t.detach()), name
-                if t.numel():
-                    assert copies[name].data_ptr() != t.data_ptr()
-            with torch.no_grad():
-                tensors["param"].add_(1.0)  # the copy does not follow the source
-            assert not torch.equal(copies["param"], tensors["param"].detach())
+        for kernel in ("copy_", "memmove"):
+            monkeypatch.setattr(staging.kernels, "next", lambda kernel=kernel: used.append(kernel) or kernel)
+            for parallel_from, n_threads in ((2**40, 1), (1, 3)):
+                monkeypatch.setattr(staging_module, "_PARALLEL_BYTES", parallel_from)
+                torch.set_num_threads(n_threads)
+                for name in tensors:
+                    if name != "param":
+                        tensors[name].add_(1) if tensors[name].dtype != torch.bool else tensors[name].logical_not_()
+                copies, event = staging.snapshot(tensors)
+                assert event is None
+                for name, t in tensors.items():
+                    assert copies[name].shape == t.shape and copies[name].dtype == t.dtype
+                    assert torch.equal(copies[name], t.detach()), (kernel, name)
+                    if t.numel():
+                        assert copies[name].data_ptr() != t.data_ptr()
+                with torch.no_grad():
+                    tensors["param"].add_(1.0)  # the copy does not follow the source
+                assert not torch.equal(copies["param"], tensors["param"].detach())
     finally:
         torch.set_num_threads(threads)
+    assert used == ["copy_", "copy_", "memmove", "memmove"]  # each snapshot ran the kernel it was given
+
+
+def test_the_faster_kernel_is_chosen_and_the_other_timed_again_now_and_then():
+    from mesh3d.checkpoint.staging import _REPROBE_EVERY, _KernelChoice
+
+    choice = _KernelChoice()
+    seconds = {"copy_": 2.0, "memmove": 1.0}  # memmove is faster here
+    ran = []
+    for _ in range(3 * _REPROBE_EVERY):
+        name = choice.next()
+        ran.append(name)
+        choice.record(name, seconds[name], 100)
+    assert ran[:2] == ["copy_", "memmove"]  # each timed once first
+    # then the faster, and the slower re-timed every _REPROBE_EVERY-th copy
+    assert [i for i, name in enumerate(ran) if name == "copy_"] == [0, _REPROBE_EVERY, 2 * _REPROBE_EVERY]
+    seconds["copy_"] = 0.5  # the load changed: copy_ is faster now; its next re-timing finds it
+    for _ in range(_REPROBE_EVERY + 2):
+        name = choice.next()
+        choice.record(name, seconds[name], 100)
+    assert choice.next() == "copy_" and choice.seconds_per_byte == {"copy_": 0.005, "memmove": 0.01}
 
 
 @settings(max_examples=examples(60), deadline=None)
-@given(st.lists(st.integers(0, 1000), min_size=1, max_size=8), st.integers(1, 6))
-def test_split_moves_every_byte_once_in_balanced_parts(sizes, parts):
+@given(st.lists(st.tuples(st.integers(0, 1000), st.sampled_from([torch.uint8, torch.bfloat16, torch.float32,
+                                                                  torch.float64])), min_size=1, max_size=8),
+       st.integers(1, 6))
+def test_split_copies_every_byte_once_in_balanced_parts(sizes, parts):
     from mesh3d.checkpoint.staging import _split
 
-    moves, dst, src = [], 10_000, 1_000_000
-    for n in sizes:
-        moves.append((dst, src, n))
-        dst, src = dst + n + 3, src + n + 5
-    pieces = _split(moves, parts)
-    flat = [m for piece in pieces for m in piece]
-    want = {(d + i, s + i) for d, s, n in moves for i in range(n)}
-    got = [(d + i, s + i) for d, s, n in flat for i in range(n)]
-    assert sorted(got) == sorted(want) and len(got) == len(want)
-    total, share = sum(sizes), -(-sum(sizes) // parts)
-    assert len(pieces) <= parts
-    assert all(sum(n for _, _, n in piece) <= share for piece in pieces)
-    assert sum(n for _, _, n in pieces[0]) == min(total, share) if pieces else total == 0
+    pieces = [(torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)) for n, dtype in sizes]
+    cut = _split(pieces, parts)
+
+    def byte_ranges(which: int, pieces) -> list[tuple[int, int]]:
+        return sorted((p[which].data_ptr() + i, p[which].data_ptr() + i + 1) for p in pieces
+                      for i in range(p[which].numel() * p[which].element_size()))
+
+    flat = [p for part in cut for p in part]
+    for which in (0, 1):  # every destination and every source byte exactly once
+        assert byte_ranges(which, flat) == byte_ranges(which, [p for p in pieces if p[1].numel()])
+    assert all(d.dtype == s.dtype and d.numel() == s.numel() for d, s in flat)
+    total = sum(n * torch.empty(0, dtype=dtype).element_size() for n, dtype in sizes)
+    share = -(-total // parts)
+    assert len(cut) <= parts
+    assert all(sum(s.numel() * s.element_size() for _, s in part) < share + 8 for part in cut)  # at most one element over

@@ -69,8 +69,8 @@ def async_save(
     handle has ``path``, ``done()`` and ``wait()``; a failed write raises ``CheckpointError`` on every
     rank at ``wait()`` or at the next ``save``/``async_save``, whichever comes first. Until it is
     committed, ``path`` does not exist: a crash at any point leaves at most a hidden ``.<name>.tmp-*``
-    staging directory. A process that exits normally finishes the write first (the writer is not a
-    daemon thread). Memory: one host copy of the bytes this rank writes, reused by the next save.
+    staging directory. A process that exits normally finishes the write first (its writer thread is joined
+    at exit). Memory: one host copy of the bytes this rank writes, reused by the next save.
 
     ``stage_hook(stage)`` is called on the writer thread at each stage of the protocol (``"staged"``,
     ``"mid_shard"``, ``"shards_written"``, then on rank 0 ``"before_index"``, ``"index_written"``,
@@ -87,12 +87,10 @@ def async_save(
                                                         data, plans=IN_FLIGHT.plans, meanwhile=_stage_in_host_memory)
     group = IN_FLIGHT.group()
     handle = AsyncSave(plan.path, plan.staging)
-    go = threading.Event()  # the writer idles until we return, so starting it does not hold up the caller
-    writer = threading.Thread(target=_write, args=(handle, plan, staged, ready, failure, group, stage_hook, on_commit, go),
-                              name=f"mesh3d-checkpoint-writer:{os.path.basename(plan.path)}", daemon=False)
     IN_FLIGHT.handle = handle
-    writer.start()
-    go.set()
+    # NOTE: last before returning: the writer needs the GIL to start, and CPython hands it over only after the
+    # switch interval (5 ms) of the caller running on, by when async_save has returned.
+    IN_FLIGHT.start_writer(lambda: _write(handle, plan, staged, ready, failure, group, stage_hook, on_commit))
     return handle
 
 
@@ -109,14 +107,12 @@ def _stage_in_host_memory(entries: dict[str, Any], boxes: list[dict[str, list]],
 
 
 def _write(handle: AsyncSave, plan: Plan, staged: dict[str, Any], ready: Any, failure: str | None, group: Any,
-           hook: StageHook | None, on_commit: Callable[[str], None] | None, go: threading.Event) -> None:
+           hook: StageHook | None, on_commit: Callable[[str], None] | None) -> None:
     """The writer thread: file I/O, then the commit's two collectives on the checkpoint group only.
 
     A rank that failed to stage still takes part in the commit's collectives (with its error), so
-    every rank fails together instead of the others waiting for it until the group's timeout.
-    It starts once ``go`` is set: a thread that ran Python code at once would keep the GIL from the
-    caller for up to the interpreter's switch interval (5 ms) before ``async_save`` could return."""
-    go.wait()
+    every rank fails together instead of the others waiting for it until the group's timeout."""
+    threading.current_thread().name = f"mesh3d-checkpoint-writer:{os.path.basename(plan.path)}"  # in stack dumps
 
     def write() -> tuple[dict[str, Any], dict[str, Any]]:
         if failure is not None:

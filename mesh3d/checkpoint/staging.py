@@ -5,11 +5,14 @@ the bus speed (measured on an H100: 1 GB took 0.70 s, more than the file writes 
 into pinned memory the same copy runs at bus speed. Pinned allocation is slow itself, so save and load
 keep one pinned buffer, grown to the largest tensor they move, and reuse it for every tensor.
 
-Background saves copy host tensors with the C library's ``memmove`` rather than ``Tensor.copy_``:
-for large copies glibc uses ``rep movsb`` or non-temporal stores, which write whole cache lines
-without reading them first, where ``copy_``'s vectorised loop reads each destination line before
-writing it. On a 4-rank, 2-core machine one 268 MB copy per rank took 0.05 s vs 0.08 s (idle);
-the benchmark's 32 tensors per rank (16 MB each) 0.08-0.13 s vs 0.10-0.16 s (loaded).
+Background saves copy host tensors with whichever of two copy kernels has been faster on this machine:
+``Tensor.copy_`` (torch's vectorised loop, in the tensor's own dtype) or the C library's ``memmove`` (for large
+copies glibc writes whole cache lines without reading them first: ``rep movsb`` or non-temporal stores). Neither
+wins everywhere. On the 2-core VM, 4 ranks each copying 16 x 16 MB: ``copy_`` 46-73 ms against ``memmove``
+53-83 ms in one session, and the other way round under heavy load from other jobs in another (0.150 s against
+0.104 s). So the first two copies into a warm buffer time one kernel each, every later copy uses the faster per
+byte (its time refreshed by each use), and every ``_REPROBE_EVERY``-th copy times the other again, to follow a
+change of load. Large copies are split over ``torch.get_num_threads()`` threads (both kernels release the GIL).
 
 Usage::
 
@@ -22,7 +25,9 @@ Usage::
 from __future__ import annotations
 
 import ctypes
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
 
 import torch
 from torch import nn
@@ -33,8 +38,11 @@ _ALIGN = 64
 #: Host copies at least this large are split over ``torch.get_num_threads()`` threads (as ``copy_`` would be).
 _PARALLEL_BYTES = 64 * 2**20
 
-#: A byte copy: (destination address, source address, bytes).
-_Move = tuple[int, int, int]
+#: Every this many timed copies, the kernel not in use is timed again.
+_REPROBE_EVERY = 8
+
+#: One host copy: (destination, source), flat, contiguous, of one dtype and length.
+_Piece = tuple[torch.Tensor, torch.Tensor]
 
 __all__ = ["HostStaging"]
 
@@ -45,24 +53,61 @@ def _plain_host_bytes(t: torch.Tensor) -> bool:
             and not t.is_conj() and not t.is_neg() and t.numel() > 0)
 
 
-def _move_all(moves: list[_Move]) -> None:
-    for dst, src, n in moves:
-        ctypes.memmove(dst, src, n)  # a foreign call: releases the GIL
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
-def _split(moves: list[_Move], parts: int) -> list[list[_Move]]:
-    """``moves`` cut into ``parts`` lists of (nearly) equal byte counts."""
-    total = sum(n for _, _, n in moves)
-    share, out, current, filled = -(-total // parts), [], [], 0
-    for dst, src, n in moves:
-        while n:
-            take = min(n, share - filled)
-            current.append((dst, src, take))
-            dst, src, n, filled = dst + take, src + take, n - take, filled + take
-            if filled == share:
+def _copy_all(pieces: list[_Piece]) -> None:
+    for dst, src in pieces:
+        dst.copy_(src)  # torch releases the GIL for the copy
+
+
+def _memmove_all(pieces: list[_Piece]) -> None:
+    for dst, src in pieces:
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), _nbytes(src))  # a foreign call: releases the GIL
+
+
+#: The copy kernels a snapshot chooses between (see the module docstring).
+_KERNELS: dict[str, Callable[[list[_Piece]], None]] = {"copy_": _copy_all, "memmove": _memmove_all}
+
+
+def _split(pieces: list[_Piece], parts: int) -> list[list[_Piece]]:
+    """``pieces`` cut at element boundaries into at most ``parts`` lists of (nearly) equal byte counts."""
+    share = -(-sum(_nbytes(src) for _, src in pieces) // parts)
+    out: list[list[_Piece]] = []
+    current: list[_Piece] = []
+    filled = 0
+    for dst, src in pieces:
+        size, start = src.element_size(), 0
+        while start < src.numel():
+            take = min(src.numel() - start, max(1, (share - filled) // size))
+            current.append((dst[start : start + take], src[start : start + take]))
+            start, filled = start + take, filled + take * size
+            if filled >= share:
                 out.append(current)
                 current, filled = [], 0
     return out + ([current] if current else [])
+
+
+class _KernelChoice:
+    """Which copy kernel to run next, from the seconds per byte each took when last timed."""
+
+    def __init__(self) -> None:
+        self.seconds_per_byte: dict[str, float] = {}
+        self._timed = 0
+
+    def next(self) -> str:
+        untimed = [name for name in _KERNELS if name not in self.seconds_per_byte]
+        if untimed:
+            return untimed[0]
+        best = min(self.seconds_per_byte, key=self.seconds_per_byte.__getitem__)
+        if self._timed % _REPROBE_EVERY == 0:
+            return next(name for name in _KERNELS if name != best)
+        return best
+
+    def record(self, name: str, seconds: float, nbytes: int) -> None:
+        self.seconds_per_byte[name] = seconds / nbytes
+        self._timed += 1
 
 
 class HostStaging:
@@ -72,23 +117,31 @@ class HostStaging:
         self._buffer: torch.Tensor | None = None
         self._pool: ThreadPoolExecutor | None = None  # made by the first large multi-threaded snapshot
         self._pool_threads = 0
+        self.kernels = _KernelChoice()  # which host copy kernel is faster here, as timed by earlier snapshots
 
-    def _move(self, moves: list[_Move]) -> None:
-        """Run the byte copies, over ``torch.get_num_threads()`` threads when they are large."""
-        threads = torch.get_num_threads()
-        if threads < 2 or sum(n for _, _, n in moves) < _PARALLEL_BYTES:
-            _move_all(moves)
+    def _move(self, pieces: list[_Piece], timed: bool) -> None:
+        """Run the copies with the kernel chosen, over ``torch.get_num_threads()`` threads when they are large; when
+        ``timed`` (the buffer's pages were already touched: no page faults), time it for the choice."""
+        if not pieces:
             return
-        if self._pool is None or self._pool_threads != threads - 1:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False)
-            self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="mesh3d-host-copy")
-            self._pool_threads = threads - 1
-        first, *rest = _split(moves, threads)
-        pending = [self._pool.submit(_move_all, part) for part in rest]
-        _move_all(first)
-        for done in pending:
-            done.result()
+        name = self.kernels.next()
+        kernel, nbytes, begin = _KERNELS[name], sum(_nbytes(src) for _, src in pieces), time.perf_counter()
+        threads = torch.get_num_threads()
+        if threads < 2 or nbytes < _PARALLEL_BYTES:
+            kernel(pieces)
+        else:
+            if self._pool is None or self._pool_threads != threads - 1:
+                if self._pool is not None:
+                    self._pool.shutdown(wait=False)
+                self._pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="mesh3d-host-copy")
+                self._pool_threads = threads - 1
+            first, *rest = _split(pieces, threads)
+            pending = [self._pool.submit(kernel, part) for part in rest]
+            kernel(first)
+            for done in pending:
+                done.result()
+        if timed:
+            self.kernels.record(name, time.perf_counter() - begin, nbytes)
 
     def buffer_like(self, t: torch.Tensor) -> torch.Tensor:
         """A contiguous CPU tensor of ``t``'s shape and dtype in the shared buffer (overwritten by the next call)."""
@@ -113,16 +166,17 @@ class HostStaging:
         for k, n in sizes.items():
             starts[k], end = end, end + -(-n // _ALIGN) * _ALIGN
         on_device = any(t.device.type == "cuda" for t in tensors.values())
+        warm = self._buffer is not None and self._buffer.numel() >= end and (self._buffer.is_pinned() or not on_device)
         buffer = self._reserve(end, on_device)
-        copies, moves = {}, []
+        copies, pieces = {}, []
         for k, t in tensors.items():
             copy = buffer[starts[k] : starts[k] + sizes[k]].view(t.dtype).view(t.shape)
             if _plain_host_bytes(t):
-                moves.append((copy.data_ptr(), t.data_ptr(), sizes[k]))
+                pieces.append((copy.view(-1), t.detach().view(-1)))
             else:
                 copy.copy_(t.detach(), non_blocking=t.device.type == "cuda")
             copies[k] = copy
-        self._move(moves)
+        self._move(pieces, timed=warm)
         event = None
         if on_device:
             event = torch.cuda.Event()
