@@ -28,7 +28,7 @@ Usage::
     python scripts/bench_checkpoint.py --size-mb 1024          # the issue's >= 1 GB run
     python scripts/bench_checkpoint.py --size-mb 256 --out docs/benchmarks
     python scripts/bench_checkpoint.py --size-mb 1024 --async-only  # only the save-without-stopping phases
-    python scripts/bench_checkpoint.py --async-only --async-repeats 7  # more runs on a noisy machine
+    python scripts/bench_checkpoint.py --async-only --async-repeats 31  # more rounds on a noisy machine
     python scripts/bench_checkpoint.py --size-mb 256 --async-only --async-json checkpoint_async_256mb.json
 """
 
@@ -415,7 +415,7 @@ def main() -> None:
     parser.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     parser.add_argument("--async-only", action="store_true", help="only mesh3d's sync save and the async phases")
     parser.add_argument("--async-json", default="checkpoint_async.json", help="file name of the async report")
-    parser.add_argument("--async-repeats", type=int, default=7, help="rounds of background saves (each contender once)")
+    parser.add_argument("--async-repeats", type=int, default=15, help="rounds of background saves (each contender once)")
     parser.add_argument("--first-jobs", type=int, default=3, help="fresh jobs timing each contender's first async save")
     args = parser.parse_args()
     work = tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir)
