@@ -15,6 +15,7 @@ import sys
 import textwrap
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -182,16 +183,38 @@ _EXIT_WITH_PENDING_SAVE = textwrap.dedent("""
 """)
 
 
-def test_a_process_that_exits_with_a_pending_save_finishes_it(tmp_path):
-    target = str(tmp_path / "ck")
-    proc = subprocess.run([sys.executable, "-c", _EXIT_WITH_PENDING_SAVE, target], capture_output=True, text=True,
-                          timeout=120)
-    assert proc.returncode == 0 and proc.stdout == "returned\n", proc.stderr
+def _run_script_then_load(script: str, target: str, stdout: str) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
+    """Run ``script`` (which saves a seed-0 ``Linear(64, 32)`` to ``target``) in a fresh process that exits normally;
+    (the seed-0 model, the checkpoint loaded into another, the load's info)."""
+    proc = subprocess.run([sys.executable, "-c", script, target], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == stdout, proc.stderr
     torch.manual_seed(0)
     want = torch.nn.Linear(64, 32).double()
     got = torch.nn.Linear(64, 32).double()
-    checkpoint.load(target, got)
+    return want, got, checkpoint.load(target, got)
+
+
+def test_a_process_that_exits_with_a_pending_save_finishes_it(tmp_path):
+    want, got, _ = _run_script_then_load(_EXIT_WITH_PENDING_SAVE, str(tmp_path / "ck"), "returned\n")
     assert torch.equal(got.weight, want.weight) and got.weight.abs().sum() > 0
+
+
+_SAVE_FROM_ATEXIT = textwrap.dedent("""
+    import atexit, sys
+    import torch
+    from mesh3d import checkpoint
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32).double()
+    # atexit handlers run after Python has joined its threads: no new writer thread can be started there
+    atexit.register(lambda: print("saving", checkpoint.async_save(sys.argv[1], model, step=7).path == sys.argv[1],
+                                  flush=True))
+""")
+
+
+def test_a_save_started_by_an_atexit_handler_is_written_before_the_process_ends(tmp_path):
+    want, got, info = _run_script_then_load(_SAVE_FROM_ATEXIT, str(tmp_path / "ck"), "saving True\n")
+    assert info.step == 7
+    assert torch.equal(got.weight, want.weight) and torch.equal(got.bias, want.bias)
 
 
 def test_a_failed_staging_copy_fails_the_save_without_leaving_anything(tmp_path):

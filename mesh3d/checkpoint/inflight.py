@@ -90,7 +90,12 @@ class InFlight:
         if self._writer is None or self._writer_pid != os.getpid():
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="mesh3d-checkpoint-writer")
             self._writer_pid = os.getpid()
-        self._writer.submit(job)
+        try:
+            self._writer.submit(job)
+        except RuntimeError:
+            # NOTE: the interpreter is exiting (a save from an ``atexit`` handler, which runs after Python has joined
+            # its threads): a thread started now could be cut off mid-write, so the write runs here, to the end.
+            job()
 
     def wait(self) -> None:
         """Finish the pending save; raise its failure here if nobody has seen it yet (every rank alike)."""
