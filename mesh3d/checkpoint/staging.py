@@ -166,7 +166,8 @@ class HostStaging:
         for k, n in sizes.items():
             starts[k], end = end, end + -(-n // _ALIGN) * _ALIGN
         on_device = any(t.device.type == "cuda" for t in tensors.values())
-        warm = self._buffer is not None and self._buffer.numel() >= end and (self._buffer.is_pinned() or not on_device)
+        # NOTE: is_pinned() asked only for device state: on a CUDA machine it may start the CUDA context
+        warm = self._buffer is not None and self._buffer.numel() >= end and (not on_device or self._buffer.is_pinned())
         buffer = self._reserve(end, on_device)
         copies, pieces = {}, []
         for k, t in tensors.items():
