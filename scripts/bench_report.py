@@ -331,13 +331,9 @@ def _pretrained(lines: list[str]) -> None:
               f"DCP's: {'yes' if d['same_weights_as_dcp'] else 'NO'}.", ""]
 
 
-def _first(seconds: dict, key: str) -> str:
-    value = seconds.get(f"async_first_block_{key}")
-    return "" if value is None else f"{value:.3f} s"
-
-
-def _median(seconds: dict, key: str) -> str:
-    value = seconds.get(f"async_block_median_{key}")
+def _or_blank(seconds: dict, name: str) -> str:
+    """``seconds[name]`` as ``0.123 s``, or "" where an older report has no such figure."""
+    value = seconds.get(name)
     return "" if value is None else f"{value:.3f} s"
 
 
@@ -359,8 +355,8 @@ def _checkpoint_async(lines: list[str]) -> None:
               + (f" Load average at the end of the run: {load[0]:.1f} on {c['cpu_count']} cores." if load else ""), "",
               "| | blocked, first call | blocked, steady (best) | blocked, steady (median) | durable after (best) |",
               "|---|---|---|---|---|",
-              *(f"| {label} | {_first(s, key)} | {s[f'async_block_{key}']:.3f} s | {_median(s, key)} | "
-                f"{s[f'async_durable_{key}']:.2f} s |"
+              *(f"| {label} | {_or_blank(s, f'async_first_block_{key}')} | {s[f'async_block_{key}']:.3f} s | "
+                f"{_or_blank(s, f'async_block_median_{key}')} | {s[f'async_durable_{key}']:.2f} s |"
                 for label, key in (("mesh3d `async_save`", "mesh3d"), ("DCP `async_save`, default stager", "dcp"),
                                    ("DCP `async_save`, stager kept", "dcp_kept_stager"))),
               f"| mesh3d `save` (synchronous) | | {s['save_mesh3d']:.3f} s | | {s['save_mesh3d']:.2f} s |"]
@@ -372,7 +368,8 @@ def _checkpoint_async(lines: list[str]) -> None:
         t = small["seconds"]
         lines += ["", f"The same at {small['config']['state_bytes'] / 1e9:.2f} GB (`--size-mb 256 --async-json "
                   "checkpoint_async_256mb.json`), blocked, first call / steady best / steady median: "
-                  + "; ".join(f"{label} {_first(t, key)} / {t[f'async_block_{key}']:.3f} s / {_median(t, key)}"
+                  + "; ".join(f"{label} {_or_blank(t, f'async_first_block_{key}')} / {t[f'async_block_{key}']:.3f} s / "
+                              f"{_or_blank(t, f'async_block_median_{key}')}"
                               for label, key in (("mesh3d", "mesh3d"), ("DCP", "dcp"), ("DCP stager kept", "dcp_kept_stager")))
                   + "."]
     lines += ["", "First calls (both sizes) are each contender's first background save in a fresh job of 4 ranks, after "

@@ -14,7 +14,9 @@ from hypothesis import strategies as st
 from ckpt_helpers import build, full_state, shutdown, train_steps
 from mesh3d import checkpoint
 from mesh3d.checkpoint import CheckpointError
+from mesh3d.checkpoint import staging as staging_module
 from mesh3d.checkpoint.comm import _FIRST_BYTES, allgather_json
+from mesh3d.checkpoint.staging import _REPROBE_EVERY, HostStaging, _KernelChoice, _split
 from profiles import examples
 
 
@@ -132,8 +134,6 @@ def test_json_all_gather_takes_payloads_of_any_length_in_one_or_two_collectives(
 
 
 def test_snapshot_is_a_bitwise_copy_with_either_kernel_split_over_threads_or_not(monkeypatch):
-    import mesh3d.checkpoint.staging as staging_module
-    from mesh3d.checkpoint.staging import HostStaging
 
     torch.manual_seed(0)
     tensors = {
@@ -174,8 +174,6 @@ def test_snapshot_is_a_bitwise_copy_with_either_kernel_split_over_threads_or_not
 
 
 def test_the_faster_kernel_is_chosen_and_the_other_timed_again_now_and_then():
-    from mesh3d.checkpoint.staging import _REPROBE_EVERY, _KernelChoice
-
     choice = _KernelChoice()
     seconds = {"copy_": 2.0, "memmove": 1.0}  # memmove is faster here
     ran = []
@@ -198,8 +196,6 @@ def test_the_faster_kernel_is_chosen_and_the_other_timed_again_now_and_then():
                                                                   torch.float64])), min_size=1, max_size=8),
        st.integers(1, 6))
 def test_split_copies_every_byte_once_in_balanced_parts(sizes, parts):
-    from mesh3d.checkpoint.staging import _split
-
     pieces = [(torch.empty(n, dtype=dtype), torch.empty(n, dtype=dtype)) for n, dtype in sizes]
     cut = _split(pieces, parts)
 
