@@ -163,7 +163,7 @@ def block_full_tensor(x: DomainTensor) -> DomainTensor:
     """
     spec = x._spec
     assert isinstance(spec, BlockSpec)
-    return adopt(_BlockFullTensor.apply(unwrap(x), spec), DomainSpec(None, None, spec.comm))
+    return adopt(_BlockFullTensor.apply(unwrap(x), spec), DomainSpec.replicated(spec.comm))
 
 
 @plan_cache(maxsize=1024)

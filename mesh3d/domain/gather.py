@@ -57,7 +57,7 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
     # NOTE: planned here, not in the autograd function: Dynamo traces its forward with the spec's ints as symbols
     everything = (Span.rows(0, sum(spec.sizes)),)  # O(D) to plan, whatever the length
     plan = plan_exchange(spec.sizes, (everything,) * len(spec.sizes), spec.comm.index)
-    return adopt(_FullTensor.apply(unwrap(x), spec, plan), DomainSpec(None, None, spec.comm))
+    return adopt(_FullTensor.apply(unwrap(x), spec, plan), DomainSpec.replicated(spec.comm))
 
 
 def replicate_if_singleton(x: DomainTensor) -> DomainTensor:

@@ -83,7 +83,7 @@ def blocks_to_slabs(x: DomainTensor, dim: int, sizes: Sequence[int] | None = Non
         local = local.narrow(dim, 0, 0)
     slabs = split_sizes(sum(spec.sizes[k]), spec.comm.size, sizes)
     local = gather_rows(local, dim, plan_exchange(tuple(owners), block_needs(slabs), spec.comm.index), spec.comm)
-    return adopt(local, DomainSpec(dim, slabs, spec.comm))
+    return adopt(local, DomainSpec(dim, slabs, spec.comm, 1))
 
 
 def blocks_to_blocks(x: DomainTensor, dims: Sequence[int], sizes=None) -> DomainTensor:

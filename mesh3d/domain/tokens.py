@@ -200,4 +200,4 @@ def token_full_tensor(x: DomainTensor) -> DomainTensor:
     """
     spec = x._spec
     assert isinstance(spec, TokenSpec)
-    return adopt(_TokenFullTensor.apply(unwrap(x), spec), DomainSpec(None, None, spec.comm))
+    return adopt(_TokenFullTensor.apply(unwrap(x), spec), DomainSpec.replicated(spec.comm))

@@ -98,5 +98,5 @@ def move_sharding(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None)
         raise ValueError(f"move_sharding: x is already sharded along dim {dim}; use domain.redistribute(x, sizes=...)")
     local = unwrap(x)
     if spec.comm.size == 1:
-        return adopt(local.view_as(local), DomainSpec(dim, new_sizes, spec.comm))
-    return adopt(move_rows(local, spec.comm, spec.dim, spec.sizes, dim, new_sizes), DomainSpec(dim, new_sizes, spec.comm))
+        return adopt(local.view_as(local), DomainSpec(dim, new_sizes, spec.comm, 1))
+    return adopt(move_rows(local, spec.comm, spec.dim, spec.sizes, dim, new_sizes), DomainSpec(dim, new_sizes, spec.comm, 1))

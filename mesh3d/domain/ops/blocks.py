@@ -270,7 +270,7 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
     count = math.prod([x.global_shape[d] for d in dims])
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim) if len(dims) < x.ndim or keepdim else local.sum(),
                                  spec.comm)
-    return adopt(total / count if kind == "mean" else total, DomainSpec(None, None, spec.comm))
+    return adopt(total / count if kind == "mean" else total, DomainSpec.replicated(spec.comm))
 
 
 def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, Callable]:

@@ -107,7 +107,7 @@ def _einsum(equation, *operands):
         return Step(local_einsum, tuple(reqs), out=spec.with_sizes(spec.sizes, dim=output.index(kept)),
                     keep=tuple(o for o in operands if isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor)))
     return Step(lambda *ts: reduce_to_replicated(local_einsum(*ts), spec.comm), tuple(reqs),
-                out=DomainSpec(None, None, spec.comm))
+                out=DomainSpec.replicated(spec.comm))
 
 
 @register(torch.tensordot)
@@ -166,7 +166,7 @@ def _grid_einsum(equation, *operands):
             local.append(o)
     out = torch.einsum(",".join(terms) + "->" + output, *local)
     if not kept:
-        return adopt(reduce_to_replicated(out, spec.comm), DomainSpec(None, None, spec.comm))
+        return adopt(reduce_to_replicated(out, spec.comm), DomainSpec.replicated(spec.comm))
     if getattr(spec, "is_token_grid", False):
         return adopt(out, spec.with_token_dim(output.index(ref_term[spec.token_dim])))
     return adopt(out, BlockSpec(tuple(output.index(ref_term[d]) for d in spec.dims), spec.sizes, spec.lines, spec.comm))

@@ -219,7 +219,7 @@ def _setitem(target, index, value):
         # that rank's part of the gradient back into the replicated value: wrong weight gradients (an FNO's
         # spectral weights, whose output spectrum is such a plain buffer).
         target.__class__ = DomainTensor
-        target._spec = DomainSpec(None, None, value._spec.comm)
+        target._spec = DomainSpec.replicated(value._spec.comm)
         return None
     if target.spec.dim is None:
         unwrap(target)[index] = unwrap(value)

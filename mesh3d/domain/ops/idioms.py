@@ -48,7 +48,7 @@ def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
     if dim is not None and dim % x.ndim != spec.dim:
         raise ValueError(f"domain.positions: dim {dim} is not the sharded dim {spec.dim}; torch.arange is right there")
     n = spec.sizes[spec.comm.index]
-    return wrap(torch.arange(spec.offset, spec.offset + n, device=unwrap(x).device), DomainSpec(0, spec.sizes, spec.comm))
+    return wrap(torch.arange(spec.offset, spec.offset + n, device=unwrap(x).device), DomainSpec(0, spec.sizes, spec.comm, 1))
 
 
 # ----------------------------------------------------------------------------- indexing

@@ -36,7 +36,7 @@ def _dims(x: DomainTensor, dim) -> list[int]:
 def _finish(x: DomainTensor, r: torch.Tensor, dims: list[int], keepdim: bool) -> DomainTensor:
     if not keepdim:
         r = r.squeeze(dims) if r.ndim else r
-    return adopt(r, DomainSpec(None, None, x.spec.comm))
+    return adopt(r, DomainSpec.replicated(x.spec.comm))
 
 
 def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
@@ -57,7 +57,7 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
     if kind in ("sum", "mean"):
         if len(dims) == x.ndim and not keepdim:  # everything: torch's full reduction kernel, a 0-d result
             r = reduce_to_replicated(local.sum(), comm)
-            return adopt(r / count if kind == "mean" else r, DomainSpec(None, None, comm))
+            return adopt(r / count if kind == "mean" else r, DomainSpec.replicated(comm))
         r = reduce_to_replicated(local.sum(dims, keepdim=True), comm)
         return _finish(x, r / count if kind == "mean" else r, dims, keepdim)
     if kind == "amax":
@@ -194,4 +194,4 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     w = valid if weight is None else weight[t.clamp(min=0)] * valid
     denom = reduce_to_replicated(w.sum(), input.spec.comm).detach()
     total = reduce_to_replicated(losses.sum(), input.spec.comm)
-    return adopt(total / denom, DomainSpec(None, None, input.spec.comm))
+    return adopt(total / denom, DomainSpec.replicated(input.spec.comm))

@@ -238,7 +238,7 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
         return adopt(fn(local, dims, keepdim=keepdim), spec.with_token_dim(spec.token_dim - shift))
     count = math.prod([x.global_shape[d] for d in dims])
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim), spec.comm)
-    return adopt(total / count if kind == "mean" else total, DomainSpec(None, None, spec.comm))
+    return adopt(total / count if kind == "mean" else total, DomainSpec.replicated(spec.comm))
 
 
 

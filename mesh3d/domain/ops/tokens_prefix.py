@@ -103,7 +103,7 @@ def _getitem(x: DomainTensor, index):
             raise NotImplementedError(f"t[..., {item}] on a token grid: only prefix tokens (positions < {spec.prefix}) "
                                       "can be taken by index; gather grid tokens with .full_tensor()")
         one = _TakeRows.apply(local, spec, pos, pos + 1).select(spec.token_dim, 0)
-        return adopt(one[lead + rest] if rest else one, DomainSpec(None, None, spec.comm))
+        return adopt(one[lead + rest] if rest else one, DomainSpec.replicated(spec.comm))
     start, stop, step = item.indices(spec.global_tokens)
     if step != 1 or stop != spec.global_tokens or start > spec.prefix:
         if (start, stop, step) == (0, spec.global_tokens, 1):
