@@ -155,11 +155,18 @@ def size_of(t: torch.Tensor) -> torch.Size:
 def unwrap(t: Any) -> Any:
     """The plain local tensor behind a DomainTensor (differentiable); anything else unchanged."""
     if isinstance(t, DomainTensor):
-        with disable_torch_function_subclass():
-            if torch.compiler.is_dynamo_compiling():
-                # NOTE: Dynamo cannot trace ``as_subclass`` of a subclass; an alias made with subclass dispatch
-                # off is a plain tensor too (the spike in scripts/spike_subclass_compile.py).
+        if torch.compiler.is_dynamo_compiling():
+            # NOTE: one query through ``__torch_function__`` marks the graph as handling the domain tensor's
+            # dispatch itself, so torch runs it with subclass dispatch off (torch 2.13's OutputGraph). A graph
+            # whose only use of a domain tensor is this unwrap would otherwise run with it on, and AOTAutograd,
+            # rebuilding the returned alias, checks it against the input's global shape (Inductor raised
+            # "incorrect out shape after application of ViewMeta sequence" at D > 1).
+            t.dim()
+            # NOTE: Dynamo cannot trace ``as_subclass`` of a subclass; an alias made with subclass dispatch
+            # off is a plain tensor too (the spike in scripts/spike_subclass_compile.py).
+            with disable_torch_function_subclass():
                 return t.view_as(t)
+        with disable_torch_function_subclass():
             return t.as_subclass(torch.Tensor)
     return t
 

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.compile_guards import guard_filter
 from mesh3d.domain.registry import tree_map
 from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
@@ -92,8 +93,22 @@ def _fresh_domain_outputs(module: nn.Module, args: Any, output: Any) -> Any:
         base = t._base
         local = unwrap(t)
         if type(base) is not torch.Tensor or base.shape != local.shape or base.stride() != local.stride() \
-                or base.requires_grad != local.requires_grad:
+                or base.storage_offset() != local.storage_offset() or base.requires_grad != local.requires_grad:
             return t
+        if base.requires_grad and _viewed_node(t) is not base.grad_fn:
+            return t  # NOTE: ``_base`` is the root of a chain of views, not the graph output (below)
         return adopt(base, t.spec)
 
     return tree_map(fresh, output)
+
+
+def _viewed_node(t: DomainTensor) -> Any:
+    """The autograd node ``t``'s own alias node leads to: the graph output's, when ``t`` aliases it directly.
+
+    NOTE: when the graph output is itself a view (a gradient-scaling identity returns ``x.view_as(x)``), ``_base``
+    is the root of the chain, and taking it would drop every node in between: the compiled head of a ViT after
+    global pooling lost its 1/D gradient scale under Inductor (gradients off by the domain size, caught by
+    tests/test_domain_compile.py)."""
+    with disable_torch_function_subclass():
+        node = t.grad_fn
+    return node.next_functions[0][0] if node is not None and node.next_functions else None
