@@ -250,3 +250,27 @@ def test_split_rule_is_torch_chunk():
         split_sizes(10, 2, (3, 3))
     with pytest.raises(ValueError, match="non-negative"):
         split_sizes(10, 2, (11, -1))
+
+
+def _remembered_layout_body():
+    from mesh3d import DistributedManager, domain
+
+    x = torch.arange(2 * 9 * 3, dtype=torch.float64).reshape(2, 9, 3)
+    seen = []
+    for shape in ((1, 2, 1), (2, 1, 1), (1, 2, 1)):  # the domain over both ranks, then none, then both again
+        DistributedManager.initialize(*shape)
+        first, again = domain.shard(x, dim=1), domain.shard(x, dim=1)
+        explicit = domain.shard(x, dim=1, sizes=[2, 7] if shape[1] == 2 else [9])  # a list: remembered as a tuple
+        start = (0, 2)[explicit.spec.comm.index]
+        seen.append((first.spec is again.spec, first.sizes, first.spec.comm.size, explicit.sizes,
+                     torch.equal(explicit.to_local(), x[:, start:start + explicit.local_shape[1]])))
+        DistributedManager.shutdown()
+    return seen
+
+
+def test_shard_remembers_each_layout_and_follows_a_new_mesh(ranks):
+    """``shard`` makes a layout's spec once (it runs on every step's input); a new mesh is a new layout."""
+    for seen in ranks.run(2, _remembered_layout_body, timeout=60):
+        assert seen[0][:4] == (True, (5, 4), 2, (2, 7)) and seen[0][4]
+        assert seen[1][:4] == (True, (9,), 1, (9,)) and seen[1][4]
+        assert seen[2][:4] == (True, (5, 4), 2, (2, 7)) and seen[2][4]

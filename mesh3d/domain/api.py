@@ -24,6 +24,7 @@ from mesh3d.domain.blocks import BlockSpec, block_full_tensor, shard_blocks
 from mesh3d.domain.tokens import TokenSpec, token_full_tensor
 from mesh3d.domain.gather import full_tensor as slab_full_tensor
 from mesh3d.domain.rows import plan_exchange
+from mesh3d.domain.plan_cache import plan_cache
 from mesh3d.domain.relayout import relayout
 from mesh3d.domain.split import aligned_sizes, split_sizes
 from mesh3d.domain.transpose import move_sharding
@@ -79,6 +80,14 @@ def _layout(length: int, parts: int, sizes: Sequence[int] | None, multiple_of: i
     return split_sizes(length, parts, aligned_sizes(length, parts, multiple_of))
 
 
+@plan_cache(maxsize=256)
+def _slab_spec(length: int, dim: int, sizes: tuple[int, ...] | None, multiple_of: int | None,
+               comm: DomainComm) -> DomainSpec:
+    """The spec of one slab layout, made once. NOTE: ``shard`` runs on every step's input; splitting the dim and
+    building the spec cost ~10 us there with the caches cold after a compiled step (tiny D=1 step, this CPU)."""
+    return DomainSpec(dim, _layout(length, comm.size, sizes, multiple_of), comm)
+
+
 def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence | None = None, *,
           multiple_of: int | None = None, dims: Sequence[int] | None = None) -> DomainTensor:
     """Keep this rank's slice of ``x`` (held whole on every domain rank) along ``dim``.
@@ -98,8 +107,11 @@ def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence | None = None, *,
             raise ValueError("domain.shard: multiple_of= applies to slabs; with dims= give sizes= per dim")
         return shard_blocks(x, dims, sizes, comm)
     dim = _check_dim("shard", dim, x.ndim)
-    sizes = _layout(x.shape[dim], comm.size, sizes, multiple_of)
-    spec = DomainSpec(dim, sizes, comm)
+    if sizes is None or all(type(s) is int for s in sizes):
+        spec = _slab_spec(x.shape[dim], dim, None if sizes is None else tuple(sizes), multiple_of, comm)
+    else:  # not a layout to remember: _layout raises, saying what sizes= must be
+        spec = DomainSpec(dim, _layout(x.shape[dim], comm.size, sizes, multiple_of), comm)
+    sizes = spec.sizes
     if sizes[comm.index] == x.shape[dim]:  # the whole dim (one rank): no slice, so no slice backward (a full copy)
         return wrap(x, spec)
     # NOTE: a contiguous shard, as the whole tensor is: its metadata (is_contiguous, views) then answers alike.
