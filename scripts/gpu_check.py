@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from gpu_compile import check_compiled_equals_eager, time_compile  # noqa: E402
+from gpu_compile import check_compiled_equals_eager, host_overhead, time_compile  # noqa: E402
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize  # noqa: E402
 
@@ -249,6 +249,8 @@ def main() -> int:
     _write(args.out, report)
     print(f"compile rows (D=1, {args.compile_repeats} alternated steps each, medians):", flush=True)
     report["compile_d1"] = time_compile(dm.device, args.compile_repeats)
+    _write(args.out, report)
+    report["compile_d1_host_overhead"] = host_overhead(dm.device, 10 * args.compile_repeats)
     _write(args.out, report)
     DistributedManager.shutdown()
     failed = [k for k, v in RESULTS.items() if v.startswith("FAIL")]

@@ -5,7 +5,7 @@ Usage (gpu_check.py calls it; alone, on any device, as a smoke run)::
     python scripts/gpu_compile.py --device cuda --repeats 100
     python scripts/gpu_compile.py --device cpu --check-only
 
-Two things, both on the device the manager picked:
+Three things, all on the device the manager picked:
 * a check: a U-Net (conv, GroupNorm, max pooling, transposed conv, bilinear upsampling, skips) and a strided
   conv/GroupNorm stack, compiled with Inductor on a domain tensor, train like the eager plain model (fp64, 3 SGD steps:
   losses, gradients, parameters to rel 1e-9);
@@ -13,7 +13,9 @@ Two things, both on the device the manager picked:
   and eager domain against eager plain, the small conv stack (2x16x48x48) and U-Net steps. Compile time, graph
   breaks, recompiles after the first step, and peak device memory of one step (domain over plain, goal <= 1.05).
   ``--cudagraphs`` times the rows with Inductor's ``triton.cudagraphs`` instead (on torch 2.11 the domain step's
-  first backward then failed: "accessing tensor output of CUDAGraphs that has been overwritten"; docs/limitations.md).
+  first backward then failed: "accessing tensor output of CUDAGraphs that has been overwritten"; docs/limitations.md);
+* the host overhead: forward, backward and ``domain.shard`` timed apart on a tiny field, where host work is all a
+  step is (what the domain path adds there decides the small stack's ratio on a GPU).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -35,7 +39,7 @@ from bench_compile import _after_timing, _first_call, _own_code  # noqa: E402
 from mesh3d import DistributedManager, domain  # noqa: E402
 from mesh3d._torch_private import run_compiled_graphs_without_subclass_dispatch  # noqa: E402
 
-__all__ = ["check_compiled_equals_eager", "time_compile"]
+__all__ = ["check_compiled_equals_eager", "host_overhead", "time_compile"]
 
 
 def _strided_stack() -> nn.Module:
@@ -141,6 +145,45 @@ def time_compile(device: torch.device, repeats: int, cudagraphs: bool = False) -
     return rows
 
 
+def host_overhead(device: torch.device, repeats: int) -> dict:
+    """What the domain path adds per compiled step where host work is all there is: the conv stack on a tiny field
+    (2x1x8x8), forward, backward and ``domain.shard`` timed apart, each a median of ``repeats`` alternated steps."""
+    run_compiled_graphs_without_subclass_dispatch()
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch.manual_seed(0)
+    model = conv_stack(16, 4).to(device)
+    x = torch.randn(2, 1, 8, 8, device=device)
+    plain = torch.compile(_own_code(lambda t: (model(t) ** 2).mean()), dynamic=False)
+    sharded = torch.compile(_own_code(lambda t: (model(t) ** 2).mean()), dynamic=False,
+                            options={"guard_filter_fn": domain.guard_filter})
+    times: dict[str, list[float]] = {key: [] for key in ("fwd_plain", "fwd_domain", "bwd_plain", "bwd_domain", "shard")}
+    for step in range(repeats + 3):
+        for name, fn, make in (("plain", plain, lambda: x), ("domain", sharded, lambda: domain.shard(x, dim=2))):
+            start = time.perf_counter()
+            inp = make()
+            shard_s = time.perf_counter() - start
+            sync()
+            start = time.perf_counter()
+            loss = fn(inp)
+            sync()
+            mid = time.perf_counter()
+            loss.backward()
+            sync()
+            if step >= 3:  # the first steps compile
+                times[f"fwd_{name}"].append(mid - start)
+                times[f"bwd_{name}"].append(time.perf_counter() - mid)
+                if name == "domain":
+                    times["shard"].append(shard_s)
+    us = {key: statistics.median(v) * 1e6 for key, v in times.items()}
+    row = {**{f"{key}_us": v for key, v in us.items()}, "fwd_extra_us": us["fwd_domain"] - us["fwd_plain"],
+           "bwd_extra_us": us["bwd_domain"] - us["bwd_plain"]}
+    print(f"  D=1 host overhead (2x1x8x8 conv stack, {repeats} alternated steps, medians): forward "
+          f"+{row['fwd_extra_us']:.1f} us ({us['fwd_plain']:.1f} plain), backward +{row['bwd_extra_us']:.1f} us "
+          f"({us['bwd_plain']:.1f} plain), domain.shard {us['shard']:.1f} us", flush=True)
+    torch._dynamo.reset()
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
@@ -156,8 +199,10 @@ def main() -> int:
     dm = DistributedManager.initialize(backend="nccl" if args.device == "cuda" else "gloo")
     print("compiled == eager:", check_compiled_equals_eager(dm.device), flush=True)
     rows = {} if args.check_only else time_compile(dm.device, args.repeats, args.cudagraphs and args.device == "cuda")
+    overhead = {} if args.check_only else host_overhead(dm.device, 10 * args.repeats)
     if args.out:
-        Path(args.out).write_text(json.dumps({"torch": torch.__version__, "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"torch": torch.__version__, "rows": rows, "host_overhead": overhead},
+                                             indent=1))
     DistributedManager.shutdown()
     return 0
 
