@@ -274,3 +274,45 @@ def test_shard_remembers_each_layout_and_follows_a_new_mesh(ranks):
         assert seen[0][:4] == (True, (5, 4), 2, (2, 7)) and seen[0][4]
         assert seen[1][:4] == (True, (9,), 1, (9,)) and seen[1][4]
         assert seen[2][:4] == (True, (5, 4), 2, (2, 7)) and seen[2][4]
+
+
+def _backward_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    w = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
+    v = torch.tensor([0.5, 3.0], dtype=torch.float64, requires_grad=True)
+    x = torch.arange(2.0, dtype=torch.float64).reshape(1, 2)
+    ys = domain.shard(x, dim=1, sizes=(1, 1)) * w * v  # one element per rank, two in all
+    out = {}
+    try:
+        ys.backward()
+    except RuntimeError as e:
+        out["non_scalar"] = str(e)
+    loss = ys.sum()
+    loss.backward(retain_graph=True, inputs=[w])  # only w accumulates; the graph stays for a second call
+    out["w_only"] = (w.grad.tolist(), v.grad)
+    loss.backward(torch.tensor(2.0, dtype=torch.float64))  # an explicit gradient, into both
+    out["both"] = (w.grad.tolist(), v.grad.tolist())
+    try:
+        loss.backward(inputs=[])
+    except RuntimeError as e:
+        out["empty_inputs"] = str(e)
+    return out
+
+
+def test_domain_backward_answers_as_torch_does(ranks):
+    """``DomainTensor.backward`` goes straight to the autograd engine: it still refuses an implicit gradient for a
+    tensor of more than one element (counting the whole tensor, not the one-element shard), honours inputs= and
+    retain_graph=, takes an explicit gradient, and refuses empty inputs. Gradients sum over the domain to torch's."""
+    outs = ranks.run(2, _backward_body, timeout=60)
+    for out in outs:
+        assert "scalar outputs" in out["non_scalar"] and "2 elements" in out["non_scalar"], out
+        assert out["w_only"][1] is None
+        assert "cannot be empty" in out["empty_inputs"]
+    x, w, v = [0.0, 1.0], [1.5, -2.0], [0.5, 3.0]
+    w_grad = [sum(o["w_only"][0][i] for o in outs) for i in range(2)]
+    assert w_grad == [x[i] * v[i] for i in range(2)]
+    w_both = [sum(o["both"][0][i] for o in outs) for i in range(2)]
+    v_both = [sum(o["both"][1][i] for o in outs) for i in range(2)]
+    assert w_both == [3 * x[i] * v[i] for i in range(2)] and v_both == [2 * x[i] * w[i] for i in range(2)]
