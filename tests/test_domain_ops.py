@@ -11,6 +11,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 
 from domain_cases import domain_sum, edge_examples, grads_err, layout_case, max_err, on_each_layout
+from mesh3d import DistributedManager, domain
+from mesh3d.domain import DomainTensor, balanced_sizes, split_sizes
+from mesh3d.domain.ops.attention import neighbourhood_attention
 from profiles import examples
 
 TOL = 1e-10
@@ -25,8 +28,6 @@ class _GatherThenLinear(torch.nn.Module):
         self.head = torch.nn.Linear(6, 3, dtype=torch.float64)
 
     def forward(self, x):
-        from mesh3d.domain import DomainTensor
-
         return self.head(x.full_tensor() if isinstance(x, DomainTensor) else x)
 
 
@@ -85,9 +86,6 @@ def _neighbourhood_ref(x, radius):
 
 
 def _ops_body(sizes):
-    from mesh3d import DistributedManager, domain
-    from mesh3d.domain.ops.attention import neighbourhood_attention
-
     DistributedManager.initialize(batch=1, domain=-1)
     errors = {}
     for i, (name, (make, shape, dim)) in enumerate(_cases().items()):
@@ -161,8 +159,6 @@ def test_ops_match_one_process(ranks, case):
 
 
 def _refusals_body():
-    from mesh3d import DistributedManager, domain
-
     DistributedManager.initialize(batch=1, domain=-1)
     x = torch.randn(2, 4, H, 6, dtype=torch.float64)
     xs = domain.shard(x, dim=2)
@@ -239,8 +235,6 @@ def test_refusals_name_the_op_and_what_to_do_on_every_rank(ranks, world, sizes, 
 
 
 def test_split_rule_is_torch_chunk():
-    from mesh3d.domain import balanced_sizes, split_sizes
-
     for length in range(0, 20):
         for parts in range(1, 9):
             chunks = [c.shape[0] for c in torch.arange(length).chunk(parts)] if length else []
@@ -253,8 +247,6 @@ def test_split_rule_is_torch_chunk():
 
 
 def _remembered_layout_body():
-    from mesh3d import DistributedManager, domain
-
     x = torch.arange(2 * 9 * 3, dtype=torch.float64).reshape(2, 9, 3)
     seen = []
     for shape in ((1, 2, 1), (2, 1, 1), (1, 2, 1)):  # the domain over both ranks, then none, then both again
@@ -277,8 +269,6 @@ def test_shard_remembers_each_layout_and_follows_a_new_mesh(ranks):
 
 
 def _backward_body():
-    from mesh3d import DistributedManager, domain
-
     DistributedManager.initialize(batch=1, domain=-1)
     w = torch.tensor([1.5, -2.0], dtype=torch.float64, requires_grad=True)
     v = torch.tensor([0.5, 3.0], dtype=torch.float64, requires_grad=True)
