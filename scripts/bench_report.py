@@ -436,24 +436,40 @@ def _gpu(lines: list[str]) -> None:
               f"| load | {t['load_mesh3d']:.2f} s | {t['load_dcp']:.2f} s | {t['ratios']['load_mesh3d_vs_dcp']:.2f} |", ""]
     rows, before = d.get("compile_d1"), d.get("compile_d1_before", {})
     if rows:
-        commits = d.get("commits", {})
+        commits, more = d.get("commits", {}), d.get("compile_d1_more_runs", [])
         lines += ["`torch.compile` (Inductor) at D=1 on the same GPU (`scripts/gpu_compile.py`): the compiled domain "
-                  "step against compiled plain torch (goal <= 1.05), each a median of 100 alternated steps (input, "
-                  "forward, loss, backward). On torch older than 2.13 the script runs compiled graphs with subclass "
-                  "dispatch off, as torch 2.13 does itself (`_torch_private.run_compiled_graphs_without_subclass_"
-                  f"dispatch`). Rows at {commits.get('compile_d1', 'this commit')}; the ratio before it, at "
-                  f"{commits.get('compile_d1_before', 'the commit before')}, in brackets. Every step here is bound by "
-                  "host work (the 256x256 U-Net step takes about as long as the 64x64 one), so each microsecond of "
-                  "Python or guard checking mesh3d adds shows.", "",
-                  "| model | compiled plain | compiled domain | ratio | eager domain / eager plain | `domain.shard` | "
-                  "graph breaks | recompiles | peak memory, domain / plain |", "|---|---|---|---|---|---|---|---|---|"]
+                  "step against compiled plain torch (goal <= 1.05), each a median of "
+                  f"{d.get('compile_d1_repeats', 100)} alternated steps (input, forward, loss, backward). On torch older "
+                  "than 2.13 the script runs compiled graphs with subclass dispatch off, as torch 2.13 does itself "
+                  f"(`_torch_private.run_compiled_graphs_without_subclass_dispatch`). Rows at "
+                  f"{commits.get('compile_d1', 'this commit')}; the ratio at "
+                  f"{commits.get('compile_d1_before', 'the commit before')} in brackets"
+                  + (f"; the same rows from {len(more)} more runs in the same session "
+                     f"({', '.join(str(m['repeats']) for m in more)} steps each) under \"other runs\"" if more else "")
+                  + ". Every step here is bound by host work (the 256x256 U-Net step takes about as long as the 64x64 "
+                  "one), so each microsecond of Python or guard checking mesh3d adds shows.", "",
+                  "| model | compiled plain | compiled domain | ratio | other runs | eager domain / eager plain | "
+                  "`domain.shard` | graph breaks | recompiles | peak memory, domain / plain |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for name, r in rows.items():
             was = before.get(name, {}).get("compiled_domain_vs_compiled_plain")
+            others = ", ".join(f"{m['rows'][name]['compiled_domain_vs_compiled_plain']:.3f}" for m in more
+                               if name in m["rows"]) or "-"
             lines.append(f"| {name} | {r['compiled_plain_ms']:.2f} ms | {r['compiled_domain_ms']:.2f} ms | "
-                         f"{r['compiled_domain_vs_compiled_plain']:.3f}{f' ({was:.3f})' if was else ''} | "
+                         f"{r['compiled_domain_vs_compiled_plain']:.3f}{f' ({was:.3f})' if was else ''} | {others} | "
                          f"{r['eager_domain_vs_eager_plain']:.2f} | {r['shard_us']:.0f} us | {r['graph_breaks']} | "
                          f"{r['recompiles']} | {r['compiled_peak_domain_vs_plain']:.3f} |")
         lines.append("")
+        runs = [h for h in [d.get("compile_d1_host_overhead")] + [m.get("host_overhead") for m in more] if h]
+        if runs:
+            lines += ["Where the small stack's extra time goes (`gpu_compile.host_overhead`: a 2x1x8x8 conv stack, "
+                      "where host work is all a step is; forward, backward and the input's `domain.shard` timed apart, "
+                      "medians), one row per run:", "",
+                      "| forward, plain | forward, domain extra | backward, plain | backward, domain extra | "
+                      "`domain.shard` in the step |", "|---|---|---|---|---|"]
+            lines += [f"| {h['fwd_plain_us']:.0f} us | {h['fwd_extra_us']:+.1f} us | {h['bwd_plain_us']:.0f} us | "
+                      f"{h['bwd_extra_us']:+.1f} us | {h['shard_us']:.1f} us |" for h in runs]
+            lines.append("")
 
 
 def _plan(lines: list[str]) -> None:
