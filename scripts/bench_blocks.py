@@ -29,7 +29,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import cpu_model, median_step_time, plot_ratios  # noqa: E402
-from bench_domain import SavedBytes, conv_stack  # noqa: E402
+from bench_common import conv_stack  # noqa: E402
+from bench_domain_scaling import SavedBytes  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 

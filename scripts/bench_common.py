@@ -10,6 +10,7 @@ Usage (from a script in scripts/, whose folder is on sys.path)::
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import socket
@@ -25,6 +26,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from mesh3d import DistributedManager, domain
+
+#: Where the benchmark scripts write their JSON and PNG files (docs/benchmarks.md is made from them).
+BENCH = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
+
+
+def load_bench_json(name: str) -> dict | None:
+    """A benchmark's JSON from ``BENCH``, or None where that benchmark has not been run."""
+    path = BENCH / name
+    return json.loads(path.read_text()) if path.exists() else None
 
 
 def _status_kb(field: str) -> int:
