@@ -8,6 +8,8 @@ on nccl (no launcher needed) and checks, printing one line each and exiting 1 if
 * ``parallelize`` (FSDP + "replicate" TP styles on a size-1 model axis) trains like the plain model;
 * a domain tensor on CUDA (conv, GroupNorm, loss) equals the plain computation;
 * a checkpoint of CUDA state saves, verifies, loads into a fresh parallelized model and coalesces;
+* ``async_save`` of CUDA state holds the state queued before the call, not what is queued after it returns;
+* ``load_pretrained`` of a bf16 safetensors file lands, cast to fp32, in FSDP shards on the GPU;
 * ``MeshStrategy`` fits a LightningModule on ``accelerator="gpu"`` like plain Lightning (if installed);
 * ``torch.compile`` (Inductor) of a U-Net and a strided stack on a domain tensor trains like eager plain torch;
 
@@ -35,6 +37,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import safetensors.torch
 import torch.nn.functional as F
 from torch import nn
 
@@ -127,6 +130,54 @@ def check_checkpoint(dm: DistributedManager, tmp: str) -> str:
         assert torch.equal(p.full_tensor(), q.full_tensor()), name
     out = checkpoint.coalesce(path, os.path.join(tmp, "hf"))
     return f"(step {info.step}, read {info.bytes_read} of {info.bytes_needed} bytes needed; coalesced {out})"
+
+
+def _whole(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone() for k, v in model.state_dict().items()}
+
+
+@check("async_save of cuda state")
+def check_async_save(dm: DistributedManager, tmp: str) -> str:
+    """The accelerator path of ``async_save`` (pinned buffer, copies queued on the current stream): an update still
+    queued behind a slow kernel when the call starts is in the checkpoint; one queued right after it returns is not."""
+    device = dm.device
+    model = parallelize(mlp(width=2048).to(device), Plan(batch="fsdp"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 64, device=device)).sum().backward()
+    opt.step()
+    expected = {k: 2 * v for k, v in _whole(model).items()}
+    if device.type == "cuda":
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the doubling below is still queued when the save starts
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2)
+        handle = checkpoint.async_save(os.path.join(tmp, "async"), model, opt, step=2)
+        for p in model.parameters():  # after the call returns: must not reach the checkpoint
+            p.add_(1)
+    path = handle.wait()
+    checkpoint.verify(path)
+    fresh = parallelize(mlp(width=2048).to(device), Plan(batch="fsdp"), seed=9)
+    info = checkpoint.load(path, fresh)
+    got = _whole(fresh)
+    for name, want in expected.items():
+        assert torch.equal(got[name], want), f"{name}: the checkpoint does not hold the state at the call"
+    return f"(step {info.step}; {len(expected)} tensors equal the state queued before the call, not after)"
+
+
+@check("load_pretrained onto cuda")
+def check_load_pretrained(dm: DistributedManager, tmp: str) -> str:
+    """The accelerator path of ``load_pretrained`` (pinned read buffer, copy to the device) into FSDP shards, with a
+    bf16 file cast to the model's fp32."""
+    source = mlp(width=512)
+    file = os.path.join(tmp, "pretrained.safetensors")
+    safetensors.torch.save_file({k: v.to(torch.bfloat16).contiguous() for k, v in source.state_dict().items()}, file)
+    model = parallelize(mlp(width=512).to(dm.device), Plan(batch="fsdp"), seed=5)
+    info = checkpoint.load_pretrained(file, model, dtype=torch.float32)
+    got = _whole(model)
+    for name, value in source.state_dict().items():
+        want = value.to(torch.bfloat16).float().to(dm.device)
+        assert torch.equal(got[name], want), f"{name} differs from the file"
+    return f"({len(info.loaded)} tensors, {len(info.cast)} cast BF16->F32, read buffer {info.read_buffer_bytes} bytes)"
 
 
 @check("lightning MeshStrategy gpu")
@@ -236,6 +287,8 @@ def main() -> int:
         check_parallelize(dm)
         check_domain(dm)
         check_checkpoint(dm, tmp)
+        check_async_save(dm, tmp)
+        check_load_pretrained(dm, tmp)
         check_lightning(dm)
         check_compile(dm)
         report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "checks": RESULTS}
