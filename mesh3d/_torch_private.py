@@ -7,7 +7,8 @@ If a torch upgrade breaks mesh3d, this is the first file to look at.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ __all__ = [
     "live_process_groups",
     "local_shape_and_global_offset",
     "post_barrier",
+    "patch_checkpoint_recomputation",
     "run_compiled_graphs_without_subclass_dispatch",
     "unflatten_mesh",
     "wait_async_collective",
@@ -243,6 +245,55 @@ def let_compiled_graphs_take_function_subclasses() -> None:
     turns that debug check off; mesh3d's one custom op (``mesh3d::exchange_rows``) returns fresh buffers only.
     """
     torch._functorch.config.check_custom_op_aliasing = False
+
+
+def patch_checkpoint_recomputation(input_metadata: Callable[[torch.Tensor], Any],
+                                    rebuild_input: Callable[[torch.Tensor, Any], torch.Tensor],
+                                    forward_state: Callable[[], Callable[[], ContextManager]]) -> bool:
+    """Make activation checkpointing recompute a region as its forward ran: each input the tensor subclass it was
+    given, and the state ``forward_state`` captured at forward time re-entered around the recomputation.
+
+    Why private: non-reentrant ``torch.utils.checkpoint`` keeps a region's inputs as saved tensors and recomputes
+    through its frame (``_CheckpointFrame.save_inputs`` / ``get_inputs`` / ``recompute_fn``, torch 2.13); no public
+    hook reaches them. Two things go wrong for a ``__torch_function__`` subclass without this:
+    * under another checkpoint's saved-tensor hooks (a checkpointed module inside a checkpointed one) unpacking
+      makes a new plain tensor: the subclass is lost and the region would be recomputed on the bare shard;
+    * the recomputation runs in backward, outside the ``with`` blocks the forward ran in (mesh3d's attention mode),
+      so it could take another path (torch's checkpoint then raises: other tensors saved than in forward).
+    A region with such inputs is recomputed whole (no early stop). ``input_metadata(t)`` is kept beside each tensor
+    input (None: nothing to rebuild) and ``rebuild_input(unpacked, metadata)`` turns the unpacked tensor back;
+    ``forward_state()`` is called at forward time and returns the context manager factory entered around the
+    recomputation. Returns whether it patched (False on a torch without these frame methods, or when already
+    patched).
+    """
+    frame = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+    save_inputs, get_inputs = getattr(frame, "save_inputs", None), getattr(frame, "get_inputs", None)
+    if save_inputs is None or get_inputs is None or getattr(save_inputs, "_mesh3d_wrapped", False):
+        return False
+
+    def save(self: Any, *args: Any) -> None:
+        self._mesh3d_input_metadata = [input_metadata(a) if isinstance(a, torch.Tensor) else None for a in args]
+        if any(meta is not None for meta in self._mesh3d_input_metadata):
+            # NOTE: early stop ends a recomputation by raising from inside whichever op saves the last tensor; in a
+            # multi-rank op that can be while its messages are in flight. Recompute the whole region instead.
+            self.early_stop = False
+        recompute_fn, state = self.recompute_fn, forward_state()
+
+        def recompute_as_forward(*inputs: Any) -> None:
+            with state():
+                recompute_fn(*inputs)
+
+        self.recompute_fn = recompute_as_forward
+        save_inputs(self, *args)
+
+    def get(self: Any) -> list:
+        inputs = get_inputs(self)
+        kept = getattr(self, "_mesh3d_input_metadata", None) or [None] * len(inputs)
+        return [arg if meta is None else rebuild_input(arg, meta) for arg, meta in zip(inputs, kept)]
+
+    save._mesh3d_wrapped = True  # type: ignore[attr-defined]
+    frame.save_inputs, frame.get_inputs = save, get
+    return True
 
 
 def keep_in_program_order(op: Any) -> None:

@@ -43,3 +43,5 @@ _.explain  # mesh3d/parallel/plan.py: Plan.explain
 
 # A torch config flag mesh3d sets (read by torch's AOTAutograd, not by mesh3d): _torch_private.py.
 _.check_custom_op_aliasing
+# A torch checkpoint frame's attribute mesh3d sets (read by torch's recomputation hook): _torch_private.py.
+_.early_stop

@@ -96,7 +96,7 @@ def plan_of(case: dict):
     from mesh3d import Plan
 
     return Plan(batch=case.get("batch_mode", "fsdp"), model=TP_STYLES if case["model"] > 1 else {},
-                hsdp_shard_size=case.get("hsdp"))
+                hsdp_shard_size=case.get("hsdp"), checkpoint=case.get("checkpoint", []))
 
 
 def attention_of(case: dict):
@@ -128,6 +128,9 @@ EXACT_CASES: dict[str, dict] = {
                                            sizes=((6, 5),), dims=(1,)),
     "fsdp d3 transformer, ring attention, uneven": dict(world=3, batch=1, domain=3, model=1, net="transformer",
                                                         input=(2, 14), sizes=((6, 5, 3),), dims=(1,), attention="ring"),
+    "fsdp d3 transformer, ring, nested activation checkpointing": dict(
+        world=3, batch=1, domain=3, model=1, net="transformer", input=(2, 13), sizes=((5, 0, 8),), dims=(1,),
+        attention="ring", checkpoint=["layers.*"]),
     "fsdp d3, empty shard": dict(world=3, batch=1, domain=3, model=1, net="conv", input=(1, 2, 18, 10),
                                  sizes=((10, 8, 0),), dims=(2,)),
 }

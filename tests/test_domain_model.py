@@ -16,13 +16,17 @@ from domain_cases import domain_sum, max_err
 from domain_models import H, W, TinyUNet, TinyViT
 
 
-def _train_body(sizes, steps=3):
+def _train_body(sizes, steps=3, nested_checkpoints=False):
     from mesh3d import DistributedManager, domain
+    from mesh3d._torch_private import checkpoint_module
 
     DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
     ref = TinyUNet().double()
     model = copy.deepcopy(ref)
+    if nested_checkpoints:  # the whole model and, inside it, its encoder and middle (halo convs, GroupNorm)
+        for module in (model, model.enc, model.mid):
+            checkpoint_module(module)
     opt_ref = torch.optim.Adam(ref.parameters(), lr=1e-2)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x = torch.randn(2, 2, H, W, dtype=torch.float64)
@@ -36,7 +40,9 @@ def _train_body(sizes, steps=3):
         opt_ref.step()
 
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(xs), ts)  # replicated: the one-process value on every rank
+        # NOTE: overlap off in forward only: a recomputation (in backward, outside the block) must still run without
+        with domain.window_overlap(not nested_checkpoints):
+            loss = torch.nn.functional.mse_loss(model(xs), ts)  # replicated: the one-process value on every rank
         loss.backward()
         for p in model.parameters():
             p.grad = domain_sum(p.grad)
@@ -51,6 +57,16 @@ def _train_body(sizes, steps=3):
 @pytest.mark.parametrize(("world", "sizes"), [(2, (9, 5)), (2, None), (4, (5, 1, 6, 2)), (4, (1, 4, 4, 5))])
 def test_unet_trains_like_one_process(ranks, world, sizes):
     for loss_err, param_err in ranks.run(world, _train_body, sizes, timeout=90):
+        assert loss_err < 1e-9
+        assert param_err < 1e-9
+
+
+@pytest.mark.parametrize(("world", "sizes"), [(2, (9, 5)), (4, (5, 1, 6, 2))])
+def test_nested_activation_checkpointing_recomputes_as_forward_ran(ranks, world, sizes):
+    """Activation checkpointing of the U-Net and, nested inside it, of its encoder and middle: each recomputation
+    gets domain tensors back (not the bare shards another checkpoint's saved tensors unpack to) and the halo
+    overlap setting its forward ran with."""
+    for loss_err, param_err in ranks.run(world, _train_body, sizes, 3, True, timeout=90):
         assert loss_err < 1e-9
         assert param_err < 1e-9
 

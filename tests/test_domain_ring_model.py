@@ -7,7 +7,8 @@ an MLP, an LM head, cross-entropy over every token. On the (batch 2, domain 2, m
 holds half of the heads (colwise q/k/v, rowwise o), each domain rank a run of the tokens (uneven and empty
 shards; empty ones without a model axis, see MESHES), each batch rank its own samples. Losses, raw gradients
 and parameters after SGD-with-momentum steps equal one process in fp64 (rel 1e-10), in ring mode (zigzag-
-balanced: is_causal) and in Ulysses mode.
+balanced: is_causal) and in Ulysses mode, also with every block checkpointed (``Plan(checkpoint=["blocks.*"])``,
+which nests checkpointing inside each block).
 """
 
 from __future__ import annotations
@@ -39,11 +40,11 @@ def _decoder_body(shape, cases, steps=3):
     dm = DistributedManager.initialize(*shape)
     nb, b = dm.axis_size("batch"), dm.axis_rank("batch")
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for i, (sizes, mode, rotary, window) in enumerate(cases):
+    for i, (sizes, mode, rotary, window, *recomputed) in enumerate(cases):
         torch.manual_seed(i)
         ref = TinyDecoder(rotary=rotary, kv_heads=4 if rotary else None, heads=8, dim=32, window=window).double()
         styles = {k: v for k, v in STYLES.items() if k != "wpe" or not rotary} if shape[2] > 1 else None
-        model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles))
+        model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles, checkpoint=list(recomputed)))
         opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         gen = torch.Generator().manual_seed(10 + i)
@@ -72,20 +73,23 @@ def _decoder_body(shape, cases, steps=3):
     return worst
 
 
+# NOTE: "blocks.*" also matches every module inside a block (attn, its projections, the MLP): activation
+# checkpointing nested in checkpointed blocks, whose recomputation must get its inputs back as domain tensors.
 MESHES = {
     (2, 2, 2): [((8, 5), "ring", False, None), ((6, 7), "ulysses", False, None), ((9, 4), "ring", True, None),
-                ((7, 6), "ring", True, 3)],
+                ((7, 6), "ring", True, 3), ((5, 8), "ring", True, None, "blocks.*")],
     # NOTE: an empty domain shard is not run with a model axis: torch's ColwiseParallel fails on a 0-row input
     # (DTensor's view propagation divides by zero) outside any domain rule, so the domain peers are never told
     # and wait in their next exchange (see docs/limitations.md).
-    (2, 2, 1): [((13, 0), "ring", False, None), ((0, 11), "ring", True, 2)],
+    (2, 2, 1): [((13, 0), "ring", False, None), ((0, 11), "ring", True, 2), ((4, 9), "ulysses", False, None, "blocks.*"),
+                ((10, 0), "ring", True, None, "blocks.*")],
 }
 
 
 @pytest.mark.parametrize("shape", list(MESHES), ids=lambda s: "x".join(map(str, s)))
 def test_decoder_with_ring_fsdp_and_tp_trains_like_one_process(ranks, shape):
     """GPT-2-style and Llama-style (rotary, GQA, a sliding window) decoders, 3 SGD steps each: ring (zigzag-balanced
-    when causal), Ulysses."""
+    when causal), Ulysses; with activation checkpointing nested in checkpointed blocks too."""
     world = shape[0] * shape[1] * shape[2]
     for worst in ranks.run(world, _decoder_body, shape, MESHES[shape], timeout=240):
         assert max(worst.values()) < 1e-10, worst

@@ -29,6 +29,7 @@ from mesh3d.domain.ops.tokens_attention import neighbourhood_attention
 from mesh3d.domain.probe import downsampling_factor
 from mesh3d.domain.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.tensor import DomainSpec, DomainTensor
+from mesh3d.domain import recompute
 
 DomainTensor._dispatcher = staticmethod(dispatch)
 DomainTensor._gather_whole = staticmethod(full_tensor)
@@ -64,3 +65,5 @@ __all__ = [
     "split_sizes",
     "window_overlap",
 ]
+# Activation checkpointing recomputes a region as its forward ran (inputs, attention mode, overlap).
+recompute.install()

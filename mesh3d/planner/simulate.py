@@ -134,10 +134,15 @@ class _OpWatch(TorchFunctionMode):
         super().__init__()
         self.sim = sim
         self.op: str | None = None
+        self.in_forward = True  # by_op counts forward traffic; backward's (recomputations included) is not an op's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.backward or not any(issubclass(t, DomainTensor) for t in types):
+            return func(*args, **kwargs)
+        if self.op is not None:
+            # NOTE: a checkpointed module inside a checkpointed module recomputes with the modes entered once per
+            # frame, so this watch can see its own op again: the outer call attributes (and falls back), once.
             return func(*args, **kwargs)
         counter = TrafficCounter._active[-1] if TrafficCounter._active else None
         before = counter.bytes_sent if counter is not None else 0
@@ -148,7 +153,7 @@ class _OpWatch(TorchFunctionMode):
             self.sim.refused.setdefault(self.op, str(err))
             return _local_fallback(func, args, kwargs)
         finally:
-            if counter is not None and counter.bytes_sent > before:
+            if counter is not None and counter.bytes_sent > before and self.in_forward:
                 self.sim.domain_by_op[self.op] = self.sim.domain_by_op.get(self.op, 0) + counter.bytes_sent - before
             self.op = None
 
@@ -299,6 +304,7 @@ class Simulator:
             with _journal_kept(), dry_run(observe), tracker, self._modes():
                 with count_traffic() as forward:
                     loss = self.loss(self.model(x))
+                watch.in_forward = False
                 with count_traffic() as backward:
                     loss.backward()
                 if self.fsdp is not None:
