@@ -46,14 +46,14 @@ class BatchNormNet(nn.Module):
 
 
 class Flips(nn.Module):
-    """Ops with no domain rule along the sharded dim (cumsum, cummax): the planner and check name them."""
+    """Ops with no domain rule along the sharded dim (logcumsumexp, cummax): the planner and check name them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 2, 3, padding=1)
 
     def forward(self, x):
-        y = torch.cumsum(self.conv(x), dim=2)
+        y = torch.logcumsumexp(self.conv(x), dim=2)
         return torch.cummax(y, dim=2).values + F.relu(y)
 
 

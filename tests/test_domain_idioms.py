@@ -1,6 +1,7 @@
 """Model idioms on uneven shards (2 and 3 ranks, empty shards drawn) vs one process in fp64, forward and backward:
 global pooling then a head, tokens back to a grid, class token + position embedding + x[:, 0], slicing,
-embeddings on sharded ids, domain.positions, torch.fft along the sharded dim, einops, redistribute(dim=)."""
+embeddings on sharded ids, domain.positions, torch.fft along the sharded dim, einops, redistribute(dim=), cumsum and
+cumprod along the sharded dim and another."""
 
 from __future__ import annotations
 
@@ -139,6 +140,20 @@ def _redistribute_case(sizes):
     return max(err, max_err(domain_sum(x.grad), gx))
 
 
+class Scans(torch.nn.Module):
+    """Prefix sums and products along the sharded dim (position ids from a mask, cumulative integrals) and along
+    another dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1, dtype=D64)
+
+    def forward(self, x):
+        y = self.conv(x)
+        along = torch.cumsum(y, 2) + y.cumsum(dim=-1) * 0.5 + torch.cumsum(y, 2, dtype=D64)
+        return along * torch.cumprod(1 + 0.1 * torch.tanh(y), dim=2) + y.cumprod(1)
+
+
 def _idioms_body(sizes):
     from mesh3d import DistributedManager
 
@@ -154,6 +169,7 @@ def _idioms_body(sizes):
         "spectral": (Spectral, grid, 2),
         "positions": (lambda: Positions(H), tokens, 1),
         "einops": (Einops, grid, 2),
+        "scans": (Scans, grid, 2),
     }
     errors = {}
     for i, (name, (make, x, dim)) in enumerate(cases.items()):
@@ -188,7 +204,7 @@ def _idiom_refusals_body():
         "embedding_max_norm": lambda: F.embedding(domain.shard(torch.zeros(2, 4, dtype=torch.long), dim=1),
                                                   torch.randn(3, 2), max_norm=1.0),
         "setitem": lambda: xs.__setitem__((slice(None), slice(None), torch.tensor([0, 1])), 1.0),
-        "unknown_op": lambda: torch.cumsum(xs, 2),
+        "unknown_op": lambda: torch.cummax(xs, 2),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -211,7 +227,7 @@ IDIOM_REFUSALS = {
                            "use max_norm=None, scale_grad_by_freq=False"],
     "setitem": ["torch.Tensor.__setitem__ with a Tensor index along the sharded dim 2 is not supported",
                 "(ints and slices are)"],
-    "unknown_op": ["torch.cumsum has no domain rule", "Call .full_tensor() first"],
+    "unknown_op": ["torch.cummax has no domain rule", "Call .full_tensor() first"],
 }
 
 

@@ -163,7 +163,7 @@ def _refusals_body():
     x = torch.randn(2, 4, H, 6, dtype=torch.float64)
     xs = domain.shard(x, dim=2)
     attempts = {
-        "cumsum": lambda: torch.cumsum(xs, 2),
+        "logcumsumexp": lambda: torch.logcumsumexp(xs, 2),
         "alpha_dropout": lambda: F.alpha_dropout(xs, 0.5, training=True),
         "cat_sharded": lambda: torch.cat([xs, xs], 2),
         "plain_broadcast": lambda: xs + x[:, :, :4],  # neither length 1 nor the global length
@@ -193,7 +193,7 @@ def _refusals_body():
 #: What every rank's refusal must say: the op (or the argument) it refuses, and what to do instead. ``{sizes}`` is the
 #: default split of the H rows (torch.chunk's rule), ``{balanced}`` the balanced one, ``{last}`` the last domain rank.
 REFUSALS = {
-    "cumsum": ["torch.cumsum has no domain rule", "Call .full_tensor() first", "mesh3d.domain.registry.register"],
+    "logcumsumexp": ["torch.logcumsumexp has no domain rule", "Call .full_tensor() first", "mesh3d.domain.registry.register"],
     "alpha_dropout": ["F.alpha_dropout in training mode on a domain tensor", "use F.dropout, p=0",
                       "after .full_tensor()"],
     "cat_sharded": ["torch.cat along the sharded dim 2", "concatenate along another dim, or call .full_tensor() first"],
