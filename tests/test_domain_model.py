@@ -14,12 +14,11 @@ import torch
 
 from domain_cases import domain_sum, max_err
 from domain_models import H, W, TinyUNet, TinyViT
+from mesh3d import DistributedManager, domain
+from mesh3d._torch_private import checkpoint_module
 
 
 def _train_body(sizes, steps=3, nested_checkpoints=False):
-    from mesh3d import DistributedManager, domain
-    from mesh3d._torch_private import checkpoint_module
-
     DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
     ref = TinyUNet().double()
@@ -79,8 +78,6 @@ def _mesh_train_body(shape, sizes, steps=3):
     """
     import torch.distributed as dist
 
-    from mesh3d import DistributedManager, domain
-
     dm = DistributedManager.initialize(*shape)
     torch.manual_seed(0)
     ref = TinyUNet().double()
@@ -115,8 +112,6 @@ def test_unet_on_multi_axis_meshes(ranks, shape, sizes):
 
 
 def _vit_body(sizes, steps=3):
-    from mesh3d import DistributedManager, domain
-
     DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
     ref = TinyViT().double()

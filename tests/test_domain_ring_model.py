@@ -40,11 +40,11 @@ def _decoder_body(shape, cases, steps=3):
     dm = DistributedManager.initialize(*shape)
     nb, b = dm.axis_size("batch"), dm.axis_rank("batch")
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-    for i, (sizes, mode, rotary, window, *recomputed) in enumerate(cases):
+    for i, (sizes, mode, rotary, window, *checkpointed) in enumerate(cases):
         torch.manual_seed(i)
         ref = TinyDecoder(rotary=rotary, kv_heads=4 if rotary else None, heads=8, dim=32, window=window).double()
         styles = {k: v for k, v in STYLES.items() if k != "wpe" or not rotary} if shape[2] > 1 else None
-        model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles, checkpoint=list(recomputed)))
+        model = parallelize(copy.deepcopy(ref), Plan(batch="fsdp", model=styles, checkpoint=list(checkpointed)))
         opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         gen = torch.Generator().manual_seed(10 + i)

@@ -56,6 +56,16 @@ def test_unknown_ops_called_through_torch_raise_naming_the_op(call):
         call(_one_rank_tensor())
 
 
+@pytest.mark.parametrize("call, error, message", [
+    (lambda x: torch.cumsum(x, 4), IndexError, "torch.cumsum: dim=4 is out of range for a 4-D tensor"),
+    (lambda x: x.cumprod(-5), IndexError, "torch.Tensor.cumprod: dim=-5 is out of range for a 4-D tensor"),
+    (lambda x: torch.cumsum(x, 2, out=torch.empty(1)), NotImplementedError, r"torch.cumsum\(out=...\) is not supported"),
+], ids=["dim", "negative_dim", "out"])
+def test_a_scan_refuses_bad_arguments_before_any_exchange(call, error, message):
+    with pytest.raises(error, match=message):
+        call(_one_rank_tensor())
+
+
 class ZooEinops(torch.nn.Module):
     """x-transformers' ViTransformerWrapper patches and register tokens, MONAI SwinUNETR's channels-last moves.
     (einops.pack/unpack along the sharded dim records local lengths and is not supported: see docs/limitations.md.)"""

@@ -37,22 +37,32 @@ def _as_domain_tensor(unpacked: torch.Tensor, spec: DomainSpec) -> DomainTensor:
     return unpacked if isinstance(unpacked, DomainTensor) else wrap(unpacked, spec)
 
 
+#: The settings a rule reads at call time, which a recomputation must see as its forward did (not ``OVERLAP.calls``,
+#: a counter).
+_SETTINGS = ((ATTENTION, ("mode", "head_groups", "kernel", "balance", "ring_min_tokens")), (OVERLAP, ("enabled", "blocks")))
+
+
+def _read_settings() -> list[tuple[object, str, object]]:
+    return [(owner, name, getattr(owner, name)) for owner, names in _SETTINGS for name in names]
+
+
+def _put_settings(settings: list[tuple[object, str, object]]) -> None:
+    for owner, name, value in settings:
+        setattr(owner, name, value)
+
+
 def _forward_settings() -> Callable[[], ContextManager]:
     """The attention and overlap settings now (at forward time), as a context manager factory that re-enters them."""
-    attention = (ATTENTION.mode, ATTENTION.head_groups, ATTENTION.kernel, ATTENTION.balance, ATTENTION.ring_min_tokens)
-    overlap = (OVERLAP.enabled, OVERLAP.blocks)
+    in_forward = _read_settings()
 
     @contextlib.contextmanager
     def as_in_forward() -> Iterator[None]:
-        before = ((ATTENTION.mode, ATTENTION.head_groups, ATTENTION.kernel, ATTENTION.balance, ATTENTION.ring_min_tokens),
-                  (OVERLAP.enabled, OVERLAP.blocks))
-        (ATTENTION.mode, ATTENTION.head_groups, ATTENTION.kernel, ATTENTION.balance,
-         ATTENTION.ring_min_tokens), (OVERLAP.enabled, OVERLAP.blocks) = attention, overlap
+        before = _read_settings()
+        _put_settings(in_forward)
         try:
             yield
         finally:
-            (ATTENTION.mode, ATTENTION.head_groups, ATTENTION.kernel, ATTENTION.balance,
-             ATTENTION.ring_min_tokens), (OVERLAP.enabled, OVERLAP.blocks) = before
+            _put_settings(before)
 
     return as_in_forward
 
