@@ -48,7 +48,7 @@ OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks" / "attention.j
 def _step(job: dict, world: int):
     """A closure running one forward+backward of the job's attention on this rank's rows (fresh q, k, v)."""
     from mesh3d import domain
-    from mesh3d.domain.split import balanced_sizes
+    from mesh3d.domain.core.split import balanced_sizes
 
     sizes = balanced_sizes(job["seq"], world)
     rows = sizes[dist.get_rank() if world > 1 else 0]
@@ -65,7 +65,7 @@ def _step(job: dict, world: int):
 
 
 def _job(job: dict, world: int, steps: int) -> dict:
-    from mesh3d.domain.ring import RING_STATS
+    from mesh3d.domain.attention.ring import RING_STATS
 
     run = _step(job, world)
     run()  # warm-up: one-time allocations (thread pools, plans, caches) are not the job's
@@ -118,9 +118,9 @@ def _launch(world: int, jobs: list[dict], steps: int) -> list[list[dict]]:
 
 
 def _summary(job: dict, ranks: list[dict], world: int) -> dict:
-    from mesh3d.domain.attention_modes import ATTENTION
+    from mesh3d.domain.core.settings import SETTINGS
 
-    groups = min(job.get("groups") or ATTENTION.head_groups, job["heads"])
+    groups = min(job.get("groups") or SETTINGS.value.attention.head_groups, job["heads"])
     block = 2 * job["seq"] / world * job["heads"] / groups * job["head_dim"] * 4  # k + v of one head group
     work = [r["work"] for r in ranks]
     out = {**{k: v for k, v in job.items() if k != "time"}, "domain": world,

@@ -49,7 +49,7 @@ def _rank(rank: int, world: int, port: int, layout: str, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.split import offsets_of
+    from mesh3d.domain.core.split import offsets_of
 
     blocks = layout.startswith("blocks")
     grid = (2, 2) if blocks else world

@@ -38,8 +38,8 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mesh3d import domain  # noqa: E402
-from mesh3d.domain.divergence import OpJournal  # noqa: E402
-from mesh3d.domain.rows import plan_exchange  # noqa: E402
+from mesh3d.domain.comm.divergence import OpJournal  # noqa: E402
+from mesh3d.domain.comm.rows import plan_exchange  # noqa: E402
 from bench_common import (UNet, cpu_model, paired_times)
 from bench_compile import add_arguments as add_compile_arguments, part_compile, plot_compile  # noqa: E402
 from bench_domain_scaling import part_overlap, part_scaling  # noqa: E402

@@ -22,9 +22,9 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mesh3d import DistributedManager, domain  # noqa: E402
-from mesh3d.domain.exchange import gather_rows  # noqa: E402
-from mesh3d.domain.halo import plan_window, window_exchange  # noqa: E402
-from mesh3d.domain.rows import Span, plan_exchange  # noqa: E402
+from mesh3d.domain.comm.exchange import gather_rows  # noqa: E402
+from mesh3d.domain.halo.windows import plan_window, window_exchange  # noqa: E402
+from mesh3d.domain.comm.rows import Span, plan_exchange  # noqa: E402
 from bench_common import conv_stack, conv_stack_rank, median_step_time, peak_rss_kb, reset_peak_rss, rss_kb, spawn_ranks  # noqa: E402
 
 __all__ = ["SavedBytes", "min_halo_bytes", "part_overlap", "part_scaling"]

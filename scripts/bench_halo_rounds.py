@@ -61,8 +61,8 @@ def _rank(rank: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
     torch.set_num_threads(1)
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.blocks import extend_windows
-    from mesh3d.domain.tensor import unwrap
+    from mesh3d.domain.layouts.blocks import extend_windows
+    from mesh3d.domain.core.tensor import unwrap
 
     dm = DistributedManager.initialize(batch=1, domain=(2, 2))
     i, j = dm.axis_rank("domain_0"), dm.axis_rank("domain_1")

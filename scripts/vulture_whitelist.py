@@ -7,12 +7,12 @@ Not imported by anything; vulture reads it. An entry here is a decision, not a m
 
 # Python protocols.
 __getattr__  # mesh3d/__init__.py: module-level lazy subpackages
-_.__class__  # mesh3d/domain/tensor.py: assigning __class__ makes the subclass instance
+_.__class__  # mesh3d/domain/core/tensor.py: assigning __class__ makes the subclass instance
 
 # Keyword names that mirror torch's signatures (the op rules receive them and ignore them).
 inplace  # mesh3d/domain/ops/pointwise.py: F.dropout(..., inplace=)
 size_average  # mesh3d/domain/ops/reduce.py: F.mse_loss/l1_loss legacy keywords
-tensor_contents  # mesh3d/domain/tensor.py: torch.Tensor.__repr__(*, tensor_contents=)
+tensor_contents  # mesh3d/domain/core/tensor.py: torch.Tensor.__repr__(*, tensor_contents=)
 weights_only  # mesh3d/lightning/strategy.py: Strategy.load_checkpoint(..., weights_only=)
 
 # Attributes and hooks that torch or Lightning read.
@@ -41,7 +41,7 @@ _.explain  # mesh3d/parallel/plan.py: Plan.explain
 
 # Dead, in a module owned by the domain work (#9): to be removed there.
 
-# A torch config flag mesh3d sets (read by torch's AOTAutograd, not by mesh3d): _torch_private.py.
+# A torch config flag mesh3d sets (read by torch's AOTAutograd, not by mesh3d): _torch_private/compile.py.
 _.check_custom_op_aliasing
-# A torch checkpoint frame's attribute mesh3d sets (read by torch's recomputation hook): _torch_private.py.
+# A torch checkpoint frame's attribute mesh3d sets (read by torch's recomputation hook): _torch_private/autograd.py.
 _.early_stop

@@ -26,7 +26,7 @@ from torch.utils.data import TensorDataset
 from mesh3d import PEER_LOST_EXIT_CODE, DistributedManager, Plan, WatchSettings, checkpoint, domain, parallelize
 from mesh3d.data import MeshDataLoader, MeshSampler
 from mesh3d._torch_private import default_store
-from mesh3d.domain import exchange
+from mesh3d.domain.comm import exchange
 from rankpool.pool import RankFailure
 
 POINTS = ("forward", "backward", "halo", "fsdp", "tp", "data", "save", "load")

@@ -11,11 +11,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mesh3d.domain.attention_blocks import MaskRule, Segment, piece_mask, piece_work, pieces
-from mesh3d.domain.attention_layout import _needs, slab_layout, zigzag_layout
-from mesh3d.domain.exchange import DomainComm
-from mesh3d.domain.ring import RING_STATS, RingPlan, ring_attention
-from mesh3d.domain.split import balanced_sizes
+from mesh3d.domain.attention.score_tiles import MaskRule, Segment, tile_mask, tile_work, tiles
+from mesh3d.domain.attention.row_order import _needs, slab_order, zigzag_order
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.attention.ring import RING_STATS, RingPlan, ring_attention
+from mesh3d.domain.core.split import balanced_sizes
 
 ONE = DomainComm(None, (0,), 0)
 
@@ -49,8 +49,8 @@ def test_pieces_cover_exactly_the_visible_pairs(data, rule):
     q, k = _segment(data.draw, 20), _segment(data.draw, 20)
     want = _visible(q.index(), k.index(), rule)
     got = torch.zeros(q.rows, k.rows, dtype=torch.int64)
-    for p in pieces(q, k, rule):
-        m = piece_mask(p, q, k, rule, None, None, "cpu")
+    for p in tiles(q, k, rule):
+        m = tile_mask(p, q, k, rule, None, None, "cpu")
         block = torch.ones(p.q1 - p.q0, p.k1 - p.k0, dtype=torch.bool) if m is None else m
         if p.causal:
             block = block & torch.ones_like(block).tril()
@@ -102,10 +102,10 @@ def _complement(seg: Segment, n: int) -> list[tuple[int, int]]:
     return list(Segment.joined((int(i), int(i) + 1) for i in torch.nonzero(~taken).flatten()).runs)
 
 
-def _work(q_layout, kv_layout, rule) -> tuple[list[int], list[list[int]]]:
+def _work(q_order, kv_order, rule) -> tuple[list[int], list[list[int]]]:
     """Per rank: total (query, key) pairs computed, and per ring step (rank r holds rank r - t's block at step t)."""
-    d = len(q_layout)
-    steps = [[sum(piece_work(p) for p in pieces(q_layout[r], kv_layout[(r - t) % d], rule)) for t in range(d)]
+    d = len(q_order)
+    steps = [[sum(tile_work(p) for p in tiles(q_order[r], kv_order[(r - t) % d], rule)) for t in range(d)]
              for r in range(d)]
     return [sum(s) for s in steps], steps
 
@@ -116,13 +116,13 @@ def test_zigzag_balances_causal_work(d):
     contiguous slabs are far off ((2D-1)/D)."""
     causal = MaskRule(None, 0)
     for n in (64 * d, 64 * d + 5, 1000 + d, 4096):
-        zig = zigzag_layout(n, d)
+        zig = zigzag_order(n, d)
         assert sorted(r for s in zig for r in s.index().tolist()) == list(range(n))
         totals, steps = _work(zig, zig, causal)
         assert max(totals) / (sum(totals) / d) <= 1.05, (n, totals)
         per_step = [max(s[t] for s in steps) for t in range(d)]  # a step lasts as long as its busiest rank
         assert sum(per_step) / (sum(totals) / d) <= 1.05, (n, steps)
-        slabs = slab_layout(balanced_sizes(n, d))
+        slabs = slab_order(balanced_sizes(n, d))
         plain, _ = _work(slabs, slabs, causal)
         assert max(plain) / (sum(plain) / d) > 1.3
 
@@ -134,8 +134,8 @@ def test_relayout_plan_reads_the_rows_each_rank_needs(data):
     n, d = data.draw(st.integers(0, 30)), data.draw(st.integers(1, 4))
     cuts = sorted(data.draw(st.lists(st.integers(0, n), min_size=d - 1, max_size=d - 1)))
     sizes = tuple(b - a for a, b in zip([0, *cuts], [*cuts, n]))
-    src, dst = data.draw(st.sampled_from([(slab_layout(sizes), zigzag_layout(n, d)),
-                                          (zigzag_layout(n, d), slab_layout(sizes))]))
+    src, dst = data.draw(st.sampled_from([(slab_order(sizes), zigzag_order(n, d)),
+                                          (zigzag_order(n, d), slab_order(sizes))]))
     source_order = torch.cat([s.index() for s in src]) if n else torch.zeros(0, dtype=torch.long)
     rows, needs = _needs(src, dst)
     assert rows == tuple(s.rows for s in src)

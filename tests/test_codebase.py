@@ -136,6 +136,85 @@ def test_modules_stay_under_400_lines():
     assert long == {}
 
 
+#: The layers of ``mesh3d.domain``, lowest first: a module imports only from its own layer and those below
+#: (docs/architecture.md). Modules directly under ``mesh3d/domain/`` (the public face) stand above every layer.
+DOMAIN_LAYERS = ("core", "comm", "halo", "layouts", "dispatch", "attention", "ops")
+
+
+def _domain_layer(module: str) -> int:
+    parts = module.split(".")
+    if parts[:2] != ["mesh3d", "domain"] or len(parts) < 3:
+        return len(DOMAIN_LAYERS)
+    return DOMAIN_LAYERS.index(parts[2]) if parts[2] in DOMAIN_LAYERS else len(DOMAIN_LAYERS)
+
+
+def _upward_domain_imports(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, targets in graph.items() if m.startswith("mesh3d.domain.")
+                  for t in targets if t.startswith("mesh3d.domain.") and _domain_layer(t) > _domain_layer(m))
+
+
+def test_the_layer_check_sees_an_upward_import():
+    graph = {"mesh3d.domain.core.tensor": {"mesh3d.domain.dispatch.registry"},
+             "mesh3d.domain.ops.conv": {"mesh3d.domain.core.tensor"}}
+    assert _upward_domain_imports(graph) == ["mesh3d.domain.core.tensor -> mesh3d.domain.dispatch.registry"]
+
+
+def test_domain_layers_import_only_downward():
+    """Each sub-package of mesh3d.domain is a layer (``DOMAIN_LAYERS``); no module imports from a layer above its own,
+    and every sub-package says in its docstring what it holds."""
+    graph = _graph()
+    assert any(t.startswith("mesh3d.domain.core.") for t in graph["mesh3d.domain.dispatch.dispatcher"])  # real edges
+    assert _upward_domain_imports(graph) == []
+    folders = sorted(p.name for p in (PACKAGE / "domain").iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(DOMAIN_LAYERS)
+    for layer in DOMAIN_LAYERS:
+        doc = ast.get_docstring(ast.parse((PACKAGE / "domain" / layer / "__init__.py").read_text()))
+        assert doc and doc.endswith("."), layer
+
+
+#: Private torch names: a dotted path from ``torch`` with a part that starts with one underscore.
+_PRIVATE_TORCH = re.compile(r"\btorch(?:\.[A-Za-z0-9]\w*)*\._[a-z]\w*")
+
+
+def _private_torch_uses(path: Path) -> list[str]:
+    """Imports and attribute chains of private torch names in ``path`` (code only: docstrings and comments aside)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if _PRIVATE_TORCH.search(a.name)]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level and node.module.startswith("torch"):
+            found += [n for a in node.names if _PRIVATE_TORCH.search(n := f"{node.module}.{a.name}")]
+        elif isinstance(node, ast.Attribute):
+            text = ast.unparse(node)
+            if _PRIVATE_TORCH.fullmatch(text):
+                found.append(text)
+    return sorted(set(found))
+
+
+def test_the_private_torch_check_finds_private_names(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import torch\nfrom torch.utils._pytree import tree_map\nfrom torch.distributed.tensor import DTensor\n"
+                      "x = torch._ops.OpOverload\ny = torch.ops.aten._foo.default\nz = 'torch._in_a_string'\n")
+    assert _private_torch_uses(sample) == ["torch._ops", "torch.ops.aten._foo", "torch.utils._pytree.tree_map"]
+
+
+def test_private_torch_apis_only_in_torch_private():
+    """Every private torch name mesh3d uses sits in ``mesh3d/_torch_private/`` (each with why no public API serves)."""
+    uses = {str(p.relative_to(ROOT)): u for p in sorted(PACKAGE.rglob("*.py"))
+            if "_torch_private" not in p.parts and (u := _private_torch_uses(p))}
+    assert uses == {}
+    assert _private_torch_uses(PACKAGE / "_torch_private" / "kernels.py")  # the check reads real code
+
+
+def test_no_module_imports_another_modules_private_name():
+    crossing = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("mesh3d")):
+                crossing += [f"{module}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert crossing == []
+
+
 def test_architecture_map_names_only_modules_that_exist():
     text = (ROOT / "docs" / "architecture.md").read_text()
     named = set(re.findall(r"\bmesh3d(?:/[A-Za-z_][A-Za-z0-9_]*)+(?:\.py|/)?", text))

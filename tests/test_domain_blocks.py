@@ -111,7 +111,7 @@ def test_3d_blocks_on_a_2x2x2_grid_train_like_one_process(ranks):
 def _halo_body(shape, sizes, channels):
     """Bytes one 3x3(x3) 'same' conv's forward and backward send on a 2x2 (2x2x2) grid, and the geometric minimum."""
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.split import offsets_of, split_sizes
+    from mesh3d.domain.core.split import offsets_of, split_sizes
 
     grid = (2,) * len(shape)
     dm = DistributedManager.initialize(batch=1, domain=grid)

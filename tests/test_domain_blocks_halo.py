@@ -1,4 +1,4 @@
-"""The one-round exchange on blocks (``mesh3d.domain.blocks_halo``). In one process: every rank's messages,
+"""The one-round exchange on blocks (``mesh3d.domain.halo.boxes``). In one process: every rank's messages,
 sent as planned and assembled as planned, give exactly the rows its windows read (fill rows included), and
 what each rank plans to send a peer is what that peer plans to receive. On ranks: padding modes, transposed
 convolutions and upsampling against one process, in one round. Convolutions and pooling on ranks (halo bytes,
@@ -15,11 +15,11 @@ from hypothesis import strategies as st
 
 from domain_cases import domain_sum, max_err
 from mesh3d import DistributedManager, domain
-from mesh3d.domain.blocks import halo_rows_only
-from mesh3d.domain.blocks_halo import FILL, OWN, _box, _pack, plan_box
-from mesh3d.domain.halo import plan_window, window_output_length
-from mesh3d.domain.rows import plan_exchange
-from mesh3d.domain.split import offsets_of
+from mesh3d.domain.layouts.blocks import halo_rows_only
+from mesh3d.domain.halo.boxes import FILL, OWN, _box, _pack, plan_box
+from mesh3d.domain.halo.windows import plan_window, window_output_length
+from mesh3d.domain.comm.rows import plan_exchange
+from mesh3d.domain.core.split import offsets_of
 from profiles import examples
 
 

@@ -1,4 +1,4 @@
-"""Convolutions on blocks with their halos overlapped (``mesh3d.domain.blocks_overlap``), against one process (fp64):
+"""Convolutions on blocks with their halos overlapped (``mesh3d.domain.layouts.blocks_overlap``), against one process (fp64):
 conv stacks on 2x2, 2x3 and 2x2x2 grids (uneven sizes, empty blocks, stride, dilation, 'same'), a few SGD steps
 with overlap on and off, the overlap really running, and halo bytes at the geometric minimum."""
 
@@ -27,10 +27,10 @@ def _stack(nd: int, layers) -> torch.nn.Module:
 def _expected_overlaps(layers, shape, sizes, grid) -> int:
     """Convs this rank runs overlapped: those where some grid dim receives rows and has an interior (the 1-D split)."""
     from mesh3d import DistributedManager
-    from mesh3d.domain.halo import plan_window
-    from mesh3d.domain.overlap import split_window
-    from mesh3d.domain.rows import plan_exchange
-    from mesh3d.domain.split import split_sizes
+    from mesh3d.domain.halo.windows import plan_window
+    from mesh3d.domain.halo.overlap import split_window
+    from mesh3d.domain.comm.rows import plan_exchange
+    from mesh3d.domain.core.split import split_sizes
 
     dm = DistributedManager()
     me = [dm.axis_rank(f"domain_{i}") for i in range(len(grid))]
@@ -52,7 +52,7 @@ def _expected_overlaps(layers, shape, sizes, grid) -> int:
 def _stacks_body(grid, cases, steps):
     """Each case (nd, spatial shape, sizes per grid dim, layers): SGD steps vs one process, overlap on and off."""
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.overlap import OVERLAP
+    from mesh3d.domain.halo.overlap import OVERLAP_STATS
 
     DistributedManager.initialize(batch=1, domain=grid)
     worst, calls, expected = 0.0, [], []
@@ -63,7 +63,7 @@ def _stacks_body(grid, cases, steps):
         for enabled in (True, None, False):  # None: the default, which is off on blocks
             ref, mod = copy.deepcopy(ref0), copy.deepcopy(ref0)
             opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
-            before = OVERLAP.calls
+            before = OVERLAP_STATS.calls
             for step in range(steps):
                 x = torch.randn(2, 2, *shape, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
                 x.requires_grad_(True)
@@ -80,7 +80,7 @@ def _stacks_body(grid, cases, steps):
                     worst = max(worst, max_err(p.grad, q.grad))
                 opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
             worst = max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
-            calls.append(OVERLAP.calls - before)
+            calls.append(OVERLAP_STATS.calls - before)
         expected += [steps * _expected_overlaps(layers, shape, sizes, grid), 0, 0]
     return worst, calls, expected
 
@@ -116,14 +116,14 @@ def test_3d_conv_stacks_on_2x2x2_blocks_equal_one_process(ranks):
 def _halo_body(grid, shape, sizes, channels):
     """Bytes a 3^n 'same' conv's forward and backward send with overlap on, off, and the geometric minimum."""
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.overlap import OVERLAP
-    from mesh3d.domain.split import offsets_of, split_sizes
+    from mesh3d.domain.halo.overlap import OVERLAP_STATS
+    from mesh3d.domain.core.split import offsets_of, split_sizes
 
     dm = DistributedManager.initialize(batch=1, domain=grid)
     nd = len(grid)
     conv = getattr(torch.nn, f"Conv{nd}d")(channels, channels, 3, padding=1, dtype=torch.float64)
     x = torch.randn(1, channels, *shape, dtype=torch.float64, requires_grad=True)
-    sent, calls = [], OVERLAP.calls
+    sent, calls = [], OVERLAP_STATS.calls
     for enabled in (True, False):
         with domain.window_overlap(enabled):
             xs = domain.shard(x, dims=tuple(range(2, 2 + nd)), sizes=sizes)
@@ -139,7 +139,7 @@ def _halo_body(grid, shape, sizes, channels):
     footprint = {tuple(p + a for p, a in zip(point, step)) for point in mine
                  for step in itertools.product((-1, 0, 1), repeat=nd)}
     footprint = {p for p in footprint if all(0 <= v < n for v, n in zip(p, shape))}
-    return sent, len(footprint - mine) * channels * 8, OVERLAP.calls - calls
+    return sent, len(footprint - mine) * channels * 8, OVERLAP_STATS.calls - calls
 
 
 def test_overlapped_halo_bytes_on_blocks_are_the_geometric_minimum(ranks):

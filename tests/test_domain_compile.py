@@ -29,9 +29,9 @@ from domain_cases import domain_sum, max_err, shard_sizes, with_edge_layouts
 from domain_compose import compose_body
 from domain_models import H, W, GridAttention, GridViT, TinyUNet, TinyViT
 from mesh3d import DistributedManager, domain
-from mesh3d.domain.compile_guards import IDENTITY_GUARDS
-from mesh3d.domain.nesting import NestedDispatchCheck
-from mesh3d.domain.overlap import OVERLAP
+from mesh3d.domain.dispatch.compile_guards import IDENTITY_GUARDS
+from mesh3d.domain.dispatch.nesting import NestedDispatchCheck
+from mesh3d.domain.core.settings import SETTINGS
 from profiles import examples
 
 STEPS = 3
@@ -132,7 +132,7 @@ def _guard_filter_body():
     step = torch.compile(lambda xs: model(xs).square().mean(), backend=counter, options={"guard_filter_fn": recording})
     xs = domain.shard(x, dim=2)
     results = [float(step(xs).to_local())]
-    with domain.window_overlap(not OVERLAP.enabled):  # a setting the graph read: it must recompile
+    with domain.window_overlap(not SETTINGS.value.overlap.enabled):  # a setting the graph read: it must recompile
         results.append(float(step(xs).to_local()))
     results.append(float(step(xs).to_local()))
     return decided, counter.frame_count, results, float(model(x).square().mean())
@@ -155,7 +155,7 @@ def test_guard_filter_drops_only_guards_on_mesh3d_code(ranks):
     assert internal and all(kind in IDENTITY_GUARDS for _, kind in internal), internal
     assert not any("__import_torch_dot__dynamo_dot_polyfills" in name for name, _ in kept), kept
     assert not any(kind in ("TENSOR_MATCH", "GLOBAL_STATE", "GRAD_MODE", "SHAPE_ENV") for _, kind in dropped)
-    assert any(name.endswith("OVERLAP.enabled") for name, _ in kept), kept
+    assert any(name.endswith("SETTINGS.value.overlap.enabled") for name, _ in kept), kept
     assert any("_spec.sizes" in name for name, _ in kept) and any(name.endswith("_spec.dim") for name, _ in kept)
     assert frames == 2  # the toggled setting recompiled once; toggling back reused the first graph
     assert max(abs(r - eager) for r in results) < 1e-12

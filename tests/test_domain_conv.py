@@ -111,8 +111,8 @@ def _adjoint_body(seed):
 
     from mesh3d import DistributedManager
     from mesh3d.domain.api import domain_comm
-    from mesh3d.domain.exchange import gather_rows
-    from mesh3d.domain.rows import plan_exchange, runs_from_indices
+    from mesh3d.domain.comm.exchange import gather_rows
+    from mesh3d.domain.comm.rows import plan_exchange, runs_from_indices
 
     DistributedManager.initialize(batch=1, domain=-1)
     comm = domain_comm()

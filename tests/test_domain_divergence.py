@@ -18,7 +18,7 @@ from torch import nn
 from domain_cases import grads_err, max_err
 from fault_cells import BranchesOnLocalShape, divergence_runs
 from rankpool.pool import RankFailure
-from mesh3d.domain.split import aligned_sizes
+from mesh3d.domain.core.split import aligned_sizes
 
 TOL = 1e-9
 

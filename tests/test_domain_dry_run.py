@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.exchange import DomainComm, count_traffic, dry_run, exchange_all, gather_rows
-from mesh3d.domain.rows import Span, plan_exchange
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.comm.exchange import count_traffic, dry_run, exchange_all, gather_rows
+from mesh3d.domain.comm.rows import Span, plan_exchange
 
 
 def test_a_dry_run_reports_peers_and_counts_bytes_without_a_process_group():

@@ -115,7 +115,7 @@ NOT_SWEPT = {
 def _sweep_body(sizes: tuple[int, ...]):
     """Every module on the layout ``sizes`` vs one process; returns the worst error per module and the rules hit."""
     from mesh3d import DistributedManager
-    from mesh3d.domain.registry import RULES, op_name
+    from mesh3d.domain.dispatch.registry import RULES, op_name
 
     DistributedManager.initialize(batch=1, domain=-1)
     hit: set[str] = set()
@@ -156,7 +156,7 @@ def _sweep_case(draw):
 @given(case=_sweep_case())
 @edge_examples(9, (2, 3))
 def test_every_rules_module_users_equal_one_process(ranks, case):
-    from mesh3d.domain.registry import RULES, op_name
+    from mesh3d.domain.dispatch.registry import RULES, op_name
 
     world, layouts = case
     results = ranks.run(world, on_each_layout, _sweep_body, layouts, timeout=300 * len(layouts))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from mesh3d.domain.exchange import PendingNotices
+from mesh3d.domain.comm.exchange import PendingNotices
 
 
 class _Work:

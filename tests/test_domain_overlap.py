@@ -11,10 +11,10 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from domain_cases import domain_sum, edge_layouts, grads_err, max_err, shard_sizes, with_edge_layouts
-from mesh3d.domain.halo import window_exchange
-from mesh3d.domain.halo import plan_window
-from mesh3d.domain.overlap import split_window
-from mesh3d.domain.split import offsets_of, split_sizes
+from mesh3d.domain.halo.windows import window_exchange
+from mesh3d.domain.halo.windows import plan_window
+from mesh3d.domain.halo.overlap import split_window
+from mesh3d.domain.core.split import offsets_of, split_sizes
 from profiles import examples
 
 TOL = 1e-10
@@ -131,10 +131,10 @@ def _fits(case) -> bool:
 def _overlap_body(cases):
     """Each conv stack: one process vs overlap on vs overlap off; forward, input and weight gradients."""
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.overlap import OVERLAP
+    from mesh3d.domain.halo.overlap import OVERLAP_STATS
 
     DistributedManager.initialize(batch=1, domain=-1)
-    worst, calls = 0.0, OVERLAP.calls
+    worst, calls = 0.0, OVERLAP_STATS.calls
     for i, case in enumerate(cases):
         torch.manual_seed(i)
         ref = _stack(case)
@@ -151,7 +151,7 @@ def _overlap_body(cases):
                 full = ys.full_tensor()
                 (full * cot).sum().backward()
             worst = max(worst, max_err(full, y), max_err(domain_sum(xi.grad), x.grad), grads_err(ref, mod))
-    return worst, OVERLAP.calls - calls
+    return worst, OVERLAP_STATS.calls - calls
 
 
 @settings(max_examples=examples(4), deadline=None, suppress_health_check=list(HealthCheck),
@@ -171,7 +171,7 @@ def test_overlapped_conv_stacks_equal_one_process(ranks, data):
 def _training_body(steps: int):
     """A 2-D conv stack trained with SGD on 3 uneven ranks (one empty) with overlap on, vs one process."""
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.overlap import OVERLAP
+    from mesh3d.domain.halo.overlap import OVERLAP_STATS
 
     dm = DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
@@ -180,7 +180,7 @@ def _training_body(steps: int):
                               torch.nn.Conv2d(4, 1, 3, padding=1, dtype=torch.float64))
     mod = copy.deepcopy(ref)
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
-    calls, worst = OVERLAP.calls, 0.0
+    calls, worst = OVERLAP_STATS.calls, 0.0
     for step in range(steps):
         x = torch.randn(2, 2, 19, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(step))
         loss_ref = (ref(x) ** 2).mean()
@@ -193,7 +193,7 @@ def _training_body(steps: int):
         worst = max(worst, abs(float(loss) - float(loss_ref)))
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
     worst = max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
-    return worst, OVERLAP.calls - calls, dm.axis_size("domain")
+    return worst, OVERLAP_STATS.calls - calls, dm.axis_size("domain")
 
 
 def test_training_with_overlap_equals_one_process(ranks):

@@ -1,6 +1,6 @@
 """A domain peer whose process ends mid-step (SIGKILL, as the kernel's out-of-memory killer or a scheduler ends it)
 is named as gone on every survivor, not reported as a divergence, and nobody waits for the group timeout: the
-survivors next to it see its connection close; the others hear it from them (``mesh3d.domain.peer_lost``)."""
+survivors next to it see its connection close; the others hear it from them (``mesh3d.domain.comm.peer_lost``)."""
 
 from __future__ import annotations
 

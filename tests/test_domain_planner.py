@@ -13,10 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from domain_cases import edge_layouts, shard_sizes
-from mesh3d.domain.halo import window_exchange
-from mesh3d.domain.halo import plan_window, window_output_length
-from mesh3d.domain.rows import Span, map_length, plan_exchange, runs_from_indices
-from mesh3d.domain.split import offsets_of, split_sizes
+from mesh3d.domain.halo.windows import window_exchange
+from mesh3d.domain.halo.windows import plan_window, window_output_length
+from mesh3d.domain.comm.rows import Span, map_length, plan_exchange, runs_from_indices
+from mesh3d.domain.core.split import offsets_of, split_sizes
 from profiles import examples
 
 
@@ -125,7 +125,7 @@ def test_planning_is_o_d(parts, length):
 
 
 def test_a_second_rule_for_one_op_is_refused_unless_overridden():
-    from mesh3d.domain.registry import RULES, register
+    from mesh3d.domain.dispatch.registry import RULES, register
 
     original = RULES.get(torch.cummin) if torch.cummin in RULES else None
     assert original is None  # torch.cummin has no rule: the dispatcher raises naming it
@@ -147,7 +147,7 @@ def test_a_second_rule_for_one_op_is_refused_unless_overridden():
 def test_pooling_divides_an_aligned_layout_and_upsampling_restores_it(units, stride):
     """Sizes that are multiples of the stride: a stride-s pool gives sizes/s on every rank, and an s-fold
     upsampling (transposed conv, or outputs owned by the rank of their source row) gives the sizes back."""
-    from mesh3d.domain.halo import sizes_by_first_index
+    from mesh3d.domain.halo.windows import sizes_by_first_index
 
     sizes = tuple(u * stride for u in units)
     if not sum(sizes):

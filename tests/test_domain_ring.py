@@ -56,7 +56,7 @@ def _kwargs(kind: str, n: int, heads: int, gen: torch.Generator) -> tuple[dict, 
 def _run_case(case: dict):
     """One case on every rank: (worst relative error, ring stats) against one process."""
     from mesh3d import domain
-    from mesh3d.domain.ring import RING_STATS
+    from mesh3d.domain.attention.ring import RING_STATS
 
     kind, layout, mode = case["kind"], case["layout"], case["mode"]
     gen = torch.Generator().manual_seed(case["seed"])
@@ -158,7 +158,7 @@ def test_ring_on_a_token_grid_equals_one_process(ranks, data):
 def _traffic_body(sizes, groups):
     """Bytes and messages of one ring forward and backward, and the most K/V bytes held in transit at once."""
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.ring import RING_STATS
+    from mesh3d.domain.attention.ring import RING_STATS
 
     DistributedManager.initialize(batch=1, domain=len(sizes))
     q, k, v = (domain.shard(torch.randn(2, 4, sum(sizes), 3, dtype=torch.float64, requires_grad=True), dim=2,

@@ -17,17 +17,19 @@ D64 = torch.float64
 
 
 def _one_rank_tensor():
-    from mesh3d.domain.exchange import DomainComm
-    from mesh3d.domain.tensor import DomainSpec, wrap
+    from mesh3d.domain.core.group import DomainComm
+    from mesh3d.domain.core.specs import DomainSpec
+    from mesh3d.domain.core.tensor import wrap
 
     return wrap(torch.randn(2, 3, 5, 4, dtype=D64), DomainSpec(2, (5,), DomainComm(None, (0,), 0)))
 
 
 def test_every_op_without_a_rule_raises_naming_it():
     """The dispatcher's guarantee, op by op over torch's whole overridable surface (about 1,500 functions)."""
-    from mesh3d.domain.dispatch import DATA_QUERIES, GLOBAL_SIZES, METADATA, dispatch
-    from mesh3d.domain.registry import RULES, op_name
-    from mesh3d.domain.tensor import DomainTensor
+    from mesh3d.domain.dispatch.queries import DATA_QUERIES, GLOBAL_SIZES, METADATA
+    from mesh3d.domain.dispatch.dispatcher import dispatch
+    from mesh3d.domain.dispatch.registry import RULES, op_name
+    from mesh3d.domain.core.tensor import DomainTensor
 
     x = _one_rank_tensor()
     unruled = [f for f in torch.overrides.get_testing_overrides()

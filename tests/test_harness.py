@@ -94,7 +94,7 @@ def _leave_state_behind(tmp):
     import torch
 
     from mesh3d import DistributedManager
-    from mesh3d.domain.registry import RULES
+    from mesh3d.domain.dispatch.registry import RULES
 
     DistributedManager.initialize(batch=1, domain=-1)
     torch.set_default_dtype(torch.float64)
@@ -121,7 +121,7 @@ def _state_seen():
     import torch
 
     from mesh3d import DistributedManager
-    from mesh3d.domain.registry import RULES
+    from mesh3d.domain.dispatch.registry import RULES
 
     try:
         with warnings.catch_warnings(record=True):

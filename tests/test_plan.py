@@ -16,7 +16,8 @@ from domain_models import TinyUNet
 from plan_models import ConvStack, Flips, WideKernel, transformer
 
 from mesh3d import Plan
-from mesh3d.domain import attention_mode, ring
+from mesh3d.domain import attention_mode
+from mesh3d.domain.attention import ring
 from mesh3d.planner import InputSpec, JobMesh, plan_job
 from mesh3d.planner.classes import DomainClasses
 from mesh3d.planner.job import _factors

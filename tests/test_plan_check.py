@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from plan_models import Flips
 
 from mesh3d.cli import main
-from mesh3d.domain.registry import RULES
-from mesh3d.domain.step import Step
+from mesh3d.domain.dispatch.registry import RULES
+from mesh3d.domain.dispatch.step import Step
 from mesh3d.planner import InputSpec, JobMesh
 from mesh3d.planner.check import CheckSpec, check_on_rank
 from mesh3d.planner.check_run import check_model, uneven_sizes

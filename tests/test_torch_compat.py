@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch._dynamo.output_graph import OutputGraph
 
 from mesh3d._torch_private import run_compiled_graphs_without_subclass_dispatch
-from mesh3d.domain import func_groups, guard_filter
-from mesh3d.domain.func_groups import GLOBAL_SIZES, METADATA, is_global_size, is_metadata
-from mesh3d.domain.registry import BLOCK_RULES, RULES, RuleTable, _rule_index_at_trace_time
+from mesh3d.domain.dispatch import queries as func_groups
+from mesh3d.domain import guard_filter
+from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, is_global_size, is_metadata
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, RuleTable, _rule_index_at_trace_time
 
 
 def test_tracing_membership_finds_each_query_fetched_anew_and_nothing_else():

@@ -43,7 +43,7 @@ from mesh3d.checkpoint.comm import StepFailure
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.inflight import IN_FLIGHT, AsyncSave
 from mesh3d.checkpoint.agree import Plan, agree_and_stage
-from mesh3d.checkpoint.save import DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, _my_parts, write_and_commit, write_my_shards
+from mesh3d.checkpoint.save import DEFAULT_CHECKSUM_BLOCK_BYTES, StageHook, my_parts, write_and_commit, write_my_shards
 
 __all__ = ["async_save", "AsyncSave"]
 
@@ -99,7 +99,7 @@ def _stage_in_host_memory(entries: dict[str, Any], boxes: list[dict[str, list]],
     a failure (e.g. no memory for the buffer) goes to the writer, which reports it to every rank's commit."""
     try:
         with torch.no_grad():  # DTensor.to_local without its autograd function
-            mine = _my_parts(entries, boxes, rank)
+            mine = my_parts(entries, boxes, rank)
             copies, ready = IN_FLIGHT.host.snapshot({name: data for name, (_, data) in mine.items()})
         return {name: (box, copies[name]) for name, (box, _) in mine.items()}, ready, None
     except Exception as err:

@@ -108,7 +108,7 @@ def _write_shard(path: str, parts: dict[str, torch.Tensor], block: int, rank: in
     return size, records
 
 
-def _my_parts(entries: dict[str, Entry], boxes: list[dict[str, list]], rank: int) -> dict[str, tuple[Box, torch.Tensor]]:
+def my_parts(entries: dict[str, Entry], boxes: list[dict[str, list]], rank: int) -> dict[str, tuple[Box, torch.Tensor]]:
     """For each tensor, the box this rank writes and its data (replicas split the rows)."""
     mine: dict[str, tuple[Box, torch.Tensor]] = {}
     for name, entry in entries.items():
@@ -154,7 +154,7 @@ def save(
     IN_FLIGHT.wait()
     plan, entries = agree(path, model, optimizer, step, extra, checksum_block_bytes, data, plans=IN_FLIGHT.plans)
     _stage("staged", stage_hook)
-    mine = _my_parts(entries, plan.boxes, plan.rank)
+    mine = my_parts(entries, plan.boxes, plan.rank)
     write_and_commit(plan, lambda: write_my_shards(plan, mine, stage_hook), hook=stage_hook)
     return plan.path
 

@@ -9,29 +9,37 @@ Usage::
     loss = (y * y).mean()                # the one-process value on every domain rank
     loss.backward()                      # then sum parameter grads over the domain group
 
+The layers under this package, each importing only those below it (docs/architecture.md):
+``core`` (what a domain tensor is) < ``comm`` (rows between ranks) < ``halo`` (window rows) < ``layouts``
+(blocks, token grids) < ``dispatch`` (a torch call to its rule) < ``attention`` < ``ops`` (the rules).
 See docs/domain.md.
 """
 
 from mesh3d._torch_private import let_compiled_graphs_take_function_subclasses
 from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
-from mesh3d.manager import DistributedManager
-from mesh3d.domain.dispatch import dispatch
-from mesh3d.domain.divergence import JOURNAL, DomainDivergenceError
-from mesh3d.domain.exchange import NOTICES, count_traffic
-from mesh3d.domain.attention_modes import attention, attention_mode
-from mesh3d.domain.compile_guards import guard_filter
-from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
-from mesh3d.domain.io import NpyArray, read
-from mesh3d.domain.overlap import window_overlap
-from mesh3d.domain.peer_lost import DomainPeerLostError
-from mesh3d.domain.ops.idioms import positions
-from mesh3d.domain.ops.tokens_attention import neighbourhood_attention
-from mesh3d.domain.probe import downsampling_factor
-from mesh3d.domain.split import aligned_sizes, balanced_sizes, split_sizes
-from mesh3d.domain.tensor import DomainSpec, DomainTensor
 from mesh3d.domain import recompute
+from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
+from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
+from mesh3d.domain.comm.exchange import NOTICES, count_traffic
+from mesh3d.domain.comm.peer_lost import DomainPeerLostError
+from mesh3d.domain.core.specs import BlockSpec, DomainSpec, Layout, TokenSpec
+from mesh3d.domain.core.split import aligned_sizes, balanced_sizes, split_sizes
+from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.dispatch.compile_guards import guard_filter
+from mesh3d.domain.dispatch.dispatcher import dispatch as _dispatch
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
+from mesh3d.domain.halo.overlap import window_overlap
+from mesh3d.domain.halo.windows import Extended, Window
+from mesh3d.domain.io import NpyArray, read
+from mesh3d.domain.ops.idioms import positions
+from mesh3d.domain.ops.tokens.attention import neighbourhood_attention
+from mesh3d.domain.probe import downsampling_factor
+from mesh3d.manager import DistributedManager
+# NOTE: last, so ``domain.attention`` is the function: importing the ``attention`` sub-package above bound its name.
+from mesh3d.domain.attention.modes import attention, attention_mode
 
-DomainTensor._dispatcher = staticmethod(dispatch)
+DomainTensor._dispatcher = staticmethod(_dispatch)
 DomainTensor._gather_whole = staticmethod(full_tensor)
 # NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
 DistributedManager.on_shutdown(JOURNAL.reset)
@@ -39,13 +47,24 @@ DistributedManager.on_shutdown(JOURNAL.reset)
 DistributedManager.on_teardown(NOTICES.settle)
 # torch.compile of models called with domain tensors (docs/domain.md, "torch.compile").
 let_compiled_graphs_take_function_subclasses()
+# Activation checkpointing recomputes a region as its forward ran (inputs, attention mode, overlap).
+recompute.install()
 
 __all__ = [
+    "BlockSpec",
     "DomainDivergenceError",
     "DomainPeerLostError",
     "DomainSpec",
     "DomainTensor",
+    "Entering",
+    "Extended",
+    "Layout",
     "NpyArray",
+    "Resplit",
+    "Rows",
+    "Step",
+    "TokenSpec",
+    "Window",
     "aligned_sizes",
     "attention",
     "attention_mode",
@@ -54,16 +73,15 @@ __all__ = [
     "domain_comm",
     "downsampling_factor",
     "from_local",
-    "neighbourhood_attention",
     "full_tensor",
     "guard_filter",
+    "neighbourhood_attention",
     "positions",
     "read",
     "redistribute",
+    "register",
     "scatter",
     "shard",
     "split_sizes",
     "window_overlap",
 ]
-# Activation checkpointing recomputes a region as its forward ran (inputs, attention mode, overlap).
-recompute.install()

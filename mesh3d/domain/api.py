@@ -18,17 +18,22 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from mesh3d.domain.dispatch import block_needs, redistribute_local
-from mesh3d.domain.exchange import DomainComm, gather_rows
-from mesh3d.domain.blocks import BlockSpec, block_full_tensor, shard_blocks
-from mesh3d.domain.tokens import TokenSpec, token_full_tensor
-from mesh3d.domain.gather import full_tensor as slab_full_tensor
-from mesh3d.domain.rows import plan_exchange
-from mesh3d.domain.plan_cache import plan_cache
-from mesh3d.domain.relayout import relayout
-from mesh3d.domain.split import aligned_sizes, split_sizes
-from mesh3d.domain.transpose import move_sharding
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap, wrap
+from mesh3d.domain.comm.rows import block_needs
+from mesh3d.domain.layouts.slabs import redistribute_local
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.comm.exchange import gather_rows
+from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.layouts.blocks import block_full_tensor, shard_blocks
+from mesh3d.domain.core.specs import TokenSpec
+from mesh3d.domain.layouts.tokens import token_full_tensor
+from mesh3d.domain.layouts.slabs import full_tensor as slab_full_tensor
+from mesh3d.domain.comm.rows import plan_exchange
+from mesh3d.domain.core.plan_cache import plan_cache
+from mesh3d.domain.layouts.relayout import relayout
+from mesh3d.domain.core.split import aligned_sizes, split_sizes
+from mesh3d.domain.layouts.transpose import move_sharding
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
 from mesh3d.launcher import refuse_if_launched_uninitialized
 from mesh3d.manager import DistributedManager
 

@@ -18,7 +18,7 @@ rank must keep 1/D of the parameter gradient (as the domain op rules do); the in
 kept whole. Modules with a ``"replicate"`` style need no bridge: their inputs stay domain tensors
 (``is_plain_tensor`` is what ``ReplicateParallel`` turns into a ``Replicate`` DTensor; a domain tensor
 is not), and the op rules take their ``Replicate`` DTensor parameters as local tensors: that
-conversion is ``_replicated_dtensor_to_local`` in ``mesh3d/domain/dispatch.py``, kept beside the
+conversion is ``_replicated_dtensor_to_local`` in ``mesh3d/domain/dispatch/dispatcher.py``, kept beside the
 dispatcher that calls it on every op.
 
 Batch axis. FSDP/HSDP/DDP (``mesh3d/parallel/batch_parallel.py``) see only plain parameters and
@@ -36,9 +36,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from mesh3d._torch_private import wait_async_collective
-from mesh3d.domain.collectives import scale_grad
-from mesh3d.domain.registry import flat_tensors, tree_map
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
+from mesh3d.domain.comm.collectives import scale_grad
+from mesh3d.domain.core.trees import flat_tensors, tree_map
+from mesh3d.domain.core.specs import DomainSpec, sharded_dims
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["bridge_tensor_parallel", "is_plain_tensor"]
 

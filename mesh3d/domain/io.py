@@ -23,8 +23,8 @@ import numpy as np
 import torch
 
 from mesh3d.domain.api import domain_comm, from_local
-from mesh3d.domain.split import split_sizes
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.core.split import split_sizes
+from mesh3d.domain.core.tensor import DomainTensor
 
 __all__ = ["NpyArray", "open_array", "read", "read_rows", "slab_key"]
 

@@ -19,9 +19,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from mesh3d.domain.exchange import DomainComm
-from mesh3d.domain.halo import WindowProbe
-from mesh3d.domain.tensor import DomainSpec, wrap
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.halo.windows import WindowProbe
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import wrap
 
 __all__ = ["downsampling_factor"]
 

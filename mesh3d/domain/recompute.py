@@ -15,16 +15,15 @@ A checkpointed region is recomputed in backward. Two things must be as they were
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import ContextManager
 
 import torch
 
 from mesh3d._torch_private import patch_checkpoint_recomputation
-from mesh3d.domain.attention_modes import ATTENTION
-from mesh3d.domain.overlap import OVERLAP
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, wrap
+from mesh3d.domain.core.settings import SETTINGS
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, wrap
 
 __all__ = ["install"]
 
@@ -37,34 +36,10 @@ def _as_domain_tensor(unpacked: torch.Tensor, spec: DomainSpec) -> DomainTensor:
     return unpacked if isinstance(unpacked, DomainTensor) else wrap(unpacked, spec)
 
 
-#: The settings a rule reads at call time, which a recomputation must see as its forward did (not ``OVERLAP.calls``,
-#: a counter).
-_SETTINGS = ((ATTENTION, ("mode", "head_groups", "kernel", "balance", "ring_min_tokens")), (OVERLAP, ("enabled", "blocks")))
-
-
-def _read_settings() -> list[tuple[object, str, object]]:
-    return [(owner, name, getattr(owner, name)) for owner, names in _SETTINGS for name in names]
-
-
-def _put_settings(settings: list[tuple[object, str, object]]) -> None:
-    for owner, name, value in settings:
-        setattr(owner, name, value)
-
-
 def _forward_settings() -> Callable[[], ContextManager]:
-    """The attention and overlap settings now (at forward time), as a context manager factory that re-enters them."""
-    in_forward = _read_settings()
-
-    @contextlib.contextmanager
-    def as_in_forward() -> Iterator[None]:
-        before = _read_settings()
-        _put_settings(in_forward)
-        try:
-            yield
-        finally:
-            _put_settings(before)
-
-    return as_in_forward
+    """The settings now (at forward time), as a context manager factory that puts them back in force."""
+    in_forward = SETTINGS.value
+    return lambda: SETTINGS.replaced(in_forward)
 
 
 def install() -> bool:

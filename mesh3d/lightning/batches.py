@@ -21,7 +21,8 @@ from typing import Any, Union
 import torch
 
 from mesh3d import domain
-from mesh3d.domain.tensor import DomainTensor, sharded_dims
+from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.core.specs import sharded_dims
 
 __all__ = ["DomainDims", "check_domain_dims", "shard_batch", "plain_step_output"]
 

@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from mesh3d._torch_private import disable_torch_function_subclass
-from mesh3d.domain.compile_guards import guard_filter
-from mesh3d.domain.registry import tree_map
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
+from mesh3d._torch_private import disable_torch_function_subclass, view_base
+from mesh3d.domain.dispatch.compile_guards import guard_filter
+from mesh3d.domain.core.trees import tree_map
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["COMPILE_OPTIONS", "apply_compile", "compiled_blocks", "compile_options"]
 
@@ -90,7 +90,7 @@ def _fresh_domain_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     def fresh(t: Any) -> Any:
         if not isinstance(t, DomainTensor):
             return t
-        base = t._base
+        base = view_base(t)
         local = unwrap(t)
         if type(base) is not torch.Tensor or base.shape != local.shape or base.stride() != local.stride() \
                 or base.storage_offset() != local.storage_offset() or base.requires_grad != local.requires_grad:

@@ -27,18 +27,19 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_flatten
 
 from mesh3d.checkpoint.load import load
 from mesh3d.checkpoint.save import save
 from mesh3d.domain.api import shard
-from mesh3d.domain.tensor import DomainTensor, sharded_dims
+from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.core.specs import Layout, sharded_dims
 from mesh3d.manager import DistributedManager
 from mesh3d.parallel.apply import parallelize
 from mesh3d.parallel.plan import Plan
 from mesh3d.planner.mesh import JobMesh
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan
+from mesh3d._torch_private import tree_flatten
 
 __all__ = ["CheckSpec", "check_on_rank", "relative_difference"]
 
@@ -116,8 +117,8 @@ def _like(cot: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The cotangent laid out as the parallel output is."""
     if isinstance(y, DomainTensor) and sharded_dims(y.spec):
         spec = y.spec
-        if hasattr(spec, "dims"):
-            return shard(cot, dims=spec.dims, sizes=spec.sizes)
+        if spec.layout is Layout.BLOCKS:
+            return shard(cot, dims=spec.dims, sizes=spec.sizes)  # type: ignore[attr-defined]
         return shard(cot, dim=spec.dim, sizes=spec.sizes)
     return cot
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import math
 
-from mesh3d.domain.blocks import grid_coords
-from mesh3d.domain.split import offsets_of
+from mesh3d.domain.core.specs import grid_coords
+from mesh3d.domain.core.split import offsets_of
 
 __all__ = ["DomainClasses"]
 

@@ -26,13 +26,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
-from mesh3d.domain.tensor import unwrap
+from mesh3d.domain.core.tensor import unwrap
 from mesh3d.parallel.styles import style_kind
 from mesh3d.parallel.validate import PlanFields
 from mesh3d.planner.layout import ModelLayout
 from mesh3d.planner.tracker import FSDP_BUFFERS, GRADS, MemoryTracker
+from mesh3d._torch_private import tree_flatten, tree_map
 
 __all__ = ["FsdpEmulation", "TpEmulation", "Collective"]
 

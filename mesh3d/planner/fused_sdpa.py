@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
+from mesh3d._torch_private import cpu_flash_attention, cuda_efficient_attention, cuda_flash_attention
 
 __all__ = ["FusedAttention"]
 
@@ -48,9 +49,7 @@ class FusedAttention(TorchFunctionMode):
         if dropout_p or enable_gqa or query.dim() != 4:
             return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if self.device == "cpu":
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale)[0]
+            return cpu_flash_attention(query, key, value, attn_mask, is_causal, scale)[0]
         if attn_mask is None and query.dtype in _HALF:
-            return torch.ops.aten._scaled_dot_product_flash_attention(query, key, value, 0.0, is_causal, scale=scale)[0]
-        return torch.ops.aten._scaled_dot_product_efficient_attention(
-            query, key, value, attn_mask, True, 0.0, is_causal, scale=scale)[0]
+            return cuda_flash_attention(query, key, value, is_causal, scale)
+        return cuda_efficient_attention(query, key, value, attn_mask, is_causal, scale)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from mesh3d.domain.blocks import grid_coords
+from mesh3d.domain.core.specs import grid_coords
 from mesh3d.domain.probe import downsampling_factor
 from mesh3d.parallel.plan import Plan
 from mesh3d.planner.ckpt_index import index_bytes

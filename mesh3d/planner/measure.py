@@ -20,9 +20,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mesh3d.manager import DistributedManager
+from mesh3d._torch_private import TorchDispatchMode, storage_key
 
 __all__ = ["CollectiveCounter", "PeakRss", "local_tensors", "storage_bytes"]
 
@@ -59,7 +59,7 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     seen: dict[int, int] = {}
     for t in tensors:
         storage = t.untyped_storage()
-        seen[storage._cdata] = storage.nbytes()
+        seen[storage_key(storage)] = storage.nbytes()
     return sum(seen.values())
 
 

@@ -16,15 +16,16 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from mesh3d._torch_private import OpOverload, op_schema
 
 __all__ = ["MetaOutputs"]
 
 _LEAVES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
 
 
-def _pure(func: torch._ops.OpOverload) -> bool:
+def _pure(func: OpOverload) -> bool:
     """One fresh tensor out, nothing written, no alias: the output is a function of the arguments' metadata."""
-    schema = func._schema
+    schema = op_schema(func)
     if len(schema.returns) != 1 or str(schema.returns[0].type) != "Tensor" or schema.returns[0].alias_info is not None:
         return False
     if any(a.alias_info is not None for a in schema.arguments):
@@ -53,10 +54,10 @@ class MetaOutputs:
     """Memoized output metadata of pure ops on meta tensors (see the module docstring)."""
 
     def __init__(self) -> None:
-        self._pure: dict[torch._ops.OpOverload, bool] = {}
+        self._pure: dict[OpOverload, bool] = {}
         self._outputs: dict[tuple, tuple[tuple[int, ...], tuple[int, ...], torch.dtype]] = {}
 
-    def call(self, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+    def call(self, func: OpOverload, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)``, or an empty meta tensor of the output's metadata when it was seen before."""
         pure = self._pure.get(func)
         if pure is None:

@@ -2,7 +2,7 @@
 
 The user's model runs unchanged on a meta input holding this rank's shard: a domain tensor whose
 ``DomainComm`` has the real domain size and this rank's index but no process group, so mesh3d's own rules,
-halo planner and exchanges run as they would (``mesh3d.domain.exchange.dry_run`` counts what each exchange
+halo planner and exchanges run as they would (``mesh3d.domain.comm.exchange.dry_run`` counts what each exchange
 would send in ``count_traffic`` and posts nothing). Parameters are meta tensors of their tensor-parallel
 shape; ``emulate`` adds FSDP's buffers and the TP collectives; ``tracker`` follows every allocation.
 
@@ -24,15 +24,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten
 
 from mesh3d._torch_private import checkpoint_module
-from mesh3d.domain.blocks import BlockSpec, grid_coords
-from mesh3d.domain.divergence import JOURNAL
-from mesh3d.domain.exchange import DomainComm, TrafficCounter, count_traffic, dry_run
-from mesh3d.domain.registry import op_name, tree_map
-from mesh3d.domain.split import split_sizes
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, sharded_dims, unwrap, wrap
+from mesh3d.domain.core.specs import BlockSpec, grid_coords
+from mesh3d.domain.comm.divergence import JOURNAL
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.comm.exchange import TrafficCounter, count_traffic, dry_run
+from mesh3d.domain.dispatch.registry import op_name
+from mesh3d.domain.core.trees import tree_map
+from mesh3d.domain.core.split import split_sizes
+from mesh3d.domain.core.specs import DomainSpec, sharded_dims
+from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
 from mesh3d.parallel.validate import PlanFields
 from mesh3d.planner.emulate import Collective, FsdpEmulation, TpEmulation
 from mesh3d.planner.fused_sdpa import FusedAttention
@@ -40,6 +42,7 @@ from mesh3d.planner.layout import ModelLayout
 from mesh3d.planner.meta_outputs import MetaOutputs
 from mesh3d.planner.tracker import GRADS, HALO, MemoryTracker
 from mesh3d.planner.workspace import cpu_kernel_workspace
+from mesh3d._torch_private import tree_flatten
 
 __all__ = ["InputSpec", "RankSim", "Simulator", "default_loss"]
 

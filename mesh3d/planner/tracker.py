@@ -19,9 +19,9 @@ import weakref
 from collections.abc import Callable
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from mesh3d.planner.meta_outputs import MetaOutputs
+from mesh3d._torch_private import TorchDispatchMode, storage_key
 
 __all__ = ["ACTIVATIONS", "FSDP_BUFFERS", "GRADS", "HALO", "MemoryTracker", "Workspace"]
 
@@ -87,7 +87,7 @@ class MemoryTracker(TorchDispatchMode):
     def track(self, t: torch.Tensor, category: str) -> None:
         """Count ``t``'s storage (if new) under ``category``, or move it there if already counted."""
         storage = t.untyped_storage()
-        key = storage._cdata
+        key = storage_key(storage)
         old = self._live.get(key)
         if old is not None:
             self._sub(*old)
@@ -118,10 +118,10 @@ class MemoryTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ the dispatch mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {s._cdata for s in _storages((args, kwargs))}
+        inputs = {storage_key(s) for s in _storages((args, kwargs))}
         out = self._outputs.call(func, args, kwargs)
         for storage in _storages(out):
-            key = storage._cdata
+            key = storage_key(storage)
             if key in inputs or key in self._live:
                 continue  # a view, or an in-place result
             nbytes = storage.nbytes()

@@ -36,9 +36,9 @@ from mesh3d import DistributedManager
 from mesh3d._torch_private import clear_dtensor_caches
 from mesh3d.checkpoint.agree import AgreedPlans
 from mesh3d.checkpoint.inflight import IN_FLIGHT
-from mesh3d.domain.divergence import JOURNAL
-from mesh3d.domain.exchange import TrafficCounter
-from mesh3d.domain.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES
+from mesh3d.domain.comm.divergence import JOURNAL
+from mesh3d.domain.comm.exchange import TrafficCounter
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES
 
 __all__ = ["ProcessState"]
 

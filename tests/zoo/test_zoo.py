@@ -32,7 +32,7 @@ def _rel(a, b, floor: float = 0.0) -> float:
 
 def sizes_for(entry, world: int) -> tuple[int, ...]:
     """The 3-rank split of the entry, or at 2 ranks the even split aligned to the same granularity."""
-    from mesh3d.domain.split import aligned_sizes
+    from mesh3d.domain.core.split import aligned_sizes
 
     if world == 3:
         return entry.sizes3
@@ -41,7 +41,7 @@ def sizes_for(entry, world: int) -> tuple[int, ...]:
 
 def block_sizes_for(entry) -> tuple[tuple[int, ...], ...]:
     """2x2 blocks over the entry's sharded dim and the next, each split evenly at the entry's granularity."""
-    from mesh3d.domain.split import aligned_sizes
+    from mesh3d.domain.core.split import aligned_sizes
 
     step = math.gcd(*entry.sizes3)
     return tuple(tuple(aligned_sizes(entry.shape[d], 2, math.gcd(step, entry.shape[d]))) for d in (entry.dim, entry.dim + 1))

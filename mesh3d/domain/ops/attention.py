@@ -4,7 +4,7 @@ Usage::
 
     out = F.scaled_dot_product_attention(qs, ks, vs)   # q, k, v sharded along the sequence dim (-2)
 
-SDPA runs in the mode ``domain.attention_mode`` picks (``mesh3d.domain.attention_modes``: a ring of K/V
+SDPA runs in the mode ``domain.attention_mode`` picks (``mesh3d.domain.attention.modes``: a ring of K/V
 blocks by default on long sequences, all keys gathered on short ones); masks, windows and ``is_causal`` use
 global positions. ``neighbourhood_attention`` attends within a window of +-radius tokens via a halo of
 exactly ``radius`` rows from the neighbours.
@@ -15,16 +15,16 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.attention_modes import sharded_attention
-from mesh3d.domain.attention_op import compiled_sharded_attention, takes
-from mesh3d.domain.dispatch import run_step
-from mesh3d.domain.ops.conv import weight_connected_zeros
+from mesh3d.domain.attention.modes import sharded_attention
+from mesh3d.domain.attention.compiled import compiled_sharded_attention, takes
+from mesh3d.domain.dispatch.dispatcher import run_step
+from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.idioms import strided_rows
-from mesh3d.domain.registry import register
-from mesh3d.domain.rows import Span
-from mesh3d.domain.split import offsets_of
-from mesh3d.domain.step import Rows, Step
-from mesh3d.domain.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.dispatch.step import Rows, Step
+from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
 
 __all__ = ["neighbourhood_attention"]
 
@@ -76,13 +76,13 @@ def _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=is_causal, scale=scale,
                                              enable_gqa=enable_gqa)
         if q.numel() == 0:  # no window here: torch leaves the mask without a gradient; keep every input connected
-            return weight_connected_zeros(out, list(out.shape), q, k, v, m if isinstance(m, torch.Tensor) else None)
+            return connected_zeros(out, list(out.shape), q, k, v, m if isinstance(m, torch.Tensor) else None)
         return out
     return Step(compute, (query, key, value, mask), out=spec)
 
 
 @register(F.scaled_dot_product_attention)
-def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+def sdpa_rule(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     if _batched(query, key, value):  # sharded along a batch dim (Swin's windows): local
         return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if torch.compiler.is_dynamo_compiling():
@@ -92,7 +92,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
             return compiled_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         # NOTE: a mask laid out as blocks keeps the graph break: the attention runs eagerly between graphs.
         return _eager_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention_modes.py)
+    # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention/modes.py)
     return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 

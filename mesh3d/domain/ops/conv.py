@@ -14,17 +14,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.halo import extent_map, plan_window, sizes_by_first_index
-from mesh3d.domain.registry import register
-from mesh3d.domain.rows import Span, runs_from_indices
-from mesh3d.domain.split import offsets_of
-from mesh3d.domain.step import Extended, Rows, Step, Window
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.halo.windows import extent_map, plan_window, sizes_by_first_index
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.comm.rows import Span, runs_from_indices
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.halo.windows import Extended, Window
+from mesh3d.domain.dispatch.step import Rows, Step
+from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.core.connected import connected_zeros
 
-__all__ = ["pad_local", "spatial_axis", "weight_connected_zeros"]
+__all__ = ["pad_local", "spatial_axis"]
 
 
-def _tuple(v, n: int) -> tuple[int, ...]:
+def as_tuple(v, n: int) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (list, tuple)) else (v,) * n
 
 
@@ -41,20 +43,6 @@ def spatial_axis(op: str, x: DomainTensor, nd: int) -> int:
     return sp
 
 
-def weight_connected_zeros(x: torch.Tensor, shape: list[int], *params) -> torch.Tensor:
-    """Zeros of ``shape`` that still reach ``params`` in autograd.
-
-    Why: the halo exchange's backward is point-to-point, so *every* rank must run it, including a
-    rank whose own output is empty; and parameters must get a (zero) .grad on every rank so that
-    summing gradients over the domain sees the same set of tensors everywhere.
-    """
-    out = x.new_zeros(shape)
-    for p in params:
-        if p is not None:
-            out = out + p.sum() * 0
-    return out
-
-
 def pad_local(t: torch.Tensor, flat: list[int], mode: str = "constant", value=None) -> torch.Tensor:
     """F.pad on a local piece; an empty piece (torch's reflect/replicate refuse those) gets its padded shape."""
     if not any(flat):
@@ -63,7 +51,7 @@ def pad_local(t: torch.Tensor, flat: list[int], mode: str = "constant", value=No
         shape = list(t.shape)
         for i in range(len(flat) // 2):
             shape[-1 - i] += flat[2 * i] + flat[2 * i + 1]
-        return weight_connected_zeros(t, shape, t)
+        return connected_zeros(t, shape, t)
     return F.pad(t, flat, mode=mode, value=value)
 
 
@@ -75,7 +63,7 @@ def _pad_pairs(padding, weight_k, dilation, nd: int) -> list[tuple[int, int]]:
             totals = [d * (k - 1) for d, k in zip(dilation, weight_k)]
             return [(t // 2, t - t // 2) for t in totals]
         raise ValueError(f"padding={padding!r} must be 'same', 'valid', an int or a tuple")
-    return [(p, p) for p in _tuple(padding, nd)]
+    return [(p, p) for p in as_tuple(padding, nd)]
 
 
 def kernel_padding(pads: list[tuple[int, int]], sp: int, ext: Extended) -> tuple[int, ...] | None:
@@ -103,7 +91,7 @@ def _conv_rule(func, nd: int):
         sp = spatial_axis(name, input, nd)
         if sp < 0:
             return Step(func, (input, weight, bias, stride, padding, dilation, groups), out=input.spec)
-        stride, dilation = _tuple(stride, nd), _tuple(dilation, nd)
+        stride, dilation = as_tuple(stride, nd), as_tuple(dilation, nd)
         ks = tuple(weight.shape[2:])
         pads = _pad_pairs(padding, ks, dilation, nd)
         plan = plan_window(input.spec.sizes, ks[sp], stride[sp], dilation[sp], *pads[sp])
@@ -115,7 +103,7 @@ def _conv_rule(func, nd: int):
                 for i in range(nd):
                     length = ext.tensor.shape[2 + i] + (0 if i == sp else sum(pads[i]))
                     shape.append(0 if i == sp else (length - dilation[i] * (ks[i] - 1) - 1) // stride[i] + 1)
-                return weight_connected_zeros(ext.tensor, shape, ext.tensor, weight, bias)
+                return connected_zeros(ext.tensor, shape, ext.tensor, weight, bias)
             return run_padded(lambda t, p: func(t, weight, bias, stride, p, dilation, groups), ext, pads, sp, nd)
 
         # The kernel may run on row strips (the padding of the sharded dim is then in the strips' rows).
@@ -151,8 +139,8 @@ def _conv_transpose_rule(func, nd: int):
         args = (input, weight, bias, stride, padding, output_padding, groups, dilation)
         if sp < 0:
             return Step(func, args, out=input.spec)
-        stride, padding, dilation = _tuple(stride, nd), _tuple(padding, nd), _tuple(dilation, nd)
-        output_padding = _tuple(output_padding, nd)
+        stride, padding, dilation = as_tuple(stride, nd), as_tuple(padding, nd), as_tuple(dilation, nd)
+        output_padding = as_tuple(output_padding, nd)
         s, p, d, k = stride[sp], padding[sp], dilation[sp], weight.shape[2 + sp]
         sizes, n = input.spec.sizes, sum(input.spec.sizes)
         m = (n - 1) * s - 2 * p + d * (k - 1) + output_padding[sp] + 1
@@ -180,7 +168,7 @@ def _conv_transpose_rule(func, nd: int):
                            weight, None, stride, local_pad, local_op, groups, dilation)
                 shape = list(ref.shape)
                 shape[2 + sp] = size
-                y = weight_connected_zeros(ref, shape, ext, weight)
+                y = connected_zeros(ref, shape, ext, weight)
             if bias is not None:
                 y = y + bias.view(1, -1, *([1] * nd))
             return y
@@ -210,7 +198,7 @@ def _source_row(g: int, n: int, mode: str) -> int:
     raise ValueError(f"F.pad mode={mode!r} is not supported on a domain-sharded dim")
 
 
-def _padded_rows(lo: int, hi: int, n: int, pl: int, mode: str):
+def padded_rows(lo: int, hi: int, n: int, pl: int, mode: str):
     """Runs of source rows for padded rows [lo, hi): real rows as one run, the padding row by row (O(pad))."""
     left = runs_from_indices(_source_row(g - pl, n, mode) for g in range(lo, min(hi, pl)))
     middle = extent_map(max(lo, pl) - pl, min(hi, pl + n) - pl - 1, n) if max(lo, pl) < min(hi, pl + n) else ()
@@ -243,7 +231,7 @@ def _pad(input, pad, mode="constant", value=None) -> Step:
         )
     if input.spec.comm.size == 1:  # the whole dim is here: torch's own pad
         return Step(lambda t: F.pad(t, pad, mode, value), (input,), out=input.spec.with_sizes(tuple(new_sizes)))
-    needs = tuple(_padded_rows(o, o + s, n, pl, mode) for o, s in zip(offsets_of(new_sizes), new_sizes))
+    needs = tuple(padded_rows(o, o + s, n, pl, mode) for o, s in zip(offsets_of(new_sizes), new_sizes))
     rest = list(pad)
     rest[2 * pos] = rest[2 * pos + 1] = 0
     return Step(lambda ext: pad_local(ext, rest, mode, value),

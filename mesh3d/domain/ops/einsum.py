@@ -21,13 +21,14 @@ from typing import Any
 
 import torch
 
-from mesh3d.domain.blocks import BlockSpec
-from mesh3d.domain.collectives import reduce_to_replicated, sum_grad
-from mesh3d.domain.ops.tokens import token_rows
-from mesh3d.domain.registry import BLOCK_RULES, TOKEN_RULES, register
-from mesh3d.domain.rows import Span
-from mesh3d.domain.step import Entering, Layout, Rows, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, sharded_dims, unwrap
+from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
+from mesh3d.domain.layouts.tokens import token_rows
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, TOKEN_RULES, register
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
+from mesh3d.domain.core.specs import DomainSpec, Layout, sharded_dims
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["explicit_equation"]
 
@@ -81,7 +82,7 @@ def _einsum(equation, *operands):
         kept_dims = [d for d, c in enumerate(term) if c == kept]
         if isinstance(o, DomainTensor) and o.spec.dim is not None:
             if term[o.spec.dim] == kept:
-                reqs.append(o if o.spec.sizes == spec.sizes else Layout(o, spec.sizes))
+                reqs.append(o if o.spec.sizes == spec.sizes else Resplit(o, spec.sizes))
                 narrow.append([d for d in kept_dims if d != o.spec.dim])
             else:  # sharded along another letter: gathered whole (then cut to my rows where it holds the kept one)
                 reqs.append(Rows(o, _everything(o.spec)))
@@ -140,7 +141,7 @@ def _grid_einsum(equation, *operands):
     terms, output = explicit_equation(equation, [o.ndim for o in operands])
     grids = [(o, t) for o, t in zip(operands, terms) if isinstance(o, DomainTensor) and sharded_dims(o._spec)]
     spec: Any = grids[0][0]._spec  # a BlockSpec or a TokenSpec
-    token_letters = {t[getattr(o._spec, "token_dim")] for o, t in grids} if getattr(spec, "is_token_grid", False) else set()
+    token_letters = {t[o._spec.token_dim] for o, t in grids} if spec.layout is Layout.TOKENS else set()  # type: ignore[attr-defined]
     if len(token_letters) == 2 and len(grids) == len(operands) == 2:  # queries' tokens against keys' tokens
         product = _attention_product(operands, terms, output)
         if product is not None:
@@ -167,7 +168,7 @@ def _grid_einsum(equation, *operands):
     out = torch.einsum(",".join(terms) + "->" + output, *local)
     if not kept:
         return adopt(reduce_to_replicated(out, spec.comm), DomainSpec.replicated(spec.comm))
-    if getattr(spec, "is_token_grid", False):
+    if spec.layout is Layout.TOKENS:
         return adopt(out, spec.with_token_dim(output.index(ref_term[spec.token_dim])))
     return adopt(out, BlockSpec(tuple(output.index(ref_term[d]) for d in spec.dims), spec.sizes, spec.lines, spec.comm))
 
@@ -184,7 +185,7 @@ def _grid_rows(o: torch.Tensor, term: str, spec, dim_of: dict[str, int]) -> torc
     for position, letter in enumerate(term):
         if letter not in dim_of or plain.shape[position] == 1:
             continue
-        if getattr(spec, "is_token_grid", False):
+        if spec.layout is Layout.TOKENS:
             plain = token_rows(plain, position, spec, "torch.einsum")
         else:
             k = spec.dims.index(dim_of[letter])

@@ -15,13 +15,15 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.dispatch import redispatch, redistribute_local
+from mesh3d.domain.dispatch.dispatcher import redispatch
+from mesh3d.domain.layouts.slabs import redistribute_local
 from mesh3d.domain.ops.idioms import slice_sizes
-from mesh3d.domain.registry import BLOCK_RULES, TOKEN_RULES, op_name, register
-from mesh3d.domain.rows import Span
-from mesh3d.domain.split import offsets_of
-from mesh3d.domain.step import Rows, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, sharded_dims, size_of, unwrap
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, TOKEN_RULES, op_name, register
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.dispatch.step import Rows, Step
+from mesh3d.domain.core.specs import DomainSpec, sharded_dims
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 
 __all__ = ["piece"]
 

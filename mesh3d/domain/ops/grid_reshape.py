@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from mesh3d.domain.tensor import DomainTensor, size_of
+from mesh3d.domain.core.tensor import DomainTensor, size_of
 
 __all__ = ["localized", "place_run", "shape_rules", "target_shape", "untouched_index"]
 

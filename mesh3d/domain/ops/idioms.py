@@ -23,13 +23,14 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.collectives import sum_grad
-from mesh3d.domain.dispatch import redispatch, run_step
+from mesh3d.domain.comm.collectives import sum_grad
+from mesh3d.domain.dispatch.dispatcher import redispatch, run_step
 from mesh3d.domain.ops.reshape import reshaped, target_shape
-from mesh3d.domain.registry import register
-from mesh3d.domain.split import offsets_of
-from mesh3d.domain.step import Entering, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, size_of, unwrap, wrap
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.dispatch.step import Entering, Step
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap, wrap
 
 __all__ = ["cat_along_sharded", "expand_index", "positions", "replicated_slice", "slice_sizes", "strided_rows"]
 

@@ -17,14 +17,15 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.halo import sizes_by_first_index
-from mesh3d.domain.ops.conv import spatial_axis, weight_connected_zeros
-from mesh3d.domain.registry import register
-from mesh3d.domain.rows import Span
-from mesh3d.domain.split import offsets_of
-from mesh3d.domain.tensor import unwrap
-from mesh3d.domain.step import Rows, Step
-from mesh3d.domain.plan_cache import plan_cache
+from mesh3d.domain.halo.windows import sizes_by_first_index
+from mesh3d.domain.ops.conv import spatial_axis
+from mesh3d.domain.core.connected import connected_zeros
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.core.tensor import unwrap
+from mesh3d.domain.dispatch.step import Rows, Step
+from mesh3d.domain.core.plan_cache import plan_cache
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 
@@ -68,7 +69,7 @@ def lerp_rows(ext: torch.Tensor, dim: int, i0: Sequence[int], i1: Sequence[int],
 
 
 @plan_cache(maxsize=256, run_at_trace_time=True)
-def _row_plan(sizes: tuple[int, ...], m: int, scale_factor, mode: str, align_corners, dtype, me: int):
+def row_plan(sizes: tuple[int, ...], m: int, scale_factor, mode: str, align_corners, dtype, me: int):
     """Output sizes per rank, the source rows each rank needs, and this rank's (i0, i1, lambda) as plain data.
 
     NOTE: plain ints and floats, computed for real even under torch.compile (``run_at_trace_time``): the
@@ -107,7 +108,7 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     m = outs[sp] if outs is not None else math.floor(n * sfs[sp])
     if input.spec.comm.size == 1:  # the whole dim is here: torch's own kernel
         return Step(whole, (input,), out=input.spec.with_sizes((m,)))
-    out_sizes, needs, i0, i1, lam = _row_plan(sizes, m, sfs[sp] if sfs else None, mode, align_corners, input.dtype,
+    out_sizes, needs, i0, i1, lam = row_plan(sizes, m, sfs[sp] if sfs else None, mode, align_corners, input.dtype,
                                               input.spec.comm.index)
     dim = 2 + sp
     local_shape = list(unwrap(input).shape)
@@ -116,7 +117,7 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
         if not i0:
             shape = list(local_shape)
             shape[dim] = 0
-            y = weight_connected_zeros(ext, shape, ext)
+            y = connected_zeros(ext, shape, ext)
         else:
             y = lerp_rows(ext, dim, i0, i1, lam, mode)
         if nd == 1:
@@ -124,11 +125,11 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
         if outs is not None:
             rest = [y.shape[dim] if i == sp else o for i, o in enumerate(outs)]
             return F.interpolate(y, size=rest, mode=mode, align_corners=align_corners) if y.numel() else \
-                weight_connected_zeros(y, [*y.shape[:2], *rest], y)
+                connected_zeros(y, [*y.shape[:2], *rest], y)
         rest_sf = [1.0 if i == sp else f for i, f in enumerate(sfs)]
         if y.numel():
             return F.interpolate(y, scale_factor=rest_sf, mode=mode, align_corners=align_corners)
         shape = [*y.shape[:2]] + [0 if i == sp else math.floor(local_shape[2 + i] * f) for i, f in enumerate(sfs)]
-        return weight_connected_zeros(y, shape, y)
+        return connected_zeros(y, shape, y)
 
     return Step(compute, (Rows(input, needs),), out=input.spec.with_sizes(out_sizes))

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.registry import register
-from mesh3d.domain.rows import Span
-from mesh3d.domain.step import Entering, Rows, Step
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.dispatch.step import Entering, Rows, Step
+from mesh3d.domain.core.tensor import DomainTensor
 
 __all__: list[str] = []
 
@@ -30,7 +30,7 @@ def _whole(t):
     return Rows(t, tuple((Span.rows(0, n),) for _ in t.spec.sizes))
 
 
-def _matmul_rule(func):
+def matmul_rule(func):
     def rule(input, other, *, out=None) -> Step:
         a_sharded = isinstance(input, DomainTensor) and input.spec.dim is not None
         if a_sharded:
@@ -58,4 +58,4 @@ def _matmul_rule(func):
 
 
 for _f in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm):
-    register(_f)(_matmul_rule(_f))
+    register(_f)(matmul_rule(_f))

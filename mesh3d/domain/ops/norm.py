@@ -13,10 +13,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.collectives import all_reduce_sum
-from mesh3d.domain.registry import register
-from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.comm.collectives import all_reduce_sum
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.core.tensor import DomainTensor
 
 __all__ = ["normalize"]
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.dispatch import run_step
+from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
-from mesh3d.domain.registry import op_name, register, writes_into_first
-from mesh3d.domain.step import Entering, Layout, Step
-from mesh3d.domain.tensor import DomainTensor, size_of
+from mesh3d.domain.dispatch.registry import op_name, register, writes_into_first
+from mesh3d.domain.dispatch.step import Entering, Resplit, Step
+from mesh3d.domain.core.tensor import DomainTensor, size_of
 
 __all__ = ["elementwise", "elementwise_step"]
 
@@ -72,7 +72,7 @@ def _check_same_sharding(func, sharded: list[DomainTensor]) -> DomainTensor:
 def _in_ref_layout(ref: DomainTensor, o):
     """A sharded operand in ``ref``'s layout: as is, or moved there (e.g. a U-Net skip with other sizes)."""
     if o._spec.sizes != ref._spec.sizes:
-        return Layout(o, ref._spec.sizes)
+        return Resplit(o, ref._spec.sizes)
     return o
 
 

@@ -14,12 +14,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.halo import WindowProbe, plan_window, sizes_by_first_index
-from mesh3d.domain.ops.conv import _tuple, spatial_axis, weight_connected_zeros
-from mesh3d.domain.registry import register
-from mesh3d.domain.rows import Span
-from mesh3d.domain.split import offsets_of
-from mesh3d.domain.step import Extended, Rows, Step, Window
+from mesh3d.domain.halo.windows import WindowProbe, plan_window, sizes_by_first_index
+from mesh3d.domain.ops.conv import as_tuple, spatial_axis
+from mesh3d.domain.core.connected import connected_zeros
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.halo.windows import Extended, Window
+from mesh3d.domain.dispatch.step import Rows, Step
 
 
 def _out_len(n, k, s, p, d, ceil_mode):
@@ -44,7 +46,7 @@ def _pool(input, kind: str, nd: int, func, kernel_size, stride, padding, dilatio
                 return func(t, ks, st, pd, ceil, count_include_pad)
             return func(t, ks, st, pd, ceil, count_include_pad, divisor_override)
     sp = spatial_axis(name, input, nd)
-    if sp >= 0 and kind == "avg" and ((_tuple(padding, nd)[sp] and not count_include_pad) or ceil_mode):
+    if sp >= 0 and kind == "avg" and ((as_tuple(padding, nd)[sp] and not count_include_pad) or ceil_mode):
         # NOTE: refused at every domain size, one rank included, so a model checked on one rank
         # does not fail only when it is scaled out.
         raise NotImplementedError(
@@ -55,15 +57,15 @@ def _pool(input, kind: str, nd: int, func, kernel_size, stride, padding, dilatio
         out_sizes = input.spec.sizes
         if sp >= 0:  # one rank: torch's kernel on the whole dim, unchanged
             n = input.spec.sizes[0]
-            k, s = _tuple(kernel_size, nd)[sp], _tuple(stride if stride not in (None, []) else kernel_size, nd)[sp]
-            out_sizes = (_out_len(n, k, s, _tuple(padding, nd)[sp], _tuple(dilation, nd)[sp], ceil_mode),)
+            k, s = as_tuple(kernel_size, nd)[sp], as_tuple(stride if stride not in (None, []) else kernel_size, nd)[sp]
+            out_sizes = (_out_len(n, k, s, as_tuple(padding, nd)[sp], as_tuple(dilation, nd)[sp], ceil_mode),)
             if WindowProbe.active:
                 WindowProbe.note(n, out_sizes[0])
         return Step(lambda t: call(t, kernel_size, stride if stride not in (None, []) else kernel_size, padding,
                                    ceil_mode), (input,), out=input.spec.with_sizes(out_sizes))
-    ks = _tuple(kernel_size, nd)
-    st = _tuple(stride if stride not in (None, []) else kernel_size, nd)
-    pd, dl = _tuple(padding, nd), _tuple(dilation, nd)
+    ks = as_tuple(kernel_size, nd)
+    st = as_tuple(stride if stride not in (None, []) else kernel_size, nd)
+    pd, dl = as_tuple(padding, nd), as_tuple(dilation, nd)
     k, s, p, d = ks[sp], st[sp], pd[sp], dl[sp]
     n = sum(input.spec.sizes)
     plan = plan_window(input.spec.sizes, k, s, d, p, p, _out_len(n, k, s, p, d, ceil_mode))
@@ -76,7 +78,7 @@ def _pool(input, kind: str, nd: int, func, kernel_size, stride, padding, dilatio
                 0 if i == sp else _out_len(ext.tensor.shape[2 + i], ks[i], st[i], pd[i], dl[i], ceil_mode)
                 for i in range(nd)
             ]
-            return weight_connected_zeros(ext.tensor, shape, ext.tensor)
+            return connected_zeros(ext.tensor, shape, ext.tensor)
         local_pad = tuple(ext.pad if i == sp else pd[i] for i in range(nd))
         # The rows are exactly the windows this rank owns, so ceil_mode only matters on the other dims.
         return call(ext.tensor, ks, st, local_pad, ceil_mode)
@@ -110,7 +112,7 @@ def _adaptive_rule(func, nd: int):
         if sp < 0:
             return Step(lambda t: func(t, output_size), (input,), out=input.spec)
         sizes, n = input.spec.sizes, sum(input.spec.sizes)
-        out = [o if o is None else int(o) for o in _tuple(output_size, nd)]  # t.shape sizes: global
+        out = [o if o is None else int(o) for o in as_tuple(output_size, nd)]  # t.shape sizes: global
         m = out[sp] if out[sp] is not None else n
         if input.spec.comm.size == 1:
             return Step(lambda t: func(t, output_size), (input,), out=input.spec.with_sizes((m,)))
@@ -132,7 +134,7 @@ def _adaptive_rule(func, nd: int):
                 return torch.cat(pieces, 2 + sp)
             shape = [*ext.shape[:2]] + [0 if i == sp else (o if o is not None else ext.shape[2 + i])
                                         for i, o in enumerate(out)]
-            return weight_connected_zeros(ext, shape, ext)
+            return connected_zeros(ext, shape, ext)
 
         return Step(compute, (Rows(input, needs),), out=input.spec.with_sizes(out_sizes))
 

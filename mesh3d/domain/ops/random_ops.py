@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.registry import op_name, register
-from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor, size_of
+from mesh3d.domain.dispatch.registry import op_name, register
+from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.core.tensor import DomainTensor, size_of
 
 __all__ = ["dropout_mask"]
 

@@ -17,11 +17,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated
+from mesh3d.domain.comm.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated
 from mesh3d.domain.ops.pointwise import elementwise
-from mesh3d.domain.registry import op_name, register
-from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, adopt, unwrap
+from mesh3d.domain.dispatch.registry import op_name, register
+from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
 __all__ = ["domain_reduce", "global_softmax"]
 

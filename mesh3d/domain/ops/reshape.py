@@ -20,9 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from mesh3d.domain.registry import register
-from mesh3d.domain.step import Layout, Step
-from mesh3d.domain.tensor import DomainSpec, DomainTensor, size_of
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.step import Resplit, Step
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, size_of
 
 __all__ = ["NeedsAlignment", "Placement", "aligned_to", "place_rows", "reshaped", "target_shape"]
 
@@ -152,7 +153,7 @@ def reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> St
                 f"{op_name}{tuple(target)}: the rows of a strided layout would have to move to whole target rows of "
                 f"{need.unit}; reshape back to the unstrided shape first, or call .full_tensor()") from None
         sizes = aligned_to(sizes, need.unit)
-        source = Layout(x, sizes)
+        source = Resplit(x, sizes)
         placed = place_rows(virtual, at, target, sizes)
     if placed is None:
         raise NotImplementedError(

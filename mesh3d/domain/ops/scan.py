@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.collectives import reduce_for_local_use
-from mesh3d.domain.exchange import DomainComm
+from mesh3d.domain.comm.collectives import reduce_for_local_use
+from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.ops.pointwise import elementwise
-from mesh3d.domain.registry import op_name, register
-from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.dispatch.registry import op_name, register
+from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.core.tensor import DomainTensor
 
 __all__ = ["sharded_scan"]
 

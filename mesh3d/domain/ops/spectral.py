@@ -17,16 +17,16 @@ from collections.abc import Callable
 
 import torch
 
-from mesh3d.domain.registry import register
-from mesh3d.domain.split import split_sizes
-from mesh3d.domain.step import Step
-from mesh3d.domain.tensor import DomainTensor, adopt, unwrap
-from mesh3d.domain.transpose import move_sharding
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.core.split import split_sizes
+from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.layouts.transpose import move_sharding
 
 __all__: list[str] = []
 
 # name -> 1 (a 1-D transform, dim=-1 by default), 2 (dims (-2, -1)) or 0 (n-D: the last len(s) dims or all).
-_OPS = {
+FFT_OPS = {
     "fft": 1, "ifft": 1, "rfft": 1, "irfft": 1, "hfft": 1, "ihfft": 1,
     "fft2": 2, "ifft2": 2, "rfft2": 2, "irfft2": 2, "hfft2": 2, "ihfft2": 2,
     "fftn": 0, "ifftn": 0, "rfftn": 0, "irfftn": 0, "hfftn": 0, "ihfftn": 0,
@@ -43,7 +43,7 @@ def global_sizes(size):
     return type(size)(int(v) for v in size) if isinstance(size, (list, tuple)) else size
 
 
-def _transformed_dims(kind: int, ndim: int, dim, s) -> list[int]:
+def transformed_dims(kind: int, ndim: int, dim, s) -> list[int]:
     if kind == 1:
         return [(dim if dim is not None else -1) % ndim]
     if dim is None:
@@ -115,7 +115,7 @@ def _spectral_rule(name: str, kind: int):
             raise NotImplementedError(f"torch.fft.{name} with a domain tensor as other than its input")
         size = global_sizes(size)
         spec = x.spec
-        dims = _transformed_dims(kind, x.ndim, dim, size)
+        dims = transformed_dims(kind, x.ndim, dim, size)
         if spec.dim not in dims:
             return Step(lambda t: func(t, size, dim, norm), (x,), out=spec)
         _check_free(f"torch.fft.{name}", x, dims)
@@ -126,7 +126,7 @@ def _spectral_rule(name: str, kind: int):
     return rule
 
 
-for _name, _kind in _OPS.items():
+for _name, _kind in FFT_OPS.items():
     register(getattr(torch.fft, _name))(_spectral_rule(_name, _kind))
 
 

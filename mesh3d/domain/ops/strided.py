@@ -18,13 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.ops import idioms, pointwise, reshape  # noqa: F401  (their rules registered first)
-from mesh3d.domain.ops.attention import _sdpa
+from mesh3d.domain.ops.attention import sdpa_rule
 from mesh3d.domain.ops.idioms import strided_rows
-from mesh3d.domain.ops.matmul import _matmul_rule
+from mesh3d.domain.ops.matmul import matmul_rule
 from mesh3d.domain.ops.random_ops import dropout_mask
-from mesh3d.domain.registry import RULES, STRIDED_RULES, op_name
-from mesh3d.domain.step import Entering, Step
-from mesh3d.domain.tensor import DomainTensor
+from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES, op_name
+from mesh3d.domain.dispatch.step import Entering, Step
+from mesh3d.domain.core.tensor import DomainTensor
 
 __all__: list[str] = []
 
@@ -158,13 +158,13 @@ for _f in (torch.addmm, torch.Tensor.addmm, F.linear):
 for _f in (torch.addmm, torch.Tensor.addmm):  # on slabs too (Conv1D of a batch of one merges nothing)
     RULES.register(_f, _rows_local(_f))
 for _f in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm):
-    STRIDED_RULES.register(_f, _matmul_rule(_f))
+    STRIDED_RULES.register(_f, matmul_rule(_f))
 for _f in (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
     STRIDED_RULES.register(_f, _local_unless(_f, _softmax_dims))
 STRIDED_RULES.register(F.layer_norm, _local_unless(F.layer_norm, _layer_norm_dims))
 for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d):
     STRIDED_RULES.register(_f, _dropout(_f))
-STRIDED_RULES.register(F.scaled_dot_product_attention, _sdpa)
+STRIDED_RULES.register(F.scaled_dot_product_attention, sdpa_rule)
 for _f in _DIM_LAST:
     STRIDED_RULES.register(_f, _along_other_dims(_f))
 STRIDED_RULES.register(torch.Tensor.__getitem__, _getitem)

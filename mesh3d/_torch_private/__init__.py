@@ -1,0 +1,52 @@
+"""Every private PyTorch API that mesh3d relies on, in one place: this package, one module per area.
+
+Each function says which private name it touches and why no public API serves. If a torch upgrade breaks
+mesh3d, this is the first place to look; no other module of mesh3d imports a private torch name
+(``tests/test_codebase.py`` checks).
+"""
+
+from mesh3d._torch_private.distributed import (
+    clear_dtensor_caches, default_store, flatten_mesh, gloo_backend, group_options, live_process_groups,
+    local_shape_and_global_offset, post_barrier, unflatten_mesh, wait_async_collective)
+from mesh3d._torch_private.autograd import (
+    checkpoint_module, disable_torch_function_subclass, patch_checkpoint_recomputation, run_backward_from)
+from mesh3d._torch_private.compile import (
+    autograd_inside_custom_op, keep_in_program_order, let_compiled_graphs_take_function_subclasses,
+    run_compiled_graphs_without_subclass_dispatch)
+from mesh3d._torch_private.kernels import (
+    cpu_flash_attention, cpu_flash_attention_backward, cuda_efficient_attention, cuda_flash_attention)
+from mesh3d._torch_private.dispatch import (
+    OpOverload, TorchDispatchMode, is_operator_overload, op_schema, storage_key, tree_flatten, tree_map, view_base)
+
+__all__ = [
+    "OpOverload",
+    "TorchDispatchMode",
+    "autograd_inside_custom_op",
+    "checkpoint_module",
+    "clear_dtensor_caches",
+    "cpu_flash_attention",
+    "cpu_flash_attention_backward",
+    "cuda_efficient_attention",
+    "cuda_flash_attention",
+    "default_store",
+    "disable_torch_function_subclass",
+    "flatten_mesh",
+    "gloo_backend",
+    "group_options",
+    "is_operator_overload",
+    "keep_in_program_order",
+    "let_compiled_graphs_take_function_subclasses",
+    "live_process_groups",
+    "local_shape_and_global_offset",
+    "patch_checkpoint_recomputation",
+    "post_barrier",
+    "run_backward_from",
+    "run_compiled_graphs_without_subclass_dispatch",
+    "op_schema",
+    "storage_key",
+    "tree_flatten",
+    "tree_map",
+    "view_base",
+    "unflatten_mesh",
+    "wait_async_collective",
+]

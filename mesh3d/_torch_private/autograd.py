@@ -1,0 +1,103 @@
+"""Private autograd and activation-checkpoint APIs: subclass dispatch off, checkpoint recomputation, backward.
+
+Each function says which private name it touches and why no public API serves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, ContextManager
+
+import torch
+from torch.distributed._composable import checkpoint
+
+__all__ = ["checkpoint_module", "disable_torch_function_subclass", "patch_checkpoint_recomputation", "run_backward_from"]
+
+
+def checkpoint_module(module: object, context_fn: object | None = None) -> None:
+    """Activation checkpointing on ``module`` without changing its parameter names.
+
+    Why private: ``torch.distributed._composable.checkpoint`` is the only activation
+    checkpointing API that keeps fully-qualified names (``checkpoint_wrapper`` inserts
+    ``_checkpoint_wrapped_module.`` into every name, which breaks checkpoints keyed by name)
+    and composes with ``fully_shard``. ``context_fn`` is ``torch.utils.checkpoint``'s: two context
+    managers, for the forward and for the recomputation (the planner re-enters its modes there).
+    """
+    if context_fn is None:
+        checkpoint(module)
+    else:
+        checkpoint(module, context_fn=context_fn)
+
+
+def disable_torch_function_subclass():
+    """Context manager under which tensor subclasses' ``__torch_function__`` is not called.
+
+    Why private: ``torch._C.DisableTorchFunctionSubclass`` is what ``Tensor.__torch_function__``
+    itself uses to run an op on a subclass's data without recursing; torch exposes no public
+    equivalent. mesh3d's ``DomainTensor`` needs it to unwrap its local shard and to run
+    metadata queries (``.shape``, ``.dtype``) on it.
+    """
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def patch_checkpoint_recomputation(input_metadata: Callable[[torch.Tensor], Any],
+                                    rebuild_input: Callable[[torch.Tensor, Any], torch.Tensor],
+                                    forward_state: Callable[[], Callable[[], ContextManager]]) -> bool:
+    """Make activation checkpointing recompute a region as its forward ran: each input the tensor subclass it was
+    given, and the state ``forward_state`` captured at forward time re-entered around the recomputation.
+
+    Why private: non-reentrant ``torch.utils.checkpoint`` keeps a region's inputs as saved tensors and recomputes
+    through its frame (``_CheckpointFrame.save_inputs`` / ``get_inputs`` / ``recompute_fn``, torch 2.13); no public
+    hook reaches them. Two things go wrong for a ``__torch_function__`` subclass without this:
+    * under another checkpoint's saved-tensor hooks (a checkpointed module inside a checkpointed one) unpacking
+      makes a new plain tensor: the subclass is lost and the region would be recomputed on the bare shard;
+    * the recomputation runs in backward, outside the ``with`` blocks the forward ran in (mesh3d's attention mode),
+      so it could take another path (torch's checkpoint then raises: other tensors saved than in forward).
+    A region with such inputs is recomputed whole (no early stop). ``input_metadata(t)`` is kept beside each tensor
+    input (None: nothing to rebuild) and ``rebuild_input(unpacked, metadata)`` turns the unpacked tensor back;
+    ``forward_state()`` is called at forward time and returns the context manager factory entered around the
+    recomputation. Returns whether it patched (False on a torch without these frame methods, or when already
+    patched).
+    """
+    frame = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+    save_inputs, get_inputs = getattr(frame, "save_inputs", None), getattr(frame, "get_inputs", None)
+    if save_inputs is None or get_inputs is None or getattr(save_inputs, "_mesh3d_wrapped", False):
+        return False
+
+    def save(self: Any, *args: Any) -> None:
+        self._mesh3d_input_metadata = [input_metadata(a) if isinstance(a, torch.Tensor) else None for a in args]
+        if any(meta is not None for meta in self._mesh3d_input_metadata):
+            # NOTE: early stop ends a recomputation by raising from inside whichever op saves the last tensor; in a
+            # multi-rank op that can be while its messages are in flight. Recompute the whole region instead.
+            self.early_stop = False
+        recompute_fn, state = self.recompute_fn, forward_state()
+
+        def recompute_as_forward(*inputs: Any) -> None:
+            with state():
+                recompute_fn(*inputs)
+
+        self.recompute_fn = recompute_as_forward
+        save_inputs(self, *args)
+
+    def get(self: Any) -> list:
+        inputs = get_inputs(self)
+        kept = getattr(self, "_mesh3d_input_metadata", None) or [None] * len(inputs)
+        return [arg if meta is None else rebuild_input(arg, meta) for arg, meta in zip(inputs, kept)]
+
+    save._mesh3d_wrapped = True  # type: ignore[attr-defined]
+    frame.save_inputs, frame.get_inputs = save, get
+    return True
+
+
+def run_backward_from(tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], retain_graph: bool,
+                      create_graph: bool, inputs: tuple[torch.Tensor, ...]) -> None:
+    """The autograd engine's backward from ``tensors`` with ``grads`` (accumulating into ``.grad``), as
+    ``torch.autograd.backward`` ends by calling it.
+
+    Why private: ``torch.autograd.backward``'s Python part would read the outputs' shapes through the domain
+    tensor's ``__torch_function__`` (or, given a plain alias, add an alias node to the graph): 30 us per step on a
+    tiny compiled D=1 step, 3% of it (``DomainTensor.backward``). ``Variable._execution_engine.run_backward`` is what
+    it calls; it checks each gradient's shape, dtype and device in C++.
+    """
+    torch.autograd.Variable._execution_engine.run_backward(
+        tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True, accumulate_grad=True)

@@ -1,0 +1,62 @@
+"""Private dispatch APIs: ATen operator overloads, dispatch modes, pytrees, storage identity.
+
+Each function says which private name it touches and why no public API serves.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils import _python_dispatch, _pytree
+
+__all__ = ["OpOverload", "TorchDispatchMode", "is_operator_overload", "op_schema", "storage_key", "tree_flatten", "tree_map", "view_base"]
+
+
+def is_operator_overload(func: Any) -> bool:
+    """Whether ``func`` is an ATen-level operator (``torch.ops.aten.view.default``), not a torch function.
+
+    Why private: ``torch._ops.OpOverload`` is the class of those operators; torch exposes no public predicate.
+    A compiled graph's runtime calls them on its inputs (domain tensors included), with sizes traced on the shard.
+    """
+    return isinstance(func, torch._ops.OpOverload)
+
+
+#: The class of ATen operators (``torch.ops.aten.add.Tensor``), for type hints and ``isinstance``.
+#: Why private: ``torch._ops`` is the only home of the class.
+OpOverload = torch._ops.OpOverload
+
+#: A mode that sees every ATen call below autograd: the planner's memory tracker and the attention kernels'
+#: workspace measurement subclass it. Why private: torch's only dispatch-mode base class lives in
+#: ``torch.utils._python_dispatch`` (``__torch_function__`` modes cannot see the allocations of a kernel call).
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+#: Flattening nested op arguments the way torch's own dispatch does (named tuples, dicts, dataclasses registered
+#: with torch). Why private: torch 2.13 has no public pytree module (``torch.utils._pytree`` only).
+tree_flatten = _pytree.tree_flatten
+tree_map = _pytree.tree_map
+
+
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """A key that is the same for every tensor viewing ``storage`` while it lives (the C storage's address).
+
+    Why private: ``UntypedStorage._cdata``; ``data_ptr()`` is 0 for every empty or meta storage, so it cannot tell
+    two of those apart, and the memory trackers count meta storages.
+    """
+    return storage._cdata
+
+
+def op_schema(func: OpOverload) -> Any:
+    """The ATen schema of an operator (its arguments, returns and their aliasing).
+
+    Why private: ``OpOverload._schema``; torch has no public accessor.
+    """
+    return func._schema
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor | None:
+    """The tensor ``t`` is a view of (the root of its chain of views), or None.
+
+    Why private: ``Tensor._base``; no public accessor.
+    """
+    return t._base

@@ -1,0 +1,1 @@
+"""Attention on sharded sequences and token grids: modes, ring, block kernels, tiles, workspace, the compiled op."""

@@ -1,0 +1,1 @@
+"""Rows moved between domain ranks point to point, differentiable, every peer checked."""

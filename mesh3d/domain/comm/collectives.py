@@ -1,0 +1,124 @@
+"""Differentiable all-reduces over the domain group, with the gradient conventions mesh3d uses.
+
+Usage::
+
+    total = reduce_to_replicated(local_sum, comm)     # a loss/reduction result: backward is identity
+    stats = reduce_for_local_use(local_sum, comm)     # norm statistics used by every shard: backward sums
+
+The convention (shared with ``parallelize``): a value *replicated* over the domain carries a
+replicated gradient (every rank holds the whole gradient), so a replicated loss is backpropagated
+with 1 on every rank, and a reduction's backward passes that gradient straight to the local
+shard (no factor of the domain size). Parameters are plain tensors used on every shard, so each
+rank's backward gives only its shard's partial gradient, and summing parameter gradients over the
+domain gives the one-process gradient. A replicated value that is consumed *by the shards* (norm
+statistics, or a reduction result multiplied into a domain tensor) gets partial gradients from each
+shard, so on its way back it is summed over the domain (``reduce_for_local_use``/``sum_grad``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.comm.exchange import exchange_all
+
+__all__ = ["all_reduce_max", "all_reduce_sum", "reduce_for_local_use", "reduce_to_replicated", "sum_grad"]
+
+
+def _all_reduce(t: torch.Tensor, comm: DomainComm, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """Every rank's ``t`` combined in rank order (the same bits on every rank), over checked p2p messages."""
+    if comm.size == 1:
+        return t.detach().clone()
+    parts = exchange_all(t, comm)
+    out = parts[0].clone()
+    for part in parts[1:]:
+        if op == dist.ReduceOp.MAX:
+            torch.maximum(out, part, out=out)
+        else:
+            out.add_(part)
+    return out
+
+
+class _ReduceToReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm):
+        return _all_reduce(t, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceForLocalUse(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm):
+        ctx.comm = comm
+        return _all_reduce(t, comm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.comm), None
+
+
+class _SumGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm):
+        ctx.comm = comm
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduce(grad, ctx.comm), None
+
+
+def reduce_to_replicated(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
+    """Sum of every rank's ``t``; backward hands the (replicated) gradient to each rank unchanged."""
+    if comm.size == 1:  # nothing to add: no copy, no autograd node
+        return t
+    return _ReduceToReplicated.apply(t, comm)
+
+
+def reduce_for_local_use(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
+    """Sum of every rank's ``t`` for use by every shard; backward sums the shards' partial gradients."""
+    if comm.size == 1:
+        return t
+    return _ReduceForLocalUse.apply(t, comm)
+
+
+def sum_grad(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
+    """Identity whose backward sums gradients over the domain (a replicated value entering the shards)."""
+    if comm.size == 1:
+        return t
+    return _SumGrad.apply(t, comm)
+
+
+def all_reduce_sum(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
+    """Element-wise sum over the domain in rank order (not differentiable by itself: for autograd functions' use)."""
+    return _all_reduce(t, comm)
+
+
+def all_reduce_max(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
+    """Element-wise max over the domain (not differentiable by itself; used to pick winners)."""
+    return _all_reduce(t, comm, dist.ReduceOp.MAX)
+
+
+class _ScaleGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, factor):
+        ctx.factor = factor
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_grad(t: torch.Tensor, factor: float) -> torch.Tensor:
+    """Identity whose backward multiplies the gradient by ``factor``.
+
+    Used where a parameter meets a *replicated* value (e.g. a classifier head after global pooling):
+    every domain rank computes the same thing, so each contributes 1/D of the parameter's gradient
+    and the domain sum of parameter gradients is the one-process gradient.
+    """
+    return _ScaleGrad.apply(t, factor)

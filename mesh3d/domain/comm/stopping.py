@@ -1,0 +1,83 @@
+"""How a domain rank that stops mid-exchange leaves its peers: none of them may wait on it until the group timeout.
+
+Usage (``exchange.py``'s header check)::
+
+    finish_matched(comm, outgoing, incoming, matched_peers(theirs, fingerprint, to_peer, from_peer, skip={q}))
+    abort(comm, skip={q})                     # every other domain rank reads KIND_ABORT as its next header from us
+
+A peer whose header matched has posted this exchange's data and waits for it: a notice sent in its place would
+hang it, so the data goes first and the notice after (``finish_matched``). A peer that is gone is named to the
+others with ``KIND_LOST`` (``leave``); both sides of a divergence swap journals for the message (``swap_journals``).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mesh3d.domain.comm import divergence
+from mesh3d.domain.comm.notices import NOTICES
+from mesh3d.domain.comm.peer_lost import lost_peers
+from mesh3d.domain.comm.traffic import dry_run_observer
+
+__all__ = ["abort", "finish_matched", "leave", "matched_peers", "post", "swap_journals"]
+
+
+def post(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
+         incoming: list[tuple[int, torch.Tensor]]) -> list:
+    """Post every send and receive of ``comm`` (a ``DomainComm``) at once; the works, one per message on gloo."""
+    if dry_run_observer() is not None:  # a dry run: nothing is posted (headers and notices included)
+        return []
+    group = comm.group
+    ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], group) for peer, buf in outgoing]
+    ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], group) for peer, buf in incoming]
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def matched_peers(theirs: dict[int, torch.Tensor], fingerprint: int, to_peer: dict[int, int], from_peer: dict[int, int],
+             skip: set[int]) -> set[int]:
+    """The peers whose header says they will exchange exactly this data (same journal, expected sizes)."""
+    return {q for q, h in theirs.items() if q not in skip and [int(v) for v in h] == list(divergence.header(
+        divergence.KIND_DATA, fingerprint, from_peer.get(q, 0), to_peer.get(q, 0)).tolist())}
+
+
+def finish_matched(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
+                    incoming: list[tuple[int, torch.Tensor]], matched: set[int]) -> None:
+    """Before this rank stops: finish this exchange's data with ``matched`` peers (they posted it and wait for it; a
+    notice sent instead would hang them), so they learn of the stop from the notice that follows, as their next header."""
+    try:
+        lost_peers(post(comm, [(q, b) for q, b in outgoing if q in matched and b.numel()],
+                         [(q, b) for q, b in incoming if q in matched and b.numel()]), [])
+    except RuntimeError:
+        pass  # a peer gone too: the notices still go to everyone left
+
+
+def leave(comm: Any, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tuple[int, torch.Tensor]],
+           matched: set[int], lost: list[int]) -> None:
+    """A peer is gone: finish the data with ``matched`` peers, then tell every other domain rank (``KIND_LOST``)."""
+    finish_matched(comm, outgoing, incoming, matched)
+    notice = divergence.header(divergence.KIND_LOST, min(lost))
+    NOTICES.keep(post(comm, [(q, notice) for q in range(comm.size) if q != comm.index and q not in lost], []))
+
+
+def swap_journals(comm: Any, peers: list[int], entries: list) -> dict[int, list]:
+    """Both sides of a divergence saw it: swap sizes, then the journals themselves (for the message)."""
+    data = torch.frombuffer(bytearray(divergence.encode_journal(entries)), dtype=torch.uint8)
+    sizes = {q: torch.empty(1, dtype=torch.int64) for q in peers}
+    for work in post(comm, [(q, torch.tensor([data.numel()])) for q in peers], list(sizes.items())):
+        work.wait()
+    bufs = {q: torch.empty(int(sizes[q]), dtype=torch.uint8) for q in peers}
+    for work in post(comm, [(q, data) for q in peers if data.numel()],
+                      [(q, b) for q, b in bufs.items() if b.numel()]):
+        work.wait()
+    return {q: json.loads(bytes(b.numpy())) if b.numel() else [] for q, b in bufs.items()}
+
+
+def abort(comm: Any, skip: set[int]) -> None:
+    """Tell every other domain rank to stop: its next header from this rank says so (nobody waits on us)."""
+    stop = divergence.header(divergence.KIND_ABORT)
+    others = [(q, stop) for q in range(comm.size) if q != comm.index and q not in skip]
+    NOTICES.keep(post(comm, others, []))

@@ -1,0 +1,93 @@
+"""The settings domain rules read at call time, as one frozen value: attention mode and its options, overlap.
+
+Usage::
+
+    SETTINGS.value.attention.mode                   # what a rule reads ("auto", "ring", "gather", "ulysses")
+    with SETTINGS.replaced(new_value): ...          # what ``domain.attention_mode`` / ``domain.window_overlap`` do
+    snapshot = SETTINGS.value                       # what activation checkpointing's recomputation restores
+
+The value is replaced whole, never changed in place, so one read is a consistent snapshot: a recomputed region
+runs with the settings its forward saw (``mesh3d.domain.recompute``), and a compiled graph guards on the fields
+it read (a change recompiles).
+
+NOTE: a slot on an object rather than a ``contextvars.ContextVar``: Dynamo (torch 2.13) cannot trace
+``ContextVar.get`` (a graph break on every rule that reads a setting), while it traces an attribute read and
+guards on the value. The ``with`` blocks restore the previous value on exit, as a context variable's token would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["ATTENTION_KERNELS", "ATTENTION_MODES", "AttentionSettings", "DomainSettings", "OverlapSettings", "SETTINGS",
+           "SettingsSlot"]
+
+ATTENTION_MODES = ("auto", "ring", "gather", "ulysses")
+ATTENTION_KERNELS = ("fused", "math")
+
+
+@dataclass(frozen=True)
+class AttentionSettings:
+    """How attention on domain tensors runs (``domain.attention_mode`` sets it inside a block).
+
+    ``mode``: one of ``ATTENTION_MODES``; ``head_groups``: the ring goes round once per group of K/V heads
+    (smaller blocks in flight); ``kernel``: ``"fused"`` (torch's fused kernel where it applies) or ``"math"``;
+    ``balance``: the zigzag layout for causal rings; ``ring_min_tokens``: ``auto`` picks the ring from this many
+    keys on.
+
+    NOTE: 2048 and 8 come from ``scripts/bench_attention.py`` on the 2-core CPU (docs/benchmarks.md): 8 head
+    groups hold 0.86x the peak memory of 4 at D=4 for the same compute time (more, smaller messages).
+    """
+
+    mode: str = "auto"
+    head_groups: int = 8
+    kernel: str = "fused"
+    balance: bool = True
+    ring_min_tokens: int = 2048
+
+
+@dataclass(frozen=True)
+class OverlapSettings:
+    """Whether window ops that declare ``overlap`` use it, on slabs (``enabled``) and on blocks (``blocks``).
+
+    NOTE: on by default on slabs (the benchmark shows a gain on CPU) and off on blocks: there each conv makes
+    one more exchange round per grid dim and runs strip kernels, and on the 2-core CPU the step took 1.08-1.32x
+    longer (docs/benchmarks.md). Turn it on where messages are slow next to the compute.
+    """
+
+    enabled: bool = True
+    blocks: bool = False
+
+
+@dataclass(frozen=True)
+class DomainSettings:
+    """Every setting the domain rules read, one frozen value."""
+
+    attention: AttentionSettings = AttentionSettings()
+    overlap: OverlapSettings = OverlapSettings()
+
+
+class SettingsSlot:
+    """Holds the settings in force (``value``); ``replaced(v)`` puts ``v`` there inside a ``with`` block.
+
+    Usage: ``with SETTINGS.replaced(replace(SETTINGS.value, overlap=OverlapSettings(False))): ...``
+    """
+
+    def __init__(self) -> None:
+        self.value = DomainSettings()
+
+    @contextlib.contextmanager
+    def replaced(self, value: DomainSettings) -> Iterator[DomainSettings]:
+        if not isinstance(value, DomainSettings):
+            raise TypeError(f"settings must be a DomainSettings, not {type(value).__name__}")
+        before, self.value = self.value, value
+        try:
+            yield value
+        finally:
+            self.value = before
+
+
+#: The settings of this process (one per process: every rank of a domain group must run with the same).
+SETTINGS = SettingsSlot()

@@ -1,0 +1,220 @@
+"""DomainTensor: a tensor sharded over the ``domain`` axis that answers every question as the whole tensor does.
+
+Usage::
+
+    from mesh3d import domain
+    xs = domain.shard(x, dim=2)          # a DomainTensor: this rank holds rows [offset, offset + local)
+    xs.shape, xs.numel(), len(xs)        # the WHOLE tensor's: exactly what x.shape, x.numel(), len(x) say
+    xs.to_local(), xs.local_shape        # this rank's shard (a plain tensor) and its shape
+    y = conv(xs)                         # nn.Conv2d / F.conv2d: halo exchange, one-process answer
+    y.full_tensor()                      # differentiable gather
+
+The contract is DTensor's: metadata is global (``shape``, ``size()``, ``numel()``, ``nelement()``, ``len()``,
+``stride()``), so model code that computes with sizes gets the one-process answer and every domain rank
+takes the same branch; the shard is ``to_local()``. Storage and autograd are local: a DomainTensor's data
+*is* its shard, so autograd runs on local tensors and every op rule's adjoint is a local one plus the
+exchanges it declares. The ``DomainSpec`` says which dim is sharded and every rank's size along it; a spec
+with ``dim=None`` marks a value replicated over the domain (results of global reductions). Ops are
+intercepted with ``__torch_function__`` (so ``nn.Conv2d`` and ``F.conv2d`` are both covered and no torch
+function is patched); each op needs a rule in ``mesh3d.domain.dispatch.registry``, and an op with no rule raises
+``NotImplementedError`` naming it: never a silently wrong local answer.
+
+NOTE (the mechanism): a ``__torch_function__`` subclass with global answers, not a ``__torch_dispatch__`` wrapper
+subclass as DTensor. The wrapper would move autograd to the global level and every rule to ATen; the
+``__torch_function__`` subclass keeps ~50 rule families whose local adjoints are tested, and Dynamo traces it whole,
+dispatcher and rules (docs/domain.md, "torch.compile").
+"""
+
+from __future__ import annotations
+
+import copy
+
+from typing import Any
+
+import torch
+
+from mesh3d._torch_private import disable_torch_function_subclass, run_backward_from
+from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout, sharded_dims
+
+__all__ = ["DomainTensor", "adopt", "global_shape_of", "local_shape", "size_of", "unwrap", "wrap"]
+
+
+def wrap(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
+    """View ``local`` (a plain tensor, autograd history kept) as a DomainTensor with ``spec``."""
+    with disable_torch_function_subclass():
+        out = local.as_subclass(DomainTensor)
+    out._spec = spec
+    return out
+
+
+def adopt(fresh: torch.Tensor, spec: AnySpec, keep: tuple = ()) -> DomainTensor:
+    """Turn ``fresh`` (a plain tensor an op rule just computed) into a DomainTensor itself, not a view of it.
+
+    Why not ``wrap``: ``as_subclass`` returns an alias *view*, and an in-place op on a view drops
+    the autograd hooks registered on it. FSDP2 registers its pre-backward hook (which re-gathers
+    the parameters for backward) on each module's output, so ``ReLU(inplace=True)`` after an
+    FSDP-wrapped conv would run backward on freed parameters. Changing the class of the fresh
+    result keeps the op's own autograd node. Tensors a caller may still hold as plain tensors
+    (leaves that need grad, parameters, anything in ``keep``) are wrapped as views instead.
+    """
+    if torch.compiler.is_dynamo_compiling() or type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) \
+            or any(fresh is k for k in keep):
+        # NOTE: Dynamo cannot set ``__class__``; a compiled graph's outputs are fresh tensors of its own anyway.
+        return wrap(fresh, spec)
+    fresh.__class__ = DomainTensor
+    fresh._spec = spec
+    return fresh
+
+
+def local_shape(t: torch.Tensor) -> torch.Size:
+    """The shape of ``t``'s storage: a domain tensor's shard, a plain tensor's own shape.
+
+    Usage: ``rows = local_shape(xs)[xs.spec.dim]``
+    """
+    with disable_torch_function_subclass():
+        return t.shape
+
+
+def global_shape_of(x: DomainTensor) -> torch.Size:
+    """The whole tensor's shape: the local shape with each sharded dim's length summed over the domain.
+
+    Usage: ``global_shape_of(xs) == xs.shape``
+    """
+    shape = list(local_shape(x))
+    spec = x._spec
+    if spec.layout in (Layout.BLOCKS, Layout.TOKENS):
+        return spec.global_shape(shape)  # type: ignore[attr-defined]
+    if spec.dim is not None:
+        shape[spec.dim] = sum(spec.sizes) * spec.outer
+    return torch.Size(shape)
+
+
+def size_of(t: torch.Tensor) -> torch.Size:
+    """The whole tensor's shape for a domain tensor, the shape for a plain one: what a rule reads instead of ``.shape``.
+
+    Usage: ``n = size_of(xs)[2]  # global, in eager and compiled graphs alike``
+
+    NOTE: inside a rule, ``x.shape`` answers globally in eager code only: Dynamo (torch 2.13) turns subclass
+    dispatch off while it traces a ``__torch_function__``, so a compiled rule reading ``x.shape`` would get the
+    shard's. ``redispatch`` is the same for ops (``mesh3d.domain.dispatch.dispatcher``).
+    """
+    return global_shape_of(t) if isinstance(t, DomainTensor) else t.shape
+
+
+def unwrap(t: Any) -> Any:
+    """The plain local tensor behind a DomainTensor (differentiable); anything else unchanged."""
+    if isinstance(t, DomainTensor):
+        if torch.compiler.is_dynamo_compiling():
+            # NOTE: one query through ``__torch_function__`` marks the graph as handling the domain tensor's
+            # dispatch itself, so torch runs it with subclass dispatch off (torch 2.13's OutputGraph). A graph
+            # whose only use of a domain tensor is this unwrap would otherwise run with it on, and AOTAutograd,
+            # rebuilding the returned alias, checks it against the input's global shape (Inductor raised
+            # "incorrect out shape after application of ViewMeta sequence" at D > 1).
+            t.dim()
+            # NOTE: Dynamo cannot trace ``as_subclass`` of a subclass; an alias made with subclass dispatch
+            # off is a plain tensor too (the spike in scripts/spike_subclass_compile.py).
+            with disable_torch_function_subclass():
+                return t.view_as(t)
+        with disable_torch_function_subclass():
+            return t.as_subclass(torch.Tensor)
+    return t
+
+
+class DomainTensor(torch.Tensor):
+    """A domain-sharded tensor: global metadata, this rank's shard as its data (see the module docstring).
+
+    Usage: ``xs = domain.shard(x, dim=2); xs.shape (global), xs.to_local(), xs.local_shape, xs.offset, xs.sizes``
+    """
+
+    #: NOTE: annotated as the slab spec, which most rules read; a grid rule reads a ``BlockSpec``'s or
+    #: ``TokenSpec``'s fields after its table was chosen by ``layout`` (the declared type is ``AnySpec``).
+    _spec: DomainSpec
+
+    # ----------------------------------------------------------------- accessors
+    @property
+    def spec(self) -> DomainSpec:
+        return self._spec
+
+    @property
+    def sharded_dim(self) -> int | None:
+        """The dim sharded over the domain, or None for a replicated value."""
+        return self._spec.dim
+
+    @property
+    def sizes(self) -> tuple[int, ...] | None:
+        """Every domain rank's size along the sharded dim (the split rule's output)."""
+        return self._spec.sizes
+
+    @property
+    def offset(self) -> int:
+        """This rank's global start index along the sharded dim."""
+        return self._spec.offset
+
+    @property
+    def global_shape(self) -> torch.Size:
+        """The shape of the whole (unsharded) tensor: the same as ``.shape``."""
+        return global_shape_of(self)
+
+    @property
+    def local_shape(self) -> torch.Size:
+        """The shape of this rank's shard (``to_local().shape``)."""
+        return local_shape(self)
+
+    def to_local(self) -> torch.Tensor:
+        """This rank's shard as a plain tensor (differentiable)."""
+        return unwrap(self)
+
+    def backward(self, gradient: torch.Tensor | None = None, retain_graph: bool | None = None,
+                 create_graph: bool = False, inputs: Any = None) -> None:
+        """``Tensor.backward`` on the shard (a replicated loss: its gradient is 1 on every rank).
+
+        NOTE: called directly, not through ``__torch_function__``: the round trip cost 50 us per step, 1.5% of a
+        small compiled step at D=1 (measured, docs/benchmarks.md). And straight into the autograd engine, as
+        ``torch.autograd.backward`` ends, with its argument checks here: its Python part and the plain alias it
+        needed cost 30 us more (``_torch_private.run_backward_from``)."""
+        if isinstance(inputs, torch.Tensor):
+            inputs = (inputs,)
+        if inputs is not None and len(inputs) == 0:
+            raise RuntimeError("backward(): inputs= cannot be empty; pass the tensors to accumulate into, or None")
+        if gradient is None:
+            with disable_torch_function_subclass():
+                numel = self.numel()
+            if sharded_dims(self._spec):
+                numel = global_shape_of(self).numel()
+            if self.requires_grad and numel != 1:
+                raise RuntimeError(f"grad can be implicitly created only for scalar outputs; this domain tensor has "
+                                   f"{numel} elements (shape {tuple(global_shape_of(self))}): pass gradient=")
+            with disable_torch_function_subclass():
+                gradient = torch.ones_like(self, memory_format=torch.preserve_format)
+        run_backward_from((self,), (gradient,), create_graph if retain_graph is None else retain_graph, create_graph,
+                          tuple(inputs) if inputs is not None else ())
+
+    #: ``mesh3d.domain.layouts.slabs.full_tensor``, set when ``mesh3d.domain`` is imported (like ``_dispatcher``).
+    _gather_whole: Any = None
+
+    def full_tensor(self) -> DomainTensor:
+        """The whole tensor on every domain rank, replicated (differentiable; backward keeps each rank's slice)."""
+        return type(self)._gather_whole(self)
+
+    def __deepcopy__(self, memo: dict) -> DomainTensor:
+        """A copy with the same spec (torch's default deep copy of a subclass needs ``new_empty([])`` to keep the class)."""
+        copied = copy.deepcopy(unwrap(self), memo)
+        copied.__class__ = DomainTensor  # the copy is fresh: no caller holds it as a plain tensor
+        copied._spec = self._spec
+        return copied
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
+        local = unwrap(self)
+        spec = self._spec
+        where = f"dims={spec.dims}" if spec.layout in (Layout.BLOCKS, Layout.TOKENS) else f"dim={spec.dim}"
+        return f"DomainTensor(shape={tuple(global_shape_of(self))}, {where}, sizes={self._spec.sizes}, local={local!r})"
+
+    # ----------------------------------------------------------------- dispatch
+    #: The dispatcher (``mesh3d.domain.dispatch.dispatcher.dispatch``), set when ``mesh3d.domain`` is imported.
+    #: NOTE: a class attribute rather than an import, so this module (the type) does not depend on
+    #: the dispatcher and its rules, which all depend on the type.
+    _dispatcher: Any = None
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return cls._dispatcher(func, types, args, kwargs or {})

@@ -1,0 +1,1 @@
+"""A torch call on a domain tensor, from rule lookup to the wrapped result."""

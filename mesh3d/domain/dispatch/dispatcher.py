@@ -1,0 +1,306 @@
+"""The one domain dispatcher: binds an op to its rule, does the exchanges the rule declares, wraps the result.
+
+Usage: not called directly; ``DomainTensor.__torch_function__`` sends every torch call here.
+
+For each call it picks, in order: a metadata query (``.dtype``, ``.device`` ...: answered from the
+local shard, on the DomainTensor itself so autograd hooks attach to the right node); a size query
+(``.shape``, ``size()``, ``numel()``, ``len()``, ``stride()``: answered for the whole tensor); the op's rule
+when some input is sharded (the rule returns a ``step.Step``: the requirements are resolved here,
+the local function is called on plain tensors and the results are wrapped); for replicated values
+only, the op itself (every rank holds the same value, so any op is right); otherwise it raises
+``NotImplementedError`` naming the op: an unsupported op is never silently wrong.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from mesh3d._torch_private import disable_torch_function_subclass, is_operator_overload
+from mesh3d.domain.comm.collectives import scale_grad, sum_grad
+from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.comm.exchange import gather_rows, report_failure
+from mesh3d.domain.dispatch.queries import (
+    DATA_GET, is_global_size, is_metadata)
+from mesh3d.domain.layouts.slabs import replicate_if_singleton
+from mesh3d.domain.halo.windows import WindowProbe, window_exchange
+from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
+from mesh3d.domain.comm.peer_lost import DomainPeerLostError
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, writes_into_first
+from mesh3d.domain.core.trees import tree_map
+from mesh3d.domain.comm.rows import plan_exchange
+from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
+from mesh3d.domain.halo.windows import Extended, Window
+from mesh3d.domain.core.specs import DomainSpec, Layout
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
+from mesh3d.domain.dispatch.queries import global_size_answer
+from mesh3d.domain.layouts.slabs import redistribute_local
+from mesh3d.domain.core.settings import SETTINGS
+
+__all__ = ["dispatch", "redispatch", "run_step"]
+
+
+def _replicated_dtensor_to_local(o: Any) -> Any:
+    """A DTensor replicated on every mesh dim (a ``"replicate"``-style parameter) → its local tensor.
+
+    Every model rank holds the same value and computes the same thing with it; ``to_local``'s
+    backward hands the gradient back as a ``Replicate`` DTensor. Sharded DTensors are left alone:
+    the op then fails loudly rather than computing with a shard as if it were whole.
+    """
+    if isinstance(o, DTensor) and all(isinstance(p, Replicate) for p in o.placements):
+        return o.to_local()
+    return o
+
+
+def _dispatch_grid(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
+    """An op with block-sharded inputs (``mesh3d.domain.layouts.blocks``) or token grids
+    (``mesh3d.domain.layouts.tokens``): its rule for that layout, or a refusal naming it."""
+    tokens = spec.layout is Layout.TOKENS
+    rule = _TABLES[spec.layout].get(func)
+    if rule is None:
+        layout = "token grids (blocks flattened into tokens" if tokens else "block layouts (a domain tensor"
+        raise NotImplementedError(
+            f"{op_name(func)} has no rule for {layout} sharded over dims {spec.dims} on a domain grid): mesh3d will "
+            "not run it, because the local answer could differ from the one-process answer. The ops supported are "
+            "listed in docs/domain.md, 'Blocks' and 'Token grids'. Call .full_tensor() first, or move to slabs with "
+            "domain.redistribute(x, dim=...)")
+    if spec.comm.size == 1 or torch.compiler.is_dynamo_compiling():  # NOTE: see dispatch() on compiled graphs
+        return rule(*args, **kwargs)
+    JOURNAL.record(_op_label(func), (spec.dims, tuple(sum(s) for s in spec.sizes)))
+    return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
+
+
+def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
+    """``run()``; if it fails on this rank, tell every domain peer before raising.
+
+    NOTE: a rank that fails alone would leave its peers waiting in their next exchange: tell them, and
+    learn whether the failure is a symptom of the ranks taking different paths (then that error is raised).
+    """
+    try:
+        return run()
+    except (DomainDivergenceError, DomainPeerLostError):  # its peers were told already
+        raise
+    except Exception as err:
+        reported = report_failure(comm, _op_label(func), err)
+        if reported is err:
+            raise
+        raise reported from err
+
+
+#: Layouts whose rules see a grid (blocks, or token grids flattened from them).
+_GRID_LAYOUTS = (Layout.BLOCKS, Layout.TOKENS)
+#: The rule table of each sharded layout.
+_TABLES = {Layout.SLAB: RULES, Layout.STRIDED: STRIDED_RULES, Layout.BLOCKS: BLOCK_RULES, Layout.TOKENS: TOKEN_RULES}
+
+
+def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], DomainTensor | None, bool]:
+    """Domain tensors among the arguments (and inside one level of lists); the one whose layout picks the rule table
+    (the first grid, else the first strided slab, else the first slab; None when every one is replicated); whether
+    any argument is a DTensor."""
+    found: list[DomainTensor] = []
+    dtensor = False
+    for group in (args, kwargs.values()):
+        for a in group:
+            items = a if isinstance(a, (list, tuple)) else (a,)
+            for t in items:
+                if isinstance(t, DomainTensor):
+                    found.append(t)
+                elif isinstance(t, DTensor):
+                    dtensor = True
+    lead, rank = None, 0
+    for t in found:
+        kind = t._spec.layout
+        at = 3 if kind in _GRID_LAYOUTS else 2 if kind is Layout.STRIDED else 1 if kind is Layout.SLAB else 0
+        if at > rank:
+            lead, rank = t, at
+    return found, lead, dtensor
+
+
+def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """Run ``func`` on domain tensors (see module docstring).
+
+    Usage: ``DomainTensor.__torch_function__`` calls ``dispatch(func, types, args, kwargs)``
+    """
+    if is_metadata(func):
+        with disable_torch_function_subclass():
+            return func(*args, **kwargs)
+    if is_operator_overload(func):
+        # NOTE: from a compiled graph's runtime: traced on the shard (rules ran at trace time), they run on it.
+        with disable_torch_function_subclass():
+            return func(*args, **kwargs)
+    if is_global_size(func) and isinstance(args[0], DomainTensor):
+        if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling():
+            # NOTE: torch.compile fakifying the real input sees the shard; traced model code still gets global sizes.
+            with disable_torch_function_subclass():
+                return func(*args, **kwargs)
+        return global_size_answer(func, args[0], args[1:], kwargs)
+    if func == DATA_GET and isinstance(args[0], DomainTensor):
+        return wrap(unwrap(args[0]).data, args[0]._spec)
+    found, lead, dtensor = _scan(args, kwargs)
+    if dtensor:
+        args, kwargs = tree_map(_replicated_dtensor_to_local, args), tree_map(_replicated_dtensor_to_local, kwargs)
+    if lead is None:
+        return _run_replicated(func, found[0]._spec, args, kwargs)
+    layout = lead._spec.layout
+    if layout in _GRID_LAYOUTS:
+        return _dispatch_grid(func, args, kwargs, lead._spec)
+    rule = _TABLES[layout].get(func)
+    if rule is None and layout is Layout.STRIDED:
+        raise NotImplementedError(
+            f"{op_name(func)} has no rule for a strided layout (a sharded dim merged under the dims before it, "
+            "as x.view(-1, c) of a (B, T, c) tensor sharded along T makes): reshape it back to the unstrided "
+            "shape first (x.view(B, T, c)), or call .full_tensor()")
+    if rule is None:
+        raise NotImplementedError(
+            f"{op_name(func)} has no domain rule: mesh3d will not run it on a domain-sharded tensor "
+            f"(sharded dim {lead._spec.dim}) because the local answer could differ from the one-process answer. "
+            "Call .full_tensor() first, or register a rule with mesh3d.domain.register "
+            "(docs/domain.md, 'Adding an op rule')"
+        )
+    comm = lead._spec.comm
+    # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
+    # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
+    if comm.size == 1 or torch.compiler.is_dynamo_compiling():
+        result = rule(*args, **kwargs)
+        return run_step(result) if isinstance(result, Step) else result
+    return _telling_peers_of_failure(comm, func, lambda: _run_rule_checked(func, rule, lead, args, kwargs))
+
+
+def redispatch(func: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``func(*args, **kwargs)`` on domain tensors from inside a rule, through this dispatcher explicitly.
+
+    Usage: ``return redispatch(torch.Tensor.select, one, take_one, 0)``
+
+    NOTE: Dynamo, unlike eager torch, turns subclass dispatch off inside ``__torch_function__``: traced, a rule's own
+    ``a - b`` would run on the shards as a plain op (``nesting.NestedDispatchCheck`` finds such calls)."""
+    return dispatch(func, (), args, kwargs)
+
+
+def _run_rule_checked(func: Callable, rule: Callable, lead: DomainTensor, args: tuple, kwargs: dict) -> Any:
+    """Run a rule on a multi-rank domain, recording what it ran in the op journal its peers check."""
+    result = rule(*args, **kwargs)
+    if isinstance(result, Step):
+        if _changes_layout(result, lead):  # what this rank ran, in global terms
+            out = result.out
+            JOURNAL.record(_op_label(func), (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0))
+        return run_step(result)
+    JOURNAL.record(_op_label(func), (lead._spec.dim, sum(lead._spec.sizes)))  # a composite rule (reductions, losses)
+    return result
+
+
+_MOVES = (Window, Rows, Resplit)
+
+
+def _changes_layout(step: Step, lead: DomainTensor) -> bool:
+    """A step that moves rows or changes the layout (the ones whose divergence would desynchronize exchanges)."""
+    if any(isinstance(a, _MOVES) for a in step.args):
+        return True
+    return step.out is not lead._spec and step.out != lead._spec
+
+
+_NAMES: dict[Callable, str] = {}
+
+
+def _op_label(func: Callable) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = op_name(func)
+    return name
+
+
+def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict) -> Any:
+    """Every input is replicated over the domain: the plain op is the one-process op."""
+    size = spec.comm.size
+
+    def prepare(o: Any) -> Any:
+        # Parameters meeting a replicated value: each of the D ranks computes the same thing, so
+        # each keeps 1/D of their gradient (the domain sum then gives the one-process gradient).
+        if size > 1 and isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor) and o.requires_grad:
+            return scale_grad(o, 1.0 / size)
+        return unwrap(o)
+
+    target = args[0] if args and writes_into_first(func) else None
+    if isinstance(target, DomainTensor) or not isinstance(target, torch.Tensor):
+        target = None
+    out = func(*((target, *tree_map(prepare, args[1:])) if target is not None else tree_map(prepare, args)),
+               **tree_map(prepare, kwargs))
+    if target is not None:
+        # NOTE: a plain tensor written with replicated values holds values computed from the domain tensor: it
+        # becomes a replicated domain tensor, so what follows from it keeps the replicated gradient convention.
+        target.__class__ = DomainTensor
+        target._spec = spec  # type: ignore[attr-defined]  # re-classed on the line above
+        return target if out is target else out
+    plain = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and not isinstance(t, DomainTensor))
+    return tree_map(lambda o: adopt(o, spec, plain) if isinstance(o, torch.Tensor) else o, out)
+
+
+# ----------------------------------------------------------------------------- requirements
+def _resolve(req: Any) -> Any:
+    if isinstance(req, DomainTensor):
+        return unwrap(req)
+    if isinstance(req, Window):
+        spec = req.x._spec
+        xplan, pad = window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
+        if WindowProbe.active:
+            WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
+        return Extended(gather_rows(unwrap(req.x), spec.dim, xplan, spec.comm, req.fill), pad)
+    if isinstance(req, Rows):
+        spec = req.x._spec
+        return gather_rows(unwrap(req.x), spec.dim, plan_exchange(spec.sizes, req.needs, spec.comm.index),
+                           spec.comm, req.fill)
+    if isinstance(req, Resplit):
+        return redistribute_local(req.x, req.sizes)
+    if isinstance(req, Entering):
+        plain = unwrap(req.x)
+        return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
+    return req
+
+
+def _overlapped(step: Step) -> torch.Tensor | None:
+    """The step's result computed with its halo exchange in flight (``mesh3d.domain.halo.overlap``), or None
+    where that does not apply: overlap off or not declared, nothing received, or no interior rows."""
+    if not SETTINGS.value.overlap.enabled or len(step.args) != 1 or step.kwargs or torch.compiler.is_dynamo_compiling():
+        return None
+    req = step.args[0]
+    if not isinstance(req, Window) or req.overlap is None or req.x._spec.comm.size == 1:
+        return None
+    spec = req.x._spec
+    xplan, pad = window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
+    if not xplan.recv:
+        return None
+    split = split_window(xplan, pad, *req.overlap, req.plan.out_sizes[spec.comm.index])
+    if split is None:
+        return None
+    if WindowProbe.active:
+        WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
+    OVERLAP_STATS.calls += 1
+    return run_overlapped(step.compute, unwrap(req.x), spec.dim, xplan, split, spec.comm, req.fill)
+
+
+def run_step(step: Step) -> Any:
+    """Resolve a rule's requirements, call its local function and wrap the results.
+
+    Usage: ``run_step(Step(torch.relu, (xs,), out=xs.spec))``
+    """
+    overlapped = _overlapped(step)
+    if overlapped is not None:
+        out = overlapped
+    else:
+        args = [_resolve(a) for a in step.args]
+        kwargs = {k: _resolve(v) for k, v in step.kwargs.items()} if step.kwargs else {}
+        out = step.compute(*args, **kwargs)
+    spec = step.out
+    if spec is None:
+        return out
+    # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).
+    if isinstance(out, torch.Tensor):
+        if step.out_ndim is None or out.ndim == step.out_ndim:
+            return replicate_if_singleton(adopt(out, spec, step.keep))
+        return out
+    ndim = step.out_ndim
+    return tree_map(lambda o: replicate_if_singleton(adopt(o, spec, step.keep)) if isinstance(o, torch.Tensor)
+                    and (ndim is None or o.ndim == ndim) else o, out)

@@ -1,0 +1,136 @@
+"""The op registry: torch functions → rules that declare how to compute them on domain-sharded tensors.
+
+Usage::
+
+    from mesh3d.domain.dispatch.registry import register
+    @register(torch.nn.functional.conv2d)
+    def conv2d_rule(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Step: ...
+
+A rule's own Python signature is the op's signature (torch's argument names and defaults), so
+arguments are bound by Python, positionally or by keyword, exactly as torch binds them. A rule
+returns a ``step.Step``; ``mesh3d.domain.dispatch.dispatcher`` runs it. Registering a second rule for the same
+op raises unless ``override=True`` (a silent replacement would change results elsewhere).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+__all__ = ["BLOCK_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "op_name", "register", "writes_into_first"]
+
+
+#: Every rule table by its name: a compiled lookup names its table (see ``_rule_index_at_trace_time``).
+_TABLES: dict[str, RuleTable] = {}
+
+
+class RuleTable:
+    """Torch function → rule. One instance, ``RULES``, is what the dispatcher reads.
+
+    Usage: ``RULES.get(torch.nn.functional.conv2d)``, ``RULES.register(f, rule, override=False)``;
+    a new table: ``RuleTable("MY_RULES")`` (names are unique in a process).
+    """
+
+    def __init__(self, name: str) -> None:
+        if name in _TABLES:
+            raise ValueError(f"a rule table named {name!r} exists already; names: {sorted(_TABLES)}")
+        self.name = name
+        _TABLES[name] = self
+        self._rules: dict[Callable, Callable] = {}
+        self._listed: list[Callable] = []  # every rule once, for compiled lookups (``get``)
+
+    def register(self, func: Callable, rule: Callable, *, override: bool = False) -> None:
+        old = self._rules.get(func)
+        if old is not None and old is not rule and not override:
+            raise ValueError(
+                f"{op_name(func)} already has a domain rule ({getattr(old, '__qualname__', old)}); "
+                "pass override=True to replace it on purpose"
+            )
+        self._rules[func] = rule
+        if not any(r is rule for r in self._listed):
+            self._listed.append(rule)
+
+    def get(self, func: Callable) -> Callable | None:
+        if torch.compiler.is_dynamo_compiling():
+            at = _rule_index_at_trace_time(self.name, func)
+            return None if at < 0 else self._listed[at]
+        return self._rules.get(func)
+
+    def __contains__(self, func: Callable) -> bool:
+        return func in self._rules
+
+    def __iter__(self):
+        return iter(self._rules)
+
+    def __len__(self) -> int:
+        return len(self._rules)
+
+
+@torch.compiler.assume_constant_result
+def _rule_index_at_trace_time(table_name: str, func: Callable) -> int:
+    """Where the table ``table_name``'s rule for ``func`` sits in its ``_listed`` (-1: none), looked up once while
+    Dynamo traces.
+
+    NOTE: Dynamo's own dict lookup of a torch function key can miss, and a function returned by a constant-result
+    call cannot be guarded; an int can, and ``_listed`` is a plain list Dynamo indexes with guards. The table goes by
+    name: torch 2.11's Dynamo takes only constants as a constant-result call's arguments.
+    """
+    table = _TABLES[table_name]
+    rule = table._rules.get(func)
+    return -1 if rule is None else table._listed.index(rule)
+
+
+RULES = RuleTable("RULES")
+#: Rules for block-sharded inputs (``mesh3d.domain.layouts.blocks``; registered by ``mesh3d.domain.ops.blocks.rules``).
+BLOCK_RULES = RuleTable("BLOCK_RULES")
+#: Rules for token grids (blocks flattened into tokens, ``mesh3d.domain.layouts.tokens``; ``mesh3d.domain.ops.tokens.rules``).
+TOKEN_RULES = RuleTable("TOKEN_RULES")
+#: Rules for strided layouts (``DomainSpec.outer > 1``; registered by ``mesh3d.domain.ops.strided``).
+STRIDED_RULES = RuleTable("STRIDED_RULES")
+
+
+def register(*funcs: Callable, override: bool = False) -> Callable[[Callable], Callable]:
+    """Register the decorated rule for every function in ``funcs``.
+
+    Usage: ``@register(F.conv2d, override=False)`` above ``def rule(input, weight, ...) -> Step``
+    """
+
+    def deco(rule: Callable) -> Callable:
+        for f in funcs:
+            RULES.register(f, rule, override=override)
+        return rule
+
+    return deco
+
+
+@torch.compiler.assume_constant_result  # NOTE: a fact about the function alone: a constant in a compiled graph
+def op_name(func: Callable) -> str:
+    """A readable name such as ``torch.flip``, ``torch.Tensor.add`` or ``torch.nn.functional.conv2d``.
+
+    Usage: ``op_name(torch.Tensor.add)  # 'torch.Tensor.add'``
+    """
+    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
+    if "<locals>" in name:  # a wrapper made by a factory (F.max_pool2d is boolean_dispatch's fn): its own name
+        name = getattr(func, "__name__", name)
+    name = name.replace("_VariableFunctionsClass.", "").replace("TensorBase.", "Tensor.")
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch._C") or not module:
+        return f"torch.{name}"
+    return f"{module}.{name}"
+
+
+_INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+                    "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
+
+
+@torch.compiler.assume_constant_result  # NOTE: a fact about the function alone: a constant in a compiled graph
+def writes_into_first(func: Callable) -> bool:
+    """Whether ``func`` writes into its first argument (``add_``, ``copy_``, ``x[i] = v``, ``x += y``).
+
+    Usage: ``if writes_into_first(func) and not isinstance(args[0], DomainTensor): ...``
+    """
+    name = getattr(func, "__name__", "")
+    return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
+
+

@@ -1,0 +1,80 @@
+"""What an op rule returns: the inputs it needs, in which layout, the local function, the output layout.
+
+Usage (a rule, see docs/domain.md "Adding an op rule")::
+
+    @register(F.conv2d)
+    def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Step:
+        plan = plan_window(input.spec.sizes, k, s, d, p, p)
+        return Step(lambda ext: F.conv2d(ext.tensor, weight, bias, stride, ext.padding(...)),
+                    (Window(input, plan),), out=input.spec.with_sizes(plan.out_sizes))
+
+A rule only *declares*: it never communicates and never wraps. The dispatcher
+(``mesh3d.domain.dispatch.dispatcher``) resolves each requirement in ``args`` (halo rows, a row map, a
+layout, a replicated value entering the shards), calls ``compute`` on plain local tensors and
+wraps tensor results with ``out``. Rules that combine partial results across ranks (reductions,
+norm statistics) call ``mesh3d.domain.comm.collectives`` inside ``compute``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+from mesh3d.domain.comm.rows import RowMap
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor
+
+__all__ = ["Entering", "Resplit", "Rows", "Step"]
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Any rows of ``x`` (a ``RowMap`` per rank), gathered from their owners: resolved to a plain tensor.
+
+    Usage: ``Step(compute, (Rows(x, needs),), out=x.spec)  # needs[r]: the runs of global rows rank r reads``
+    """
+
+    x: DomainTensor
+    needs: tuple[RowMap, ...]
+    fill: float = 0.0
+
+
+@dataclass(frozen=True)
+class Resplit:
+    """``x``'s local tensor re-split to the per-rank ``sizes`` along its sharded dim (rows move only if they differ).
+
+    Usage: ``Step(torch.add, (a, Resplit(b, a.spec.sizes)), out=a.spec)``
+    """
+
+    x: DomainTensor
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Entering:
+    """A replicated value used by every shard: its gradient is summed over the domain on the way back.
+
+    Usage: ``Step(torch.mul, (xs, Entering(scale)), out=xs.spec)``
+    """
+
+    x: DomainTensor
+
+
+@dataclass(frozen=True)
+class Step:
+    """A rule's declaration: ``compute(*resolved args, **kwargs)`` on local tensors, results laid out as ``out``.
+
+    ``out_ndim``: only tensor results of this rank are wrapped (others pass through plain).
+    ``keep``: plain tensors the caller may still hold, wrapped as views rather than re-classed.
+
+    Usage: ``return Step(torch.relu, (xs,), out=xs.spec)`` from a rule (``domain.register``)
+    """
+
+    compute: Callable[..., Any]
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    out: DomainSpec | None = None
+    out_ndim: int | None = None
+    keep: tuple = ()

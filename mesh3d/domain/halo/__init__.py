@@ -1,0 +1,1 @@
+"""Which rows a sliding-window op needs, and the interior computed while they travel."""

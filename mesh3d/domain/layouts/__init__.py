@@ -1,0 +1,1 @@
+"""Blocks, token grids and the moves between layouts."""

@@ -1,0 +1,210 @@
+"""Blocks: a sample sharded over several dims at once, one per dim of a factored domain grid.
+
+Usage::
+
+    dm = DistributedManager.initialize(batch=1, domain=(2, 2))      # a 2x2 grid of domain ranks
+    xs = domain.shard(x, dims=(2, 3))                                # this rank's block of x
+    xs = domain.shard(x, dims=(2, 3), sizes=((5, 3), (4, 4)))        # uneven, empty blocks allowed
+    y = conv(xs); y.full_tensor()                                    # halos with corners
+
+Grid dim ``i`` splits tensor dim ``dims[i]``; rank (i0, i1, ...) of the grid holds rows
+``offsets[k][ik] .. + sizes[k][ik]`` of each. The ranks that share every grid coordinate but
+the ``i``-th form a *grid line* (``dm.group("domain_i")``): a 1-D domain along ``dims[i]``. So
+every exchange on blocks is a sequence of 1-D exchanges, one per grid dim, each on the grid
+line's ranks with the 1-D planners and ``exchange.gather_rows``: the second pass moves rows that
+the first pass already extended, which carries the corners. Where the rows a rank needs form a box
+(window halos, transposed convolutions, ``F.pad``, upsampling), ``blocks_halo`` posts every
+neighbour's box (corners included) in one round on the whole domain group instead. Global
+reductions run over the whole domain group.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+import torch
+
+from mesh3d.domain.halo.boxes import gather_box
+from mesh3d.domain.comm.rows import block_needs
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.comm.exchange import gather_rows
+from mesh3d.domain.halo.windows import WindowPlan, plan_window
+from mesh3d.domain.core.settings import SETTINGS
+from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
+from mesh3d.domain.core.split import split_sizes
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
+from mesh3d.manager import DistributedManager
+from mesh3d.domain.core.plan_cache import plan_cache
+from mesh3d.domain.core.specs import BlockSpec
+
+__all__ = ["block_full_tensor", "extend_windows", "gather_along", "gather_boxes", "grid_comms", "halo_rows_only",
+           "in_layout", "replicate_blocks_if_singleton", "shard_blocks"]
+
+
+def grid_comms() -> tuple[tuple[int, ...], tuple[DomainComm, ...]]:
+    """The domain grid and this rank's grid line on each of its dims (``DistributedManager``'s groups).
+
+    Usage: ``grid, lines = grid_comms()``
+    """
+    dm = DistributedManager()
+    grid = dm.domain_grid
+    if len(grid) == 1:
+        return grid, (DomainComm("domain", tuple(dm.axis_ranks("domain")), dm.axis_rank("domain"), dm.epoch),)
+    names = [f"domain_{i}" for i in range(len(grid))]
+    return grid, tuple(DomainComm(n, tuple(dm.axis_ranks(n)), dm.axis_rank(n), dm.epoch) for n in names)
+
+
+def shard_blocks(x: torch.Tensor, dims: Sequence[int], sizes: Sequence[Sequence[int] | None] | None,
+                 comm: DomainComm) -> DomainTensor:
+    """This rank's block of ``x`` (held whole on every domain rank); see ``domain.shard(x, dims=...)``."""
+    grid, lines = grid_comms() if DistributedManager.is_initialized() else ((1,), (comm,))
+    dims = tuple(d % x.ndim if isinstance(d, int) and -x.ndim <= d < x.ndim else _bad_dim(d, x.ndim) for d in dims)
+    if len(set(dims)) != len(dims):
+        raise ValueError(f"domain.shard: dims={dims} repeats a dim; give each sharded dim once")
+    if len(dims) != len(grid):
+        raise ValueError(
+            f"domain.shard: dims={dims} names {len(dims)} sharded dims but the domain grid {grid} has {len(grid)} "
+            f"dims; pass {len(grid)} dims (one per grid dim), or initialize the manager with a "
+            f"{len(dims)}-dim grid, e.g. domain={tuple([2] * len(dims))}")
+    per_dim = list(sizes) if sizes is not None else [None] * len(dims)
+    if len(per_dim) != len(dims):
+        raise ValueError(f"domain.shard: sizes has {len(per_dim)} entries for {len(dims)} dims; give one per dim")
+    layout = tuple(split_sizes(x.shape[d], g, s) for d, g, s in zip(dims, grid, per_dim))
+    spec = BlockSpec(dims, layout, lines, comm)
+    local = x
+    for d, start, count in zip(dims, spec.offsets, spec.local_sizes):
+        if count != x.shape[d]:
+            local = local.narrow(d, start, count)
+    return wrap(local, spec) if local is x else adopt(local.contiguous(), spec)  # contiguous, as the whole tensor
+
+
+def _bad_dim(dim: object, ndim: int) -> int:
+    raise ValueError(f"domain.shard: dim {dim!r} is out of range for a {ndim}-D tensor (use 0..{ndim - 1})")
+
+
+def gather_whole(local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+    """Every block gathered into the whole tensor on every rank (one grid dim after the other)."""
+    for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
+        everything = (Span.rows(0, sum(sizes)),)
+        local = gather_rows(local, d, plan_exchange(sizes, (everything,) * len(sizes), line.index), line)
+    return local
+
+
+class _BlockFullTensor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+        ctx.spec = spec
+        with torch.no_grad():
+            whole = gather_whole(local, spec)
+        return whole.view_as(whole) if whole is local else whole
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec = ctx.spec
+        for d, start, count in zip(spec.dims, spec.offsets, spec.local_sizes):
+            grad = grad.narrow(d, start, count)
+        return grad, None
+
+
+def block_full_tensor(x: DomainTensor) -> DomainTensor:
+    """The whole tensor on every domain rank, replicated (differentiable: backward keeps this rank's block).
+
+    Usage: ``whole = xs.full_tensor()``
+    """
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return adopt(_BlockFullTensor.apply(unwrap(x), spec), DomainSpec.replicated(spec.comm))
+
+
+@plan_cache(maxsize=1024)
+def halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[ExchangePlan, int, int]:
+    """This rank's window exchange without its padding rows, and the padding (left, right) for the kernel.
+
+    Usage: ``xplan, left, right = halo_rows_only(sizes, plan_window(sizes, 3, 1, 1, 1, 1), line.index)``
+
+    NOTE: on blocks a padding row materialized in one pass would travel in the next (it is part of the
+    extended rows): so no pass materializes any, and the kernel (or one ``F.pad`` on edge blocks) adds them.
+    """
+    mine = plan.needs[me]
+    left = mine[0].stop if mine and mine[0].is_fill else 0
+    right = mine[-1].stop if len(mine) > 1 and mine[-1].is_fill else 0
+    core = tuple(span for span in mine if not span.is_fill)
+    return plan_exchange(sizes, plan.needs[:me] + (core,) + plan.needs[me + 1:], me), left, right
+
+
+def extend_windows(local: torch.Tensor, spec: BlockSpec, first: int, kernel: Sequence[int], stride: Sequence[int],
+                   dilation: Sequence[int], pads: list[tuple[int, int]]) -> tuple[torch.Tensor, BlockSpec]:
+    """This rank's input rows for a window op on blocks, halos and corners included; ``pads`` (per spatial dim,
+    ``first`` being the first spatial tensor dim) becomes the padding the kernel must still add.
+
+    Usage: ``ext, out_spec = extend_windows(local, spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])``
+
+    NOTE: all neighbours' boxes in one round (``blocks_halo``): it took 0.20-0.80x the time of one pass per
+    grid dim on the 2-core CPU (docs/benchmarks.md). With blocks overlap on, a rank whose level declines to overlap takes this path
+    while its grid-line peers post per-line messages: then this path must send the same ones, one pass per dim.
+    """
+    out_sizes, plans = [], []
+    for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
+        i = d - first
+        plan = plan_window(sizes, kernel[i], stride[i], dilation[i], *pads[i])
+        xplan, left, right = halo_rows_only(sizes, plan, line.index)
+        if SETTINGS.value.overlap.blocks:
+            local = gather_rows(local, d, xplan, line)  # the second pass moves extended rows: corners travel
+        plans.append(xplan)
+        pads[i] = (left, right)
+        out_sizes.append(plan.out_sizes)
+    if not SETTINGS.value.overlap.blocks:
+        local = _gather_planned(local, spec, tuple(plans), 0.0)
+    return local, spec.with_sizes(tuple(out_sizes))
+
+
+def _gather_planned(local: torch.Tensor, spec: BlockSpec, plans: tuple[ExchangePlan, ...], fill: float) -> torch.Tensor:
+    grid = tuple(len(s) for s in spec.sizes)
+    return gather_box(local, spec.dims, plans, tuple(line.index for line in spec.lines), grid, spec.comm, fill)
+
+
+def gather_boxes(local: torch.Tensor, spec: BlockSpec, needs: Sequence[tuple], fill: float = 0.0) -> torch.Tensor:
+    """Rows ``needs[k]`` (one row map per rank of grid line ``k``) along every block dim, in one round.
+
+    Usage: ``ext = gather_boxes(local, spec, [needs_h, needs_w])   # what gather_along twice would give``
+    """
+    plans = tuple(plan_exchange(s, tuple(n), line.index) for s, n, line in zip(spec.sizes, needs, spec.lines))
+    return _gather_planned(local, spec, plans, fill)
+
+
+def gather_along(local: torch.Tensor, spec: BlockSpec, axis: int, needs: tuple, fill: float = 0.0) -> torch.Tensor:
+    """Rows ``needs`` (one row map per rank of the grid line) of block dim ``axis``, from their owners.
+
+    Usage: ``ext = gather_along(local, spec, 0, needs)``
+    """
+    line = spec.lines[axis]
+    return gather_rows(local, spec.dims[axis], plan_exchange(spec.sizes[axis], needs, line.index), line, fill)
+
+
+def in_layout(x: DomainTensor, spec: BlockSpec) -> torch.Tensor:
+    """``x``'s local block in the layout of ``spec`` (same dims): rows move along each grid dim whose sizes differ.
+
+    Usage: ``local = in_layout(skip, ref.spec)  # a U-Net skip laid out like the upsampled tensor``
+    """
+    have = x._spec
+    assert isinstance(have, BlockSpec)
+    if have.dims != spec.dims or [sum(s) for s in have.sizes] != [sum(s) for s in spec.sizes]:
+        raise ValueError(f"block tensors of different global shapes or block dims ({have.dims}, {have.sizes} vs "
+                         f"{spec.dims}, {spec.sizes}) cannot be combined; shard them alike")
+    local = unwrap(x)
+    for axis, (mine, want) in enumerate(zip(have.sizes, spec.sizes)):
+        if mine != want:
+            local = gather_along(local, have, axis, block_needs(want))
+    return local
+
+
+def replicate_blocks_if_singleton(x: DomainTensor) -> DomainTensor:
+    """``x`` replicated when every block dim has global length 1 (global pooling before a head), else ``x``.
+
+    Usage: ``pooled = replicate_blocks_if_singleton(adopt(local, spec))``
+    """
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return block_full_tensor(x) if all(sum(s) == 1 for s in spec.sizes) else x

@@ -1,0 +1,170 @@
+"""Layout rules on blocks: transpose/permute, reshape/view/flatten (to a token grid), chunk/split/unbind, Linear,
+softmax, dropout.
+
+Usage (through torch)::
+
+    t = e.flatten(2).transpose(1, 2)     # blocks of (B, C, H, W) -> a token grid (B, H*W, C)
+    y = e.permute(0, 2, 3, 1)            # channels last: the block dims move with their dims
+    z = F.linear(y, w)                   # Linear over a dim that is not a block dim: local
+
+A reshape keeps the block dims' local rows as they are (other dims split and merge freely) or merges
+exactly the block dims, consecutive and ascending, into one token dim: ``mesh3d.domain.layouts.tokens``. Anything
+else (a reshape mixing block rows with other dims) raises naming the op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
+from mesh3d.domain.ops.idioms import expand_index, slice_sizes
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
+from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.core.specs import TokenSpec
+
+__all__: list[str] = []
+
+
+def _spec(x: DomainTensor) -> BlockSpec:
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return spec
+
+
+def _moved(spec: BlockSpec, dims: tuple[int, ...]) -> BlockSpec:
+    return BlockSpec(dims, spec.sizes, spec.lines, spec.comm)
+
+
+def _transpose(input, dim0, dim1):
+    spec = _spec(input)
+    d0, d1 = dim0 % input.ndim, dim1 % input.ndim
+    swap = {d0: d1, d1: d0}
+    return adopt(torch.transpose(unwrap(input), d0, d1), _moved(spec, tuple(swap.get(d, d) for d in spec.dims)))
+
+
+def _permute(input, *dims):
+    spec = _spec(input)
+    order = tuple(d % input.ndim for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims))
+    return adopt(unwrap(input).permute(order), _moved(spec, tuple(order.index(d) for d in spec.dims)))
+
+
+def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> DomainTensor:
+    """``x`` reshaped keeping its blocks, or with its block dims merged into a token dim; else a refusal.
+
+    Usage: ``t = reshape_blocks(e, [b, c, -1], "torch.reshape", view=False)  # a token grid``
+    """
+    spec, local = _spec(x), unwrap(x)
+    shape, whole = list(local.shape), list(size_of(x))
+    first, last = min(spec.dims), max(spec.dims)
+    run, global_run = shape[first:last + 1], whole[first:last + 1]
+    consecutive = spec.dims == tuple(range(first, last + 1))
+    reshape = local.view if view else local.reshape
+    placed = localized(place_run(target, whole, first, last, global_run), run) if consecutive else None
+    if placed is not None:
+        at, full = placed
+        return adopt(reshape(full), _moved(spec, tuple(d - first + at for d in spec.dims)))
+    placed = localized(place_run(target, whole, first, last, [math.prod(global_run)]), [math.prod(run)]) \
+        if consecutive else None
+    if placed is not None:
+        at, full = placed
+        return adopt(reshape(full), TokenSpec(at, spec.sizes, spec.lines, spec.comm))
+    raise NotImplementedError(
+        f"{op}{tuple(target)} of a block tensor of shape {tuple(whole)} (block dims {spec.dims}) would mix the "
+        "blocks' rows with other dims. On blocks a reshape may split and merge the other dims, or merge exactly the "
+        "block dims (consecutive, in order) into one token dim, as flatten(2) does; call .full_tensor() first "
+        "otherwise")
+
+
+def _local_unless_block(op: str, x: DomainTensor, dims: list[int]) -> BlockSpec:
+    spec = _spec(x)
+    touched = sorted({d % x.ndim for d in dims} & set(spec.dims))
+    if touched:
+        raise NotImplementedError(f"{op} acts along dim {touched[0]}, a block-sharded dim ({spec.dims}); move the "
+                                  "channels last (x.permute) or call .full_tensor() first")
+    return spec
+
+
+def _linear(input, weight, bias=None):
+    return adopt(F.linear(unwrap(input), weight, bias), _local_unless_block("torch.nn.functional.linear", input, [-1]))
+
+
+def _softmax(func):
+    def rule(input, dim=None, *args, **kwargs):
+        spec = _local_unless_block("softmax", input, [dim])
+        return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
+    return rule
+
+
+def _splitter(func, name: str):
+    def rule(input, split_size_or_sections, dim=0):
+        spec = _local_unless_block(name, input, [dim])
+        return tuple(adopt(t, spec) for t in func(unwrap(input), split_size_or_sections, dim))
+    return rule
+
+
+def _unbind(input, dim=0):
+    spec = _local_unless_block("torch.unbind", input, [dim])
+    d = dim % input.ndim
+    out = _moved(spec, tuple(b - (d < b) for b in spec.dims))
+    return tuple(adopt(t, out) for t in torch.unbind(unwrap(input), d))
+
+
+def blocks_dropout(input, p=0.5, training=True, inplace=False):
+    if not training or p == 0:
+        return input
+    raise NotImplementedError("dropout in training mode on blocks or token grids: a per-block random mask would not "
+                              "match one process; use p=0 or model.eval(), or apply it after .full_tensor()")
+
+
+def _getitem(x: DomainTensor, index):
+    """Indexing of blocks: anything on the other dims, and slices with a positive step on block dims (each grid line
+    keeps its own rows of the slice: the spectrum's modes of an FNO, a crop); an int on a block dim is refused."""
+    spec = _spec(x)
+    moved = untouched_index(index, x.ndim, spec.dims)
+    if moved is not None:
+        return adopt(unwrap(x)[index], _moved(spec, tuple(moved(d) for d in spec.dims)))
+    items = expand_index(index, x.ndim)
+    sizes, seen, out, new_dims = list(spec.sizes), -1, 0, {}
+    for i, item in enumerate(items):
+        if item is None:
+            out += 1
+            continue
+        seen += 1
+        if seen in spec.dims:
+            k = spec.dims.index(seen)
+            if not isinstance(item, slice) or (item.step or 1) < 1:
+                raise NotImplementedError(f"{op_name(torch.Tensor.__getitem__)} with {item!r} on the block dim {seen}: "
+                                          "only slices with a positive step are supported there; call .full_tensor()")
+            per_line = slice_sizes(spec.sizes[k], *item.indices(sum(spec.sizes[k])))
+            lo, hi, _ = per_line[spec.lines[k].index]
+            items[i] = slice(lo, hi, item.step)
+            sizes[k] = tuple(c for _, _, c in per_line)
+            new_dims[seen] = out
+        elif not isinstance(item, (int, slice)):
+            raise NotImplementedError(f"{op_name(torch.Tensor.__getitem__)} with a tensor index on blocks is not "
+                                      "supported; call .full_tensor() first")
+        if not isinstance(item, int):
+            out += 1
+    out_spec = BlockSpec(tuple(new_dims[d] for d in spec.dims), tuple(sizes), spec.lines, spec.comm)
+    return adopt(unwrap(x)[tuple(items)], out_spec)
+
+
+for _funcs, _rule in (
+    ((torch.Tensor.__getitem__,), _getitem),
+    ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
+    ((torch.permute, torch.Tensor.permute), _permute),
+    ((F.linear,), _linear),
+    ((torch.chunk, torch.Tensor.chunk), _splitter(torch.chunk, "torch.chunk")),
+    ((torch.split, torch.Tensor.split), _splitter(torch.split, "torch.split")),
+    ((torch.unbind, torch.Tensor.unbind), _unbind),
+    ((F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax), None),
+    ((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout), blocks_dropout),
+):
+    for _f in _funcs:
+        BLOCK_RULES.register(_f, _rule if _rule is not None else _softmax(_f))
+for _f, _rule in shape_rules(reshape_blocks).items():
+    BLOCK_RULES.register(_f, _rule)

@@ -1,0 +1,313 @@
+"""Op rules for block-sharded tensors (``mesh3d.domain.layouts.blocks``), and the refusal for every other op.
+
+Usage: automatic; ``conv(xs)``, ``F.gelu(xs)``, ``nn.GroupNorm(...)(xs)``, ``(ys - t).square().mean()`` on a
+tensor from ``domain.shard(x, dims=(2, 3))``. Any op without a rule here raises ``NotImplementedError``
+naming it (the dispatcher reads ``registry.BLOCK_RULES``; a rule written for slabs is never applied to blocks).
+
+What runs on blocks: convolutions (1-D to 3-D, any kernel, stride, dilation and zero padding on every
+sharded dim; halos with corners, every neighbour in one round), element-wise ops and activations,
+GroupNorm / BatchNorm / InstanceNorm (statistics over the whole domain), sum / mean reductions and the
+MSE / L1 losses.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.layouts.blocks import extend_windows, in_layout
+from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
+from mesh3d.domain.halo.windows import plan_window
+from mesh3d.domain.dispatch.dispatcher import redispatch
+from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
+from mesh3d.domain.core.connected import connected_zeros
+from mesh3d.domain.ops.norm import normalize
+from mesh3d.domain.ops.pointwise import ELEMENTWISE
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+
+__all__ = ["CHANNEL_NORMS", "reduction_rules", "run_elementwise"]
+
+def _spec_of(x: DomainTensor) -> BlockSpec:
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return spec
+
+
+# ----------------------------------------------------------------------------- element-wise
+def _elementwise(func: Callable) -> Callable:
+    def rule(*args, **kwargs):
+        operands = [*args, *kwargs.values()]
+        tensors = [t for t in operands if isinstance(t, torch.Tensor)]
+        blocks = [t for t in tensors if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec)]
+        ref = blocks[0]
+        spec = _spec_of(ref)
+        if any(t.ndim != ref.ndim for t in blocks):
+            raise ValueError(f"{op_name(func)}: block tensors of different ranks ({[t.ndim for t in blocks]})")
+
+        def local(o):
+            if not isinstance(o, torch.Tensor):
+                return o
+            if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches)
+                return unwrap(o) if _spec_of(o).sizes == spec.sizes else in_layout(o, spec)
+            if isinstance(o, DomainTensor):  # a replicated value entering the blocks
+                if o._spec.dim is not None:
+                    raise ValueError(f"{op_name(func)}: a slab-sharded tensor meets a block-sharded one; "
+                                     "shard both as blocks")
+                plain = unwrap(o)
+                plain = sum_grad(plain, spec.comm) if plain.requires_grad else plain
+            else:
+                plain = o
+            whole = ref.shape
+            for k, d in enumerate(spec.dims):
+                aligned = d - (ref.ndim - o.ndim)
+                if aligned < 0 or plain.shape[aligned] == 1:
+                    continue
+                if plain.shape[aligned] != whole[d]:
+                    raise ValueError(
+                        f"{op_name(func)}: a tensor of shape {tuple(o.shape)} meets blocks of global shape "
+                        f"{tuple(whole)} along the block-sharded dim {d}; give it size 1 or the global length "
+                        f"{whole[d]} there (each block then takes its rows), or shard it as blocks too")
+                plain = plain.narrow(aligned, spec.offsets[k], spec.local_sizes[k])  # this block's rows of it
+            return plain
+
+        return run_elementwise(func, args, kwargs, local, ref, "blocks")
+    return rule
+
+
+def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[Any], Any], ref: DomainTensor,
+                    layout: str) -> Any:
+    """``func`` on the local operands (``local`` maps each argument), its result laid out like ``ref``.
+
+    Usage: ``return run_elementwise(torch.add, args, kwargs, local, ref, "blocks")``
+    """
+    out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+    if isinstance(out, torch.Tensor) and out.ndim == ref.ndim:
+        keep = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+                     and not isinstance(t, DomainTensor))
+        return adopt(out, ref._spec, keep)
+    if isinstance(out, torch.Tensor):
+        raise NotImplementedError(f"{op_name(func)}: on {layout}, the result must keep the input's dims")
+    return out
+
+
+for _f in ELEMENTWISE:
+    BLOCK_RULES.register(_f, _elementwise(_f))
+
+
+def _view_as(input, other):
+    # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input to hook its backward: exact on an identically
+    # laid out block of the same shape; anything else would reinterpret rows across blocks.
+    if isinstance(input, DomainTensor) and isinstance(other, DomainTensor) and input._spec == other._spec \
+            and size_of(input) == size_of(other):
+        return adopt(unwrap(input).view_as(unwrap(other)), _spec_of(input))
+    raise NotImplementedError("torch.Tensor.view_as on blocks: only onto an identically laid out block tensor of "
+                              "the same shape; call .full_tensor() first")
+
+
+BLOCK_RULES.register(torch.Tensor.view_as, _view_as)
+
+
+# ----------------------------------------------------------------------------- convolution
+def _ints(v, n: int) -> tuple[int, ...]:
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n
+
+
+def _conv_rule(func: Callable, nd: int) -> Callable:
+    name = f"torch.nn.functional.conv{nd}d"
+
+    def rule(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        if isinstance(weight, DomainTensor) or isinstance(bias, DomainTensor):
+            raise NotImplementedError(f"{name}: the weight and bias must be plain (replicated) tensors")
+        spec = _spec_of(input)
+        first = input.ndim - nd
+        if any(d < first for d in spec.dims):
+            raise NotImplementedError(f"{name}: on blocks, shard spatial dims (>= {first}) only, got dims {spec.dims}")
+        ks, stride, dilation = tuple(weight.shape[2:]), _ints(stride, nd), _ints(dilation, nd)
+        if isinstance(padding, str):
+            totals = [0 if padding == "valid" else d * (k - 1) for d, k in zip(dilation, ks)]
+            pads = [(t // 2, t - t // 2) for t in totals]
+        else:
+            pads = [(p, p) for p in _ints(padding, nd)]
+
+        def kernel(rows: torch.Tensor, grid_pads: list[tuple[int, int]]) -> torch.Tensor:
+            local_pads = list(pads)
+            for d, pad in zip(spec.dims, grid_pads):
+                local_pads[d - first] = pad
+            return _local_conv(func, rows, weight, bias, stride, local_pads, dilation, groups, sharded)
+
+        sharded = [d - first for d in spec.dims]
+        windows = [(ks[d - first], stride[d - first], dilation[d - first], *pads[d - first]) for d in spec.dims]
+        out = overlapped_windows(unwrap(input), spec, windows, kernel)
+        if out is None:
+            local, out_spec = extend_windows(unwrap(input), spec, first, ks, stride, dilation, pads)
+            return adopt(_local_conv(func, local, weight, bias, stride, pads, dilation, groups, sharded), out_spec)
+        return adopt(out, spec.with_sizes(tuple(plan_window(s, *w).out_sizes for s, w in zip(spec.sizes, windows))))
+
+    return rule
+
+
+def _local_conv(func: Callable, rows: torch.Tensor, weight, bias, stride: tuple[int, ...], pads: list[tuple[int, int]],
+                dilation: tuple[int, ...], groups: int, sharded: list[int]) -> torch.Tensor:
+    """The conv on fully extended rows, adding ``pads`` (per spatial dim); zeros tied to the weights where this
+    rank owns no output along a ``sharded`` spatial dim (it still takes part in the backward's exchanges)."""
+    nd = len(pads)
+    shape = [rows.shape[0], weight.shape[0]]
+    for i, (lo, hi) in enumerate(pads):
+        n = rows.shape[rows.ndim - nd + i] + lo + hi
+        shape.append((n - dilation[i] * (weight.shape[2 + i] - 1) - 1) // stride[i] + 1)
+    if any(shape[2 + i] <= 0 for i in sharded):
+        return connected_zeros(rows, [max(s, 0) for s in shape], rows, weight, bias)
+    if all(lo == hi for lo, hi in pads):
+        return func(rows, weight, bias, stride, tuple(lo for lo, _ in pads), dilation, groups)
+    flat = [v for i in reversed(range(nd)) for v in pads[i]]
+    return func(F.pad(rows, flat), weight, bias, stride, 0, dilation, groups)
+
+
+for _nd, _conv in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
+    BLOCK_RULES.register(_conv, _conv_rule(_conv, _nd))
+
+
+# ----------------------------------------------------------------------------- norms
+def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
+    shape = (1, -1, *([1] * (y.ndim - 2)))
+    y = y * weight.view(shape) if weight is not None else y
+    return y + bias.view(shape) if bias is not None else y
+
+
+def _spatial(x: DomainTensor, op: str) -> Any:
+    """Blocks, or a token grid ``(N, C, tokens)`` (the norms are the same: statistics over the whole domain)."""
+    spec = x._spec
+    if min(spec.dims) < 2 or getattr(spec, "keys", None) is not None:  # type: ignore[attr-defined]
+        raise NotImplementedError(f"{op}: on blocks or token grids, shard spatial dims (>= 2) of the (N, C, ...) input")
+    return spec
+
+
+def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
+    spec = _spatial(input, "F.group_norm")
+    local = unwrap(input)
+    n, c = local.shape[:2]
+    count = (c // num_groups) * math.prod(input.global_shape[2:])
+    grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
+    y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm, affine=(weight, bias))
+    return adopt(_affine(y.reshape(local.shape), weight, bias), spec)
+
+
+def _update_running(running, value, momentum) -> None:
+    if running is not None:
+        with torch.no_grad():
+            running.mul_(1 - momentum).add_(value.detach().to(running.dtype), alpha=momentum)
+
+
+def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
+    spec = _spatial(input, "F.batch_norm")
+    local = unwrap(input)
+    if not training:
+        return adopt(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), spec)
+    count = input.global_shape[0] * math.prod(input.global_shape[2:])
+    y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm, affine=(weight, bias))
+    _update_running(running_mean, mean.flatten(), momentum)
+    _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
+    return adopt(_affine(y, weight, bias), spec)
+
+
+def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
+                   momentum=0.1, eps=1e-5):
+    spec = _spatial(input, "F.instance_norm")
+    local = unwrap(input)
+    if not use_input_stats:
+        return adopt(F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), spec)
+    if running_mean is not None or running_var is not None:
+        raise NotImplementedError("F.instance_norm with track_running_stats on blocks: use slabs, or "
+                                  "track_running_stats=False")
+    y, _, _ = normalize(local, list(range(2, local.ndim)), math.prod(input.global_shape[2:]), eps, spec.comm, affine=(weight, bias))
+    return adopt(_affine(y, weight, bias), spec)
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    spec = _spec_of(input)
+    local = unwrap(input)
+    first = input.ndim - len(normalized_shape)
+    axes = [axis for axis, d in enumerate(spec.dims) if d >= first]
+    if not axes:  # the normalized dims are whole here (channels-last tokens): torch's kernel
+        return adopt(F.layer_norm(local, normalized_shape, weight, bias, eps), spec)
+    if len(axes) == len(spec.dims):
+        comm = spec.comm
+    elif len(axes) == 1:
+        comm = spec.lines[axes[0]]  # statistics over one block dim: its grid line holds them
+    else:
+        raise NotImplementedError(f"F.layer_norm over {len(axes)} of the {len(spec.dims)} block dims: normalize over "
+                                  "one block dim or all of them")
+    count = math.prod(input.global_shape[first:])
+    y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm, affine=(weight, bias))
+    # The affine parameters vary along the block dims: this rank's block of them.
+    for d, start, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
+        if d >= first:
+            weight = weight.narrow(d - first, start, rows) if weight is not None else None
+            bias = bias.narrow(d - first, start, rows) if bias is not None else None
+    y = y * weight if weight is not None else y
+    return adopt(y + bias if bias is not None else y, spec)
+
+
+# ----------------------------------------------------------------------------- reductions and losses
+def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
+    spec, local = _spec_of(x), unwrap(x)
+    dims = list(range(x.ndim)) if dim is None or dim == [] or dim == () else sorted(
+        d % x.ndim for d in ([dim] if isinstance(dim, int) else dim))
+    fn = torch.sum if kind == "sum" else torch.mean
+    if not set(spec.dims) & set(dims):  # the blocks survive: a local reduction
+        if not keepdim and any(d < s for d in dims for s in spec.dims):
+            raise NotImplementedError(f"torch.{kind} over dims {dims} before the block-sharded dims {spec.dims}: "
+                                      "pass keepdim=True")
+        return adopt(fn(local, dims, keepdim=keepdim), spec)
+    if not set(spec.dims) <= set(dims):
+        raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
+                                  f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
+    count = math.prod([x.global_shape[d] for d in dims])
+    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim) if len(dims) < x.ndim or keepdim else local.sum(),
+                                 spec.comm)
+    return adopt(total / count if kind == "mean" else total, DomainSpec.replicated(spec.comm))
+
+
+def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, Callable]:
+    """sum / mean and the MSE / L1 loss rules of a layout, from its ``reducer(x, "sum" | "mean", dim, keepdim)``.
+
+    Usage: ``for f, rule in reduction_rules(_reduce, "a token grid").items(): TOKEN_RULES.register(f, rule)``
+    """
+    def total(input, dim=None, keepdim=False, dtype=None):
+        return reducer(input, "sum", dim, keepdim)
+
+    def mean(input, dim=None, keepdim=False, dtype=None):
+        return reducer(input, "mean", dim, keepdim)
+
+    def loss(name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+        def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+            if weight is not None:
+                raise NotImplementedError(f"{name} with weight= on {layout}")
+            if reduction not in ("mean", "sum", "none"):
+                raise ValueError(f"{name}: reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+            difference = redispatch(torch.Tensor.sub, input, target)  # the element-wise rule checks the layouts
+            # NOTE: the pointwise op on the domain tensor (its own rule), not adopted from the shard: a compiled
+            # graph cannot read the spec of a tensor a rule wrapped itself before a __torch_function__ returns it.
+            per_element = redispatch(pointwise, difference)
+            return per_element if reduction == "none" else reducer(per_element, reduction)
+        return rule
+
+    return {torch.sum: total, torch.Tensor.sum: total, torch.mean: mean, torch.Tensor.mean: mean,
+            F.mse_loss: loss("F.mse_loss", torch.square), F.l1_loss: loss("F.l1_loss", torch.abs)}
+
+
+for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_norm), ((F.instance_norm,), _instance_norm),
+                      ((F.layer_norm,), _layer_norm)):
+    for _func in _funcs:
+        BLOCK_RULES.register(_func, _rule)
+for _func, _rule in reduction_rules(_reduce, "blocks").items():
+    BLOCK_RULES.register(_func, _rule)
+#: The channel norms, shared with token grids ``(N, C, tokens)`` (diffusers' attention blocks group-normalize them).
+CHANNEL_NORMS = {F.group_norm: _group_norm, F.batch_norm: _batch_norm, F.instance_norm: _instance_norm}
