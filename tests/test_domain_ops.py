@@ -193,7 +193,7 @@ def _refusals_body():
 #: What every rank's refusal must say: the op (or the argument) it refuses, and what to do instead. ``{sizes}`` is the
 #: default split of the H rows (torch.chunk's rule), ``{balanced}`` the balanced one, ``{last}`` the last domain rank.
 REFUSALS = {
-    "logcumsumexp": ["torch.logcumsumexp has no domain rule", "Call .full_tensor() first", "mesh3d.domain.dispatch.registry.register"],
+    "logcumsumexp": ["torch.logcumsumexp has no domain rule", "Call .full_tensor() first", "mesh3d.domain.register"],
     "alpha_dropout": ["F.alpha_dropout in training mode on a domain tensor", "use F.dropout, p=0",
                       "after .full_tensor()"],
     "cat_sharded": ["torch.cat along the sharded dim 2", "concatenate along another dim, or call .full_tensor() first"],

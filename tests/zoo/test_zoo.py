@@ -68,10 +68,10 @@ def _one(entry, world: int, blocks: bool = False) -> dict:
         xs = domain.shard(x, dim=entry.dim, sizes=sizes_for(entry, world))
     DistributedManager().manual_seed(1)  # the same streams: batch rank 0's is torch.manual_seed(1)
     ys = entry.forward(mod, xs)
-    sharded = hasattr(ys.spec, "dims") or ys.sharded_dim is not None
-    if getattr(ys.spec, "is_token_grid", False):  # tokens in block order: compare in the global order
+    sharded = ys.spec.layout is not domain.Layout.REPLICATED
+    if ys.spec.layout is domain.Layout.TOKENS:  # tokens in block order: compare in the global order
         ys, sharded, cot_s = ys.full_tensor(), False, cot
-    elif hasattr(ys.spec, "dims"):
+    elif ys.spec.layout is domain.Layout.BLOCKS:
         cot_s = domain.shard(cot, dims=ys.spec.dims, sizes=ys.spec.sizes)
     else:
         cot_s = domain.shard(cot, dim=ys.sharded_dim, sizes=ys.sizes) if sharded else cot
