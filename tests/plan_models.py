@@ -6,11 +6,18 @@ real on the rank pool and holds ``mesh3d plan``'s figures to what it measured.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from parallel_models import Transformer
+
+from mesh3d.planner.spec import load_spec
+
+#: examples/llama_decoder.py, by path (the examples are scripts, not a package)
+_LLAMA = str(Path(__file__).resolve().parents[1] / "examples" / "llama_decoder.py")
 
 
 class ConvStack(nn.Module):
@@ -85,10 +92,24 @@ def transformer() -> nn.Module:
     return Transformer(vocab=32, dim=16, n_heads=4, hidden=48, layers=2)
 
 
+def decoder() -> nn.Module:
+    """examples/llama_decoder.py's tiny decoder (RMSNorm, causal SDPA, SwiGLU, a learned position table of 24)."""
+    return load_spec(f"{_LLAMA}:tiny")()
+
+
+def wide_decoder() -> nn.Module:
+    """The same decoder with activations of tens of MiB per rank at 4096 tokens (the RSS comparison)."""
+    return load_spec(f"{_LLAMA}:Decoder")(vocab=256, dim=128, n_heads=4, hidden=344, layers=2, max_seq=8192)
+
+
 TP_STYLES = {"tok": "rowwise", "layers.*.attn.w[qkv]": "colwise", "layers.*.attn.wo": "rowwise",
              "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise", "head": "colwise"}
 
-FACTORIES = {"conv": conv_stack, "deep_conv": deep_conv_stack, "batchnorm": batchnorm_net, "transformer": transformer}
+FACTORIES = {"conv": conv_stack, "deep_conv": deep_conv_stack, "batchnorm": batchnorm_net, "transformer": transformer,
+             "decoder": decoder, "wide_decoder": wide_decoder}
+
+#: Nets whose input is token ids, and their vocabulary.
+VOCAB = {"transformer": 32, "decoder": 32, "wide_decoder": 256}
 
 
 def plan_of(case: dict):
@@ -96,7 +117,8 @@ def plan_of(case: dict):
     from mesh3d import Plan
 
     return Plan(batch=case.get("batch_mode", "fsdp"), model=TP_STYLES if case["model"] > 1 else {},
-                hsdp_shard_size=case.get("hsdp"), checkpoint=case.get("checkpoint", []))
+                hsdp_shard_size=case.get("hsdp"), checkpoint=case.get("checkpoint", []),
+                param_dtype=case.get("param_dtype"), reduce_dtype=case.get("reduce_dtype"))
 
 
 def attention_of(case: dict):
@@ -109,8 +131,8 @@ def attention_of(case: dict):
 def input_of(case: dict, batch_index: int) -> torch.Tensor:
     """One batch rank's input (whole over the domain), the same on every domain and model rank."""
     g = torch.Generator().manual_seed(100 + batch_index)
-    if case["net"] == "transformer":
-        return torch.randint(0, 32, case["input"], generator=g)
+    if case["net"] in VOCAB:
+        return torch.randint(0, VOCAB[case["net"]], case["input"], generator=g)
     return torch.randn(case["input"], generator=g)
 
 
@@ -133,6 +155,13 @@ EXACT_CASES: dict[str, dict] = {
         attention="ring", checkpoint=["layers.*"]),
     "fsdp d3, empty shard": dict(world=3, batch=1, domain=3, model=1, net="conv", input=(1, 2, 18, 10),
                                  sizes=((10, 8, 0),), dims=(2,)),
+    # FSDP's mixed precision: bf16 compute from an fp32 input (cast by FSDP2), fp32 reduction and optimizer state.
+    "fsdp b2 x d2 conv, bf16 params, fp32 input": dict(world=4, batch=2, domain=2, model=1, net="conv",
+                                                      input=(2, 2, 20, 12), sizes=((12, 8),), dims=(2,),
+                                                      param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "fsdp b2 x d2 decoder, bf16 params, bf16 reduction, int tokens": dict(
+        world=4, batch=2, domain=2, model=1, net="decoder", input=(2, 24), sizes=((13, 11),), dims=(1,),
+        param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16),
 }
 
 #: Where the checkpoint of an exact case is loaded, on another mesh: (case, target mesh "batch,domain,model").
@@ -141,5 +170,12 @@ RESHARD_CASES: dict[str, tuple[str, str]] = {
     "fsdp b2 x d2 x tp2 transformer": ("fsdp b2 x d2 x tp2 transformer", "1,1,2"),
 }
 
-#: Activations large enough to measure with peak RSS (a few tens of MB per rank), fp32 on the CPU.
+#: Activations large enough to measure with peak RSS (a few tens of MB per rank) on the CPU, all on 4 ranks.
 RSS_CASE = dict(world=4, batch=2, domain=2, model=1, net="deep_conv", input=(2, 2, 160, 128), sizes=((88, 72),), dims=(2,))
+RSS_CASES: dict[str, dict] = {
+    "fp32 conv": RSS_CASE,
+    "bf16 conv from an fp32 input": dict(RSS_CASE, param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+    "bf16 decoder, int tokens": dict(world=4, batch=2, domain=2, model=1, net="wide_decoder", input=(1, 8192),
+                                     sizes=((4096, 4096),), dims=(1,), param_dtype=torch.bfloat16,
+                                     reduce_dtype=torch.float32, attention="gather"),
+}

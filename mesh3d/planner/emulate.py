@@ -9,7 +9,8 @@ a unit runs), so its compute and activations are the rank's own. Around that:
   backward, the unit's pre-backward gathers again and prefetches the unit that ran before it, and its
   post-backward (an autograd node on its inputs, as FSDP2 registers one) turns the unsharded gradients into
   the reduce-scatter input, keeps one such input in flight, and leaves the sharded gradient buffer behind.
-  Each gather and reduction is counted.
+  Each gather and reduction is counted. With a ``param_dtype``, every unit's pre-forward first casts its
+  floating-point inputs to it, as ``MixedPrecisionPolicy(cast_forward_inputs=True)`` (FSDP2's default) does.
 * ``TpEmulation`` adds the collectives of ``colwise``/``rowwise`` styles: a rowwise module's output is
   all-reduced (a new tensor) in forward, a colwise module's input gradient in backward.
 
@@ -76,7 +77,9 @@ class FsdpEmulation:
         param_dtype = getattr(plan, "param_dtype", None)
         reduce_dtype = getattr(plan, "reduce_dtype", None)
         reshard = getattr(plan, "reshard_after_forward", True)
+        self.param_dtype = param_dtype
         self.sizes: dict[str, dict[str, int]] = {}
+        self.pieces: dict[str, list[int]] = {}
         for unit in layout.units:
             params = layout.unit_params(unit)
             shard_numel = [layout.chunk(p) * layout.rest(p) for p in params]
@@ -85,6 +88,9 @@ class FsdpEmulation:
             ag_in = sum(n * ((param_dtype or p.dtype).itemsize if ag_item == 1 else 1) for n, p in zip(shard_numel, params))
             grad = [(n, p) for n, p in zip(shard_numel, params) if p.requires_grad]
             reduce_item = (reduce_dtype or param_dtype or params[0].dtype).itemsize if params else 0
+            item = lambda p: (param_dtype or p.dtype).itemsize  # noqa: E731
+            # NOTE: FSDP2 allocates each parameter's unsharded (padded) tensor separately: the allocator rounds each.
+            self.pieces[unit] = [n * item(p) * self.shard for n, p in zip(shard_numel, params)]
             self.sizes[unit] = {
                 "params": len(params),
                 "ag_in": ag_in * ag_item,
@@ -130,17 +136,31 @@ class FsdpEmulation:
     def install(self, model: nn.Module) -> list[Any]:
         handles = []
         for unit in self.layout.units:
-            if not self.sizes[unit]["params"]:
-                continue
             module = model.get_submodule(unit)
+            if not self.sizes[unit]["params"]:
+                # NOTE: FSDP2 casts a unit's inputs whether or not it holds parameters.
+                if self.param_dtype is not None:
+                    handles.append(module.register_forward_pre_hook(self._cast_inputs_hook, with_kwargs=True))
+                continue
             handles.append(module.register_forward_pre_hook(self._pre_forward_hook(unit), with_kwargs=True))
             handles.append(module.register_forward_hook(self._post_forward_hook(unit)))
         return handles
 
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """FSDP2's ``cast_forward_inputs``: floating-point tensors to ``param_dtype`` (integers, e.g. token ids, stay)."""
+        if self.param_dtype is None:
+            return args, kwargs
+        dtype = self.param_dtype
+        cast = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype else t
+        return tree_map(cast, args), tree_map(cast, kwargs)
+
+    def _cast_inputs_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return self._cast_inputs(args, kwargs)
+
     # ------------------------------------------------------------------ buffers
-    def _alloc(self, name: str, category: str, nbytes: int) -> None:
+    def _alloc(self, name: str, category: str, nbytes: int, pieces: list[int] | None = None) -> None:
         if self.tracker is not None and nbytes:
-            self.tracker.alloc(name, category, nbytes)
+            self.tracker.alloc(name, category, nbytes, pieces)
 
     def _free(self, name: str) -> None:
         if self.tracker is not None:
@@ -151,8 +171,9 @@ class FsdpEmulation:
             return
         size = self.sizes[unit]
         self._unsharded.add(unit)
+        pieces = self.pieces[unit]
         if self.shard == 1:  # a one-rank shard group copies its shard into the unsharded parameters, no all-gather
-            self._alloc(f"unsharded {unit}", FSDP_BUFFERS, size["unsharded"])
+            self._alloc(f"unsharded {unit}", FSDP_BUFFERS, size["unsharded"], pieces)
             return
         self.collectives.append((self.axis, "all_gather", phase, size["ag_in"], size["unsharded"]))
         if phase == "forward":  # the previous unit's all-gather output is freed at this copy-out, this one's kept
@@ -160,9 +181,9 @@ class FsdpEmulation:
             if self._held_ag is not None and self._held_ag != unit:
                 self._free(f"all-gather output {self._held_ag}")
             self._held_ag = unit
-            self._alloc(f"unsharded {unit}", FSDP_BUFFERS, size["unsharded"])
+            self._alloc(f"unsharded {unit}", FSDP_BUFFERS, size["unsharded"], pieces)
         else:
-            self._alloc(f"unsharded {unit}", FSDP_BUFFERS, size["unsharded"])
+            self._alloc(f"unsharded {unit}", FSDP_BUFFERS, size["unsharded"], pieces)
             if self.tracker is not None:
                 self.tracker.spike(FSDP_BUFFERS, size["unsharded"])
 
@@ -173,6 +194,7 @@ class FsdpEmulation:
     # ------------------------------------------------------------------ hooks
     def _pre_forward_hook(self, unit: str):
         def hook(module: nn.Module, args: tuple, kwargs: dict):
+            args, kwargs = self._cast_inputs(args, kwargs)  # before the unshard and the post-backward node, as FSDP2
             self._unshard(unit, "forward")
             self._state[unit] = "forward"
             tensors = _tensors_needing_grad((args, kwargs))
