@@ -179,11 +179,13 @@ def test_planned_halo_bytes_are_the_geometric_minimum(grid, expected_rows):
 def test_modeled_ring_attention_plans_what_the_computed_ring_does(monkeypatch, domain, tokens):
     """A dry run models ring attention per pass (buffers, its largest kernel workspace, every exchange) instead of
     running each block's kernels: the same domain bytes and messages as computing it, and a step peak no lower
-    (the arriving buffer is held at its largest for the whole pass) and within 5 %, with no block kernel run."""
+    (the arriving buffer is held at its largest for the whole pass) and within 5 %, with no block kernel run.
+    Planned with CPU kernels: the CUDA allocator's 512-byte rounding of a tiny model's many small tensors is not
+    what this compares."""
     def planned():
         with attention_mode("ring"):
-                job = plan_job(transformer, Plan(batch=None), JobMesh.resolve(domain, 1, domain, 1),
-                           InputSpec((2, tokens), torch.int64, (1,)))
+            job = plan_job(transformer, Plan(batch=None), JobMesh.resolve(domain, 1, domain, 1),
+                           InputSpec((2, tokens), torch.int64, (1,)), device="cpu")
         return [(c.domain["bytes"], c.domain["messages"], c.memory["step_peak"]) for c in job.classes]
 
     def no_block_kernels(*args, **kwargs):

@@ -36,6 +36,9 @@ from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
 from mesh3d.parallel.validate import PlanFields
+from mesh3d.planner.allocator import cuda_block_bytes
+from mesh3d.planner.autocast import AutocastEmulation
+from mesh3d.planner.cuda_kernels import cuda_kernel_workspace
 from mesh3d.planner.emulate import Collective, FsdpEmulation, TpEmulation
 from mesh3d.planner.fused_sdpa import FusedAttention
 from mesh3d.planner.layout import ModelLayout
@@ -184,16 +187,19 @@ class Simulator:
         self.model, self.layout, self.inputs = model, layout, inputs
         self.loss = loss or default_loss
         self.device = device
-        self.workspace = cpu_kernel_workspace if device == "cpu" else None
+        self.workspace = cpu_kernel_workspace if device == "cpu" else cuda_kernel_workspace
+        self.block_bytes = cuda_block_bytes if device == "cuda" else None
         self.meta_outputs = MetaOutputs()
+        self.autocast = AutocastEmulation(device)
         self.dims, self.sizes = inputs.layout(layout.mesh.grid)
         param_dtype = getattr(plan, "param_dtype", None)
         self._by_unit: dict[str, list[nn.Parameter]] = {}
         self._params = self._meta_parameters(param_dtype)
         for fqn in layout.checkpointed:
             # NOTE: torch function modes are not active in backward, where activation checkpointing recomputes:
-            # the recomputation enters the simulation's own ones again.
-            checkpoint_module(model.get_submodule(fqn), context_fn=lambda: (contextlib.nullcontext(), self._modes()))
+            # the recomputation enters the simulation's own ones again, in the autocast state of the forward.
+            checkpoint_module(model.get_submodule(fqn),
+                              context_fn=lambda: (contextlib.nullcontext(), self._modes(self.autocast.region())))
         self.fsdp = FsdpEmulation(layout, plan) if layout.sharding.fsdp else None
         self.tp = TpEmulation(layout)
         self._handles = self.tp.install(model) + (self.fsdp.install(model) if self.fsdp else [])
@@ -207,12 +213,16 @@ class Simulator:
         self._watch: _OpWatch | None = None
 
     @contextlib.contextmanager
-    def _modes(self) -> Iterator[None]:
-        """The function modes a step runs under (``FusedAttention`` first: it must stay below the op watch)."""
+    def _modes(self, region: contextlib.AbstractContextManager | None = None) -> Iterator[None]:
+        """The function modes a step runs under (``FusedAttention`` first: it must stay below the op watch; autocast's
+        casts last: they apply before any other mode sees a call); ``region``: an autocast state to recompute in."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(FusedAttention(self.device))
             if self._watch is not None:
                 stack.enter_context(self._watch)
+            if region is not None:
+                stack.enter_context(region)
+            stack.enter_context(self.autocast.casts())
             yield
 
     def close(self) -> None:
@@ -273,7 +283,7 @@ class Simulator:
         sim = RankSim(domain_index)
         self._lines = {}
         x = self._input(domain_index)
-        tracker = MemoryTracker(self.workspace, self.meta_outputs)
+        tracker = MemoryTracker(self.workspace, self.meta_outputs, self.block_bytes)
         self._tracker = tracker
         watch = self._watch = _OpWatch(sim)
         grid = self.layout.mesh.grid
@@ -304,7 +314,7 @@ class Simulator:
             self.fsdp.start(tracker)
         self.tp.collectives.clear()
         try:
-            with _journal_kept(), dry_run(observe), tracker, self._modes():
+            with _journal_kept(), dry_run(observe), tracker, self.autocast.patched(), self._modes():
                 with count_traffic() as forward:
                     loss = self.loss(self.model(x))
                 watch.in_forward = False

@@ -4,7 +4,9 @@ A ``TorchDispatchMode`` sees each aten op's outputs; a storage not seen before a
 allocation, and a weakref finalizer on it records its release, so the count follows autograd's own lifetimes
 (saved tensors freed as backward consumes them). Buffers that the step would hold but the simulation does not
 allocate (FSDP's gathered parameters and reduce-scatter buffers) are added by name. The peak keeps a
-breakdown by category.
+breakdown by category. ``block_bytes`` maps a request to what the device's allocator counts for it (CUDA's
+caching allocator rounds: ``mesh3d.planner.allocator``); every allocation, named buffer and workspace goes
+through it.
 
 Usage::
 
@@ -16,7 +18,7 @@ Usage::
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -51,8 +53,10 @@ def _storages(obj: object) -> list[torch.UntypedStorage]:
 class MemoryTracker(TorchDispatchMode):
     """Bytes alive during a step, their peak and what made it up (see the module docstring)."""
 
-    def __init__(self, workspace: Workspace | None = None, outputs: MetaOutputs | None = None) -> None:
+    def __init__(self, workspace: Workspace | None = None, outputs: MetaOutputs | None = None,
+                 block_bytes: Callable[[int], int] | None = None) -> None:
         super().__init__()
+        self._block = block_bytes or (lambda n: n)
         self._live: dict[int, tuple[str, int]] = {}  # storage key -> (category, bytes)
         self._named: dict[str, tuple[str, int]] = {}  # named buffers (FSDP's) -> (category, bytes)
         self._by_category: dict[str, int] = {}
@@ -94,15 +98,17 @@ class MemoryTracker(TorchDispatchMode):
             self._live[key] = (category, old[1])
             self._add(category, old[1])
             return
-        nbytes = storage.nbytes()
+        nbytes = self._block(storage.nbytes())
         self._live[key] = (category, nbytes)
         self._add(category, nbytes)
         weakref.finalize(storage, self._release, key)
 
-    def alloc(self, name: str, category: str, nbytes: int) -> None:
-        """A buffer the simulation does not create itself (FSDP's), alive until ``free(name)``."""
+    def alloc(self, name: str, category: str, nbytes: int, pieces: Sequence[int] | None = None) -> None:
+        """A buffer the simulation does not create itself (FSDP's), alive until ``free(name)``; ``pieces``: the
+        sizes of the separate allocations it is made of (``nbytes`` is one allocation otherwise)."""
         if name in self._named:
             return
+        nbytes = sum(self._block(n) for n in pieces) if pieces is not None else self._block(nbytes)
         self._named[name] = (category, nbytes)
         self._add(category, nbytes)
 
@@ -113,7 +119,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def spike(self, category: str, nbytes: int) -> None:
         """A buffer alive only for a moment (allocated and released at once): it can only raise the peak."""
-        self._note_peak(nbytes, category)
+        self._note_peak(self._block(nbytes), category)
 
     # ------------------------------------------------------------------ the dispatch mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -124,12 +130,12 @@ class MemoryTracker(TorchDispatchMode):
             key = storage_key(storage)
             if key in inputs or key in self._live:
                 continue  # a view, or an in-place result
-            nbytes = storage.nbytes()
+            nbytes = self._block(storage.nbytes())
             self._live[key] = (ACTIVATIONS, nbytes)
             self._add(ACTIVATIONS, nbytes)
             weakref.finalize(storage, self._release, key)
         if self._workspace is not None:
             extra = self._workspace(func, args, kwargs, out)
             if extra:
-                self._note_peak(extra)
+                self._note_peak(self._block(extra))
         return out
