@@ -80,9 +80,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", dest="model_axis", default="1", help="model (tensor-parallel) axis size")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "none"))
     parser.add_argument("--to", metavar="MESH", help="plan loading the checkpoint onto this mesh: BATCH,DOMAIN,MODEL")
-    parser.add_argument("--device-memory", metavar="BYTES", help="warn about ranks that need more, e.g. 80GiB")
+    parser.add_argument("--device-memory", metavar="BYTES", help="each rank's device memory, e.g. 80GiB: the verdict "
+                        "compares the worst class's peak plus the margin with it")
+    parser.add_argument("--margin", metavar="BYTES", help="a fixed margin per rank for what the plan does not model, "
+                        "instead of the estimate (CUDA context, NCCL buffers, fragmentation; docs/plan.md)")
     parser.add_argument("--kernels", default="cuda", choices=("cuda", "cpu"),
-                        help="whose kernel workspaces to add: cpu (oneDNN, im2col) or cuda (none modeled; default)")
+                        help="whose kernels to model: cuda (cuDNN, cuBLAS, fused attention, the caching allocator; "
+                        "default) or cpu (oneDNN, im2col)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -101,7 +105,8 @@ def run_plan(args: argparse.Namespace) -> int:
         plan = load_plan(args.plan)
         job = plan_job(factory, plan, mesh, inputs, optimizer=args.optimizer, to=JobMesh.parse(args.to) if args.to else None,
                        device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
-                       device=args.kernels, name=args.model)
+                       device=args.kernels, name=args.model,
+                       margin=parse_bytes(args.margin) if args.margin else None)
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -33,15 +33,27 @@ from mesh3d.parallel.plan import Plan
 from mesh3d.planner.ckpt_index import index_bytes
 from mesh3d.planner.ckpt_plan import CheckpointLayout
 from mesh3d.planner.classes import DomainClasses
+from mesh3d.planner.cuda_kernels import CUDA_ASSUMPTIONS
 from mesh3d.planner.layout import ModelLayout, optimizer_state_keys
 from mesh3d.planner.mesh import JobMesh
 from mesh3d.planner.report import JobPlan, RankClass, human_bytes, spans
 from mesh3d.planner.simulate import InputSpec, RankSim, Simulator
+from mesh3d.planner.verdict import communicators_used, judge
 
 __all__ = ["collective_table", "plan_job"]
 
 #: Up to this many target ranks, a reshard's reads are computed for every rank; above, for one rank per class.
 _EXACT_RESHARD_RANKS = 64
+
+_CPU_ASSUMPTIONS = ("CPU kernels: oneDNN's channel-blocked reorders and float64's im2col for convolutions, fitted on "
+                    "this project's AVX-512 CPU (mesh3d/planner/workspace.py)",)
+_COMPILE_BOUND = ("Plan.compile: planned as eager; Inductor's min-cut partitioner saves no more bytes than eager for "
+                  "the same graph and its fused kernels skip eager's intermediates, so this is an upper bound, "
+                  "less Inductor's own scratch buffers")
+
+
+def _assumptions(device: str, plan: Plan) -> list[str]:
+    return list(CUDA_ASSUMPTIONS if device == "cuda" else _CPU_ASSUMPTIONS) + ([_COMPILE_BOUND] if plan.compile else [])
 
 
 def _meta_model(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
@@ -157,20 +169,24 @@ def _reshard(source: CheckpointLayout, target: CheckpointLayout, to: JobMesh) ->
 
 def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh: JobMesh, inputs: InputSpec, *,
              optimizer: str = "adamw", to: JobMesh | None = None, device_memory: int | None = None,
-             device: str = "cuda", loss: Callable[[Any], torch.Tensor] | None = None, name: str | None = None) -> JobPlan:
+             device: str = "cuda", loss: Callable[[Any], torch.Tensor] | None = None, name: str | None = None,
+             margin: int | None = None) -> JobPlan:
     """Plan one training step of ``model`` under ``plan`` on ``mesh`` (see the module docstring).
 
     Usage: ``print(plan_job(make_model, Plan(), JobMesh.resolve(8, domain=2), InputSpec((1, 1, 64, 64))).table())``
 
     ``inputs`` is one batch rank's input (the domain shards it); ``optimizer`` is ``adamw``, ``adam``, ``sgd``
-    or ``none``; ``to`` plans loading the checkpoint onto another mesh; ``device_memory`` (bytes) adds a warning
-    for each class whose peak exceeds it; ``device="cpu"`` adds CPU kernels' workspaces
-    (``mesh3d.planner.workspace``); ``loss(output)`` defaults to the sum of the first floating output.
+    or ``none``; ``to`` plans loading the checkpoint onto another mesh; ``device_memory`` (bytes) is what the
+    verdict compares each class's peak plus the margin with (``mesh3d.planner.verdict``; ``margin`` in bytes
+    replaces its estimate); ``device="cuda"`` models CUDA kernels and the caching allocator
+    (``mesh3d.planner.cuda_kernels``), ``"cpu"`` CPU kernels (``mesh3d.planner.workspace``); ``loss(output)``
+    defaults to the sum of the first floating output.
     """
     start = time.perf_counter()
     plan = plan if plan is not None else Plan()
     if device not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: plan for 'cuda' (no kernel workspaces) or 'cpu' (oneDNN/im2col workspaces)")
+        raise ValueError(f"device={device!r}: plan for 'cuda' (cuDNN/cuBLAS/attention workspaces, the caching allocator) "
+                         "or 'cpu' (oneDNN/im2col workspaces)")
     meta = _meta_model(model)
     layout = ModelLayout.build(meta, plan, mesh)
     target = ModelLayout.build(meta, plan, to) if to is not None else None
@@ -249,14 +265,16 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     if refused:
         warnings.append("the ops above have no domain rule: the model cannot run on this domain as written, and the "
                         "figures after the first of them assume each ran on the local shard")
-    over = [i for i, c in enumerate(result) if device_memory is not None and c.memory["peak"] > device_memory]
-    if over and device_memory is not None:
-        worst = max(over, key=lambda i: result[i].memory["peak"])
+    verdict = judge(result, device=device, device_memory=device_memory, margin=margin,
+                    communicators=communicators_used(result))
+    if verdict["over"] and device_memory is not None:
+        over, worst = verdict["over"], verdict["worst_class"]
         warnings.append(f"{len(over)} of {len(result)} classes ({sum(result[i].count for i in over)} ranks) need more than "
-                        f"the {human_bytes(device_memory)} of device memory; the most, class {worst} (e.g. rank "
-                        f"{result[worst].examples[0]}), peaks at {human_bytes(result[worst].memory['peak'])}")
+                        f"the {human_bytes(device_memory)} of device memory with the margin; the most, class {worst} "
+                        f"(e.g. rank {result[worst].examples[0]}), peaks at {human_bytes(verdict['peak'])} + "
+                        f"{human_bytes(verdict['margin']['total'])}")
     return JobPlan(name or getattr(model, "__qualname__", type(meta).__name__), mesh.text(), mesh.world,
                    plan.describe(), {"shape": list(inputs.shape), "dtype": str(inputs.dtype).replace("torch.", ""),
                                      "sharded_dims": list(dims), "sizes": [list(x) for x in sizes]},
                    optimizer, device, result, checkpoint, reshard, warnings, refused, len(sims),
-                   time.perf_counter() - start)
+                   time.perf_counter() - start, verdict, _assumptions(device, plan))

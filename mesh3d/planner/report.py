@@ -74,6 +74,8 @@ class JobPlan:
     refused: dict[str, str] = field(default_factory=dict)
     simulated_ranks: int = 0
     seconds: float = 0.0
+    verdict: dict[str, Any] = field(default_factory=dict)  # mesh3d.planner.verdict.judge's: the report's first line
+    assumptions: list[str] = field(default_factory=list)  # what the memory model assumes (kernels, compile)
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (bytes as integers)."""
@@ -90,15 +92,22 @@ class JobPlan:
         raise KeyError(f"rank {rank} is not a rank of this {self.world}-rank job")
 
     def table(self) -> str:
-        """Aligned text tables: memory per class, communication per class and axis, checkpoint, warnings."""
-        lines = [f"plan for {self.model} on {self.mesh}", f"  {self.plan}; input {self.input['shape']} "
-                 f"{self.input['dtype']}, optimizer {self.optimizer}, kernels modeled for {self.device}; "
-                 f"{len(self.classes)} classes of ranks, {self.simulated_ranks} simulated, {self.seconds:.1f} s", ""]
-        head = ["class", "ranks", "e.g.", "params", "grads", "optimizer", "step peak", "peak"]
-        rows = [[str(i), str(c.count), ",".join(map(str, c.examples[:3])), human_bytes(c.memory["params"]),
-                 human_bytes(c.memory["grads"]), human_bytes(c.memory["optimizer"]), human_bytes(c.memory["step_peak"]),
-                 human_bytes(c.memory["peak"])] for i, c in enumerate(self.classes)]
-        lines += ["memory per rank"] + _aligned(head, rows) + [""]
+        """The verdict in one line, then aligned text tables: memory per class (classes with equal rows in one row),
+        communication per class and axis, checkpoint, warnings."""
+        lines = [self.verdict["line"]] if self.verdict else []
+        lines += [f"plan for {self.model} on {self.mesh}", f"  {self.plan}; input {self.input['shape']} "
+                  f"{self.input['dtype']}, optimizer {self.optimizer}, kernels modeled for {self.device}; "
+                  f"{len(self.classes)} classes of ranks, {self.simulated_ranks} simulated, {self.seconds:.1f} s"]
+        lines += [f"  assumes: {a}" for a in self.assumptions] + [""]
+        same: dict[tuple[str, ...], list[int]] = {}
+        for i, c in enumerate(self.classes):
+            cells = tuple(human_bytes(c.memory[k]) for k in ("params", "grads", "optimizer", "step_peak", "peak"))
+            same.setdefault(cells, []).append(i)
+        head = ["classes", "ranks", "e.g.", "params", "grads", "optimizer", "step peak", "peak"]
+        rows = [[_spans(ix), str(sum(self.classes[i].count for i in ix)),
+                 ",".join(map(str, sorted(r for i in ix for r in self.classes[i].examples)[:3])), *cells]
+                for cells, ix in same.items()]
+        lines += ["memory per rank (classes whose figures print alike share a row)"] + _aligned(head, rows) + [""]
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(self.classes):
             groups.setdefault(", ".join(f"{k} {human_bytes(v)}" for k, v in c.step_peak_by_category.items()), []).append(i)
