@@ -12,6 +12,9 @@ on nccl (no launcher needed) and checks, printing one line each and exiting 1 if
 * ``load_pretrained`` of a bf16 safetensors file lands, cast to fp32, in FSDP shards on the GPU;
 * ``MeshStrategy`` fits a LightningModule on ``accelerator="gpu"`` like plain Lightning (if installed);
 * ``torch.compile`` (Inductor) of a U-Net and a strided stack on a domain tensor trains like eager plain torch;
+* ``mesh3d plan``'s step peak within 0.9-1.1 of the measured one for the cases of issue 49
+  (``scripts/gpu_plan_check.py``: the U-Net, the decoder in fp32 and ``PLAN_BF16``, a 2-D conv stack in fp32 and
+  FSDP bf16; planned and measured MiB per case in the JSON under ``plan_vs_measured``);
 
 and times, on the GPU, a 1 GB checkpoint save/load against ``torch.distributed.checkpoint``, and the compile rows
 of ``bench_compile.py`` at D=1 (``scripts/gpu_compile.py``: compiled domain against compiled plain, with and
@@ -46,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_compile import check_compiled_equals_eager, host_overhead, time_compile  # noqa: E402
+from gpu_plan_check import run_cases  # noqa: E402
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize  # noqa: E402
 
@@ -223,6 +227,16 @@ def check_compile(dm: DistributedManager) -> str:
     return check_compiled_equals_eager(dm.device)
 
 
+@check("plan vs measured peak")
+def check_plan(dm: DistributedManager, rows: list) -> str:
+    """Every case of gpu_plan_check planned within 0.9-1.1 of its measured step peak (never more than 10 % under)."""
+    torch.cuda.empty_cache()
+    rows.extend(run_cases(dm.device))
+    bad = [r for r in rows if not 0.9 <= r.get("ratio", 0.0) <= 1.1]
+    assert not bad, "outside 0.9-1.1: " + "; ".join(f"{r['case']}: {r.get('ratio', r.get('error'))}" for r in bad)
+    return "(" + ", ".join(f"{r['case']} {r['ratio']:.3f}" for r in rows) + ")"
+
+
 def time_checkpoint(tmp: str, megabytes: int) -> dict:
     """mesh3d vs torch.distributed.checkpoint: save and load of FSDP state on the GPU (world of one)."""
     import torch.distributed.checkpoint as dcp
@@ -282,8 +296,10 @@ def main() -> int:
         return 1
     dm = DistributedManager.initialize()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, nccl {torch.cuda.nccl.version()}")
+    plan_rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         check_manager(dm)
+        check_plan(dm, plan_rows)  # first: a fresh allocator, as a job's first steps see it
         check_parallelize(dm)
         check_domain(dm)
         check_checkpoint(dm, tmp)
@@ -291,7 +307,8 @@ def main() -> int:
         check_load_pretrained(dm, tmp)
         check_lightning(dm)
         check_compile(dm)
-        report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "checks": RESULTS}
+        report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "checks": RESULTS,
+                  "plan_vs_measured": plan_rows}
         _write(args.out, report)  # after each stage: a run cut short still leaves what it measured
         timing = time_checkpoint(tmp, args.ckpt_mb)
     gb = timing["state_bytes"] / 1e9
