@@ -14,7 +14,7 @@ from mesh3d._torch_private.compile import (
     autograd_inside_custom_op, keep_in_program_order, let_compiled_graphs_take_function_subclasses,
     run_compiled_graphs_without_subclass_dispatch)
 from mesh3d._torch_private.kernels import (
-    cpu_flash_attention, cpu_flash_attention_backward, cuda_efficient_attention, cuda_flash_attention)
+    cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_efficient_attention, cuda_flash_attention)
 from mesh3d._torch_private.dispatch import (
     OpOverload, TorchDispatchMode, is_operator_overload, op_schema, storage_key, tree_flatten, tree_map, view_base)
 
@@ -26,6 +26,7 @@ __all__ = [
     "clear_dtensor_caches",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
+    "cuda_attention_ops",
     "cuda_efficient_attention",
     "cuda_flash_attention",
     "default_store",

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["cpu_flash_attention", "cpu_flash_attention_backward", "cuda_efficient_attention", "cuda_flash_attention"]
+__all__ = ["cpu_flash_attention", "cpu_flash_attention_backward", "cuda_attention_ops", "cuda_efficient_attention",
+           "cuda_flash_attention"]
 
 
 def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
@@ -54,3 +55,16 @@ def cuda_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     Why private: as :func:`cuda_flash_attention`, for ``aten._scaled_dot_product_efficient_attention``.
     """
     return torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal, scale=scale)[0]
+
+
+def cuda_attention_ops() -> dict[str, torch._ops.OpOverload]:
+    """The ATen operators of torch's CUDA fused attention, by role: ``flash_backward``, ``efficient``,
+    ``efficient_backward`` (what the planner's CUDA model attaches kernel workspaces to).
+
+    Why private: those kernels are ``aten._scaled_dot_product_*`` operators; a dry run on meta tensors meets them by
+    these names (the public call decomposes on meta).
+    """
+    aten = torch.ops.aten
+    return {"flash_backward": aten._scaled_dot_product_flash_attention_backward.default,
+            "efficient": aten._scaled_dot_product_efficient_attention.default,
+            "efficient_backward": aten._scaled_dot_product_efficient_attention_backward.default}

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+
+from mesh3d._torch_private import tree_map
 
 __all__ = ["AutocastEmulation"]
 

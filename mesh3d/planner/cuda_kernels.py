@@ -39,6 +39,8 @@ from typing import Any
 
 import torch
 
+from mesh3d._torch_private import cuda_attention_ops
+
 __all__ = ["CUDA_ASSUMPTIONS", "cuda_kernel_workspace", "is_dense"]
 
 aten = torch.ops.aten
@@ -155,9 +157,9 @@ _RULES: dict[Any, Any] = {
     aten.bmm.default: lambda a, o: _blas_copy(a[0]) + _blas_copy(a[1]),
     aten.addmm.default: lambda a, o: _blas_copy(a[1]) + _blas_copy(a[2]),
     aten.baddbmm.default: lambda a, o: _blas_copy(a[1]) + _blas_copy(a[2]),
-    aten._scaled_dot_product_flash_attention_backward.default: lambda a, o: _flash_backward(a),
-    aten._scaled_dot_product_efficient_attention_backward.default: lambda a, o: _efficient_backward(a),
-    aten._scaled_dot_product_efficient_attention.default: lambda a, o: _efficient_forward(a),
+    cuda_attention_ops()["flash_backward"]: lambda a, o: _flash_backward(a),
+    cuda_attention_ops()["efficient_backward"]: lambda a, o: _efficient_backward(a),
+    cuda_attention_ops()["efficient"]: lambda a, o: _efficient_forward(a),
     aten.native_group_norm_backward.default: lambda a, o: _group_norm_backward(a),
     aten.embedding_dense_backward.default: lambda a, o: _embedding_backward(a),
 }
