@@ -32,11 +32,11 @@ def test_the_verdict_adds_the_stated_margin_to_the_worst_class(device_memory, st
     assert v["status"] == status and v["worst_class"] == 1 and v["peak"] == 40 * GiB
     assert v["margin"]["total"] == margin and v["needed"] == 40 * GiB + margin
     assert v["line"].startswith("verdict: ") and "class 1 (5 ranks, e.g. rank 7)" in v["line"]
-    assert "NCCL buffers 2 x 512.0 MiB" in v["line"]
+    assert "NCCL buffers 2 x 512.0 MiB" in v["margin_line"] and "margin 6.0 GiB = 46.0 GiB" in v["line"]
     if status == "does not fit":
         assert v["over"] == [1] and "1 of 2 classes (5 ranks) need more" in v["line"]  # class 0: 30 + 5 GiB fit
     fixed = judge(classes, device="cuda", device_memory=device_memory, communicators=2, margin=GiB)
-    assert fixed["needed"] == 41 * GiB and "margin 1.0 GiB (given)" in fixed["line"]
+    assert fixed["needed"] == 41 * GiB and "1.0 GiB, as given (--margin)" in fixed["margin_line"]
 
 
 def test_on_the_cpu_the_margin_is_fragmentation_only():
@@ -51,6 +51,7 @@ def test_the_report_opens_with_the_verdict_and_prints_classes_with_equal_rows_on
                    device_memory=80 * GiB)
     lines = job.table().splitlines()
     assert lines[0] == job.verdict["line"] and lines[0].startswith("verdict: FITS in 80.0 GiB")
+    assert "  " + job.verdict["margin_line"] in lines
     worst = max(range(len(job.classes)), key=lambda i: job.classes[i].memory["peak"])
     assert job.verdict["peak"] == job.classes[worst].memory["peak"]
     start = next(i for i, line in enumerate(lines) if line.startswith("memory per rank")) + 2

@@ -98,7 +98,9 @@ class JobPlan:
         lines += [f"plan for {self.model} on {self.mesh}", f"  {self.plan}; input {self.input['shape']} "
                   f"{self.input['dtype']}, optimizer {self.optimizer}, kernels modeled for {self.device}; "
                   f"{len(self.classes)} classes of ranks, {self.simulated_ranks} simulated, {self.seconds:.1f} s"]
-        lines += [f"  assumes: {a}" for a in self.assumptions] + [""]
+        lines += [f"  assumes: {a}" for a in self.assumptions]
+        lines += [f"  {self.verdict['margin_line']}"] if self.verdict else []
+        lines.append("")
         same: dict[tuple[str, ...], list[int]] = {}
         for i, c in enumerate(self.classes):
             cells = tuple(human_bytes(c.memory[k]) for k in ("params", "grads", "optimizer", "step_peak", "peak"))

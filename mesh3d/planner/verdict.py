@@ -59,22 +59,22 @@ def margin_of(peak: int, device: str, communicators: int, fixed: int | None = No
 
 def _describe(margin: dict[str, int], communicators: int) -> str:
     if "fixed" in margin:
-        return f"margin {human_bytes(margin['total'])} (given)"
+        return f"{human_bytes(margin['total'])}, as given (--margin)"
     parts = []
     if margin["cuda context and libraries"]:
         parts.append(f"CUDA context and libraries {human_bytes(margin['cuda context and libraries'])}")
     if margin["nccl buffers"]:
         parts.append(f"NCCL buffers {communicators} x {human_bytes(NCCL_BYTES)}")
-    parts.append(f"fragmentation {FRAGMENTATION:.0%} of the peak")
-    return f"margin {human_bytes(margin['total'])} ({', '.join(parts)})"
+    parts.append(f"allocator fragmentation {FRAGMENTATION:.0%} of the peak ({human_bytes(margin['allocator fragmentation'])})")
+    return f"{human_bytes(margin['total'])} = " + " + ".join(parts)
 
 
 def judge(classes: list[RankClass], *, device: str, device_memory: int | None, communicators: int,
           margin: int | None = None) -> dict[str, Any]:
     """The verdict on the worst class (the largest peak plus margin): a dict with ``status`` ("fits", "tight": only
     without the margin, "does not fit", "unknown": no device memory given), ``worst_class``, ``peak``,
-    ``margin`` (its parts), ``needed`` (peak + margin), ``device_memory``, ``over`` (classes needing more) and
-    ``line``, the report's first line.
+    ``margin`` (its parts), ``needed`` (peak + margin), ``device_memory``, ``over`` (classes needing more),
+    ``line`` (the report's first line) and ``margin_line`` (what the margin is made of).
 
     Usage: ``judge(job.classes, device="cuda", device_memory=80 * 2**30, communicators=2)["line"]``
     """
@@ -91,7 +91,7 @@ def judge(classes: list[RankClass], *, device: str, device_memory: int | None, c
         status = "tight" if peak <= device_memory else "does not fit"
     c = classes[worst]
     who = f"class {worst} ({c.count} rank{'s' if c.count != 1 else ''}, e.g. rank {c.examples[0]})"
-    need = f"peaks at {human_bytes(peak)} + {_describe(parts, communicators)} = {human_bytes(needs[worst])}"
+    need = f"peaks at {human_bytes(peak)} + margin {human_bytes(parts['total'])} = {human_bytes(needs[worst])}"
     if device_memory is None:
         line = f"verdict: no --device-memory given; the worst, {who}, {need}"
     else:
@@ -101,4 +101,5 @@ def judge(classes: list[RankClass], *, device: str, device_memory: int | None, c
             if over else ""
         line = f"verdict: {verb} in {human_bytes(device_memory)}: the worst, {who}, {need} ({share}){counted}"
     return {"status": status, "worst_class": worst, "peak": peak, "margin": parts, "needed": needs[worst],
-            "device_memory": device_memory, "over": over, "line": line}
+            "device_memory": device_memory, "over": over, "line": line,
+            "margin_line": f"margin for what is not modeled, per rank: {_describe(parts, communicators)}"}
