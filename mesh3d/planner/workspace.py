@@ -9,7 +9,7 @@ and 3-D convolutions of 1 to 32 channels, strides 1 and 2 (see docs/plan.md):
   larger of the input and the output gradient. 1x1, stride-1 convolutions: nothing.
 * float64: the unfolded input, ``N * C_in * prod(kernel) * prod(output spatial)`` elements, forward and backward.
 
-Other ops allocate what they return. On GPUs, cuDNN's workspace is not modeled.
+Other ops allocate what they return. CUDA kernels' workspaces: ``mesh3d.planner.cuda_kernels``.
 
 Usage::
 
