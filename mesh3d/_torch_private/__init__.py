@@ -7,7 +7,7 @@ mesh3d, this is the first place to look; no other module of mesh3d imports a pri
 
 from mesh3d._torch_private.distributed import (
     clear_dtensor_caches, default_store, flatten_mesh, gloo_backend, group_options, live_process_groups,
-    local_shape_and_global_offset, post_barrier, unflatten_mesh, wait_async_collective)
+    local_shape_and_global_offset, post_barrier, python_group_private_names, unflatten_mesh, wait_async_collective)
 from mesh3d._torch_private.autograd import (
     checkpoint_module, disable_torch_function_subclass, patch_checkpoint_recomputation, run_backward_from)
 from mesh3d._torch_private.compile import (
@@ -41,6 +41,7 @@ __all__ = [
     "local_shape_and_global_offset",
     "patch_checkpoint_recomputation",
     "post_barrier",
+    "python_group_private_names",
     "run_backward_from",
     "run_compiled_graphs_without_subclass_dispatch",
     "op_schema",

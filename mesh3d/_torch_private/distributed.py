@@ -22,6 +22,7 @@ __all__ = [
     "live_process_groups",
     "local_shape_and_global_offset",
     "post_barrier",
+    "python_group_private_names",
     "unflatten_mesh",
     "wait_async_collective",
 ]
@@ -35,7 +36,7 @@ def group_options(backend: str, timeout: timedelta) -> object | None:
     the default group's timeout. Its ``backend_override`` accepts options objects, whose
     ``_timeout`` field it forwards to ``new_group``; that field is private.
     """
-    if backend == "gloo":
+    if backend in ("gloo", "gloo_staged"):  # gloo_staged wraps gloo (mesh3d/staged_gloo)
         options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, see above
     elif backend == "nccl" and hasattr(dist, "ProcessGroupNCCL"):
         options = dist.ProcessGroupNCCL.Options()
@@ -179,3 +180,17 @@ def default_store() -> dist.Store | None:
         return dist.distributed_c10d._get_default_store()
     except (RuntimeError, ValueError):
         return None
+
+
+def python_group_private_names(cls: type) -> None:
+    """Give a Python ``ProcessGroup`` subclass (mesh3d/staged_gloo) the private method names torch calls on groups.
+
+    Why private: torch 2.11 (a GPU image's) calls ``_allgather_base``, ``_reduce_scatter_base``, ``alltoall_base`` and
+    the ``*_tensor_coalesced`` names, 2.13 the public ones; FSDP2's allocator and mesh3d's teardown reach a group's
+    transport through ``group._get_backend(device)``.
+    """
+    for private, public in (("_allgather_base", "all_gather_single"), ("_reduce_scatter_base", "reduce_scatter_single"),
+                            ("allgather_into_tensor_coalesced", "all_gather_single_coalesced"),
+                            ("_get_backend", "backend_for"), ("alltoall_base", "all_to_all_single"),
+                            ("reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced")):
+        setattr(cls, private, getattr(cls, public))
