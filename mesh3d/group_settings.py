@@ -5,6 +5,7 @@ Usage::
     timeout = as_timeout(None)                  # MESH3D_TIMEOUT seconds, else DEFAULT_TIMEOUT (10 minutes)
     backend = choose_backend(None)              # "nccl" with CUDA, else "gloo"
     device = choose_device(backend, local_rank) # cuda:local_rank % GPUs, or cpu
+    backend, device = choose_transport("gloo", "cuda", local_rank, existing=None)  # ("gloo_staged", cuda:...)
     store = restart_store(timeout)              # under torchrun's shared store: this restart's own keys
 """
 
@@ -17,8 +18,13 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.launcher import LaunchInfo
+from mesh3d.staged_gloo import STAGED, STAGED_BACKEND
 
-__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "choose_backend", "choose_device", "init_default_group", "restart_store"]
+__all__ = ["DEFAULT_TIMEOUT", "as_timeout", "choose_backend", "choose_device", "choose_transport", "init_default_group",
+           "restart_store"]
+
+#: The device types ``initialize(device=...)`` takes.
+DEVICE_TYPES = ("cpu", "cuda")
 
 #: Collectives that wait longer than this raise instead of hanging the job. Ten minutes
 #: is NCCL's default; gloo's own default is 30 minutes, too long to notice a hang.
@@ -56,12 +62,53 @@ def choose_backend(backend: str | None) -> str:
     return backend
 
 
-def choose_device(backend: str, local_rank: int) -> torch.device:
-    """The device a rank computes on: its GPU for nccl, else the CPU."""
-    if "nccl" in backend:
+def choose_device(backend: str, local_rank: int, device_type: str | None = None) -> torch.device:
+    """The device a rank computes on: ``device_type``, else its GPU for nccl (and gloo_staged with CUDA), else the CPU."""
+    if device_type is None:
+        cuda = "nccl" in backend or (backend == STAGED_BACKEND and torch.cuda.is_available())
+        device_type = "cuda" if cuda else "cpu"
+    if device_type == "cuda":
         # Map local ranks onto visible GPUs; more ranks than GPUs on a node shares them round-robin.
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def _device_type(device: str | torch.device | None) -> str | None:
+    """``device`` as "cpu" or "cuda" (None: chosen from the backend); anything else raises, naming the choices."""
+    if isinstance(device, torch.device) and device.index is None:
+        device = device.type
+    if device is not None and device not in DEVICE_TYPES:
+        raise ValueError(f"device={device!r} is not a device type mesh3d places ranks on; use one of {DEVICE_TYPES} "
+                         "(CUDA ranks take cuda:LOCAL_RANK % torch.cuda.device_count()), or None")
+    return device
+
+
+def choose_transport(backend: str | None, device: str | torch.device | None, local_rank: int,
+                     existing: str | None) -> tuple[str, torch.device]:
+    """(the backend of the mesh's groups, this rank's device), checked before any collective.
+
+    ``existing`` is the backend of a default group made before ``initialize`` (its backend is kept; a gloo one gets
+    staged mesh groups for CUDA ranks). ``backend="gloo", device="cuda"`` is the staged gloo transport
+    (``"gloo_staged"``, mesh3d/staged_gloo): several ranks may share one GPU, every device tensor goes through host
+    buffers; for tests and machines without NCCL.
+    """
+    kind = _device_type(device)
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device='cuda' needs CUDA, but torch.cuda.is_available() is False on this machine (torch "
+                         f"{torch.__version__}); use device='cpu' (backend='gloo'), or leave device=None")
+    if existing is not None:
+        staged = existing == "gloo" and (kind == "cuda" or backend == STAGED_BACKEND)
+        backend = STAGED_BACKEND if staged else existing
+    elif backend == "gloo" and kind == "cuda":
+        backend = STAGED_BACKEND
+    else:
+        backend = choose_backend(backend if backend is not None or kind != "cpu" else "gloo")
+    if "nccl" in backend and kind == "cpu":
+        raise ValueError(f"backend={backend!r} moves CUDA tensors only, so device='cpu' cannot go with it; use "
+                         "backend='gloo' for CPU ranks, or device='cuda'")
+    if backend == STAGED_BACKEND:
+        STAGED.register()
+    return backend, choose_device(backend, local_rank, kind)
 
 
 def restart_store(timeout: timedelta) -> dist.Store | None:
@@ -82,7 +129,8 @@ def restart_store(timeout: timedelta) -> dist.Store | None:
 
 def init_default_group(info: LaunchInfo, backend: str, device: torch.device, timeout: timedelta) -> None:
     """Join the default process group as ``info`` (from ``detect_launcher``) describes this rank."""
-    device_id = device if device.type == "cuda" else None  # CPU device_id is rejected by torch 2.13
+    # NOTE: CPU device_id is rejected by torch 2.13; a staged gloo group binds no device (it is not a NCCL communicator)
+    device_id = device if device.type == "cuda" and backend != STAGED_BACKEND else None
     if info.world_size == 1 and info.master_addr is None:
         # A world of one needs no rendezvous: an in-process store avoids binding a port.
         store = dist.HashStore()

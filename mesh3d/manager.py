@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, live_process_groups, unflatten_mesh
 from mesh3d.faults import PeerWatch, WatchSettings
 from mesh3d.faults.attach import WATCH, start_watch
-from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_backend, choose_device, init_default_group
+from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_transport, init_default_group
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
 from mesh3d.preempt import STOP, agree_to_stop
@@ -89,6 +89,7 @@ class DistributedManager:
         model: int = 1,
         *,
         backend: str | None = None,
+        device: str | torch.device | None = None,
         timeout: float | timedelta | None = None,
         stop_signals: Iterable[int | str] | None = None,
         watch: WatchSettings | None = None,
@@ -97,7 +98,9 @@ class DistributedManager:
 
         At most one size may be -1; it is inferred from the world size. Every check on
         the arguments runs before any collective, so a bad request raises ``ValueError``
-        on every rank instead of hanging. ``timeout`` (seconds or timedelta; default
+        on every rank instead of hanging. ``device`` ("cpu", "cuda"; default from the backend): CUDA ranks compute on
+        ``cuda:LOCAL_RANK % device_count``; ``backend="gloo", device="cuda"`` lets ranks share one GPU (staged gloo,
+        docs/manager.md: for tests and machines without NCCL). ``timeout`` (seconds or timedelta; default
         ``MESH3D_TIMEOUT`` or 10 minutes) bounds every collective on the mesh's groups.
         ``domain=(2, 2)`` factors the domain axis into a grid (blocks; ``dm.domain_grid``, and the
         grid lines' groups ``dm.group("domain_0")``, ``"domain_1"``, ...); the mesh keeps its three axes.
@@ -128,11 +131,7 @@ class DistributedManager:
                 "Call DistributedManager.shutdown() before initializing a different mesh"
             )
 
-        if reuse:
-            backend = str(dist.get_backend())
-        else:
-            backend = choose_backend(backend)
-        device = choose_device(backend, info.local_rank)
+        backend, device = choose_transport(backend, device, info.local_rank, str(dist.get_backend()) if reuse else None)
         if device.type == "cuda":
             torch.cuda.set_device(device)
 
