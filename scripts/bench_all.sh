@@ -38,6 +38,9 @@ echo "== planner: mesh3d plan at 4096 ranks vs simulating every domain rank, and
 if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "== GPU: the nccl/CUDA paths on one GPU and a 1 GB checkpoint vs DCP"
   "$PY" scripts/gpu_check.py --out docs/benchmarks
+  echo "== GPU: 2 and 3 ranks sharing the GPU over staged gloo (the multi-rank CUDA paths)"
+  "$PY" scripts/gpu_check.py --ranks 2 --out docs/benchmarks
+  "$PY" scripts/gpu_check.py --ranks 3 --out docs/benchmarks
 fi
 ls -l docs/benchmarks/
 "$PY" scripts/bench_report.py

@@ -20,10 +20,15 @@ and times, on the GPU, a 1 GB checkpoint save/load against ``torch.distributed.c
 of ``bench_compile.py`` at D=1 (``scripts/gpu_compile.py``: compiled domain against compiled plain, with and
 without CUDA graphs; compile time, graph breaks, recompiles, peak memory).
 
+With ``--ranks N`` it runs the multi-rank checks instead: N ranks of its own share the GPU over staged gloo
+(``scripts/gpu_ranks.py``: domain stack, U-Net, ring attention, compile at D=N, FSDP + TP + domain, async_save, a
+killed rank named), writing gpu_ranks_N.json.
+
 Usage::
 
     python scripts/gpu_check.py                 # writes gpu_check.json beside --out
     python scripts/gpu_check.py --out /tmp/gpu  --ckpt-mb 1024 --compile-repeats 100
+    python scripts/gpu_check.py --ranks 2 && python scripts/gpu_check.py --ranks 3      # several ranks on one GPU
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from gpu_compile import check_compiled_equals_eager, host_overhead, time_compile  # noqa: E402
 from gpu_plan_check import run_cases  # noqa: E402
+from gpu_ranks import ORDER as RANK_CHECKS, launch_ranks  # noqa: E402
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize  # noqa: E402
 
@@ -290,7 +296,17 @@ def main() -> int:
     parser.add_argument("--out", default=".", help="folder for gpu_check.json")
     parser.add_argument("--ckpt-mb", type=int, default=1024, help="state size of the checkpoint timing")
     parser.add_argument("--compile-repeats", type=int, default=100, help="timed steps per compile row, alternated")
+    # ---- several ranks on one GPU (scripts/gpu_ranks.py)
+    parser.add_argument("--ranks", type=int, default=1, help="N > 1: the multi-rank checks, N ranks sharing the GPU")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="with --ranks: cpu runs the logic")
+    parser.add_argument("--checks", default=",".join(RANK_CHECKS), help="with --ranks: which, comma-separated")
     args = parser.parse_args()
+    if args.ranks > 1:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            print("no CUDA device: --ranks runs on a GPU machine (--device cpu runs its logic on CPU)")
+            return 1
+        report = launch_ranks(args.ranks, args.device, args.checks.split(","), args.out)
+        return 0 if all(v.startswith("PASS") for v in report["checks"].values()) else 1
     if not torch.cuda.is_available():
         print("no CUDA device: this check is for a GPU machine (the test suite covers CPU/gloo)")
         return 1

@@ -230,7 +230,7 @@ def test_training_on_staged_meshes_equals_one_process(ranks, tmp_path):
 def test_gpu_ranks_script_runs_its_own_ranks_and_names_a_killed_one(tmp_path):
     """``gpu_check.py --ranks 2``'s launcher on CPU: a fresh job whose default group is staged, the manager check,
     and a rank that SIGKILLs itself named by its peer; the report lands in gpu_ranks_2.json."""
-    out = run(["scripts/gpu_ranks.py", "--ranks", "2", "--device", "cpu", "--checks", "manager,kill", "--out", str(tmp_path)],
+    out = run(["scripts/gpu_check.py", "--ranks", "2", "--device", "cpu", "--checks", "manager,kill", "--out", str(tmp_path)],
               timeout=240)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_ranks_2.json").read_text())
