@@ -294,9 +294,10 @@ CHECKS: dict[str, Callable[[DistributedManager, Context], str]] = {
 }
 
 
-def rank_checks(names: list[str], ctx: Context) -> dict[str, str]:
+def rank_checks(names: list[str], ctx: Context, report: Callable[[dict[str, str]], None] | None = None) -> dict[str, str]:
     """Run the checks ``names`` (in order) on the current manager; ``{name: "PASS (...)" or "FAIL ..."}``, plus the
-    transport's figures under ``"staging"``. A failing check is reported and the next one runs."""
+    transport's figures under ``"staging"``. A failing check is reported and the next one runs. ``report`` gets the
+    results so far after each check (a rank that dies in a later one has told its earlier results)."""
     dm = DistributedManager()
     out: dict[str, str] = {}
     for name in names:
@@ -305,7 +306,9 @@ def rank_checks(names: list[str], ctx: Context) -> dict[str, str]:
         except Exception:  # noqa: BLE001 - every failure is reported, the next check still runs
             traceback.print_exc()
             out[name] = "FAIL " + traceback.format_exc().strip().splitlines()[-1][:400]
-    stats = STAGED.stats
-    out["staging"] = (f"{stats.staged_ops} ops staged ({stats.bytes_to_host} B to host, {stats.bytes_to_device} B to "
-                      f"device), {stats.plain_ops} plain; host buffers {stats.allocated} made, {stats.reused} reused")
+        stats = STAGED.stats
+        out["staging"] = (f"{stats.staged_ops} ops staged ({stats.bytes_to_host} B to host, {stats.bytes_to_device} B "
+                          f"to device), {stats.plain_ops} plain; host buffers {stats.allocated} made, {stats.reused} reused")
+        if report is not None:
+            report(dict(out))
     return out
