@@ -107,10 +107,10 @@ def _collectives_body():
             outputs.append(op(group, data))
         if rank in defined and not all(torch.equal(a, b) for a, b in zip(*outputs)):
             differ.append(name)
-        if name != "all_gather_object" and ("post", name.split()[0]) not in fake.log[logged:] and \
-                not any(step == "post" for step, _ in fake.log[logged:]):
-            unstaged.append(name)
+        if name != "all_gather_object" and not any(step == "post" for step, _ in fake.log[logged:]):
+            unstaged.append(name)  # the fake logs "post" only for an op that staged something
     dist.barrier(group=staged)
+    dist.destroy_process_group(staged)
     return differ, unstaged
 
 
@@ -183,6 +183,7 @@ def _order_and_reuse_body():
     _exchange(group, rank, fake)
     out["made after finish"] = fake.made - after
     out["peer"] = peer
+    dist.destroy_process_group(group)
     return out
 
 
