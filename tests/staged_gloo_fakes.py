@@ -44,14 +44,16 @@ class FakeDeviceCopies:
 
     def to_host(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: int) -> None:
         self.log.append(("to_host", after))
-        for dev, host in pairs:
+        for dev, host in pairs:  # NOTE: as CudaCopies, outside autograd (the data of tensors that require grad)
             assert host.data_ptr() != dev.data_ptr(), "the transport handed a device tensor as its own host buffer"
-            host.copy_(dev)
+            with torch.no_grad():
+                host.copy_(dev)
 
     def to_device(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: int) -> int:
         self.log.append(("to_device", after))
         for host, dev in pairs:
-            dev.copy_(host)
+            with torch.no_grad():
+                dev.copy_(host)
         if self.hold_fences:
             self.open_fences.add(after)
         return after

@@ -59,6 +59,7 @@ def _ops(rank: int, world: int):
     return [
         ("all_reduce", each(lambda t, g: dist.all_reduce(t, group=g)), every),
         ("all_reduce max", each(lambda t, g: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=g)), every),
+        ("all_reduce, requires grad", each(lambda t, g: dist.all_reduce(t.requires_grad_(), group=g)), every),
         ("broadcast", each(lambda t, g: dist.broadcast(t, src=1, group=g)), every),
         ("reduce", each(lambda t, g: dist.reduce(t, dst=2 % world, group=g)), [2 % world]),
         ("all_gather", lambda g, data: (lambda outs: (dist.all_gather(outs, data(3), group=g), outs)[1])(

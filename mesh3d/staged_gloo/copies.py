@@ -92,7 +92,7 @@ class CudaCopies:
     def to_host(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], after: Any) -> None:
         side = self._stream(self._device([d for d, _ in pairs]))
         side.wait_event(after)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), torch.no_grad():  # NOTE: gloo would bypass autograd too
             for dev, host in pairs:
                 host.view(dev.shape).copy_(dev, non_blocking=True)
         done = torch.cuda.Event()
@@ -103,7 +103,7 @@ class CudaCopies:
         device = self._device([d for _, d in pairs])
         side = self._stream(device)
         side.wait_event(after)
-        with torch.cuda.stream(side):
+        with torch.cuda.stream(side), torch.no_grad():
             for host, dev in pairs:
                 dev.copy_(host.view(dev.shape), non_blocking=True)
                 dev.record_stream(side)
