@@ -45,7 +45,8 @@ TP_STYLES = {"blocks.*.up": "colwise", "blocks.*.down": "rowwise"}
 
 @dataclass
 class Context:
-    """What every check gets: the device ranks compute on, a folder all ranks share, Dynamo's backend."""
+    """What every check gets: the device type ranks compute on (``cuda``: the current one), a folder all ranks share,
+    Dynamo's backend."""
 
     device: torch.device
     folder: str
@@ -92,9 +93,12 @@ def _scalar(t: torch.Tensor) -> torch.Tensor:
 
 
 def check_manager(dm: DistributedManager, ctx: Context) -> str:
-    """The manager put this rank on the asked device and made every mesh group a staged gloo group."""
+    """The manager put this rank on the asked device (``cuda:LOCAL_RANK % device_count``) and made every mesh group a
+    staged gloo group."""
     assert dm.backend == "gloo_staged", dm.backend
-    assert dm.device == ctx.device, (dm.device, ctx.device)
+    cuda = ctx.device.type == "cuda"
+    want = torch.device("cuda", dm.local_rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    assert dm.device == want and (not cuda or torch.cuda.current_device() == want.index), (dm.device, want)
     kinds = {axis: type(dm.group(axis)).__name__ for axis in ("batch", "domain", "model", "batch_domain", "world")}
     assert set(kinds.values()) == {"StagedGlooGroup"}, kinds
     t = torch.full((3,), float(dm.rank + 1), device=dm.device)

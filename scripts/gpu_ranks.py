@@ -79,7 +79,7 @@ def _worker(phase: str, device: str, checks: list[str], folder: str, compile_bac
             return {(f"compose {shape}" if k == "compose" else k): v for k, v in ran.items()}
 
         # NOTE: written after every check: the rank the kill check kills has told its earlier results
-        results = named(rank_checks(checks, Context(dm.device, folder, compile_backend),
+        results = named(rank_checks(checks, Context(torch.device(device), folder, compile_backend),
                                     lambda ran: file.write_text(json.dumps(named(ran)))))
     else:
         dist.init_process_group("gloo", init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
@@ -87,7 +87,7 @@ def _worker(phase: str, device: str, checks: list[str], folder: str, compile_bac
         for shape in ((world, 1, 1), (1, 1, world)):
             dm = DistributedManager.initialize(*shape, backend=backend, device=device, timeout=GROUP_TIMEOUT_S,
                                                watch=WATCH)
-            ran = rank_checks(["compose"], Context(dm.device, folder, compile_backend))
+            ran = rank_checks(["compose"], Context(torch.device(device), folder, compile_backend))
             results[f"compose {shape}"], results["staging"] = ran["compose"], ran["staging"]
             DistributedManager.shutdown()
     file.write_text(json.dumps(results))

@@ -62,7 +62,9 @@ class StagedGlooGroup(dist.ProcessGroup):
 
     def setGroupName(self, name: str) -> None:  # noqa: N802
         self._name = name
-        self._gloo.options.group_name = name
+        options = getattr(self._gloo, "options", None)  # gloo's own logs name the group (where torch has them)
+        if options is not None:
+            options.group_name = name
 
     def getGroupName(self) -> str:  # noqa: N802
         return self._name
