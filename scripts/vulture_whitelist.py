@@ -45,3 +45,17 @@ _.explain  # mesh3d/parallel/plan.py: Plan.explain
 _.check_custom_op_aliasing
 # A torch checkpoint frame's attribute mesh3d sets (read by torch's recomputation hook): _torch_private/autograd.py.
 _.early_stop
+
+# The process-group protocol torch calls on a Python ProcessGroup (mesh3d/staged_gloo/group.py, work.py): names it
+# reads by reflection (getBackendName, the group name and description, the backend for a device, the coalesced
+# collectives 2.11 and 2.13 call) and a Work's status queries.
+_.getBackendName
+_.setGroupName
+_.getGroupName
+_.setGroupDesc
+_.getGroupDesc
+_.backend_for
+_.all_gather_single_coalesced
+_.reduce_scatter_single_coalesced
+_.is_success
+_.get_future

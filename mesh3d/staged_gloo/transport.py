@@ -43,7 +43,7 @@ class StagedGlooTransport:
             self._registered = True
         return STAGED_BACKEND
 
-    def _make_group(self, options: Any, backend_options: Any) -> StagedGlooGroup:
+    def _make_group(self, options: Any, _backend_options: Any) -> StagedGlooGroup:
         """torch's creator call (``extended_api``): one gloo backend on the group's own store prefix and timeout."""
         gloo = dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size, options.timeout)
         return StagedGlooGroup(gloo, options.group_rank, options.group_size, self.buffers)
