@@ -21,11 +21,11 @@ if [ ! -x "$PY" ]; then
 fi
 _want="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh"; echo "$TORCH_PIN") | sha256sum | cut -c1-16)"
 if [ "$(cat "$VENV/.mesh3d-installed" 2>/dev/null)" != "$_want" ]; then
-  echo "mesh3d: installing $TORCH_PIN, mesh3d[test,lightning,hf,zoo] and $LINT_PINS into $VENV" >&2
+  echo "mesh3d: installing $TORCH_PIN, mesh3d[test,lightning,hf,zoo,weather] and $LINT_PINS into $VENV" >&2
   # shellcheck disable=SC2086  # LINT_PINS is a list of requirements
-  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test,lightning,hf,zoo]" $LINT_PINS 2>&1 \
+  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test,lightning,hf,zoo,weather]" $LINT_PINS 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true
-  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch" \
+  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, xarray, zarr, h5py, h5netcdf, matplotlib" \
     || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
   echo "$_want" > "$VENV/.mesh3d-installed"
 fi

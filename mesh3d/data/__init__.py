@@ -7,12 +7,18 @@ Usage::
     loader = MeshDataLoader(ds, sampler, num_workers=2, pin_memory=True)  # torch's DataLoader underneath
     checkpoint.save(path, model, opt, data=loader)                        # JSON cursor; resume on any mesh
     slabs = SlabDataset("fields.npy", dim=2)                              # each domain rank reads its rows
+    slabs = SlabDataset(StoredArray("fields.zarr"), dim=2)                # zarr v3 / HDF5 / NetCDF4, reads counted
+    era5 = WeatherDataset("era5.zarr", {"z": [500], "t2m": None}, steps=2)   # (lat, lon) blocks of a weather dataset
 
-See docs/data.md.
+See docs/data.md and docs/weather.md.
 """
 
 from mesh3d.data.loader import MeshDataLoader
 from mesh3d.data.sampler import BatchInfo, MeshSampler
 from mesh3d.data.slabs import SlabDataset
+from mesh3d.data.stored import StoredArray
+from mesh3d.data.weather import WeatherDataset, open_weather
+from mesh3d.data.weather_channels import Channel, ChannelStats
 
-__all__ = ["BatchInfo", "MeshDataLoader", "MeshSampler", "SlabDataset"]
+__all__ = ["BatchInfo", "Channel", "ChannelStats", "MeshDataLoader", "MeshSampler", "SlabDataset", "StoredArray",
+           "WeatherDataset", "open_weather"]

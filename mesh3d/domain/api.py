@@ -24,6 +24,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import block_full_tensor, shard_blocks
+from mesh3d.domain.layouts.blocks_local import blocks_from_local
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.tokens import token_full_tensor
 from mesh3d.domain.layouts.slabs import full_tensor as slab_full_tensor
@@ -123,12 +124,18 @@ def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence | None = None, *,
     return adopt(x.narrow(dim, spec.offset, sizes[comm.index]).contiguous(), spec)
 
 
-def from_local(local: torch.Tensor, dim: int, sizes: Sequence[int]) -> DomainTensor:
+def from_local(local: torch.Tensor, dim: int | None = None, sizes: Sequence | None = None, *,
+               dims: Sequence[int] | None = None) -> DomainTensor:
     """Wrap this rank's own slab (every rank passes the same ``sizes``; no communication).
 
-    Usage: ``xs = domain.from_local(my_slab, dim=2, sizes=(12, 10, 10))``
+    Usage: ``xs = domain.from_local(my_slab, dim=2, sizes=(12, 10, 10))``; on a domain grid, a block:
+    ``domain.from_local(my_block, dims=(2, 3), sizes=((5, 3), (4, 4)))``
     """
     comm = domain_comm()
+    if dims is not None:
+        return blocks_from_local(local, dims, sizes, comm)
+    if dim is None or sizes is None:
+        raise ValueError("domain.from_local: pass dim= and sizes= (a slab), or dims= and sizes= (a block)")
     dim = _check_dim("from_local", dim, local.ndim)
     sizes = split_sizes(sum(sizes), comm.size, sizes)
     if local.shape[dim] != sizes[comm.index]:
