@@ -38,7 +38,7 @@ def lat_weights(lat: Sequence[float] | np.ndarray | torch.Tensor) -> torch.Tenso
     Each latitude owns the band between the midpoints to its neighbours (clipped to +-90); its weight is the
     band's area, ``sin(upper) - sin(lower)`` (WeatherBench 2's rule for grids that include the poles).
     """
-    lat_d = np.asarray(torch.as_tensor(lat, dtype=torch.float64).cpu().numpy(), dtype=np.float64).reshape(-1)
+    lat_d = np.array(lat.detach().cpu() if isinstance(lat, torch.Tensor) else lat, dtype=np.float64).reshape(-1)
     if lat_d.size < 2 or np.abs(lat_d).max() > 90 or len(np.unique(lat_d)) != lat_d.size:
         raise ValueError(f"lat_weights: need >= 2 distinct latitudes in degrees within [-90, 90], got {lat_d[:5]}...")
     order = np.argsort(lat_d)
