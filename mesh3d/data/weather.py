@@ -82,6 +82,17 @@ def _chunk_of(ds: Any, names: Sequence[str], dim: str) -> int | None:
     return None
 
 
+def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted distinct ints as ``[start, stop)`` runs of consecutive values."""
+    runs: list[tuple[int, int]] = []
+    for i in indices:
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
 class WeatherDataset(Dataset):
     """Per sample, this domain rank's (lat, lon) block of the selected channels at ``t`` and at ``t + k * lead``.
 
@@ -186,14 +197,23 @@ class WeatherDataset(Dataset):
         for var, run in itertools.groupby(self.channels, key=lambda c: c.variable):  # consecutive channels of a variable
             levels = [c.level_index for c in run]
             select: dict[str, Any] = {names["time"]: list(time_indices), **window}
-            order = [names["time"], names["lat"], names["lon"]]
-            if levels[0] is not None:
-                select[names["level"]] = levels
-                order.insert(1, names["level"])
-            values = np.asarray(ds[var].isel(select).transpose(*order).values, dtype=np.float64)
-            self.bytes_requested += values.size * ds[var].dtype.itemsize
-            parts.append(values if values.ndim == 4 else values[:, None])
+            if levels[0] is None:
+                parts.append(self._read(ds[var], select, [names["time"], names["lat"], names["lon"]])[:, None])
+                continue
+            # NOTE: one list index per read (the times), each run of consecutive levels a slice: HDF5 backends read a
+            # second list index as the whole range it spans.
+            pieces = {}
+            for start, stop in _runs(sorted(set(levels))):
+                block = self._read(ds[var], {**select, names["level"]: slice(start, stop)},
+                                   [names["time"], names["level"], names["lat"], names["lon"]])
+                pieces.update({lv: block[:, lv - start] for lv in range(start, stop)})
+            parts.append(np.stack([pieces[lv] for lv in levels], axis=1))
         return np.concatenate(parts, axis=1)
+
+    def _read(self, array: Any, select: dict[str, Any], order: list[str]) -> np.ndarray:
+        values = np.asarray(array.isel(select).transpose(*order).values, dtype=np.float64)
+        self.bytes_requested += values.size * array.dtype.itemsize
+        return values
 
     def __getitem__(self, i: int) -> dict[str, Any]:
         if not 0 <= i < len(self):
