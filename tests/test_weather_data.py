@@ -46,8 +46,9 @@ def test_each_rank_reads_its_block_channels_and_lead_times_and_only_their_bytes(
         item = ds[3]
         want = _want(f, 3, lead, steps)[..., a:b, c:d]
         np.testing.assert_array_equal(item["x"].numpy(), want[0])
-        np.testing.assert_array_equal(item["y"].numpy(), want[1:])
-        tiles[..., a:b, c:d] = np.concatenate([item["x"][None].numpy(), item["y"].numpy()])
+        assert len(item["y"]) == steps
+        np.testing.assert_array_equal(torch.stack(item["y"]).numpy(), want[1:])
+        tiles[..., a:b, c:d] = np.concatenate([item["x"][None].numpy(), torch.stack(item["y"]).numpy()])
         nbytes = ds.bytes_read - before
         per_point = (steps + 1) * (2 * 8 + 4)   # two z levels (f8) and t2m (f4) at each of steps + 1 times
         if fmt == "nc":  # contiguous variables: exactly this rank's points

@@ -12,7 +12,7 @@ Usage::
     ds = WeatherDataset("era5.zarr", {"z": [500], "t": [850], "t2m": None}, lead=1, steps=4, stats="compute")
     loader = MeshDataLoader(ds, MeshSampler(len(ds), global_batch_size=8, seed=0))
     for batch in loader:
-        batch = ds.to_domain(batch)        # batch["x"]: DomainTensor (B, C, H, W); batch["y"]: steps of them
+        batch = ds.to_domain(batch)        # batch["x"]: DomainTensor (B, C, H, W); batch["y"]: a list, one per step
     ds.bytes_read, ds.block                # what this rank read; its (lat, lon) rows
 
 xarray (and zarr / h5netcdf for the store) is the ``weather`` extra; the ``.npy`` path never needs it.
@@ -224,7 +224,7 @@ class WeatherDataset(Dataset):
             mean, std = self.stats.arrays(len(self.channels))
             fields = (fields - mean) / std
         fields_t = torch.from_numpy(np.ascontiguousarray(fields)).to(self.dtype)
-        return {"index": i, "time": t, "x": fields_t[0], "y": fields_t[1:]}
+        return {"index": i, "time": t, "x": fields_t[0], "y": list(fields_t[1:])}
 
     def compute_stats(self) -> ChannelStats:
         """Per-channel mean and std over the input times and the whole grid (this rank's block, summed over the domain)."""
@@ -241,10 +241,11 @@ class WeatherDataset(Dataset):
 
     # ------------------------------------------------------------------ onto the mesh
     def to_domain(self, batch: Mapping[str, Any]) -> dict[str, Any]:
-        """A collated batch with ``x`` a ``DomainTensor`` (B, C, H, W) and ``y`` a list of ``steps`` of them."""
+        """A collated batch with ``x`` a ``DomainTensor`` (B, C, H, W) and ``y`` a list of ``steps`` of them (in one
+        process, the collated batch is used as it is: ``y`` is already a list of ``(B, C, H, W)`` tensors)."""
         out = dict(batch)
         out["x"] = self._wrap(batch["x"])
-        out["y"] = [self._wrap(batch["y"][:, k].contiguous()) for k in range(batch["y"].shape[1])]
+        out["y"] = [self._wrap(y) for y in batch["y"]]
         return out
 
     def _wrap(self, local: torch.Tensor) -> Any:

@@ -1,0 +1,372 @@
+"""A weather model on the mesh, end to end: ERA5-like fields from zarr, a spherical Fourier neural operator on a
+lat x lon domain grid, latitude-weighted rollout training against one process, resume on another mesh, an 8-step
+forecast written block by block, and a picture of truth beside forecast.
+
+Usage::
+
+    python examples/weather.py --out runs/weather     # all phases (8 CPU ranks, then 4), about a minute on 2 cores
+
+or phase by phase::
+
+    python examples/weather.py data --out runs/weather                                       # the synthetic zarr store
+    torchrun --nproc-per-node 8 examples/weather.py train  --out runs/weather   # batch 2 x domain 2x2 (lat x lon)
+    torchrun --nproc-per-node 4 examples/weather.py resume --out runs/weather   # batch 1 x domain 4 (lat slabs)
+    python examples/weather.py plot --out runs/weather                                       # forecast.png
+
+``data`` writes a 32 x 64 (5.625 degree) store of 4 channels (z500, t850, t2m, u10) every 6 hours: zonal bands, two
+eastward-moving waves, noise. ``train`` reads each rank's (lat, lon) block with ``WeatherDataset``, trains
+``SFNO`` (below) on 2-step rollouts (output fed back, each step under activation checkpointing) with the
+latitude-weighted MSE, and rank 0 trains the same weights in one process: every step's loss must match.
+``resume`` loads the checkpoint (weights, Adam, the data cursor) on another mesh, continues like the
+uninterrupted run, then forecasts 8 steps from held-out times with each rank writing its own block of every step
+to ``forecast.zarr`` (no gather), and checks the store against a one-process forecast. Exit status 0 only when
+every check passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize
+from mesh3d.data import MeshDataLoader, MeshSampler, WeatherDataset
+from mesh3d.weather import ForecastWriter, LatLonGrid, SphereConv2d, acc, forecast, rmse, rollout_loss, weighted_mse
+
+NLAT, NLON, TIMES, TEST_TIMES = 32, 64, 64, 12
+VARIABLES = {"z": [500], "t": [850], "t2m": None, "u10": None}
+GLOBAL_BATCH, ROLLOUT, LR, SEED = 4, 2, 2e-3, 0
+TRAIN_STEPS, RESUME_STEPS, FORECAST_STEPS = 4, 3, 8
+#: Relative tolerance of the parallel loss against one process (fp32: only the summation order differs).
+RTOL = 1e-4
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def legendre(lmax: int, mmax: int, colat: np.ndarray) -> np.ndarray:
+    """Orthonormal associated Legendre functions P[m, l, k] at colatitudes (l >= m, zero elsewhere), by recurrence."""
+    x, s = np.cos(colat), np.sin(colat)
+    p = np.zeros((mmax, lmax, colat.size))
+    pmm = np.full_like(x, np.sqrt(1 / (4 * np.pi)))
+    for m in range(mmax):
+        if m > 0:
+            pmm = -np.sqrt((2 * m + 1) / (2 * m)) * s * pmm
+        if m < lmax:
+            p[m, m] = pmm
+        if m + 1 < lmax:
+            p[m, m + 1] = np.sqrt(2 * m + 3) * x * pmm
+        for l in range(m + 2, lmax):
+            a = np.sqrt((4 * l * l - 1) / (l * l - m * m))
+            b = np.sqrt(((l - 1) ** 2 - m * m) / (4 * (l - 1) ** 2 - 1))
+            p[m, l] = a * (x * p[m, l - 1] - b * p[m, l - 2])
+    return p
+
+
+_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def sht_tables(nlat: int, nlon: int, lmax: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward (quadrature-weighted) and inverse Legendre tables, (m, l, lat), made once per grid and device."""
+    key = (nlat, nlon, lmax, str(torch.get_default_device()))
+    if key not in _TABLES:
+        lat = np.linspace(90 - 90 / nlat, -90 + 90 / nlat, nlat)
+        quad = LatLonGrid(lat, np.arange(nlon) * 360 / nlon).weights[:, 0].numpy() * 4 * np.pi / nlat
+        p = legendre(lmax, lmax, np.radians(90 - lat))
+        _TABLES[key] = (torch.as_tensor(p * quad * 2 * np.pi, dtype=torch.float32), torch.as_tensor(p, dtype=torch.float32))
+    return _TABLES[key]
+
+
+class SphericalConv(nn.Module):
+    """A spectral convolution on the sphere: SHT (rfft over longitude, Legendre over latitude), a complex weight per
+    degree l, inverse SHT. On the domain axis the Legendre sums contract latitude, so the coefficients move to (lat
+    whole, m split) pencils for them and back (torch-harmonics' distributed SHT does the same transposes)."""
+
+    def __init__(self, channels: int, nlat: int, nlon: int, lmax: int) -> None:
+        super().__init__()
+        fwd, inv = sht_tables(nlat, nlon, lmax)                # shared by every layer (not saved: derived)
+        self.register_buffer("fwd", fwd, persistent=False)
+        self.register_buffer("inv", inv, persistent=False)
+        scale = 1 / channels
+        self.weight = nn.Parameter(scale * torch.randn(channels, channels, lmax, 2))
+        self.lmax = lmax
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        coeffs = torch.fft.rfft(x, dim=-1, norm="forward")[..., : self.lmax]       # (B, C, lat, m)
+        coeffs = _pencils(coeffs)                                                   # latitude whole, m split
+        spec = torch.einsum("bckm,mlk->bclm", coeffs, self.fwd.to(coeffs.dtype))    # (B, C, l, m)
+        spec = torch.einsum("bilm,iol->bolm", spec, torch.view_as_complex(self.weight))
+        grid = torch.einsum("bclm,mlk->bckm", spec, self.inv.to(spec.dtype))       # back to latitude
+        grid = _like(grid, x, dims_only=True)
+        return _like(torch.fft.irfft(grid, n=x.shape[-1], dim=-1, norm="forward"), x)
+
+
+def _pencils(x: torch.Tensor) -> torch.Tensor:
+    return domain.redistribute(x, dim=3) if isinstance(x, domain.DomainTensor) else x
+
+
+def _like(y: torch.Tensor, x: torch.Tensor, dims_only: bool = False) -> torch.Tensor:
+    """``y`` in ``x``'s layout (blocks or slabs; with ``dims_only``, over the same dims at torch.chunk's sizes)."""
+    if not isinstance(y, domain.DomainTensor):
+        return y
+    if hasattr(x.spec, "dims"):
+        return domain.redistribute(y, dims=x.spec.dims, sizes=None if dims_only else x.spec.sizes)
+    return domain.redistribute(y, dim=x.spec.dim, sizes=None if dims_only else x.spec.sizes)
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, nlat: int, nlon: int, lmax: int) -> None:
+        super().__init__()
+        self.spectral = SphericalConv(width, nlat, nlon, lmax)
+        self.local = SphereConv2d(width, width, 3)            # longitude circular across the seam, latitude not
+        self.mlp = nn.Sequential(nn.Conv2d(width, 2 * width, 1), nn.GELU(), nn.Conv2d(2 * width, width, 1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        h = h + nn.functional.gelu(self.spectral(h) + self.local(h))
+        return h + self.mlp(h)
+
+
+class SFNO(nn.Module):
+    """Lift, spherical blocks, project; predicts the state one lead time later (a residual on the input)."""
+
+    def __init__(self, channels: int = 4, width: int = 16, depth: int = 2, nlat: int = NLAT, nlon: int = NLON,
+                 lmax: int = 12) -> None:
+        super().__init__()
+        self.lift = nn.Conv2d(channels, width, 1)
+        self.blocks = nn.ModuleList(Block(width, nlat, nlon, lmax) for _ in range(depth))
+        self.head = nn.Conv2d(width, channels, 1)
+        nn.init.zeros_(self.head.weight)          # NOTE: starts as persistence (x -> x); training adds the dynamics
+        nn.init.zeros_(self.head.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lift(x)
+        for block in self.blocks:
+            h = block(h)
+        return x + self.head(h)
+
+
+def model() -> nn.Module:
+    torch.manual_seed(SEED)
+    return SFNO()
+
+
+def sfno_025() -> nn.Module:
+    """The same architecture at 0.25 degrees (721 x 1440) with ERA5's 73 channels (FourCastNet 2 / SFNO's set: 8
+    surface fields and 5 variables on 13 pressure levels), width 256, 4 blocks, degrees up to 240: for ``mesh3d plan``."""
+    return SFNO(channels=73, width=256, depth=4, nlat=721, nlon=1440, lmax=240)
+
+
+# ---------------------------------------------------------------------------------------------- the data
+def write_store(path: str) -> None:
+    """An ERA5-like 6-hourly zarr v3 store on the 5.625 degree grid: zonal bands, two eastward waves, noise."""
+    import pandas as pd
+    import xarray as xr
+
+    g = np.random.default_rng(0)
+    lat = np.linspace(90 - 90 / NLAT, -90 + 90 / NLAT, NLAT)
+    lon = np.arange(NLON) * 360.0 / NLON
+    t = np.arange(TIMES)[:, None, None] * 0.25                      # days
+    phi, lam = np.radians(lat)[None, :, None], np.radians(lon)[None, None, :]
+    wave = (np.cos(phi) ** 2 * np.sin(4 * lam - 2 * np.pi * t / 6) + 0.5 * np.cos(phi) * np.sin(2 * lam - 2 * np.pi * t / 12
+            + 1) * np.sin(2 * phi))
+    noise = lambda s: s * g.standard_normal((TIMES, NLAT, NLON))
+    z500 = 5600 - 600 * np.sin(phi) ** 2 + 120 * wave + noise(5)
+    t850 = 290 - 40 * np.sin(phi) ** 2 + 4 * wave + noise(0.5)
+    t2m = 300 - 50 * np.sin(phi) ** 2 + 3 * wave + noise(0.5)
+    u10 = 8 * np.sin(3 * phi) + 3 * np.cos(phi) * np.cos(4 * lam - 2 * np.pi * t / 6) + noise(0.5)
+    z = np.stack([z500, z500 - 4100 + 0.3 * wave], axis=1)          # levels 500 and 850 hPa
+    temp = np.stack([t850 - 30 + noise(0.5), t850], axis=1)
+    ds = xr.Dataset({"z": (("time", "level", "lat", "lon"), z), "t": (("time", "level", "lat", "lon"), temp),
+                     "t2m": (("time", "lat", "lon"), t2m), "u10": (("time", "lat", "lon"), u10)},
+                    coords={"time": pd.date_range("2020-01-01", periods=TIMES, freq="6h"), "level": [500, 850],
+                            "lat": lat, "lon": lon})
+    ds = ds.astype("float32")
+    chunks = {"z": (1, 1, 8, 32), "t": (1, 1, 8, 32), "t2m": (1, 8, 32), "u10": (1, 8, 32)}
+    ds.to_zarr(path, mode="w", consolidated=False, encoding={k: {"chunks": c} for k, c in chunks.items()})
+
+
+def train_set(path: str) -> WeatherDataset:
+    """Inputs from the training times (the last TEST_TIMES are held out), 2 targets each, per-channel statistics."""
+    return WeatherDataset(path, VARIABLES, lead=np.timedelta64(6, "h"), steps=ROLLOUT, stats="compute",
+                          times=range(TIMES - TEST_TIMES - ROLLOUT))
+
+
+# ---------------------------------------------------------------------------------------------- training
+def run_steps(net, opt, loader, ds, steps: int, parallel: bool) -> list[float]:
+    weights = LatLonGrid(ds.lat, ds.lon).weights
+    losses = []
+    while len(losses) < steps:
+        for batch in loader:
+            if parallel:
+                batch = ds.to_domain(batch)
+            loss = rollout_loss(net, batch["x"], batch["y"], lambda p, t: weighted_mse(p, t, weights))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            value = (loss.to_local() if hasattr(loss, "to_local") else loss).detach().clone()
+            if parallel and DistributedManager().axis_size("batch") > 1:
+                dist.all_reduce(value, group=DistributedManager().group("batch"))
+                value /= DistributedManager().axis_size("batch")
+            losses.append(float(value))
+            if len(losses) == steps:
+                break
+    return losses
+
+
+def one_process(path: str, steps: int) -> list[float]:
+    """The same weights, data order and steps in one process, on whole fields (no mesh)."""
+    ds = WeatherDataset(path, VARIABLES, lead=np.timedelta64(6, "h"), steps=ROLLOUT, stats=train_set_stats(path),
+                        times=range(TIMES - TEST_TIMES - ROLLOUT), domain=((1,), (0,)))
+    loader = MeshDataLoader(ds, MeshSampler(len(ds), GLOBAL_BATCH, seed=SEED, batch_ranks=1, batch_rank=0))
+    net = model()
+    return run_steps(net, torch.optim.Adam(net.parameters(), lr=LR), loader, ds, steps, parallel=False)
+
+
+def train_set_stats(path: str) -> dict:
+    with open(os.path.join(os.path.dirname(path), "stats.json")) as f:
+        return json.load(f)
+
+
+def phase_train(out: str, resume: bool) -> int:
+    dm = DistributedManager.initialize(batch=1 if resume else 2, domain=(4,) if resume else (2, 2), model=1)
+    store, ckpt = os.path.join(out, "era5_like.zarr"), os.path.join(out, "ckpt")
+    ds = train_set(store)                                    # stats: a collective over the domain group
+    if dm.rank == 0 and not resume:
+        with open(os.path.join(out, "stats.json"), "w") as f:
+            json.dump(ds.stats.to_dict(), f)
+    loader = MeshDataLoader(ds, MeshSampler(len(ds), GLOBAL_BATCH, seed=SEED))
+    net = parallelize(model(), Plan(batch="fsdp"))
+    opt = torch.optim.Adam(net.parameters(), lr=LR)
+    first = 0
+    if resume:
+        first = checkpoint.load(ckpt, net, opt, data=loader).step
+    start = time.perf_counter()
+    losses = run_steps(net, opt, loader, ds, RESUME_STEPS if resume else TRAIN_STEPS, parallel=True)
+    seconds = time.perf_counter() - start
+    if not resume:
+        checkpoint.save(ckpt, net, opt, step=TRAIN_STEPS, data=loader)
+    block = {k: v for k, v in ds.block.items()}
+    print(f"rank {dm.rank}: block lat {block['lat']} lon {block['lon']}: read {ds.bytes_read} bytes of compressed chunks "
+          f"for {ds.bytes_requested} bytes of its own points", flush=True)
+    ok = True
+    if dm.rank == 0:
+        dist.barrier()
+        want = one_process(store, TRAIN_STEPS + RESUME_STEPS)[first:]
+        print(f"mesh {dict(dm.shape)} domain grid {dm.domain_grid}: {len(losses)} steps in {seconds:.1f} s")
+        for step, (got, ref) in enumerate(zip(losses, want), start=first):
+            same = abs(got - ref) <= RTOL * abs(ref)
+            ok &= same
+            print(f"step {step} loss {got:.6f} one-process {ref:.6f}{'' if same else '  <-- DIFFERS'}", flush=True)
+        print(f"training on {tuple(dm.mesh.shape)}: {'MATCHES one process' if ok else 'DIFFERS from one process'}")
+    else:
+        dist.barrier()
+    if resume:
+        ok &= forecast_and_check(net, store, out, dm)
+    flag = torch.tensor(int(ok))
+    dist.broadcast(flag, src=0)
+    DistributedManager.shutdown()
+    return 0 if int(flag) else 1
+
+
+def forecast_and_check(net, store: str, out: str, dm: DistributedManager) -> bool:
+    """8 steps from every held-out start, each rank writing its block; rank 0 checks the store against one process."""
+    stats = train_set_stats(store)
+    # NOTE: inference needs no FSDP: every rank holds the whole (small) model, and only the fields are split.
+    plain = model()
+    plain.load_state_dict({k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in net.state_dict().items()})
+    test = WeatherDataset(store, VARIABLES, lead=np.timedelta64(6, "h"), steps=FORECAST_STEPS, stats=stats,
+                          times=range(TIMES - TEST_TIMES, TIMES - FORECAST_STEPS))
+    loader = MeshDataLoader(test, MeshSampler(len(test), dm.axis_size("batch"), shuffle=False, tail="pad"))
+    path, writer = os.path.join(out, "forecast.zarr"), None
+    for batch in loader:
+        batch = test.to_domain(batch)
+        if writer is None:
+            writer = ForecastWriter(path, len(test), FORECAST_STEPS, like=batch["x"], channels=test.channel_names,
+                                    lat=test.lat, lon=test.lon)
+        forecast(plain, batch["x"], FORECAST_STEPS, writer, sample_ids=batch["index"])
+    writer.close()
+    if dm.rank != 0:
+        return True
+    import xarray as xr
+
+    written = torch.from_numpy(xr.open_zarr(path, consolidated=False)["forecast"].values)
+    one = WeatherDataset(store, VARIABLES, lead=np.timedelta64(6, "h"), steps=FORECAST_STEPS, stats=stats,
+                         times=test.times, domain=((1,), (0,)))
+    x0 = torch.stack([one[i]["x"] for i in range(len(one))])
+    truth = torch.stack([torch.stack(one[i]["y"]) for i in range(len(one))])
+    want = torch.stack(forecast(plain, x0, FORECAST_STEPS), dim=1)
+    err = float((written - want).abs().max())
+    same = err <= 1e-4 * float(want.abs().max())
+    weights = LatLonGrid(one.lat, one.lon).weights
+    for step in (0, 3, 7):
+        r = rmse(written[:, step], truth[:, step], weights).mean(0)
+        p = rmse(x0, truth[:, step], weights).mean(0)
+        a = acc(written[:, step], truth[:, step], weights).mean(0)
+        print(f"lead {6 * (step + 1):3d} h: RMSE (normalized) {[f'{v:.3f}' for v in r.tolist()]} persistence "
+              f"{[f'{v:.3f}' for v in p.tolist()]} ACC {[f'{v:.3f}' for v in a.tolist()]}")
+    print(f"forecast.zarr {tuple(written.shape)} (sample, step, channel, lat, lon), written block by block: max abs diff "
+          f"{err:.2e} from the one-process forecast: {'MATCHES one process' if same else 'DIFFERS'}", flush=True)
+    return same
+
+
+# ---------------------------------------------------------------------------------------------- the picture
+def phase_plot(out: str) -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import xarray as xr
+
+    store, stats = os.path.join(out, "era5_like.zarr"), train_set_stats(os.path.join(out, "era5_like.zarr"))
+    fc = xr.open_zarr(os.path.join(out, "forecast.zarr"), consolidated=False)
+    test = WeatherDataset(store, VARIABLES, lead=np.timedelta64(6, "h"), steps=FORECAST_STEPS, stats=stats,
+                          times=range(TIMES - TEST_TIMES, TIMES - FORECAST_STEPS), domain=((1,), (0,)))
+    c, mean, std = 0, stats["mean"][0], stats["std"][0]           # z500, back in metres^2/s^2-like units
+    fig, axes = plt.subplots(2, 3, figsize=(12, 4.6), constrained_layout=True)
+    for col, step in enumerate((0, 3, 7)):
+        truth = test[0]["y"][step][c].numpy() * std + mean
+        pred = fc["forecast"].values[0, step, c] * std + mean
+        for row, (field, name) in enumerate(((truth, "truth"), (pred, "forecast"))):
+            im = axes[row, col].imshow(field, extent=(0, 360, -90, 90), cmap="viridis", vmin=truth.min(), vmax=truth.max())
+            axes[row, col].set_title(f"z500 {name}, +{6 * (step + 1)} h", fontsize=9)
+        fig.colorbar(im, ax=axes[:, col], shrink=0.8)
+    path = os.path.join(out, "forecast.png")
+    fig.savefig(path, dpi=80)
+    print(f"saved {path}")
+    return 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("phase", nargs="?", default="all", choices=["all", "data", "train", "resume", "plot"])
+    parser.add_argument("--out", default="runs/weather")
+    args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    if args.phase == "data":
+        write_store(os.path.join(args.out, "era5_like.zarr"))
+        return 0
+    if args.phase in ("train", "resume"):
+        return phase_train(args.out, resume=args.phase == "resume")
+    if args.phase == "plot":
+        return phase_plot(args.out)
+    start = time.perf_counter()
+    write_store(os.path.join(args.out, "era5_like.zarr"))
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
+    for n, phase in (("8", "train"), ("4", "resume")):
+        done = subprocess.run([*run, n, os.path.abspath(__file__), phase, "--out", args.out])
+        if done.returncode:
+            print(f"weather: the {phase} phase FAILED (exit {done.returncode})")
+            return done.returncode
+    code = phase_plot(args.out)
+    print(f"weather: every check passed in {time.perf_counter() - start:.0f} s" if code == 0 else "weather: FAILED")
+    return code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
