@@ -62,10 +62,10 @@ def legendre(lmax: int, mmax: int, colat: np.ndarray) -> np.ndarray:
             p[m, m] = pmm
         if m + 1 < lmax:
             p[m, m + 1] = np.sqrt(2 * m + 3) * x * pmm
-        for l in range(m + 2, lmax):
-            a = np.sqrt((4 * l * l - 1) / (l * l - m * m))
-            b = np.sqrt(((l - 1) ** 2 - m * m) / (4 * (l - 1) ** 2 - 1))
-            p[m, l] = a * (x * p[m, l - 1] - b * p[m, l - 2])
+        for deg in range(m + 2, lmax):
+            a = np.sqrt((4 * deg * deg - 1) / (deg * deg - m * m))
+            b = np.sqrt(((deg - 1) ** 2 - m * m) / (4 * (deg - 1) ** 2 - 1))
+            p[m, deg] = a * (x * p[m, deg - 1] - b * p[m, deg - 2])
     return p
 
 
@@ -165,7 +165,6 @@ def sfno_025() -> nn.Module:
 # ---------------------------------------------------------------------------------------------- the data
 def write_store(path: str) -> None:
     """An ERA5-like 6-hourly zarr v3 store on the 5.625 degree grid: zonal bands, two eastward waves, noise."""
-    import pandas as pd
     import xarray as xr
 
     g = np.random.default_rng(0)
@@ -184,7 +183,7 @@ def write_store(path: str) -> None:
     temp = np.stack([t850 - 30 + noise(0.5), t850], axis=1)
     ds = xr.Dataset({"z": (("time", "level", "lat", "lon"), z), "t": (("time", "level", "lat", "lon"), temp),
                      "t2m": (("time", "lat", "lon"), t2m), "u10": (("time", "lat", "lon"), u10)},
-                    coords={"time": pd.date_range("2020-01-01", periods=TIMES, freq="6h"), "level": [500, 850],
+                    coords={"time": np.datetime64("2020-01-01T00", "ns") + np.arange(TIMES) * np.timedelta64(6, "h"), "level": [500, 850],
                             "lat": lat, "lon": lon})
     ds = ds.astype("float32")
     chunks = {"z": (1, 1, 8, 32), "t": (1, 1, 8, 32), "t2m": (1, 8, 32), "u10": (1, 8, 32)}

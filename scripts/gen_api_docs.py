@@ -18,14 +18,15 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint", "mesh3d.data", "mesh3d.lightning", "mesh3d.planner")
+PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint", "mesh3d.data", "mesh3d.weather", "mesh3d.lightning",
+            "mesh3d.planner")
 HEADER = """# API reference
 
 Generated from the code by `scripts/gen_api_docs.py` (a test fails when this file is stale).
-Every public name of `mesh3d`, `mesh3d.domain`, `mesh3d.checkpoint`, `mesh3d.data`, `mesh3d.lightning`
-(the optional Lightning extra) and `mesh3d.planner`, with its signature and docstring. The guides explain how the
-pieces fit: [concepts](concepts.md), [parallelize](parallelize.md), [domain](domain.md), [checkpoint](checkpoint.md),
-[data](data.md), [lightning](lightning.md), [plan](plan.md).
+Every public name of `mesh3d`, `mesh3d.domain`, `mesh3d.checkpoint`, `mesh3d.data`, `mesh3d.weather`,
+`mesh3d.lightning` (the optional Lightning extra) and `mesh3d.planner`, with its signature and docstring. The guides
+explain how the pieces fit: [concepts](concepts.md), [parallelize](parallelize.md), [domain](domain.md),
+[checkpoint](checkpoint.md), [data](data.md), [weather](weather.md), [lightning](lightning.md), [plan](plan.md).
 """
 
 

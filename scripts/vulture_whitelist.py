@@ -59,3 +59,8 @@ _.all_gather_single_coalesced
 _.reduce_scatter_single_coalesced
 _.is_success
 _.get_future
+# The io.RawIOBase protocol h5py calls on the file object it reads through (mesh3d/data/counting.py: CountingFile).
+_.readable
+_.seekable
+# zarr's WrapperStore protocol: zarr calls it to rewrap the store (mesh3d/data/zarr_counting.py: CountingStore).
+_._with_store

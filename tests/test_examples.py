@@ -84,3 +84,15 @@ def test_data_resume_example_continues_the_same_global_batches_on_another_mesh(t
     # Depth 10 over 3 domain ranks is (4, 4, 2): each rank read its share of every sample it trained on.
     fractions = sorted(re.findall(r"read \d+ bytes, ([\d.]+) of its samples", second))
     assert fractions == ["0.200", "0.400", "0.400"], second
+
+
+def test_weather_example_trains_equal_to_one_process_resumes_forecasts_and_draws(tmp_path):
+    """The whole example: 8 ranks (batch 2 x 2x2 blocks) beside one process, resume on 4 lat slabs, 8-step forecast
+    written block by block and checked against one process, the PNG. It exits non-zero unless every check passes."""
+    done = run(["examples/weather.py", "--out", str(tmp_path / "weather")], timeout=600)  # about 1.5 min on 2 idle cores
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert out.count("MATCHES one process") == 3, out                      # two trainings and the forecast
+    assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", out)) == 7, out
+    assert re.search(r"lat \(0, 8\) lon \(0, 64\): read \d+ bytes", out), out    # a lat slab of the resumed mesh
+    assert "every check passed" in out and os.path.getsize(tmp_path / "weather" / "forecast.png") > 10_000

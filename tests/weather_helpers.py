@@ -30,12 +30,11 @@ def fields(seed: int = 0) -> dict[str, np.ndarray]:
 
 def write_weather(root: str) -> dict[str, str]:
     """The same fields as a zarr v3 store (uncompressed, chunked 2 x 5 in lat x lon) and a NetCDF4 file (contiguous)."""
-    import pandas as pd
     import xarray as xr
 
     f = fields()
     ds = xr.Dataset({"z": (("time", "level", "lat", "lon"), f["z"]), "t2m": (("time", "lat", "lon"), f["t2m"])},
-                    coords={"time": pd.date_range("2020-01-01", periods=T, freq="6h"), "level": list(LEVELS),
+                    coords={"time": np.datetime64("2020-01-01T00", "ns") + np.arange(T) * np.timedelta64(6, "h"), "level": list(LEVELS),
                             "lat": f["lat"], "lon": f["lon"]})
     paths = {"zarr": os.path.join(root, "w.zarr"), "nc": os.path.join(root, "w.nc")}
     chunks = {"z": (1, 1, CHUNKS["lat"], CHUNKS["lon"]), "t2m": (1, CHUNKS["lat"], CHUNKS["lon"])}

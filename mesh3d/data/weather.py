@@ -96,7 +96,7 @@ def _runs(indices: Sequence[int]) -> list[tuple[int, int]]:
 class WeatherDataset(Dataset):
     """Per sample, this domain rank's (lat, lon) block of the selected channels at ``t`` and at ``t + k * lead``.
 
-    Usage: ``ds = WeatherDataset("era5.zarr", ["z500", "t2m"], steps=2); ds[0]["x"], ds[0]["y"]``
+    Usage: ``ds = WeatherDataset("era5.zarr", {"z": [500], "t2m": None}, steps=2); ds[0]["x"], ds[0]["y"]``
 
     Args:
         source: a zarr store directory or a ``.nc``/``.h5`` path (opened here, reads counted), or an

@@ -20,7 +20,10 @@ __all__ = ["Channel", "ChannelStats", "select_channels"]
 
 @dataclass(frozen=True)
 class Channel:
-    """One input channel: a variable, and the index and value of its level (``None`` for a surface field)."""
+    """One input channel: a variable, and the index and value of its level (``None`` for a surface field).
+
+    Usage: ``Channel("z", 500, 1).name  # 'z500'``; ``dataset.channels``
+    """
 
     variable: str
     level: Any = None
@@ -37,6 +40,8 @@ class Channel:
 def select_channels(ds: Any, variables: Sequence[str] | Mapping[str, Sequence[Any] | None], *, level: str,
                     dims: Sequence[str]) -> tuple[Channel, ...]:
     """The channels of ``variables`` in order: a name (every level it has) or ``{name: levels or None}``.
+
+    Usage: ``select_channels(ds, {"z": [500], "t2m": None}, level="level", dims=("time", "lat", "lon"))``
 
     ``dims`` are the dims every variable must have besides ``level`` (time, lat, lon); a variable with
     other dims is refused, naming them.
