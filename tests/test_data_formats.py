@@ -104,7 +104,8 @@ def _resume_body(shape, fmt, paths, steps, path):
 
     ds, loader, model, opt = _setup(shape, fmt, paths)
     checkpoint.load(path, model, opt, data=loader)
-    return dh.train(model, opt, loader, ds, steps)
+    before = ds.bytes_read
+    return dh.train(model, opt, loader, ds, steps), ds.bytes_read - before
 
 
 def _npy_reference(paths, steps):
@@ -124,8 +125,8 @@ def test_training_from_zarr_hdf5_netcdf_saved_and_resumed_on_another_mesh_equals
     for rank, (record, nbytes) in enumerate(ranks.run(3, _train_save_body, (1, 3, 1), fmt_a, formats[fmt_a], k, path)):
         assert [ids for ids, _ in record] == [ids for ids, _ in want[:k]]
         np.testing.assert_allclose([loss for _, loss in record], [loss for _, loss in want[:k]], rtol=1e-10)
-        assert nbytes >= 2 * k * dh.GLOBAL_BATCH * SIZES[rank] * ROW_BYTES  # x and y: this rank's rows of each sample
-        assert nbytes <= 2 * k * dh.GLOBAL_BATCH * SIZES[rank] * ROW_BYTES + 64 * 1024  # ... plus metadata at most
-    for record in ranks.run(2, _resume_body, (2, 1, 1), fmt_b, formats[fmt_b], m, path):
+        assert nbytes == 2 * k * dh.GLOBAL_BATCH * SIZES[rank] * ROW_BYTES  # x and y: this rank's rows, nothing else
+    for record, nbytes in ranks.run(2, _resume_body, (2, 1, 1), fmt_b, formats[fmt_b], m, path):
+        assert nbytes == 2 * m * dh.GLOBAL_BATCH // 2 * dh.H * ROW_BYTES  # one domain rank: whole samples, once each
         np.testing.assert_allclose([loss for _, loss in record], [loss for _, loss in want[k:]], rtol=1e-10)
         assert [ids for ids, _ in record] == [ids for ids, _ in want[k:]]
