@@ -37,6 +37,14 @@ def _halo_body(grid, sizes, x, weights, lat_modes):
             conv.bias.copy_(b)
         convs.append(conv)
     xs = (domain.shard(x, dims=(2, 3), sizes=sizes) if len(grid) == 2 else domain.shard(x, dim=2, sizes=sizes[0]))
+    refusal = None
+    if len(grid) == 2:  # a block each rank holds itself, wrapped without communication; a wrong size refused
+        again = domain.from_local(xs.to_local().clone(), dims=(2, 3), sizes=sizes)
+        assert torch.equal(again.full_tensor().to_local(), x) and again.spec.sizes == xs.spec.sizes
+        try:
+            domain.from_local(xs.to_local(), dims=(2, 3), sizes=(sizes[1], sizes[0]))
+        except ValueError as err:
+            refusal = str(err)
     xs.requires_grad_(True)
     y = xs
     for conv in convs:
@@ -48,7 +56,8 @@ def _halo_body(grid, sizes, x, weights, lat_modes):
             g = p.grad.clone()
             torch.distributed.all_reduce(g, group=DistributedManager().group("domain"))
             grads.append(g)
-    return y.full_tensor().to_local().detach(), xs.grad.clone(), xs.spec.offsets if len(grid) == 2 else (xs.spec.offset, 0), grads
+    offsets = xs.spec.offsets if len(grid) == 2 else (xs.spec.offset, 0)
+    return y.full_tensor().to_local().detach(), xs.grad.clone(), offsets, grads, refusal
 
 
 @pytest.mark.parametrize("world, grid, sizes", [
@@ -67,7 +76,8 @@ def test_periodic_longitude_halos_equal_one_process_when_longitude_is_split(rank
     params = [(w.clone().requires_grad_(True), b.clone().requires_grad_(True)) for w, b in weights]
     want = _hand_padded_reference(xr_, params, modes)
     (want * want).mean().backward()
-    for y, gx, (h0, w0), grads in ranks.run(world, _halo_body, grid, sizes, x, weights, modes):
+    for y, gx, (h0, w0), grads, refusal in ranks.run(world, _halo_body, grid, sizes, x, weights, modes):
+        assert refusal is None if len(grid) == 1 else "sizes" in refusal
         torch.testing.assert_close(y, want.detach(), rtol=TOL, atol=TOL)
         torch.testing.assert_close(gx, xr_.grad[:, :, h0:h0 + gx.shape[2], w0:w0 + gx.shape[3]], rtol=TOL, atol=1e-14)
         for got, p in zip(grads, [t for pair in params for t in pair]):
