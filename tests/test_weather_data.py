@@ -5,6 +5,7 @@ latitude weights and the scores against formulas written here."""
 from __future__ import annotations
 
 import itertools
+import pickle
 
 import numpy as np
 import pytest
@@ -127,3 +128,24 @@ def test_scores_match_their_formulas():
     assert float(weighted_mse(pred, truth, w)) == pytest.approx(float((want_rmse ** 2).mean()), rel=1e-12)
     with pytest.raises(ValueError, match=r"latitude weights must be \(H, 1\) with H = 5"):
         rmse(pred, truth, w[:4])
+
+
+def test_dataloader_workers_reopen_the_store_and_give_the_same_batches(tmp_path):
+    from torch.utils.data import DataLoader
+
+    from mesh3d.data import StoredArray
+
+    paths = wh.write_weather(str(tmp_path))
+    for fmt in ("zarr", "nc"):
+        ds = WeatherDataset(paths[fmt], wh.VARIABLES, steps=2, domain=((2, 2), (1, 1)), dtype=torch.float64)
+        plain = [ds[i] for i in range(len(ds))]
+        for batch in DataLoader(ds, batch_size=3, num_workers=2):
+            for j, i in enumerate(batch["index"].tolist()):
+                assert torch.equal(batch["x"][j], plain[i]["x"]) and all(
+                    torch.equal(y[j], want) for y, want in zip(batch["y"], plain[i]["y"]))
+        again = pickle.loads(pickle.dumps(ds))  # spawn/forkserver workers receive the dataset pickled
+        assert torch.equal(again[1]["x"], plain[1]["x"]) and again.bytes_read > 0
+    x = pickle.loads(pickle.dumps(StoredArray(paths["nc"], "t2m")))
+    assert np.array_equal(x[2, 1:3], wh.fields()["t2m"][2, 1:3])  # reopened here (its metadata read again)
+    before = x.bytes_read
+    assert np.array_equal(x[3, 1:3], wh.fields()["t2m"][3, 1:3]) and x.bytes_read - before == 2 * wh.W * 4

@@ -27,6 +27,13 @@ class ReadCounter:
         self.reads = 0
         self._lock = threading.Lock()
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {"bytes": self.bytes, "reads": self.reads}  # a lock does not pickle (DataLoader workers)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def add(self, nbytes: int) -> None:
         with self._lock:
             self.bytes += nbytes
