@@ -141,10 +141,11 @@ def describe_divergence(me: int, peer: int, mine, theirs: list | None, detail: s
 
 def peer_stopped_error(me: int, peer: int, kind: int, same: bool, told: str) -> DomainDivergenceError:
     """Domain rank ``peer`` stopped (its notice of ``kind`` came instead of its header); ``told``: its error, if known."""
-    what = "failed in a domain op" if kind == KIND_ERROR else "found that the domain ranks ran different domain ops"
     said = f" with {told}" if told else ""
+    what = (f"failed in a domain op{said} and stopped" if kind == KIND_ERROR else
+            "stopped (the domain ranks ran different domain ops, or a peer of it failed or was lost)")
     return DomainDivergenceError(
-        f"domain rank {peer} {what}{said} and stopped while this rank (domain rank {me}) waited for it; the two ran "
+        f"domain rank {peer} {what} while this rank (domain rank {me}) waited for it; the two ran "
         f"{'the same' if same else 'different'} domain ops so far. Rank {peer}'s error says what failed. Latest here:\n"
         + recent_ops() + "\n" + LIKELY_CAUSE)
 

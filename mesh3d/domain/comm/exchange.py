@@ -24,7 +24,7 @@ from mesh3d.domain.comm.compiled_exchange import EAGER_EXCHANGE, comm_key, excha
 from mesh3d.domain.comm.notices import NOTICES, PendingNotices
 from mesh3d.domain.comm.peer_lost import lost_peers, peer_lost_error
 from mesh3d.domain.comm.rows import ExchangePlan, Piece
-from mesh3d.domain.comm.stopping import abort, finish_matched, leave, matched_peers, post, swap_journals
+from mesh3d.domain.comm.stopping import abort, finish_matched, leave, matched_peers, post, swap_journals, tell_other_groups
 from mesh3d.domain.comm.traffic import TrafficCounter, count_traffic, dry_run, dry_run_observer
 from mesh3d.domain.core.group import DomainComm
 
@@ -48,7 +48,8 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
         # NOTE: a peer that raised outside mesh3d (a library's own shape check) never reaches this exchange:
         # say who is missing and where this rank waited, rather than only the transport's message.
         raise divergence.DomainDivergenceError(
-            f"domain rank(s) {peers} did not complete the exchange this rank (domain rank {comm.index}) waited in "
+            f"domain rank(s) {[comm.domain_index(q) for q in peers]} did not complete the exchange this rank (domain rank "
+            f"{comm.domain_index(comm.index)}) waited in "
             f"({type(err).__name__}: {str(err)[:200]}). A peer that failed outside mesh3d (in the model's or a "
             "library's own code; look at its log) or took a different path never arrives. Latest here:\n"
             + divergence.recent_ops()) from err
@@ -75,7 +76,8 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
             finish_matched(comm, outgoing, incoming, matched)
             abort(comm, skip=set(peers) - matched)
             told = WATCH.current.error_of(comm.ranks[q]) if kind == divergence.KIND_ERROR else ""
-            raise divergence.peer_stopped_error(comm.index, q, kind, their_print == fingerprint, told)
+            raise divergence.peer_stopped_error(comm.domain_index(comm.index), comm.domain_index(q), kind,
+                                               their_print == fingerprint, told)
         elif their_print != fingerprint:
             differ[q] = "their journals' fingerprints differ"
         elif to_me != from_peer.get(q, 0) or from_me != to_peer.get(q, 0):
@@ -88,7 +90,8 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     abort(comm, skip=set(differ))
     q = min(differ)
     raise divergence.DomainDivergenceError(
-        divergence.describe_divergence(comm.index, q, entries, journals.get(q), differ[q]))
+        divergence.describe_divergence(comm.domain_index(comm.index), comm.domain_index(q), entries, journals.get(q),
+                                       differ[q]))
 
 
 def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.0) -> Exception:
@@ -112,6 +115,7 @@ def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.
         except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
             break
     NOTICES.keep(works)
+    tell_other_groups(comm, notice)
     differ = [q for q, h in replies.items() if int(h[0]) == divergence.MAGIC and int(h[2]) != fingerprint]
     if not differ:
         return err
@@ -153,7 +157,9 @@ def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     Usage: ``start_exchange(comm, [(peer, rows)], [(peer, buffer)], exchange_point(comm)).wait()``
     """
     start = time.perf_counter()
-    sends = [(peer, buf) for peer, buf in outgoing if buf.numel()]
+    # NOTE: a conjugate or negative view (``x.conj()`` of a complex tensor) is lazy in torch; the transport sends
+    # memory, so such rows are resolved first (a no-op for every other tensor).
+    sends = [(peer, buf.resolve_conj().resolve_neg()) for peer, buf in outgoing if buf.numel()]
     observer = dry_run_observer()
     if observer is not None:
         recvs = [(peer, buf) for peer, buf in incoming if buf.numel()]

@@ -22,8 +22,9 @@ from mesh3d.domain.comm import divergence
 from mesh3d.domain.comm.notices import NOTICES
 from mesh3d.domain.comm.peer_lost import lost_peers
 from mesh3d.domain.comm.traffic import dry_run_observer
+from mesh3d.domain.core.group import domain_groups
 
-__all__ = ["abort", "finish_matched", "leave", "matched_peers", "post", "swap_journals"]
+__all__ = ["abort", "finish_matched", "leave", "matched_peers", "post", "swap_journals", "tell_other_groups"]
 
 
 def post(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
@@ -61,6 +62,7 @@ def leave(comm: Any, outgoing: list[tuple[int, torch.Tensor]], incoming: list[tu
     finish_matched(comm, outgoing, incoming, matched)
     notice = divergence.header(divergence.KIND_LOST, min(lost))
     NOTICES.keep(post(comm, [(q, notice) for q in range(comm.size) if q != comm.index and q not in lost], []))
+    tell_other_groups(comm, notice)
 
 
 def swap_journals(comm: Any, peers: list[int], entries: list) -> dict[int, list]:
@@ -81,3 +83,20 @@ def abort(comm: Any, skip: set[int]) -> None:
     stop = divergence.header(divergence.KIND_ABORT)
     others = [(q, stop) for q in range(comm.size) if q != comm.index and q not in skip]
     NOTICES.keep(post(comm, others, []))
+    tell_other_groups(comm, stop)
+
+
+def tell_other_groups(comm: Any, notice: torch.Tensor) -> None:
+    """Post ``notice`` to every peer of this rank's other domain groups (``domain_groups``), not waiting.
+
+    NOTE: on a domain grid a peer may wait for this rank in an exchange on a grid line's group while this rank stops in
+    one on another group; a notice reaches only the group it was posted on, so it goes on each of them. The ranks that
+    learn of the stop from it pass it on in turn (``abort``): none waits for the group timeout.
+    """
+    for other in sorted(domain_groups(), key=lambda g: g.size):  # the grid lines first: their peers may wait on us
+        if other.axis == comm.axis or other.size == 1:
+            continue
+        try:
+            NOTICES.keep(post(other, [(q, notice) for q in range(other.size) if q != other.index], []))
+        except RuntimeError:  # a peer that left already (its connection closed): the others still hear
+            continue

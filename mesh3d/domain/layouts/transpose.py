@@ -41,7 +41,7 @@ def move_local(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: S
     """
     me = comm.index
     dst_off = offsets_of(dst_sizes)
-    local = local.contiguous()
+    local = local.contiguous().resolve_conj().resolve_neg()  # NOTE: a lazy conjugate has no real view to send
     outgoing, incoming = [], []
     out_shape = list(local.shape)
     out_shape[src_dim], out_shape[dst_dim] = sum(src_sizes), dst_sizes[me]
