@@ -9,17 +9,20 @@ from mesh3d._torch_private.distributed import (
     clear_dtensor_caches, default_store, flatten_mesh, gloo_backend, group_options, live_process_groups,
     local_shape_and_global_offset, post_barrier, python_group_private_names, unflatten_mesh, wait_async_collective)
 from mesh3d._torch_private.autograd import (
-    checkpoint_module, disable_torch_function_subclass, patch_checkpoint_recomputation, run_backward_from)
+    checkpoint_module, disable_torch_function_subclass, patch_checkpoint_recomputation, route_autograd_function_calls,
+    run_autograd_function, run_backward_from)
 from mesh3d._torch_private.compile import (
     autograd_inside_custom_op, keep_in_program_order, let_compiled_graphs_take_function_subclasses,
     run_compiled_graphs_without_subclass_dispatch)
 from mesh3d._torch_private.kernels import (
     cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_efficient_attention, cuda_flash_attention)
 from mesh3d._torch_private.dispatch import (
-    OpOverload, TorchDispatchMode, is_operator_overload, op_schema, storage_key, tree_flatten, tree_map, view_base)
+    OpOverload, OpOverloadPacket, TorchDispatchMode, custom_op_overload, is_operator, is_operator_overload, op_schema,
+    storage_key, tree_flatten, tree_map, view_base)
 
 __all__ = [
     "OpOverload",
+    "OpOverloadPacket",
     "TorchDispatchMode",
     "autograd_inside_custom_op",
     "checkpoint_module",
@@ -29,26 +32,30 @@ __all__ = [
     "cuda_attention_ops",
     "cuda_efficient_attention",
     "cuda_flash_attention",
+    "custom_op_overload",
     "default_store",
     "disable_torch_function_subclass",
     "flatten_mesh",
     "gloo_backend",
     "group_options",
+    "is_operator",
     "is_operator_overload",
     "keep_in_program_order",
     "let_compiled_graphs_take_function_subclasses",
     "live_process_groups",
     "local_shape_and_global_offset",
+    "op_schema",
     "patch_checkpoint_recomputation",
     "post_barrier",
     "python_group_private_names",
+    "route_autograd_function_calls",
+    "run_autograd_function",
     "run_backward_from",
     "run_compiled_graphs_without_subclass_dispatch",
-    "op_schema",
     "storage_key",
     "tree_flatten",
     "tree_map",
-    "view_base",
     "unflatten_mesh",
+    "view_base",
     "wait_async_collective",
 ]

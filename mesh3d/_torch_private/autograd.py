@@ -11,7 +11,8 @@ from typing import Any, ContextManager
 import torch
 from torch.distributed._composable import checkpoint
 
-__all__ = ["checkpoint_module", "disable_torch_function_subclass", "patch_checkpoint_recomputation", "run_backward_from"]
+__all__ = ["checkpoint_module", "disable_torch_function_subclass", "patch_checkpoint_recomputation", "route_autograd_function_calls",
+           "run_autograd_function", "run_backward_from"]
 
 
 def checkpoint_module(module: object, context_fn: object | None = None) -> None:
@@ -101,3 +102,37 @@ def run_backward_from(tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tens
     """
     torch.autograd.Variable._execution_engine.run_backward(
         tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+def route_autograd_function_calls(tensor_type: type, handler: Callable[[type, tuple, dict], Any]) -> bool:
+    """Send every ``torch.autograd.Function.apply`` call that has a ``tensor_type`` argument to ``handler(cls, args,
+    kwargs)``; other calls run as before. Returns False if already installed.
+
+    Why private: ``Function.apply`` does not consult ``__torch_function__``, so a library's Function on a domain
+    tensor would run its forward's extension kernels on the shard and its backward on this rank's gradients, unseen
+    (a back door). There is no public hook; this wraps the base class's ``apply`` (subclasses inherit it). The check
+    is one ``type`` test per argument.
+    """
+    base = torch.autograd.Function
+    if getattr(base.apply, "_mesh3d_routed", False):
+        return False
+    original = base.apply.__func__
+
+    def apply(cls, *args, **kwargs):
+        if any(type(a) is tensor_type for a in args) or any(type(v) is tensor_type for v in kwargs.values()):
+            return handler(cls, args, kwargs)
+        return original(cls, *args, **kwargs)
+
+    apply._mesh3d_routed = True  # type: ignore[attr-defined]
+    apply._mesh3d_original = original  # type: ignore[attr-defined]
+    base.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    return True
+
+
+def run_autograd_function(cls: type, args: tuple, kwargs: dict) -> Any:
+    """``cls.apply(*args, **kwargs)`` as torch runs it, past ``route_autograd_function_calls``.
+
+    Why private: as above (the wrapped original of ``Function.apply``).
+    """
+    original = getattr(torch.autograd.Function.apply, "_mesh3d_original", None)
+    return original(cls, *args, **kwargs) if original is not None else cls.apply(*args, **kwargs)

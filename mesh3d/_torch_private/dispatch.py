@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch, _pytree
 
-__all__ = ["OpOverload", "TorchDispatchMode", "is_operator_overload", "op_schema", "storage_key", "tree_flatten", "tree_map", "view_base"]
+__all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator", "is_operator_overload", "op_schema",
+           "storage_key", "tree_flatten", "tree_map", "view_base"]
 
 
 def is_operator_overload(func: Any) -> bool:
@@ -60,3 +61,24 @@ def view_base(t: torch.Tensor) -> torch.Tensor | None:
     Why private: ``Tensor._base``; no public accessor.
     """
     return t._base
+
+
+#: The class of ``torch.ops.ns.op`` (all overloads of one operator; calling it picks one in C++).
+#: Why private: as ``OpOverload``.
+OpOverloadPacket = torch._ops.OpOverloadPacket
+
+
+def is_operator(func: Any) -> bool:
+    """Whether ``func`` is an operator of ``torch.ops`` (an overload or a packet of overloads), ATen's or a library's.
+
+    Why private: their classes live in ``torch._ops`` (``OpOverload``, ``OpOverloadPacket``).
+    """
+    return isinstance(func, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+
+
+def custom_op_overload(func: Any) -> Any:
+    """The ``torch.ops`` overload behind a ``torch.library.custom_op`` function, or None for anything else.
+
+    Why private: a ``CustomOpDef`` keeps its operator in ``_opoverload``; no public accessor.
+    """
+    return func._opoverload if isinstance(func, torch.library.CustomOpDef) else None

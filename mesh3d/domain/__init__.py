@@ -15,7 +15,7 @@ The layers under this package, each importing only those below it (docs/architec
 See docs/domain.md.
 """
 
-from mesh3d._torch_private import let_compiled_graphs_take_function_subclasses
+from mesh3d._torch_private import let_compiled_graphs_take_function_subclasses, route_autograd_function_calls
 from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
 from mesh3d.domain import recompute
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
@@ -27,11 +27,13 @@ from mesh3d.domain.core.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.compile_guards import guard_filter
 from mesh3d.domain.dispatch.dispatcher import dispatch as _dispatch
+from mesh3d.domain.dispatch.dispatcher import dispatch_autograd_function
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.halo.overlap import window_overlap
 from mesh3d.domain.halo.windows import Extended, Window
 from mesh3d.domain.io import NpyArray, read
+from mesh3d.domain.ops.custom import CustomRule, elementwise, local, whole_dim, window
 from mesh3d.domain.ops.idioms import positions
 from mesh3d.domain.ops.tokens.attention import neighbourhood_attention
 from mesh3d.domain.probe import downsampling_factor
@@ -47,11 +49,14 @@ DistributedManager.on_shutdown(JOURNAL.reset)
 DistributedManager.on_teardown(NOTICES.settle)
 # torch.compile of models called with domain tensors (docs/domain.md, "torch.compile").
 let_compiled_graphs_take_function_subclasses()
+# A torch.autograd.Function called with a domain tensor: ruled, torch's or mesh3d's own, or refused (no back door).
+route_autograd_function_calls(DomainTensor, dispatch_autograd_function)
 # Activation checkpointing recomputes a region as its forward ran (inputs, attention mode, overlap).
 recompute.install()
 
 __all__ = [
     "BlockSpec",
+    "CustomRule",
     "DomainDivergenceError",
     "DomainPeerLostError",
     "DomainSpec",
@@ -72,9 +77,11 @@ __all__ = [
     "count_traffic",
     "domain_comm",
     "downsampling_factor",
+    "elementwise",
     "from_local",
     "full_tensor",
     "guard_filter",
+    "local",
     "neighbourhood_attention",
     "positions",
     "read",
@@ -83,5 +90,7 @@ __all__ = [
     "scatter",
     "shard",
     "split_sizes",
+    "whole_dim",
+    "window",
     "window_overlap",
 ]

@@ -87,7 +87,7 @@ class ProcessState:
         loggers = {name: _LoggerState.of(lg) for name, lg in manager.loggerDict.items() if isinstance(lg, logging.Logger)}
         loggers[""] = _LoggerState.of(logging.getLogger())
         state = cls(whole_process, torch.get_num_threads(), torch.get_float32_matmul_precision(), loggers,
-                    rules={name: dict(table._rules) for name, table in _RULE_TABLES.items()})
+                    rules={name: table.snapshot() for name, table in _RULE_TABLES.items()})
         if whole_process:
             state.environ, state.cwd, state.sys_path = dict(os.environ), os.getcwd(), list(sys.path)
             state.warning_filters = list(warnings.filters)
@@ -144,8 +144,7 @@ def _finish_mesh3d(rules: dict[str, dict]) -> list[str]:
     JOURNAL.reset()
     TrafficCounter._active.clear()
     for name, table in _RULE_TABLES.items():
-        table._rules.clear()
-        table._rules.update(rules.get(name, {}))
+        table.restore(rules.get(name, {}))
     clear_dtensor_caches()
     return problems
 

@@ -2,7 +2,9 @@
 
 Usage: not called directly; ``DomainTensor.__torch_function__`` sends every torch call here.
 
-For each call it picks, in order: a metadata query (``.dtype``, ``.device`` ...: answered from the
+For each call it picks, in order: for an operator of ``torch.ops``, the torch function it implements or its own rule
+(``mesh3d.domain.dispatch.operators``: an operator is never run on a shard unruled); a metadata query (``.dtype``,
+``.device`` ...: answered from the
 local shard, on the DomainTensor itself so autograd hooks attach to the right node); a size query
 (``.shape``, ``size()``, ``numel()``, ``len()``, ``stride()``: answered for the whole tensor); the op's rule
 when some input is sharded (the rule returns a ``step.Step``: the requirements are resolved here,
@@ -19,7 +21,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from mesh3d._torch_private import disable_torch_function_subclass, is_operator_overload
+from mesh3d._torch_private import disable_torch_function_subclass, is_operator, run_autograd_function
 from mesh3d.domain.comm.collectives import scale_grad, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.core.group import DomainComm
@@ -30,6 +32,7 @@ from mesh3d.domain.layouts.slabs import replicate_if_singleton
 from mesh3d.domain.halo.windows import WindowProbe, window_exchange
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
+from mesh3d.domain.dispatch.operators import COMPILED_GRAPH_RUNTIME, autograd_function_target, operator_target
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, writes_into_first
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.comm.rows import plan_exchange
@@ -41,7 +44,7 @@ from mesh3d.domain.dispatch.queries import global_size_answer
 from mesh3d.domain.layouts.slabs import redistribute_local
 from mesh3d.domain.core.settings import SETTINGS
 
-__all__ = ["dispatch", "redispatch", "run_step"]
+__all__ = ["dispatch", "dispatch_autograd_function", "redispatch", "run_step"]
 
 
 def _replicated_dtensor_to_local(o: Any) -> Any:
@@ -125,11 +128,12 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
 
     Usage: ``DomainTensor.__torch_function__`` calls ``dispatch(func, types, args, kwargs)``
     """
+    if is_operator(func):  # torch.ops.ns.op[.overload]: its rule, the torch function it implements, or a refusal
+        if COMPILED_GRAPH_RUNTIME.depth:  # NOTE: traced on the shard (the rules ran at trace time), it runs on it
+            with disable_torch_function_subclass():
+                return func(*args, **kwargs)
+        func, args, kwargs = operator_target(func, args, kwargs)
     if is_metadata(func):
-        with disable_torch_function_subclass():
-            return func(*args, **kwargs)
-    if is_operator_overload(func):
-        # NOTE: from a compiled graph's runtime: traced on the shard (rules ran at trace time), they run on it.
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
     if is_global_size(func) and isinstance(args[0], DomainTensor):
@@ -168,6 +172,18 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         result = rule(*args, **kwargs)
         return run_step(result) if isinstance(result, Step) else result
     return _telling_peers_of_failure(comm, func, lambda: _run_rule_checked(func, rule, lead, args, kwargs))
+
+
+def dispatch_autograd_function(cls: type, args: tuple, kwargs: dict) -> Any:
+    """``cls.apply(*args, **kwargs)`` for a ``torch.autograd.Function`` called with a domain tensor: through its rule,
+    as torch's or mesh3d's own Function, or refused (``operators.autograd_function_target``).
+
+    Usage: ``route_autograd_function_calls(DomainTensor, dispatch_autograd_function)`` (``mesh3d.domain`` does this)
+    """
+    target = autograd_function_target(cls)
+    if target is None:
+        return run_autograd_function(cls, args, kwargs)
+    return dispatch(target, (DomainTensor,), args, kwargs)
 
 
 def redispatch(func: Callable, *args: Any, **kwargs: Any) -> Any:

@@ -15,10 +15,14 @@ op raises unless ``override=True`` (a silent replacement would change results el
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-__all__ = ["BLOCK_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "op_name", "register", "writes_into_first"]
+from mesh3d._torch_private import OpOverload, OpOverloadPacket, custom_op_overload, is_operator
+
+__all__ = ["BLOCK_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "op_name", "register", "rules_for",
+           "writes_into_first"]
 
 
 #: Every rule table by its name: a compiled lookup names its table (see ``_rule_index_at_trace_time``).
@@ -31,6 +35,9 @@ class RuleTable:
     Usage: ``RULES.get(torch.nn.functional.conv2d)``, ``RULES.register(f, rule, override=False)``;
     a new table: ``RuleTable("MY_RULES")`` (names are unique in a process).
     """
+
+    #: Rules registered so far in any table (what caches of lookups key on: ``mesh3d.domain.dispatch.operators``).
+    changes = 0
 
     def __init__(self, name: str) -> None:
         if name in _TABLES:
@@ -48,8 +55,25 @@ class RuleTable:
                 "pass override=True to replace it on purpose"
             )
         self._rules[func] = rule
+        RuleTable.changes += 1
         if not any(r is rule for r in self._listed):
             self._listed.append(rule)
+
+    def snapshot(self) -> dict[Callable, Callable]:
+        """The rules registered now (to ``restore`` later: a test harness putting a process back as it was).
+
+        Usage: ``saved = RULES.snapshot(); ...; RULES.restore(saved)``
+        """
+        return dict(self._rules)
+
+    def restore(self, rules: dict[Callable, Callable]) -> None:
+        """Exactly ``rules`` (a ``snapshot``), dropping any registered since."""
+        self._rules.clear()
+        self._rules.update(rules)
+        for rule in rules.values():
+            if not any(r is rule for r in self._listed):
+                self._listed.append(rule)
+        RuleTable.changes += 1
 
     def get(self, func: Callable) -> Callable | None:
         if torch.compiler.is_dynamo_compiling():
@@ -90,26 +114,72 @@ TOKEN_RULES = RuleTable("TOKEN_RULES")
 STRIDED_RULES = RuleTable("STRIDED_RULES")
 
 
-def register(*funcs: Callable, override: bool = False) -> Callable[[Callable], Callable]:
-    """Register the decorated rule for every function in ``funcs``.
+def _keys(func: Any) -> list:
+    """The dispatcher's keys for ``func``: itself; a packet's overloads too; a ``torch.library.custom_op``'s overload."""
+    overload = custom_op_overload(func)
+    if overload is not None:
+        return [overload]
+    if isinstance(func, type) and issubclass(func, torch.autograd.Function):
+        return [func.apply]  # NOTE: a bound method: each access makes a new one, equal and with the same hash
+    if isinstance(func, OpOverloadPacket):
+        return [func, *(getattr(func, name) for name in func.overloads())]
+    return [func]
 
-    Usage: ``@register(F.conv2d, override=False)`` above ``def rule(input, weight, ...) -> Step``
+
+def register(*funcs: Any, rule: Any = None, override: bool = False) -> Any:
+    """Register a domain rule for every function or operator in ``funcs``.
+
+    Usage::
+
+        @domain.register(F.conv2d)                                      # a rule: the op's signature, returns a Step
+        def conv2d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Step: ...
+
+        domain.register(torch.ops.mylib.blur, domain.window(dim=-1, kernel=5, padding=2))   # a custom op
+
+    ``funcs``: torch functions, ``torch.ops`` operators (a packet registers every overload),
+    ``torch.library.custom_op`` functions or ``torch.autograd.Function`` classes. ``rule``: a function as above
+    (slabs), or one of the custom-op helpers (``domain.elementwise()``, ``domain.local(...)``,
+    ``domain.window(...)``, ``domain.whole_dim(...)``), which rule every layout they can. Without ``rule=`` it decorates. A second rule for the same op raises unless
+    ``override=True`` (a silent replacement would change results elsewhere).
     """
+    if rule is None and funcs and hasattr(funcs[-1], "rules") and not callable(funcs[-1]):
+        funcs, rule = funcs[:-1], funcs[-1]  # domain.register(op, domain.window(...))
+    if not funcs:
+        raise TypeError("domain.register: name the function or operator to rule, e.g. "
+                        "domain.register(torch.ops.mylib.op, domain.elementwise())")
 
-    def deco(rule: Callable) -> Callable:
+    def deco(made: Any) -> Any:
+        per_layout = made.rules if hasattr(made, "rules") and not callable(made) else None
         for f in funcs:
-            RULES.register(f, rule, override=override)
-        return rule
+            for key in _keys(f):
+                if per_layout is None:
+                    RULES.register(key, made, override=override)
+                    continue
+                for table_name, layout_rule in per_layout(key).items():
+                    _TABLES[table_name].register(key, layout_rule, override=override)
+        return made
 
-    return deco
+    return deco if rule is None else deco(rule)
+
+
+def rules_for(func: Callable) -> list[Callable]:
+    """Every rule registered for ``func``, one per layout that has one.
+
+    Usage: ``rules_for(torch.Tensor.sum)``
+    """
+    return [t._rules[func] for t in _TABLES.values() if func in t._rules]
 
 
 @torch.compiler.assume_constant_result  # NOTE: a fact about the function alone: a constant in a compiled graph
 def op_name(func: Callable) -> str:
-    """A readable name such as ``torch.flip``, ``torch.Tensor.add`` or ``torch.nn.functional.conv2d``.
+    """A readable name such as ``torch.flip``, ``torch.Tensor.add``, ``torch.nn.functional.conv2d`` or
+    ``torch.ops.aten.sum.default``.
 
     Usage: ``op_name(torch.Tensor.add)  # 'torch.Tensor.add'``
     """
+    if is_operator(func):  # torch.ops.ns.op[.overload]: the name it is called by
+        first = func if isinstance(func, OpOverload) else getattr(func, func.overloads()[0])
+        return f"torch.ops.{first.namespace}.{func.__name__}"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if "<locals>" in name:  # a wrapper made by a factory (F.max_pool2d is boolean_dispatch's fn): its own name
         name = getattr(func, "__name__", name)

@@ -11,23 +11,27 @@ gradient is the sum of the shards' partial gradients.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
-from mesh3d.domain.dispatch.registry import op_name, register, writes_into_first
+from mesh3d._torch_private import disable_torch_function_subclass, view_base
+from mesh3d.domain.dispatch.registry import (
+    BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, register, writes_into_first)
 from mesh3d.domain.dispatch.step import Entering, Resplit, Step
 from mesh3d.domain.core.tensor import DomainTensor, size_of
 
-__all__ = ["elementwise", "elementwise_step"]
+__all__ = ["detach_in_place", "elementwise", "elementwise_rule", "elementwise_step", "refuse_other_forms"]
 
 _NAMES = (
     "add sub mul div true_divide rsub neg abs exp log sqrt rsqrt sin cos tanh sigmoid relu pow clamp clamp_min "
     "clamp_max where maximum minimum square reciprocal sign erf log1p expm1 lerp addcmul addcdiv floor ceil round "
     "exp2 log2 sinh cosh atan2 hypot fmod remainder gt lt ge le eq ne logical_and logical_or logical_not isnan "
     "isfinite nan_to_num masked_fill zeros_like ones_like full_like empty_like detach clone contiguous to float "
-    "double half bfloat16 long int short bool byte char type type_as cpu cuda detach_ zero_ fill_ copy_ sub_ add_ "
+    "double half bfloat16 long int short bool byte char type type_as cpu cuda zero_ fill_ copy_ sub_ add_ "
     "mul_ div_ relu_ clamp_ "
     "sigmoid_ tanh_ neg_ pow_ abs_ exp_ masked_fill_ float_power"
 ).split()
@@ -76,11 +80,25 @@ def _in_ref_layout(ref: DomainTensor, o):
     return o
 
 
+def refuse_other_forms(func, args: tuple, kwargs: dict) -> None:
+    """Raise for the calls of an element-wise op's name that are not element-wise: ``torch.where(condition)`` alone
+    is ``nonzero`` (the indices of the true elements, which depend on every rank's rows).
+
+    Usage: ``refuse_other_forms(torch.where, args, kwargs)`` first in an element-wise rule
+    """
+    if func is torch.where and len(args) + len(kwargs) < 2:
+        raise NotImplementedError(
+            "torch.where(condition) with the condition alone (torch.nonzero(condition, as_tuple=True)) on a domain "
+            "tensor gives global indices that depend on every rank's rows: mesh3d has no rule for it. Call it on "
+            ".full_tensor(), or use the three-argument torch.where(condition, x, y)")
+
+
 def elementwise_step(func, args: tuple, kwargs: dict) -> Step:
     """Declare an element-wise op: operands in one layout, plain ones constant along the sharded dim.
 
     Usage: ``run_step(elementwise_step(torch.add, (xs, ys), {}))``
     """
+    refuse_other_forms(func, args, kwargs)
     operands = [*args, *kwargs.values()]
     tensors = [t for t in operands if isinstance(t, torch.Tensor)]
     ref = _check_same_sharding(func, _sharded(tensors))
@@ -122,8 +140,38 @@ def elementwise(func, *args, **kwargs):
     return run_step(elementwise_step(func, args, kwargs))
 
 
+def elementwise_rule(func: Callable) -> Callable:
+    """The slab rule of an element-wise op ``func``.
+
+    Usage: ``RULES.register(torch.ops.mylib.act.default, elementwise_rule(torch.ops.mylib.act.default))``
+    """
+    return lambda *a, **k: elementwise_step(func, a, k)
+
+
 for _f in ELEMENTWISE:
-    register(_f)(lambda *a, _f=_f, **k: elementwise_step(_f, a, k))
+    register(_f)(elementwise_rule(_f))
+
+
+def detach_in_place(input):
+    """``x.detach_()`` on a domain tensor of any layout: the tensor itself detached (its shard is an alias view, which
+    torch will not detach in place).
+
+    Usage: registered for ``Tensor.detach_`` and ``torch.detach_`` in every layout's table
+    """
+    with disable_torch_function_subclass():
+        if view_base(input) is not None:  # NOTE: a shard aliasing the tensor it was cut from (an empty one, dim 0)
+            if input.requires_grad:
+                raise NotImplementedError(
+                    "x.detach_() on a domain tensor whose shard is a view of the tensor it was sharded from: torch will "
+                    "not detach a view in place; use x = x.detach()")
+            return input  # nothing to detach
+        torch.Tensor.detach_(input)
+    return input
+
+
+for _table in (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES):
+    for _f in (torch.Tensor.detach_, torch.detach_):
+        _table.register(_f, detach_in_place)
 
 
 def _norm_dim(dim: int, ndim: int) -> int:

@@ -26,12 +26,13 @@ from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES, op_name
 from mesh3d.domain.dispatch.step import Entering, Step
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__: list[str] = []
+__all__ = ["elementwise_rule"]
 
 
-def _elementwise(func):
+def elementwise_rule(func):
     """Operands laid out alike (dim from the end, sizes, blocks); plain ones of size 1 or the global length there."""
     def rule(*args, **kwargs):
+        pointwise.refuse_other_forms(func, args, kwargs)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         sharded = [t for t in tensors if isinstance(t, DomainTensor) and t.spec.dim is not None]
         ref = sharded[0]
@@ -147,7 +148,7 @@ def _layer_norm_dims(x, args, kwargs):
 
 
 for _f in pointwise.ELEMENTWISE:
-    STRIDED_RULES.register(_f, _elementwise(_f))
+    STRIDED_RULES.register(_f, elementwise_rule(_f))
 # NOTE: the slab rules of these keep the spec's blocks (``with_sizes``) or handle them (reshapes): shared as they are.
 for _f in (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten,
            torch.unflatten, torch.Tensor.unflatten, torch.transpose, torch.Tensor.transpose, torch.permute,

@@ -27,12 +27,13 @@ from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.norm import normalize
+from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["CHANNEL_NORMS", "reduction_rules", "run_elementwise"]
+__all__ = ["CHANNEL_NORMS", "elementwise_rule", "reduction_rules", "run_elementwise"]
 
 def _spec_of(x: DomainTensor) -> BlockSpec:
     spec = x._spec
@@ -41,8 +42,9 @@ def _spec_of(x: DomainTensor) -> BlockSpec:
 
 
 # ----------------------------------------------------------------------------- element-wise
-def _elementwise(func: Callable) -> Callable:
+def elementwise_rule(func: Callable) -> Callable:
     def rule(*args, **kwargs):
+        pointwise.refuse_other_forms(func, args, kwargs)
         operands = [*args, *kwargs.values()]
         tensors = [t for t in operands if isinstance(t, torch.Tensor)]
         blocks = [t for t in tensors if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec)]
@@ -98,7 +100,7 @@ def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[
 
 
 for _f in ELEMENTWISE:
-    BLOCK_RULES.register(_f, _elementwise(_f))
+    BLOCK_RULES.register(_f, elementwise_rule(_f))
 
 
 def _view_as(input, other):

@@ -25,6 +25,7 @@ from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.ops.blocks.rules import CHANNEL_NORMS, reduction_rules, run_elementwise
 from mesh3d.domain.ops.blocks.layout import blocks_dropout
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
+from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.ops.reduce import global_softmax
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
@@ -34,7 +35,7 @@ from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.tokens import gather_all_tokens, tokens_to_blocks
 from mesh3d.domain.layouts.tokens import token_rows
 
-__all__: list[str] = []
+__all__ = ["elementwise_rule"]
 
 
 def _spec(x: DomainTensor, scores: bool = False) -> TokenSpec:
@@ -54,8 +55,9 @@ def _is_grid(t) -> bool:
 
 
 # ----------------------------------------------------------------------------- element-wise
-def _elementwise(func: Callable) -> Callable:
+def elementwise_rule(func: Callable) -> Callable:
     def rule(*args, **kwargs):
+        pointwise.refuse_other_forms(func, args, kwargs)
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         grids = [t for t in tensors if isinstance(t, DomainTensor) and _is_grid(t)]
         ref = grids[0]
@@ -229,7 +231,7 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
 
 
 for _f in ELEMENTWISE:
-    TOKEN_RULES.register(_f, _elementwise(_f))
+    TOKEN_RULES.register(_f, elementwise_rule(_f))
 for _funcs, _rule in (
     ((torch.Tensor.view_as,), _view_as),
     ((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _matmul),

@@ -1,0 +1,154 @@
+"""Custom ops on domain tensors (``tests/custom_ops.py``: kernels mesh3d cannot see into, with their own backward):
+refused by name until ruled, then exact against one process once ruled with the public helpers, on uneven slabs
+with empty and one-row shards and on a 2x2 block grid, forward and backward, in fp64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from domain_cases import domain_sum, max_err
+from mesh3d import DistributedManager, domain
+
+TOL = 1e-10
+D64 = torch.float64
+
+
+def _compare(call, inputs: list[torch.Tensor], shard) -> float:
+    """Largest error of ``call`` on sharded inputs vs one process: the output and every input's gradient."""
+    plain = [t.detach().clone().requires_grad_(True) for t in inputs]
+    y = call(*plain)
+    cot = torch.randn(y.shape, dtype=y.dtype, generator=torch.Generator().manual_seed(7))
+    (y * cot).sum().backward()
+    parts = [t.detach().clone().requires_grad_(True) for t in inputs]
+    ys = call(shard(parts[0]), *parts[1:])
+    out = ys.full_tensor() if ys.spec.layout is not domain.Layout.REPLICATED else ys.to_local()
+    if ys.spec.layout is domain.Layout.REPLICATED:
+        (ys * cot).sum().backward()
+    else:
+        (out * cot).sum().backward()
+    errs = [max_err(out, y)] + [max_err(domain_sum(p.grad), q.grad) for p, q in zip(parts, plain)]
+    return max(errs)
+
+
+def _stencil_cases():
+    """(stride, dilation, pad, periodic, kernel): same-size, strided, dilated, asymmetric reach, wrapped."""
+    return [(1, 1, 1, False, 3), (1, 1, 2, True, 5), (2, 1, 1, False, 3), (1, 2, 2, True, 3), (2, 2, 3, True, 4),
+            (1, 1, 0, False, 3)]
+
+
+def _custom_slab_body(sizes):
+    import custom_ops  # noqa: F401  (defines the m3test ops on this rank)
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    n = sum(sizes)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, n, dtype=D64, generator=g)
+    shard = (lambda t: domain.shard(t, dim=2, sizes=sizes))
+    refusals = []
+    for call in (lambda: torch.ops.m3test.stencil(shard(x), torch.ones(4, 3, 3, dtype=D64), 1, 1, 1, False),
+                 lambda: torch.ops.m3test.stencil.default(shard(x), torch.ones(4, 3, 3, dtype=D64), 1, 1, 1, False),
+                 lambda: custom_ops.softclip(shard(x), shard(x)), lambda: custom_ops.CubeFunction.apply(shard(x))):
+        try:
+            call()
+            refusals.append(None)
+        except NotImplementedError as err:
+            refusals.append(str(err))
+    custom_ops.register_rules()
+    errors = {}
+    for stride, dilation, pad, periodic, k in _stencil_cases():
+        w = torch.randn(4, 3, k, dtype=D64, generator=g)
+        errors[f"stencil s{stride} d{dilation} p{pad} {'periodic' if periodic else 'zeros'} k{k}"] = _compare(
+            lambda a, b: torch.ops.m3test.stencil(a, b, stride, dilation, pad, periodic), [x, w], shard)
+        taps = torch.randn(k, dtype=D64, generator=g)
+        errors[f"smooth s{stride} d{dilation} p{pad} {periodic} k{k}"] = _compare(
+            lambda a, b: torch.ops.m3test.smooth(a, b, stride, dilation, pad, periodic), [x, taps], shard)
+    y = torch.randn(2, 3, n, dtype=D64, generator=g)
+    errors["softclip"] = _compare(lambda a: custom_ops.softclip(a, shard(y) if isinstance(a, domain.DomainTensor)
+                                                                else y), [x], shard)
+    errors["mix"] = _compare(lambda a, w: custom_ops.mix(a, w), [x, torch.randn(5, 3, dtype=D64, generator=g)], shard)
+    errors["autograd.Function"] = _compare(lambda a: custom_ops.CubeFunction.apply(a), [x], shard)
+    errors["spectral"] = _compare(lambda a: custom_ops.spectral(a, 2), [x], shard)
+    errors["energy (replicated)"] = _compare(lambda a: custom_ops.energy(a), [x], shard)
+    try:
+        custom_ops.mix(shard(x).transpose(1, 2), torch.ones(5, n, dtype=D64))
+        mixed_sharded = None
+    except NotImplementedError as err:
+        mixed_sharded = str(err)
+    return refusals, errors, mixed_sharded
+
+
+@pytest.mark.parametrize("world, sizes", [(2, (4, 7)), (3, (5, 0, 6)), (3, (1, 9, 1)), (2, (11, 0))],
+                         ids=["2-uneven", "3-empty-middle", "3-one-row-edges", "2-empty-last"])
+def test_custom_ops_are_refused_until_ruled_then_equal_one_process(ranks, world, sizes):
+    for rank, (refusals, errors, mixed_sharded) in enumerate(ranks.run(world, _custom_slab_body, sizes)):
+        assert "torch.ops.m3test.stencil is a custom op with no domain rule" in refusals[0], refusals
+        assert "torch.ops.m3test.stencil.default is a custom op" in refusals[1] and "domain.window" in refusals[1]
+        assert "torch.ops.m3test.softclip.default" in refusals[2] and "docs/domain.md, 'Custom ops'" in refusals[2]
+        assert "custom_ops.CubeFunction.apply (a torch.autograd.Function) has no domain rule" in refusals[3]
+        assert max(errors.values()) < TOL, (rank, errors)
+        assert "mixes values along dims (1,)" in mixed_sharded and "domain.whole_dim" in mixed_sharded
+
+
+def _custom_blocks_body(sizes):
+    import custom_ops  # noqa: F401
+
+    DistributedManager.initialize(batch=1, domain=(2, 2))
+    custom_ops.register_rules()
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, sum(sizes[0]), sum(sizes[1]), dtype=D64, generator=g)
+    shard = (lambda t: domain.shard(t, dims=(2, 3), sizes=sizes))
+
+    def along_h(call):  # the ops act along the last dim: run them along dim 2 (the other grid dim) too
+        return lambda a, *rest: call(a.transpose(2, 3), *rest).transpose(2, 3)
+
+    errors = {}
+    for stride, dilation, pad, periodic, k in _stencil_cases():
+        w = torch.randn(k, dtype=D64, generator=g)
+        smooth = (lambda a, b: torch.ops.m3test.smooth(a, b, stride, dilation, pad, periodic))
+        name = f"s{stride} d{dilation} p{pad} {'periodic' if periodic else 'zeros'} k{k}"
+        errors[f"smooth along W {name}"] = _compare(smooth, [x, w], shard)
+        errors[f"smooth along H {name}"] = _compare(along_h(smooth), [x, w], shard)
+    errors["softclip"] = _compare(lambda a: custom_ops.softclip(a, a * 0.5), [x], shard)
+    errors["spectral along W"] = _compare(lambda a: custom_ops.spectral(a, 3), [x], shard)
+    errors["spectral along H"] = _compare(along_h(lambda a: custom_ops.spectral(a, 2)), [x], shard)
+    errors["mix"] = _compare(lambda a, w: custom_ops.mix(a, w), [x, torch.randn(2, 3, dtype=D64, generator=g)], shard)
+    return errors
+
+
+def test_custom_ops_on_a_block_grid_equal_one_process(ranks):
+    """2x2 blocks, uneven, an empty block row: a window op along either block dim (its halo on that grid line only,
+    zeros or wrapped), element-wise, channel mixing and a whole-dim op along each block dim."""
+    for rank, errors in enumerate(ranks.run(4, _custom_blocks_body, ((5, 0), (3, 6)))):
+        assert max(errors.values()) < TOL, (rank, errors)
+
+
+def _failing_block_body():
+    import custom_ops
+
+    dm = DistributedManager.initialize(batch=1, domain=(2, 2))
+    custom_ops.register_rules()
+    x = torch.zeros(1, 2, 4, 6, dtype=D64)
+    x[..., 3, 5] = 1000.0  # in the block of domain rank 3 only
+    xs = domain.shard(x, dims=(2, 3))
+    try:
+        y = custom_ops.fragile(xs)
+        y.full_tensor()  # the others go on to exchange along their grid lines with the rank that failed
+    except Exception as err:  # noqa: BLE001  (the test checks every rank's error)
+        return dm.axis_rank("domain"), type(err).__name__, str(err)
+    return dm.axis_rank("domain"), None, None
+
+
+def test_a_custom_op_failing_on_one_block_fails_every_rank(ranks):
+    """The failing rank tells its grid-line peers too (they wait in a line exchange, not on the domain group): every
+    rank raises, none waits for the group timeout (the body's own timeout bounds a hang)."""
+    results = ranks.run(4, _failing_block_body, timeout=90)
+    assert [message is not None and "domain rank 3 failed in a domain op" in message for _, _, message in results] == [
+        False, True, True, False]  # its grid-line peers heard from it; rank 0 from them
+    for rank, kind, message in results:
+        assert kind is not None, rank
+        if rank == 3:
+            assert kind == "RuntimeError" and "values above 100" in message
+        else:
+            assert kind == "DomainDivergenceError", (rank, kind, message)
+            assert "domain rank 3 failed in a domain op" in message or "stopped (the domain ranks" in message, message
