@@ -17,7 +17,7 @@ from mesh3d._torch_private.compile import (
 from mesh3d._torch_private.kernels import (
     cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_efficient_attention, cuda_flash_attention)
 from mesh3d._torch_private.dispatch import (
-    OpOverload, OpOverloadPacket, TorchDispatchMode, custom_op_overload, is_operator, is_operator_overload, op_schema,
+    OpOverload, OpOverloadPacket, TorchDispatchMode, custom_op_overload, is_operator, op_schema,
     storage_key, tree_flatten, tree_map, view_base)
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "gloo_backend",
     "group_options",
     "is_operator",
-    "is_operator_overload",
     "keep_in_program_order",
     "let_compiled_graphs_take_function_subclasses",
     "live_process_groups",

@@ -116,7 +116,7 @@ def route_autograd_function_calls(tensor_type: type, handler: Callable[[type, tu
     base = torch.autograd.Function
     if getattr(base.apply, "_mesh3d_routed", False):
         return False
-    original = base.apply.__func__
+    original = base.apply.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
     def apply(cls, *args, **kwargs):
         if any(type(a) is tensor_type for a in args) or any(type(v) is tensor_type for v in kwargs.values()):
@@ -125,11 +125,11 @@ def route_autograd_function_calls(tensor_type: type, handler: Callable[[type, tu
 
     apply._mesh3d_routed = True  # type: ignore[attr-defined]
     apply._mesh3d_original = original  # type: ignore[attr-defined]
-    base.apply = classmethod(apply)  # type: ignore[assignment,method-assign]
+    base.apply = classmethod(apply)
     return True
 
 
-def run_autograd_function(cls: type, args: tuple, kwargs: dict) -> Any:
+def run_autograd_function(cls: Any, args: tuple, kwargs: dict) -> Any:
     """``cls.apply(*args, **kwargs)`` as torch runs it, past ``route_autograd_function_calls``.
 
     Why private: as above (the wrapped original of ``Function.apply``).

@@ -10,17 +10,9 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch, _pytree
 
-__all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator", "is_operator_overload", "op_schema",
+__all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator", "op_schema",
            "storage_key", "tree_flatten", "tree_map", "view_base"]
 
-
-def is_operator_overload(func: Any) -> bool:
-    """Whether ``func`` is an ATen-level operator (``torch.ops.aten.view.default``), not a torch function.
-
-    Why private: ``torch._ops.OpOverload`` is the class of those operators; torch exposes no public predicate.
-    A compiled graph's runtime calls them on its inputs (domain tensors included), with sizes traced on the shard.
-    """
-    return isinstance(func, torch._ops.OpOverload)
 
 
 #: The class of ATen operators (``torch.ops.aten.add.Tensor``), for type hints and ``isinstance``.

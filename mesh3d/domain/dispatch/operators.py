@@ -266,7 +266,7 @@ def operator_target(func: Any, args: tuple, kwargs: dict) -> tuple[Callable, tup
 _TRUSTED_FUNCTIONS = ("torch.", "mesh3d.")
 
 
-def autograd_function_target(cls: type) -> Callable | None:
+def autograd_function_target(cls: Any) -> Callable | None:
     """For ``cls.apply`` called with a domain tensor: ``cls.apply`` if a rule is registered for it (the dispatcher runs
     it), None if ``cls`` is torch's or mesh3d's own (it runs as it is); else raises naming it and the way out.
 

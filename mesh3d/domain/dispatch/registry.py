@@ -139,8 +139,9 @@ def register(*funcs: Any, rule: Any = None, override: bool = False) -> Any:
     ``funcs``: torch functions, ``torch.ops`` operators (a packet registers every overload),
     ``torch.library.custom_op`` functions or ``torch.autograd.Function`` classes. ``rule``: a function as above
     (slabs), or one of the custom-op helpers (``domain.elementwise()``, ``domain.local(...)``,
-    ``domain.window(...)``, ``domain.whole_dim(...)``), which rule every layout they can. Without ``rule=`` it decorates. A second rule for the same op raises unless
-    ``override=True`` (a silent replacement would change results elsewhere).
+    ``domain.window(...)``, ``domain.whole_dim(...)``), which rule every layout they can. Without a rule it
+    decorates. A second rule for the same op raises unless ``override=True`` (a silent replacement would change
+    results elsewhere).
     """
     if rule is None and funcs and hasattr(funcs[-1], "rules") and not callable(funcs[-1]):
         funcs, rule = funcs[:-1], funcs[-1]  # domain.register(op, domain.window(...))
@@ -178,7 +179,7 @@ def op_name(func: Callable) -> str:
     Usage: ``op_name(torch.Tensor.add)  # 'torch.Tensor.add'``
     """
     if is_operator(func):  # torch.ops.ns.op[.overload]: the name it is called by
-        first = func if isinstance(func, OpOverload) else getattr(func, func.overloads()[0])
+        first = func if isinstance(func, OpOverload) else getattr(func, func.overloads()[0])  # type: ignore[attr-defined]
         return f"torch.ops.{first.namespace}.{func.__name__}"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if "<locals>" in name:  # a wrapper made by a factory (F.max_pool2d is boolean_dispatch's fn): its own name
