@@ -22,6 +22,7 @@ from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.comm.exchange import NOTICES, count_traffic
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
+from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import BlockSpec, DomainSpec, Layout, TokenSpec
 from mesh3d.domain.core.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.core.tensor import DomainTensor
@@ -31,7 +32,7 @@ from mesh3d.domain.dispatch.dispatcher import dispatch_autograd_function
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.halo.overlap import window_overlap
-from mesh3d.domain.halo.windows import Extended, Window
+from mesh3d.domain.halo.windows import Extended, Window, plan_window
 from mesh3d.domain.io import NpyArray, read
 from mesh3d.domain.ops.custom import CustomRule, elementwise, local, whole_dim, window
 from mesh3d.domain.ops.idioms import positions
@@ -74,6 +75,7 @@ __all__ = [
     "attention",
     "attention_mode",
     "balanced_sizes",
+    "connected_zeros",
     "count_traffic",
     "domain_comm",
     "downsampling_factor",
@@ -83,6 +85,7 @@ __all__ = [
     "guard_filter",
     "local",
     "neighbourhood_attention",
+    "plan_window",
     "positions",
     "read",
     "redistribute",

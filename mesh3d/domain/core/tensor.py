@@ -33,10 +33,10 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import disable_torch_function_subclass, run_backward_from
+from mesh3d._torch_private import disable_torch_function_subclass, run_backward_from, view_base
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout, sharded_dims
 
-__all__ = ["DomainTensor", "adopt", "global_shape_of", "local_shape", "size_of", "unwrap", "wrap"]
+__all__ = ["DomainTensor", "adopt", "detach_in_place", "global_shape_of", "local_shape", "size_of", "unwrap", "wrap"]
 
 
 def wrap(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
@@ -99,6 +99,23 @@ def size_of(t: torch.Tensor) -> torch.Size:
     shard's. ``redispatch`` is the same for ops (``mesh3d.domain.dispatch.dispatcher``).
     """
     return global_shape_of(t) if isinstance(t, DomainTensor) else t.shape
+
+
+def detach_in_place(t: torch.Tensor) -> torch.Tensor:
+    """``t.detach_()`` for a domain tensor of any layout: the tensor itself detached, not the alias of its shard that
+    ``unwrap`` makes (torch will not detach a view in place).
+
+    Usage: ``return detach_in_place(xs)`` (the rule of ``Tensor.detach_``, and the dispatcher for replicated values)
+    """
+    with disable_torch_function_subclass():
+        if view_base(t) is not None:  # NOTE: a shard aliasing the tensor it was cut from (an empty one, dim 0)
+            if t.requires_grad:
+                raise NotImplementedError(
+                    "x.detach_() on a domain tensor whose shard is a view of the tensor it was sharded from: torch "
+                    "will not detach a view in place; use x = x.detach()")
+            return t  # nothing to detach
+        torch.Tensor.detach_(t)
+    return t
 
 
 def unwrap(t: Any) -> Any:

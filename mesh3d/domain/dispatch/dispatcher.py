@@ -39,7 +39,7 @@ from mesh3d.domain.comm.rows import plan_exchange
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.halo.windows import Extended, Window
 from mesh3d.domain.core.specs import DomainSpec, Layout
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
+from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, unwrap, wrap
 from mesh3d.domain.dispatch.queries import global_size_answer
 from mesh3d.domain.layouts.slabs import redistribute_local
 from mesh3d.domain.core.settings import SETTINGS
@@ -230,6 +230,8 @@ def _op_label(func: Callable) -> str:
 
 def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict) -> Any:
     """Every input is replicated over the domain: the plain op is the one-process op."""
+    if func is torch.Tensor.detach_ or func is torch.detach_:
+        return detach_in_place(args[0])
     size = spec.comm.size
 
     def prepare(o: Any) -> Any:

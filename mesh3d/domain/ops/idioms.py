@@ -284,7 +284,22 @@ def _expand(input, *sizes) -> Step:
 
 @register(torch.Tensor.expand_as)
 def _expand_as(input, other) -> Step:
-    return _expand(input, *other.shape)
+    if isinstance(input, DomainTensor) and input.spec.dim is not None:
+        return _expand(input, *size_of(other))
+    # A replicated or plain value expanded to a sharded tensor's shape (a class token over every patch, DPT's
+    # reassemble): this rank's part of the result, laid out as ``other``.
+    spec = other.spec
+    at = spec.dim - (other.ndim - input.ndim)
+    if at >= 0 and size_of(input)[at] not in (1, sum(spec.sizes) * spec.outer):
+        raise RuntimeError(
+            f"torch.Tensor.expand_as: a tensor of shape {tuple(size_of(input))} cannot be expanded to "
+            f"{tuple(size_of(other))} (size {size_of(input)[at]} at dim {at}, as in one process)")
+    local = unwrap(other).shape
+    if at >= 0 and size_of(input)[at] != 1:  # the global length there: this rank's rows of it
+        rows = replicated_slice(input, at, other)
+        return Step(lambda t: t.expand(local), (rows,), out=spec)
+    return Step(lambda t: t.expand(local), (Entering(input) if isinstance(input, DomainTensor) else input,),
+                out=spec, keep=(input,) if not isinstance(input, DomainTensor) else ())
 
 
 @register(torch.unflatten, torch.Tensor.unflatten)

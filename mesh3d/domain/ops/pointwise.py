@@ -18,13 +18,12 @@ import torch.nn.functional as F
 
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
-from mesh3d._torch_private import disable_torch_function_subclass, view_base
 from mesh3d.domain.dispatch.registry import (
     BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, register, writes_into_first)
 from mesh3d.domain.dispatch.step import Entering, Resplit, Step
-from mesh3d.domain.core.tensor import DomainTensor, size_of
+from mesh3d.domain.core.tensor import DomainTensor, detach_in_place, size_of
 
-__all__ = ["detach_in_place", "elementwise", "elementwise_rule", "elementwise_step", "refuse_other_forms"]
+__all__ = ["elementwise", "elementwise_rule", "elementwise_step", "refuse_other_forms"]
 
 _NAMES = (
     "add sub mul div true_divide rsub neg abs exp log sqrt rsqrt sin cos tanh sigmoid relu pow clamp clamp_min "
@@ -150,23 +149,6 @@ def elementwise_rule(func: Callable) -> Callable:
 
 for _f in ELEMENTWISE:
     register(_f)(elementwise_rule(_f))
-
-
-def detach_in_place(input):
-    """``x.detach_()`` on a domain tensor of any layout: the tensor itself detached (its shard is an alias view, which
-    torch will not detach in place).
-
-    Usage: registered for ``Tensor.detach_`` and ``torch.detach_`` in every layout's table
-    """
-    with disable_torch_function_subclass():
-        if view_base(input) is not None:  # NOTE: a shard aliasing the tensor it was cut from (an empty one, dim 0)
-            if input.requires_grad:
-                raise NotImplementedError(
-                    "x.detach_() on a domain tensor whose shard is a view of the tensor it was sharded from: torch will "
-                    "not detach a view in place; use x = x.detach()")
-            return input  # nothing to detach
-        torch.Tensor.detach_(input)
-    return input
 
 
 for _table in (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.ops import idioms, pointwise, reshape  # noqa: F401  (their rules registered first)
+from mesh3d.domain.ops import global_index, idioms, pointwise, reshape  # noqa: F401  (their rules registered first)
 from mesh3d.domain.ops.attention import sdpa_rule
 from mesh3d.domain.ops.idioms import strided_rows
 from mesh3d.domain.ops.matmul import matmul_rule
@@ -66,10 +66,29 @@ def elementwise_rule(func):
 def _rows_local(func):
     """A product acting on each row of the first operand (``addmm``'s ``mat1``, ``F.linear``): local."""
     def rule(*args, **kwargs):
-        x = next(a for a in args if isinstance(a, DomainTensor) and a.spec.dim is not None)
+        sharded = [a for a in (*args, *kwargs.values()) if isinstance(a, DomainTensor) and a.spec.dim is not None]
+        x = sharded[0]
         if x.spec.dim == x.ndim - 1:
             raise NotImplementedError(f"{op_name(func)} contracts the strided sharded dim; reshape it back first")
+        if len(sharded) > 1:
+            raise NotImplementedError(f"{op_name(func)} with a domain-sharded weight or bias: the weights must be "
+                                      "plain (replicated) tensors; call .full_tensor() on them first")
         return Step(func, args, kwargs, out=x.spec)
+
+    return rule
+
+
+def _matmul_of_rows(func):
+    """``a @ w`` with ``a`` strided and ``w`` plain or replicated: the slab rule (each row of ``a`` on its own).
+    A strided right operand would be gathered in rank order, not the global one: refused."""
+    slab = matmul_rule(func)
+
+    def rule(input, other, *, out=None):
+        if isinstance(other, DomainTensor) and other.spec.dim is not None:
+            raise NotImplementedError(
+                f"{op_name(func)} with a strided domain tensor as its right operand: reshape both operands back to "
+                "their unstrided shapes first (x.view(B, T, c)), or call .full_tensor()")
+        return slab(input, other, out=out)
 
     return rule
 
@@ -97,8 +116,6 @@ def _dropout(func):
 
 def _along_other_dims(func):
     """``unbind``/``split``/``chunk`` along a dim other than the strided one: the slab rule, which is local there."""
-    slab_rule = RULES.get(func)
-
     position = 0 if func in _UNBIND else 1  # unbind(input, dim); split/chunk(input, how, dim)
 
     def rule(input, *args, **kwargs):
@@ -106,6 +123,7 @@ def _along_other_dims(func):
         if dim % input.ndim == input.spec.dim:
             raise NotImplementedError(f"{op_name(func)} along the strided sharded dim {input.spec.dim}; reshape to the "
                                       "unstrided shape first")
+        slab_rule = RULES.get(func)  # NOTE: looked up when called: its module may register it after this one's
         return slab_rule(input, *args, **kwargs)
 
     return rule
@@ -153,13 +171,15 @@ for _f in pointwise.ELEMENTWISE:
 for _f in (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten,
            torch.unflatten, torch.Tensor.unflatten, torch.transpose, torch.Tensor.transpose, torch.permute,
            torch.Tensor.permute, torch.unsqueeze, torch.Tensor.unsqueeze, torch.squeeze, torch.Tensor.squeeze):
-    STRIDED_RULES.register(_f, RULES.get(_f))
+    _slab = RULES.get(_f)
+    assert _slab is not None, f"the slab rule of {op_name(_f)} is registered before this module's"
+    STRIDED_RULES.register(_f, _slab)
 for _f in (torch.addmm, torch.Tensor.addmm, F.linear):
     STRIDED_RULES.register(_f, _rows_local(_f))
 for _f in (torch.addmm, torch.Tensor.addmm):  # on slabs too (Conv1D of a batch of one merges nothing)
     RULES.register(_f, _rows_local(_f))
 for _f in (torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.Tensor.bmm):
-    STRIDED_RULES.register(_f, matmul_rule(_f))
+    STRIDED_RULES.register(_f, _matmul_of_rows(_f))
 for _f in (F.softmax, torch.softmax, torch.Tensor.softmax, F.log_softmax, torch.log_softmax, torch.Tensor.log_softmax):
     STRIDED_RULES.register(_f, _local_unless(_f, _softmax_dims))
 STRIDED_RULES.register(F.layer_norm, _local_unless(F.layer_norm, _layer_norm_dims))

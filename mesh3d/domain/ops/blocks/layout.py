@@ -89,7 +89,8 @@ def _local_unless_block(op: str, x: DomainTensor, dims: list[int]) -> BlockSpec:
 
 
 def _linear(input, weight, bias=None):
-    return adopt(F.linear(unwrap(input), weight, bias), _local_unless_block("torch.nn.functional.linear", input, [-1]))
+    spec = _local_unless_block("torch.nn.functional.linear", input, [-1])  # NOTE: checked before the local product
+    return adopt(F.linear(unwrap(input), weight, bias), spec)
 
 
 def _softmax(func):

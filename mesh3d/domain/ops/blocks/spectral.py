@@ -33,7 +33,7 @@ def _pencils(x: DomainTensor, dims: list[int], local_op: Callable[[torch.Tensor]
     moved = [(axis, d) for axis, d in enumerate(spec.dims) if d in dims]
     local = unwrap(x)
     if not moved:
-        return adopt(local_op(local), spec)
+        return adopt(on_maybe_empty(local_op, local), spec)  # NOTE: FFT libraries refuse an empty block
     free = [d for d in range(x.ndim) if d not in dims and d not in spec.dims]
     if not free:
         raise NotImplementedError(f"{op} on blocks over dims {dims}: no dim outside the transform and the blocks "

@@ -184,7 +184,8 @@ def _splitter(func: Callable, name: str) -> Callable:
 
 
 def _linear(input, weight, bias=None):
-    return adopt(F.linear(unwrap(input), weight, bias), _local_unless_tokens("torch.nn.functional.linear", input, [-1]))
+    spec = _local_unless_tokens("torch.nn.functional.linear", input, [-1])  # NOTE: checked before the local product
+    return adopt(F.linear(unwrap(input), weight, bias), spec)
 
 
 def _pointwise_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
