@@ -17,7 +17,7 @@ from mesh3d._torch_private.compile import (
 from mesh3d._torch_private.kernels import (
     cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_efficient_attention, cuda_flash_attention)
 from mesh3d._torch_private.dispatch import (
-    OpOverload, OpOverloadPacket, TorchDispatchMode, custom_op_overload, is_operator, op_schema,
+    OpOverload, OpOverloadPacket, TorchDispatchMode, custom_op_overload, is_operator, op_schema, running_compiled_backward,
     storage_key, tree_flatten, tree_map, view_base)
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "python_group_private_names",
     "route_autograd_function_calls",
     "run_autograd_function",
+    "running_compiled_backward",
     "run_backward_from",
     "run_compiled_graphs_without_subclass_dispatch",
     "storage_key",

@@ -11,7 +11,7 @@ import torch
 from torch.utils import _python_dispatch, _pytree
 
 __all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator", "op_schema",
-           "storage_key", "tree_flatten", "tree_map", "view_base"]
+           "running_compiled_backward", "storage_key", "tree_flatten", "tree_map", "view_base"]
 
 
 
@@ -74,3 +74,14 @@ def custom_op_overload(func: Any) -> Any:
     Why private: a ``CustomOpDef`` keeps its operator in ``_opoverload``; no public accessor.
     """
     return func._opoverload if isinstance(func, torch.library.CustomOpDef) else None
+
+
+def running_compiled_backward() -> bool:
+    """Whether the autograd engine is running a compiled graph's backward (AOTAutograd's node) at this moment.
+
+    Why private: ``torch._C._current_autograd_node``. A compiled graph's backward calls ATen operators on the tensors
+    its forward saved, domain tensors among them, with sizes traced on the shard (the rules ran at trace time); torch
+    2.13 runs the compiled forward with subclass dispatch off, but not its backward.
+    """
+    node = torch._C._current_autograd_node()
+    return node is not None and node.name() == "CompiledFunctionBackward"

@@ -17,7 +17,10 @@ __all__ = ["connected_zeros"]
 
 
 def connected_zeros(like: torch.Tensor, shape: Sequence[int], *inputs: torch.Tensor | None) -> torch.Tensor:
-    """Zeros of ``shape`` (``like``'s dtype and device) that reach every input that requires grad in autograd."""
+    """Zeros of ``shape`` (``like``'s dtype and device) that reach every input that requires grad in autograd.
+
+    Usage: ``return domain.connected_zeros(ext, [n, c, 0, w], ext, weight, bias)  # this rank's empty output``
+    """
     out = like.new_zeros(shape)
     for t in inputs:
         if t is not None and t.requires_grad:

@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-from mesh3d._torch_private import disable_torch_function_subclass, is_operator, run_autograd_function
+from mesh3d._torch_private import (
+    disable_torch_function_subclass, is_operator, run_autograd_function, running_compiled_backward)
 from mesh3d.domain.comm.collectives import scale_grad, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.core.group import DomainComm
@@ -129,7 +130,8 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     Usage: ``DomainTensor.__torch_function__`` calls ``dispatch(func, types, args, kwargs)``
     """
     if is_operator(func):  # torch.ops.ns.op[.overload]: its rule, the torch function it implements, or a refusal
-        if COMPILED_GRAPH_RUNTIME.depth:  # NOTE: traced on the shard (the rules ran at trace time), it runs on it
+        if COMPILED_GRAPH_RUNTIME.depth or running_compiled_backward():
+            # NOTE: a compiled graph's runtime: traced on the shard (the rules ran at trace time), it runs on it
             with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         func, args, kwargs = operator_target(func, args, kwargs)

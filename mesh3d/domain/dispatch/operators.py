@@ -16,8 +16,10 @@ An operator with a domain tensor argument runs, in order of preference:
    way out: the torch function to call instead, ``domain.register``, or ``.full_tensor()``.
 
 NOTE: the runtime of a compiled graph calls operators on its inputs with the rules already applied at trace time.
-torch 2.13 runs compiled graphs with subclass dispatch off, so none arrive here; a runtime that runs them with it on
-says so with ``COMPILED_GRAPH_RUNTIME.running()``, the one way to run an operator on a shard unruled.
+torch 2.13 runs a compiled forward with subclass dispatch off, so none arrive from it; its backward (AOTAutograd's
+node, running on the tensors the forward saved) is recognised by the autograd engine's current node, and any other
+runtime that runs graphs with subclass dispatch on says so with ``COMPILED_GRAPH_RUNTIME.running()``: the only ways
+to run an operator on a shard unruled.
 """
 
 from __future__ import annotations
@@ -140,14 +142,29 @@ def _refused(func: Any, why: str, instead: Callable | None = None) -> OperatorPl
     return ("refused", "", "", (), (), (), _refusal_text(func, why, instead))
 
 
-def _signature_mismatch(target: Callable, positional: list) -> str:
-    """Where a Python-defined torch function (``F.elu``) names its parameters otherwise than the operator's schema
-    (after the first); "" where they agree, or where the function is a builtin generated from the same schema."""
+def _positional_names(target: Callable) -> list[str] | None:
+    """The positional parameter names of a Python-defined function; None for a builtin (its binding is generated from
+    the same schema). NOTE: ``F.max_pool2d`` is ``boolean_dispatch``'s ``(*args, **kwargs)`` wrapper: the functions it
+    chooses between (in its closure) have the one signature it forwards to."""
     try:
         params = list(inspect.signature(target).parameters.values())
     except (TypeError, ValueError):
+        return None
+    if any(p.kind is p.VAR_POSITIONAL for p in params):
+        inner = [c.cell_contents for c in (getattr(target, "__closure__", None) or ()) if inspect.isfunction(c.cell_contents)]
+        found = {tuple(n for n in (_positional_names(f) or ())) for f in inner}
+        return list(found.pop()) if len(found) == 1 else []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+
+def _signature_mismatch(target: Callable, positional: list) -> str:
+    """Where a Python-defined torch function (``F.elu``) names its parameters otherwise than the operator's schema
+    (after the first); "" where they agree, or where the function is a builtin generated from the same schema."""
+    names = _positional_names(target)
+    if names is None:
         return ""
-    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if not names:
+        return "its Python parameters cannot be read"
     for i, a in enumerate(positional[1:], start=1):
         if i >= len(names) or names[i] != a.name:
             return f"argument {i} is {a.name!r} in the schema, {names[i] if i < len(names) else 'absent'!r} there"

@@ -168,10 +168,10 @@ class _Finish(torch.autograd.Function):
         state.forward.wait()
         split, dim = state.split, state.dim
         head = _fill(local, dim, split.pad, state.fill)
-        left = _assemble(local, dim, (head, *_parts(local, dim, split.lead, state)),
+        left = _join_strip(local, dim, (head, *_parts(local, dim, split.lead, state)),
                          local.narrow(dim, split.own.start, split.left_own), split.left_rows, before=True)
         tail = (*_parts(local, dim, split.trail, state), _fill(local, dim, split.pad, state.fill))
-        right = _assemble(local, dim, tail, local.narrow(dim, split.right_own_start,
+        right = _join_strip(local, dim, tail, local.narrow(dim, split.right_own_start,
                           split.own.start + split.own.count - split.right_own_start), split.right_rows, before=False)
         return left, right
 
@@ -209,8 +209,8 @@ def _parts(local: torch.Tensor, dim: int, pieces: tuple[Piece, ...], state: _Exc
             else state.received[p.peer].narrow(dim, p.start, p.count) for p in pieces]
 
 
-def _assemble(local: torch.Tensor, dim: int, others: tuple[torch.Tensor, ...], own: torch.Tensor, rows: int,
-              before: bool) -> torch.Tensor:
+def _join_strip(local: torch.Tensor, dim: int, others: tuple[torch.Tensor, ...], own: torch.Tensor, rows: int,
+                before: bool) -> torch.Tensor:
     """A strip: the other rows before (left strip) or after (right strip) the own rows (``rows`` in all)."""
     parts = [p for p in ((*others, own) if before else (own, *others)) if p.shape[dim]]
     whole = torch.cat(parts, dim) if parts else own
