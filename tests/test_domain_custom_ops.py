@@ -102,6 +102,12 @@ def _custom_blocks_body(sizes):
     def along_h(call):  # the ops act along the last dim: run them along dim 2 (the other grid dim) too
         return lambda a, *rest: call(a.transpose(2, 3), *rest).transpose(2, 3)
 
+    # A refusal on every rank of a grid leaves no notice behind: the exchanges below (on the grid lines) still pair.
+    for refused in (lambda: torch.logcumsumexp(shard(x), 2), lambda: torch.ops.m3test.smooth(shard(x), x, 1, 1, 1, 0)):
+        try:
+            refused()
+        except (NotImplementedError, RuntimeError):
+            pass
     errors = {}
     for stride, dilation, pad, periodic, k in _stencil_cases():
         w = torch.randn(k, dtype=D64, generator=g)
@@ -124,9 +130,13 @@ def test_custom_ops_on_a_block_grid_equal_one_process(ranks):
 
 
 def _failing_block_body():
+    from datetime import timedelta
+
     import custom_ops
 
-    dm = DistributedManager.initialize(batch=1, domain=(2, 2))
+    # NOTE: the timeout bounds the teardown's drain only (notices no peer read are left on the pairs): every error
+    # below arrives by design, long before it
+    dm = DistributedManager.initialize(batch=1, domain=(2, 2), timeout=timedelta(seconds=20))
     custom_ops.register_rules()
     x = torch.zeros(1, 2, 4, 6, dtype=D64)
     x[..., 3, 5] = 1000.0  # in the block of domain rank 3 only

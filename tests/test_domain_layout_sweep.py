@@ -76,7 +76,7 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
                 outcome[label] = f"peer: {str(err)[:160]}"
             except Exception as err:  # noqa: BLE001  (the test reports it)
                 outcome[label] = f"CRASH {type(err).__name__}: {str(err)[:300]}"
-            failed = torch.tensor([0 if outcome[label] == "equal" else 1])
+            failed = torch.tensor([0 if outcome[label] == "equal" or outcome[label].startswith("refused") else 1])
             dist.all_reduce(failed)
             if int(failed):  # NOTE: a rank that failed alone leaves notices in flight: start the mesh afresh
                 DistributedManager.shutdown()

@@ -91,12 +91,17 @@ def tell_other_groups(comm: Any, notice: torch.Tensor) -> None:
 
     NOTE: on a domain grid a peer may wait for this rank in an exchange on a grid line's group while this rank stops in
     one on another group; a notice reaches only the group it was posted on, so it goes on each of them. The ranks that
-    learn of the stop from it pass it on in turn (``abort``): none waits for the group timeout.
+    learn of the stop from it pass it on in turn (``abort``): none waits for the group timeout. A failure notice
+    (``KIND_ERROR``) also posts a receive for each peer's answer: its reply when the peer waited for us, or its own
+    notice when it failed in the same op (ranks refusing a call together), so no message is left for a later exchange.
     """
+    answered = int(notice[1]) == divergence.KIND_ERROR
     for other in sorted(domain_groups(), key=lambda g: g.size):  # the grid lines first: their peers may wait on us
         if other.axis == comm.axis or other.size == 1:
             continue
+        peers = [q for q in range(other.size) if q != other.index]
+        answers = [(q, torch.empty(divergence.HEADER_WORDS, dtype=torch.int64)) for q in peers] if answered else []
         try:
-            NOTICES.keep(post(other, [(q, notice) for q in range(other.size) if q != other.index], []))
+            NOTICES.keep(post(other, [(q, notice) for q in peers], answers))
         except RuntimeError:  # a peer that left already (its connection closed): the others still hear
             continue
