@@ -19,6 +19,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from mesh3d.domain.compose import bridge_tensor_parallel, is_plain_tensor
+from mesh3d.parallel.tp_dropout import mark_regions
 
 __all__ = ["ReplicateParallel", "apply_tp", "make_style"]
 
@@ -91,3 +92,5 @@ def apply_tp(model: nn.Module, styles: dict[str, str | ParallelStyle], model_mes
     for fqn, style in plan.items():
         if not isinstance(style, ReplicateParallel):  # replicate takes domain tensors as they are
             bridge_tensor_parallel(model.get_submodule(fqn), style)
+    # NOTE: after the bridge's hooks, so a region follows the output the model's code receives (a domain tensor).
+    mark_regions(model, plan, model_mesh.get_local_rank(), model_mesh.size())

@@ -7,7 +7,8 @@ shares one random stream)::
     y = F.dropout(xs, p=0.1, training=True)   # the mask F.dropout(x) draws in one process, rows of this rank
 
 Every domain rank draws the mask of the whole tensor (the same numbers, in the same order, as the one-process
-call) and keeps its own rows, so the generator stays in step across the domain and the result is exact.
+call) and keeps its own rows (slabs), its block (blocks) or its tokens (token grids), so the generator stays in step
+across the domain and the result is exact.
 NOTE: drawing the whole mask costs O(global) transient memory and time on every rank; an offset-based draw
 of this rank's rows only (DTensor's RNG tracker) needs the CUDA Philox generator and is not implemented.
 """
@@ -17,9 +18,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.dispatch.registry import op_name, register
+from mesh3d.domain.core.specs import BlockSpec, TokenSpec
+from mesh3d.domain.core.tensor import DomainTensor, adopt, local_shape, size_of, unwrap
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, TOKEN_RULES, op_name, register
 from mesh3d.domain.dispatch.step import Step
-from mesh3d.domain.core.tensor import DomainTensor, size_of
 
 __all__ = ["dropout_mask"]
 
@@ -51,14 +53,46 @@ def _dropout_rule(func):
     return rule
 
 
+def _grid_dropout_rule(func):
+    """Blocks and token grids: the whole mask, then this rank's block (a narrow per block dim) or its tokens (its
+    global token indices)."""
+    def rule(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0:
+            return input
+        spec = input._spec
+        if isinstance(spec, TokenSpec) and spec.keys is not None:
+            raise NotImplementedError(f"{op_name(func)} on attention scores of a token grid is not supported; use "
+                                      "p=0, or F.scaled_dot_product_attention without dropout")
+        local = unwrap(input)
+        mask = dropout_mask(func, spec.global_shape(local_shape(input)), local, p)
+        if isinstance(spec, BlockSpec):
+            for dim, offset, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
+                mask = mask.narrow(dim, offset, rows)
+        else:
+            mask = mask.index_select(spec.token_dim, spec.global_index.to(mask.device))
+        if inplace:
+            local.mul_(mask)
+            return input
+        return adopt(local * mask, spec)
+
+    return rule
+
+
 for _f in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d):
     register(_f)(_dropout_rule(_f))
+    BLOCK_RULES.register(_f, _grid_dropout_rule(_f))
+    TOKEN_RULES.register(_f, _grid_dropout_rule(_f))
 
 
-@register(F.alpha_dropout, F.feature_alpha_dropout)
 def _alpha_dropout(input, p=0.5, training=False, inplace=False):
     if not training or p == 0:
         return input
     raise NotImplementedError(
         "F.alpha_dropout in training mode on a domain tensor is not supported (its noise is not a multiplicative "
         "mask); use F.dropout, p=0, or apply it after .full_tensor()")
+
+
+for _f in (F.alpha_dropout, F.feature_alpha_dropout):
+    register(_f)(_alpha_dropout)
+    BLOCK_RULES.register(_f, _alpha_dropout)
+    TOKEN_RULES.register(_f, _alpha_dropout)

@@ -1,5 +1,5 @@
 """Layout rules on blocks: transpose/permute, reshape/view/flatten (to a token grid), chunk/split/unbind, Linear,
-softmax, dropout.
+softmax (dropout: ``random_ops``).
 
 Usage (through torch)::
 
@@ -114,13 +114,6 @@ def _unbind(input, dim=0):
     return tuple(adopt(t, out) for t in torch.unbind(unwrap(input), d))
 
 
-def blocks_dropout(input, p=0.5, training=True, inplace=False):
-    if not training or p == 0:
-        return input
-    raise NotImplementedError("dropout in training mode on blocks or token grids: a per-block random mask would not "
-                              "match one process; use p=0 or model.eval(), or apply it after .full_tensor()")
-
-
 def _getitem(x: DomainTensor, index):
     """Indexing of blocks: anything on the other dims, and slices with a positive step on block dims (each grid line
     keeps its own rows of the slice: the spectrum's modes of an FNO, a crop); an int on a block dim is refused."""
@@ -163,7 +156,6 @@ for _funcs, _rule in (
     ((torch.split, torch.Tensor.split), _splitter(torch.split, "torch.split")),
     ((torch.unbind, torch.Tensor.unbind), _unbind),
     ((F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax), None),
-    ((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout), blocks_dropout),
 ):
     for _f in _funcs:
         BLOCK_RULES.register(_f, _rule if _rule is not None else _softmax(_f))

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.ops.blocks.rules import CHANNEL_NORMS, reduction_rules, run_elementwise
-from mesh3d.domain.ops.blocks.layout import blocks_dropout
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
@@ -244,7 +243,6 @@ for _funcs, _rule in (
     ((F.linear,), _linear),
     ((F.layer_norm,), _layer_norm),
     ((F.conv1d,), _pointwise_conv1d),
-    ((F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout), blocks_dropout),
 ):
     for _f in _funcs:
         TOKEN_RULES.register(_f, _rule)
