@@ -23,7 +23,7 @@ from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.connected import connected_zeros
 
-__all__ = ["pad_local", "spatial_axis"]
+__all__ = ["bias_rows", "pad_local", "spatial_axis"]
 
 
 def as_tuple(v, n: int) -> tuple[int, ...]:
@@ -131,6 +131,16 @@ def transpose_plan(sizes: tuple[int, ...], m: int, s: int, p: int, d: int, k: in
     return out_sizes, tuple(needs), starts
 
 
+def bias_rows(y: torch.Tensor, dim: int, before: int, after: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """``y`` with ``before`` and ``after`` rows along ``dim`` that hold only the bias (zeros without one)."""
+    def rows(n: int) -> torch.Tensor:
+        shape = [*y.shape[:dim], n, *y.shape[dim + 1:]]
+        fill = y.new_zeros(shape)
+        return fill if bias is None else fill + bias.view(1, -1, *([1] * (y.ndim - 2)))
+
+    return torch.cat([rows(before), y, rows(after)], dim)
+
+
 def _conv_transpose_rule(func, nd: int):
     name = f"torch.nn.functional.conv_transpose{nd}d"
 
@@ -154,15 +164,14 @@ def _conv_transpose_rule(func, nd: int):
 
         def compute(ext):
             if needs[me]:
-                y = func(ext, weight, None, stride, local_pad, local_op, groups, dilation)
+                # NOTE: the bias inside torch's kernel, as one process adds it: one rounding in bf16/fp16, not two.
+                y = func(ext, weight, bias, stride, local_pad, local_op, groups, dilation)
                 first = starts[me] * s - p - a  # where my first output row sits in y's rows
                 y = y.narrow(2 + sp, -first, min(size, y.shape[2 + sp] + first)) if first <= 0 else y
                 short = size - y.shape[2 + sp] - max(first, 0)
-                if first > 0 or short > 0:
-                    flat = [0] * (2 * nd)
-                    flat[2 * (nd - 1 - sp)] = max(first, 0)
-                    flat[2 * (nd - 1 - sp) + 1] = short
-                    y = F.pad(y, flat)
+                if first > 0 or short > 0:  # rows no input reaches: the bias alone
+                    y = bias_rows(y, 2 + sp, max(first, 0), short, bias)
+                return y
             else:  # no contributing input rows: only the bias (or an empty shard)
                 ref = func(ext.narrow(2 + sp, 0, 0).new_zeros([*ext.shape[:2 + sp], 1, *ext.shape[3 + sp:]]),
                            weight, None, stride, local_pad, local_op, groups, dilation)

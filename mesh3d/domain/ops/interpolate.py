@@ -6,7 +6,9 @@ Interpolation is separable. Along the sharded dim each output row o reads source
 with torch's own formulas (scale = 1/scale_factor when given, else in/out; align_corners maps the
 corner rows; nearest uses float32 as torch's CPU kernel does); a rank owns the outputs whose first
 source row it holds and gathers the source rows it needs. The other dims are then interpolated
-locally by torch with the sharded dim left unchanged (scale 1 there is an exact identity).
+locally by torch with the sharded dim left unchanged (scale 1 there is an exact identity). A bf16/fp16
+input is interpolated in float32 and rounded once, as torch's kernels do (two passes rounded in between differed
+from one process in a third of the outputs).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.halo.windows import sizes_by_first_index
 from mesh3d.domain.ops.conv import spatial_axis
 from mesh3d.domain.core.connected import connected_zeros
@@ -108,12 +111,18 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     m = outs[sp] if outs is not None else math.floor(n * sfs[sp])
     if input.spec.comm.size == 1:  # the whole dim is here: torch's own kernel
         return Step(whole, (input,), out=input.spec.with_sizes((m,)))
-    out_sizes, needs, i0, i1, lam = row_plan(sizes, m, sfs[sp] if sfs else None, mode, align_corners, input.dtype,
+    acc = sum_dtype(input.dtype)
+    out_sizes, needs, i0, i1, lam = row_plan(sizes, m, sfs[sp] if sfs else None, mode, align_corners, acc or input.dtype,
                                               input.spec.comm.index)
     dim = 2 + sp
     local_shape = list(unwrap(input).shape)
 
     def compute(ext):
+        if acc is None or mode == "nearest":
+            return interpolate_local(ext)
+        return interpolate_local(ext.to(acc)).to(ext.dtype)
+
+    def interpolate_local(ext):
         if not i0:
             shape = list(local_shape)
             shape[dim] = 0

@@ -4,6 +4,7 @@ Usage: automatic for ``nn.GroupNorm(...)(xs)`` etc. Statistics are sums of the s
 sums divided by global counts (right for uneven and empty shards), and the variance is two-pass
 (global mean, then the sum of squared deviations): as stable as one process. Running statistics of
 BatchNorm/InstanceNorm are updated with the global (unbiased) variance, identically on every rank.
+bf16/fp16 inputs are normalized in float32, the affine included, and rounded once, as torch's fused kernels do.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import all_reduce_sum
+from mesh3d.domain.comm.collectives import sum_dtype, all_reduce_sum
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["normalize"]
+__all__ = ["normalize", "rounded_like"]
 
 
 class _Normalize(torch.autograd.Function):
@@ -58,8 +59,19 @@ def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm
     """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both (no gradient).
 
     ``affine``: the (weight, bias) the caller applies to the result; with either, the result is not user code's tensor.
+    A bf16/fp16 ``local`` is normalized in float32 (the result too): the caller applies the affine, then ``_rounded``.
     """
-    return _Normalize.apply(local, dims, count, eps, comm, any(p is not None for p in affine))
+    acc = sum_dtype(local.dtype)
+    return _Normalize.apply(local if acc is None else local.to(acc), dims, count, eps, comm,
+                            any(p is not None for p in affine))
+
+
+def rounded_like(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The float32 result of a half-precision input's normalization (affine applied), rounded once to its dtype.
+
+    Usage: ``return rounded_like(_affine(y, weight, bias), local)`` after ``y, _, _ = normalize(local, ...)``
+    """
+    return y if y.dtype == like.dtype else y.to(like.dtype)
 
 
 def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
@@ -95,7 +107,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Step:
         n, c = local.shape[:2]
         grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
         y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, input.spec.comm, affine=(weight, bias))
-        return _affine(y.reshape(local.shape), weight, bias, local.ndim)
+        return rounded_like(_affine(y.reshape(local.shape), weight, bias, local.ndim), local)
 
     return Step(compute, (input,), out=input.spec)
 
@@ -119,7 +131,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
         y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, input.spec.comm, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
-        return _affine(y, weight, bias, local.ndim)
+        return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
     return Step(compute, (input,), out=input.spec)
 
@@ -137,7 +149,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
         y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, input.spec.comm, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
         _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
-        return _affine(y, weight, bias, local.ndim)
+        return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
     return Step(compute, (input,), out=input.spec)
 
@@ -158,6 +170,6 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
             y = y * weight.narrow(at, offset, rows)
         if bias is not None:
             y = y + bias.narrow(at, offset, rows)
-        return y
+        return rounded_like(y, local)
 
     return Step(compute, (input,), out=input.spec)

@@ -7,7 +7,8 @@ No tensor is gathered: each rank reduces its shard and one all-reduce of the par
 combines them; means divide by the *global* count, so uneven shards weigh correctly. Variance is
 two-pass (global mean first, then the sum of squared deviations), not E[x²]-E[x]².
 Gradients follow ``collectives``: the result's gradient goes to each shard unchanged, so a rank's
-backward yields exactly its shard's share (no factor of the domain size).
+backward yields exactly its shard's share (no factor of the domain size). Partial sums of bf16/fp16
+shards are float32 until the result is rounded, once (``collectives.sum_dtype``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated
+from mesh3d.domain.comm.collectives import sum_dtype, all_reduce_max, reduce_for_local_use, reduce_to_replicated
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.dispatch.registry import op_name, register
 from mesh3d.domain.dispatch.step import Step
@@ -55,12 +56,14 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
         new_dim = x.spec.dim if keepdim else x.spec.dim - sum(d < x.spec.dim for d in dims)
         return adopt(r, x.spec.with_sizes(x.spec.sizes, dim=new_dim))
     count = math.prod([x.global_shape[d] for d in dims])
+    acc = sum_dtype(local.dtype)
+    rounded = (lambda r: r) if acc is None else (lambda r: r.to(local.dtype))  # noqa: E731
     if kind in ("sum", "mean"):
         if len(dims) == x.ndim and not keepdim:  # everything: torch's full reduction kernel, a 0-d result
-            r = reduce_to_replicated(local.sum(), comm)
-            return adopt(r / count if kind == "mean" else r, DomainSpec.replicated(comm))
-        r = reduce_to_replicated(local.sum(dims, keepdim=True), comm)
-        return _finish(x, r / count if kind == "mean" else r, dims, keepdim)
+            r = reduce_to_replicated(local.sum(dtype=acc), comm)
+            return adopt(rounded(r / count if kind == "mean" else r), DomainSpec.replicated(comm))
+        r = reduce_to_replicated(local.sum(dims, keepdim=True, dtype=acc), comm)
+        return _finish(x, rounded(r / count if kind == "mean" else r), dims, keepdim)
     if kind == "amax":
         shape = [1 if d in dims else s for d, s in enumerate(local.shape)]
         part = local.amax(dims, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
@@ -71,10 +74,11 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
         # Value exactly the max; gradient shared among ties as torch.amax does.
         return _finish(x, top + (picked - picked.detach()), dims, keepdim)
     if kind in ("var", "std"):
-        mean = reduce_for_local_use(local.sum(dims, keepdim=True), comm) / count
-        ss = reduce_to_replicated(((local - mean) ** 2).sum(dims, keepdim=True), comm)
+        wide = local if acc is None else local.to(acc)
+        mean = reduce_for_local_use(wide.sum(dims, keepdim=True), comm) / count
+        ss = reduce_to_replicated(((wide - mean) ** 2).sum(dims, keepdim=True), comm)
         r = ss / max(count - correction, 0)
-        return _finish(x, r.sqrt() if kind == "std" else r, dims, keepdim)
+        return _finish(x, rounded(r.sqrt() if kind == "std" else r), dims, keepdim)
     raise ValueError(kind)
 
 
@@ -132,9 +136,11 @@ def global_softmax(local: torch.Tensor, dim: int, comm, log: bool) -> torch.Tens
     shape = [1 if d == dim else s for d, s in enumerate(local.shape)]
     part = local.amax(dim, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
     top = all_reduce_max(part.detach(), comm)
-    shifted = local - top
+    acc = sum_dtype(local.dtype)
+    shifted = local - top if acc is None else local.to(acc) - top
     total = reduce_for_local_use(shifted.exp().sum(dim, keepdim=True), comm)
-    return shifted - total.log() if log else shifted.exp() / total
+    out = shifted - total.log() if log else shifted.exp() / total
+    return out if acc is None else out.to(local.dtype)
 
 
 def _softmax_rule(func, log: bool):
@@ -193,6 +199,7 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
     t = unwrap(target)
     valid = (t != ignore_index).to(losses.dtype)
     w = valid if weight is None else weight[t.clamp(min=0)] * valid
-    denom = reduce_to_replicated(w.sum(), input.spec.comm).detach()
-    total = reduce_to_replicated(losses.sum(), input.spec.comm)
-    return adopt(total / denom, DomainSpec.replicated(input.spec.comm))
+    acc = sum_dtype(losses.dtype)
+    denom = reduce_to_replicated(w.sum(dtype=acc), input.spec.comm).detach()
+    total = reduce_to_replicated(losses.sum(dtype=acc), input.spec.comm)
+    return adopt((total / denom).to(losses.dtype), DomainSpec.replicated(input.spec.comm))

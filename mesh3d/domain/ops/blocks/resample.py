@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import (
     extend_windows, gather_along, gather_boxes, in_layout, replicate_blocks_if_singleton)
-from mesh3d.domain.comm.collectives import sum_grad
+from mesh3d.domain.comm.collectives import sum_dtype, sum_grad
 from mesh3d.domain.halo.windows import sizes_by_first_index
-from mesh3d.domain.ops.conv import padded_rows, as_tuple, pad_local, transpose_plan
+from mesh3d.domain.ops.conv import padded_rows, as_tuple, bias_rows, pad_local, transpose_plan
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.interpolate import row_plan, lerp_rows
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
@@ -123,18 +123,16 @@ def _conv_transpose(func: Callable, nd: int) -> Callable:
                     shape[first + i] = (local.shape[first + i] - 1) * stride[i] - 2 * padding[i] + \
                         dilation[i] * (weight.shape[2 + i] - 1) + output_padding[i] + 1
             y = _zeros_like_out(local, shape, out_spec, weight)
+            if bias is not None:
+                y = y + bias.view(1, -1, *([1] * nd))
         else:
-            y = func(local, weight, None, stride, local_pad, local_op, groups, dilation)
+            # NOTE: the bias inside torch's kernel, as one process adds it: one rounding in bf16/fp16, not two.
+            y = func(local, weight, bias, stride, local_pad, local_op, groups, dilation)
             for d, start, size, _ in crops:  # where this rank's first output sits in y's rows, per block dim
                 y = y.narrow(d, -start, min(size, y.shape[d] + start)) if start <= 0 else y
                 short = size - y.shape[d] - max(start, 0)
-                if start > 0 or short > 0:
-                    flat = [0] * (2 * (y.ndim - 2))
-                    flat[2 * (y.ndim - 1 - d)] = max(start, 0)
-                    flat[2 * (y.ndim - 1 - d) + 1] = short
-                    y = F.pad(y, flat)
-        if bias is not None:
-            y = y + bias.view(1, -1, *([1] * nd))
+                if start > 0 or short > 0:  # rows no input reaches: the bias alone
+                    y = bias_rows(y, d, max(start, 0), short, bias)
         return adopt(y, out_spec)
 
     return rule
@@ -155,16 +153,19 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     outs = [int(n) for n in as_tuple(size, nd)] if size is not None else \
         [math.floor(n * f) for n, f in zip(shape, sfs)]
     per_dim, out_sizes = [], []
+    # NOTE: bf16/fp16 interpolated in float32 and rounded once, as torch's kernels do (see ops/interpolate.py).
+    acc = None if mode == "nearest" else sum_dtype(input.dtype)
     for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
         m = outs[d - 2]
         mine, needs, i0, i1, lam = row_plan(sizes, m, sfs[d - 2] if sfs else None, mode, align_corners,
-                                             input.dtype, line.index)
+                                             acc or input.dtype, line.index)
         per_dim.append((d, needs, i0, i1, lam))
         out_sizes.append(mine)
     # NOTE: upsampling, the source rows are fewer than the resampled ones: fetch them all in one round. Downsampling,
     # one grid dim after the other sends rows already shrunk along the earlier dims.
     upsampling = all(outs[d - 2] >= sum(sizes) for d, sizes in zip(spec.dims, spec.sizes))
     local = gather_boxes(unwrap(input), spec, [p[1] for p in per_dim]) if upsampling else unwrap(input)
+    local = local if acc is None else local.to(acc)
     for axis, (d, needs, i0, i1, lam) in enumerate(per_dim):
         if not upsampling:
             local = gather_along(local, spec, axis, needs)
@@ -181,7 +182,7 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
             local = F.interpolate(local, size=rest, mode=mode, align_corners=align_corners)
         else:
             local = connected_zeros(local, [*local.shape[:2], *rest], local)
-    return adopt(local, out_spec)
+    return adopt(local if acc is None else local.to(input.dtype), out_spec)
 
 
 # ----------------------------------------------------------------------------- padding and cat

@@ -24,9 +24,9 @@ from mesh3d.domain.layouts.blocks import extend_windows, in_layout
 from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
-from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
+from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
 from mesh3d.domain.core.connected import connected_zeros
-from mesh3d.domain.ops.norm import normalize
+from mesh3d.domain.ops.norm import normalize, rounded_like
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
@@ -198,7 +198,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     count = (c // num_groups) * math.prod(input.global_shape[2:])
     grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
     y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm, affine=(weight, bias))
-    return adopt(_affine(y.reshape(local.shape), weight, bias), spec)
+    return adopt(rounded_like(_affine(y.reshape(local.shape), weight, bias), local), spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -216,7 +216,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm, affine=(weight, bias))
     _update_running(running_mean, mean.flatten(), momentum)
     _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
-    return adopt(_affine(y, weight, bias), spec)
+    return adopt(rounded_like(_affine(y, weight, bias), local), spec)
 
 
 def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
@@ -229,7 +229,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
         raise NotImplementedError("F.instance_norm with track_running_stats on blocks: use slabs, or "
                                   "track_running_stats=False")
     y, _, _ = normalize(local, list(range(2, local.ndim)), math.prod(input.global_shape[2:]), eps, spec.comm, affine=(weight, bias))
-    return adopt(_affine(y, weight, bias), spec)
+    return adopt(rounded_like(_affine(y, weight, bias), local), spec)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -254,7 +254,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
             weight = weight.narrow(d - first, start, rows) if weight is not None else None
             bias = bias.narrow(d - first, start, rows) if bias is not None else None
     y = y * weight if weight is not None else y
-    return adopt(y + bias if bias is not None else y, spec)
+    return adopt(rounded_like(y + bias if bias is not None else y, local), spec)
 
 
 # ----------------------------------------------------------------------------- reductions and losses
@@ -272,9 +272,11 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
         raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
                                   f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
     count = math.prod([x.global_shape[d] for d in dims])
-    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim) if len(dims) < x.ndim or keepdim else local.sum(),
-                                 spec.comm)
-    return adopt(total / count if kind == "mean" else total, DomainSpec.replicated(spec.comm))
+    acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
+    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc) if len(dims) < x.ndim or keepdim else
+                                 local.sum(dtype=acc), spec.comm)
+    total = total / count if kind == "mean" else total
+    return adopt(total if acc is None else total.to(local.dtype), DomainSpec.replicated(spec.comm))
 
 
 def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, Callable]:

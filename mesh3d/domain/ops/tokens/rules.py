@@ -21,7 +21,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
+from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
 from mesh3d.domain.ops.blocks.rules import CHANNEL_NORMS, reduction_rules, run_elementwise
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
@@ -226,8 +226,10 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
         shift = 0 if keepdim else sum(d < spec.token_dim for d in dims)
         return adopt(fn(local, dims, keepdim=keepdim), spec.with_token_dim(spec.token_dim - shift))
     count = math.prod([x.global_shape[d] for d in dims])
-    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim), spec.comm)
-    return adopt(total / count if kind == "mean" else total, DomainSpec.replicated(spec.comm))
+    acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
+    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)
+    total = total / count if kind == "mean" else total
+    return adopt(total if acc is None else total.to(local.dtype), DomainSpec.replicated(spec.comm))
 
 
 for _f in ELEMENTWISE:
