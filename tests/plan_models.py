@@ -39,6 +39,17 @@ class ConvStack(nn.Module):
         return self.head(self.up(self.down(x)) + x)
 
 
+class HaloConvs(nn.Sequential):
+    """Stride-1 convs whose halos follow from their shapes alone: (in, out, kernel, padding, dilation) per layer, a
+    kernel 5 (two rows each side), a dilated one (two each side) and an even kernel padded ``"same"`` (one row before,
+    two after)."""
+
+    LAYERS = ((2, 3, 3, 1, 1), (3, 3, 5, 2, 1), (3, 3, 3, 2, 2), (3, 2, 4, "same", 1))
+
+    def __init__(self) -> None:
+        super().__init__(*(nn.Conv2d(i, o, k, padding=p, dilation=d) for i, o, k, p, d in self.LAYERS))
+
+
 class BatchNormNet(nn.Module):
     """Convs with BatchNorm (persistent buffers in the checkpoint) and a dilated circular conv."""
 

@@ -53,6 +53,21 @@ def _kwargs(kind: str, n: int, heads: int, gen: torch.Generator) -> tuple[dict, 
     return {}, None
 
 
+def _window_mask(n: int, window: tuple[int, int], causal: bool | None) -> torch.Tensor:
+    """Which keys each query sees, built here from the definition: query i sees keys i - left .. i + right (and none
+    after itself when causal), by global position."""
+    left, right = window
+    i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    seen = (j >= i - left) & (j <= i + right)
+    return seen & (j <= i) if causal else seen
+
+
+def test_the_window_mask_of_the_reference_is_the_definition():
+    assert _window_mask(5, (1, 2), False).int().tolist() == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [0, 1, 1, 1, 1],
+                                                             [0, 0, 1, 1, 1], [0, 0, 0, 1, 1]]
+    assert _window_mask(4, (2, 0), True).int().tolist() == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0], [0, 1, 1, 1]]
+
+
 def _run_case(case: dict):
     """One case on every rank: (worst relative error, ring stats) against one process."""
     from mesh3d import domain
@@ -80,8 +95,10 @@ def _run_case(case: dict):
         t = t.flatten(2).transpose(1, 2)
         return t.view(t.shape[0], -1, h, e).transpose(1, 2)
 
-    ref = domain.attention(heads_of(xq, heads, False), heads_of(xk, kv_heads, False), heads_of(xv, kv_heads, False),
-                           **kwargs, **gqa)
+    # The reference is torch's own SDPA, with the window's mask written out here (not mesh3d's mask rule).
+    ref_kwargs = kwargs if "window" not in kwargs else {"attn_mask": _window_mask(n, kwargs["window"], kwargs.get("is_causal"))}
+    ref = F.scaled_dot_product_attention(heads_of(xq, heads, False), heads_of(xk, kv_heads, False),
+                                         heads_of(xv, kv_heads, False), **ref_kwargs, **gqa)
     cot = torch.randn(ref.shape, dtype=torch.float64, generator=gen)
     (ref * cot).sum().backward()
     want = [t.grad.clone() for t in (xq, xk, xv)] + ([bias.grad.clone()] if bias is not None else [])

@@ -9,12 +9,14 @@ peak RSS growth of forward and backward on the CPU (``PeakRss``), in a fresh ran
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 
 import pytest
 import torch
 
-from plan_models import EXACT_CASES, FACTORIES, RESHARD_CASES, RSS_CASES, VOCAB, attention_of, input_of, plan_of
+from plan_models import EXACT_CASES, FACTORIES, RESHARD_CASES, RSS_CASES, VOCAB, HaloConvs, attention_of, input_of, plan_of
 
 from mesh3d.planner import InputSpec, JobMesh, plan_job
 from mesh3d.planner.job import collective_table
@@ -196,3 +198,85 @@ def test_planned_step_peak_is_within_ten_percent_of_peak_rss_growth(ranks):
             print(f"{name}, rank {rank}: planned step peak {peak / 2**20:.2f} MiB, measured peak RSS growth "
                   f"{growth / 2**20:.2f} MiB")
             assert abs(peak - growth) <= 0.10 * growth, (name, rank, peak, growth)
+
+
+# ----------------------------------------------------------------------------- halo bytes from the geometry alone
+HALO_CASES = {"slabs, a one-row and an empty shard": ((2, 2, 17, 5), (2,), ((7, 1, 0, 9),)),
+              "2x2 blocks, uneven": ((2, 2, 11, 9), (2, 3), ((7, 4), (2, 7)))}
+
+
+def _window(layer) -> tuple[int, int]:
+    """Rows a stride-1 conv reads before and after each output row: (before, after), from its kernel alone."""
+    _, _, k, p, d = layer
+    span = d * (k - 1)
+    before = span // 2 if p == "same" else p
+    return before, span - before
+
+
+def _overlap(lo: int, hi: int, a: int, b: int) -> int:
+    return max(0, min(hi, b) - max(lo, a))
+
+
+def _halo_geometry(shape, dims, sizes, itemsize: int = 4) -> dict:
+    """Per domain rank, the bytes each layer's halo moves forward (rows of the input other ranks own, inside the field)
+    and backward (their gradients, home: not for the first layer, whose input needs no gradient), counted from the
+    shapes: no mesh3d code."""
+    grid = [len(s) for s in sizes]
+    ranks = list(itertools.product(*(range(g) for g in grid)))  # domain rank order: the last grid dim fastest
+    starts = [[sum(s[:i]) for i in range(len(s))] for s in sizes]
+    forward = [0] * len(ranks)
+    backward = [0] * len(ranks)
+    for i, layer in enumerate(HaloConvs.LAYERS):
+        before, after = _window(layer)
+        other = shape[0] * layer[0] * math.prod(n for d, n in enumerate(shape[1:], 1) if d not in dims and d != 1)
+        for r, mine in enumerate(ranks):
+            own = [(starts[g][c], starts[g][c] + sizes[g][c]) for g, c in enumerate(mine)]
+            if any(a == b for a, b in own):
+                continue  # no output rows here: nothing to read
+            need = [(max(0, a - before), min(shape[d], b + after)) for (a, b), d in zip(own, dims)]
+            for s, theirs in enumerate(ranks):
+                if s == r:
+                    continue
+                box = [(starts[g][c], starts[g][c] + sizes[g][c]) for g, c in enumerate(theirs)]
+                n = math.prod(_overlap(lo, hi, a, b) for (lo, hi), (a, b) in zip(need, box)) * other * itemsize
+                forward[s] += n   # s sends the rows r needs
+                backward[r] += n if i else 0  # r sends their gradients back to s
+    return {"forward": forward, "backward": backward}
+
+
+def _halo_body(shape, dims, sizes) -> dict:
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=tuple(len(s) for s in sizes) if len(dims) > 1 else len(sizes[0]))
+    torch.manual_seed(0)
+    model = HaloConvs()
+    x = torch.randn(shape)  # a leaf without gradient, as the planner's input
+    xs = domain.shard(x, dims=dims, sizes=sizes) if len(dims) > 1 else domain.shard(x, dim=dims[0], sizes=sizes[0])
+    with domain.count_traffic() as fwd:
+        y = model(xs)
+    with domain.count_traffic() as bwd:
+        y.to_local().sum().backward()
+    return {"forward": fwd.bytes_sent, "backward": bwd.bytes_sent}
+
+
+@pytest.mark.parametrize("name", list(HALO_CASES))
+def test_halo_bytes_equal_the_geometry_measured_and_planned(ranks, name):
+    """The bytes a stack of convs moves over the domain per rank, counted in the test from its kernels and the shards'
+    boxes (each owner sends the rows, corners included, that another rank's outputs read): the real exchange
+    (``domain.count_traffic``) and ``mesh3d plan`` (less its loss's all-reduce) must both say the same."""
+    from mesh3d import Plan
+
+    shape, dims, sizes = HALO_CASES[name]
+    world = math.prod(len(s) for s in sizes)
+    want = _halo_geometry(shape, dims, sizes)
+    measured = ranks.run(world, _halo_body, shape, dims, sizes, timeout=120)
+    domain_mesh = tuple(len(s) for s in sizes) if len(dims) > 1 else world
+    job = plan_job(HaloConvs, Plan(batch=None), JobMesh.resolve(world, 1, domain_mesh, 1),
+                   InputSpec(shape, torch.float32, dims, sizes), device="cpu")
+    planned = [job.class_of(r).domain["bytes"] for r in range(world)]
+    # The planner backpropagates the output's sum (default_loss): each rank's fp32 partial sum goes to every other.
+    loss = {"forward": 4 * (world - 1), "backward": 0}
+    for phase in ("forward", "backward"):
+        got, plan = [m[phase] for m in measured], [p[phase] - loss[phase] for p in planned]
+        assert sum(want[phase]) > 0
+        assert got == want[phase] and plan == want[phase], (phase, got, plan, want[phase])
