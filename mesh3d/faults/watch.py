@@ -169,7 +169,15 @@ class PeerWatch:
         try:
             self.check()
             yield
-        except (PeerLostError, CollectiveTimeoutError):
+        except PeerLostError as err:
+            self._acknowledged = True
+            # NOTE: a loss this rank learnt first-hand (a domain exchange saw the connection close) is announced, so
+            # survivors that do not watch the lost rank (on another batch row) name it at their next tick instead of
+            # blaming the first rank whose collective failed.
+            for rank, reason in err.lost.items():
+                self._declare(rank, reason)
+            raise
+        except CollectiveTimeoutError:
             self._acknowledged = True
             raise
         except RuntimeError as err:

@@ -139,15 +139,22 @@ def describe_divergence(me: int, peer: int, mine, theirs: list | None, detail: s
     return "\n".join(lines)
 
 
-def peer_stopped_error(me: int, peer: int, kind: int, same: bool, told: str) -> DomainDivergenceError:
-    """Domain rank ``peer`` stopped (its notice of ``kind`` came instead of its header); ``told``: its error, if known."""
+def peer_stopped_error(me: int, peer: int, kind: int, same: bool, told: str, who: str = "") -> DomainDivergenceError:
+    """Domain rank ``peer`` stopped (its notice of ``kind`` came instead of its header); ``told``: its error, if known;
+    ``who``: the peer as a global rank with its mesh coordinates (``rank 3 (batch 1, domain 1, model 0)``).
+
+    NOTE: the global rank too: on a mesh with a batch axis, domain rank 1 is another process on every batch row.
+    A peer that failed with an error of its own (``same`` journals) did not diverge: the divergence hint is left out.
+    """
     said = f" with {told}" if told else ""
     what = (f"failed in a domain op{said} and stopped" if kind == KIND_ERROR else
             "stopped (the domain ranks ran different domain ops, or a peer of it failed or was lost)")
+    name = f"domain rank {peer} ({who})" if who else f"domain rank {peer}"
+    hint = "" if kind == KIND_ERROR and same else "\n" + LIKELY_CAUSE
     return DomainDivergenceError(
-        f"domain rank {peer} {what} while this rank (domain rank {me}) waited for it; the two ran "
+        f"{name} {what} while this rank (domain rank {me}) waited for it; the two ran "
         f"{'the same' if same else 'different'} domain ops so far. Rank {peer}'s error says what failed. Latest here:\n"
-        + recent_ops() + "\n" + LIKELY_CAUSE)
+        + recent_ops() + hint)
 
 
 def recent_ops(count: int = 3) -> str:

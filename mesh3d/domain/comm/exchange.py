@@ -76,8 +76,9 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
             finish_matched(comm, outgoing, incoming, matched)
             abort(comm, skip=set(peers) - matched)
             told = WATCH.current.error_of(comm.ranks[q]) if kind == divergence.KIND_ERROR else ""
+            who = DistributedManager().describe_rank(comm.ranks[q]) if DistributedManager.is_initialized() else ""
             raise divergence.peer_stopped_error(comm.domain_index(comm.index), comm.domain_index(q), kind,
-                                               their_print == fingerprint, told)
+                                               their_print == fingerprint, told, who)
         elif their_print != fingerprint:
             differ[q] = "their journals' fingerprints differ"
         elif to_me != from_peer.get(q, 0) or from_me != to_peer.get(q, 0):
