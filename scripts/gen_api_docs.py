@@ -20,7 +20,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint", "mesh3d.data", "mesh3d.weather", "mesh3d.lightning",
             "mesh3d.planner")
-HEADER = """# API reference
+HEADER = """<!-- doc-test: page not run: the python blocks of this page are signatures, generated from the code -->
+# API reference
 
 Generated from the code by `scripts/gen_api_docs.py` (a test fails when this file is stale).
 Every public name of `mesh3d`, `mesh3d.domain`, `mesh3d.checkpoint`, `mesh3d.data`, `mesh3d.weather`,
