@@ -1,6 +1,7 @@
 """Shared pytest configuration: the multi-rank pool plugin (tests/rankpool), a clean process state around every
 test, ``--shuffle SEED`` (or MESH3D_TEST_SHUFFLE=SEED) to run the suite in a shuffled order, and the hypothesis
-profiles (HYPOTHESIS_PROFILE=ci, the default, or thorough). See tests/README.md."""
+profiles (HYPOTHESIS_PROFILE=ci, the default, or thorough) drawing from a seed that changes every run and is printed
+in the header (``--hypothesis-seed SEED`` or MESH3D_HYPOTHESIS_SEED=SEED repeats a run's draws). See tests/README.md."""
 
 from __future__ import annotations
 
@@ -16,15 +17,24 @@ from rankpool.state import ProcessState
 
 pytest_plugins = ["rankpool.plugin"]
 
-# ci: the same examples on every run (a seed derived from each test), no deadline on two busy cores, no database.
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
-                          max_examples=CI_EXAMPLES, suppress_health_check=[HealthCheck.too_slow])
-# thorough, by hand: a new random seed every run, failures kept in .hypothesis/, 10x the examples of every test.
+# ci: new examples every run (the run's seed, printed in the header), no deadline on two busy cores, no database.
+settings.register_profile("ci", deadline=None, database=None, print_blob=True, max_examples=CI_EXAMPLES,
+                          suppress_health_check=[HealthCheck.too_slow])
+# thorough, by hand: as ci, with failures kept in .hypothesis/ and 10x the examples of every test.
 settings.register_profile("thorough", deadline=None, print_blob=True, max_examples=10 * CI_EXAMPLES,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 SHUFFLE_ENV = "MESH3D_TEST_SHUFFLE"
+HYPOTHESIS_SEED_ENV = "MESH3D_HYPOTHESIS_SEED"
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    """Give hypothesis this run's seed (before its plugin reads ``--hypothesis-seed``): the option's, else
+    MESH3D_HYPOTHESIS_SEED's, else a new one. Every hypothesis test draws from it; the header prints it."""
+    if config.getoption("hypothesis_seed", None) is None:
+        config.option.hypothesis_seed = os.environ.get(HYPOTHESIS_SEED_ENV) or str(random.SystemRandom().getrandbits(31))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -46,7 +56,9 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     seed = _shuffle_seed(config)
     profile = settings.get_current_profile_name()
     order = f"shuffled with seed {seed} (--shuffle {seed} repeats it)" if seed is not None else "as collected"
-    return f"mesh3d: test order {order}; hypothesis profile {profile!r}"
+    drawn = config.getoption("hypothesis_seed", None)
+    return (f"mesh3d: test order {order}; hypothesis profile {profile!r}, seed {drawn} "
+            f"(--hypothesis-seed {drawn} or {HYPOTHESIS_SEED_ENV}={drawn} repeats its draws)")
 
 
 @pytest.hookimpl(trylast=True)

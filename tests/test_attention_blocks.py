@@ -11,6 +11,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from profiles import examples
+
 from mesh3d.domain.attention.score_tiles import MaskRule, Segment, tile_mask, tile_work, tiles
 from mesh3d.domain.attention.row_order import _needs, slab_order, zigzag_order
 from mesh3d.domain.core.group import DomainComm
@@ -42,7 +44,7 @@ RULES = st.sampled_from([MaskRule(), MaskRule(None, 0), MaskRule(3, 0), MaskRule
                          MaskRule(None, 2), MaskRule(4, None)])
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(data=st.data(), rule=RULES)
 def test_pieces_cover_exactly_the_visible_pairs(data, rule):
     """Pieces (with their masks and causal flags) mark each visible (query, key) pair once and nothing else."""
@@ -65,7 +67,7 @@ def _reference(q, k, v, mask, rule, gqa):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=vis, enable_gqa=gqa)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(data=st.data(), rule=RULES, math=st.booleans(), gqa=st.booleans(), mask_kind=st.sampled_from([None, "bool", "float"]),
        groups=st.integers(1, 3))
 def test_one_rank_ring_equals_sdpa_in_any_row_order(data, rule, math, gqa, mask_kind, groups):
@@ -127,7 +129,7 @@ def test_zigzag_balances_causal_work(d):
         assert max(plain) / (sum(plain) / d) > 1.3
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(data=st.data())
 def test_relayout_plan_reads_the_rows_each_rank_needs(data):
     """``_needs`` maps a destination layout's runs into the source layout read rank after rank."""

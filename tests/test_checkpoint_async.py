@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckpt_helpers import Net, build, full_state, shutdown, synthetic_steps, train_steps
+from launch_helpers import clean_env
 from mesh3d import checkpoint
 from mesh3d.checkpoint import CheckpointError, CheckpointManager
 
@@ -186,7 +187,8 @@ _EXIT_WITH_PENDING_SAVE = textwrap.dedent("""
 def _run_script_then_load(script: str, target: str, stdout: str) -> tuple[torch.nn.Module, torch.nn.Module, Any]:
     """Run ``script`` (which saves a seed-0 ``Linear(64, 32)`` to ``target``) in a fresh process that exits normally;
     (the seed-0 model, the checkpoint loaded into another, the load's info)."""
-    proc = subprocess.run([sys.executable, "-c", script, target], capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", script, target], env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
     assert proc.returncode == 0 and proc.stdout == stdout, proc.stderr
     torch.manual_seed(0)
     want = torch.nn.Linear(64, 32).double()

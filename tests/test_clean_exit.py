@@ -10,7 +10,6 @@ is bounded by a timeout.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from exit_scenarios import TinyField, launch
+from launch_helpers import clean_env
 from mesh3d import checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -58,7 +58,7 @@ def test_an_uncaught_exception_exits_non_zero_with_the_error_not_an_abort(tmp_pa
 
 
 def test_the_demos_resume_phase_exits_cleanly_twice_in_a_row(tmp_path):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    env = clean_env()
     demo = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     out = str(tmp_path / "demo")
     train = subprocess.run([*demo, "8", "examples/demo_3d.py", "train", "--batch", "2", "--domain", "2", "--model",

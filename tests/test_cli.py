@@ -8,6 +8,7 @@ import sys
 import pytest
 
 import mesh3d
+from launch_helpers import clean_env
 from mesh3d.cli import environment_report, main
 
 
@@ -35,7 +36,8 @@ def test_info_explains_a_misconfigured_launcher(monkeypatch):
 
 
 def test_console_script_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "mesh3d.cli", "--version"], capture_output=True, text=True, timeout=60)
+    out = subprocess.run([sys.executable, "-m", "mesh3d.cli", "--version"], env=clean_env(), capture_output=True, text=True,
+                         timeout=60)
     assert out.returncode == 0 and out.stdout.startswith("mesh3d ")
 
 

@@ -7,16 +7,17 @@ loss (fp32, rtol 1e-4: they differ only in summation order), and the exported fi
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 from pathlib import Path
+
+from launch_helpers import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_demo_trains_resumes_and_exports_like_one_process(tmp_path):
-    env = {**os.environ, "OUT": str(tmp_path / "demo")}
+    env = clean_env(OUT=str(tmp_path / "demo"))
     done = subprocess.run(["bash", str(ROOT / "scripts" / "demo.sh")], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]

@@ -19,6 +19,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from domain_cases import compare_to_one_process
+from profiles import examples
 
 TOL = 1e-12
 D64 = torch.float64
@@ -214,7 +215,7 @@ LAYOUTS = {2: [(9, 7), (0, 16), (16, 0), (1, 15)], 3: [(6, 0, 10), (1, 10, 5), (
 
 
 @pytest.mark.parametrize("world", [2, 3])
-@settings(max_examples=3, deadline=None)
+@settings(max_examples=examples(3), deadline=None)
 @given(data=st.data())
 @example(data=None)
 def test_every_size_idiom_equals_one_process_or_names_its_op(ranks, world, data):

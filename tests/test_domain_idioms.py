@@ -79,7 +79,7 @@ class Spectral(torch.nn.Module):
 
     def forward(self, x):                                          # (B, 3, H, 6)
         f = torch.fft.rfftn(x, dim=(-2, -1), norm="ortho")
-        y = torch.fft.irfftn(f * self.w, s=(x.shape[-2] if False else H, 6), dim=(-2, -1), norm="ortho")
+        y = torch.fft.irfftn(f * self.w, s=(x.shape[-2], 6), dim=(-2, -1), norm="ortho")
         g = torch.fft.ifft(torch.fft.fft(x, dim=2) * 1.5, dim=2).real
         shifted = torch.fft.ifftshift(torch.fft.fftshift(f, dim=(-2,)) * self.w, dim=-2)
         s = torch.fft.fftshift(x, dim=(2, 3)) + torch.fft.ifftshift(x, dim=2) * 0.5 + torch.fft.fftshift(x, dim=3)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from domain_cases import edge_layouts, shard_sizes
@@ -150,8 +150,7 @@ def test_pooling_divides_an_aligned_layout_and_upsampling_restores_it(units, str
     from mesh3d.domain.halo.windows import sizes_by_first_index
 
     sizes = tuple(u * stride for u in units)
-    if not sum(sizes):
-        return
+    assume(sum(sizes))
     pooled = plan_window(sizes, stride, stride, 1, 0, 0).out_sizes
     assert pooled == tuple(s // stride for s in sizes)
     n = sum(pooled)

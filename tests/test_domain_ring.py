@@ -20,6 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from domain_cases import domain_sum, shard_sizes
+from profiles import examples
 
 TOL = 1e-10
 KINDS = ("plain", "causal", "bool", "float", "window", "band", "gqa", "scale", "local_bias")
@@ -144,7 +145,7 @@ def _cases(data, world: int, layout: str, modes=("ring",)) -> list[dict]:
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(data=st.data())
 def test_ring_on_slabs_equals_one_process(ranks, world, data):
@@ -159,7 +160,7 @@ def test_ring_on_slabs_equals_one_process(ranks, world, data):
         assert [r[0] < TOL for r in rank_results] == [True] * len(cases)
 
 
-@settings(max_examples=1, deadline=None, suppress_health_check=list(HealthCheck),
+@settings(max_examples=examples(2), deadline=None, suppress_health_check=list(HealthCheck),
           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(data=st.data())
 def test_ring_on_a_token_grid_equals_one_process(ranks, data):

@@ -9,16 +9,15 @@ into the wrong model.
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
+from launch_helpers import clean_env, free_port
+
 
 
 def _wrong_sizes_body():
@@ -46,8 +45,7 @@ def test_2_forgetting_to_initialize():
     # Under a launcher, domain tensors and checkpoints refuse too, instead of each rank acting alone.
     code = ("import torch\nfrom mesh3d import domain\n"
             "try:\n    domain.shard(torch.zeros(1, 1, 4, 4), dim=2)\nexcept RuntimeError as e:\n    print(e)")
-    env = {**os.environ, "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": "29999", "PYTHONPATH": str(ROOT)}
+    env = clean_env(RANK="1", WORLD_SIZE="4", LOCAL_RANK="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60).stdout
     assert "rank 1 of 4" in out and "DistributedManager.initialize(" in out and "call it first" in out, out
     assert not DistributedManager.is_initialized()

@@ -7,17 +7,18 @@ summation order; the equivalence suite checks fp64 bit-tight elsewhere).
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from launch_helpers import clean_env
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_example_trains_like_one_process():
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env = clean_env()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(ROOT / "examples" / "train_transformer.py"), "--batch", "2", "--model", "2", "--steps", "2"]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
