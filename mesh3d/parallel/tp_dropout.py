@@ -78,7 +78,8 @@ class _RegionMode(TorchFunctionMode):
         touched = bool(marked) or any(t in self.region.derived for t in tensors)
         if func in _DROPOUTS and marked and tensors[0] is marked[0]:
             return _dropout(func, cols[marked[0]], *args, **kwargs)
-        if touched and (func in _DROPOUTS or func in _RANDOM or _attention_dropout(func, args, kwargs)):
+        if touched and (func in _DROPOUTS or func in _RANDOM or func is F.scaled_dot_product_attention) \
+                and _draws(func, args, kwargs):
             raise NotImplementedError(
                 f"{op_name(func)} inside a tensor-parallel region (after a colwise module, before its rowwise one) on a "
                 "tensor computed from the sharded hidden units other than element-wise (a view splitting heads, "
@@ -102,8 +103,30 @@ def _tensors_in(obj: Any) -> list[torch.Tensor]:
     return []
 
 
-def _attention_dropout(func, args, kwargs) -> bool:
-    return func is F.scaled_dot_product_attention and bool(kwargs.get("dropout_p", args[4] if len(args) > 4 else 0))
+def _arg(args: tuple, kwargs: dict, at: int, names: tuple[str, ...], default: Any) -> Any:
+    for name in names:
+        if name in kwargs:
+            return kwargs[name]
+    return args[at] if len(args) > at else default
+
+
+#: Dropouts that draw only in training with p > 0: (the training flag's default, its keyword names).
+_TRAINING = {F.dropout: True, F.dropout1d: True, F.dropout2d: True, F.dropout3d: True, F.alpha_dropout: False,
+             F.feature_alpha_dropout: False, torch.dropout: None, torch.alpha_dropout: None, torch.feature_dropout: None,
+             torch.feature_alpha_dropout: None}
+
+
+def _draws(func, args: tuple, kwargs: dict) -> bool:
+    """Whether this call draws random numbers: dropout with p > 0 in training (HF's eager attention calls it with
+    p=0.0), SDPA with ``dropout_p``, rrelu in training; bernoulli, rand_like and the rest always."""
+    if func is F.scaled_dot_product_attention:
+        return bool(_arg(args, kwargs, 4, ("dropout_p",), 0.0))
+    if func is F.rrelu:
+        return bool(_arg(args, kwargs, 3, ("training",), False))
+    if func in _TRAINING:
+        p = _arg(args, kwargs, 1, ("p",), 0.5)
+        return bool(_arg(args, kwargs, 2, ("training", "train"), _TRAINING[func])) and p != 0
+    return True
 
 
 def _dropout(func, shard: ColumnShard, input, p=0.5, training=True, inplace=False):
