@@ -169,18 +169,30 @@ def fault_cell_body(point: str, action: str, root: str, tag: str) -> dict:
             elif point in ("tp", "data"):
                 _tp_or_data_step(dm, point, victim, fault)
             else:
-                for _ in range(2):
-                    net(xs).square().sum().backward()
-                    opt.step()
-                    opt.zero_grad()
-        return {"rank": dm.rank, "error": None, "message": "", "seconds": time.time() - started}
+                train_steps(net, opt, xs)
+        return outcome(dm.rank, key, started, None)
     except Exception as err:  # the cell's outcome, reported to the test
-        faulted = float(default_store().get(key)) if default_store().check([key]) else started
-        return {"rank": dm.rank, "error": type(err).__name__, "message": str(err),
-                "seconds": round(time.time() - faulted, 3)}
+        return outcome(dm.rank, key, started, err)
     finally:
         for undo in restore:
             undo()
+
+
+def train_steps(net: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, steps: int = 2) -> None:
+    """The cells' step: ``steps`` forward, backward and optimizer steps of ``net`` on ``xs``."""
+    for _ in range(steps):
+        net(xs).square().sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def outcome(rank: int, key: str, started: float, err: Exception | None) -> dict:
+    """What a rank reports from a cell: its error (None: none) and the seconds from the fault (the victim wrote its
+    time under ``key`` in the store) to it."""
+    if err is None:
+        return {"rank": rank, "error": None, "message": "", "seconds": time.time() - started}
+    faulted = float(default_store().get(key)) if default_store().check([key]) else started
+    return {"rank": rank, "error": type(err).__name__, "message": str(err), "seconds": round(time.time() - faulted, 3)}
 
 
 #: The documented bounds (docs/troubleshooting.md): a loss is named within suspect_after + grace + two beats after
@@ -194,17 +206,19 @@ def _sections(text: str) -> dict[int, str]:
     return {rank: text[start:(marks[i + 1][0] if i + 1 < len(marks) else len(text))] for i, (start, rank) in enumerate(marks)}
 
 
-def run_cell(run: Callable[..., list], root: str, point: str, action: str, tag: str) -> dict[int, dict]:
+def run_cell(run: Callable[..., list], root: str, point: str, action: str, tag: str, body: Callable[..., dict] | None = None,
+             world: int = 3, victim: int = VICTIM) -> dict[int, dict]:
     """Every survivor's outcome: ``{"error", "message", "seconds"}``, or ``{"error": "exit", "message": its log}``.
 
-    ``run(fn, *args, timeout=)`` runs ``fn`` on three ranks (a ``RankPool``'s ``run``)."""
+    ``run(fn, *args, timeout=)`` runs ``fn`` on ``world`` ranks (a ``RankPool``'s ``run``); ``body`` is the cell
+    (default ``fault_cell_body``; tests/fault_families.py has its own), ``victim`` the rank that faults."""
     try:
-        replies = run(fault_cell_body, point, action, root, tag, timeout=GROUP_TIMEOUT_S * 4 + 30)
-        return {r["rank"]: r for r in replies if r["rank"] != VICTIM}
+        replies = run(body or fault_cell_body, point, action, root, tag, timeout=GROUP_TIMEOUT_S * 4 + 30)
+        return {r["rank"]: r for r in replies if r["rank"] != victim}
     except RankFailure as failure:
         sections = _sections(str(failure))
-        outcomes = {r: v for r, v in failure.results.items() if r != VICTIM}
-        for rank in set(range(3)) - {VICTIM} - set(outcomes):
+        outcomes = {r: v for r, v in failure.results.items() if r != victim}
+        for rank in set(range(world)) - {victim} - set(outcomes):
             outcomes[rank] = {"error": "exit", "message": sections.get(rank, ""), "seconds": None}
         return outcomes
 
@@ -223,20 +237,21 @@ def bound_s(action: str) -> float:
     return HANG_BOUND_S if action in ("hang", FREEZE) else LOSS_BOUND_S
 
 
-def check_outcome(rank: int, out: dict, action: str, point: str = "forward") -> None:
-    """A survivor's outcome names the victim."""
-    text = out["message"]
+def check_outcome(rank: int, out: dict, action: str, point: str = "forward", victim: int = VICTIM,
+                  name: str | None = None) -> None:
+    """A survivor's outcome names the victim (``victim``, described as ``name``: default ``victim_name(point)``)."""
+    text, name = out["message"], name or victim_name(point)
     if out["error"] == "exit":  # blocked in a collective: the watch printed the error and ended the process
         assert f"exit status {PEER_LOST_EXIT_CODE}" in text and "PeerLostError" in text, (rank, text)
     else:
         assert out["error"] in NAMED[action], (rank, out)
-    assert re.search(rf"\brank {VICTIM}\b", text), (rank, text)
+    assert re.search(rf"\brank {victim}\b", text), (rank, text)
     if out["error"] in ("PeerLostError", "CollectiveTimeoutError", "exit"):
-        assert victim_name(point) in text, (rank, text)
+        assert name in text, (rank, text)
     if action == "raise":
         assert "injected fault" in text, (rank, text)
     if action == "hang" and out["error"] == "CollectiveTimeoutError":
-        assert "fault_cells.py" in text.split(f"{victim_name(point)}: ")[-1], (rank, text)
+        assert "fault_" in text.split(f"{name}: ")[-1], (rank, text)  # where the victim hangs: the cell's module
 
 
 class BranchesOnLocalShape(nn.Module):

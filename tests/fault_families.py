@@ -17,7 +17,6 @@ Each cell reuses tests/fault_cells.py's faults (kill, raise, hang), settings and
 from __future__ import annotations
 
 import os
-import re
 import time
 from collections.abc import Callable
 
@@ -26,11 +25,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fault_cells import GROUP_TIMEOUT_S, NAMED, WATCH, _fault, _once, _sections
-from mesh3d import PEER_LOST_EXIT_CODE, DistributedManager, Plan, WatchSettings, checkpoint, domain, parallelize
-from mesh3d._torch_private import default_store
+from fault_cells import GROUP_TIMEOUT_S, WATCH, _fault, _once, check_outcome, outcome, run_cell, train_steps
+from mesh3d import DistributedManager, Plan, WatchSettings, checkpoint, domain, parallelize
 from mesh3d.domain import attention_collect, collectives, ring
-from rankpool.pool import RankFailure
 
 POINTS = ("domain_reduce", "ring", "ulysses", "reduce_scatter", "hsdp", "ddp", "commit", "async")
 MESH = (2, 2, 1)
@@ -93,44 +90,20 @@ def family_cell_body(point: str, action: str, root: str, tag: str) -> dict:
             elif point == "async":
                 checkpoint.async_save(os.path.join(root, f"{tag}-ckpt"), net, opt, step=1, stage_hook=hook).wait()
             else:
-                for _ in range(2):
-                    net(xs).square().sum().backward()
-                    opt.step()
-                    opt.zero_grad()
-        return {"rank": dm.rank, "error": None, "message": "", "seconds": time.time() - started}
+                train_steps(net, opt, xs)
+        return outcome(dm.rank, key, started, None)
     except Exception as err:  # the cell's outcome, reported to the test
-        faulted = float(default_store().get(key)) if default_store().check([key]) else started
-        return {"rank": dm.rank, "error": type(err).__name__, "message": str(err),
-                "seconds": round(time.time() - faulted, 3)}
+        return outcome(dm.rank, key, started, err)
     finally:
         if undo is not None:
             undo()
 
 
 def run_family_cell(run: Callable[..., list], root: str, point: str, action: str, tag: str) -> dict[int, dict]:
-    """Every survivor's outcome: ``{"error", "message", "seconds"}``, or ``{"error": "exit", "message": its log}``.
-
-    ``run(fn, *args, timeout=)`` runs ``fn`` on four ranks (a ``RankPool``'s ``run``)."""
-    try:
-        replies = run(family_cell_body, point, action, root, tag, timeout=GROUP_TIMEOUT_S * 4 + 30)
-        return {r["rank"]: r for r in replies if r["rank"] != VICTIM}
-    except RankFailure as failure:
-        sections = _sections(str(failure))
-        outcomes = {r: v for r, v in failure.results.items() if r != VICTIM}
-        for rank in set(range(WORLD)) - {VICTIM} - set(outcomes):
-            outcomes[rank] = {"error": "exit", "message": sections.get(rank, ""), "seconds": None}
-        return outcomes
+    """Every survivor's outcome (as ``fault_cells.run_cell``'s), ``run`` running ``fn`` on four ranks."""
+    return run_cell(run, root, point, action, tag, family_cell_body, WORLD, VICTIM)
 
 
 def check_family_outcome(rank: int, out: dict, action: str) -> None:
-    """A survivor's outcome names the victim (as tests/fault_cells.py's ``check_outcome``, for rank 3)."""
-    text = out["message"]
-    if out["error"] == "exit":  # blocked in a collective: the watch printed the error and ended the process
-        assert f"exit status {PEER_LOST_EXIT_CODE}" in text and "PeerLostError" in text, (rank, text)
-    else:
-        assert out["error"] in NAMED[action], (rank, out)
-    assert re.search(rf"\brank {VICTIM}\b", text), (rank, text)
-    if out["error"] in ("PeerLostError", "CollectiveTimeoutError", "exit"):
-        assert VICTIM_NAME in text, (rank, text)
-    if action == "raise":
-        assert "injected fault" in text, (rank, text)
+    """A survivor's outcome names the victim, rank 3 (batch 1, domain 1, model 0)."""
+    check_outcome(rank, out, action, victim=VICTIM, name=VICTIM_NAME)
