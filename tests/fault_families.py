@@ -27,7 +27,8 @@ from torch import nn
 
 from fault_cells import GROUP_TIMEOUT_S, WATCH, _fault, _once, check_outcome, outcome, run_cell, train_steps
 from mesh3d import DistributedManager, Plan, WatchSettings, checkpoint, domain, parallelize
-from mesh3d.domain import attention_collect, collectives, ring
+from mesh3d.domain.attention import collect as attention_collect, ring
+from mesh3d.domain.comm import collectives
 
 POINTS = ("domain_reduce", "ring", "ulysses", "reduce_scatter", "hsdp", "ddp", "commit", "async")
 MESH = (2, 2, 1)

@@ -27,6 +27,7 @@ from mesh3d.domain.comm.rows import ExchangePlan, Piece
 from mesh3d.domain.comm.stopping import abort, finish_matched, leave, matched_peers, post, swap_journals, tell_other_groups
 from mesh3d.domain.comm.traffic import TrafficCounter, count_traffic, dry_run, dry_run_observer
 from mesh3d.domain.core.group import DomainComm
+from mesh3d.manager import DistributedManager
 
 __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "dry_run",
            "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange", "swap"]
