@@ -39,6 +39,13 @@ def test_volume_unet3d_matches_one_process():
     assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", out)) == 2
 
 
+def test_pinn_heat_example_trains_equal_to_one_process_on_a_2x2_grid_of_blocks():
+    """Second derivatives of the network's output with respect to the coordinate field, on (batch 1, domain 2x2)."""
+    out = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/pinn_heat.py"])
+    assert "blocks on 4 ranks: every step's loss and the parameters" in out and "MATCH one process" in out, out
+    assert len(re.findall(r"step \d+ loss [\d.]+ one-process [\d.]+", out)) == 15
+
+
 def test_checkpoint_reshard_example_saves_resumes_elsewhere_and_exports(tmp_path):
     ck = str(tmp_path / "ck")
     run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]

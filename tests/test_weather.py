@@ -57,7 +57,7 @@ def _halo_body(grid, sizes, x, weights, lat_modes):
             torch.distributed.all_reduce(g, group=DistributedManager().group("domain"))
             grads.append(g)
     offsets = xs.spec.offsets if len(grid) == 2 else (xs.spec.offset, 0)
-    return y.full_tensor().to_local().detach(), xs.grad.clone(), offsets, grads, refusal
+    return y.full_tensor().to_local().detach(), xs.grad.to_local().clone(), offsets, grads, refusal
 
 
 @pytest.mark.parametrize("world, grid, sizes", [

@@ -22,13 +22,13 @@ import torch.nn.functional as F
 
 from mesh3d.domain.attention.score_tiles import MaskRule, Tile, Segment, tile_mask
 from mesh3d.domain.attention.row_order import RowOrder
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import exchange_point, gather_rows, start_exchange
 from mesh3d.domain.comm.rows import Span, plan_exchange
 from mesh3d.domain.core.split import offsets_of
-from mesh3d.domain.core.connected import connected_zeros
 
-__all__ = ["AttentionCall", "gather_attention", "local_attention", "ulysses_attention"]
+__all__ = ["AttentionCall", "gather_attention", "local_attention", "recorded_attention_grads", "ulysses_attention"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,8 @@ class AttentionCall:
     scale: float
     gqa: bool = False
     mask_rows: str | None = None
+    #: attend with no query rows too (a recorded gradient's graph then has the same shape on every rank)
+    every_rank: bool = False
 
 
 def _all_rows(layout: RowOrder) -> Segment:
@@ -52,15 +54,36 @@ def _all_rows(layout: RowOrder) -> Segment:
 
 def _attend(call: AttentionCall, q, k, v, mask, qseg: Segment, kseg: Segment, q_offset: int | None):
     """Torch's SDPA of ``q`` (rows ``qseg``) over ``k``/``v`` (rows ``kseg``), the mask built from the indices."""
-    if not qseg.rows or not kseg.rows:
-        return connected_zeros(q, (*q.shape[:-1], v.shape[-1]), q, k, v, mask)
     rule = call.rule
     causal = rule.left is None and rule.right == 0 and qseg.runs == ((0, qseg.rows),) and \
         kseg.runs == ((0, kseg.rows),) and mask is None
     piece = Tile(0, qseg.rows, 0, kseg.rows, banded=rule.banded and not causal)
     m = tile_mask(piece, qseg, kseg, rule, mask, q_offset, q.device)
+    if call.every_rank or not qseg.rows or not kseg.rows:
+        # NOTE: also without query or key rows: torch's SDPA would return a constant there, so a second derivative's
+        # graph would lack this rank's link to the keys gathered from its peers (their exchange would run without it)
+        return _math_attention(q, k, v, m, causal, call.scale)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=call.scale,
                                           enable_gqa=call.gqa)
+
+
+def _math_attention(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
+    """Softmax attention in explicit ops (torch's math kernel, whose rows no key is visible to give 0): differentiable
+    to any order, and with a graph of the same shape when there are no query rows (torch's SDPA returns a constant)."""
+    if k.shape[1] != q.shape[1]:  # grouped keys/values
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    scores = (q @ k.transpose(-1, -2)) * scale
+    visible = None
+    if causal:
+        visible = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None and mask.dtype == torch.bool:
+        visible = mask if visible is None else visible & mask
+    elif mask is not None:
+        scores = scores + mask
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    seen = scores.amax(-1, keepdim=True) > float("-inf")
+    return torch.where(seen, torch.softmax(scores.masked_fill(~seen, 0.0), -1), 0.0) @ v
 
 
 def local_attention(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
@@ -138,7 +161,10 @@ class _SwapHeadsRows(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None, None, *_swap(ctx.comm, list(grads), ctx.rows, not ctx.to_heads))
+        comm, rows, to_heads = ctx.comm, ctx.rows, ctx.to_heads
+        swapped = linear_map(lambda *g: tuple(_swap(comm, list(g), rows, not to_heads)),
+                             lambda *g: tuple(_swap(comm, list(g), rows, to_heads)), *grads)
+        return (None, None, None, *swapped)
 
 
 def ulysses_attention(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
@@ -157,3 +183,24 @@ def ulysses_attention(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
     (back,) = _SwapHeadsRows.apply(comm, [q_rows], False, out)
     return back
 
+
+
+def recorded_attention_grads(comm: DomainComm, queries: tuple[Segment, ...], keys: RowOrder, rule: MaskRule,
+                             scale: float, mask_rows: str | None, dout: torch.Tensor, q: torch.Tensor,
+                             k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> tuple:
+    """The gradients of this rank's attention (queries ``queries`` over every rank's ``keys``) for q, k, v and a float
+    mask, in recorded ops: the ``gather`` mode in explicit ops, differentiated with ``create_graph=True``.
+
+    Usage: from a ring's backward when it runs with ``create_graph=True`` (second derivatives through attention)
+    """
+    me = comm.index
+    mine = Segment.joined(r for seg in queries for r in seg.runs)
+    # NOTE: ``every_rank``: a rank without queries attends too (on no rows), so that its recorded gradients depend on
+    # the gathered keys as every rank's do: the next backward then runs this gather's exchange on every rank.
+    call = AttentionCall(comm, tuple(mine if r == me else Segment(()) for r in range(comm.size)), keys, rule, scale,
+                         q.shape[1] != k.shape[1], mask_rows, every_rank=True)
+    inputs = [t for t in (q, k, v, mask) if t is not None and t.requires_grad]
+    with torch.enable_grad():
+        out = gather_attention(call, q, k, v, mask)
+    grads = iter(torch.autograd.grad(out, inputs, dout, create_graph=True, allow_unused=True) if inputs else ())
+    return tuple(next(grads) if t is not None and t.requires_grad else None for t in (q, k, v, mask))

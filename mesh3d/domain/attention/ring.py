@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from mesh3d.domain.attention.score_tiles import MaskRule, Segment, tile_mask, tile_work, tiles
+from mesh3d.domain.attention.collect import recorded_attention_grads
 from mesh3d.domain.attention.kernels import accumulation_dtype, block_backward, block_forward, merge_into, unit_stride
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import PendingExchange, TrafficCounter, exchange_point, start_exchange
@@ -352,17 +353,24 @@ def _modeled(mask: torch.Tensor | None) -> bool:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: RingPlan, q, k, v, mask):
-        q = unit_stride(q)  # once here, not per block (the fused kernel needs it)
+    def forward(ctx, plan: RingPlan, q_in, k, v, mask):
+        q = unit_stride(q_in)  # once here, not per block (the fused kernel needs it)
         ctx.modeled = _modeled(mask)
         out, lse = _forward_modeled(plan, q, k, v) if ctx.modeled else _forward(plan, q, k, v, mask)
         ctx.plan = plan
-        ctx.save_for_backward(q, k, v, mask, out, lse)
+        ctx.save_for_backward(q if q is q_in else q_in, k, v, mask, out, lse)  # the input: connected when recorded
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, mask, out, lse = ctx.saved_tensors
+        plan = ctx.plan
+        if torch.is_grad_enabled() and not ctx.modeled:
+            # NOTE: create_graph=True (second derivatives): the ring's kernels are not differentiable twice; the
+            # gradients are computed again in recorded ops (all keys gathered, torch's math kernel).
+            return None, *recorded_attention_grads(plan.comm, plan.queries, plan.keys, plan.rule, plan.scale,
+                                                   plan.mask_rows, dout, q, k, v, mask)
+        q = unit_stride(q)
         dout = unit_stride(dout)
         if ctx.modeled:
             return (None, *_backward_modeled(ctx.plan, dout, q, k, v))

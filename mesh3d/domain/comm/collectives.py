@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import exchange_all
+from mesh3d.domain.core.linear import recordable
 
 __all__ = ["sum_dtype", "all_reduce_max", "all_reduce_sum", "reduce_for_local_use", "reduce_to_replicated",
            "sum_grad"]
@@ -59,10 +60,15 @@ def _all_reduce(t: torch.Tensor, comm: DomainComm, op=dist.ReduceOp.SUM) -> torc
 class _ReduceToReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, comm):
+        ctx.comm = comm
         return _all_reduce(t, comm)
 
     @staticmethod
     def backward(ctx, grad):
+        # NOTE: the replicated gradient enters every shard: recorded with create_graph=True, its own gradient is the
+        # sum over the domain (second derivatives through reductions and losses).
+        if torch.is_grad_enabled():
+            return _SumGrad.apply(recordable(grad), ctx.comm), None
         return grad, None
 
 
@@ -74,6 +80,8 @@ class _ReduceForLocalUse(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph=True: the sum is self-adjoint
+            return _ReduceForLocalUse.apply(recordable(grad), ctx.comm), None
         return _all_reduce(grad, ctx.comm), None
 
 
@@ -85,6 +93,8 @@ class _SumGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        if torch.is_grad_enabled():  # create_graph=True: a replicated sum, whose gradient enters
+            return _ReduceToReplicated.apply(recordable(grad), ctx.comm), None
         return _all_reduce(grad, ctx.comm), None
 
 

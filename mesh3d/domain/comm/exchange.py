@@ -27,6 +27,7 @@ from mesh3d.domain.comm.rows import ExchangePlan, Piece
 from mesh3d.domain.comm.stopping import abort, finish_matched, leave, matched_peers, post, swap_journals, tell_other_groups
 from mesh3d.domain.comm.traffic import TrafficCounter, count_traffic, dry_run, dry_run_observer
 from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.manager import DistributedManager
 
 __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "dry_run",
@@ -251,45 +252,61 @@ def _assemble(local: torch.Tensor, dim: int, pieces: tuple[Piece, ...], received
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
+def _gather(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float,
+            fingerprint: int | None) -> torch.Tensor:
+    """The rows of ``plan`` (not differentiable by itself: ``_GatherRows`` is)."""
+    outgoing = [(peer, rows_of(local, dim, runs)) for peer, runs in plan.send]
+    received = swap(comm, outgoing, local, (dim,), [(q, (n,)) for q, n in plan.recv], fingerprint)
+    return _assemble(local, dim, plan.pieces, received, fill)
+
+
+def _scatter(grad: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm,
+             local_shape: torch.Size) -> torch.Tensor:
+    """The adjoint of ``_gather``: gradient rows go back to their owners, which add them."""
+    own: list[tuple[Piece, torch.Tensor]] = []
+    back: dict[int, list[torch.Tensor]] = {}
+    at = 0
+    for p in plan.pieces:
+        if p.kind == "own":
+            own.append((p, grad.narrow(dim, at, p.count)))
+        elif p.kind == "recv":
+            back.setdefault(p.peer, []).append(grad.narrow(dim, at, p.count))
+        at += p.count
+    # Reverse every message: what I received goes back as gradient; what I sent comes back.
+    outgoing = [(peer, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim))
+                for peer, parts in back.items()]
+    counts = [(peer, (sum([c for _, c in runs]),)) for peer, runs in plan.send]
+    received = swap(comm, outgoing, grad, (dim,), counts, exchange_point(comm))
+    incoming = [(peer, received[peer]) for peer, _ in counts]
+    whole = len(own) == 1 and own[0][0].start == 0 and own[0][0].count == local_shape[dim]
+    if whole and not incoming:
+        return own[0][1]
+    grad_local = own[0][1].clone() if whole else grad.new_zeros(local_shape)
+    if not whole:
+        for p, g in own:
+            grad_local.narrow(dim, p.start, p.count).add_(g)
+    for (peer, runs), (_, buf) in zip(plan.send, incoming):
+        at = 0
+        for start, count in runs:
+            grad_local.narrow(dim, start, count).add_(buf.narrow(dim, at, count))
+            at += count
+    return grad_local
+
+
 class _GatherRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, fingerprint):
         ctx.dim, ctx.plan, ctx.comm, ctx.local_shape = dim, plan, comm, local.shape
-        outgoing = [(peer, rows_of(local, dim, runs)) for peer, runs in plan.send]
-        received = swap(comm, outgoing, local, (dim,), [(q, (n,)) for q, n in plan.recv], fingerprint)
-        return _assemble(local, dim, plan.pieces, received, fill)
+        return _gather(local, dim, plan, comm, fill, fingerprint)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        dim, plan = ctx.dim, ctx.plan
-        own: list[tuple[Piece, torch.Tensor]] = []
-        back: dict[int, list[torch.Tensor]] = {}
-        at = 0
-        for p in plan.pieces:
-            if p.kind == "own":
-                own.append((p, grad.narrow(dim, at, p.count)))
-            elif p.kind == "recv":
-                back.setdefault(p.peer, []).append(grad.narrow(dim, at, p.count))
-            at += p.count
-        # Reverse every message: what I received goes back as gradient; what I sent comes back.
-        outgoing = [(peer, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim))
-                    for peer, parts in back.items()]
-        counts = [(peer, (sum([c for _, c in runs]),)) for peer, runs in plan.send]
-        received = swap(ctx.comm, outgoing, grad, (dim,), counts, exchange_point(ctx.comm))
-        incoming = [(peer, received[peer]) for peer, _ in counts]
-        whole = len(own) == 1 and own[0][0].start == 0 and own[0][0].count == ctx.local_shape[dim]
-        if whole and not incoming:
-            return own[0][1], None, None, None, None, None
-        grad_local = own[0][1].clone() if whole else grad.new_zeros(ctx.local_shape)
-        if not whole:
-            for p, g in own:
-                grad_local.narrow(dim, p.start, p.count).add_(g)
-        for (peer, runs), (_, buf) in zip(plan.send, incoming):
-            at = 0
-            for start, count in runs:
-                grad_local.narrow(dim, start, count).add_(buf.narrow(dim, at, count))
-                at += count
-        return grad_local, None, None, None, None, None
+        dim, plan, comm, shape = ctx.dim, ctx.plan, ctx.comm, ctx.local_shape
+        # NOTE: with create_graph=True the adjoint is recorded too (its own gradient is this gather, fill 0):
+        # second derivatives through halos.
+        return linear_map(lambda g: _scatter(g, dim, plan, comm, shape),
+                          lambda g: _gather(g, dim, plan, comm, 0.0, exchange_point(comm)),
+                          grad), None, None, None, None, None
 
 
 def gather_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float = 0.0) -> torch.Tensor:

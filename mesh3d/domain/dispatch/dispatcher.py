@@ -27,6 +27,7 @@ from mesh3d.domain.comm.collectives import scale_grad, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import gather_rows, report_failure
+from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import (
     DATA_GET, is_global_size, is_metadata)
 from mesh3d.domain.layouts.slabs import replicate_if_singleton
@@ -135,6 +136,9 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
             with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         func, args, kwargs = operator_target(func, args, kwargs)
+    gradient = None if torch.compiler.is_dynamo_compiling() else GRADIENT_CALLS.get(func)
+    if gradient is not None:  # ``.grad``, ``torch.autograd.grad``/``backward``: answered for the whole tensor
+        return gradient(*args, **kwargs)
     if is_metadata(func):
         with disable_torch_function_subclass():
             return func(*args, **kwargs)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import exchange_point, rows_of, swap
 from mesh3d.domain.comm.compiled_exchange import received_shape
@@ -133,37 +134,52 @@ def _runs_boxes(runs: tuple[Runs, ...]):
         yield tuple(c[0] for c in combo), tuple(c[1] for c in combo)
 
 
+def _gather_box(local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
+                fingerprint) -> torch.Tensor:
+    """The box of ``plan`` (not differentiable by itself: ``_GatherBox`` is)."""
+    outgoing = [(peer, _pack(local, dims, runs)) for peer, runs in plan.send]
+    received = swap(comm, outgoing, local, dims, list(plan.recv), fingerprint)
+    out = local.new_empty(received_shape(local, dims, plan.shape))
+    for peer, (result, source) in plan.cells:
+        if peer == FILL:
+            _box(out, dims, result).fill_(fill)
+        else:
+            _box(out, dims, result).copy_(_box(local if peer == OWN else received[peer], dims, source))
+    return out
+
+
+def _scatter_box(grad: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm,
+                 local_shape: torch.Size) -> torch.Tensor:
+    """The adjoint of ``_gather_box``: gradient boxes go back to their owners, which add them."""
+    back = {peer: grad.new_empty(received_shape(grad, dims, lengths)) for peer, lengths in plan.recv}
+    grad_local = grad.new_zeros(local_shape)
+    for peer, (result, source) in plan.cells:  # every message is covered by its peer's cells exactly once
+        if peer != FILL:
+            target = _box(grad_local, dims, source).add_ if peer == OWN else _box(back[peer], dims, source).copy_
+            target(_box(grad, dims, result))
+    counts = [(peer, tuple([sum([n for _, n in r]) for r in runs])) for peer, runs in plan.send]
+    received = swap(comm, list(back.items()), grad, dims, counts, exchange_point(comm))
+    incoming = [(peer, received[peer]) for peer, _ in counts]
+    for (_, runs), (_, buf) in zip(plan.send, incoming):
+        for local_box, message_box in _runs_boxes(runs):
+            _box(grad_local, dims, local_box).add_(_box(buf, dims, message_box))
+    return grad_local
+
+
 class _GatherBox(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
                 fingerprint):
         ctx.dims, ctx.plan, ctx.comm, ctx.local_shape = dims, plan, comm, local.shape
-        outgoing = [(peer, _pack(local, dims, runs)) for peer, runs in plan.send]
-        received = swap(comm, outgoing, local, dims, list(plan.recv), fingerprint)
-        out = local.new_empty(received_shape(local, dims, plan.shape))
-        for peer, (result, source) in plan.cells:
-            if peer == FILL:
-                _box(out, dims, result).fill_(fill)
-            else:
-                _box(out, dims, result).copy_(_box(local if peer == OWN else received[peer], dims, source))
-        return out
+        return _gather_box(local, dims, plan, comm, fill, fingerprint)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        dims, plan = ctx.dims, ctx.plan
-        back = {peer: grad.new_empty(received_shape(grad, dims, lengths)) for peer, lengths in plan.recv}
-        grad_local = grad.new_zeros(ctx.local_shape)
-        for peer, (result, source) in plan.cells:  # every message is covered by its peer's cells exactly once
-            if peer != FILL:
-                target = _box(grad_local, dims, source).add_ if peer == OWN else _box(back[peer], dims, source).copy_
-                target(_box(grad, dims, result))
-        counts = [(peer, tuple([sum([n for _, n in r]) for r in runs])) for peer, runs in plan.send]
-        received = swap(ctx.comm, list(back.items()), grad, dims, counts, exchange_point(ctx.comm))
-        incoming = [(peer, received[peer]) for peer, _ in counts]
-        for (_, runs), (_, buf) in zip(plan.send, incoming):
-            for local_box, message_box in _runs_boxes(runs):
-                _box(grad_local, dims, local_box).add_(_box(buf, dims, message_box))
-        return grad_local, None, None, None, None, None
+        dims, plan, comm, shape = ctx.dims, ctx.plan, ctx.comm, ctx.local_shape
+        # NOTE: recorded with create_graph=True (second derivatives): its own gradient is the gather, fill 0.
+        return linear_map(lambda g: _scatter_box(g, dims, plan, comm, shape),
+                          lambda g: _gather_box(g, dims, plan, comm, 0.0, exchange_point(comm)),
+                          grad), None, None, None, None, None
 
 
 def gather_box(local: torch.Tensor, dims: tuple[int, ...], plans: tuple[ExchangePlan, ...], coords: tuple[int, ...],

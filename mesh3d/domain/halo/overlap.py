@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import PendingExchange, exchange_point, new_buffers, rows_of, start_exchange
 from mesh3d.domain.comm.rows import ExchangePlan, Piece
@@ -125,6 +126,11 @@ class _Exchange:
         self.backward: PendingExchange | None = None
         self.grad_received: list[tuple[int, torch.Tensor]] = []
         self.own_grads: list[tuple[int, torch.Tensor]] = []  # (local row, gradient rows) from the strips
+        self.recorded = False  # the strips' gradient went through autograd (create_graph=True)
+
+    def fresh(self) -> _Exchange:
+        """A new exchange of the same rows (for a recorded gradient's own gradient)."""
+        return _Exchange(self.dim, self.plan, self.split, self.comm, self.fill)
 
 
 class _Begin(torch.autograd.Function):
@@ -133,15 +139,15 @@ class _Begin(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, state: _Exchange) -> torch.Tensor:
         ctx.state = state
-        outgoing = [(peer, rows_of(local, state.dim, runs)) for peer, runs in state.plan.send]
-        incoming = new_buffers(local, state.dim, list(state.plan.recv))
-        state.forward = start_exchange(state.comm, outgoing, incoming, exchange_point(state.comm))
-        state.received = dict(incoming)
+        _post(local, state)
         return local.view_as(local)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         state, dim = ctx.state, ctx.state.dim
+        if state.recorded:  # create_graph=True: the strips' gradient came through autograd (``_Finish.backward``)
+            state.recorded = False
+            return grad, None
         # NOTE: ``grad`` is the interior kernel's fresh input gradient (this node's output has no other
         # consumer), so the strips' and peers' rows are added to it in place: no input-sized copy.
         grad = grad if grad.is_contiguous() else grad.contiguous()
@@ -163,21 +169,18 @@ class _Finish(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, state: _Exchange) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.state = state
-        assert state.forward is not None
-        state.forward.wait()
-        split, dim = state.split, state.dim
-        head = _fill(local, dim, split.pad, state.fill)
-        left = _join_strip(local, dim, (head, *_parts(local, dim, split.lead, state)),
-                         local.narrow(dim, split.own.start, split.left_own), split.left_rows, before=True)
-        tail = (*_parts(local, dim, split.trail, state), _fill(local, dim, split.pad, state.fill))
-        right = _join_strip(local, dim, tail, local.narrow(dim, split.right_own_start,
-                          split.own.start + split.own.count - split.right_own_start), split.right_rows, before=False)
-        return left, right
+        ctx.state, ctx.local_shape = state, local.shape
+        return _strips(local, state)
 
     @staticmethod
     def backward(ctx, grad_left: torch.Tensor, grad_right: torch.Tensor):
-        state = ctx.state
+        state, shape = ctx.state, ctx.local_shape
+        if torch.is_grad_enabled():
+            # NOTE: create_graph=True (second derivatives): the strips' gradient, own rows and the peers' alike, is
+            # computed now (the exchange back not overlapped) and recorded; its own gradient is the strips again.
+            state.recorded = True
+            return linear_map(lambda gl, gr: _strips_adjoint(gl, gr, state, shape),
+                              lambda t: _strips(t, _post(t, state.fresh())), grad_left, grad_right), None
         split, dim = state.split, state.dim
         back: dict[int, list[torch.Tensor]] = {}
         # Left strip: [kernel padding][lead pieces][left_own own rows], its first left_rows rows.
@@ -196,6 +199,53 @@ class _Finish(torch.autograd.Function):
         state.backward = start_exchange(state.comm, outgoing, incoming, exchange_point(state.comm))
         state.grad_received = incoming
         return None, None
+
+
+def _post(local: torch.Tensor, state: _Exchange) -> _Exchange:
+    """Post ``local``'s halo rows to the peers and the buffers for theirs (``state.forward`` waits for them)."""
+    outgoing = [(peer, rows_of(local, state.dim, runs)) for peer, runs in state.plan.send]
+    incoming = new_buffers(local, state.dim, list(state.plan.recv))
+    state.forward = start_exchange(state.comm, outgoing, incoming, exchange_point(state.comm))
+    state.received = dict(incoming)
+    return state
+
+
+def _strips(local: torch.Tensor, state: _Exchange) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wait for the halo rows and build the two strips of ``state.split``."""
+    assert state.forward is not None
+    state.forward.wait()
+    split, dim = state.split, state.dim
+    head = _fill(local, dim, split.pad, state.fill)
+    left = _join_strip(local, dim, (head, *_parts(local, dim, split.lead, state)),
+                       local.narrow(dim, split.own.start, split.left_own), split.left_rows, before=True)
+    tail = (*_parts(local, dim, split.trail, state), _fill(local, dim, split.pad, state.fill))
+    right = _join_strip(local, dim, tail, local.narrow(dim, split.right_own_start,
+                        split.own.start + split.own.count - split.right_own_start), split.right_rows, before=False)
+    return left, right
+
+
+def _strips_adjoint(grad_left: torch.Tensor, grad_right: torch.Tensor, state: _Exchange,
+                    shape: torch.Size) -> torch.Tensor:
+    """The strips' gradient as the shard's: own rows added in place, received rows sent home (and theirs added)."""
+    split, dim = state.split, state.dim
+    grad = grad_left.new_zeros(shape)
+    back: dict[int, list[torch.Tensor]] = {}
+    at = _route(grad_left, dim, split.pad, split.lead, back)
+    if split.left_own:
+        grad.narrow(dim, split.own.start, split.left_own).add_(grad_left.narrow(dim, at, split.left_own))
+    own_right = split.own.start + split.own.count - split.right_own_start
+    if split.right_rows and own_right:
+        grad.narrow(dim, split.right_own_start, own_right).add_(grad_right.narrow(dim, 0, own_right))
+    _route(grad_right, dim, own_right, split.trail, back)
+    outgoing = [(peer, parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim)) for peer, parts in back.items()]
+    incoming = new_buffers(grad, dim, [(peer, sum(c for _, c in runs)) for peer, runs in state.plan.send])
+    start_exchange(state.comm, outgoing, incoming, exchange_point(state.comm)).wait()
+    for (_, runs), (_, buf) in zip(state.plan.send, incoming):
+        at = 0
+        for start, count in runs:
+            grad.narrow(dim, start, count).add_(buf.narrow(dim, at, count))
+            at += count
+    return grad
 
 
 def _fill(like: torch.Tensor, dim: int, rows: int, value: float) -> torch.Tensor:

@@ -34,6 +34,7 @@ from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
 from mesh3d.manager import DistributedManager
 from mesh3d.domain.core.plan_cache import plan_cache
@@ -103,9 +104,13 @@ class _BlockFullTensor(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec
-        for d, start, count in zip(spec.dims, spec.offsets, spec.local_sizes):
-            grad = grad.narrow(d, start, count)
-        return grad, None
+        return linear_map(lambda g: _own_block(g, spec), lambda g: gather_whole(g, spec), grad), None
+
+
+def _own_block(whole: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
+    for d, start, count in zip(spec.dims, spec.offsets, spec.local_sizes):
+        whole = whole.narrow(d, start, count)
+    return whole
 
 
 def block_full_tensor(x: DomainTensor) -> DomainTensor:

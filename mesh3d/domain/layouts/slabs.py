@@ -18,6 +18,7 @@ import torch
 
 from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.comm.rows import Span, plan_exchange
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.comm.rows import block_needs
@@ -28,16 +29,18 @@ __all__ = ["full_tensor", "replicate_if_singleton"]
 class _FullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, spec: DomainSpec, plan):
-        ctx.spec = spec
+        ctx.spec, ctx.plan = spec, plan
         with torch.no_grad():
             whole = gather_rows(local, spec.dim, plan, spec.comm)
         return whole.view_as(whole) if whole is local else whole
 
     @staticmethod
     def backward(ctx, grad):
-        spec = ctx.spec
-        # The whole tensor is replicated, so each rank's gradient is the whole gradient: keep my slice.
-        return grad.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]), None, None
+        spec, plan = ctx.spec, ctx.plan
+        # The whole tensor is replicated, so each rank's gradient is the whole gradient: keep my slice (and, with
+        # create_graph=True, record it: its own gradient is the gather again).
+        return linear_map(lambda g: g.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]),
+                          lambda g: gather_rows(g, spec.dim, plan, spec.comm), grad), None, None
 
 
 def full_tensor(x: DomainTensor) -> DomainTensor:

@@ -29,6 +29,7 @@ from mesh3d.domain.layouts.blocks import block_full_tensor
 from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.comm.rows import Span, plan_exchange
 from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.comm.collectives import sum_grad
@@ -66,27 +67,37 @@ def gather_all_tokens(local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
     return gather_rows(local, spec.token_dim, plan_exchange(spec.counts, everything, spec.comm.index), spec.comm)
 
 
+def _whole_tokens(local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
+    """Every token in global order (not differentiable by itself: ``_TokenFullTensor`` is)."""
+    if spec.keys is not None:  # scores: the keys dim to the global order first
+        local = local.index_select(spec.keys_dim, torch.argsort(spec.keys.gathered_index).to(local.device))
+    if spec.prefix == 0:  # the blocks' gather, then one reshape: no permutation needed
+        grid, bspec = tokens_to_blocks(local, spec)
+        whole = unwrap(block_full_tensor(adopt(grid.detach(), bspec)))
+        return whole.flatten(spec.token_dim, spec.token_dim + len(spec.sizes) - 1).clone()
+    gathered = gather_all_tokens(local, spec)
+    return gathered.index_select(spec.token_dim, torch.argsort(spec.gathered_index).to(local.device))
+
+
+def _own_tokens(grad: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
+    """The replicated value's gradient is the same on every rank: this rank's tokens of it."""
+    grad = grad.index_select(spec.token_dim, spec.global_index.to(grad.device))
+    if spec.keys is not None:  # and back to the gathered order of the keys
+        grad = grad.index_select(spec.keys_dim, spec.keys.gathered_index.to(grad.device))
+    return grad
+
+
 class _TokenFullTensor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
         ctx.spec = spec
         with torch.no_grad():
-            if spec.keys is not None:  # scores: the keys dim to the global order first
-                local = local.index_select(spec.keys_dim, torch.argsort(spec.keys.gathered_index).to(local.device))
-            if spec.prefix == 0:  # the blocks' gather, then one reshape: no permutation needed
-                grid, bspec = tokens_to_blocks(local, spec)
-                whole = unwrap(block_full_tensor(adopt(grid.detach(), bspec)))
-                return whole.flatten(spec.token_dim, spec.token_dim + len(spec.sizes) - 1).clone()
-            gathered = gather_all_tokens(local, spec)
-            return gathered.index_select(spec.token_dim, torch.argsort(spec.gathered_index).to(local.device))
+            return _whole_tokens(local, spec)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec  # the replicated value's gradient is the same on every rank: keep this rank's tokens
-        grad = grad.index_select(spec.token_dim, spec.global_index.to(grad.device))
-        if spec.keys is not None:  # and back to the gathered order of the keys
-            grad = grad.index_select(spec.keys_dim, spec.keys.gathered_index.to(grad.device))
-        return grad, None
+        spec = ctx.spec  # with create_graph=True recorded too: its own gradient is the gather
+        return linear_map(lambda g: _own_tokens(g, spec), lambda g: _whole_tokens(g, spec), grad), None
 
 
 def token_full_tensor(x: DomainTensor) -> DomainTensor:

@@ -24,6 +24,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import run_exchange, exchange_point
 from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
 __all__ = ["move_local", "move_rows", "move_sharding"]
@@ -71,7 +72,9 @@ class _Move(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         comm, src_dim, src_sizes, dst_dim, dst_sizes = ctx.args
-        return move_local(grad, comm, dst_dim, dst_sizes, src_dim, src_sizes), None, None, None, None, None
+        return linear_map(lambda g: move_local(g, comm, dst_dim, dst_sizes, src_dim, src_sizes),
+                          lambda g: move_local(g, comm, src_dim, src_sizes, dst_dim, dst_sizes),
+                          grad), None, None, None, None, None
 
 
 def move_rows(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: Sequence[int], dst_dim: int,

@@ -14,9 +14,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import sum_dtype, all_reduce_sum
+from mesh3d.domain.comm.collectives import all_reduce_sum, reduce_for_local_use, sum_dtype
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.core.linear import recordable
 from mesh3d.domain.core.tensor import DomainTensor
 
 __all__ = ["normalize", "rounded_like"]
@@ -43,16 +44,45 @@ class _Normalize(torch.autograd.Function):
         normalized = centred.mul_(rstd)
         ctx.save_for_backward(normalized if save_output else local, mean, rstd)
         ctx.dims, ctx.count, ctx.comm, ctx.save_output = dims, count, comm, save_output
-        ctx.mark_non_differentiable(mean, var)
-        return normalized, mean, var
+        ctx.mark_non_differentiable(var)
+        ctx.set_materialize_grads(False)
+        return normalized, mean, var, rstd
 
     @staticmethod
-    def backward(ctx, grad, _grad_mean, _grad_var):
+    def backward(ctx, grad, grad_mean, _grad_var, grad_rstd):
         saved, mean, rstd = ctx.saved_tensors
         normalized = saved if ctx.save_output else (saved - mean) * rstd
-        sums = torch.stack([grad.sum(ctx.dims, keepdim=True), (grad * normalized).sum(ctx.dims, keepdim=True)])
-        means = all_reduce_sum(sums, ctx.comm) / ctx.count
-        return rstd * (grad - means[0] - normalized * means[1]), None, None, None, None, None
+        dims, count, comm = ctx.dims, ctx.count, ctx.comm
+        if torch.is_grad_enabled():
+            # NOTE: create_graph=True (second derivatives): the same formula in recorded ops on this node's own outputs
+            # (normalized, mean, rstd), with all-reduces whose backward sums, so its gradient comes back through here.
+            return _recorded_backward(grad, grad_mean, grad_rstd, normalized, rstd, dims, count, comm), *(None,) * 5
+        out = None
+        if grad is not None:
+            sums = torch.stack([grad.sum(dims, keepdim=True), (grad * normalized).sum(dims, keepdim=True)])
+            means = all_reduce_sum(sums, comm) / count
+            out = rstd * (grad - means[0] - normalized * means[1])
+        for g, term in ((grad_mean, 1.0), (grad_rstd, -rstd * rstd * normalized)):  # used directly: rarely
+            if g is not None:
+                part = all_reduce_sum(g, comm) / count * term
+                out = part.expand(normalized.shape) if out is None else out + part
+        return out, None, None, None, None, None
+
+
+def _recorded_backward(grad, grad_mean, grad_rstd, normalized, rstd, dims, count, comm):
+    """``_Normalize.backward`` in differentiable ops: dx = rstd (g - M(g) - xhat M(g xhat)) + S(g_mean) / n
+    - S(g_rstd) rstd^2 xhat / n, with M a mean and S a sum over the whole domain."""
+    grad, grad_mean, grad_rstd = (None if g is None else recordable(g) for g in (grad, grad_mean, grad_rstd))
+    out = torch.zeros_like(normalized)
+    if grad is not None:
+        means = reduce_for_local_use(torch.stack([grad.sum(dims, keepdim=True),
+                                                  (grad * normalized).sum(dims, keepdim=True)]), comm) / count
+        out = rstd * (grad - means[0] - normalized * means[1])
+    if grad_mean is not None:
+        out = out + reduce_for_local_use(grad_mean, comm) / count
+    if grad_rstd is not None:
+        out = out - reduce_for_local_use(grad_rstd, comm) / count * rstd * rstd * normalized
+    return out
 
 
 def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm, affine: tuple = ()):
@@ -63,7 +93,7 @@ def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm
     """
     acc = sum_dtype(local.dtype)
     return _Normalize.apply(local if acc is None else local.to(acc), dims, count, eps, comm,
-                            any(p is not None for p in affine))
+                            any(p is not None for p in affine))[:3]
 
 
 def rounded_like(y: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

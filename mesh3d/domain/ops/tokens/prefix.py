@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.ops.grid_reshape import untouched_index
@@ -61,19 +62,28 @@ class _TakeRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
-        ctx.spec, ctx.start, ctx.shape = spec, start, local.shape
-        needs = tuple((Span.rows(start, stop),) for _ in spec.counts)  # rank 0 holds global rows 0.. first
+        ctx.spec, ctx.start, ctx.stop, ctx.shape = spec, start, stop, local.shape
         with torch.no_grad():
-            out = gather_rows(local, spec.token_dim, plan_exchange(spec.counts, needs, spec.comm.index), spec.comm)
+            out = _take(local, spec, start, stop)
         return out.clone() if out is local else out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec
-        out = grad.new_zeros(ctx.shape)
-        if spec.comm.index == 0:  # the value is replicated: its gradient is too, so the owner keeps it once
-            out.narrow(spec.token_dim, ctx.start, grad.shape[spec.token_dim]).copy_(grad)
-        return out, None, None, None
+        spec, start, stop, shape = ctx.spec, ctx.start, ctx.stop, ctx.shape
+        return linear_map(lambda g: _give_back(g, spec, start, shape), lambda g: _take(g, spec, start, stop),
+                          grad), None, None, None
+
+
+def _take(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
+    needs = tuple((Span.rows(start, stop),) for _ in spec.counts)  # rank 0 holds global rows 0.. first
+    return gather_rows(local, spec.token_dim, plan_exchange(spec.counts, needs, spec.comm.index), spec.comm)
+
+
+def _give_back(grad: torch.Tensor, spec: TokenSpec, start: int, shape: torch.Size) -> torch.Tensor:
+    out = grad.new_zeros(shape)
+    if spec.comm.index == 0:  # the value is replicated: its gradient is too, so the owner keeps it once
+        out.narrow(spec.token_dim, start, grad.shape[spec.token_dim]).copy_(grad)
+    return out
 
 
 def _getitem(x: DomainTensor, index):
