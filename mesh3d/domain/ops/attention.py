@@ -20,6 +20,7 @@ from mesh3d.domain.attention.compiled import compiled_sharded_attention, takes
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.idioms import strided_rows
+from mesh3d.domain.ops.mixed_attention import mixed_attention
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.split import offsets_of
@@ -83,6 +84,9 @@ def _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enabl
 
 @register(F.scaled_dot_product_attention)
 def sdpa_rule(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    mixed = mixed_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if mixed is not None:  # operands sharded differently: cross-attention, latent queries (ops/mixed_attention.py)
+        return mixed
     if _batched(query, key, value):  # sharded along a batch dim (Swin's windows): local
         return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if torch.compiler.is_dynamo_compiling():

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.dispatch.dispatcher import redispatch, run_step
+from mesh3d.domain.ops.pieces import cat_pieces, index_rows
 from mesh3d.domain.ops.reshape import reshaped, target_shape
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.core.split import offsets_of
@@ -106,10 +107,15 @@ def _getitem(x: DomainTensor, index):
                 if step <= 0:
                     raise NotImplementedError("a slice with a negative step along the sharded dim is not supported")
                 new_dim = out_dim
+            elif isinstance(item, (torch.Tensor, list)) and sum(
+                    isinstance(j, (torch.Tensor, list)) for j in items) == 1:  # x[..., idx, :]: ops/pieces.py
+                picked = run_step(index_rows(x, spec.dim, torch.as_tensor(item)))
+                return redispatch(torch.Tensor.__getitem__, picked, tuple(slice(None) if j is item else j for j in items))
             else:
                 raise NotImplementedError(
                     f"torch.Tensor.__getitem__ with a {type(item).__name__} index along the sharded dim {spec.dim} "
-                    "is not supported (ints and slices are); call .full_tensor() first"
+                    "is not supported with another tensor index (ints, slices and one 1-D index tensor are); call "
+                    ".full_tensor() first"
                 )
         elif not isinstance(item, (int, slice)):
             if sum(not isinstance(j, (int, slice)) and j is not None for j in items) > 1 or (
@@ -158,11 +164,8 @@ def cat_along_sharded(tensors: Sequence, dim: int, ref: DomainTensor) -> Step:
     """
     spec = ref.spec
     sharded = [i for i, t in enumerate(tensors) if isinstance(t, DomainTensor) and t.spec.dim is not None]
-    if len(sharded) != 1:
-        raise NotImplementedError(
-            f"torch.cat along the sharded dim {spec.dim} of several sharded tensors is not supported (each rank "
-            "holds a part of each); concatenate along another dim, or call .full_tensor() first"
-        )
+    if len(sharded) != 1:  # several sharded pieces: their rows laid out anew (ops/pieces.py)
+        return cat_pieces(list(tensors), dim, ref)
     at = sharded[0]
     holders = [r for r, s in enumerate(spec.sizes) if s]
     first, last = (holders[0], holders[-1]) if holders else (0, spec.comm.size - 1)

@@ -180,9 +180,10 @@ def _linear(input, weight, bias=None) -> Step:
 def _cat(tensors, dim=0) -> Step:
     # torch.cat skips 1-D empty tensors next to higher-dim ones (a legacy rule that KV caches start from)
     tensors = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() == 0)] or tensors
+    first = _sharded(tensors)[0]
+    if _norm_dim(dim, first.ndim) == first.spec.dim:  # pieces of any lengths along the sharded dim
+        return cat_along_sharded(tensors, first.spec.dim, first)
     ref = _check_same_sharding(torch.cat, _sharded(tensors))
-    if _norm_dim(dim, ref.ndim) == ref.spec.dim:
-        return cat_along_sharded(tensors, ref.spec.dim, ref)
     length = sum(ref.spec.sizes)
 
     def requirement(t):

@@ -30,6 +30,7 @@ from mesh3d.domain.layouts.blocks import gather_along
 from mesh3d.domain.ops.attention import neighbourhood_attention as slab_neighbourhood_attention
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.dispatch.registry import TOKEN_RULES
+from mesh3d.domain.ops.mixed_attention import mixed_attention
 from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
@@ -57,6 +58,9 @@ def _kv(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, int | Non
 
 
 def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    mixed = mixed_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if mixed is not None:  # a plain conditioning (cross-attention), latent queries: ops/mixed_attention.py
+        return mixed
     if torch.compiler.is_dynamo_compiling() and query.spec.comm.size > 1 and takes(query, key, value, attn_mask):
         # NOTE: as on slabs, one custom op pair carries any mode in the graph (mesh3d/domain/attention/compiled.py)
         return compiled_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)

@@ -1,0 +1,56 @@
+"""``torch.cdist`` with rows of a domain tensor (a codebook lookup after ``x.view(-1, c)``), on slabs and strided slabs.
+
+Usage: automatic: ``d = torch.cdist(xs.view(-1, c), codebook)`` gives each rank its rows' distances to every code.
+
+Distances are row by row: rows sharded (along the row dim or a batch dim, strided or not) against whole rows
+(plain or replicated) are local; whole rows against sharded ones give the columns sharded; two sharded sets of
+rows gather the second whole (O(its rows) per rank). A sharded feature dim (the one summed over) is refused.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES
+from mesh3d.domain.dispatch.step import Entering, Rows, Step
+
+__all__: list[str] = []
+
+
+def _sharded(t) -> bool:
+    return isinstance(t, DomainTensor) and t.spec.dim is not None
+
+
+def _cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
+    for t in (x1, x2):
+        if _sharded(t) and t.spec.dim == t.ndim - 1:
+            raise NotImplementedError("torch.cdist over a sharded feature dim (the last one, summed over) is not "
+                                      "supported; shard the rows (dim -2) or a batch dim")
+
+    def run(a, b):
+        return torch.cdist(a, b, p, compute_mode)
+
+    whole2 = Entering(x2) if isinstance(x2, DomainTensor) and not _sharded(x2) else x2
+    if _sharded(x1):
+        if _sharded(x2):
+            if x2.spec.dim != x2.ndim - 2 or x2.spec.outer != 1:
+                raise NotImplementedError("torch.cdist of two sharded sets of rows: the second must be sharded along "
+                                          "its rows (dim -2) as a slab")
+            everything = tuple((Span.rows(0, sum(x2.spec.sizes)),) for _ in x2.spec.sizes)
+            whole2 = Rows(x2, everything)
+        shift = max(x1.ndim, x2.ndim) - x1.ndim
+        return Step(run, (x1, whole2), out=x1.spec.with_sizes(x1.spec.sizes, dim=x1.spec.dim + shift),
+                    keep=(x2,) if not isinstance(x2, DomainTensor) else ())
+    spec = x2.spec
+    if spec.dim != x2.ndim - 2:
+        raise NotImplementedError("torch.cdist of whole rows against rows sharded along a batch dim: shard both alike")
+    whole1 = Entering(x1) if isinstance(x1, DomainTensor) else x1
+    out_ndim = max(x1.ndim, x2.ndim)
+    return Step(run, (whole1, x2), out=spec.with_sizes(spec.sizes, dim=out_ndim - 1),
+                keep=(x1,) if not isinstance(x1, DomainTensor) else ())
+
+
+for _table in (RULES, STRIDED_RULES):
+    _table.register(torch.cdist, _cdist)

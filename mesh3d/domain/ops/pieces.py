@@ -1,0 +1,152 @@
+"""Rows of the sharded dim put together anew: ``cat`` of several sharded pieces, ``repeat``/``tile`` along it, and
+index tensors along it (``x[..., idx, :]``, ``index_select``), on slabs.
+
+Usage: automatic, through torch::
+
+    torch.cat([x[..., -p:, :], x, x[..., :p, :]], dim=2)    # periodic padding of the sharded dim
+    torch.cat([x[:, n // 2:], x[:, :n // 2]], 1)            # halves swapped
+    x.repeat(1, 2, 1); x.tile((1, 3, 1))                    # copies of the sharded dim one after another
+    x[:, :, lat_idx]; x.index_select(2, lat_idx)            # rows picked by a plain index tensor (global indices)
+
+The result's rows are laid out anew (below), each rank gathering the rows of its part from their owners through the
+exchange (``Rows``: one message per sender, and the exact adjoint in backward). Layouts: a cat whose largest sharded
+piece holds three quarters of the rows or more keeps that piece's layout, the other pieces joining its first or last
+holder (periodic padding moves only the pad rows); other cats, ``repeat`` and non-monotone indices are split as
+``torch.chunk`` does; a nondecreasing index keeps each picked row with the rank that holds it (no row moves).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesh3d.domain.comm.rows import Span, runs_from_indices
+from mesh3d.domain.core.split import offsets_of, split_sizes
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
+from mesh3d.domain.dispatch.dispatcher import run_step
+from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.step import Entering, Rows, Step
+
+__all__ = ["cat_pieces", "index_rows"]
+
+
+def _layout(lengths: list[int], sharded: list, dim: int, parts: int) -> tuple[int, ...]:
+    """The result's sizes: the dominant sharded piece's layout extended, else ``torch.chunk``'s split."""
+    total = sum(lengths)
+    best = max((i for i, t in enumerate(sharded) if t is not None), key=lambda i: lengths[i], default=None)
+    if best is None or 4 * lengths[best] < 3 * total:
+        return split_sizes(total, parts)
+    sizes = list(sharded[best].spec.sizes)
+    holders = [r for r, n in enumerate(sizes) if n] or [0, parts - 1]
+    sizes[holders[0]] += sum(lengths[:best])
+    sizes[holders[-1]] += sum(lengths[best + 1:])
+    return tuple(sizes)
+
+
+def cat_pieces(tensors: list, dim: int, ref: DomainTensor) -> Step:
+    """``torch.cat(tensors, dim)`` along the sharded dim of several sharded pieces (and plain or replicated ones).
+
+    Usage: ``cat_pieces([left, xs, right], 2, xs)`` (the ``torch.cat`` rule calls it)
+    """
+    spec = ref.spec
+    sharded = [t if isinstance(t, DomainTensor) and t.spec.dim is not None else None for t in tensors]
+    for t in sharded:
+        if t is not None and (t.ndim - t.spec.dim != ref.ndim - spec.dim or t.spec.outer != 1):
+            raise NotImplementedError("torch.cat along the sharded dim: every sharded piece must be a slab sharded "
+                                      f"along that dim (dim {spec.dim}); reshape strided pieces back first")
+    lengths = [size_of(t)[dim] for t in tensors]
+    sizes = _layout(lengths, sharded, dim, spec.comm.size)
+    me, starts = spec.comm.index, offsets_of(sizes)
+    reqs, at = [], 0
+    for t, s, n in zip(tensors, sharded, lengths):
+        lo = [max(o, at) - at for o in starts]
+        hi = [min(o + c, at + n) - at for o, c in zip(starts, sizes)]
+        if s is not None:
+            reqs.append(Rows(s, tuple((Span.rows(a, b),) if b > a else () for a, b in zip(lo, hi))))
+        else:
+            whole = Entering(t) if isinstance(t, DomainTensor) else t
+            reqs.append((whole, lo[me], max(hi[me] - lo[me], 0)))
+        at += n
+
+    def compute(*parts):
+        local = [p[0].narrow(dim, p[1], p[2]) if isinstance(p, tuple) else p for p in parts]
+        return torch.cat(local, dim)
+
+    flat = [r for req in reqs for r in (req if isinstance(req, tuple) else (req,))]
+    shapes = [isinstance(r, tuple) for r in reqs]
+
+    def run(*args):
+        it, parts = iter(args), []
+        for is_whole in shapes:
+            parts.append((next(it), next(it), next(it)) if is_whole else next(it))
+        return compute(*parts)
+
+    return Step(run, tuple(flat), out=spec.with_sizes(sizes),
+                keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+
+
+def index_rows(x: DomainTensor, dim: int, index: torch.Tensor) -> Step:
+    """``x.index_select(dim, index)`` along the sharded dim (``index``: a plain 1-D tensor of global rows, or a bool
+    mask of the dim's length): each rank gathers the rows of its part of the result from their owners.
+
+    Usage: ``index_rows(xs, 2, torch.tensor([0, 2, 4]))``
+    """
+    spec = x.spec
+    n = sum(spec.sizes)
+    if isinstance(index, DomainTensor):
+        raise NotImplementedError("an index tensor that is a domain tensor along the sharded dim is not supported; "
+                                  "index with a plain tensor of global indices")
+    if index.dtype == torch.bool:
+        if index.ndim != 1 or index.shape[0] != n:
+            raise IndexError(f"a bool index along the sharded dim {dim} must be 1-D of its length {n}; got shape "
+                             f"{tuple(index.shape)}")
+        index = index.nonzero().flatten()
+    if index.ndim != 1 or index.is_floating_point():
+        raise NotImplementedError(f"an index tensor along the sharded dim {dim} must be a 1-D integer tensor (got "
+                                  f"{tuple(index.shape)} {index.dtype}); flatten it and reshape the result")
+    rows = [int(i) + (n if int(i) < 0 else 0) for i in index.tolist()]
+    if any(not 0 <= r < n for r in rows):
+        raise IndexError(f"index out of range for the sharded dim {dim} of length {n}")
+    owners = offsets_of(spec.sizes)
+    if all(a <= b for a, b in zip(rows, rows[1:])):  # monotone: each picked row stays with the rank holding it
+        sizes = tuple(sum(1 for r in rows if o <= r < o + c) for o, c in zip(owners, spec.sizes))
+    else:
+        sizes = split_sizes(len(rows), spec.comm.size)
+    bounds = offsets_of(sizes)
+    needs = tuple(runs_from_indices(rows[b:b + c]) for b, c in zip(bounds, sizes))
+    return Step(lambda t: t, (Rows(x, needs),), out=spec.with_sizes(sizes))
+
+
+def _repeat_sizes(sizes: tuple) -> tuple[int, ...]:
+    return tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else tuple(sizes)
+
+
+@register(torch.Tensor.repeat)
+def _repeat(input, *sizes):
+    """Copies along every dim: local where the sharded dim is copied once, else the copies' cat along it."""
+    reps = _repeat_sizes(sizes)
+    if len(reps) < input.ndim:
+        raise RuntimeError("Number of dimensions of repeat dims can not be smaller than number of dimensions of tensor")
+    spec = input.spec
+    new = len(reps) - input.ndim
+    dim = spec.dim + new
+    local = list(reps)
+    local[dim] = 1
+    step = Step(lambda t: t.repeat(local), (input,), out=spec.with_sizes(spec.sizes, dim=dim))
+    if reps[dim] == 1:
+        return step
+    copied = run_step(step)
+    return cat_pieces([copied] * reps[dim], dim, copied)
+
+
+@register(torch.tile, torch.Tensor.tile)
+def _tile(input, *dims):
+    reps = _repeat_sizes(dims)
+    return _repeat(input, *((1,) * (input.ndim - len(reps)) + reps))
+
+
+@register(torch.index_select, torch.Tensor.index_select)
+def _index_select(input, dim, index):
+    d = dim % input.ndim
+    if d != input.spec.dim:
+        return Step(lambda t, i: torch.index_select(t, d, i), (input, unwrap(index)), out=input.spec)
+    return index_rows(input, d, unwrap(index))
