@@ -25,14 +25,14 @@ from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 
-__all__ = ["piece"]
+__all__ = ["piece", "rolled_rows"]
 
 
 def _dims(dims, ndim: int) -> list[int]:
     return [d % ndim for d in ((dims,) if isinstance(dims, int) else dims)]
 
 
-def _rolled_rows(offset: int, count: int, shift: int, n: int) -> tuple[Span, ...]:
+def rolled_rows(offset: int, count: int, shift: int, n: int) -> tuple[Span, ...]:
     """Global source rows of output rows [offset, offset + count) of a roll by ``shift``: at most two runs."""
     if count == 0:
         return ()
@@ -61,7 +61,7 @@ def _roll(input, shifts, dims=None) -> Step:
 
     if along % max(n, 1) == 0:
         return Step(roll_others, (input,), out=spec)
-    needs = tuple(_rolled_rows(o, c, along, n) for o, c in zip(offsets_of(spec.sizes), spec.sizes))
+    needs = tuple(rolled_rows(o, c, along, n) for o, c in zip(offsets_of(spec.sizes), spec.sizes))
     return Step(roll_others, (Rows(input, needs),), out=spec)
 
 

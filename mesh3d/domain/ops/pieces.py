@@ -26,20 +26,65 @@ from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.step import Entering, Rows, Step
 
-__all__ = ["cat_pieces", "index_rows"]
+__all__ = ["cat_pieces", "global_rows", "index_plan", "index_rows", "joined_sizes", "piece_needs"]
 
 
-def _layout(lengths: list[int], sharded: list, dim: int, parts: int) -> tuple[int, ...]:
-    """The result's sizes: the dominant sharded piece's layout extended, else ``torch.chunk``'s split."""
+def joined_sizes(lengths: list[int], piece_sizes: list, parts: int) -> tuple[int, ...]:
+    """The sizes of ``cat``'s result: the dominant sharded piece's layout (``piece_sizes[i]``; None for a whole piece)
+    with the others joining its first or last holder, else ``torch.chunk``'s split.
+
+    Usage: ``joined_sizes([2, 9, 2], [(0, 2), (5, 4), (2, 0)], 2)  # (7, 6)``
+    """
     total = sum(lengths)
-    best = max((i for i, t in enumerate(sharded) if t is not None), key=lambda i: lengths[i], default=None)
+    best = max((i for i, s in enumerate(piece_sizes) if s is not None), key=lambda i: lengths[i], default=None)
     if best is None or 4 * lengths[best] < 3 * total:
         return split_sizes(total, parts)
-    sizes = list(sharded[best].spec.sizes)
+    sizes = list(piece_sizes[best])
     holders = [r for r, n in enumerate(sizes) if n] or [0, parts - 1]
     sizes[holders[0]] += sum(lengths[:best])
     sizes[holders[-1]] += sum(lengths[best + 1:])
     return tuple(sizes)
+
+
+def piece_needs(sizes: tuple[int, ...], at: int, n: int) -> tuple[tuple, ...]:
+    """Per rank: the rows of a piece (rows ``at .. at + n`` of the result laid out as ``sizes``) it holds, as runs of
+    the piece's own rows; and this rank's (start, count) of them is ``needs[r]``'s one span."""
+    starts = offsets_of(sizes)
+    out = []
+    for o, c in zip(starts, sizes):
+        a, b = max(o, at) - at, min(o + c, at + n) - at
+        out.append((Span.rows(a, b),) if b > a else ())
+    return tuple(out)
+
+
+def index_plan(rows: list[int], sizes: tuple[int, ...], parts: int) -> tuple[tuple[int, ...], tuple]:
+    """(the result's sizes, each rank's needs) of picking global ``rows`` of a dim laid out as ``sizes``: a
+    nondecreasing pick keeps each row with its holder; any other is split as ``torch.chunk`` does."""
+    owners = offsets_of(sizes)
+    if all(a <= b for a, b in zip(rows, rows[1:])):
+        out = tuple(sum(1 for r in rows if o <= r < o + c) for o, c in zip(owners, sizes))
+    else:
+        out = split_sizes(len(rows), parts)
+    return out, tuple(runs_from_indices(rows[b:b + c]) for b, c in zip(offsets_of(out), out))
+
+
+def global_rows(index: torch.Tensor, n: int, dim: int) -> list[int]:
+    """A plain 1-D integer index (negative allowed) or a bool mask of length ``n`` as a list of global rows."""
+    if isinstance(index, DomainTensor):
+        raise NotImplementedError("an index tensor that is a domain tensor along the sharded dim is not supported; "
+                                  "index with a plain tensor of global indices")
+    if index.dtype == torch.bool:
+        if index.ndim != 1 or index.shape[0] != n:
+            raise IndexError(f"a bool index along the sharded dim {dim} must be 1-D of its length {n}; got shape "
+                             f"{tuple(index.shape)}")
+        index = index.nonzero().flatten()
+    if index.ndim != 1 or index.is_floating_point():
+        raise NotImplementedError(f"an index tensor along the sharded dim {dim} must be a 1-D integer tensor (got "
+                                  f"{tuple(index.shape)} {index.dtype}); flatten it and reshape the result")
+    rows = [int(i) + (n if int(i) < 0 else 0) for i in index.tolist()]
+    if any(not 0 <= r < n for r in rows):
+        raise IndexError(f"index out of range for the sharded dim {dim} of length {n}")
+    return rows
 
 
 def cat_pieces(tensors: list, dim: int, ref: DomainTensor) -> Step:
@@ -54,17 +99,17 @@ def cat_pieces(tensors: list, dim: int, ref: DomainTensor) -> Step:
             raise NotImplementedError("torch.cat along the sharded dim: every sharded piece must be a slab sharded "
                                       f"along that dim (dim {spec.dim}); reshape strided pieces back first")
     lengths = [size_of(t)[dim] for t in tensors]
-    sizes = _layout(lengths, sharded, dim, spec.comm.size)
-    me, starts = spec.comm.index, offsets_of(sizes)
+    sizes = joined_sizes(lengths, [None if t is None else t.spec.sizes for t in sharded], spec.comm.size)
+    me = spec.comm.index
     reqs, at = [], 0
     for t, s, n in zip(tensors, sharded, lengths):
-        lo = [max(o, at) - at for o in starts]
-        hi = [min(o + c, at + n) - at for o, c in zip(starts, sizes)]
+        needs = piece_needs(sizes, at, n)
         if s is not None:
-            reqs.append(Rows(s, tuple((Span.rows(a, b),) if b > a else () for a, b in zip(lo, hi))))
+            reqs.append(Rows(s, needs))
         else:
             whole = Entering(t) if isinstance(t, DomainTensor) else t
-            reqs.append((whole, lo[me], max(hi[me] - lo[me], 0)))
+            mine = needs[me]
+            reqs.append((whole, mine[0].start if mine else 0, len(mine[0]) if mine else 0))
         at += n
 
     def compute(*parts):
@@ -91,28 +136,7 @@ def index_rows(x: DomainTensor, dim: int, index: torch.Tensor) -> Step:
     Usage: ``index_rows(xs, 2, torch.tensor([0, 2, 4]))``
     """
     spec = x.spec
-    n = sum(spec.sizes)
-    if isinstance(index, DomainTensor):
-        raise NotImplementedError("an index tensor that is a domain tensor along the sharded dim is not supported; "
-                                  "index with a plain tensor of global indices")
-    if index.dtype == torch.bool:
-        if index.ndim != 1 or index.shape[0] != n:
-            raise IndexError(f"a bool index along the sharded dim {dim} must be 1-D of its length {n}; got shape "
-                             f"{tuple(index.shape)}")
-        index = index.nonzero().flatten()
-    if index.ndim != 1 or index.is_floating_point():
-        raise NotImplementedError(f"an index tensor along the sharded dim {dim} must be a 1-D integer tensor (got "
-                                  f"{tuple(index.shape)} {index.dtype}); flatten it and reshape the result")
-    rows = [int(i) + (n if int(i) < 0 else 0) for i in index.tolist()]
-    if any(not 0 <= r < n for r in rows):
-        raise IndexError(f"index out of range for the sharded dim {dim} of length {n}")
-    owners = offsets_of(spec.sizes)
-    if all(a <= b for a, b in zip(rows, rows[1:])):  # monotone: each picked row stays with the rank holding it
-        sizes = tuple(sum(1 for r in rows if o <= r < o + c) for o, c in zip(owners, spec.sizes))
-    else:
-        sizes = split_sizes(len(rows), spec.comm.size)
-    bounds = offsets_of(sizes)
-    needs = tuple(runs_from_indices(rows[b:b + c]) for b, c in zip(bounds, sizes))
+    sizes, needs = index_plan(global_rows(index, sum(spec.sizes), dim), spec.sizes, spec.comm.size)
     return Step(lambda t: t, (Rows(x, needs),), out=spec.with_sizes(sizes))
 
 

@@ -1,0 +1,214 @@
+"""Rows moved along a block dim: ``roll``, ``cat`` of several pieces along it (periodic padding of longitude),
+index tensors along it, ``repeat``/``tile``/``expand``; on blocks of a domain grid.
+
+Usage: automatic, through torch::
+
+    xs.roll(3, dims=-1)                                     # longitude rolled on a lat x lon grid of blocks
+    torch.cat([xs[..., -p:], xs, xs[..., :p]], dim=-1)      # periodic padding along a block dim
+    xs[..., lat_idx, :]; xs.index_select(2, lat_idx)        # rows picked by a plain index tensor
+    xs.repeat(1, 2, 1, 1); xs.expand(3, -1, -1, -1)         # copies of other dims (of a block dim: a cat)
+
+Each is the slab rule along one grid line: the rows of that block dim travel along the line (``gather_along``), the
+other block dims stay as they are; the result's sizes along it follow ``mesh3d.domain.ops.pieces``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mesh3d.domain.comm.collectives import sum_grad
+from mesh3d.domain.comm.rows import block_needs
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
+from mesh3d.domain.layouts.blocks import gather_along
+from mesh3d.domain.ops.blocks import layout, resample  # noqa: F401  (their rules, wrapped here, registered first)
+from mesh3d.domain.ops.global_index import rolled_rows
+from mesh3d.domain.ops.idioms import expand_index
+from mesh3d.domain.ops.pieces import global_rows, index_plan, joined_sizes, piece_needs
+
+__all__: list[str] = []
+
+
+def _spec(x: DomainTensor) -> BlockSpec:
+    spec = x._spec
+    assert isinstance(spec, BlockSpec)
+    return spec
+
+
+def _roll(input, shifts, dims=None):
+    if dims is None:
+        raise NotImplementedError("torch.roll without dims= flattens the tensor, mixing the block dims; give dims=")
+    spec = _spec(input)
+    shifts_t = (shifts,) if isinstance(shifts, int) else tuple(shifts)
+    dims_t = [d % input.ndim for d in ((dims,) if isinstance(dims, int) else dims)]
+    local = unwrap(input)
+    others = [(s, d) for s, d in zip(shifts_t, dims_t) if d not in spec.dims]
+    for axis, d in enumerate(spec.dims):
+        along = sum(s for s, e in zip(shifts_t, dims_t) if e == d)
+        n = sum(spec.sizes[axis])
+        if n and along % n:
+            needs = tuple(rolled_rows(o, c, along, n) for o, c in zip(offsets_of(spec.sizes[axis]), spec.sizes[axis]))
+            local = gather_along(local, spec, axis, needs)
+    if others:
+        local = torch.roll(local, [s for s, _ in others], [d for _, d in others])
+    return adopt(local if local is not unwrap(input) else local.view_as(local), spec)
+
+
+def _on_other_axes(t: DomainTensor, ref: BlockSpec, axis: int) -> torch.Tensor:
+    """``t``'s local block with its rows of every block dim but ``axis`` laid out as ``ref``'s."""
+    have, local = _spec(t), unwrap(t)
+    for k, (mine, want) in enumerate(zip(have.sizes, ref.sizes)):
+        if k != axis and mine != want:
+            local = gather_along(local, have, k, block_needs(want))
+    return local
+
+
+def cat_along_block_dim(tensors: list, dim: int, ref: DomainTensor) -> DomainTensor:
+    """``torch.cat`` along the block dim ``dim`` of block pieces (and plain or replicated ones of global lengths).
+
+    Usage: ``cat_along_block_dim([left, xs, right], 3, xs)``
+    """
+    spec = _spec(ref)
+    axis = spec.dims.index(dim)
+    line = spec.lines[axis]
+    lengths = [size_of(t)[dim] for t in tensors]
+    blocks = [t if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec) else None for t in tensors]
+    sizes = joined_sizes(lengths, [None if b is None else _spec(b).sizes[axis] for b in blocks], line.size)
+    parts, at = [], 0
+    for t, b, n in zip(tensors, blocks, lengths):
+        needs = piece_needs(sizes, at, n)
+        if b is not None:
+            if _spec(b).dims != spec.dims:
+                raise NotImplementedError(f"{op_name(torch.cat)} on blocks: pieces with other block dims")
+            parts.append(gather_along(_on_other_axes(b, spec, axis), _spec(b), axis, needs))
+        else:
+            if isinstance(t, DomainTensor) and t._spec.sharded_dims:
+                raise NotImplementedError(f"{op_name(torch.cat)} on blocks: a piece laid out otherwise than blocks")
+            plain = sum_grad(unwrap(t), spec.comm) if isinstance(t, DomainTensor) and t.requires_grad else unwrap(t)
+            for k, d in enumerate(spec.dims):
+                if k != axis:
+                    plain = plain.narrow(d, spec.offsets[k], spec.local_sizes[k])
+            mine = needs[line.index]
+            parts.append(plain.narrow(dim, mine[0].start if mine else 0, len(mine[0]) if mine else 0))
+        at += n
+    new = list(spec.sizes)
+    new[axis] = sizes
+    return adopt(torch.cat(parts, dim), spec.with_sizes(tuple(new)),
+                 tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+
+
+_BLOCK_CAT = BLOCK_RULES.get(torch.cat)
+
+
+def _cat(tensors, dim=0):
+    first = next(t for t in tensors if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec))
+    d = dim % first.ndim
+    if d in _spec(first).dims:
+        return cat_along_block_dim(list(tensors), d, first)
+    return _BLOCK_CAT(tensors, dim)
+
+
+def _index_along(x: DomainTensor, dim: int, index: torch.Tensor) -> DomainTensor:
+    spec = _spec(x)
+    axis = spec.dims.index(dim)
+    sizes, needs = index_plan(global_rows(index, sum(spec.sizes[axis]), dim), spec.sizes[axis], spec.lines[axis].size)
+    new = list(spec.sizes)
+    new[axis] = sizes
+    return adopt(gather_along(unwrap(x), spec, axis, needs), spec.with_sizes(tuple(new)))
+
+
+_BLOCK_GETITEM = BLOCK_RULES.get(torch.Tensor.__getitem__)
+
+
+def _getitem(x, index):
+    """A 1-D index tensor on one block dim (``x[..., lat_idx, :]``): those rows gathered along the grid line."""
+    items = expand_index(index, x.ndim)
+    tensors = [i for i, item in enumerate(items) if isinstance(item, (torch.Tensor, list))]
+    if len(tensors) == 1 and isinstance(x, DomainTensor):
+        at = tensors[0]
+        dim = sum(1 for item in items[:at] if item is not None)
+        if dim in _spec(x).dims:
+            picked = _index_along(x, dim, torch.as_tensor(items[at]))
+            rest = tuple(slice(None) if i == at else item for i, item in enumerate(items))
+            return _BLOCK_GETITEM(picked, rest)
+    return _BLOCK_GETITEM(x, index)
+
+
+def _index_select(input, dim, index):
+    d = dim % input.ndim
+    if d in _spec(input).dims:
+        return _index_along(input, d, unwrap(index))
+    return adopt(torch.index_select(unwrap(input), d, unwrap(index)), _spec(input))
+
+
+def _reps(sizes: tuple) -> tuple[int, ...]:
+    return tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else tuple(sizes)
+
+
+def _repeat(input, *sizes):
+    reps = _reps(sizes)
+    spec = _spec(input)
+    new = len(reps) - input.ndim
+    local = list(reps)
+    dims = tuple(d + new for d in spec.dims)
+    for d in dims:
+        local[d] = 1
+    out = adopt(unwrap(input).repeat(local), type(spec)(dims, spec.sizes, spec.lines, spec.comm))
+    for d in dims:
+        if reps[d] != 1:
+            out = cat_along_block_dim([out] * reps[d], d, out)
+    return out
+
+
+def _tile(input, *dims):
+    reps = _reps(dims)
+    return _repeat(input, *((1,) * (input.ndim - len(reps)) + reps))
+
+
+def _expand(input, *sizes):
+    sizes_t = _reps(sizes)
+    spec = _spec(input)
+    new = len(sizes_t) - input.ndim
+    whole = size_of(input)
+    local = list(sizes_t)
+    for d in spec.dims:
+        if sizes_t[d + new] not in (-1, whole[d]):
+            raise RuntimeError(f"torch.Tensor.expand{sizes_t}: the size at the block dim {d + new} must stay "
+                               f"{whole[d]} (or -1), as in one process")
+        local[d + new] = -1
+    return adopt(unwrap(input).expand(local), type(spec)(tuple(d + new for d in spec.dims), spec.sizes, spec.lines,
+                                                         spec.comm))
+
+
+def _unsqueeze(input, dim):
+    spec = _spec(input)
+    d = dim % (input.ndim + 1)
+    return adopt(unwrap(input).unsqueeze(d), type(spec)(tuple(b + (b >= d) for b in spec.dims), spec.sizes,
+                                                        spec.lines, spec.comm))
+
+
+def _squeeze(input, dim=None):
+    spec = _spec(input)
+    whole = size_of(input)
+    dims = range(input.ndim) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
+    gone = sorted({d % input.ndim for d in dims if whole[d % input.ndim] == 1} - set(spec.dims))
+    local = unwrap(input).squeeze(tuple(gone)) if gone else unwrap(input).view_as(unwrap(input))
+    return adopt(local, type(spec)(tuple(b - sum(g < b for g in gone) for b in spec.dims), spec.sizes, spec.lines,
+                                   spec.comm))
+
+
+for _funcs, _rule in (
+    ((torch.unsqueeze, torch.Tensor.unsqueeze), _unsqueeze),
+    ((torch.squeeze, torch.Tensor.squeeze), _squeeze),
+    ((torch.roll, torch.Tensor.roll), _roll),
+    ((torch.cat, torch.concat), _cat),
+    ((torch.Tensor.__getitem__,), _getitem),
+    ((torch.index_select, torch.Tensor.index_select), _index_select),
+    ((torch.Tensor.repeat,), _repeat),
+    ((torch.tile, torch.Tensor.tile), _tile),
+    ((torch.Tensor.expand,), _expand),
+):
+    for _f in _funcs:
+        BLOCK_RULES.register(_f, _rule, override=True)
