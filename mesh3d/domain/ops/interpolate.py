@@ -29,6 +29,7 @@ from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.tensor import unwrap
 from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.core.plan_cache import plan_cache
+from mesh3d.domain.ops.weighted_resample import weighted_interpolate
 
 _LINEAR = ("linear", "bilinear", "trilinear")
 
@@ -90,13 +91,16 @@ def row_plan(sizes: tuple[int, ...], m: int, scale_factor, mode: str, align_corn
 def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corners=None,
                  recompute_scale_factor=None, antialias=False) -> Step:
     nd = input.ndim - 2
-    if mode not in ("nearest", *_LINEAR) or antialias:
-        raise NotImplementedError(f"F.interpolate(mode={mode!r}, antialias={antialias}) is not supported on a "
-                                  "domain tensor; use nearest, linear, bilinear or trilinear")
+    if mode not in ("nearest", *_LINEAR, "bicubic", "area"):
+        raise NotImplementedError(f"F.interpolate(mode={mode!r}) is not supported on a domain tensor; use nearest, "
+                                  "linear, bilinear, bicubic, trilinear or area")
     sp = spatial_axis("F.interpolate", input, nd)
+    if (mode in ("bicubic", "area") or antialias) and sp >= 0 and input.spec.comm.size > 1:
+        return weighted_interpolate(input, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias,
+                                    sp)
 
     def whole(t):
-        return F.interpolate(t, size, scale_factor, mode, align_corners, recompute_scale_factor)
+        return F.interpolate(t, size, scale_factor, mode, align_corners, recompute_scale_factor, antialias)
 
     if sp < 0:
         return Step(whole, (input,), out=input.spec)

@@ -28,6 +28,7 @@ from mesh3d.domain.halo.windows import sizes_by_first_index
 from mesh3d.domain.ops.conv import padded_rows, as_tuple, bias_rows, pad_local, transpose_plan
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.interpolate import row_plan, lerp_rows
+from mesh3d.domain.ops.weighted_resample import blocks_weighted_interpolate
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.split import offsets_of
@@ -143,9 +144,12 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
                  antialias=False):
     nd = input.ndim - 2
     spec = _blocks_of(input, "F.interpolate", nd)
-    if mode not in ("nearest", "linear", "bilinear", "trilinear") or antialias:
-        raise NotImplementedError(f"F.interpolate(mode={mode!r}, antialias={antialias}) on blocks; use nearest, "
-                                  "linear, bilinear or trilinear")
+    if mode in ("bicubic", "area") or antialias:  # wider windows: torch's own weights (ops/weighted_resample.py)
+        return blocks_weighted_interpolate(input, size, scale_factor, mode, align_corners, recompute_scale_factor,
+                                           antialias)
+    if mode not in ("nearest", "linear", "bilinear", "trilinear"):
+        raise NotImplementedError(f"F.interpolate(mode={mode!r}) on blocks; use nearest, linear, bilinear, "
+                                  "trilinear, bicubic or area")
     shape = list(input.global_shape[2:])
     sfs = None if scale_factor is None else list(as_tuple(scale_factor, nd))
     if recompute_scale_factor and sfs is not None:
