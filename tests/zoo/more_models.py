@@ -59,9 +59,10 @@ def mobilevit():
 def neuralop_uno():
     from neuralop.models import UNO
 
-    return UNO(in_channels=2, out_channels=1, hidden_channels=8, n_layers=3, uno_out_channels=[8, 8, 8],
+    return UNO(in_channels=2, out_channels=1, hidden_channels=8, lifting_channels=8, projection_channels=8, n_layers=3,
+               uno_out_channels=[8, 8, 8],
                uno_n_modes=[[4, 4], [3, 3], [4, 4]], uno_scalings=[[1.0, 1.0], [0.5, 0.5], [2.0, 2.0]],
-               positional_embedding=None)
+               positional_embedding=None, channel_mlp_skip="linear")
 
 
 # ----------------------------------------------------------------------------- lucidrains' libraries
@@ -80,7 +81,8 @@ def x_unet():
     from x_unet import XUnet
 
     return XUnet(dim=8, channels=2, out_dim=2, dim_mults=(1, 2), nested_unet_depths=(0, 0),
-                 consolidate_upsample_fmaps=True, num_blocks_per_stage=(1, 1), attn_heads=2, attn_dim_head=4)
+                 consolidate_upsample_fmaps=True, num_blocks_per_stage=(1, 1), num_self_attn_per_stage=(1, 1),
+                 attn_heads=2, attn_dim_head=4)
 
 
 def mlp_mixer():

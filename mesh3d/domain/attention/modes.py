@@ -88,8 +88,10 @@ def _layouts(query, key, value, op: str):
     """(comm, query layout, K/V layout) of slabs or token grids, or a ValueError naming what is wrong."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, DomainTensor):
-            raise ValueError(f"{op}: the {name} is a plain tensor while the others are domain tensors; shard all "
-                             "three along the sequence (dim -2)")
+            raise ValueError(f"{op}: the {name} is a plain tensor while the others are domain tensors: "
+                             "F.scaled_dot_product_attention runs such a mix (cross-attention to plain keys, plain "
+                             "latent queries over sharded keys, operands sharded along a batch-like dim); "
+                             "domain.attention's modes take query, key and value all sharded along the sequence (dim -2)")
         if unwrap(t).ndim not in (3, 4) or sharded_dims(t._spec) != (unwrap(t).ndim - 2,):
             raise ValueError(f"{op}: the {name} must be a domain tensor sharded along its sequence dim only "
                              "((B, H, S, E) or (B, S, E), S at dim -2)")

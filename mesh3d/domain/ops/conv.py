@@ -20,7 +20,9 @@ from mesh3d.domain.comm.rows import Span, runs_from_indices
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.halo.windows import Extended, Window
 from mesh3d.domain.dispatch.step import Rows, Step
-from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.comm.collectives import reduce_to_replicated, scale_grad
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.connected import connected_zeros
 
 __all__ = ["bias_rows", "pad_local", "spatial_axis"]
@@ -82,12 +84,26 @@ def run_padded(kernel, ext: Extended, pads: list[tuple[int, int]], sp: int, nd: 
     return kernel(F.pad(ext.tensor, flat), (0,) * nd)
 
 
+def _channels_contracted(func, input: DomainTensor, weight, bias, stride, padding, dilation) -> DomainTensor:
+    """A conv whose input channels are sharded: this rank's channels against its slice of the weight, the partial
+    results summed over the domain (one all-reduce); the result is replicated (every rank holds it whole)."""
+    spec = input.spec
+    rows = weight.narrow(1, spec.offset, spec.sizes[spec.comm.index])
+    partial = func(unwrap(input), rows, None, stride, padding, dilation, 1)
+    total = reduce_to_replicated(partial, spec.comm)
+    if bias is not None:  # every rank adds it alike to the replicated value: 1/D of its gradient each
+        total = total + scale_grad(bias, 1.0 / spec.comm.size).view(1, -1, *([1] * (total.ndim - 2)))
+    return adopt(total, DomainSpec.replicated(spec.comm))
+
+
 def _conv_rule(func, nd: int):
     name = f"torch.nn.functional.conv{nd}d"
 
     def rule(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Step:
         if isinstance(weight, DomainTensor) or isinstance(bias, DomainTensor):
             raise NotImplementedError(f"{name}: the weight and bias must be plain (replicated) tensors")
+        if input.spec.dim == 1 and groups == 1:  # the channels sharded (MLP-Mixer's token mixing): a contraction
+            return _channels_contracted(func, input, weight, bias, stride, padding, dilation)
         sp = spatial_axis(name, input, nd)
         if sp < 0:
             return Step(func, (input, weight, bias, stride, padding, dilation, groups), out=input.spec)

@@ -54,3 +54,23 @@ def _cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
 
 for _table in (RULES, STRIDED_RULES):
     _table.register(torch.cdist, _cdist)
+
+
+def _strided_reduction(func):
+    """``sum``/``mean`` of a strided layout over dims other than the strided one (einops' ``reduce`` of the feature
+    dim of ``(b n) d`` rows): local; over the strided dim it is refused (reshape back first)."""
+    def rule(input, dim=None, keepdim=False, *, dtype=None):
+        dims = range(input.ndim) if dim is None else [d % input.ndim for d in ((dim,) if isinstance(dim, int) else dim)]
+        if input.spec.dim in dims:
+            raise NotImplementedError(f"{func.__name__} over the strided sharded dim {input.spec.dim}: reshape to the "
+                                      "unstrided shape first")
+        new = input.spec.dim if keepdim else input.spec.dim - sum(d < input.spec.dim for d in dims)
+        return Step(lambda t: func(t, tuple(dims), keepdim, dtype=dtype), (input,),
+                    out=input.spec.with_sizes(input.spec.sizes, dim=new))
+
+    return rule
+
+
+for _f, _g in ((torch.sum, torch.sum), (torch.Tensor.sum, torch.sum), (torch.mean, torch.mean),
+               (torch.Tensor.mean, torch.mean)):
+    STRIDED_RULES.register(_f, _strided_reduction(_g))

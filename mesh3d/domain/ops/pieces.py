@@ -23,7 +23,7 @@ from mesh3d.domain.comm.rows import Span, runs_from_indices
 from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 from mesh3d.domain.dispatch.dispatcher import run_step
-from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.registry import STRIDED_RULES, op_name, register
 from mesh3d.domain.dispatch.step import Entering, Rows, Step
 
 __all__ = ["cat_pieces", "global_rows", "index_plan", "index_rows", "joined_sizes", "piece_needs"]
@@ -174,3 +174,20 @@ def _index_select(input, dim, index):
     if d != input.spec.dim:
         return Step(lambda t, i: torch.index_select(t, d, i), (input, unwrap(index)), out=input.spec)
     return index_rows(input, d, unwrap(index))
+
+
+def _strided_cat(tensors, dim=0):
+    """``torch.cat`` on a strided layout: of one tensor (einops' ``pack`` of one), or along another dim of operands
+    laid out alike (local); along the strided dim it is refused."""
+    tensors = list(tensors)
+    ref = next(t for t in tensors if isinstance(t, DomainTensor) and t.spec.dim is not None)
+    d = dim % ref.ndim
+    alike = all(isinstance(t, DomainTensor) and t.spec == ref.spec for t in tensors)
+    if len(tensors) > 1 and (d == ref.spec.dim or not alike):
+        raise NotImplementedError(f"{op_name(torch.cat)} of strided domain tensors along the strided dim or with "
+                                  "tensors laid out otherwise: reshape them back to their unstrided shapes first")
+    return Step(lambda *ts: torch.cat(ts, d), tuple(tensors), out=ref.spec)
+
+
+for _f in (torch.cat, torch.concat):
+    STRIDED_RULES.register(_f, _strided_cat)

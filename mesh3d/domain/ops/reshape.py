@@ -129,6 +129,23 @@ def aligned_to(sizes: tuple[int, ...], unit: int) -> tuple[int, ...]:
     return tuple(b - a for a, b in zip(bounds, bounds[1:]))
 
 
+def _in_windows(virtual: tuple[int, ...], at: int, target: list[int],
+                sizes: tuple[int, ...]) -> tuple[Placement, int] | None:
+    """A placement of the rows seen as ``(rows // unit, unit)`` windows (``unit`` a target size dividing the rows),
+    the window index the sharded dim: MobileViT's ``reshape(B * C * H // ph, ph, W // pw, pw)``. Every rank's rows
+    are then first moved to whole windows (``aligned_to``), so no window straddles two ranks."""
+    rows = virtual[at]
+    for unit in sorted({t for t in target if 1 < t < rows and rows % t == 0}):
+        windows = (*virtual[:at], rows // unit, unit, *virtual[at + 1:])
+        try:
+            placed = place_rows(windows, at, target, tuple(n // unit for n in aligned_to(sizes, unit)))
+        except NeedsAlignment:
+            continue
+        if placed is not None:
+            return placed, unit
+    return None
+
+
 def reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> Step:
     """``x`` reshaped to the global ``target`` when the ranks' results concatenate to the one-process one; else a refusal.
 
@@ -155,6 +172,13 @@ def reshaped(x: DomainTensor, target: list[int], op_name: str, view: bool) -> St
         sizes = aligned_to(sizes, need.unit)
         source = Resplit(x, sizes)
         placed = place_rows(virtual, at, target, sizes)
+    if placed is None and spec.outer == 1:  # rows split into whole windows merged with the dims before (MobileViT)
+        split = _in_windows(virtual, at, target, sizes)
+        if split is not None:
+            placed, unit = split
+            sizes = aligned_to(spec.sizes, unit)
+            source = Resplit(x, sizes) if sizes != spec.sizes else x
+            sizes = tuple(n // unit for n in sizes)
     if placed is None:
         raise NotImplementedError(
             f"{op_name}{tuple(target)} of a domain tensor of shape {whole} sharded along dim {d} would mix "

@@ -70,3 +70,15 @@ for _table in (RULES, BLOCK_RULES, TOKEN_RULES):
         _table.register(_f, _tensor_norm)
     _table.register(torch.linalg.norm, _linalg_norm)
     _table.register(torch.linalg.vector_norm, _vector_norm)
+
+
+def _normalize(input, p=2.0, dim=1, eps=1e-12, out=None):
+    """``F.normalize``: divided by the p-norm along ``dim`` (local when ``dim`` is not sharded, global when it is)."""
+    if out is not None:
+        raise NotImplementedError("F.normalize(out=...) on a domain tensor is not supported")
+    norm = vector_norm(input, p, dim % input.ndim, True)
+    return redispatch(torch.div, input, redispatch(torch.clamp_min, norm, eps))
+
+
+for _table in (RULES, BLOCK_RULES, TOKEN_RULES):
+    _table.register(torch.nn.functional.normalize, _normalize)

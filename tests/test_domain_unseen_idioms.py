@@ -1,0 +1,213 @@
+"""The idioms of issue 45 against one process in fp64, forward and backward (outputs, input gradients, every parameter
+gradient summed over the domain), on 2 and 3 uneven slabs with an empty shard and on a 2x2 grid of uneven blocks:
+attention with mixed operands (cross-attention to a plain conditioning, latent queries over sharded keys, operands
+sharded along a batch-like dim), cat of several sharded pieces (periodic padding, swapped halves), repeat/tile/expand,
+index tensors along the sharded dim, bicubic/area/antialiased interpolation, cdist on strided rows, roll on blocks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from domain_cases import compare_to_one_process, domain_sum, max_err
+
+D64 = torch.float64
+
+
+class Attend(torch.nn.Module):
+    """x (B, 3, S, 4) -> heads (B, 3, S, 4): cross-attention to a plain conditioning, latent queries, a batch-like dim."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.proj = torch.nn.Linear(4, 4, dtype=D64)
+        self.cond = torch.nn.Parameter(torch.randn(2, 3, 5, 4, dtype=D64))
+        self.latent = torch.nn.Parameter(torch.randn(2, 3, 3, 4, dtype=D64))
+        self.bias = torch.nn.Parameter(torch.randn(2, 1, 3, 9, dtype=D64))
+        self.rows = torch.nn.Parameter(torch.randn(2, 9, 5, 4, dtype=D64))
+
+    def forward(self, x):
+        h = self.proj(x)
+        if self.kind == "cross":
+            return F.scaled_dot_product_attention(h, self.cond, self.cond * 2) * h
+        if self.kind == "cross_causal":
+            return F.scaled_dot_product_attention(h, self.cond, self.cond, is_causal=True)
+        if self.kind == "latent":  # replicated result, then back onto the shards
+            return x * F.scaled_dot_product_attention(self.latent, h, h * 2, attn_mask=self.bias).mean((2, 3), True)
+        if self.kind == "latent_causal":
+            return F.scaled_dot_product_attention(self.latent, h, x, is_causal=True).sum() * x
+        if self.kind == "batch_whole_kv":
+            return F.scaled_dot_product_attention(h.transpose(1, 2), self.rows, self.rows).transpose(1, 2)
+        # latent queries (broadcast over the batch-like dim) over keys sharded along it
+        q = self.latent[:1, :1].expand(2, 1, 3, 4)
+        return F.scaled_dot_product_attention(q, h.transpose(1, 2), x.transpose(1, 2)).sum((2, 3))
+
+
+class Rows(torch.nn.Module):
+    """Rows of the sharded dim (dim 2 of (B, 3, 9, 4)) put together anew, then a conv across them."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.conv = torch.nn.Conv2d(3, 2, 3, padding=1, dtype=D64)
+        self.code = torch.nn.Parameter(torch.randn(5, 3, dtype=D64))
+
+    def forward(self, x):
+        k = self.kind
+        if k == "periodic":
+            y = F.conv2d(torch.cat([x[:, :, -2:], x, x[:, :, :2]], 2), self.conv.weight, padding=(0, 1))
+        elif k == "swap":
+            y = torch.cat([x[:, :, 4:], x[:, :, :4]], 2)
+        elif k == "repeat":
+            y = x.repeat(1, 1, 2, 1).tile((1, 1, 2))
+        elif k == "index":
+            y = x[:, :, torch.tensor([0, 2, 2, 5, 8])] + x[:, :, torch.tensor([8, 0, -3, 1, 4])]
+        elif k == "index_bool":
+            y = x[:, :, torch.arange(9) % 2 == 0] * torch.index_select(x, 2, torch.tensor([1, 3, 5, 6, 7]))
+        elif k == "cdist":
+            d = torch.cdist(x.permute(0, 2, 3, 1).reshape(-1, 3), self.code)        # strided rows vs a codebook
+            y = d.view(2, 9, 4, 5).permute(0, 3, 1, 2)[:, :3]
+        else:
+            y = torch.cdist(self.code.expand(2, -1, -1), x.permute(0, 2, 3, 1).reshape(2, -1, 3))  # codes vs rows
+            y = y.view(2, 5, 9, 4)[:, :3]
+        return self.conv(y)
+
+
+_RESAMPLE = {
+    "bicubic_up": dict(scale_factor=2, mode="bicubic"),
+    "bicubic_1": dict(scale_factor=1, mode="bicubic"),
+    "bicubic_corners": dict(size=(13, 7), mode="bicubic", align_corners=True),
+    "bicubic_down": dict(scale_factor=0.6, mode="bicubic"),
+    "antialias_bilinear": dict(size=(4, 5), mode="bilinear", antialias=True),
+    "antialias_bicubic": dict(scale_factor=(0.45, 0.7), mode="bicubic", antialias=True),
+    "area": dict(size=(4, 6), mode="area"),
+}
+
+
+class Resample(torch.nn.Module):
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kwargs = _RESAMPLE[kind]
+        self.conv = torch.nn.Conv2d(3, 2, 3, padding=1, dtype=D64)
+
+    def forward(self, x):
+        return self.conv(F.interpolate(x, **self.kwargs))
+
+
+_SLAB_CASES = [(Attend, k) for k in ("cross", "cross_causal", "latent", "latent_causal", "batch_whole_kv", "batch_q")] + \
+    [(Rows, k) for k in ("periodic", "swap", "repeat", "index", "index_bool", "cdist", "cdist_columns")] + \
+    [(Resample, k) for k in _RESAMPLE]
+
+
+def _slab_body(sizes):
+    from mesh3d import DistributedManager
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 9, 4 if len(sizes) else 4, dtype=D64)
+    errors = {}
+    for cls, kind in _SLAB_CASES:
+        torch.manual_seed(1)
+        xin = torch.randn(2, 3, 9, 10, dtype=D64) if cls is Resample else x
+        errors[kind] = compare_to_one_process(lambda cls=cls, kind=kind: cls(kind), xin, 2, sizes)
+    return errors
+
+
+@pytest.mark.parametrize("sizes", [(2, 7), (4, 0, 5)])
+def test_unseen_idioms_equal_one_process_on_uneven_slabs(ranks, sizes):
+    for errors in ranks.run(len(sizes), _slab_body, sizes, timeout=240):
+        assert all(e < 1e-10 for e in errors.values()), errors
+
+
+class Grid(torch.nn.Module):
+    """On a (lat, lon) grid of blocks: periodic longitude padding, roll, latitude resampling by index, repeat and
+    expand, bicubic/antialiased resampling, cross-attention of the token grid to a plain conditioning and latents."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=(1, 0), dtype=D64)
+        self.cond = torch.nn.Parameter(torch.randn(2, 5, 3, dtype=D64))
+        self.latent = torch.nn.Parameter(torch.randn(2, 4, 3, dtype=D64))
+
+    def forward(self, x):
+        k = self.kind
+        if k == "periodic_lon":
+            return self.conv(torch.cat([x[..., -1:], x, x[..., :1]], -1))
+        if k == "periodic_lat":
+            return torch.cat([x[:, :, -2:], x, x[:, :, :1]], 2) * 2
+        if k == "roll":
+            return self.conv(torch.roll(x, (4, -3, 1), (3, 2, 1)))[..., 1:]
+        if k == "index_lat":
+            return x[:, :, torch.tensor([0, 1, 3, 3, 6])] * 3 + torch.index_select(x, 2, torch.tensor([6, 5, 1, 0, 2]))
+        if k == "repeat":
+            return x.repeat(1, 2, 1, 2)[:, 1:4] + x.unsqueeze(0).expand(2, -1, -1, -1, -1).tile((1, 1, 1, 1, 2))[1]
+        if k in _RESAMPLE:
+            return self.conv(F.interpolate(x, **_RESAMPLE[k]))
+        t = x.flatten(2).transpose(1, 2)                                  # a token grid (B, H*W, 3)
+        if k == "cross_tokens":
+            a = F.scaled_dot_product_attention(t, self.cond, self.cond)
+            return (a + t).transpose(1, 2).reshape(x.shape)
+        latent = F.scaled_dot_product_attention(self.latent, t, t)        # replicated (B, 4, 3)
+        return x * latent.mean(1)[:, :, None, None]
+
+
+_GRID_CASES = ("periodic_lon", "periodic_lat", "roll", "index_lat", "repeat", "bicubic_up", "bicubic_corners",
+               "antialias_bicubic", "area", "cross_tokens", "latent_tokens")
+
+
+def _grid_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=(2, 2))
+    errors = {}
+    for kind in _GRID_CASES:
+        torch.manual_seed(2)
+        x = torch.randn(2, 3, 7, 10 if kind in _RESAMPLE else 9, dtype=D64)
+        ref = Grid(kind)
+        mod = Grid(kind)
+        mod.load_state_dict(ref.state_dict())
+        xr = x.clone().requires_grad_()
+        y = ref(xr)
+        cot = torch.randn_like(y)
+        (y * cot).sum().backward()
+        xs = domain.shard(x, dims=(2, 3), sizes=((5, 2), (1, x.shape[3] - 1))).requires_grad_()
+        ys = mod(xs)
+        replicated = not ys.spec.sharded_dims
+        cs = cot if replicated else domain.shard(cot, dims=ys.spec.dims, sizes=ys.spec.sizes)
+        (ys * cs).sum().backward()
+        out = ys.to_local() if replicated else ys.full_tensor().to_local()
+        errors[kind] = max([max_err(out, y), max_err(xs.grad.full_tensor().to_local(), xr.grad),
+                            *(max_err(domain_sum(q.grad), p.grad) for p, q in zip(ref.parameters(), mod.parameters()))])
+    return errors
+
+
+def test_unseen_idioms_equal_one_process_on_a_2x2_grid_of_uneven_blocks(ranks):
+    for errors in ranks.run(4, _grid_body, timeout=240):
+        assert all(e < 1e-10 for e in errors.values()), errors
+
+
+def _refusal_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=3)
+    x = torch.randn(2, 3, 9, 4, dtype=D64)
+    xs = domain.shard(x, dim=2, sizes=(4, 0, 5))
+    found = {}
+    for name, call in (("kv apart", lambda: F.scaled_dot_product_attention(xs, xs, x)),
+                       ("two index tensors", lambda: xs[:, torch.tensor([0, 1]), torch.tensor([1, 2])]),
+                       ("2-D index", lambda: xs[:, :, torch.tensor([[0, 1], [2, 3]])])):
+        try:
+            call()
+            found[name] = "no error"
+        except (ValueError, NotImplementedError, IndexError) as err:
+            found[name] = str(err)
+    return found
+
+
+def test_mixes_without_an_exact_form_are_refused_by_name_on_every_rank(ranks):
+    for found in ranks.run(3, _refusal_body):
+        assert "key and value must be laid out alike" in found["kv apart"], found
+        assert "another tensor index" in found["two index tensors"] or "one 1-D" in found["two index tensors"], found
+        assert "must be a 1-D integer tensor" in found["2-D index"], found
