@@ -14,6 +14,7 @@ import torch
 from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES
+from mesh3d.domain.ops import idioms  # noqa: F401  (F.embedding's rule, shared with strided layouts)
 from mesh3d.domain.dispatch.step import Entering, Rows, Step
 
 __all__: list[str] = []
@@ -74,3 +75,25 @@ def _strided_reduction(func):
 for _f, _g in ((torch.sum, torch.sum), (torch.Tensor.sum, torch.sum), (torch.mean, torch.mean),
                (torch.Tensor.mean, torch.mean)):
     STRIDED_RULES.register(_f, _strided_reduction(_g))
+
+
+def _arg_extreme(func):
+    """``argmin``/``argmax`` along a dim that is not sharded (the nearest code of each row): local, indices of that dim;
+    along the sharded dim (a global index) or over every element it is refused."""
+    def rule(input, dim=None, keepdim=False):
+        if dim is None or dim % input.ndim == input.spec.dim:
+            raise NotImplementedError(f"{func.__name__} along the sharded dim {input.spec.dim} (or of every element) "
+                                      "on a domain tensor: its global index depends on every rank's rows; call "
+                                      ".full_tensor() first")
+        d = dim % input.ndim
+        new = input.spec.dim if keepdim or d > input.spec.dim else input.spec.dim - 1
+        return Step(lambda t: func(t, d, keepdim), (input,), out=input.spec.with_sizes(input.spec.sizes, dim=new))
+
+    return rule
+
+
+for _table in (RULES, STRIDED_RULES):
+    for _f, _g in ((torch.argmin, torch.argmin), (torch.Tensor.argmin, torch.argmin), (torch.argmax, torch.argmax),
+                   (torch.Tensor.argmax, torch.argmax)):
+        _table.register(_f, _arg_extreme(_g))
+STRIDED_RULES.register(torch.nn.functional.embedding, RULES.get(torch.nn.functional.embedding))
