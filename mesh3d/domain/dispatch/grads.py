@@ -27,7 +27,7 @@ from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, unwrap, wra
 
 __all__ = ["GRADIENT_CALLS", "autograd_backward", "autograd_grad", "domain_grad"]
 
-GRAD_GET = torch.Tensor.grad.__get__  # type: ignore[attr-defined]
+GRAD_GET = torch.Tensor.grad.__get__
 
 
 def domain_grad(x: DomainTensor) -> DomainTensor | None:
