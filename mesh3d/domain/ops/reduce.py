@@ -25,7 +25,7 @@ from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
-__all__ = ["domain_reduce", "global_softmax"]
+__all__ = ["domain_reduce", "global_softmax", "reduction_rule"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -82,7 +82,13 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
     raise ValueError(kind)
 
 
-def _reduction_rule(kind: str):
+def reduction_rule(kind: str, reducer=None):
+    """The rule of ``torch.<kind>`` / ``Tensor.<kind>``: torch's argument forms parsed, then
+    ``reducer(input, kind, dim, keepdim, correction)`` (``domain_reduce`` unless given: blocks and token grids pass
+    their own).
+
+    Usage: ``TOKEN_RULES.register(torch.var, reduction_rule("var", grid_reduce))``
+    """
     def rule(input, dim=None, *args, keepdim=False, dtype=None, correction=None, unbiased=None, out=None):
         if isinstance(dim, bool):  # var(x, unbiased)
             unbiased, dim = dim, None
@@ -98,7 +104,7 @@ def _reduction_rule(kind: str):
         if dtype is not None:
             input = elementwise(torch.Tensor.to, input, dtype)
         corr = 1.0 if correction is None and unbiased is None else (correction if correction is not None else float(unbiased))
-        return domain_reduce(input, kind, dim, keepdim, corr)
+        return (reducer or domain_reduce)(input, kind, dim, keepdim, corr)
 
     return rule
 
@@ -110,7 +116,7 @@ for _kind, _funcs in {
     "var": (torch.var, torch.Tensor.var),
     "std": (torch.std, torch.Tensor.std),
 }.items():
-    register(*_funcs)(_reduction_rule(_kind))
+    register(*_funcs)(reduction_rule(_kind))
 
 
 def _extreme_rule(sign: int):
