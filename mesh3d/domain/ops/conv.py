@@ -88,8 +88,13 @@ def _channels_contracted(func, input: DomainTensor, weight, bias, stride, paddin
     """A conv whose input channels are sharded: this rank's channels against its slice of the weight, the partial
     results summed over the domain (one all-reduce); the result is replicated (every rank holds it whole)."""
     spec = input.spec
-    rows = weight.narrow(1, spec.offset, spec.sizes[spec.comm.index])
-    partial = func(unwrap(input), rows, None, stride, padding, dilation, 1)
+    rows, local = weight.narrow(1, spec.offset, spec.sizes[spec.comm.index]), unwrap(input)
+    if rows.shape[1]:
+        partial = func(local, rows, None, stride, padding, dilation, 1)
+    else:  # NOTE: torch's conv of zero channels gives zero *output* channels; this rank's share of the sum is zeros
+        one = func(local.new_zeros(local.shape[0], 1, *local.shape[2:]), weight.detach()[:, :1], None, stride, padding,
+                   dilation, 1)
+        partial = connected_zeros(local, one.shape, local, rows)
     total = reduce_to_replicated(partial, spec.comm)
     if bias is not None:  # every rank adds it alike to the replicated value: 1/D of its gradient each
         total = total + scale_grad(bias, 1.0 / spec.comm.size).view(1, -1, *([1] * (total.ndim - 2)))
