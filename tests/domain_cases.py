@@ -100,8 +100,10 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def grads_err(model_ref: torch.nn.Module, model: torch.nn.Module) -> float:
-    """Largest difference of one-process grads vs domain-summed grads of the same parameters."""
-    errs = [max_err(p.grad, domain_sum(q.grad)) for p, q in zip(model_ref.parameters(), model.parameters())]
+    """Largest difference of one-process grads vs domain-summed grads of the same parameters (a parameter the model did
+    not use has no grad on either side: 0; on one side only: inf)."""
+    errs = [float("inf") if (p.grad is None) != (g is None) else 0.0 if g is None else max_err(p.grad, g)
+            for p, q in zip(model_ref.parameters(), model.parameters()) for g in (domain_sum(q.grad),)]
     return max(errs, default=0.0)
 
 
