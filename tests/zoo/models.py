@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zoo import more_models as mm
 from zoo import transformer_models as tm
 from zoo.transformer_models import token_ids
 
@@ -46,6 +47,10 @@ class ZooModel:
     def runs_on(self, layout: str) -> bool:
         """Blocks (a 2x2 grid over the sharded dim and the next) are for fields (images, volumes), not sequences."""
         return layout != "blocks" or (self.inputs == "field" and len(self.shape) >= 4)
+
+
+#: The refusal of a model that reshapes blocks into windows or patches (both block dims split): slabs run it.
+_SPLITS_BLOCKS = dict(refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}), workaround="shard as slabs")
 
 
 def _call(model, x):
@@ -162,10 +167,7 @@ def _hf_vit():
 def _hf_swin():
     from transformers import SwinConfig, SwinForImageClassification
 
-    cfg = SwinConfig(image_size=16, patch_size=2, num_channels=2, embed_dim=8, depths=(1, 1), num_heads=(1, 2),
-                     window_size=4, num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
-                     drop_path_rate=0.0)
-    return SwinForImageClassification(cfg)
+    return SwinForImageClassification(SwinConfig(**mm.TINY_SWIN))
 
 
 # ----------------------------------------------------------------------------- neuraloperator, x-transformers
@@ -214,9 +216,7 @@ ZOO: dict[str, ZooModel] = {
     "transformers.ViT": ZooModel("transformers", _hf_vit, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
                                  "2-D vision transformer, class token, position embedding"),
     "transformers.Swin": ZooModel("transformers", _hf_swin, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
-                                  "2-D shifted-window transformer classifier",
-                                  refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
-                                  workaround="shard as slabs"),
+                                  "2-D shifted-window transformer classifier", **_SPLITS_BLOCKS),
     "neuraloperator.FNO": ZooModel("neuraloperator", _neuralop_fno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                    "2-D Fourier neural operator (spectral convolutions into a plain spectrum buffer)"),
     "x-transformers.ViTransformerWrapper": ZooModel(
@@ -252,6 +252,41 @@ ZOO: dict[str, ZooModel] = {
                                        "decoder with rotary embeddings", inputs="ids"),
     "perceiver-pytorch.Perceiver": ZooModel("perceiver-pytorch", tm.perceiver, _call, (2, 16, 12, 2), 1, (8, 4, 4),
                                             "latents cross-attending to a sharded image, Fourier position features"),
+    # ----- issue 45: idioms of models mesh3d had not run
+    "diffusers.UNet2DConditionModel": ZooModel(
+        "diffusers", mm.unet2d_condition, mm.unet2d_condition_forward, (1, 2, 16, 16), 2, (8, 4, 4),
+        "2-D conditional U-Net: cross-attention of the sharded pixels to a plain text conditioning"),
+    "transformers.MobileViT": ZooModel("transformers", mm.mobilevit, _logits, (2, 2, 32, 32), 2, (16, 8, 8),
+                                       "patches unfolded across ranks (whole patches merged into the batch), attention "
+                                       "over them, folded back", **_SPLITS_BLOCKS),
+    "neuraloperator.UNO": ZooModel("neuraloperator", mm.neuralop_uno, _call, (1, 2, 16, 12), 2, (8, 4, 4),
+                                   "U-shaped neural operator: spectral layers that resample, horizontal skips"),
+    "x-unet.XUnet": ZooModel("x-unet", mm.x_unet, _call, (1, 2, 16, 16), 2, (8, 4, 4),
+                             "2-D U-Net with attention, l2-normalized queries and keys (F.normalize)",
+                             **_SPLITS_BLOCKS),  # its downsampling rearranges (h p1) (w p2) -> (c p1 p2)
+    "mlp-mixer-pytorch.MLPMixer": ZooModel(
+        "mlp-mixer-pytorch", mm.mlp_mixer, _call, (2, 2, 16, 16), 2, (8, 4, 4),
+        "token mixing: a 1x1 conv over the sharded patches as channels (a contraction: one all-reduce)",
+        **_SPLITS_BLOCKS),  # its einops patching (h p1) (w p2)
+    "conformer.ConformerBlock": ZooModel("conformer", mm.conformer_block, _call, (2, 12, 16), 1, (5, 3, 4),
+                                         "sequence: depthwise conv along it, BatchNorm1d, attention with Shaw's "
+                                         "relative positions (a plain table converted by .to(q))"),
+    "monai.DynUNet": ZooModel("monai", mm.monai_dynunet, _call, (1, 2, 16, 16), 2, (8, 4, 4),
+                              "2-D dynamic U-Net: residual blocks, InstanceNorm, transposed convs"),
+    "diffusers.VQModel": ZooModel("diffusers", mm.vq_model, mm.vq_model_forward, (1, 2, 16, 16), 2, (8, 4, 4),
+                                  "VQ autoencoder: torch.cdist of strided rows (blocks: a token grid) to the "
+                                  "codebook, argmin, embedding"),
+    "transformers.Swinv2": ZooModel("transformers", mm.hf_swinv2, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
+                                    "Swin V2: cosine attention, log-spaced continuous position bias (plain tables)",
+                                    **_SPLITS_BLOCKS),
+    "vector-quantize-pytorch.VectorQuantize": ZooModel(
+        "vector-quantize-pytorch", mm.vector_quantize, mm.vq_forward, (2, 12, 8), 1, (5, 0, 7),
+        "codebook lookup of sharded tokens with an EMA codebook: einops pack, its own cdist by einsum",
+        refusal="torch.functional.einsum has no rule for a strided layout", refused_on=frozenset({"2", "3"}),
+        workaround="its einsum over the packed rows (b (n)) d: reshape to (b, n, d) before the distance, or "
+                   "call .full_tensor()"),
+    "transformers.ConvNextV2": ZooModel("transformers", mm.hf_convnextv2, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
+                                        "ConvNeXt V2: global response normalization (a norm over the spatial dims)"),
 }
 
 

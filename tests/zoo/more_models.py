@@ -1,6 +1,6 @@
 """Zoo builders of issue 45: models mesh3d had not run, chosen for the idioms they use (cross-attention with a plain
 conditioning tensor, codebook distances on strided rows, patch unfolds across ranks, token mixing across the sharded
-dim, windowed look-around attention, depthwise convolutions along a sequence). Tiny configurations, unchanged code.
+dim, depthwise convolutions along a sequence). Tiny configurations, unchanged code.
 
 Each returns a module; ``tests/zoo/models.py`` lists them in ``ZOO`` with their inputs and splits.
 """
@@ -10,6 +10,9 @@ from __future__ import annotations
 import torch
 
 COND = 5  # conditioning tokens of the cross-attention models
+#: The tiny Swin configuration (V1 in ``models.py``, V2 here): 16x16 images, 2x2 patches, 4x4 windows, no dropout.
+TINY_SWIN = dict(image_size=16, patch_size=2, num_channels=2, embed_dim=8, depths=(1, 1), num_heads=(1, 2), window_size=4,
+                 num_labels=3, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0)
 
 
 def conditioning(batch: int, dim: int) -> torch.Tensor:
@@ -98,7 +101,23 @@ def conformer_block():
                           attn_dropout=0.0, ff_dropout=0.0, conv_dropout=0.0)
 
 
-def local_transformer():
-    from local_attention import LocalTransformer
+# ----------------------------------------------------------------------------- more of the libraries already in
+def monai_dynunet():
+    from monai.networks.nets import DynUNet
 
-    return LocalTransformer(num_tokens=32, max_seq_len=16, dim=16, depth=1, causal=True, local_attn_window_size=4)
+    return DynUNet(spatial_dims=2, in_channels=2, out_channels=2, kernel_size=(3, 3, 3), strides=(1, 2, 2),
+                   upsample_kernel_size=(2, 2), filters=(4, 8, 8), norm_name="instance", res_block=True)
+
+
+def hf_convnextv2():
+    from transformers import ConvNextV2Config, ConvNextV2ForImageClassification
+
+    cfg = ConvNextV2Config(num_channels=2, num_stages=2, patch_size=2, hidden_sizes=(8, 16), depths=(1, 1),
+                           num_labels=3, drop_path_rate=0.0)
+    return ConvNextV2ForImageClassification(cfg)
+
+
+def hf_swinv2():
+    from transformers import Swinv2Config, Swinv2ForImageClassification
+
+    return Swinv2ForImageClassification(Swinv2Config(**TINY_SWIN))

@@ -57,17 +57,19 @@ def _one(entry, world: int, blocks: bool = False) -> dict:
     ref = to_fp64(entry.build())
     mod = copy.deepcopy(ref)
     x = entry.make_input()
+    if blocks:
+        xs = domain.shard(x, dims=(entry.dim, entry.dim + 1), sizes=block_sizes_for(entry))
+    else:
+        xs = domain.shard(x, dim=entry.dim, sizes=sizes_for(entry, world))
+    # NOTE: the sharded forward first: a refusal raises before the one-process run it does not need. Each run seeds
+    # its own stream, so the order changes neither.
+    DistributedManager().manual_seed(1)  # the same streams: batch rank 0's is torch.manual_seed(1)
+    ys = entry.forward(mod, xs)
     torch.manual_seed(1)  # dropout and stochastic depth at the libraries' defaults, in training mode
     y = entry.forward(ref, x)
     cot = torch.randn_like(y)  # the loss <y, cot>: every output element weighs differently
     loss_ref = (y * cot).sum()
     loss_ref.backward()
-    if blocks:
-        xs = domain.shard(x, dims=(entry.dim, entry.dim + 1), sizes=block_sizes_for(entry))
-    else:
-        xs = domain.shard(x, dim=entry.dim, sizes=sizes_for(entry, world))
-    DistributedManager().manual_seed(1)  # the same streams: batch rank 0's is torch.manual_seed(1)
-    ys = entry.forward(mod, xs)
     sharded = ys.spec.layout is not domain.Layout.REPLICATED
     if ys.spec.layout is domain.Layout.TOKENS:  # tokens in block order: compare in the global order
         ys, sharded, cot_s = ys.full_tensor(), False, cot
