@@ -5,7 +5,7 @@ sharded along a batch-like dim), cat of several sharded pieces (periodic padding
 index tensors along the sharded dim, bicubic/area/antialiased interpolation, cdist on strided rows, roll on blocks;
 and what the zoo's new models needed: patches unfolded across ranks (MobileViT), Tensor.unfold and movedim, a conv over
 sharded channels (MLP-Mixer), F.normalize, a codebook lookup (cdist, argmin, embedding) on strided rows and on a token
-grid, a plain table converted by .to(x), var/std on blocks."""
+grid, a plain table converted by .to(x), var/std on blocks; and on a 2x2x2 grid of volumes with empty blocks."""
 
 from __future__ import annotations
 
@@ -233,6 +233,63 @@ def _grid_body(empty: bool):
 @pytest.mark.parametrize("empty", [False, True])
 def test_unseen_idioms_equal_one_process_on_a_2x2_grid_of_uneven_blocks(ranks, empty):
     for errors in ranks.run(4, _grid_body, empty, timeout=240):
+        assert all(e < 1e-10 for e in errors.values()), errors
+
+
+class Volume(torch.nn.Module):
+    """On a 2x2x2 grid of blocks of a (B, 2, D, H, W) volume: periodic padding by cat, roll over three block dims, an
+    index tensor, repeat/expand, var/std and F.normalize, each followed by a conv across the blocks."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+        self.conv = torch.nn.Conv3d(2, 2, 3, padding=1, dtype=D64)
+
+    def forward(self, x):
+        k = self.kind
+        if k == "periodic":
+            y = torch.cat([x[..., -2:], x, x[..., :1]], -1)
+        elif k == "roll":
+            y = torch.roll(x, (2, -1, 3), (2, 3, 4))
+        elif k == "index":
+            y = x[:, :, :, torch.tensor([4, 0, 2, 2])] + torch.index_select(x, 2, torch.tensor([1, 5, 0, 3, 2, 4]))[:, :, :, :4]
+        elif k == "repeat":
+            y = x.repeat(1, 1, 1, 2, 1) + x.unsqueeze(0).expand(2, -1, -1, -1, -1, -1).tile((1, 1, 1, 1, 2, 1))[0]
+        elif k == "var":
+            y = x / torch.var(x, 1, keepdim=True).add(1) + x * torch.std(x, (2, 3, 4), keepdim=True)
+        else:
+            y = F.normalize(x, dim=1) * torch.linalg.vector_norm(x, dim=(2, 3, 4), keepdim=True)
+        return self.conv(y)
+
+
+_VOLUME_CASES = ("periodic", "roll", "index", "repeat", "var", "normalize")
+
+
+def _volume_body():
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=(2, 2, 2))
+    errors = {}
+    for kind in _VOLUME_CASES:
+        torch.manual_seed(3)
+        x = torch.randn(2, 2, 6, 5, 4, dtype=D64)
+        ref = Volume(kind)
+        mod = Volume(kind)
+        mod.load_state_dict(ref.state_dict())
+        xr = x.clone().requires_grad_()
+        y = ref(xr)
+        cot = torch.randn_like(y)
+        (y * cot).sum().backward()
+        xs = domain.shard(x, dims=(2, 3, 4), sizes=((4, 2), (5, 0), (1, 3))).requires_grad_()
+        ys = mod(xs)
+        (ys * domain.shard(cot, dims=ys.spec.dims, sizes=ys.spec.sizes)).sum().backward()
+        errors[kind] = max(max_err(ys.full_tensor().to_local(), y), max_err(xs.grad.full_tensor().to_local(), xr.grad),
+                           grads_err(ref, mod))
+    return errors
+
+
+def test_unseen_idioms_equal_one_process_on_a_2x2x2_grid_of_uneven_blocks_with_empty_ones(ranks):
+    for errors in ranks.run(8, _volume_body, timeout=240):
         assert all(e < 1e-10 for e in errors.values()), errors
 
 
