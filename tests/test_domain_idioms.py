@@ -198,9 +198,9 @@ def _idiom_refusals_body():
     x = torch.randn(2, 3, 4, 5, dtype=D64)
     xs = domain.shard(x, dim=2)
     attempts = {
-        "cat_two_sharded": lambda: torch.cat([xs, xs], 2),
+        "cat_two_sharded": lambda: torch.cat([xs, domain.shard(x, dim=3)], 2),  # a piece sharded along another dim
         "fft_all_dims": lambda: torch.fft.fftn(xs),
-        "tensor_index_sharded": lambda: xs[:, :, torch.tensor([0, 1])],
+        "tensor_index_sharded": lambda: xs[:, :, torch.tensor([[0, 1]])],  # 1-D index tensors run (ops/pieces.py)
         "embedding_max_norm": lambda: F.embedding(domain.shard(torch.zeros(2, 4, dtype=torch.long), dim=1),
                                                   torch.randn(3, 2), max_norm=1.0),
         "setitem": lambda: xs.__setitem__((slice(None), slice(None), torch.tensor([0, 1])), 1.0),
@@ -218,11 +218,11 @@ def _idiom_refusals_body():
 
 #: What every rank's refusal must say: the op it refuses, and what to do instead.
 IDIOM_REFUSALS = {
-    "cat_two_sharded": ["torch.cat along the sharded dim 2 of several sharded tensors",
-                        "concatenate along another dim, or call .full_tensor() first"],
+    "cat_two_sharded": ["torch.cat along the sharded dim: every sharded piece must be a slab sharded along that dim "
+                        "(dim 2)", "domain.redistribute(t, dim=2)", "reshape strided pieces back first"],
     "fft_all_dims": ["torch.fft.fftn over every dim", "keep the batch or channel dim out of dim="],
-    "tensor_index_sharded": ["torch.Tensor.__getitem__ with a Tensor index along the sharded dim 2",
-                             "call .full_tensor() first"],
+    "tensor_index_sharded": ["an index tensor along the sharded dim 2 must be a 1-D integer tensor",
+                             "flatten it and reshape the result"],
     "embedding_max_norm": ["F.embedding with max_norm or scale_grad_by_freq on sharded ids",
                            "use max_norm=None, scale_grad_by_freq=False"],
     "setitem": ["torch.Tensor.__setitem__ with a Tensor index along the sharded dim 2 is not supported",

@@ -80,6 +80,7 @@ MODULES = {
     "Softmax over channels": (lambda: nn.Sequential(nn.Softmax(dim=1), nn.LogSoftmax(dim=1)), lambda n: (2, 3, n, 5), 2),
     "Embedding": (lambda: nn.Embedding(10, 3), lambda n: (2, n), 1),
     "attention": (lambda: _Apply(_sdpa), lambda n: (2, 2, n, 4), 2),
+    "normalize": (lambda: _Apply(lambda x: F.normalize(x, dim=2) * F.normalize(x, p=1, dim=1)), lambda n: (2, 3, n, 5), 2),
     "MSELoss": (lambda: _Apply(lambda x: F.mse_loss(x.tanh(), 0.5 * x)), lambda n: (2, 3, n, 5), 2),
     "L1Loss": (lambda: _Apply(lambda x: F.l1_loss(x.sin(), 0.3 * x, reduction="sum")), lambda n: (2, 3, n, 5), 2),
     "CrossEntropyLoss": (lambda: _Apply(lambda x: F.cross_entropy(x, (2 * x).softmax(1))), lambda n: (2, 3, n, 5), 2),

@@ -97,7 +97,8 @@ def cat_pieces(tensors: list, dim: int, ref: DomainTensor) -> Step:
     for t in sharded:
         if t is not None and (t.ndim - t.spec.dim != ref.ndim - spec.dim or t.spec.outer != 1):
             raise NotImplementedError("torch.cat along the sharded dim: every sharded piece must be a slab sharded "
-                                      f"along that dim (dim {spec.dim}); reshape strided pieces back first")
+                                      f"along that dim (dim {spec.dim}); move a piece sharded otherwise with "
+                                      f"domain.redistribute(t, dim={spec.dim}), reshape strided pieces back first")
     lengths = [size_of(t)[dim] for t in tensors]
     sizes = joined_sizes(lengths, [None if t is None else t.spec.sizes for t in sharded], spec.comm.size)
     me = spec.comm.index
