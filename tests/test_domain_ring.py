@@ -224,6 +224,7 @@ def _refusals_body():
         "mask_dtype": lambda: F.scaled_dot_product_attention(q, q, q, attn_mask=torch.zeros(10, 10)),
         "window": lambda: domain.attention(q, q, q, window=(-1, 0)),
         "causal_window": lambda: domain.attention(q, q, q, is_causal=True, window=(2, 3)),
+        # a plain key with a plain value is cross-attention (ops/mixed_attention.py); with a sharded value it is refused
         "plain_key": lambda: F.scaled_dot_product_attention(q, x, q),
         "gqa_heads": lambda: F.scaled_dot_product_attention(three, two, two, enable_gqa=True),
         "heads_without_gqa": lambda: F.scaled_dot_product_attention(q, two, two),
@@ -252,6 +253,7 @@ def test_refusals_raise_clearly_on_every_rank(ranks):
     assert "divide by 2" in m["ulysses_heads"] and "'ring'" in m["ulysses_heads"]
     assert "(..., 10, 10)" in m["mask_shape"] and "torch.float32" in m["mask_dtype"]
     assert "non-negative" in m["window"] and "is_causal=True" in m["causal_window"]
-    assert "plain tensor" in m["plain_key"] and "multiple" in m["gqa_heads"] and "enable_gqa" in m["heads_without_gqa"]
+    assert "key and value must be laid out alike" in m["plain_key"] and "key whole, value sequence" in m["plain_key"]
+    assert "multiple" in m["gqa_heads"] and "enable_gqa" in m["heads_without_gqa"]
     assert "'flash' is not one of" in m["mode"] and "'cudnn'" in m["kernel"]
     assert "ulysses" in m["sharded_mask_ulysses"] and "'ring' or 'gather'" in m["sharded_mask_ulysses"]
