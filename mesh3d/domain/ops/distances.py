@@ -13,7 +13,7 @@ import torch
 
 from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.tensor import DomainTensor
-from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES
+from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES, op_name
 from mesh3d.domain.ops import idioms  # noqa: F401  (F.embedding's rule, shared with strided layouts)
 from mesh3d.domain.dispatch.step import Entering, Rows, Step
 
@@ -30,8 +30,8 @@ def _cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
             raise NotImplementedError("torch.cdist over a sharded feature dim (the last one, summed over) is not "
                                       "supported; shard the rows (dim -2) or a batch dim")
 
-    def run(a, b):
-        return torch.cdist(a, b, p, compute_mode)
+    def run(a, b):  # NOTE: aten.cdist's compute_mode=None (torch.ops calls) is torch.cdist's default
+        return torch.cdist(a, b, p, compute_mode or "use_mm_for_euclid_dist_if_necessary")
 
     whole2 = Entering(x2) if isinstance(x2, DomainTensor) and not _sharded(x2) else x2
     if _sharded(x1):
@@ -82,7 +82,7 @@ def _arg_extreme(func):
     along the sharded dim (a global index) or over every element it is refused."""
     def rule(input, dim=None, keepdim=False):
         if dim is None or dim % input.ndim == input.spec.dim:
-            raise NotImplementedError(f"{func.__name__} along the sharded dim {input.spec.dim} (or of every element) "
+            raise NotImplementedError(f"{op_name(func)} along the sharded dim {input.spec.dim} (or of every element) "
                                       "on a domain tensor: its global index depends on every rank's rows; call "
                                       ".full_tensor() first")
         d = dim % input.ndim

@@ -40,8 +40,10 @@ def vector_norm(x: torch.Tensor, ord: float = 2, dim=None, keepdim: bool = False
     return redispatch(torch.pow, redispatch(torch.sum, redispatch(torch.pow, a, ord), dim, keepdim), 1.0 / ord)
 
 
-def _tensor_norm(input, p="fro", dim=None, keepdim=False, dtype=None):
+def _tensor_norm(input, p="fro", dim=None, keepdim=False, out=None, dtype=None):
     """``torch.norm`` / ``Tensor.norm``: the vector p-norms ("fro" over all dims or a list of dims is the 2-norm)."""
+    if out is not None:
+        raise NotImplementedError(f"{op_name(torch.norm)}(out=...) on a domain tensor is not supported: use the result")
     if p == "nuc" or (isinstance(p, str) and p != "fro"):
         raise NotImplementedError(f"{op_name(torch.norm)}(p={p!r}) on a domain tensor is not supported: a matrix norm "
                                   "mixes the sharded rows; call .full_tensor() first, or use a vector p-norm")

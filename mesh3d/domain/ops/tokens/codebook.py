@@ -54,7 +54,8 @@ def _cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
         raise NotImplementedError(f"torch.cdist of a token grid whose tokens are at dim {spec.token_dim}: they must "
                                   "be the rows (dim -2), not the feature dim summed over")
     shift = max(x1.ndim, x2.ndim) - x1.ndim
-    return adopt(torch.cdist(unwrap(x1), _whole(x2, spec, torch.cdist), p, compute_mode),
+    mode = compute_mode or "use_mm_for_euclid_dist_if_necessary"  # aten.cdist's None: torch.cdist's default
+    return adopt(torch.cdist(unwrap(x1), _whole(x2, spec, torch.cdist), p, mode),
                  spec.with_token_dim(spec.token_dim + shift))
 
 
