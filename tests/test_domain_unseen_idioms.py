@@ -94,6 +94,9 @@ class Zoo(torch.nn.Module):
             p = x.reshape(2 * 3 * 3, 3, 2, 2).transpose(1, 2).reshape(2, 3, 6, 6).transpose(1, 3).reshape(12, 6, 3)
             p = F.scaled_dot_product_attention(p, p, p * 2)
             y = p.contiguous().view(2, 6, 6, 3).transpose(1, 3).reshape(18, 2, 3, 2).transpose(1, 2).reshape(2, 3, 9, 4)
+        elif k == "batch_matmul":  # rows merged under the batch (strided), attention by matmul within each entry
+            z = x.transpose(1, 2).reshape(18, 3, 4)
+            y = torch.matmul(torch.matmul(z, z.transpose(-1, -2)).softmax(-1), z * 2).view(2, 9, 3, 4).transpose(1, 2)
         elif k == "unfold":  # windows of 3 rows along the sharded dim (local-attention's look-around)
             y = x.unfold(2, 3, 1).movedim(-1, 3).sum(3) * 2
         elif k == "channels":  # token mixing: the sharded dim as the conv's channels, a replicated result
@@ -134,7 +137,7 @@ class Resample(torch.nn.Module):
 _SLAB_CASES = [(Attend, k) for k in ("cross", "cross_causal", "latent", "latent_causal", "batch_whole_kv", "batch_q")] + \
     [(Rows, k) for k in ("periodic", "swap", "repeat", "index", "index_bool", "cdist", "cdist_columns")] + \
     [(Resample, k) for k in _RESAMPLE] + \
-    [(Zoo, k) for k in ("mobilevit", "unfold", "channels", "normalize", "codebook", "convert")]
+    [(Zoo, k) for k in ("mobilevit", "batch_matmul", "unfold", "channels", "normalize", "codebook", "convert")]
 
 
 def _slab_body(sizes):

@@ -79,12 +79,17 @@ def _rows_local(func):
 
 
 def _matmul_of_rows(func):
-    """``a @ w`` with ``a`` strided and ``w`` plain or replicated: the slab rule (each row of ``a`` on its own).
-    A strided right operand would be gathered in rank order, not the global one: refused."""
+    """``a @ w`` with ``a`` strided and ``w`` plain or replicated: the slab rule (each row of ``a`` on its own); ``a @ b``
+    with both strided alike along a batch dim (MobileViT's attention over patches merged into the batch): each rank's
+    batch entries on their own. Any other strided right operand would be gathered in rank order, not the global one:
+    refused."""
     slab = matmul_rule(func)
 
     def rule(input, other, *, out=None):
         if isinstance(other, DomainTensor) and other.spec.dim is not None:
+            if (out is None and isinstance(input, DomainTensor) and input.spec == other.spec
+                    and input.ndim == other.ndim and input.spec.dim < input.ndim - 2):
+                return Step(func, (input, other), out=input.spec)
             raise NotImplementedError(
                 f"{op_name(func)} with a strided domain tensor as its right operand: reshape both operands back to "
                 "their unstrided shapes first (x.view(B, T, c)), or call .full_tensor()")
