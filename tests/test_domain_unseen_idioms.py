@@ -206,30 +206,36 @@ _GRID_CASES = ("periodic_lon", "periodic_lat", "roll", "index_lat", "repeat", "b
                "antialias_bicubic", "area", "cross_tokens", "latent_tokens", "var", "normalize", "codebook_tokens")
 
 
+def _on_blocks(make, x: torch.Tensor, dims: tuple[int, ...], sizes) -> float:
+    """Largest error of ``make()`` on ``x`` in blocks vs one process: output, input gradient, parameter gradients."""
+    from mesh3d import domain
+
+    ref, mod = make(), make()
+    mod.load_state_dict(ref.state_dict())
+    xr = x.clone().requires_grad_()
+    y = ref(xr)
+    cot = torch.randn_like(y)
+    (y * cot).sum().backward()
+    xs = domain.shard(x, dims=dims, sizes=sizes).requires_grad_()
+    ys = mod(xs)
+    replicated = not ys.spec.sharded_dims
+    cs = cot if replicated else domain.shard(cot, dims=ys.spec.dims, sizes=ys.spec.sizes)
+    (ys * cs).sum().backward()
+    out = ys.to_local() if replicated else ys.full_tensor().to_local()
+    return max(max_err(out, y), max_err(xs.grad.full_tensor().to_local(), xr.grad), grads_err(ref, mod))
+
+
 def _grid_body(empty: bool):
-    from mesh3d import DistributedManager, domain
+    from mesh3d import DistributedManager
 
     DistributedManager.initialize(batch=1, domain=(2, 2))
     errors = {}
     for kind in _GRID_CASES:
         torch.manual_seed(2)
         x = torch.randn(2, 3, 7, 10 if kind in _RESAMPLE else 9, dtype=D64)
-        ref = Grid(kind)
-        mod = Grid(kind)
-        mod.load_state_dict(ref.state_dict())
-        xr = x.clone().requires_grad_()
-        y = ref(xr)
-        cot = torch.randn_like(y)
-        (y * cot).sum().backward()
         w = x.shape[3]
         sizes = ((0, 7), (w - 2, 2)) if empty else ((5, 2), (1, w - 1))  # empty: the first grid row holds nothing
-        xs = domain.shard(x, dims=(2, 3), sizes=sizes).requires_grad_()
-        ys = mod(xs)
-        replicated = not ys.spec.sharded_dims
-        cs = cot if replicated else domain.shard(cot, dims=ys.spec.dims, sizes=ys.spec.sizes)
-        (ys * cs).sum().backward()
-        out = ys.to_local() if replicated else ys.full_tensor().to_local()
-        errors[kind] = max(max_err(out, y), max_err(xs.grad.full_tensor().to_local(), xr.grad), grads_err(ref, mod))
+        errors[kind] = _on_blocks(lambda kind=kind: Grid(kind), x, (2, 3), sizes)
     return errors
 
 
@@ -269,25 +275,14 @@ _VOLUME_CASES = ("periodic", "roll", "index", "repeat", "var", "normalize")
 
 
 def _volume_body():
-    from mesh3d import DistributedManager, domain
+    from mesh3d import DistributedManager
 
     DistributedManager.initialize(batch=1, domain=(2, 2, 2))
     errors = {}
     for kind in _VOLUME_CASES:
         torch.manual_seed(3)
         x = torch.randn(2, 2, 6, 5, 4, dtype=D64)
-        ref = Volume(kind)
-        mod = Volume(kind)
-        mod.load_state_dict(ref.state_dict())
-        xr = x.clone().requires_grad_()
-        y = ref(xr)
-        cot = torch.randn_like(y)
-        (y * cot).sum().backward()
-        xs = domain.shard(x, dims=(2, 3, 4), sizes=((4, 2), (5, 0), (1, 3))).requires_grad_()
-        ys = mod(xs)
-        (ys * domain.shard(cot, dims=ys.spec.dims, sizes=ys.spec.sizes)).sum().backward()
-        errors[kind] = max(max_err(ys.full_tensor().to_local(), y), max_err(xs.grad.full_tensor().to_local(), xr.grad),
-                           grads_err(ref, mod))
+        errors[kind] = _on_blocks(lambda kind=kind: Volume(kind), x, (2, 3, 4), ((4, 2), (5, 0), (1, 3)))
     return errors
 
 
