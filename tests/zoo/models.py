@@ -271,6 +271,10 @@ ZOO: dict[str, ZooModel] = {
     "conformer.ConformerBlock": ZooModel("conformer", mm.conformer_block, _call, (2, 12, 16), 1, (5, 3, 4),
                                          "sequence: depthwise conv along it, BatchNorm1d, attention with Shaw's "
                                          "relative positions (a plain table converted by .to(q))"),
+    "local-attention.LocalTransformer": ZooModel(
+        "local-attention", mm.local_transformer, _call, (2, 16), 1, (7, 0, 9),
+        "windowed causal attention: Tensor.unfold's look-around across ranks, hyper-connection residual streams",
+        inputs="ids"),
     "monai.DynUNet": ZooModel("monai", mm.monai_dynunet, _call, (1, 2, 16, 16), 2, (8, 4, 4),
                               "2-D dynamic U-Net: residual blocks, InstanceNorm, transposed convs"),
     "diffusers.VQModel": ZooModel("diffusers", mm.vq_model, mm.vq_model_forward, (1, 2, 16, 16), 2, (8, 4, 4),

@@ -1,6 +1,7 @@
 """Zoo builders of issue 45: models mesh3d had not run, chosen for the idioms they use (cross-attention with a plain
 conditioning tensor, codebook distances on strided rows, patch unfolds across ranks, token mixing across the sharded
-dim, depthwise convolutions along a sequence). Tiny configurations, unchanged code.
+dim, depthwise convolutions along a sequence, windows of a sequence looked around across ranks). Tiny configurations,
+unchanged code.
 
 Each returns a module; ``tests/zoo/models.py`` lists them in ``ZOO`` with their inputs and splits.
 """
@@ -99,6 +100,12 @@ def conformer_block():
 
     return ConformerBlock(dim=16, dim_head=8, heads=2, ff_mult=2, conv_expansion_factor=2, conv_kernel_size=7,
                           attn_dropout=0.0, ff_dropout=0.0, conv_dropout=0.0)
+
+
+def local_transformer():
+    from local_attention import LocalTransformer
+
+    return LocalTransformer(num_tokens=32, max_seq_len=16, dim=16, depth=1, causal=True, local_attn_window_size=4)
 
 
 # ----------------------------------------------------------------------------- more of the libraries already in
