@@ -15,6 +15,12 @@ on nccl (no launcher needed) and checks, printing one line each and exiting 1 if
 * ``mesh3d plan``'s step peak within 0.9-1.1 of the measured one for the cases of issue 49
   (``scripts/gpu_plan_check.py``: the U-Net, the decoder in fp32 and ``PLAN_BF16``, a 2-D conv stack in fp32 and
   FSDP bf16; planned and measured MiB per case in the JSON under ``plan_vs_measured``);
+* attention on the fused CUDA kernels (issue 50, ``scripts/gpu_attention_check.py``): a loopback ring equal to SDPA
+  (fp64 to 1e-12; fp32, bf16, fp16 as close as SDPA itself; plain, causal, band mask, bias, GQA, window; uneven
+  blocks and an empty one), one ring block's forward + backward against fused SDPA's (time and peak memory, bf16
+  and fp32, L = 4096 and 16384, against issue 50's targets), and unchanged Hugging Face ViT, Swin, GPT-2 and Llama
+  at D=1 through ``domain.shard`` against plain, eager and compiled, fp32 and bf16 (JSON under ``attention``;
+  ``--docs docs/benchmarks.md`` writes its section there);
 
 and times, on the GPU, a 1 GB checkpoint save/load against ``torch.distributed.checkpoint``, and the compile rows
 of ``bench_compile.py`` at D=1 (``scripts/gpu_compile.py``: compiled domain against compiled plain, with and
@@ -29,6 +35,7 @@ Usage::
     python scripts/gpu_check.py                 # writes gpu_check.json beside --out
     python scripts/gpu_check.py --out /tmp/gpu  --ckpt-mb 1024 --compile-repeats 100
     python scripts/gpu_check.py --ranks 2 && python scripts/gpu_check.py --ranks 3      # several ranks on one GPU
+    python scripts/gpu_check.py --only attention --docs docs/benchmarks.md               # issue 50's part, ~4 minutes
 """
 
 from __future__ import annotations
@@ -53,6 +60,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from gpu_attention_check import markdown as attention_markdown, run as run_attention  # noqa: E402
 from gpu_compile import check_compiled_equals_eager, host_overhead, time_compile  # noqa: E402
 from gpu_plan_check import run_cases  # noqa: E402
 from gpu_ranks import ORDER as RANK_CHECKS, launch_ranks  # noqa: E402
@@ -286,6 +294,34 @@ def time_checkpoint(tmp: str, megabytes: int) -> dict:
     return out
 
 
+DOCS_BEGIN, DOCS_END = "<!-- gpu_attention_check: begin -->", "<!-- gpu_attention_check: end -->"
+
+
+def write_docs_section(path: str, section: str) -> None:
+    """Put ``section`` between the attention markers of ``path`` (docs/benchmarks.md, "On a GPU")."""
+    text = Path(path).read_text()
+    if DOCS_BEGIN not in text or DOCS_END not in text:
+        raise ValueError(f"{path} has no {DOCS_BEGIN} ... {DOCS_END} region to write the attention figures into")
+    head, rest = text.split(DOCS_BEGIN, 1)
+    Path(path).write_text(head + DOCS_BEGIN + "\n" + section + rest[rest.index(DOCS_END):])
+
+
+def check_attention(dm: DistributedManager, report: dict, docs: str | None) -> None:
+    """Issue 50's checks (``gpu_attention_check.run``): each of its checks becomes a line of this run's."""
+    where = f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    try:
+        part = run_attention(dm.device)
+    except Exception:  # noqa: BLE001 - reported like any check
+        traceback.print_exc()
+        RESULTS["attention"] = "FAIL " + traceback.format_exc().strip().splitlines()[-1]
+        return
+    RESULTS.update(part["checks"])
+    part["markdown"] = attention_markdown(part, where)
+    report["attention"] = part
+    if docs:
+        write_docs_section(docs, part["markdown"])
+
+
 def _write(folder: str, report: dict) -> None:
     Path(folder).mkdir(parents=True, exist_ok=True)
     (Path(folder) / "gpu_check.json").write_text(json.dumps(report, indent=1))
@@ -300,6 +336,8 @@ def main() -> int:
     parser.add_argument("--ranks", type=int, default=1, help="N > 1: the multi-rank checks, N ranks sharing the GPU")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="with --ranks: cpu runs the logic")
     parser.add_argument("--checks", default=",".join(RANK_CHECKS), help="with --ranks: which, comma-separated")
+    parser.add_argument("--only", choices=("attention",), help="run only issue 50's attention checks")
+    parser.add_argument("--docs", help="write the attention figures into this file's marked region")
     args = parser.parse_args()
     if args.ranks > 1:
         if args.device == "cuda" and not torch.cuda.is_available():
@@ -312,6 +350,12 @@ def main() -> int:
         return 1
     dm = DistributedManager.initialize()
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, nccl {torch.cuda.nccl.version()}")
+    if args.only == "attention":
+        report = {"torch": torch.__version__, "device": torch.cuda.get_device_name(), "checks": RESULTS}
+        check_attention(dm, report, args.docs)
+        _write(args.out, report)
+        DistributedManager.shutdown()
+        return 0 if all(v.startswith("PASS") for v in RESULTS.values()) else 1
     plan_rows: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         check_manager(dm)
@@ -337,6 +381,8 @@ def main() -> int:
     report["compile_d1"] = time_compile(dm.device, args.compile_repeats)
     _write(args.out, report)
     report["compile_d1_host_overhead"] = host_overhead(dm.device, 10 * args.compile_repeats)
+    _write(args.out, report)
+    check_attention(dm, report, args.docs)
     _write(args.out, report)
     DistributedManager.shutdown()
     failed = [k for k, v in RESULTS.items() if v.startswith("FAIL")]

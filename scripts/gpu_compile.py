@@ -39,7 +39,7 @@ from bench_compile import _after_timing, _first_call, _own_code  # noqa: E402
 from mesh3d import DistributedManager, domain  # noqa: E402
 from mesh3d._torch_private import run_compiled_graphs_without_subclass_dispatch  # noqa: E402
 
-__all__ = ["check_compiled_equals_eager", "host_overhead", "time_compile"]
+__all__ = ["check_compiled_equals_eager", "host_overhead", "peak_bytes", "time_compile"]
 
 
 def _strided_stack() -> nn.Module:
@@ -93,7 +93,8 @@ def _steps(model: nn.Module, make_input, domain_input: bool, cudagraphs: bool):
     return (lambda: loss(make_input()).backward()), compiled_step
 
 
-def _peak_bytes(step, device: torch.device) -> int:
+def peak_bytes(step, device: torch.device) -> int:
+    """The most device memory ``step`` allocates above what is allocated before it (0 off CUDA)."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize()
@@ -125,7 +126,7 @@ def time_compile(device: torch.device, repeats: int, cudagraphs: bool = False) -
         t_plain, t_domain = paired_times(plain_compiled, domain_compiled, repeats, sync)
         _after_timing(stats)
         e_plain, e_domain = paired_times(plain_eager, domain_eager, repeats, sync)
-        mem_plain, mem_domain = _peak_bytes(plain_compiled, device), _peak_bytes(domain_compiled, device)
+        mem_plain, mem_domain = peak_bytes(plain_compiled, device), peak_bytes(domain_compiled, device)
         shard_s, _ = paired_times(lambda x=x: domain.shard(x, dim=2), lambda: None, repeats, lambda: None)
         row = {"compiled_plain_ms": t_plain * 1e3, "compiled_domain_ms": t_domain * 1e3,
                "compiled_domain_vs_compiled_plain": t_domain / t_plain,

@@ -14,12 +14,15 @@ import pytest
 import torch
 from torch import nn
 
-from plan_models import ConvStack, decoder
+from plan_models import ConvStack, decoder, wide_decoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
 from gpu_plan_check import ISSUE_49_MIB, cases, plan_case  # noqa: E402
 
 from mesh3d import Plan  # noqa: E402
+from mesh3d.domain import attention_mode  # noqa: E402
+from mesh3d.domain.attention.backends import PlannedCudaKernels  # noqa: E402
+from mesh3d.domain.attention.workspace import BlockShape, block_workspace  # noqa: E402
 from mesh3d.planner import InputSpec, JobMesh, plan_job  # noqa: E402
 from mesh3d.planner.allocator import cuda_block_bytes  # noqa: E402
 from mesh3d.planner.cuda_kernels import cuda_kernel_workspace, is_dense  # noqa: E402
@@ -72,6 +75,38 @@ def test_flash_attention_s_backward_holds_an_fp32_dq_accumulator_not_scores():
     args = (q, q, q, q, q, _meta(1, 16, 1000), None, None, 1000, 1000, 0.0, True, None, None)
     assert cuda_kernel_workspace(aten._scaled_dot_product_flash_attention_backward.default, args, {}, None) == \
         1 * 1024 * 16 * 128 * 4 + 16 * 1024 * 4
+
+
+def test_a_ring_block_is_planned_as_the_fused_kernel_cuda_runs():
+    """``--kernels cuda``: a ring block of 16 heads of 128 x 4096 queries x 4096 keys holds what its fused kernel
+    holds, O(rows): forward its output and log-sum-exp (the merge adds no copy), backward dq/dk/dv and flash's fp32
+    dq accumulator; fp32 the memory-efficient kernel's. Not a math kernel's O(rows x keys) scores, which fp64 (no
+    fused CUDA kernel) and ``kernel="math"`` still plan."""
+    kernels = PlannedCudaKernels(cuda_kernel_workspace)
+    b, h, n, e = 1, 16, 4096, 128
+    scores, lse = b * h * n * n * 4, b * h * n * 4
+    for dtype in (torch.bfloat16, torch.float32):
+        one = b * h * n * e * dtype.itemsize  # one (B, H, rows, E) tensor
+        shape = BlockShape(b, h, h, n, n, e, e, dtype, causal=True)
+        assert one + lse <= block_workspace(shape, False, kernels) <= one + lse + MiB, dtype
+        inside = b * n * h * e * 4 + lse  # flash's dq accumulator and softmax_d; the efficient kernel's dq and delta
+        assert 3 * one + inside <= block_workspace(shape, True, kernels) <= 3 * one + inside + MiB, dtype
+        assert block_workspace(shape, False, kernels, math=True) >= scores
+    assert block_workspace(BlockShape(b, h, h, n, n, e, e, torch.float64, causal=True), False, kernels) >= 2 * scores
+
+
+def test_a_ring_on_cuda_plans_without_the_math_kernel_s_scores():
+    """A decoder at D=2 on 8192 tokens in ring mode: planned with the fused CUDA kernels each rank's step peak is
+    below the math kernel's plan by at least one block's fp32 scores (4 heads x 2048 x 2048: the zigzag's chunks)."""
+    def peaks(kernel: str) -> list[int]:
+        with attention_mode("ring", kernel=kernel):
+            job = plan_job(wide_decoder, Plan(batch=None), JobMesh.resolve(2, 1, 2, 1),
+                           InputSpec((1, 8192), torch.int64, (1,)), device="cuda")
+        return [c.memory["step_peak"] for c in job.classes]
+
+    block_scores = 4 * 2048 * 2048 * 4
+    for fused, math in zip(peaks("fused"), peaks("math"), strict=True):
+        assert fused + block_scores <= math, (fused / MiB, math / MiB)
 
 
 @pytest.mark.parametrize("case", [c for c in cases("gpu") if c.name in ISSUE_49_MIB], ids=lambda c: c.name)

@@ -15,7 +15,9 @@ from mesh3d._torch_private.compile import (
     autograd_inside_custom_op, keep_in_program_order, let_compiled_graphs_take_function_subclasses,
     run_compiled_graphs_without_subclass_dispatch)
 from mesh3d._torch_private.kernels import (
-    cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_efficient_attention, cuda_flash_attention)
+    cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_cudnn_backward, cuda_cudnn_forward,
+    cuda_efficient_attention, cuda_efficient_backward, cuda_efficient_forward, cuda_flash_attention, cuda_flash_backward,
+    cuda_flash_forward, cuda_sdpa_choice, efficient_lse_rows)
 from mesh3d._torch_private.dispatch import (
     OpOverload, OpOverloadPacket, TorchDispatchMode, custom_op_overload, is_operator, op_schema, running_compiled_backward,
     storage_key, tree_flatten, tree_map, view_base)
@@ -30,11 +32,19 @@ __all__ = [
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "cuda_attention_ops",
+    "cuda_cudnn_backward",
+    "cuda_cudnn_forward",
     "cuda_efficient_attention",
+    "cuda_efficient_backward",
+    "cuda_efficient_forward",
     "cuda_flash_attention",
+    "cuda_flash_backward",
+    "cuda_flash_forward",
+    "cuda_sdpa_choice",
     "custom_op_overload",
     "default_store",
     "disable_torch_function_subclass",
+    "efficient_lse_rows",
     "flatten_mesh",
     "gloo_backend",
     "group_options",

@@ -26,6 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from mesh3d._torch_private import checkpoint_module
+from mesh3d.domain.attention.backends import PlannedCudaKernels, use_block_kernels
 from mesh3d.domain.core.specs import BlockSpec, grid_coords
 from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.group import DomainComm
@@ -189,6 +190,9 @@ class Simulator:
         self.device = device
         self.workspace = cpu_kernel_workspace if device == "cpu" else cuda_kernel_workspace
         self.block_bytes = cuda_block_bytes if device == "cuda" else None
+        # NOTE: ring attention's blocks planned as the fused kernels CUDA runs (their log-sum-exp, not a math kernel's
+        # scores), with the workspace those kernels hold inside
+        self.block_kernels = PlannedCudaKernels(cuda_kernel_workspace) if device == "cuda" else None
         self.meta_outputs = MetaOutputs()
         self.autocast = AutocastEmulation(device)
         self.dims, self.sizes = inputs.layout(layout.mesh.grid)
@@ -218,6 +222,8 @@ class Simulator:
         casts last: they apply before any other mode sees a call); ``region``: an autocast state to recompute in."""
         with contextlib.ExitStack() as stack:
             stack.enter_context(FusedAttention(self.device))
+            if self.block_kernels is not None:
+                stack.enter_context(use_block_kernels(self.block_kernels))
             if self._watch is not None:
                 stack.enter_context(self._watch)
             if region is not None:

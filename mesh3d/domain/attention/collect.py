@@ -10,7 +10,15 @@ and value gradients go home). It is the fastest on short sequences and holds the
 ``ulysses`` (DeepSpeed Ulysses) swaps the sharding from rows to heads with one all-to-all (point-to-point,
 uneven rows allowed), runs SDPA on all rows of ``H/D`` heads, and swaps back; it needs the query and K/V
 heads to divide by the domain size. Masks (causal, windows, the user's) are read by global index, as in
-the ring (``attention_blocks``).
+the ring (``score_tiles``).
+
+On CUDA every call reaches one of torch's fused kernels where a ring block of the same inputs would
+(``_attend`` is the one SDPA call of both modes and of a one-rank domain): all rows against all keys with
+``is_causal`` (Ulysses, D=1) runs flash for fp16/bf16 and memory-efficient for fp32; gather's queries of a later
+rank, windows and user masks run with a mask (memory-efficient, the (rows x keys) mask in memory: gather is for
+short sequences); grouped K/V heads reach flash, or with a mask or in fp32 memory-efficient with the heads
+expanded (``_heads_for_a_fused_kernel``); fp64 runs math. Tested on the CPU with the CUDA kernels stood in for
+(``tests/test_attention_kernels.py``).
 """
 
 from __future__ import annotations
@@ -20,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from mesh3d.domain.attention.backends import BLOCK_KERNELS
+from mesh3d.domain.attention.fused import heads_view
 from mesh3d.domain.attention.score_tiles import MaskRule, Tile, Segment, tile_mask
 from mesh3d.domain.attention.row_order import RowOrder
 from mesh3d.domain.core.linear import linear_map
@@ -63,8 +73,25 @@ def _attend(call: AttentionCall, q, k, v, mask, qseg: Segment, kseg: Segment, q_
         # NOTE: also without query or key rows: torch's SDPA would return a constant there, so a second derivative's
         # graph would lack this rank's link to the keys gathered from its peers (their exchange would run without it)
         return _math_attention(q, k, v, m, causal, call.scale)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=call.scale,
-                                          enable_gqa=call.gqa)
+    k, v, gqa = _heads_for_a_fused_kernel(q, k, v, m, causal, call.gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=m, is_causal=causal, scale=call.scale, enable_gqa=gqa)
+
+
+def _heads_for_a_fused_kernel(q, k, v, m, causal: bool, gqa: bool):
+    """(k, v, enable_gqa) for torch's SDPA: K/V heads expanded where, on CUDA, grouped heads would send the call to
+    the math kernel (its (rows x keys) scores) and equal heads reach a fused one.
+
+    NOTE: in torch 2.11-2.13 only flash (fp16/bf16 without a mask) groups query heads; a masked or fp32 call with
+    grouped heads runs math, while the memory-efficient kernel takes it with the heads expanded (an O(keys) copy).
+    """
+    heads = q.shape[-3]
+    kernels = BLOCK_KERNELS.value
+    if not gqa or k.shape[-3] == heads or kernels.platform(q) != "cuda" or \
+            kernels.choose(q, k, v, m, causal, True) != "math" or \
+            kernels.choose(q, heads_view(k, heads), heads_view(v, heads), m, causal, False) == "math":
+        return k, v, gqa
+    groups = heads // k.shape[-3]
+    return k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3), False
 
 
 def _math_attention(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:

@@ -12,12 +12,21 @@ weighted mean of the blocks' results: with ``lse = logaddexp(lse_1, lse_2)``,
 output and log-sum-exp (``P = exp(S - lse)`` is then the global softmax restricted to the block), so the
 blocks' gradients add up to the one-process gradient.
 
-Two kernels, the same contract: torch's fused CPU kernel (``_torch_private.cpu_flash_attention``: no
-``Lq x Lk`` scores in memory, GQA native), and ``math``: explicit scores, any device and dtype, and the
-only one that returns the gradient of a float mask (``dmask`` is the gradient of the scores). ``mask``
-is None, bool (True: attend) or additive float, broadcastable to ``(B, H, Lq, Lk)``. ``causal`` masks
+The kernel of a block (``block_kernel``), the same contract for each (docs/domain.md has the table):
+
+* math: for ``math=True`` (``attention_mode(kernel="math")``) and a float mask whose gradient is wanted (the only
+  kernel returning it: ``dmask`` is the scores' gradient); explicit scores, any device and dtype; on devices other
+  than CPU and CUDA (meta: a plan's upper bound);
+* on the CPU (a float dtype, values as wide as the queries): torch's fused CPU kernel
+  (``_torch_private.cpu_flash_attention``: no ``Lq x Lk`` scores in memory, GQA native);
+* on CUDA: torch's own choice for the call (``attention.fused``): flash (fp16/bf16, no mask), memory-efficient
+  (fp32 too; a bool or float mask as a bias; K/V heads expanded), cuDNN where torch picks it (no mask), and math
+  where torch itself would run it (fp64, head dims no fused kernel takes).
+
+``mask`` is None, bool (True: attend) or additive float, broadcastable to ``(B, H, Lq, Lk)``. ``causal`` masks
 top-left aligned (query ``i`` sees keys ``j <= i``). A row that sees no key gets output 0 and lse -inf,
-as one-process SDPA gives 0 for a fully masked row.
+as one-process SDPA gives 0 for a fully masked row. ``kernels``: where blocks run and with which CUDA ops
+(``attention.backends``; default ``BLOCK_KERNELS.value``).
 """
 
 from __future__ import annotations
@@ -25,21 +34,30 @@ from __future__ import annotations
 import torch
 
 from mesh3d._torch_private import cpu_flash_attention, cpu_flash_attention_backward
+from mesh3d.domain.attention.backends import BLOCK_KERNELS, BlockKernels
+from mesh3d.domain.attention.fused import additive_mask, cuda_block_kernel, fused_backward, fused_forward, seen_rows
 
-__all__ = ["accumulation_dtype", "block_backward", "block_forward", "fused_kernel_applies", "merge_into",
-           "unit_stride"]
+__all__ = ["accumulation_dtype", "block_backward", "block_forward", "block_kernel", "merge_into", "unit_stride"]
 
-_FUSED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_CPU_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-def fused_kernel_applies(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """Torch's fused CPU kernel takes these inputs (else the math kernel runs): CPU, a float dtype, and values
-    as wide as the queries.
+def block_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                 want_dmask: bool = False, math: bool = False, kernels: BlockKernels | None = None) -> str:
+    """The kernel one block runs (the table in the module docstring): ``"math"``, ``"cpu_flash"``, ``"flash"``,
+    ``"efficient"`` or ``"cudnn"``.
 
-    NOTE: on CUDA the math kernel runs (exact, but it holds a block's scores); wiring the flash/efficient
-    CUDA kernels that return the log-sum-exp is left for a machine with a GPU to test it on.
+    Usage: ``block_kernel(q, k, v, None, True)  # "flash" for bf16 on CUDA, "cpu_flash" on CPU``
     """
-    return q.device.type == "cpu" and q.dtype in _FUSED_DTYPES and q.shape[-1] == v.shape[-1]
+    if math or want_dmask:
+        return "math"
+    kernels = kernels if kernels is not None else BLOCK_KERNELS.value
+    platform = kernels.platform(q)
+    if platform == "cpu":
+        return "cpu_flash" if q.dtype in _CPU_DTYPES and q.shape[-1] == v.shape[-1] else "math"
+    if platform == "cuda":
+        return cuda_block_kernel(kernels, q, k, v, mask, causal)
+    return "math"
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -57,24 +75,11 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
 
 
 def _as_additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """An additive float mask (0 / -inf for a bool one) of ``dtype``, with 2 or 4 dims (the fused kernel's)."""
-    if mask.dtype == torch.bool:
-        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-    elif mask.dtype != dtype:
-        mask = mask.to(dtype)
+    """An additive float mask (0 / -inf for a bool one) of ``dtype``, with 2 or 4 dims (the CPU kernel's)."""
+    mask = additive_mask(mask, dtype)
     if mask.ndim not in (2, 4):
         mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
     return mask
-
-
-def _seen(mask: torch.Tensor | None, causal: bool, lse_shape: torch.Size) -> torch.Tensor | None:
-    """Rows that see at least one key (broadcast to the lse's shape), or None when every row does."""
-    if mask is None:
-        return None
-    visible = mask if mask.dtype == torch.bool else mask > float("-inf")
-    if causal:
-        visible = visible & torch.ones(visible.shape[-2:], dtype=torch.bool, device=visible.device).tril()
-    return visible.any(-1).expand(lse_shape)
 
 
 def _grouped(q: torch.Tensor, k: torch.Tensor) -> int:
@@ -111,16 +116,21 @@ def _math_forward(q, k, v, mask, causal, scale) -> tuple[torch.Tensor, torch.Ten
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool,
-                  scale: float, math: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float, math: bool = False,
+                  kernels: BlockKernels | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(out, lse) of softmax attention of ``q`` over ``k``/``v`` (both non-empty); see the module docstring.
 
     Usage: ``out, lse = block_forward(q, k, v, None, False, q.shape[-1] ** -0.5)``
     """
-    if math or not fused_kernel_applies(q, v):
+    kernels = kernels if kernels is not None else BLOCK_KERNELS.value
+    kernel = block_kernel(q, k, v, mask, causal, False, math, kernels)
+    if kernel == "math":
         return _math_forward(q, k, v, mask, causal, scale)
+    if kernel != "cpu_flash":
+        return fused_forward(kernels, kernel, q, k, v, mask, causal, scale)
     q, k, v = unit_stride(q), unit_stride(k), unit_stride(v)
     out, lse = cpu_flash_attention(q, k, v, None if mask is None else _as_additive(mask, q.dtype), causal, scale)
-    seen = _seen(mask, causal, lse.shape)
+    seen = seen_rows(mask, causal, lse.shape)
     if seen is not None:  # the fused kernel reports lse 0 where a row sees nothing: that must not weigh in a merge
         lse = lse.masked_fill(~seen, float("-inf"))
     return out, lse
@@ -128,13 +138,18 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, mask: torch.Tensor | None, causal: bool, scale: float,
-                   want_dmask: bool = False, math: bool = False):
-    """(dq, dk, dv, dmask) of one block, given the *merged* ``out``/``lse`` of these queries (dmask: None
-    unless ``want_dmask``; it has the scores' shape (B, H, Lq, Lk)).
+                   want_dmask: bool = False, math: bool = False, kernels: BlockKernels | None = None):
+    """(dq, dk, dv, dmask) of one block, given the *merged* ``out`` (q's dtype) and ``lse`` of these queries (dmask:
+    None unless ``want_dmask``; it has the scores' shape (B, H, Lq, Lk)).
 
     Usage: ``dq, dk, dv, _ = block_backward(dout, q, k, v, out, lse, None, False, scale)``
     """
-    if not (math or want_dmask) and fused_kernel_applies(q, v):
+    kernels = kernels if kernels is not None else BLOCK_KERNELS.value
+    kernel = block_kernel(q, k, v, mask, causal, want_dmask, math, kernels)
+    if kernel not in ("math", "cpu_flash"):
+        dq, dk, dv = fused_backward(kernels, kernel, dout, q, k, v, out, lse, mask, causal, scale)
+        return dq, dk, dv, None
+    if kernel == "cpu_flash":
         dout, q, k, v, out = (unit_stride(t) for t in (dout, q, k, v, out))
         safe = lse.masked_fill(lse == float("-inf"), 0.0).to(lse.dtype)  # fully masked rows: their P is 0 anyway
         dq, dk, dv = cpu_flash_attention_backward(dout, q, k, v, out, safe, None if mask is None else
@@ -163,5 +178,6 @@ def merge_into(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, 
     new = torch.logaddexp(lse_acc, lse)
     safe = new.masked_fill(new == float("-inf"), 0.0)  # rows no block has seen yet: both weights 0
     out_acc.mul_(torch.exp(lse_acc - safe).unsqueeze(-1).to(out_acc.dtype))
-    out_acc.add_(out.to(out_acc.dtype) * torch.exp(lse.to(safe.dtype) - safe).unsqueeze(-1).to(out_acc.dtype))
+    # NOTE: one fused multiply-add, no copy of ``out`` in the accumulator's dtype (a (B, H, rows, E) fp32 temporary)
+    out_acc.addcmul_(out, torch.exp(lse.to(safe.dtype) - safe).unsqueeze(-1).to(out_acc.dtype))
     lse_acc.copy_(new)

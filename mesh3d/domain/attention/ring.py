@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from mesh3d.domain.attention.score_tiles import MaskRule, Segment, tile_mask, tile_work, tiles
+from mesh3d.domain.attention.backends import BLOCK_KERNELS, BlockKernels
 from mesh3d.domain.attention.collect import recorded_attention_grads
 from mesh3d.domain.attention.kernels import accumulation_dtype, block_backward, block_forward, merge_into, unit_stride
 from mesh3d.domain.core.group import DomainComm
@@ -159,16 +160,18 @@ def _blocks(plan: RingPlan, src: int, mask: torch.Tensor | None, device):
                 yield p, slice(at + p.q0, at + p.q1), slice(p.k0, p.k1), m, (qseg, kseg, at)
 
 
-def _block_forward(plan: RingPlan, src: int, block: torch.Tensor, width: int, qg, mg, og, lg) -> None:
+def _block_forward(plan: RingPlan, kernels: BlockKernels, src: int, block: torch.Tensor, width: int, qg, mg, og,
+                   lg) -> None:
     """Fold the block of rank ``src`` into this rank's output (``og``/``lg``: views of one head group)."""
     for p, rows, cols, m, _ in _blocks(plan, src, mg, qg.device):
         RING_STATS.work += tile_work(p) * qg.shape[0] * qg.shape[1]
         o, lz = block_forward(qg[:, :, rows], block[:, :, cols, :width], block[:, :, cols, width:], m,
-                              p.causal, plan.scale, plan.math)
+                              p.causal, plan.scale, plan.math, kernels)
         merge_into(og[:, :, rows], lg[:, :, rows], o, lz)
 
 
-def _forward(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None):
+def _forward(plan: RingPlan, kernels: BlockKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             mask: torch.Tensor | None):
     acc = accumulation_dtype(q.dtype)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)
     lse = torch.full(q.shape[:-1], float("-inf"), dtype=acc, device=q.device)
@@ -180,7 +183,7 @@ def _forward(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
             incoming = ring.start(block, plan.keys[(me - t - 1) % size].rows) if t < size - 1 else None
             RING_STATS.max_in_flight_bytes = max(RING_STATS.max_in_flight_bytes,
                                                  _nbytes(block, *(() if incoming is None else (incoming,))))
-            _block_forward(plan, src, block, width, qg, mg, og, lg)
+            _block_forward(plan, kernels, src, block, width, qg, mg, og, lg)
             ring.finish()
             if incoming is not None:
                 block, src = incoming, (me - t - 1) % size
@@ -214,14 +217,14 @@ def _add_mask_grad(dmask: torch.Tensor, ds: torch.Tensor, heads: slice, q_heads:
         target.index_add_(r_dim, qseg.index(g.device)[piece.q0:piece.q1], g)
 
 
-def _block_backward(plan: RingPlan, src: int, block, grads, width: int, want_dmask: bool, dmask, heads: slice,
-                    q_heads: int, qg, dog, og, lg, mg, dqg) -> None:
+def _block_backward(plan: RingPlan, kernels: BlockKernels, src: int, block, grads, width: int, want_dmask: bool,
+                    dmask, heads: slice, q_heads: int, qg, dog, og, lg, mg, dqg) -> None:
     """Add the block of rank ``src``'s share of dQ (into ``dqg``), of its dK/dV (into ``grads``, which travels with
     it) and of the mask's gradient. NOTE: a function, so each piece's gradients are freed before the next exchange."""
     for p, rows, cols, m, segs in _blocks(plan, src, mg, qg.device):
         gq, gk, gv, ds = block_backward(dog[:, :, rows], qg[:, :, rows], block[:, :, cols, :width],
                                         block[:, :, cols, width:], og[:, :, rows], lg[:, :, rows], m,
-                                        p.causal, plan.scale, want_dmask, plan.math)
+                                        p.causal, plan.scale, want_dmask, plan.math, kernels)
         dqg[:, :, rows] += gq
         grads[:, :, cols, :width] += gk
         grads[:, :, cols, width:] += gv
@@ -229,7 +232,7 @@ def _block_backward(plan: RingPlan, src: int, block, grads, width: int, want_dma
             _add_mask_grad(dmask, ds, heads, q_heads, p, segs, plan.mask_rows == "local")
 
 
-def _backward(plan: RingPlan, dout, q, k, v, mask, out, lse, want_dmask: bool):
+def _backward(plan: RingPlan, kernels: BlockKernels, dout, q, k, v, mask, out, lse, want_dmask: bool):
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dk, dv = torch.zeros(k.shape, dtype=acc, device=k.device), torch.zeros(v.shape, dtype=acc, device=v.device)
@@ -243,7 +246,7 @@ def _backward(plan: RingPlan, dout, q, k, v, mask, out, lse, want_dmask: bool):
         ring, home = _Pass(plan.comm), _Pass(plan.comm)
         for t in range(size):
             incoming = ring.start(block, plan.keys[(me - t - 1) % size].rows) if t < size - 1 else None
-            _block_backward(plan, src, block, grads, width, want_dmask, dmask, q_heads, q.shape[1], *views)
+            _block_backward(plan, kernels, src, block, grads, width, want_dmask, dmask, q_heads, q.shape[1], *views)
             ring.finish()
             if incoming is not None:  # the block was sent on: let it go before its gradients travel
                 block, src = incoming, (me - t - 1) % size
@@ -277,18 +280,19 @@ def _report_pass(plan: RingPlan, held: torch.Tensor, steps: int, rows: list[int]
     return arriving
 
 
-def _most_workspace(plan: RingPlan, q_shape: tuple[int, ...], block: torch.Tensor, width: int, backward: bool) -> int:
-    """The most one kernel call on any block holds (``kernel_workspace``), over the pieces this rank computes."""
-    most, work = _workspace_and_work(plan, q_shape[0], q_shape[1], block.shape[1], width, block.shape[-1] - width,
-                                     block.dtype, backward)
+def _most_workspace(plan: RingPlan, kernels: BlockKernels, q_shape: tuple[int, ...], block: torch.Tensor, width: int,
+                    backward: bool) -> int:
+    """The most one kernel call on any block holds (``block_workspace``), over the pieces this rank computes."""
+    most, work = _workspace_and_work(plan, kernels, q_shape[0], q_shape[1], block.shape[1], width,
+                                     block.shape[-1] - width, block.dtype, backward)
     if not backward:
         RING_STATS.work += work
     return most
 
 
 @functools.lru_cache(maxsize=4096)
-def _workspace_and_work(plan: RingPlan, batch: int, q_heads: int, kv_heads: int, width: int, value_width: int,
-                        dtype: torch.dtype, backward: bool) -> tuple[int, int]:
+def _workspace_and_work(plan: RingPlan, kernels: BlockKernels, batch: int, q_heads: int, kv_heads: int, width: int,
+                        value_width: int, dtype: torch.dtype, backward: bool) -> tuple[int, int]:
     """(the largest kernel workspace, the (query, key) pairs computed) over every piece of this rank's ring.
 
     NOTE: cached: a dry run meets the same ring in every layer of every simulated step."""
@@ -299,7 +303,7 @@ def _workspace_and_work(plan: RingPlan, batch: int, q_heads: int, kv_heads: int,
                 work += tile_work(p) * batch * q_heads
                 shape = BlockShape(batch, q_heads, kv_heads, p.q1 - p.q0, p.k1 - p.k0, width, value_width, dtype,
                                    p.causal, p.banded)
-                most = max(most, block_workspace(shape, backward))
+                most = max(most, block_workspace(shape, backward, kernels, plan.math))
     return most, work
 
 
@@ -308,7 +312,7 @@ def _spike(like: torch.Tensor, nbytes: int) -> None:
     torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
 
-def _forward_modeled(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def _forward_modeled(plan: RingPlan, kernels: BlockKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
     """``_forward``'s outputs, buffers, workspace and traffic, without its kernels (a dry run's)."""
     acc = accumulation_dtype(q.dtype)
     out = q.new_zeros((*q.shape[:-1], v.shape[-1]), dtype=acc)
@@ -320,11 +324,11 @@ def _forward_modeled(plan: RingPlan, q: torch.Tensor, k: torch.Tensor, v: torch.
         arriving = _report_pass(plan, block, size - 1, rows) if size > 1 else None
         RING_STATS.max_in_flight_bytes = max(RING_STATS.max_in_flight_bytes,
                                              _nbytes(block, *(() if arriving is None else (arriving,))))
-        _spike(block, _most_workspace(plan, (q.shape[0], q_heads.stop - q_heads.start), block, width, False))
+        _spike(block, _most_workspace(plan, kernels, (q.shape[0], q_heads.stop - q_heads.start), block, width, False))
     return out.to(q.dtype), lse
 
 
-def _backward_modeled(plan: RingPlan, dout, q, k, v):
+def _backward_modeled(plan: RingPlan, kernels: BlockKernels, dout, q, k, v):
     """``_backward``'s outputs, buffers, workspace and traffic, without its kernels (a dry run's)."""
     acc = accumulation_dtype(q.dtype)
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -338,7 +342,7 @@ def _backward_modeled(plan: RingPlan, dout, q, k, v):
         if size > 1:  # the blocks go round again; each accumulator follows its block and takes one more hop home
             buffers = [_report_pass(plan, block, size - 1, rows), _report_pass(plan, grads, size, rows)]
             RING_STATS.max_grad_in_flight_bytes = max(RING_STATS.max_grad_in_flight_bytes, _nbytes(grads, buffers[1]))
-        _spike(block, _most_workspace(plan, (q.shape[0], q_heads.stop - q_heads.start), block, width, True))
+        _spike(block, _most_workspace(plan, kernels, (q.shape[0], q_heads.stop - q_heads.start), block, width, True))
         dk[:, kv_heads], dv[:, kv_heads] = grads[..., :width], grads[..., width:]
     del dout
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
@@ -356,7 +360,9 @@ class _RingAttention(torch.autograd.Function):
     def forward(ctx, plan: RingPlan, q_in, k, v, mask):
         q = unit_stride(q_in)  # once here, not per block (the fused kernel needs it)
         ctx.modeled = _modeled(mask)
-        out, lse = _forward_modeled(plan, q, k, v) if ctx.modeled else _forward(plan, q, k, v, mask)
+        # NOTE: the kernels in force now serve the backward too (autograd may run it on another thread)
+        ctx.kernels = kernels = BLOCK_KERNELS.value
+        out, lse = _forward_modeled(plan, kernels, q, k, v) if ctx.modeled else _forward(plan, kernels, q, k, v, mask)
         ctx.plan = plan
         ctx.save_for_backward(q if q is q_in else q_in, k, v, mask, out, lse)  # the input: connected when recorded
         return out
@@ -373,8 +379,8 @@ class _RingAttention(torch.autograd.Function):
         q = unit_stride(q)
         dout = unit_stride(dout)
         if ctx.modeled:
-            return (None, *_backward_modeled(ctx.plan, dout, q, k, v))
-        dq, dk, dv, dmask = _backward(ctx.plan, dout, q, k, v, mask, out, lse, ctx.needs_input_grad[4])
+            return (None, *_backward_modeled(ctx.plan, ctx.kernels, dout, q, k, v))
+        dq, dk, dv, dmask = _backward(ctx.plan, ctx.kernels, dout, q, k, v, mask, out, lse, ctx.needs_input_grad[4])
         return None, dq, dk, dv, dmask
 
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_MODES", "AttentionSettings", "DomainSettings", "OverlapSettings", "SETTINGS",
-           "SettingsSlot"]
+           "SettingsSlot", "ValueSlot"]
+
+T = TypeVar("T")
 
 ATTENTION_MODES = ("auto", "ring", "gather", "ulysses")
 ATTENTION_KERNELS = ("fused", "math")
@@ -69,24 +72,34 @@ class DomainSettings:
     overlap: OverlapSettings = OverlapSettings()
 
 
-class SettingsSlot:
+class ValueSlot(Generic[T]):
+    """Holds one value in force (``value``, a ``kind``); ``replaced(v)`` puts ``v`` there inside a ``with`` block.
+
+    Usage: ``slot = ValueSlot(DomainSettings(), "settings"); with slot.replaced(other): ...``
+    """
+
+    def __init__(self, value: T, what: str) -> None:
+        self.value, self._kind, self._what = value, type(value), what
+
+    @contextlib.contextmanager
+    def replaced(self, value: T) -> Iterator[T]:
+        if not isinstance(value, self._kind):
+            raise TypeError(f"{self._what} must be a {self._kind.__name__}, not {type(value).__name__}")
+        before, self.value = self.value, value
+        try:
+            yield value
+        finally:
+            self.value = before
+
+
+class SettingsSlot(ValueSlot[DomainSettings]):
     """Holds the settings in force (``value``); ``replaced(v)`` puts ``v`` there inside a ``with`` block.
 
     Usage: ``with SETTINGS.replaced(replace(SETTINGS.value, overlap=OverlapSettings(False))): ...``
     """
 
     def __init__(self) -> None:
-        self.value = DomainSettings()
-
-    @contextlib.contextmanager
-    def replaced(self, value: DomainSettings) -> Iterator[DomainSettings]:
-        if not isinstance(value, DomainSettings):
-            raise TypeError(f"settings must be a DomainSettings, not {type(value).__name__}")
-        before, self.value = self.value, value
-        try:
-            yield value
-        finally:
-            self.value = before
+        super().__init__(DomainSettings(), "settings")
 
 
 #: The settings of this process (one per process: every rank of a domain group must run with the same).
