@@ -26,6 +26,8 @@ from mesh3d.domain.attention.workspace import BlockShape, block_workspace  # noq
 from mesh3d.planner import InputSpec, JobMesh, plan_job  # noqa: E402
 from mesh3d.planner.allocator import cuda_block_bytes  # noqa: E402
 from mesh3d.planner.cuda_kernels import cuda_kernel_workspace, is_dense  # noqa: E402
+from mesh3d.planner.fused_sdpa import FusedAttention  # noqa: E402
+from mesh3d.planner.tracker import MemoryTracker  # noqa: E402
 
 MiB = 2**20
 ONE = JobMesh.resolve(1, 1, 1, 1)
@@ -153,3 +155,20 @@ def test_checkpointing_and_compile_on_cuda():
     assert compiled.classes[0].memory == plain.classes[0].memory
     assert any("Plan.compile: planned as eager" in a and "upper bound" in a for a in compiled.assumptions)
     assert not any("Plan.compile" in a for a in plain.assumptions)
+
+
+def test_grouped_query_attention_is_planned_on_flash_where_cuda_runs_it():
+    """SDPA with grouped K/V heads: bf16 without a mask runs flash on CUDA (O(L)); fp32 keeps the math form (torch
+    2.11-2.13 runs math there), unless mesh3d's own call expanded the heads."""
+    q, k = _meta(1, 8, 2048, 64, dtype=torch.bfloat16), _meta(1, 2, 2048, 64, dtype=torch.bfloat16)
+    scores = 8 * 2048 * 2048 * 4
+
+    def peak(dtype):
+        tracker = MemoryTracker(cuda_kernel_workspace)
+        with tracker, FusedAttention("cuda"):
+            torch.nn.functional.scaled_dot_product_attention(q.to(dtype), k.to(dtype), k.to(dtype), is_causal=True,
+                                                             enable_gqa=True)
+        return tracker.peak
+
+    assert peak(torch.bfloat16) < scores / 8
+    assert peak(torch.float32) >= scores

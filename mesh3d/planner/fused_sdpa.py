@@ -14,8 +14,11 @@ output and a log-sum-exp per query row (O(L), not O(L^2)). ``FusedAttention`` ca
 * on CUDA, a head dim that is not a multiple of 8 is padded (copies of q, k, v) and the output sliced back;
   the memory-efficient kernel's mask is padded to a multiple of 16 keys when its rows are not (a copy).
 
-The kernels' own backward buffers (flash's fp32 ``dq`` accumulator, the memory-efficient kernel's) are
-``mesh3d.planner.cuda_kernels``'. Dropout and grouped-query attention keep the math form (an upper bound).
+Grouped-query attention (``enable_gqa``) runs on CUDA's flash kernel, which groups the query heads itself; elsewhere
+it keeps the math form, as torch 2.11-2.13 runs it (mesh3d's own calls expand the K/V heads first where that reaches
+the memory-efficient kernel: ``mesh3d.domain.attention.collect``). The kernels' own backward buffers (flash's fp32
+``dq`` accumulator, the memory-efficient kernel's) are ``mesh3d.planner.cuda_kernels``'. Dropout keeps the math form
+(an upper bound).
 
 Usage::
 
@@ -72,7 +75,9 @@ class FusedAttention(TorchFunctionMode):
             return subclass.__torch_function__(func, types, args, kwargs)
 
     def _fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-        if dropout_p or enable_gqa or query.dim() != 4:
+        grouped = enable_gqa and key.shape[-3] != query.shape[-3]
+        flash_groups = self.device != "cpu" and cuda_sdpa_kernel(query, attn_mask) == "flash"
+        if dropout_p or query.dim() != 4 or (grouped and not flash_groups):
             return _SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
         if attn_mask is not None and attn_mask.dtype == torch.bool:
             # NOTE: convert_boolean_attn_mask: 0 where attended, -inf elsewhere, in the queries' dtype.
