@@ -231,7 +231,17 @@ class DomainTensor(torch.Tensor):
     #: NOTE: a class attribute rather than an import, so this module (the type) does not depend on
     #: the dispatcher and its rules, which all depend on the type.
     _dispatcher: Any = None
+    #: Calls answered before the dispatcher (``mesh3d.domain.dispatch.short_path.SHORT``): function -> handler,
+    #: returning ``NotImplemented`` where the dispatcher must run. Installed with the dispatcher.
+    _short: Any = {}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        # NOTE: traced, every call takes the dispatcher (torch 2.11's Dynamo cannot hash a method-wrapper key)
+        if not torch.compiler.is_dynamo_compiling():
+            short = cls._short.get(func)
+            if short is not None:
+                out = short(func, args, kwargs)
+                if out is not NotImplemented:
+                    return out
         return cls._dispatcher(func, types, args, kwargs or {})

@@ -25,7 +25,7 @@ from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.connected import connected_zeros
 
-__all__ = ["bias_rows", "pad_local", "spatial_axis"]
+__all__ = ["as_tuple", "bias_rows", "kernel_padding", "pad_local", "pad_pairs", "spatial_axis"]
 
 
 def as_tuple(v, n: int) -> tuple[int, ...]:
@@ -57,7 +57,7 @@ def pad_local(t: torch.Tensor, flat: list[int], mode: str = "constant", value=No
     return F.pad(t, flat, mode=mode, value=value)
 
 
-def _pad_pairs(padding, weight_k, dilation, nd: int) -> list[tuple[int, int]]:
+def pad_pairs(padding, weight_k, dilation, nd: int) -> list[tuple[int, int]]:
     if isinstance(padding, str):
         if padding == "valid":
             return [(0, 0)] * nd
@@ -114,7 +114,7 @@ def _conv_rule(func, nd: int):
             return Step(func, (input, weight, bias, stride, padding, dilation, groups), out=input.spec)
         stride, dilation = as_tuple(stride, nd), as_tuple(dilation, nd)
         ks = tuple(weight.shape[2:])
-        pads = _pad_pairs(padding, ks, dilation, nd)
+        pads = pad_pairs(padding, ks, dilation, nd)
         plan = plan_window(input.spec.sizes, ks[sp], stride[sp], dilation[sp], *pads[sp])
         mine = plan.out_sizes[input.spec.comm.index]
 

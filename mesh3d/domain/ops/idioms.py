@@ -28,6 +28,7 @@ from mesh3d.domain.dispatch.dispatcher import redispatch, run_step
 from mesh3d.domain.ops.pieces import cat_pieces, index_rows
 from mesh3d.domain.ops.reshape import reshaped, target_shape
 from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.short_path import short_view
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.dispatch.step import Entering, Step
 from mesh3d.domain.core.specs import DomainSpec
@@ -285,6 +286,10 @@ def _expand(input, *sizes) -> Step:
     return Step(lambda t: t.expand(local), (input,), out=spec)
 
 
+for _f in (torch.unsqueeze, torch.Tensor.unsqueeze, torch.squeeze, torch.Tensor.squeeze, torch.Tensor.expand):
+    short_view(_f)
+
+
 @register(torch.Tensor.expand_as)
 def _expand_as(input, other) -> Step:
     if isinstance(input, DomainTensor) and input.spec.dim is not None:
@@ -311,6 +316,10 @@ def _unflatten(input, dim, sizes):
     d = dim % len(shape)
     inner = target_shape((tuple(sizes),), shape[d])
     return reshaped(input, [*shape[:d], *inner, *shape[d + 1:]], "torch.unflatten ->", view=False)
+
+
+short_view(torch.unflatten)
+short_view(torch.Tensor.unflatten)
 
 
 _COMPLEX_PARTS = (getattr(torch.Tensor, "real").__get__, getattr(torch.Tensor, "imag").__get__, torch.real, torch.imag, torch.conj,

@@ -20,6 +20,7 @@ from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
 from mesh3d.domain.dispatch.registry import (
     BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, register, writes_into_first)
+from mesh3d.domain.dispatch.short_path import short_elementwise, short_view
 from mesh3d.domain.dispatch.step import Entering, Resplit, Step
 from mesh3d.domain.core.tensor import DomainTensor, detach_in_place, size_of
 
@@ -156,6 +157,13 @@ for _table in (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES):
         _table.register(_f, detach_in_place)
 
 
+#: Element-wise functions whose calls on one slab layout take the short path (``dispatch.short_path``): all but those
+#: that may return no tensor of the operands' shape (``type()``, ``where(cond)``; ``detach_`` has a rule of its own).
+_NOT_SHORT = {torch.Tensor.type, torch.where, torch.Tensor.where}
+for _f in ELEMENTWISE - _NOT_SHORT:
+    short_elementwise(_f)
+
+
 def _norm_dim(dim: int, ndim: int) -> int:
     return dim + ndim if dim < 0 else dim
 
@@ -219,6 +227,11 @@ def _permute(input, *dims) -> Step:
     dims = tuple(_norm_dim(d, input.ndim) for d in dims)
     return Step(lambda t: t.permute(dims), (input,),
                 out=input.spec.with_sizes(input.spec.sizes, dim=dims.index(input.spec.dim)))
+
+
+for _f in (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes, torch.permute,
+           torch.Tensor.permute):
+    short_view(_f)
 
 
 @register(torch.Tensor.view_as)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.short_path import short_view
 from mesh3d.domain.dispatch.step import Resplit, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, size_of
@@ -214,3 +215,7 @@ def _flatten(x: DomainTensor, start_dim: int = 0, end_dim: int = -1) -> Step | D
     start, end = start_dim % len(shape), end_dim % len(shape)
     target = [*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:]]
     return reshaped(x, target, f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", view=False)
+
+
+for _f in (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten):
+    short_view(_f)

@@ -1,0 +1,187 @@
+"""The dispatcher's short path (``mesh3d.domain.dispatch.short_path``): calls answered before the dispatcher's walk give
+exactly what the walk gives, and only the calls it can answer take it. One process; specs of a 3-rank domain where
+the shards' rows matter (element-wise ops move nothing, so no group is needed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from mesh3d import domain
+from mesh3d.domain.comm.divergence import JOURNAL
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.dispatch.registry import RULES
+
+THREE = DomainComm(None, (0, 1, 2), 1)  # this rank holds the middle shard
+SPEC = DomainSpec(2, (3, 2, 4), THREE)  # (B, C, H, W) sharded along H; this rank's 2 rows
+
+
+def _local(seed: int, requires_grad: bool = False) -> torch.Tensor:
+    local = torch.randn(2, 3, 2, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return local.requires_grad_(requires_grad)
+
+
+def _field(seed: int) -> DomainTensor:
+    return wrap(_local(seed), SPEC)
+
+
+OPS = {
+    "x + 1": lambda x, y: x + 1.0,
+    "x * y": lambda x, y: x * y,
+    "torch.add(x, y, alpha=2)": lambda x, y: torch.add(x, y, alpha=2),
+    "relu": lambda x, y: torch.relu(x),
+    "F.gelu tanh": lambda x, y: F.gelu(x, approximate="tanh"),
+    "x.pow(2) - y": lambda x, y: x.pow(2) - y,
+    "clamp(min=)": lambda x, y: x.clamp(min=-0.5),
+    "lerp": lambda x, y: torch.lerp(x, y, 0.3),
+    "addcmul": lambda x, y: torch.addcmul(x, x, y, value=0.5),
+    "masked_fill by a domain mask": lambda x, y: x.masked_fill(y > 0, 0.0),
+    "x > y (bool)": lambda x, y: (x > y),
+    "to(float32)": lambda x, y: x.to(torch.float32) * 2,
+    "clone, then add_": lambda x, y: x.clone().add_(y),
+    "contiguous (itself)": lambda x, y: x.contiguous() * 1.0,
+    "zeros_like": lambda x, y: torch.zeros_like(x) + y,
+    "detach": lambda x, y: x.detach() * y,
+}
+
+
+def _full_path(monkeypatch) -> None:
+    monkeypatch.setattr(DomainTensor, "_short", {})
+
+
+@pytest.mark.parametrize("name", OPS)
+def test_the_short_path_gives_what_the_dispatcher_gives(name, monkeypatch):
+    """Values, class, spec and input gradients of each element-wise op, short path against the dispatcher's walk."""
+    results = []
+    for short in (True, False):
+        if not short:
+            _full_path(monkeypatch)
+        lx, ly = _local(0, requires_grad=True), _local(1, requires_grad=True)
+        out = OPS[name](wrap(lx, SPEC), wrap(ly, SPEC))
+        assert type(out) is DomainTensor and out.spec == SPEC, (name, short)
+        local = unwrap(out).detach().clone()
+        grads = None
+        if out.requires_grad:
+            grads = torch.autograd.grad(unwrap(out).double().sum(), [lx, ly], allow_unused=True)
+        results.append((local, grads))
+    (a, ga), (b, gb) = results
+    assert torch.equal(a, b)
+    if ga is not None:
+        for p, q in zip(ga, gb):
+            assert (p is None and q is None) or torch.equal(p, q)
+
+
+class _Counted:
+    """The dispatcher, counting the calls that reach it."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, []
+
+    def __call__(self, func, types, args, kwargs):
+        self.calls.append(func)
+        return self.inner(func, types, args, kwargs)
+
+
+def test_only_what_the_short_path_can_answer_takes_it(monkeypatch):
+    """Same-layout element-wise ops and metadata/size queries never reach the dispatcher; a plain operand, another
+    layout, a replicated value, a reduction or a rule registered over the element-wise one do. One rank: what
+    reaches the dispatcher runs there."""
+    one = DomainSpec(2, (2,), DomainComm(None, (0,), 0))
+    counted = _Counted(DomainTensor._dispatcher)
+    monkeypatch.setattr(DomainTensor, "_dispatcher", staticmethod(counted))
+    x, y = wrap(_local(0), one), wrap(_local(1), one)
+    _ = (x * y + 1.0).relu(), x.shape, x.dtype, x.size(2), x.ndim
+    assert counted.calls == []
+    plain = torch.ones(1, 3, 1, 1, dtype=torch.float64)
+    other = wrap(_local(2).transpose(2, 3).contiguous(), DomainSpec(3, (2,), one.comm))  # sharded along another dim
+    replicated = (x.sum() * 1.0)
+    for fn in (lambda: x * plain, lambda: x.sum(), lambda: replicated + 1.0, lambda: x.mean(3)):
+        counted.calls.clear()
+        fn()
+        assert counted.calls, "a call the short path cannot answer did not reach the dispatcher"
+    counted.calls.clear()
+    with pytest.raises(ValueError, match="sharded along different dims"):
+        _ = x + other
+    assert counted.calls
+
+    original = RULES.get(torch.relu)
+    seen = []
+    domain.register(torch.relu, override=True)(lambda t: seen.append(t) or original(t))
+    try:
+        counted.calls.clear()
+        torch.relu(x)
+        assert seen and torch.relu in counted.calls, "a rule registered over the element-wise one was bypassed"
+    finally:
+        domain.register(torch.relu, override=True)(original)
+    counted.calls.clear()
+    torch.relu(x)
+    assert counted.calls == []
+
+
+VIEWS = {
+    "view": lambda x: x.view(2, 3, x.shape[2] * 5),
+    "reshape(-1)": lambda x: x.reshape(2, -1, x.shape[2], 5).reshape(2, 3, -1),
+    "flatten(2)": lambda x: x.flatten(2),
+    "flatten(start_dim=1)": lambda x: torch.flatten(x, start_dim=2),
+    "transpose": lambda x: x.transpose(1, 2),
+    "permute": lambda x: x.permute(0, 2, 3, 1),
+    "unsqueeze": lambda x: x.unsqueeze(1),
+    "squeeze": lambda x: x.unsqueeze(0).squeeze(0),
+    "expand": lambda x: x[:, :1].expand(2, 4, -1, 5),
+    "unflatten": lambda x: x.unflatten(3, (5, 1)),
+}
+
+
+@pytest.mark.parametrize("name", VIEWS)
+def test_a_view_from_its_kept_step_is_the_dispatcher_s(name, monkeypatch):
+    """Each view twice (the second from the kept step) against the dispatcher's walk: values, spec, gradients; on the
+    3-rank domain a view that changes the layout is journaled alike."""
+    results = []
+    for short in (True, True, False):
+        if not short:
+            _full_path(monkeypatch)
+        lx = _local(0, requires_grad=True)
+        before = JOURNAL.count
+        out = VIEWS[name](wrap(lx, SPEC))
+        assert type(out) is DomainTensor, name
+        entries = [e[1:3] for e in list(JOURNAL.entries)[before - JOURNAL.count:]] if JOURNAL.count > before else []
+        (grad,) = torch.autograd.grad((unwrap(out) * torch.arange(unwrap(out).numel()).view_as(unwrap(out))).sum(), lx)
+        results.append((unwrap(out).detach().clone(), out.spec, grad, JOURNAL.count - before, entries))
+    for got in results[:2]:
+        want = results[2]
+        assert torch.equal(got[0], want[0]) and got[1] == want[1] and torch.equal(got[2], want[2])
+        assert got[3] == want[3] and got[4] == want[4]
+
+
+def test_a_convolution_whose_rows_stay_goes_straight_to_torch(monkeypatch):
+    """A 1x1 convolution on the middle shard of 3 (no halo) and any convolution on one rank take the short path and
+    equal the rule's, journaled alike (a multi-rank domain journals every convolution on every rank: ranks whose rows
+    stay and ranks that fetch halos must agree); a 3x3 one on 3 ranks (halos to fetch) reaches the dispatcher."""
+    one = DomainSpec(2, (2,), DomainComm(None, (0,), 0))
+    w1, w3 = (torch.randn(4, 3, k, k, dtype=torch.float64, generator=torch.Generator().manual_seed(k)) for k in (1, 3))
+    bias = torch.randn(4, dtype=torch.float64)
+    cases = [(SPEC, w1, {}), (one, w3, {"padding": 1}), (one, w3, {"padding": "same"}), (one, w1, {"stride": (1, 2)})]
+    counted, table = _Counted(DomainTensor._dispatcher), DomainTensor._short
+    monkeypatch.setattr(DomainTensor, "_dispatcher", staticmethod(counted))
+    for spec, w, kw in cases:
+        outs = []
+        for short in (True, False):
+            monkeypatch.setattr(DomainTensor, "_short", table if short else {})
+            counted.calls.clear()
+            lx = _local(0, requires_grad=True)
+            before = JOURNAL.count
+            out = F.conv2d(wrap(lx, spec), w, bias, **kw)
+            assert (F.conv2d in counted.calls) != short, (spec, kw, short)
+            (grad,) = torch.autograd.grad(unwrap(out).sum(), lx)
+            outs.append((unwrap(out).detach(), out.spec, grad, JOURNAL.count - before))
+        assert torch.equal(outs[0][0], outs[1][0]) and outs[0][1] == outs[1][1] and torch.equal(outs[0][2], outs[1][2])
+        assert outs[0][3] == outs[1][3] == (1 if spec.comm.size > 1 else 0)  # journaled alike on every path
+    monkeypatch.undo()
+    monkeypatch.setattr(DomainTensor, "_dispatcher", staticmethod(counted))
+    counted.calls.clear()
+    with pytest.raises(Exception):  # noqa: B017 - its halos need a group: the rule tried to fetch them
+        F.conv2d(_field(0), w3, padding=1)
+    assert F.conv2d in counted.calls
