@@ -45,7 +45,25 @@ OPS = {
     "contiguous (itself)": lambda x, y: x.contiguous() * 1.0,
     "zeros_like": lambda x, y: torch.zeros_like(x) + y,
     "detach": lambda x, y: x.detach() * y,
+    "+= on a fresh result": lambda x, y: _iadd(x * 1.0, y),
+    "mul_ on a transposed view": lambda x, y: _mul_view(x * 1.0, y),
+    "relu_ on a channel slice": lambda x, y: _relu_slice(x * y),
 }
+
+
+def _iadd(z, y):
+    z += y
+    return z
+
+
+def _mul_view(z, y):
+    z.transpose(2, 3).mul_(y.transpose(2, 3))  # an in-place op on a view writes through to its base
+    return z
+
+
+def _relu_slice(z):
+    z[:, 1:].relu_()
+    return z
 
 
 def _full_path(monkeypatch) -> None:
@@ -87,7 +105,8 @@ class _Counted:
 
 def test_only_what_the_short_path_can_answer_takes_it(monkeypatch):
     """Same-layout element-wise ops and metadata/size queries never reach the dispatcher; a plain operand, another
-    layout, a replicated value, a reduction or a rule registered over the element-wise one do. One rank: what
+    layout, a replicated value, a reduction, ``out=``, an op that fails (its error raised by the dispatcher, which tells
+    the peers) or a rule registered over the element-wise one do. One rank: what
     reaches the dispatcher runs there."""
     one = DomainSpec(2, (2,), DomainComm(None, (0,), 0))
     counted = _Counted(DomainTensor._dispatcher)
@@ -102,6 +121,15 @@ def test_only_what_the_short_path_can_answer_takes_it(monkeypatch):
         counted.calls.clear()
         fn()
         assert counted.calls, "a call the short path cannot answer did not reach the dispatcher"
+    buf = wrap(torch.empty_like(_local(0)), one)
+    wide = wrap(torch.zeros(2, 4, 2, 5, dtype=torch.float64), one)  # the same layout, another channel count
+    for fn, func in ((lambda: torch.add(x, y, out=buf), torch.add), (lambda: torch.mul(x, wide), torch.mul)):
+        counted.calls.clear()
+        try:
+            fn()
+        except RuntimeError as err:  # torch's own error (the channels differ), raised by the dispatcher's run
+            assert "must match" in str(err)
+        assert func in counted.calls, "out= or a failing op did not reach the dispatcher"
     counted.calls.clear()
     with pytest.raises(ValueError, match="sharded along different dims"):
         _ = x + other

@@ -152,7 +152,10 @@ def _elementwise(func: Callable, args: tuple, kwargs: dict | None) -> Any:
                     ndim = a.ndim
                 elif a.ndim != ndim:
                     return NotImplemented  # another alignment of the sharded dim: the rule checks it
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:  # noqa: BLE001 - NOTE: the dispatcher runs it again, raising the error and telling the peers
+            return NotImplemented
         if type(out) is not _Tensor:
             return out  # an input itself (an in-place op, contiguous() of a contiguous one), or not a tensor
         if out.ndim != ndim:
