@@ -10,9 +10,9 @@ Parts (each against plain torch on the same inputs, in the same run):
 1. ``ops``: forward+backward of single ops (conv 2-D/3-D, transposed conv, GroupNorm, BatchNorm,
    pooling, interpolate, pointwise, SDPA) and of a whole U-Net step on a domain tensor at domain=1,
    over the plain module: the "tax" of the wrapper when nothing moves (goal: U-Net step <= 1.05).
-2. ``dispatch``: the Python cost per op on tiny tensors, in microseconds (goals: <= 8 us for element-wise and view
-   ops, <= 12 us for a convolution: issue 50), and the
-   Python time of ``full_tensor`` on 10^6 rows (goal < 5 ms).
+2. ``dispatch`` (``bench_domain_dispatch.py``): the Python cost per op on tiny tensors, in microseconds (goals: <= 8 us
+   for element-wise and view ops, <= 12 us for a convolution: issue 50), against plain torch, the dispatcher's walk
+   (the short path off) and a DTensor, and the Python time of ``full_tensor`` on 10^6 rows (goal < 5 ms).
 3. ``scaling``: a conv stack on one large field over D = 1, 2, 4 processes, one thread each: step
    time (goal: D=2 at least 1.8x faster than D=1), bytes sent vs the minimum halo bytes, time spent
    inside exchanges (the most that overlapping them with compute could hide), activation bytes and
@@ -28,9 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,28 +37,15 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mesh3d import domain  # noqa: E402
-from mesh3d.domain.comm.divergence import OpJournal  # noqa: E402
-from mesh3d.domain.comm.rows import plan_exchange  # noqa: E402
 from bench_common import (UNet, cpu_model, paired_times)
 from bench_compile import add_arguments as add_compile_arguments, part_compile, plot_compile  # noqa: E402
+from bench_domain_dispatch import part_dispatch, plot_dispatch  # noqa: E402
 from bench_domain_scaling import part_overlap, part_scaling  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "docs" / "benchmarks"
 
 
 # ----------------------------------------------------------------------------- part 1: ops at domain=1
-def _median_time(fn, repeats: int, sync) -> float:
-    fn()
-    sync()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _op_cases(size: int, dtype, device):
     s, s3 = size, max(size // 8, 8)
     x2 = lambda c=16: torch.randn(2, c, s, s, dtype=dtype, device=device, requires_grad=True)  # noqa: E731
@@ -116,55 +101,6 @@ def part_ops(args, device) -> dict:
     return results
 
 
-# ----------------------------------------------------------------------------- part 2: dispatch cost
-def part_dispatch(args, device) -> dict:
-    x = torch.randn(1, 2, 4, 4, device=device)
-    w = torch.randn(2, 2, 3, 3, device=device)
-    xs = domain.shard(x, dim=2)
-    gn = nn.GroupNorm(1, 2).to(device)
-    ops = {
-        "add": lambda t: t + 1.0,
-        "relu": torch.relu,
-        "mul (two tensors)": lambda t: t * t,
-        "conv2d": lambda t: F.conv2d(t, w, padding=1),
-        "group_norm": gn,
-        "max_pool2d": lambda t: F.max_pool2d(t, 2),
-        "sum": lambda t: t.sum(),
-        "reshape": lambda t: t.reshape(1, 2, -1),
-    }
-    n = args.dispatch_calls
-    out = {}
-    for name, fn in ops.items():
-        def loop(fn=fn, t=x):
-            for _ in range(n):
-                fn(t)
-
-        def loop_domain(fn=fn, t=xs):
-            for _ in range(n):
-                fn(t)
-
-        plain = min(_median_time(loop, 3, lambda: None) for _ in range(3)) / n
-        dom = min(_median_time(loop_domain, 3, lambda: None) for _ in range(3)) / n
-        out[name] = {"plain_us": plain * 1e6, "domain_us": dom * 1e6, "overhead_us": (dom - plain) * 1e6}
-        print(f"  {name:20s} +{(dom - plain) * 1e6:6.1f} us", flush=True)
-    # On a multi-rank domain each layout-changing op is also journaled (for divergence detection):
-    # its cost per op, measured on the journal itself (a one-rank domain does not journal).
-
-    journal = OpJournal()
-    record = lambda: journal.record("torch.nn.functional.conv2d", (2, 512))  # noqa: E731
-    per = min(_median_time(lambda: [record() for _ in range(n)], 3, lambda: None) for _ in range(3)) / n
-    out["journal record (multi-rank only)"] = {"us": per * 1e6}
-    print(f"  journal record (multi-rank domains): +{per * 1e6:.1f} us per layout-changing op", flush=True)
-    big = domain.shard(torch.zeros(10**6, 1), dim=0)
-    plan_exchange.cache_clear()
-    whole = _median_time(lambda: big.full_tensor(), 5, lambda: None)
-    copy = _median_time(lambda: big.to_local().clone(), 5, lambda: None)
-    out["full_tensor 1e6 rows"] = {"total_ms": whole * 1e3, "copy_ms": copy * 1e3,
-                                   "python_ms": max(whole - copy, 0.0) * 1e3}
-    print(f"  full_tensor 1e6 rows: {whole * 1e3:.3f} ms (a plain copy of the shard: {copy * 1e3:.3f} ms)", flush=True)
-    return out
-
-
 # ----------------------------------------------------------------------------- report
 def _plot(report: dict) -> None:
     try:
@@ -174,7 +110,7 @@ def _plot(report: dict) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    panels = [k for k in ("ops", "scaling") if k in report]
+    panels = [k for k in ("ops", "dispatch", "scaling") if k in report]
     if not panels:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4), squeeze=False)
@@ -185,6 +121,8 @@ def _plot(report: dict) -> None:
             ax.axvline(1.05, color="red", linestyle="--", label="goal 1.05 (U-Net step)")
             ax.set_xlabel("domain=1 time / plain torch (fwd+bwd)")
             ax.legend(loc="lower right")
+        elif key == "dispatch":
+            plot_dispatch(ax, report["dispatch"])
         else:
             runs = report["scaling"]
             ds = [r["domain"] for r in runs]
@@ -209,6 +147,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dispatch-calls", type=int, default=2000)
+    parser.add_argument("--dispatch-rounds", type=int, default=5, help="dispatch: the best of this many rounds")
     parser.add_argument("--size", type=int, default=512)
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--channels", type=int, default=16)
@@ -220,7 +159,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.quick:
         args.op_size, args.unet_size, args.size, args.rounds, args.repeats = 32, 32, 128, 1, 2
-        args.dispatch_calls, args.steps = 200, 2
+        args.dispatch_calls, args.dispatch_rounds, args.steps = 200, 1, 2
         args.compile_unet, args.compile_repeats = 32, 3
     device = torch.device(args.device)
     if device.type == "cpu":

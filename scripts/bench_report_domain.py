@@ -41,17 +41,7 @@ def _domain(lines: list[str]) -> None:
         lines += [f"| {name} | {r['plain_s'] * 1e3:.2f} ms | {r['slowdown']:.3f} |" for name, r in d["ops"].items()]
         lines.append("")
     if "dispatch" in d:
-        ops = {k: v for k, v in d["dispatch"].items() if "overhead_us" in v}
-        worst = max(ops.values(), key=lambda v: v["overhead_us"])["overhead_us"]
-        ft = d["dispatch"]["full_tensor 1e6 rows"]
-        journal = d["dispatch"].get("journal record (multi-rank only)", {}).get("us")
-        lines += [f"Python dispatch cost per op on a 1x2x4x4 tensor (goals: <= 8 us for element-wise and view ops, "
-                  f"<= 12 us for a convolution; worst {worst:.1f} us"
-                  + (f"; on a multi-rank domain a layout-changing op also pays {journal:.1f} us for the divergence "
-                     "journal" if journal is not None else "") + "): "
-                  + ", ".join(f"{k} {v['overhead_us']:.1f} us" for k, v in ops.items())
-                  + f". `full_tensor` of 10^6 rows at one rank: {ft['total_ms']:.3f} ms in all (goal: under 5 ms of "
-                  f"Python; a plain copy of the same shard takes {ft['copy_ms']:.3f} ms).", ""]
+        _dispatch(lines, d["dispatch"], c)
     if "scaling" in d:
         lines += [f"Strong scaling: {c['layers']} 3x3 convs, {c['channels']} channels, a {c['batch']}x1x{c['size']}x"
                   f"{c['size']} field, D processes with one thread each on {c['cpu_count']} cores (D > cores is "
@@ -86,6 +76,38 @@ def _domain(lines: list[str]) -> None:
     if (BENCH / "domain.png").exists():
         lines += ["", "![domain](benchmarks/domain.png)"]
     lines.append("")
+
+
+def _dispatch(lines: list[str], d: dict, c: dict) -> None:
+    """The host cost per op on a tiny tensor (``bench_domain_dispatch.py``): a table where the run measured the
+    dispatcher's walk and DTensor too, else the one line of older runs."""
+    ops = {k: v for k, v in d.items() if "overhead_us" in v}
+    ft = d["full_tensor 1e6 rows"]
+    journal = d.get("journal record (multi-rank only)", {}).get("us")
+    goals = "goals: <= 8 us for element-wise and view ops, <= 12 us for a convolution, over plain torch"
+    tail = ((f" On a multi-rank domain a layout-changing op also pays {journal:.1f} us for the divergence journal."
+             if journal is not None else "")
+            + f" `full_tensor` of 10^6 rows at one rank: {ft['total_ms']:.3f} ms in all (goal: under 5 ms of Python; a "
+            f"plain copy of the same shard takes {ft['copy_ms']:.3f} ms).")
+    if not all("full_dispatcher_us" in v for v in ops.values()):
+        lines += [f"Python dispatch cost per op on a 1x2x4x4 tensor ({goals}): "
+                  + ", ".join(f"{k} {v['overhead_us']:.1f} us" for k, v in ops.items()) + "." + tail, ""]
+        return
+    us = lambda v: "-" if v is None else f"{v:.1f} us"  # noqa: E731
+    ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
+    lines += [f"Host cost per op on a 1x2x4x4 tensor, one thread, {c['dispatch_calls']} calls a loop, the best of "
+              f"{c.get('dispatch_rounds', 3)} rounds taken in turns ({goals}). *Short path*: a domain tensor at domain=1 "
+              "as it runs now (same-layout element-wise ops, views and convolutions whose rows stay answered before "
+              "the dispatcher's walk); *walk*: the same with the short path off, every call through the dispatcher's "
+              "walk as before issue 50; DTensor: sharded the same way on a one-rank gloo mesh (- where it has no rule "
+              "for the op's arguments).", "",
+              "| op | plain torch | short path | over plain | walk | over plain | DTensor | short path / DTensor |",
+              "|---|---|---|---|---|---|---|---|"]
+    for name, v in ops.items():
+        lines.append(f"| {name} | {us(v['plain_us'])} | {us(v['domain_us'])} | {us(v['overhead_us'])} | "
+                     f"{us(v['full_dispatcher_us'])} | {us(v['full_dispatcher_us'] - v['plain_us'])} | "
+                     f"{us(v['dtensor_us'])} | {ratio(v['domain_us'], v['dtensor_us'])} |")
+    lines += ["", tail.strip(), ""]
 
 
 def _compile(lines: list[str]) -> None:
