@@ -105,9 +105,9 @@ class _Counted:
 
 def test_only_what_the_short_path_can_answer_takes_it(monkeypatch):
     """Same-layout element-wise ops and metadata/size queries never reach the dispatcher; a plain operand, another
-    layout, a replicated value, a reduction, ``out=``, an op that fails (its error raised by the dispatcher, which tells
-    the peers) or a rule registered over the element-wise one do. One rank: what
-    reaches the dispatcher runs there."""
+    layout, a replicated value, a reduction, ``out=``, a ``torch.ops`` operator, an op without a rule, an op that
+    fails (its error raised by the dispatcher, which tells the peers) or a rule registered over the element-wise one
+    do. One rank: what reaches the dispatcher runs there."""
     one = DomainSpec(2, (2,), DomainComm(None, (0,), 0))
     counted = _Counted(DomainTensor._dispatcher)
     monkeypatch.setattr(DomainTensor, "_dispatcher", staticmethod(counted))
@@ -130,6 +130,13 @@ def test_only_what_the_short_path_can_answer_takes_it(monkeypatch):
         except RuntimeError as err:  # torch's own error (the channels differ), raised by the dispatcher's run
             assert "must match" in str(err)
         assert func in counted.calls, "out= or a failing op did not reach the dispatcher"
+    counted.calls.clear()
+    torch.ops.aten.add.Tensor(x, y)  # an operator of torch.ops: the dispatcher rules it or refuses it, never this path
+    assert torch.ops.aten.add.Tensor in counted.calls
+    counted.calls.clear()
+    with pytest.raises(NotImplementedError, match="histc"):  # no rule: refused by name, on the short path or not
+        x.histc()
+    assert torch.Tensor.histc in counted.calls
     counted.calls.clear()
     with pytest.raises(ValueError, match="sharded along different dims"):
         _ = x + other
