@@ -14,6 +14,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
 from mesh3d.domain.dispatch.registry import RULES
+from mesh3d.domain.dispatch.short_path import take_short_path
 
 THREE = DomainComm(None, (0, 1, 2), 1)  # this rank holds the middle shard
 SPEC = DomainSpec(2, (3, 2, 4), THREE)  # (B, C, H, W) sharded along H; this rank's 2 rows
@@ -137,6 +138,8 @@ def test_only_what_the_short_path_can_answer_takes_it(monkeypatch):
     with pytest.raises(NotImplementedError, match="histc"):  # no rule: refused by name, on the short path or not
         x.histc()
     assert torch.Tensor.histc in counted.calls
+    with pytest.raises(ValueError, match="histc has no slab rule"):  # nor can a function without one take the path
+        take_short_path(torch.Tensor.histc, lambda func, args, kwargs: NotImplemented)
     counted.calls.clear()
     with pytest.raises(ValueError, match="sharded along different dims"):
         _ = x + other

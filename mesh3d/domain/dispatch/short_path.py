@@ -77,6 +77,8 @@ def take_short_path(func: Callable, handler: Callable[[Callable, tuple, dict | N
 
     Usage: ``take_short_path(F.conv2d, short_conv)``
     """
+    if RULES.get(func) is None:  # NOTE: a call without a rule must reach the dispatcher, which refuses it by name
+        raise ValueError(f"{op_name(func)} has no slab rule: the short path only answers calls the dispatcher rules")
     _RULED[func] = RULES.get(func)
     SHORT[func] = handler
 
