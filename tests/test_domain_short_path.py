@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d import domain
+from mesh3d._torch_private import TorchDispatchMode, disable_torch_function_subclass
 from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
@@ -223,3 +224,47 @@ def test_a_convolution_whose_rows_stay_goes_straight_to_torch(monkeypatch):
     with pytest.raises(Exception):  # noqa: B017 - its halos need a group: the rule tried to fetch them
         F.conv2d(_field(0), w3, padding=1)
     assert F.conv2d in counted.calls
+
+
+class _BackwardTypes(TorchDispatchMode):
+    """The classes of the tensors each op of a backward receives (the engine hands an op the tensors autograd saved:
+    a domain tensor among them would reach ``__torch_function__`` from any mode that calls ops in Python)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        leaves = [*args, *(kwargs or {}).values()]
+        self.seen |= {f"{func}:{type(a).__name__}" for a in leaves if isinstance(a, torch.Tensor)}
+        with disable_torch_function_subclass():
+            return func(*args, **(kwargs or {}))
+
+
+SAVING = {  # ops whose backward reads their inputs (autograd saves them)
+    "x * y": lambda x, y, w: x * y,
+    "addcmul": lambda x, y, w: torch.addcmul(x, x, y, value=0.5),
+    "x.pow(2)": lambda x, y, w: x.pow(2),
+    "conv2d (one rank)": lambda x, y, w: F.conv2d(x, w, padding=1),
+    "view, then mul": lambda x, y, w: x.reshape(2, 3, -1) * y.reshape(2, 3, -1),
+}
+
+
+@pytest.mark.parametrize("name", SAVING)
+def test_autograd_saves_what_the_dispatcher_s_walk_saves(name, monkeypatch):
+    """The short path runs each op on aliases of the shards, as the dispatcher does: the backward's ops receive the
+    same classes of tensors on either path (never a domain tensor autograd saved where the walk saves a plain one)."""
+    one = DomainSpec(2, (2,), DomainComm(None, (0,), 0))
+    w = torch.randn(4, 3, 3, 3, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    seen = []
+    for short in (True, False):
+        if not short:
+            _full_path(monkeypatch)
+        lx, ly = _local(0, requires_grad=True), _local(1, requires_grad=True)
+        out = SAVING[name](wrap(lx, one), wrap(ly, one), w)
+        mode = _BackwardTypes()
+        with mode:
+            torch.autograd.grad(unwrap(out).sum(), [lx, ly], allow_unused=True)
+        seen.append(mode.seen)
+    assert seen[0] == seen[1]
+    assert not any(s.endswith(":DomainTensor") for s in seen[0]), seen[0]

@@ -148,18 +148,21 @@ def _elementwise(func: Callable, args: tuple, kwargs: dict | None) -> Any:
         _LastSpec.spec = spec
     with _Disabled():
         ndim = -1
+        shards = []
         for a in args:
             if isinstance(a, _Tensor):
                 if ndim < 0:
                     ndim = a.ndim
                 elif a.ndim != ndim:
                     return NotImplemented  # another alignment of the sharded dim: the rule checks it
+                a = a.as_subclass(_Tensor)  # NOTE: as ``unwrap``: autograd saves the shard's alias, never a domain tensor
+            shards.append(a)
         try:
-            out = func(*args, **(kwargs or {}))
+            out = func(*shards, **(kwargs or {}))
         except Exception:  # noqa: BLE001 - NOTE: the dispatcher runs it again, raising the error and telling the peers
             return NotImplemented
         if type(out) is not _Tensor:
-            return out  # an input itself (an in-place op, contiguous() of a contiguous one), or not a tensor
+            return out  # not a tensor
         if out.ndim != ndim:
             return out
         if out.is_leaf and out.requires_grad:
@@ -236,7 +239,7 @@ def _view(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     _, compute, extra, extra_kwargs, out_spec, out_ndim, changes_layout = hit
     with _Disabled():
         try:
-            out = compute(x, *extra, **extra_kwargs)
+            out = compute(x.as_subclass(_Tensor), *extra, **extra_kwargs)  # NOTE: the shard's alias, as ``unwrap``
         except Exception:  # noqa: BLE001 - e.g. view() of a non-contiguous shard: the dispatcher raises it everywhere
             return NotImplemented
         if type(out) is not _Tensor or (out_ndim is not None and out.ndim != out_ndim):

@@ -78,7 +78,7 @@ def _short_conv(nd: int) -> Callable[[Callable, tuple, dict | None], Any]:
             if plan is None:
                 return NotImplemented
             try:
-                out = func(x, weight, bias, stride, plan[0], dilation, groups)
+                out = func(x.as_subclass(torch.Tensor), weight, bias, stride, plan[0], dilation, groups)  # as ``unwrap``
             except Exception:  # noqa: BLE001 - the rule runs it again and tells the peers (a multi-rank domain)
                 return NotImplemented
         if spec.comm.size > 1:  # NOTE: the rule's step declares a window: the dispatcher journals it on every rank
