@@ -95,7 +95,8 @@ def _dispatch(lines: list[str], d: dict, c: dict) -> None:
         return
     us = lambda v: "-" if v is None else f"{v:.1f} us"  # noqa: E731
     ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
-    lines += [f"Host cost per op on a 1x2x4x4 tensor, one thread, {c['dispatch_calls']} calls a loop, the best of "
+    lines += [f"Host cost per op on a 1x2x4x4 tensor ({c.get('cpu', 'cpu')}, torch {c.get('torch', '?')}, one thread), "
+              f"{c['dispatch_calls']} calls a loop, the best of "
               f"{c.get('dispatch_rounds', 3)} rounds taken in turns ({goals}). *Short path*: a domain tensor at domain=1 "
               "as it runs now (same-layout element-wise ops, views and convolutions whose rows stay answered before "
               "the dispatcher's walk); *walk*: the same with the short path off, every call through the dispatcher's "
