@@ -173,6 +173,9 @@ def main() -> None:
     if "dispatch" in args.parts:
         print("== Python dispatch cost per op (tiny tensors)", flush=True)
         report["dispatch"] = part_dispatch(args, device)
+        # NOTE: its own record of where it ran, so this part can be rerun alone and merged into domain.json
+        report["dispatch"]["measured_on"] = {k: report["config"][k] for k in
+                                             ("cpu", "torch", "device_name", "dispatch_calls", "dispatch_rounds")}
     if "scaling" in args.parts and device.type == "cpu":
         print(f"== strong scaling: {args.layers}-conv stack, {args.batch}x1x{args.size}x{args.size}", flush=True)
         report["scaling"] = part_scaling(args)

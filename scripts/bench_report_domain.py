@@ -93,6 +93,7 @@ def _dispatch(lines: list[str], d: dict, c: dict) -> None:
         lines += [f"Python dispatch cost per op on a 1x2x4x4 tensor ({goals}): "
                   + ", ".join(f"{k} {v['overhead_us']:.1f} us" for k, v in ops.items()) + "." + tail, ""]
         return
+    c = d.get("measured_on", c)
     us = lambda v: "-" if v is None else f"{v:.1f} us"  # noqa: E731
     ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
     lines += [f"Host cost per op on a 1x2x4x4 tensor ({c.get('cpu', 'cpu')}, torch {c.get('torch', '?')}, one thread), "
