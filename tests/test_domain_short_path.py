@@ -14,6 +14,7 @@ from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.registry import RULES
 from mesh3d.domain.dispatch.short_path import take_short_path
 
@@ -268,3 +269,14 @@ def test_autograd_saves_what_the_dispatcher_s_walk_saves(name, monkeypatch):
         seen.append(mode.seen)
     assert seen[0] == seen[1]
     assert not any(s.endswith(":DomainTensor") for s in seen[0]), seen[0]
+
+
+def test_gradient_queries_are_the_dispatcher_s():
+    """``.grad``, ``torch.autograd.grad`` and ``backward`` (``dispatch.grads``: answered as the whole tensor) never
+    take the short path: ``.grad`` of a domain tensor is a domain tensor laid out like it."""
+    for func in GRADIENT_CALLS:
+        assert func not in DomainTensor._short, func
+    xs = domain.shard(torch.randn(2, 3, 4, 5, dtype=torch.float64), dim=2).requires_grad_()
+    (xs * xs).sum().backward()
+    assert type(xs.grad) is DomainTensor and xs.grad.shape == xs.shape and xs.grad.spec == xs.spec
+    assert torch.equal(xs.grad.full_tensor(), 2 * xs.full_tensor().detach())

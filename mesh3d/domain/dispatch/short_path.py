@@ -3,7 +3,8 @@
 ``DomainTensor.__torch_function__`` looks the called function up in ``SHORT`` first; a handler returns the answer, or
 ``NotImplemented`` where its case does not hold (then the dispatcher runs, as for every other call):
 
-* metadata queries (``.dtype``, ``.device``, ``dim()`` ...): answered from the shard, as the dispatcher does;
+* metadata queries (``.dtype``, ``.device``, ``dim()`` ...): answered from the shard, as the dispatcher does (not
+  ``.grad``, which the dispatcher lays out as the whole tensor: ``dispatch.grads``);
 * size queries (``.shape``, ``size()``, ``numel()`` ...): the whole tensor's answer, as the dispatcher gives it;
 * element-wise ops whose tensor operands are all domain tensors of one slab layout (the same spec, the same number of
   dims): the op on the shards, the result taking that spec. Anything else (a plain tensor operand to broadcast or
@@ -35,6 +36,7 @@ from mesh3d._torch_private import disable_torch_function_subclass as _Disabled
 from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, wrap
+from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
 from mesh3d.domain.dispatch.registry import RULES, op_name
 from mesh3d.domain.dispatch.step import Step
@@ -249,5 +251,6 @@ def _view(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     return reclassed(out, out_spec)
 
 
-SHORT.update({f: _metadata for f in METADATA})
+# NOTE: ``.grad`` is a metadata query the dispatcher answers first, laid out as the whole tensor (``dispatch.grads``)
+SHORT.update({f: _metadata for f in METADATA if f not in GRADIENT_CALLS})
 SHORT.update({f: _global_size for f in GLOBAL_SIZES})
