@@ -225,6 +225,15 @@ def test_a_convolution_whose_rows_stay_goes_straight_to_torch(monkeypatch):
     with pytest.raises(Exception):  # noqa: B017 - its halos need a group: the rule tried to fetch them
         F.conv2d(_field(0), w3, padding=1)
     assert F.conv2d in counted.calls
+    counted.calls.clear()
+    channels = wrap(_local(0), DomainSpec(1, (3,), one.comm))  # the channels sharded: the rule's contraction
+    got = F.conv2d(channels, w1, bias)
+    assert F.conv2d in counted.calls and torch.allclose(got.full_tensor(), F.conv2d(_local(0), w1, bias))
+    unbatched = _local(0)[0]  # (C, H, W) sharded along H: a spatial dim, on either path
+    for short in (True, False):
+        monkeypatch.setattr(DomainTensor, "_short", table if short else {})
+        got = F.conv2d(wrap(unbatched, DomainSpec(1, (2,), one.comm)), w3, bias, padding=1)
+        assert torch.allclose(got.full_tensor(), F.conv2d(unbatched, w3, bias, padding=1)), short
 
 
 class _BackwardTypes(TorchDispatchMode):

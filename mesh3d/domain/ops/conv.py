@@ -107,7 +107,8 @@ def _conv_rule(func, nd: int):
     def rule(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1) -> Step:
         if isinstance(weight, DomainTensor) or isinstance(bias, DomainTensor):
             raise NotImplementedError(f"{name}: the weight and bias must be plain (replicated) tensors")
-        if input.spec.dim == 1 and groups == 1:  # the channels sharded (MLP-Mixer's token mixing): a contraction
+        # NOTE: dim 1 is the channels of a batched input only; an unbatched (C, H, W)'s dim 1 is spatial (halos)
+        if input.spec.dim == 1 and input.ndim == nd + 2 and groups == 1:  # channels sharded (MLP-Mixer): a contraction
             return _channels_contracted(func, input, weight, bias, stride, padding, dilation)
         sp = spatial_axis(name, input, nd)
         if sp < 0:
