@@ -102,7 +102,7 @@ def _dispatch(lines: list[str], d: dict, c: dict) -> None:
               "as it runs now (same-layout element-wise ops, views and convolutions whose rows stay answered before "
               "the dispatcher's walk); *walk*: the same with the short path off, every call through the dispatcher's "
               "walk as before issue 50; DTensor: sharded the same way on a one-rank gloo mesh (- where it has no rule "
-              "for the op's arguments).", "",
+              "for the op's arguments). Norms, pooling and reductions have no short form: they take the walk either way.", "",
               "| op | plain torch | short path | over plain | walk | over plain | DTensor | short path / DTensor |",
               "|---|---|---|---|---|---|---|---|"]
     for name, v in ops.items():
