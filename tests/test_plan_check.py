@@ -5,6 +5,7 @@ fix; the command line launches its local ranks once for every mesh."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,10 @@ from plan_models import Flips
 from mesh3d.cli import main
 from mesh3d.domain.dispatch.registry import RULES
 from mesh3d.domain.dispatch.step import Step
-from mesh3d.planner import InputSpec, JobMesh
+from mesh3d import Plan
+from mesh3d.planner import InputSpec, JobMesh, plan_job
+from mesh3d.planner.exercise import exercise_of, perturb_zero_parameters, zero_at_init
+from mesh3d.planner.spec import load_spec
 from mesh3d.planner.check import CheckSpec, check_on_rank
 from mesh3d.planner.check_run import check_model, uneven_sizes
 
@@ -85,7 +89,8 @@ def test_ops_that_would_be_refused_are_named_with_their_fix_before_anything_runs
 def test_the_command_line_checks_on_local_ranks_started_once(capsys):
     code = main(["check", "plan_models:conv_stack", "--input", "1x2x16x8", "--meshes", "1,2,1", "2,1,1", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert code == 0 and report["equal"], report
+    assert code == 0 and report["equal"] and report["passed"] and not report["degenerate"], report
+    assert report["exercised"]["zero_grads"] == [] and not report["exercised"]["is_input"]   # a healthy model
     assert [m["checkpoint"].split(" (")[0] for m in report["meshes"]] == ["saved", "loaded bitwise"]
     assert main(["check", "plan_models:conv_stack", "--input", "1x2x16x8", "--meshes", "pipe=2"]) == 2
     assert "unknown axis 'pipe'" in capsys.readouterr().err
@@ -95,3 +100,61 @@ def test_a_rank_that_fails_is_reported_not_raised(ranks):
     spec = CheckSpec("plan_models:conv_stack", None, InputSpec((1, 2, 16, 8), dtype=torch.float32))
     results = ranks.run(2, check_on_rank, spec, JobMesh(1, (2,), 1), ((9, 8),), None, None, 30.0)
     assert all(r["status"] == "error" and "sum to 17 but the sharded dim has length 16" in r["error"] for r in results)
+
+
+#: examples/weather.py's SFNO, by path: its head is zero-initialised, so it starts as the identity (x + 0)
+_WEATHER = str(Path(__file__).resolve().parents[1] / "examples" / "weather.py") + ":model"
+
+
+def test_a_check_that_exercises_nothing_is_degenerate_and_fails_until_the_zero_head_is_perturbed(ranks):
+    # on the example's own 2x2 (lat x lon) layout: its pencil moves (slabs back to blocks) plan and run
+    spec = CheckSpec(_WEATHER, None, InputSpec((1, 4, 32, 64)))
+    report = check_model(spec, [JobMesh(1, (2, 2), 1)], runner=_pool(ranks))
+    print(report.table())
+    assert report.equal and report.degenerate and not report.passed
+    found = report.exercised
+    assert found.is_input and found.zero_at_init == ["head.weight", "head.bias"]
+    assert len(found.zero_grads) == found.parameters - 2 and "head.weight" not in found.zero_grads
+    table = report.table()
+    assert "WARNING: this check exercises little of the model" in table and "--perturb-zero-init" in table
+    assert "DEGENERATE" in table
+    accepted = check_model(spec, [JobMesh(1, (2, 2), 1)], runner=_pool(ranks), allow_degenerate=True)
+    assert accepted.degenerate and accepted.passed
+
+    perturbed = check_model(CheckSpec(_WEATHER, None, InputSpec((1, 4, 32, 64)), perturb_zero_init=True),
+                            [JobMesh(1, (2,), 1)], runner=_pool(ranks))
+    print(perturbed.table())
+    assert perturbed.passed and not perturbed.degenerate
+    assert perturbed.exercised.zero_grads == [] and perturbed.exercised.perturbed == ["head.weight", "head.bias"]
+    assert all(v > 0 for k, v in perturbed.meshes[0].diffs.items() if k.startswith("grad "))  # compared, not 0 vs 0
+
+
+def test_the_weather_example_plans_on_its_own_2x2_layout():
+    job = plan_job(load_spec(_WEATHER), Plan(batch="fsdp"), JobMesh.resolve(8, 2, (2, 2), 1), InputSpec((1, 4, 32, 64)))
+    assert not job.refused and job.classes
+
+
+class _Ignores(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(3))
+
+    def forward(self, x):
+        return self.w * 2
+
+
+def test_exercise_finds_an_output_that_ignores_the_input_and_zero_gradients():
+    model = _Ignores().double()
+    x, other = torch.randn(3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+    y = model(x)
+    y.sum().backward()
+    found = exercise_of(model, x, y, model, other, [], [])
+    assert found.ignores_input and found.degenerate and found.zero_grads == []
+    healthy = torch.nn.Linear(3, 3).double()
+    y = healthy(x)
+    (y * torch.randn(3, dtype=torch.float64)).sum().backward()
+    assert not exercise_of(healthy, x, y, healthy, other, [], []).degenerate
+    zero = torch.nn.Linear(4, 2)
+    torch.nn.init.zeros_(zero.weight)
+    assert zero_at_init(zero) == ["weight"] and zero_at_init(torch.nn.Linear(2, 2)) == []
+    assert perturb_zero_parameters(zero) == ["weight"] and zero.weight.std() > 0.1

@@ -6,7 +6,8 @@ input, domain-sharded into the given (uneven) sizes. The loss is ``<output, cota
 cotangent (every output element weighs differently); the reference's is averaged over the batch ranks, as
 mesh3d's gradients are. Output, loss and every parameter gradient are compared as the largest difference
 relative to the reference's largest magnitude (a gradient that is zero in exact arithmetic is measured
-against the model's largest gradient). With ``save_to`` the rank then takes an AdamW step and saves a
+against the model's largest gradient). The reference is also examined for what it exercised (``exercise.py``:
+parameters with an exactly zero gradient, an output that ignores or is the input). With ``save_to`` the rank then takes an AdamW step and saves a
 checkpoint (rank 0 also writes the whole expected state); with ``load_from`` it loads one saved on another
 mesh and compares every whole tensor with the expected state, bitwise.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from mesh3d.domain.core.specs import Layout, sharded_dims
 from mesh3d.manager import DistributedManager
 from mesh3d.parallel.apply import parallelize
 from mesh3d.parallel.plan import Plan
+from mesh3d.planner.exercise import exercise_of, perturb_zero_parameters, zero_at_init
 from mesh3d.planner.mesh import JobMesh
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan
@@ -54,6 +56,8 @@ class CheckSpec:
     model: str | Callable[[], nn.Module]
     plan: str | Plan | None
     inputs: InputSpec
+    #: give parameters that are zero throughout at initialisation small random values first (``exercise.py``)
+    perturb_zero_init: bool = False
 
 
 def relative_difference(a: Any, b: Any, floor: float = 0.0) -> float:
@@ -98,7 +102,8 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 def _input(spec: InputSpec, batch_index: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(1000 + batch_index)
+    """Batch rank ``batch_index``'s input (-1: another one, to see whether the output depends on it)."""
+    g = torch.Generator().manual_seed(1000 + batch_index if batch_index >= 0 else 3000)
     if spec.dtype.is_floating_point:
         return torch.randn(spec.shape, generator=g, dtype=torch.float64)
     return torch.randint(0, 2, spec.shape, generator=g, dtype=spec.dtype)  # token ids any vocabulary holds
@@ -150,6 +155,8 @@ def _run(spec: CheckSpec, mesh: JobMesh, sizes: tuple[tuple[int, ...], ...], sav
     factory, plan = load_model_factory(spec.model), load_plan(spec.plan)
     torch.manual_seed(0)
     ref = _fp64(factory())
+    zero = zero_at_init(ref)
+    perturbed = perturb_zero_parameters(ref) if spec.perturb_zero_init else []
     model = copy.deepcopy(ref)
     b = dm.axis_rank("batch")
     xs = [_input(spec.inputs, i) for i in range(mesh.batch)]
@@ -158,12 +165,16 @@ def _run(spec: CheckSpec, mesh: JobMesh, sizes: tuple[tuple[int, ...], ...], sav
             for i, y in enumerate(outs)]
     losses = [(y * c).sum() for y, c in zip(outs, cots)]
     (sum(losses) / mesh.batch).backward()
+    with torch.random.fork_rng():  # NOTE: the parallel run draws what it would have drawn without this extra forward
+        exercise = exercise_of(ref, xs[0], outs[0], lambda x: _first_float(ref(x)), _input(spec.inputs, -1), zero,
+                               perturbed)
 
     model = parallelize(model, plan)
     y = _first_float(model(_shard(xs[b], spec.inputs, mesh, sizes)))
     loss = (y * _like(cots[b], y)).sum()
     loss.backward()
-    result: dict[str, Any] = {"status": "ok", "diffs": _compare(model, ref, y, outs[b].detach(), loss, losses[b].detach())}
+    result: dict[str, Any] = {"status": "ok", "diffs": _compare(model, ref, y, outs[b].detach(), loss, losses[b].detach()),
+                              "exercise": asdict(exercise)}
     if save_to is not None or load_from is not None:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         if save_to is not None:

@@ -5,13 +5,15 @@ plan has tensor-parallel styles) the planner first runs the step on meta tensors
 dispatcher would refuse, with the fix its message gives; a mesh without refusals then runs for real
 (``check.check_on_rank``) on as many gloo ranks, in float64, against one process. The first mesh that runs
 saves a checkpoint and every later one loads it, bitwise. A model that differs is never reported equal:
-every relative difference above ``tolerance`` makes its mesh DIFFERENT.
+every relative difference above ``tolerance`` makes its mesh DIFFERENT. A check that could not have failed (the
+reference's output ignores or is the input, or most parameters get exactly zero gradient: ``exercise.py``) is
+reported ``degenerate``; ``passed`` is then false unless ``allow_degenerate``.
 
 Usage::
 
     report = check_model(CheckSpec("mypkg:make_unet", None, InputSpec((1, 1, 32, 32))))   # local ranks
     report = check_model(spec, runner=lambda world, fn, *args: ranks.run(world, fn, *args))  # any launcher
-    print(report.table()); report.equal
+    print(report.table()); report.equal; report.degenerate; report.passed
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 
 from mesh3d.domain.probe import downsampling_factor
 from mesh3d.planner.check import CheckSpec, check_on_rank
+from mesh3d.planner.exercise import Exercise
 from mesh3d.planner.job import plan_job
 from mesh3d.planner.launch import LocalRanks
 from mesh3d.planner.mesh import JobMesh
@@ -74,6 +77,7 @@ class MeshResult:
     refused: dict[str, str] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
     checkpoint: str = ""
+    exercise: dict[str, Any] = field(default_factory=dict)  # what the one-process reference exercised
 
 
 @dataclass
@@ -86,14 +90,63 @@ class CheckReport:
     model: str
     tolerance: float
     meshes: list[MeshResult]
+    allow_degenerate: bool = False
 
     @property
     def equal(self) -> bool:
         return all(m.verdict == "equal" for m in self.meshes)
 
+    @property
+    def exercised(self) -> Exercise | None:
+        """What the references of the meshes that ran exercised, together (None when none ran)."""
+        found = [Exercise(**m.exercise) for m in self.meshes if m.exercise]
+        if not found:
+            return None
+        merged = found[0]
+        for other in found[1:]:
+            merged = merged.merge(other)
+        return merged
+
+    @property
+    def degenerate(self) -> bool:
+        """The check could have passed whatever the parallel code did (``exercise.py``)."""
+        exercised = self.exercised
+        return exercised is not None and exercised.degenerate
+
+    @property
+    def passed(self) -> bool:
+        """Equal on every mesh, and not degenerate unless that was allowed."""
+        return self.equal and (self.allow_degenerate or not self.degenerate)
+
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict."""
-        return {**asdict(self), "equal": self.equal}
+        exercised = self.exercised
+        return {**asdict(self), "equal": self.equal, "degenerate": self.degenerate, "passed": self.passed,
+                "exercised": exercised.to_json() if exercised is not None else None}
+
+    def _exercise_lines(self) -> list[str]:
+        exercised = self.exercised
+        if exercised is None or not (exercised.reasons() or exercised.perturbed):
+            return []
+        lines = []
+        if exercised.perturbed:
+            lines.append(f"perturbed: {', '.join(exercised.perturbed)} (zero throughout at initialisation) were given "
+                         "small random values first, so their gradient paths run (--perturb-zero-init)")
+        reasons = exercised.reasons()
+        if not reasons:
+            return lines + [""]
+        lines.append("WARNING: this check exercises little of the model:" if exercised.degenerate else "note:")
+        lines += [f"  - {r}" for r in reasons]
+        if exercised.degenerate:
+            lines.append("  an equal verdict here says little: the parallel run could be wrong in what was not exercised.")
+            if exercised.zero_at_init and not exercised.perturbed:
+                lines.append(f"  {', '.join(exercised.zero_at_init)} are zero throughout at initialisation: rerun with "
+                             "--perturb-zero-init to give them small random values (the same on every rank and in the "
+                             "reference), or pass --allow-degenerate to accept this check as it is.")
+            else:
+                lines.append("  give the model's parameters values that make every one of them matter (check_model "
+                             "takes a factory: wrap yours), or pass --allow-degenerate to accept this check as it is.")
+        return lines + [""]
 
     def table(self) -> str:
         """The verdict table, then the largest relative difference of each tensor on each mesh, then refusals."""
@@ -115,7 +168,14 @@ class CheckReport:
         for m in self.meshes:
             lines += [f"{m.mesh}: {op} would be refused: {msg}" for op, msg in m.refused.items()]
             lines += [f"{m.mesh}: {e}" for e in m.errors]
-        lines.append("verdict: " + ("EQUAL on every mesh" if self.equal else "NOT equal: see the table"))
+        lines += self._exercise_lines()
+        if not self.equal:
+            lines.append("verdict: NOT equal: see the table")
+        elif self.degenerate:
+            lines.append("verdict: EQUAL on every mesh, but DEGENERATE: see the warning"
+                         + (" (accepted: --allow-degenerate)" if self.allow_degenerate else ""))
+        else:
+            lines.append("verdict: EQUAL on every mesh")
         return "\n".join(lines)
 
 
@@ -167,6 +227,7 @@ def _mesh_run(spec: CheckSpec, mesh: JobMesh, runner: Runner, save_to: str | Non
     if result.errors:
         result.verdict = "error"
         return result
+    result.exercise = per_rank[0].get("exercise", {})
     for res in per_rank:
         for name, value in res["diffs"].items():
             result.diffs[name] = max(result.diffs.get(name, 0.0), value)
@@ -184,7 +245,7 @@ def _mesh_run(spec: CheckSpec, mesh: JobMesh, runner: Runner, save_to: str | Non
 
 
 def check_model(spec: CheckSpec, meshes: list[JobMesh] | None = None, runner: Runner | None = None,
-                tolerance: float = TOLERANCE, workdir: str | None = None) -> CheckReport:
+                tolerance: float = TOLERANCE, workdir: str | None = None, allow_degenerate: bool = False) -> CheckReport:
     """Check ``spec`` on ``meshes`` (see the module docstring); ``runner(world, fn, *args)`` runs ``fn`` on that many
     ranks and returns their results (default: local gloo ranks, started once for every mesh).
 
@@ -213,4 +274,4 @@ def check_model(spec: CheckSpec, meshes: list[JobMesh] | None = None, runner: Ru
         for ranks in local:
             ranks.close()
     name = spec.model if isinstance(spec.model, str) else getattr(spec.model, "__qualname__", "model")
-    return CheckReport(name, tolerance, results)
+    return CheckReport(name, tolerance, results, allow_degenerate)

@@ -119,19 +119,26 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--meshes", nargs="+", metavar="MESH", help="meshes BATCH,DOMAIN,MODEL to check on (default: "
                         "1,2,1 1,3,1 2,2,1, and 1,1,2 when the plan has tensor parallelism)")
     parser.add_argument("--tolerance", type=float, default=1e-9, help="largest relative difference counted as equal")
+    parser.add_argument("--perturb-zero-init", action="store_true", help="give parameters that are zero throughout at "
+                        "initialisation (a zero-initialised head) small random values first, so every parameter's "
+                        "gradient is checked")
+    parser.add_argument("--allow-degenerate", action="store_true", help="exit 0 even when the check exercises little "
+                        "of the model (the output ignores or is the input, most gradients are exactly zero)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run_check(args: argparse.Namespace) -> int:
-    """``mesh3d check ...``: 0 when every mesh gives the one-process answer, 1 when one does not, 2 for bad arguments."""
+    """``mesh3d check ...``: 0 when every mesh gives the one-process answer, 1 when one does not, 2 for bad arguments,
+    3 when every mesh is equal but the check exercised too little of the model to mean it (``--allow-degenerate``
+    accepts that)."""
     try:
         inputs = parse_input(args.input, args.dtype, args.shard_dims, args.sizes)
         meshes = [JobMesh.parse(m) for m in args.meshes] if args.meshes else None
         load_plan(args.plan)  # a bad --plan fails here, before any process starts
-        spec = CheckSpec(args.model, args.plan, inputs)
+        spec = CheckSpec(args.model, args.plan, inputs, perturb_zero_init=args.perturb_zero_init)
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    report = check_model(spec, meshes, tolerance=args.tolerance)
+    report = check_model(spec, meshes, tolerance=args.tolerance, allow_degenerate=args.allow_degenerate)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.table())
-    return 0 if report.equal else 1
+    return 1 if not report.equal else 0 if report.passed else 3

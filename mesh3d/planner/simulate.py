@@ -32,6 +32,7 @@ from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import TrafficCounter, count_traffic, dry_run
 from mesh3d.domain.dispatch.registry import op_name
+from mesh3d.domain.layouts.blocks import simulated_grid
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
@@ -214,6 +215,7 @@ class Simulator:
                 p.register_post_accumulate_grad_hook(self._note_grad)
         self._tracker: MemoryTracker | None = None
         self._lines: dict[int, int] = {}  # id of a grid line's DomainComm -> its grid dim (blocks)
+        self._grid_lines: tuple[DomainComm, ...] = ()  # this rank's grid lines (blocks), for slabs moved to blocks
         self._watch: _OpWatch | None = None
 
     @contextlib.contextmanager
@@ -281,13 +283,14 @@ class Simulator:
                 a == b for j, (a, b) in enumerate(zip(grid_coords(i, grid), coords)) if j != k))
             lines.append(DomainComm(None, members, coords[k]))
         self._lines = {id(line): k for k, line in enumerate(lines)}
+        self._grid_lines = tuple(lines)
         return wrap(local, BlockSpec(self.dims, self.sizes, tuple(lines), domain))
 
     # ------------------------------------------------------------------ one step
     def run(self, domain_index: int) -> RankSim:
         """Forward, loss, backward of the rank at ``domain_index`` (any batch and model index: they behave alike)."""
         sim = RankSim(domain_index)
-        self._lines = {}
+        self._lines, self._grid_lines = {}, ()
         x = self._input(domain_index)
         tracker = MemoryTracker(self.workspace, self.meta_outputs, self.block_bytes)
         self._tracker = tracker
@@ -320,7 +323,8 @@ class Simulator:
             self.fsdp.start(tracker)
         self.tp.collectives.clear()
         try:
-            with _journal_kept(), dry_run(observe), tracker, self.autocast.patched(), self._modes():
+            grid_of_rank = simulated_grid(grid, self._grid_lines) if self._grid_lines else contextlib.nullcontext()
+            with _journal_kept(), dry_run(observe), grid_of_rank, tracker, self.autocast.patched(), self._modes():
                 with count_traffic() as forward:
                     loss = self.loss(self.model(x))
                 watch.in_forward = False

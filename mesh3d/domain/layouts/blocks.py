@@ -20,8 +20,8 @@ reductions run over the whole domain group.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
+import contextlib
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -40,15 +40,43 @@ from mesh3d.manager import DistributedManager
 from mesh3d.domain.core.plan_cache import plan_cache
 from mesh3d.domain.core.specs import BlockSpec
 
-__all__ = ["block_full_tensor", "extend_windows", "gather_along", "gather_boxes", "grid_comms", "halo_rows_only",
-           "in_layout", "replicate_blocks_if_singleton", "shard_blocks"]
+__all__ = ["SimulatedGrid", "block_full_tensor", "extend_windows", "gather_along", "gather_boxes", "grid_comms",
+           "halo_rows_only", "in_layout", "replicate_blocks_if_singleton", "shard_blocks", "simulated_grid"]
 
 
-def grid_comms() -> tuple[tuple[int, ...], tuple[DomainComm, ...]]:
-    """The domain grid and this rank's grid line on each of its dims (``DistributedManager``'s groups).
+class SimulatedGrid:
+    """The domain grid and grid lines a simulated rank stands on (``mesh3d plan``: no manager, no process group),
+    taken by ``grid_comms`` in place of the manager's while ``simulated_grid`` is active.
+
+    Usage: ``with simulated_grid((2, 2), lines): model(x_on_meta)``
+    """
+
+    _active: list[tuple[tuple[int, ...], tuple[DomainComm, ...]]] = []  # innermost last
+
+
+@contextlib.contextmanager
+def simulated_grid(grid: tuple[int, ...], lines: tuple[DomainComm, ...]) -> Iterator[None]:
+    """``grid_comms()`` answers ``(grid, lines)`` inside the block (a slab moved to blocks on a simulated rank).
+
+    Usage: ``with simulated_grid((2, 2), lines): loss = model(x)``
+    """
+    SimulatedGrid._active.append((grid, lines))
+    try:
+        yield
+    finally:
+        SimulatedGrid._active.pop()
+
+
+def grid_comms(alone: DomainComm | None = None) -> tuple[tuple[int, ...], tuple[DomainComm, ...]]:
+    """The domain grid and this rank's grid line on each of its dims (``DistributedManager``'s groups, or a simulated
+    rank's inside ``simulated_grid``); with no manager, ``((1,), (alone,))`` where ``alone`` is given.
 
     Usage: ``grid, lines = grid_comms()``
     """
+    if SimulatedGrid._active:
+        return SimulatedGrid._active[-1]
+    if alone is not None and not DistributedManager.is_initialized():
+        return (1,), (alone,)
     dm = DistributedManager()
     grid = dm.domain_grid
     if len(grid) == 1:
@@ -60,7 +88,7 @@ def grid_comms() -> tuple[tuple[int, ...], tuple[DomainComm, ...]]:
 def shard_blocks(x: torch.Tensor, dims: Sequence[int], sizes: Sequence[Sequence[int] | None] | None,
                  comm: DomainComm) -> DomainTensor:
     """This rank's block of ``x`` (held whole on every domain rank); see ``domain.shard(x, dims=...)``."""
-    grid, lines = grid_comms() if DistributedManager.is_initialized() else ((1,), (comm,))
+    grid, lines = grid_comms(comm)
     dims = tuple(d % x.ndim if isinstance(d, int) and -x.ndim <= d < x.ndim else _bad_dim(d, x.ndim) for d in dims)
     if len(set(dims)) != len(dims):
         raise ValueError(f"domain.shard: dims={dims} repeats a dim; give each sharded dim once")

@@ -21,7 +21,6 @@ from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.core.tensor import DomainTensor, wrap
 from mesh3d.domain.layouts.blocks import grid_comms
-from mesh3d.manager import DistributedManager
 
 __all__ = ["blocks_from_local"]
 
@@ -29,7 +28,7 @@ __all__ = ["blocks_from_local"]
 def blocks_from_local(local: torch.Tensor, dims: Sequence[int], sizes: Sequence[Sequence[int]],
                       comm: DomainComm) -> DomainTensor:
     """Wrap this rank's block (see ``domain.from_local(..., dims=...)``); checks run before anything else."""
-    grid, lines = grid_comms() if DistributedManager.is_initialized() else ((1,), (comm,))
+    grid, lines = grid_comms(comm)
     if not all(isinstance(d, int) and -local.ndim <= d < local.ndim for d in dims):
         raise ValueError(f"domain.from_local: dims={tuple(dims)} must be dims of the {local.ndim}-D block")
     dims = tuple(d % local.ndim for d in dims)
