@@ -4,7 +4,7 @@ Usage::
 
     from mesh3d.log import get_logger, configure_logging
     configure_logging()                       # "[rank 3 b1 d0 m1] message" on stderr
-    log = get_logger(__name__)
+    log = get_logger(__name__)                # any name, __main__ included: printed by that handler
     log.info("step %d", step)                 # from every rank
     log.info_rank0("loss %.4f", loss)         # from rank 0 only
 """
@@ -19,6 +19,7 @@ from mesh3d.manager import DistributedManager
 
 __all__ = ["get_logger", "configure_logging", "RankLogger", "rank_context"]
 
+_ROOT = "mesh3d"
 _FORMAT = "%(asctime)s [%(rankinfo)s] %(levelname)s %(name)s: %(message)s"
 
 
@@ -56,10 +57,16 @@ class RankLogger(logging.LoggerAdapter):
 
 
 def get_logger(name: str = "mesh3d") -> RankLogger:
-    """A :class:`RankLogger` around ``logging.getLogger(name)``.
+    """A :class:`RankLogger` around the logger ``name`` inside the ``mesh3d`` hierarchy: ``mesh3d`` and its children as
+    they are, any other name as the child ``mesh3d.<name>`` (``get_logger(__name__)`` in a script is
+    ``mesh3d.__main__``), so ``configure_logging``'s handler prints it, whichever of the two is called first.
 
     Usage: ``log = get_logger("train"); log.info_rank0("step %d", step)``
     """
+    if name != _ROOT and not name.startswith(_ROOT + "."):
+        # NOTE: a script's own logger ("__main__") is not below "mesh3d", where configure_logging puts its handler
+        # (not on the root logger: that would print every library's records on every rank); nesting it there does.
+        name = f"{_ROOT}.{name}"
     return RankLogger(logging.getLogger(name), {})
 
 
@@ -73,8 +80,12 @@ class _RankInfoFilter(logging.Filter):
 
 
 def configure_logging(level: int | str = logging.INFO, stream: Any = None) -> logging.Handler:
-    """Attach one stderr handler with the rank-aware format to the ``mesh3d`` logger."""
-    logger = logging.getLogger("mesh3d")
+    """Attach one stderr handler with the rank-aware format to the ``mesh3d`` logger (every ``get_logger`` logger is
+    below it).
+
+    Usage: ``configure_logging(); get_logger(__name__).info("printed on every rank")``
+    """
+    logger = logging.getLogger(_ROOT)
     for handler in list(logger.handlers):
         if getattr(handler, "_mesh3d", False):
             logger.removeHandler(handler)

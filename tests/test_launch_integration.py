@@ -2,7 +2,7 @@
 
 These start processes, so there are few of them: one torchrun job of 8 ranks,
 SLURM-style jobs of 2 ranks started by hand (one of them on a port that is taken at first),
-and a plain ``python -c``.
+a plain ``python -c``, and docs/getting-started.md's first script as a plain process and under torchrun (4 ranks).
 """
 
 from __future__ import annotations
@@ -11,9 +11,31 @@ import socket
 import sys
 
 import launch_helpers
+from doc_blocks import doc_blocks
 from launch_helpers import ROOT, clean_env, run, run_on_free_port
 
 EXAMPLE = str(ROOT / "examples" / "mesh_table.py")
+
+
+def _first_script(tmp_path) -> str:
+    """docs/getting-started.md's ``hello_mesh.py``, written where a reader would save it."""
+    block = next(b for b in doc_blocks() if b.lang == "python" and b.text.startswith("# hello_mesh.py"))
+    path = tmp_path / "hello_mesh.py"
+    path.write_text(block.text)
+    return str(path)
+
+
+def test_the_first_script_of_the_guide_prints_its_mesh_in_a_world_of_one_and_under_torchrun(tmp_path):
+    script = _first_script(tmp_path)
+    alone = run([script], timeout=120)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "[rank 0 b0 d0 m0] INFO mesh3d.__main__: I am at {'batch': 0, 'domain': 0, 'model': 0}" in alone.stderr, alone.stderr
+    assert "mesh {'batch': 1, 'domain': 1, 'model': 1}, world size 1" in alone.stderr
+    four = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", script])
+    assert four.returncode == 0, four.stderr[-3000:]
+    for rank in range(4):
+        assert f"[rank {rank} b0 d{rank // 2} m{rank % 2}] INFO mesh3d.__main__: I am at" in four.stderr, four.stderr
+    assert four.stderr.count("mesh {'batch': 1, 'domain': 2, 'model': 2}, world size 4") == 1
 
 
 def test_plain_python_is_a_world_of_one():
