@@ -9,7 +9,8 @@ import pytest
 
 import mesh3d
 from launch_helpers import clean_env
-from mesh3d.cli import environment_report, main
+from mesh3d.cli import main
+from mesh3d.environment import environment_report
 
 
 def test_version(capsys):
@@ -52,7 +53,7 @@ def test_info_prints_the_tested_torch_range_whose_floor_pyproject_declares(monke
 
     import torch
 
-    from mesh3d.cli import TESTED_TORCH
+    from mesh3d.environment import TESTED_TORCH
 
     line = environment_report()["tested torch"]
     assert line.startswith(f"{TESTED_TORCH[0]} to {TESTED_TORCH[1]} (")
@@ -62,3 +63,42 @@ def test_info_prints_the_tested_torch_range_whose_floor_pyproject_declares(monke
     assert TESTED_TORCH[0].startswith(floor)
     monkeypatch.setattr(torch, "__version__", "2.1.0")
     assert "OUTSIDE" in environment_report()["tested torch"]
+
+
+def _fresh(*argv: str) -> subprocess.CompletedProcess:
+    """The console script's code in a new interpreter, printing which heavy modules it imported."""
+    code = ("import sys, runpy\nsys.argv = ['mesh3d', *sys.argv[1:]]\n"
+            "try:\n    code = runpy.run_module('mesh3d.cli', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('IMPORTED', *sorted(m for m in ('torch', 'torch._dynamo', 'torch._inductor', 'mesh3d.manager') "
+            "if m in sys.modules), file=sys.stderr)\nsys.exit(code)")
+    return subprocess.run([sys.executable, "-c", code, *argv], env=clean_env(), capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_version_and_help_import_no_torch_and_info_no_compiler_stack():
+    for argv in (["--version"], ["--help"], ["plan", "--help"], ["check", "--help"]):
+        out = _fresh(*argv)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr.strip().splitlines()[-1] == "IMPORTED", (argv, out.stderr)
+    info = _fresh("info")
+    assert info.returncode == 0 and "torch" in info.stdout
+    assert info.stderr.strip().splitlines()[-1] == "IMPORTED torch", info.stderr   # no torch._dynamo, no manager
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["plan", "nonexist.py:f", "--input", "1x1x8x8"], "there is no file 'nonexist.py'"),
+    (["plan", "nonexist_module_x:f", "--input", "1x1x8x8", "--world", "2"], "no module named 'nonexist_module_x'"),
+    (["plan", "plan_models:nope", "--input", "1x1x8x8", "--world", "2"], "plan_models has no 'nope'; it has"),
+    (["plan", "plan_models:conv_stack", "--input", "1xax8", "--world", "2"], "give a shape like 1x1x64x64"),
+    (["plan", "plan_models:conv_stack", "--input", "1x2x16x8", "--world", "2", "--device-memory", "lots"],
+     "'lots' is not an amount of memory"),
+    (["check", "plan_models:conv_stack", "--input", "1x2x16x8", "--shard-dims", "9"], "out of range"),
+    (["check", "plan_models:_LLAMA", "--input", "1x2x16x8"], "must name a function returning an nn.Module"),
+    (["explain", "nonexist_module_x:f", "nonexist_module_x:p"], "no module named 'nonexist_module_x'"),
+    (["ckpt", "inspect", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
+])
+def test_a_bad_argument_is_one_line_not_a_traceback(argv, says, capsys):
+    code = main(argv)                            # an exception would escape here (the console script's traceback)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code in (1, 2) and len(lines) == 1, lines
+    assert lines[0].startswith(f"mesh3d {argv[0]}: error: ") and says in lines[0], lines[0]

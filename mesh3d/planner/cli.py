@@ -1,4 +1,4 @@
-"""``mesh3d plan`` and ``mesh3d check`` on the command line.
+"""``mesh3d plan`` and ``mesh3d check`` on the command line (their arguments: ``mesh3d.commands``).
 
 Usage::
 
@@ -18,14 +18,13 @@ import sys
 import torch
 
 from mesh3d.planner.check import CheckSpec
-from mesh3d.planner.check_run import check_model
+from mesh3d.planner.check_run import check_model, default_meshes
 from mesh3d.planner.job import plan_job
 from mesh3d.planner.mesh import JobMesh, parse_grid
 from mesh3d.planner.simulate import InputSpec
-from mesh3d.planner.spec import load_plan, load_spec
+from mesh3d.planner.spec import load_model_factory, load_plan, load_spec
 
-__all__ = ["add_check_arguments", "add_plan_arguments", "input_arguments", "parse_bytes", "parse_input", "run_check",
-           "run_plan"]
+__all__ = ["parse_bytes", "parse_input", "run_check", "run_plan"]
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
           "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -61,70 +60,29 @@ def parse_input(shape: str, dtype: str, dims: str | None, sizes: str | None) -> 
     return InputSpec(dims_, torch_dtype, shard_dims, per_dim)
 
 
-def input_arguments(parser: argparse.ArgumentParser) -> None:
-    """The arguments ``plan`` and ``check`` share: the model, its plan and its input."""
-    parser.add_argument("model", metavar="MODULE:FACTORY", help="a function returning the nn.Module (called on the meta "
-                        "device for plan); MODULE may be a path to a .py file")
-    parser.add_argument("--plan", metavar="MODULE:NAME", help="a mesh3d.Plan, or a function returning one (default: Plan())")
-    parser.add_argument("--input", required=True, metavar="SHAPE", help="one batch rank's input, e.g. 1x1x256x256x256")
-    parser.add_argument("--dtype", default="float32", help="the input's dtype (default float32; int64 for token ids)")
-    parser.add_argument("--shard-dims", metavar="D[,D]", help="dims the domain shards (default 2; 2,3 on a 2-D grid)")
-    parser.add_argument("--sizes", metavar="N,N[/N,N]", help="each domain rank's rows per sharded dim (default: torch.chunk)")
-
-
-def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    input_arguments(parser)
-    parser.add_argument("--world", type=int, help="number of ranks (default: the product of the axis sizes)")
-    parser.add_argument("--batch", default="-1", help="batch axis size (default -1: inferred from --world)")
-    parser.add_argument("--domain", default="1", help="domain axis size, or a grid such as 4x4 or 4x4x4")
-    parser.add_argument("--model", dest="model_axis", default="1", help="model (tensor-parallel) axis size")
-    parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "none"))
-    parser.add_argument("--to", metavar="MESH", help="plan loading the checkpoint onto this mesh: BATCH,DOMAIN,MODEL")
-    parser.add_argument("--device-memory", metavar="BYTES", help="each rank's device memory, e.g. 80GiB: the verdict "
-                        "compares the worst class's peak plus the margin with it")
-    parser.add_argument("--margin", metavar="BYTES", help="a fixed margin per rank for what the plan does not model, "
-                        "instead of the estimate (CUDA context, NCCL buffers, fragmentation; docs/plan.md)")
-    parser.add_argument("--kernels", default="cuda", choices=("cuda", "cpu"),
-                        help="whose kernels to model: cuda (cuDNN, cuBLAS, fused attention, the caching allocator; "
-                        "default) or cpu (oneDNN, im2col)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-
-
 def run_plan(args: argparse.Namespace) -> int:
     """``mesh3d plan ...``: print the tables (or ``--json``); 2 for bad arguments."""
     try:
+        factory = load_spec(args.model)
         batch, domain, model = int(args.batch), parse_grid(args.domain), int(args.model_axis)
         world = args.world
         if world is None:
             if -1 in (batch, model) or domain == -1:
-                raise ValueError("give --world when an axis size is -1 (inferred)")
+                raise ValueError("give --world N (the batch axis, -1 by default, is inferred from it) or every axis "
+                                 "size (--batch B --domain D --model M)")
             world = batch * (math.prod(domain) if isinstance(domain, tuple) else domain) * model
         mesh = JobMesh.resolve(world, batch, domain, model)
         inputs = parse_input(args.input, args.dtype, args.shard_dims, args.sizes)
-        factory = load_spec(args.model)
         plan = load_plan(args.plan)
         job = plan_job(factory, plan, mesh, inputs, optimizer=args.optimizer, to=JobMesh.parse(args.to) if args.to else None,
                        device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
                        device=args.kernels, name=args.model,
                        margin=parse_bytes(args.margin) if args.margin else None)
     except (ValueError, TypeError, ImportError, AttributeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"mesh3d plan: error: {err}", file=sys.stderr)
         return 2
     print(json.dumps(job.to_json(), indent=1) if args.json else job.table())
     return 0
-
-
-def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    input_arguments(parser)
-    parser.add_argument("--meshes", nargs="+", metavar="MESH", help="meshes BATCH,DOMAIN,MODEL to check on (default: "
-                        "1,2,1 1,3,1 2,2,1, and 1,1,2 when the plan has tensor parallelism)")
-    parser.add_argument("--tolerance", type=float, default=1e-9, help="largest relative difference counted as equal")
-    parser.add_argument("--perturb-zero-init", action="store_true", help="give parameters that are zero throughout at "
-                        "initialisation (a zero-initialised head) small random values first, so every parameter's "
-                        "gradient is checked")
-    parser.add_argument("--allow-degenerate", action="store_true", help="exit 0 even when the check exercises little "
-                        "of the model (the output ignores or is the input, most gradients are exactly zero)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
 def run_check(args: argparse.Namespace) -> int:
@@ -134,10 +92,14 @@ def run_check(args: argparse.Namespace) -> int:
     try:
         inputs = parse_input(args.input, args.dtype, args.shard_dims, args.sizes)
         meshes = [JobMesh.parse(m) for m in args.meshes] if args.meshes else None
-        load_plan(args.plan)  # a bad --plan fails here, before any process starts
+        # a bad model, --plan or input fails here, before any process starts
+        load_model_factory(args.model)
+        plan = load_plan(args.plan)
+        for mesh in meshes or default_meshes(bool(plan.model)):
+            inputs.layout(mesh.grid)
         spec = CheckSpec(args.model, args.plan, inputs, perturb_zero_init=args.perturb_zero_init)
     except (ValueError, TypeError, ImportError, AttributeError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"mesh3d check: error: {err}", file=sys.stderr)
         return 2
     report = check_model(spec, meshes, tolerance=args.tolerance, allow_degenerate=args.allow_degenerate)
     print(json.dumps(report.to_json(), indent=1) if args.json else report.table())

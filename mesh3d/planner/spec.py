@@ -29,16 +29,35 @@ def load_spec(spec: str) -> object:
         raise ValueError(f"{spec!r} must look like 'package.module:name' or 'path/file.py:name'")
     where, attr = spec.rsplit(":", 1)
     if where.endswith(".py") or os.sep in where:
+        if not os.path.isfile(where):
+            raise ValueError(f"{spec!r}: there is no file {where!r} (from {os.getcwd()}); give a path to a .py file or "
+                             "an importable module, e.g. examples/weather.py:model or mypkg.models:make_unet")
         module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
         if module_spec is None or module_spec.loader is None:
             raise ValueError(f"cannot load {where!r} as a Python file")
         obj: object = importlib.util.module_from_spec(module_spec)
         module_spec.loader.exec_module(obj)
     else:
-        obj = importlib.import_module(where)
+        try:
+            obj = importlib.import_module(where)
+        except ModuleNotFoundError as err:
+            if err.name is None or not where.startswith(err.name):
+                raise  # a module the user's module imports is missing: its own traceback says where
+            raise ValueError(f"{spec!r}: no module named {err.name!r} on the Python path; give an importable module "
+                             "or a path to a .py file (path/file.py:name)") from None
     for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{spec!r}: {where} has no {part!r}"
+                             + (f"; it has {', '.join(_public_names(obj))}" if _public_names(obj) else ""))
         obj = getattr(obj, part)
     return obj
+
+
+def _public_names(obj: object) -> list[str]:
+    """Up to 8 of the public callables and plans a module offers (for a message that suggests one)."""
+    names = [n for n, v in vars(obj).items() if not n.startswith("_") and (callable(v) or isinstance(v, Plan))
+             and getattr(v, "__module__", None) == getattr(obj, "__name__", None)]
+    return names[:8]
 
 
 def load_plan(spec: str | Plan | None) -> Plan:

@@ -51,7 +51,9 @@ def forkserver_context() -> Any:
         _context = multiprocessing.get_context("forkserver")
         # NOTE: torch._dynamo is what a process's first optimizer step imports (~1.5 s): preloaded once here,
         # not again in every rank (pools restart after each failing body) and every checkpoint crash child.
-        _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "mesh3d", "rankpool.worker"])
+        # mesh3d.manager and mesh3d.parallel (the domain layers under it): what `import mesh3d` loaded before it was lazy.
+        _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "mesh3d.manager", "mesh3d.parallel",
+                                         "rankpool.worker"])
     return _context
 
 
