@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
-# The main demo on CPU processes (gloo), installing what it needs on first use:
-# one model on all three axes, trained on 8 ranks beside one process, checkpointed, resumed on a
-# 4-rank mesh of another shape, and exported to one Hugging Face model.safetensors.
-#   scripts/demo.sh                  # results under runs/demo
-#   OUT=/tmp/d scripts/demo.sh       # elsewhere
+# The main demo on CPU processes (gloo), installing what it needs on first use (torch and mesh3d's core only:
+# no extras, no test or lint tools; scripts/test.sh adds those): one model on all three axes, trained on 8 ranks
+# beside one process, checkpointed, resumed on a 4-rank mesh of another shape, and exported to one Hugging Face
+# model.safetensors.
+#   scripts/demo.sh                          # results under runs/demo
+#   OUT=/tmp/d scripts/demo.sh               # elsewhere
+#   MESH3D_EXTRAS=weather scripts/demo.sh    # also install extras other examples need (weather, lightning, hf)
 set -euo pipefail
+MESH3D_FOR=demo
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 OUT="${OUT:-runs/demo}"
@@ -18,3 +21,5 @@ run 4 resume --batch 1 --domain 2 --model 2
 echo "== 3/3 export: one process, no launcher: coalesce to $OUT/hf/model.safetensors and check it"
 "$PY" examples/demo_3d.py export --out "$OUT"
 echo "demo finished in $((SECONDS - start)) s"
+echo "next: the other examples (README.md, 'Examples'); examples/weather.py needs the weather extra and" \
+     "examples/lightning_3d.py the lightning one: MESH3D_EXTRAS=weather,lightning scripts/demo.sh adds them to $VENV"

@@ -1,9 +1,15 @@
 # Sourced by scripts/demo.sh and scripts/test.sh: makes a virtual environment (once) and installs
 # mesh3d into it with the CPU build of torch pinned, so a fresh machine needs nothing else.
-#   MESH3D_VENV  where the environment lives (default: .venv in the repository)
-#   PYTHON       the interpreter that creates it (default: python3, must be >= 3.10)
-#   TORCH_PIN    the torch to install (default torch==2.13.0, the local CPU wheel; the tested range
-#                is printed by `mesh3d info`, e.g. TORCH_PIN=torch==2.14.1 MESH3D_VENV=.venv-214)
+# What is installed depends on who sources it (MESH3D_FOR, set by the script):
+#   demo   torch and mesh3d's core (what examples/demo_3d.py needs), plus the extras in MESH3D_EXTRAS
+#   test   (the default) every extra the suite needs and the pinned lint tools
+# Variables:
+#   MESH3D_VENV    where the environment lives (default: .venv in the repository)
+#   MESH3D_EXTRAS  extras to add, comma-separated (e.g. weather,lightning: what examples/weather.py and
+#                  examples/lightning_3d.py need); scripts/test.sh installs all of them
+#   PYTHON         the interpreter that creates it (default: python3, must be >= 3.10)
+#   TORCH_PIN      the torch to install (default torch==2.13.0, the local CPU wheel; the tested range
+#                  is printed by `mesh3d info`, e.g. TORCH_PIN=torch==2.14.1 MESH3D_VENV=.venv-214)
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${MESH3D_VENV:-$ROOT/.venv}"
 PY="$VENV/bin/python"
@@ -12,6 +18,21 @@ PY="$VENV/bin/python"
 TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
 # The static checks of scripts/lint.sh, pinned so every machine lints alike.
 LINT_PINS="ruff==0.17.6 mypy==2.4.1 vulture==2.16 deptry==0.25.1"
+MESH3D_FOR="${MESH3D_FOR:-test}"
+
+if [ "$MESH3D_FOR" = demo ]; then
+  _extras="${MESH3D_EXTRAS:-}"
+  _pins=""
+  # measured on a fresh venv from this machine's wheel cache (2 cores, load ~8): ~0.8 GB, 1-2 minutes
+  _expect="about 0.8 GB on disk, 1-2 minutes from a local wheel cache (torch's CPU wheel is ~200 MB to download)"
+  _check="import mesh3d, torch, safetensors, einops, numpy, xxhash"
+else
+  _extras="test,lightning,hf,zoo,weather${MESH3D_EXTRAS:+,$MESH3D_EXTRAS}"
+  _pins="$LINT_PINS"
+  _expect="about 1.9 GB on disk, 5-7 minutes from a local wheel cache (more to download from PyPI)"
+  _check="import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')"
+fi
+_target="$ROOT${_extras:+[$_extras]}"
 
 if [ ! -x "$PY" ]; then
   "${PYTHON:-python3}" -c 'import sys; sys.exit(sys.version_info < (3, 10))' \
@@ -19,14 +40,43 @@ if [ ! -x "$PY" ]; then
   echo "mesh3d: creating $VENV" >&2
   "${PYTHON:-python3}" -m venv "$VENV"
 fi
-_want="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh"; echo "$TORCH_PIN") | sha256sum | cut -c1-16)"
-if [ "$(cat "$VENV/.mesh3d-installed" 2>/dev/null)" != "$_want" ]; then
-  echo "mesh3d: installing $TORCH_PIN, mesh3d[test,lightning,hf,zoo,weather] and $LINT_PINS into $VENV" >&2
-  # shellcheck disable=SC2086  # LINT_PINS is a list of requirements
-  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test,lightning,hf,zoo,weather]" $LINT_PINS 2>&1 \
-    | grep -v "^WARNING: Location" >&2 || true
-  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')" \
-    || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
-  echo "$_want" > "$VENV/.mesh3d-installed"
+
+# The installed sets, one marker line each ("<hash> <extras> <pins>"): a set is current when its line is there.
+_want="$( (cat "$ROOT/pyproject.toml"; echo "$TORCH_PIN $_extras $_pins") | sha256sum | cut -c1-16)"
+_full="$( (cat "$ROOT/pyproject.toml"; echo "$TORCH_PIN test,lightning,hf,zoo,weather $LINT_PINS") | sha256sum | cut -c1-16)"
+
+_installed() {  # this set, or (for the demo without extras) the test set, which holds it
+  grep -qx "$1" "$VENV/.mesh3d-installed" 2>/dev/null
+}
+
+if ! _installed "$_want" && ! { [ "$MESH3D_FOR" = demo ] && [ -z "$_extras" ] && _installed "$_full"; }; then
+  echo "mesh3d: installing $TORCH_PIN, mesh3d${_extras:+[$_extras]}${_pins:+ and $_pins} into $VENV" >&2
+  echo "mesh3d: $_expect" >&2
+  _log="$(mktemp)"
+  _start=$SECONDS
+  # shellcheck disable=SC2086  # _pins is a list of requirements
+  "$PY" -m pip install --disable-pip-version-check --progress-bar off "$TORCH_PIN" -e "$_target" $_pins >"$_log" 2>&1 &
+  _pid=$!
+  # NOTE: one progress line while pip works (elapsed time, size of the venv, pip's last step): rewritten in place on a
+  # terminal, every 15 s into a log.
+  _every=2; [ -t 2 ] || _every=15
+  while kill -0 "$_pid" 2>/dev/null; do
+    sleep "$_every"
+    kill -0 "$_pid" 2>/dev/null || break
+    _step="$(grep -E '^(Collecting|Installing|Building|Successfully|Processing)' "$_log" | tail -1 | cut -c1-60)"
+    _line="mesh3d: installing... $((SECONDS - _start)) s, $(du -sm "$VENV" 2>/dev/null | cut -f1) MB so far${_step:+ ($_step)}"
+    if [ -t 2 ]; then printf '\r\033[K%s' "$_line" >&2; else echo "$_line" >&2; fi
+  done
+  [ -t 2 ] && printf '\r\033[K' >&2
+  if ! wait "$_pid"; then
+    grep -v "^WARNING: Location" "$_log" | tail -30 >&2
+    rm -f "$_log"
+    echo "mesh3d: installation into $VENV failed (pip's output above)" >&2
+    exit 1
+  fi
+  rm -f "$_log"
+  "$PY" -c "$_check" || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
+  echo "$_want" >> "$VENV/.mesh3d-installed"
+  echo "mesh3d: installed in $((SECONDS - _start)) s; $VENV takes $(du -sh "$VENV" | cut -f1)" >&2
 fi
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
