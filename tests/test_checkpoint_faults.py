@@ -106,7 +106,9 @@ def test_missing_file_mismatches_and_bad_requests(tmp_path):
     shutil.copytree(path, broken)
     os.remove(os.path.join(broken, "model/r00000-of-00001.safetensors"))
     _assert_load_fails(broken, "missing shard file")
-    _assert_load_fails(str(tmp_path / "nowhere"), "index.json does not exist")
+    _assert_load_fails(str(tmp_path / "nowhere"), "checkpoint directory '" + str(tmp_path / "nowhere") + "' does not exist")
+    os.makedirs(tmp_path / "empty")
+    _assert_load_fails(str(tmp_path / "empty"), "index.json does not exist")  # a directory, but no checkpoint
     flipped = str(tmp_path / "flipped")
     shutil.copytree(path, flipped)
     shard = os.path.join(flipped, "optimizer/r00000-of-00001.safetensors")
@@ -143,7 +145,7 @@ def test_missing_file_mismatches_and_bad_requests(tmp_path):
         checkpoint.save(path, model)
     with pytest.raises(CheckpointError, match="JSON-serializable"):
         checkpoint.save(str(tmp_path / "other"), model, extra={"bad": object()})
-    assert not os.path.exists(tmp_path / "other") and sorted(os.listdir(tmp_path)) == ["broken", "ck", "flipped"]
+    assert not os.path.exists(tmp_path / "other") and sorted(os.listdir(tmp_path)) == ["broken", "ck", "empty", "flipped"]
 
 
 def _downgrade_to_version_1(path: str) -> None:
@@ -303,5 +305,30 @@ def test_errors_raise_on_every_rank(ranks, tmp_path):
         assert len(messages) == 3, messages
         assert "rank 1: CheckpointError: extra must be JSON-serializable" in messages[0]
         assert "rank 1: CheckpointError: checksum mismatch in" in messages[1] and "r00001-of-00002" in messages[1]
-        assert "index.json does not exist" in messages[2]
+        assert "missing' does not exist" in messages[2]
     assert not os.path.exists(tmp_path / "a")
+
+
+def _missing_directory_error(root: str) -> tuple[str, int]:
+    import traceback
+
+    from mesh3d import DistributedManager, Plan, parallelize
+
+    DistributedManager.initialize(batch=-1)
+    model = parallelize(nn.Linear(4, 4), Plan(batch="fsdp"))
+    try:
+        checkpoint.load(os.path.join(root, "no", "such", "ckpt"), model)
+    except CheckpointError as err:
+        shown = "".join(traceback.format_exception_only(err))   # what a traceback ends with: the message and notes
+        return shown, len(err.rank_tracebacks)
+    return "", 0
+
+
+def test_a_missing_directory_says_so_in_a_few_lines_on_each_of_four_ranks(ranks, tmp_path):
+    for shown, tracebacks in ranks.run(4, _missing_directory_error, str(tmp_path), timeout=60):
+        lines = shown.strip().splitlines()
+        assert len(lines) <= 5, shown            # not every rank's traceback on every rank (148 lines at 2 ranks before)
+        assert "failed on 4 of 4 ranks" in lines[0]
+        assert lines[1].strip() == (f"ranks 0-3: CheckpointFormatError: checkpoint directory "
+                                    f"'{tmp_path / 'no' / 'such' / 'ckpt'}' does not exist (from {os.getcwd()})"), lines
+        assert "index.json" not in shown and tracebacks == 4   # each rank's traceback kept aside, not printed

@@ -275,19 +275,20 @@ def _collective_step_outcomes():
         collective_step("phase two", fail_on_odd_ranks, note="Nothing was written", on_failure=lambda: cleaned.append(1))
     except CheckpointError as err:
         cause = err.__cause__
-        notes = getattr(err, "__notes__", [])
         return (result, shared, str(err), type(cause).__name__ if cause else None, cleaned,
-                [n.splitlines()[0] for n in notes], any("fail_on_odd_ranks" in n for n in notes))
+                getattr(err, "__notes__", []), {r: "fail_on_odd_ranks" in t for r, t in err.rank_tracebacks.items()})
     return None
 
 
 def test_collective_step_raises_the_same_error_everywhere_chained_to_the_local_one(ranks):
     outcomes = ranks.run(4, _collective_step_outcomes)
-    for rank, (result, shared, message, cause, cleaned, note_heads, has_frames) in enumerate(outcomes):
+    for rank, (result, shared, message, cause, cleaned, notes, frames) in enumerate(outcomes):
         assert result == rank * 10
         assert shared == [{"r": 0}, {"r": 10}, {"r": 20}, {"r": 30}]
-        assert message == ("phase two failed: rank 1: OSError: disk 1 full; rank 3: OSError: disk 3 full. "
-                           "Nothing was written")
+        # one line per cause, the same on every rank; no rank's traceback in the message or its notes
+        assert message == ("phase two failed on 2 of 4 ranks. Nothing was written\n"
+                           "  rank 1: OSError: disk 1 full\n"
+                           "  rank 3: OSError: disk 3 full")
         assert cause == ("OSError" if rank % 2 else None)  # chained to this rank's own failure, if it had one
         assert cleaned == [1]
-        assert note_heads == ["--- rank 1 ---", "--- rank 3 ---"] and has_frames
+        assert notes == [] and frames == {1: True, 3: True}   # the tracebacks, kept aside

@@ -6,9 +6,10 @@ process group everything degenerates to a world of one, so a plain process needs
 
 Save and load are short lists of *collective steps*: each runs one phase on this rank, then one
 all-gather tells every rank whether any rank failed; if one did, every rank raises the same
-``CheckpointError`` (naming the failed ranks, their tracebacks attached as notes), chained to this
-rank's own exception when it was one of them. So a failure on one rank never leaves the others
-waiting in the next collective.
+``CheckpointError`` (one line per distinct cause, naming its ranks; the tracebacks in ``rank_tracebacks``, not in
+the message), chained to this rank's own exception when it was one of them, so each rank prints its own traceback
+once and its peers' causes in a line each. A failure on one rank never leaves the others waiting in the next
+collective.
 
 Usage::
 
@@ -131,10 +132,39 @@ def _failure_text(err: BaseException) -> str:
     return str(err) if isinstance(err, StepFailure) else f"{type(err).__name__}: {err}"
 
 
-def _failed_error(what: str, failed: list[tuple[int, str]], note: str) -> CheckpointError:
-    detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:_LISTED])
-    more = f" (and {len(failed) - _LISTED} more ranks)" if len(failed) > _LISTED else ""
-    return CheckpointError(f"{what} failed: {detail}{more}" + (f". {note}" if note else ""))
+def _ranks_text(ranks: list[int]) -> str:
+    """``[1]`` → ``"rank 1"``; ``[0, 1, 2, 5]`` → ``"ranks 0-2, 5"``."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+
+
+#: The longest a cause's one line may be in the message.
+_CAUSE_CHARS = 400
+
+
+def _failed_error(what: str, failed: list[tuple[int, str]], note: str, world_size: int | None = None) -> CheckpointError:
+    """One line per distinct cause, naming the ranks that gave it; the same message on every rank.
+
+    NOTE: no rank's traceback goes into the message or its notes (each rank's error is chained to its own failure,
+    whose traceback Python prints once); at N ranks each rank printed every rank's traceback before, N squared.
+    """
+    causes: dict[str, list[int]] = {}
+    for r, e in failed:
+        line = " ".join(str(e).split())
+        causes.setdefault(line if len(line) <= _CAUSE_CHARS else line[: _CAUSE_CHARS - 3] + "...", []).append(r)
+    of = f" on {len(failed)} of {world_size} ranks" if world_size else ""
+    lines = [f"{what} failed{of}" + (f". {note}" if note else "")]
+    listed = list(causes.items())
+    lines += [f"  {_ranks_text(ranks)}: {cause}" for cause, ranks in listed[:_LISTED]]
+    if len(listed) > _LISTED:
+        lines.append(f"  (and {len(listed) - _LISTED} more causes on {sum(len(r) for _, r in listed[_LISTED:])} ranks)")
+    return CheckpointError("\n".join(lines))
 
 
 def collective_step(
@@ -151,8 +181,8 @@ def collective_step(
     Returns ``(local's result, [share(result) of every rank, in rank order])`` when every rank
     succeeded (``share`` defaults to sharing nothing). If any rank's ``local`` raised, every rank
     runs ``on_failure()`` (e.g. rank 0 removes its staging directory) and raises the same
-    ``CheckpointError("<what> failed: rank r: <error>; ...[. note]")``, chained to this rank's own
-    exception if it failed; the failed ranks' tracebacks are attached as notes (Python >= 3.11 shows them).
+    ``CheckpointError("<what> failed on k of n ranks[. note]\\n  rank r: <error>\\n  ranks a-b: <error>")``, chained to
+    this rank's own exception if it failed; every failed rank's traceback is in its ``rank_tracebacks`` ({rank: text}).
     """
     result: Any = None
     mine: BaseException | None = None
@@ -175,11 +205,8 @@ def collective_step(
         return result, [d["shared"] for d in gathered]
     if on_failure is not None:
         on_failure()
-    error = _failed_error(what, failed, note)
-    if hasattr(error, "add_note"):  # Python >= 3.11
-        for r, d in enumerate(gathered[:_LISTED * 4]):
-            if d["traceback"]:
-                error.add_note(f"--- rank {r} ---\n{d['traceback'].rstrip()}")
+    error = _failed_error(what, failed, note, len(gathered))
+    error.rank_tracebacks = {r: d["traceback"] for r, d in enumerate(gathered) if d["traceback"]}
     raise error from mine
 
 
@@ -189,4 +216,4 @@ def raise_if_any_failed(error: str | None, what: str, note: str = "", group: dis
     errors = allgather_json(error, group) if size > 1 else [error]
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
-        raise _failed_error(what, failed, note)
+        raise _failed_error(what, failed, note, len(errors))

@@ -17,7 +17,14 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be saved or loaded; the message says which file/tensor and why.
 
     Usage: ``except CheckpointError as err:`` around ``checkpoint.save``/``load``; ``str(err)`` names file and tensor
+
+    Raised for a step every rank takes together, it carries every failed rank's traceback in ``rank_tracebacks``
+    ({rank: text}; empty otherwise): the message itself gives each cause in one line.
     """
+
+    def __init__(self, *args: object, rank_tracebacks: dict[int, str] | None = None) -> None:
+        super().__init__(*args)
+        self.rank_tracebacks: dict[int, str] = dict(rank_tracebacks or {})
 
 
 class CheckpointFormatError(CheckpointError, ValueError):

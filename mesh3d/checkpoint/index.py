@@ -276,6 +276,9 @@ def read_index(path: str) -> dict[str, Any]:
     Usage: ``index = checkpoint.read_index("ckpt/step-100"); index["tensors"]["head.weight"]["shape"]``
     """
     file = os.path.join(path, INDEX_NAME)
+    if not os.path.isdir(path):
+        there = "is a file, not a checkpoint directory" if os.path.exists(path) else "does not exist"
+        raise CheckpointFormatError(f"checkpoint directory {path!r} {there} (from {os.getcwd()})")
     try:
         with open(file, "rb") as f:
             raw = f.read()
