@@ -105,6 +105,18 @@ def test_conv_transpose_matches_one_process(ranks, world, data):
             assert err < TOL, (case, err)
 
 
+def test_conv_transpose_whose_first_rows_no_input_reaches_after_an_empty_shard(ranks):
+    """Hypothesis seed 969752957: length 2 split (0, 2), kernel 2, stride 3, padding 2: rank 1's first output row
+    gets only the bias, so the rows its kernel gives start one later and overran its shard (a negative-size bias
+    block)."""
+    case = dict(nd=1, k=2, s=3, d=1, padding=2, mode="zeros", op=1, length=2, sharded=0)
+    cases = [dict(case, sizes=sizes) for sizes in ((0, 2), (2, 0), (1, 1))]
+    cases += [dict(case, k=3, s=2, padding=1, op=1, length=3, sizes=(0, 3)), dict(case, nd=2, sizes=(0, 2))]
+    for rank_errors in ranks.run(2, _conv_body, cases, True, timeout=60):
+        for c, err in zip(cases, rank_errors):
+            assert err < TOL, (c, err)
+
+
 def _adjoint_body(seed):
     """<G x, y> == <x, G* y> summed over ranks, for random row requests (far ranks, repeats, fills)."""
     import torch.distributed as dist

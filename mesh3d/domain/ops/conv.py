@@ -189,7 +189,10 @@ def _conv_transpose_rule(func, nd: int):
                 # NOTE: the bias inside torch's kernel, as one process adds it: one rounding in bf16/fp16, not two.
                 y = func(ext, weight, bias, stride, local_pad, local_op, groups, dilation)
                 first = starts[me] * s - p - a  # where my first output row sits in y's rows
-                y = y.narrow(2 + sp, -first, min(size, y.shape[2 + sp] + first)) if first <= 0 else y
+                # NOTE: rows of y past my last output row belong to the next rank; with first > 0 (my first rows
+                # reached by no input) they start sooner, at size - first (an empty shard before me makes that happen)
+                y = (y.narrow(2 + sp, -first, min(size, y.shape[2 + sp] + first)) if first <= 0
+                     else y.narrow(2 + sp, 0, min(y.shape[2 + sp], size - first)))
                 short = size - y.shape[2 + sp] - max(first, 0)
                 if first > 0 or short > 0:  # rows no input reaches: the bias alone
                     y = bias_rows(y, 2 + sp, max(first, 0), short, bias)
