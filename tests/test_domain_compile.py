@@ -366,7 +366,10 @@ def _compiled_stack_body(cases: list[dict]) -> list[float]:
         ref = torch.nn.Sequential(torch.nn.Conv2d(2, 4, case["kernel"], case["stride"], case["padding"]),
                                   torch.nn.GroupNorm(2, 4), torch.nn.GELU(), torch.nn.AvgPool2d(2)).double()
         model = copy.deepcopy(ref)
-        x = torch.randn(2, 2, case["length"], 5, dtype=torch.float64)
+        # NOTE: the width, as the height, leaves at least 3 columns out of the conv and 1 out of the pool (5 left
+        # one column at kernel 4, stride 2: the one-process reference failed under hypothesis seed 969752957)
+        width = max(5, case["kernel"] + 2 * case["stride"])
+        x = torch.randn(2, 2, case["length"], width, dtype=torch.float64)
         loss_ref = (ref(x) ** 2).mean()
         loss_ref.backward()
         # NOTE: static shapes, as docs/domain.md says: each case is a new shape of the same code
