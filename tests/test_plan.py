@@ -239,3 +239,24 @@ def test_thin_shard_warning_names_halos_not_attention_relayouts():
     with attention_mode("ring"):
         ring = plan_job(transformer, Plan(batch=None), JobMesh.resolve(6, 1, 6, 1), InputSpec((2, 24), torch.int64, (1,)))
     assert not any("grid steps away" in w for w in ring.warnings), ring.warnings
+
+
+def test_the_peak_is_the_sum_of_its_parts_optimizer_state_included():
+    """One rank: the peak is the parameters, the optimizer state, the buffers, the input and the step's own peak, each
+    counted from the model and the input here (AdamW: two fp32 moments per element and a step counter per tensor)."""
+    def model():
+        return ConvStack(width=16, depth=2, channels=16)
+
+    shape = (1, 16, 64, 8)
+    params = list(model().parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model().buffers())
+    jobs = {opt: plan_job(model, Plan(), JobMesh.resolve(1, 1, 1, 1), InputSpec(shape), optimizer=opt).classes[0].memory
+            for opt in ("none", "sgd", "adamw")}
+    adam_state = 2 * param_bytes + 4 * len(params)
+    assert jobs["adamw"]["optimizer"] == adam_state and jobs["none"]["optimizer"] == 0
+    for opt, m in jobs.items():
+        assert m["params"] == param_bytes and m["buffers"] == buffer_bytes and m["input"] == math.prod(shape) * 4
+        assert m["step_peak"] == jobs["none"]["step_peak"] > 0          # the step does not depend on the optimizer
+        assert m["peak"] == param_bytes + m["optimizer"] + buffer_bytes + m["input"] + m["step_peak"], opt
+    assert jobs["adamw"]["peak"] - jobs["none"]["peak"] == adam_state
