@@ -40,6 +40,18 @@ def _global_batches(n, g, ranks, *, tail="drop", seed=0, state=None, epochs=2):
     return out
 
 
+def test_each_epoch_has_its_own_order_from_the_seed_and_the_epoch():
+    """Epoch e's order is torch.randperm(N) from seed + e (the documented rule, built here): a new order every epoch,
+    the same for the same (seed, epoch), as the ranks hand it out over three epochs."""
+    n, g, seed = 24, 4, 7
+    want = [torch.randperm(n, generator=torch.Generator().manual_seed(seed + e)).tolist() for e in range(3)]
+    assert len({tuple(w) for w in want}) == 3
+    batches = _global_batches(n, g, 2, seed=seed, epochs=3)
+    steps = n // g
+    for e in range(3):
+        assert sum(batches[e * steps:(e + 1) * steps], []) == want[e], e
+
+
 sizes = st.tuples(st.integers(1, 40), st.integers(1, 4), st.integers(1, 4)).filter(lambda t: t[1] * t[2] <= t[0])
 
 
