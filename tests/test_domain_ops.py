@@ -144,6 +144,22 @@ def _ops_body(sizes):
     x = torch.randn(2, 3, H, 4, dtype=torch.float64, requires_grad=True)
     xs = domain.scatter(x if DistributedManager().axis_rank("domain") == 0 else None, dim=2, sizes=sizes)
     errors["scatter"] = max_err(xs.full_tensor(), x.detach())
+    # maxima tied across shards: torch.amax/max share the gradient among every tie, on every shard holding one
+    torch.manual_seed(7)
+    tied = torch.randn(2, 3, H, 4, dtype=torch.float64)
+    tied[:, :, ::3] = tied.max() + 1                          # the maximum on rows 0, 3 and 6
+    zeros = torch.relu(torch.randn(2, 3, H, 4, dtype=torch.float64) - 1.5)   # ReLU's zeros: most columns all 0
+    for name, x, fn in (("amax_tied", tied, lambda a: a.amax()), ("max_tied", tied, lambda a: torch.max(a)),
+                        ("amax_dims_tied", tied, lambda a: a.amax(dim=(2, 3))),
+                        ("amax_relu_zeros", zeros, lambda a: a.amax(dim=2))):
+        x = x.clone().requires_grad_()
+        ref = fn(x)
+        cot = torch.randn_like(ref)
+        (ref * cot).sum().backward()
+        gx, x.grad = x.grad, None
+        got = fn(domain.shard(x, dim=2, sizes=sizes))
+        (got * cot).sum().backward()
+        errors[name] = max(max_err(got.to_local(), ref), max_err(domain_sum(x.grad), gx))
     return errors
 
 
