@@ -279,3 +279,27 @@ def test_ring_merge_in_half_precision_is_as_accurate_as_one_process(ranks):
     for results in ranks.run(3, _ring_body, (9, 4, 7), timeout=120):
         for case, (parallel, low) in results.items():
             assert low > 0 and parallel <= 1.25 * low, (case, parallel, low)
+
+
+def _reduce_dtype_body(reduce_dtype):
+    """bf16 parameters; batch rank 0's gradient is 1, rank 1's 2**-10 (both exact in bf16): their sum 1 + 2**-10 is
+    exact in fp32 and rounds to 1 in bf16 (8 bits of mantissa)."""
+    from mesh3d import DistributedManager, Plan, parallelize
+
+    dm = DistributedManager.initialize(batch=2, domain=1, model=1)
+    model = torch.nn.Linear(4, 2, bias=False)
+    torch.nn.init.ones_(model.weight)
+    model = parallelize(model, Plan(batch="fsdp", param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype))
+    x = torch.full((1, 4), 1.0 if dm.axis_rank("batch") == 0 else 2.0 ** -10)
+    model(x).sum().backward()
+    return model.weight.grad.full_tensor().tolist()
+
+
+def test_fsdp_reduces_gradients_in_the_reduce_dtype(ranks):
+    """Plan(reduce_dtype=float32) with bf16 parameters: the gradient reduction runs in fp32, so a small rank's share
+    is kept (a bf16 reduction would drop it: the tolerances of the model tests above are larger than that loss)."""
+    exact = (1.0 + 2.0 ** -10) / 2                                  # the mean over the 2 batch ranks, in fp32
+    for grad in ranks.run(2, _reduce_dtype_body, torch.float32, timeout=60):
+        assert grad == [[exact] * 4] * 2, grad
+    for grad in ranks.run(2, _reduce_dtype_body, torch.bfloat16, timeout=60):
+        assert grad == [[0.5] * 4] * 2, grad                          # what bf16 does: the share is lost
