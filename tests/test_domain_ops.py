@@ -324,3 +324,27 @@ def test_domain_backward_answers_as_torch_does(ranks):
     w_both = [sum(o["both"][0][i] for o in outs) for i in range(2)]
     v_both = [sum(o["both"][1][i] for o in outs) for i in range(2)]
     assert w_both == [3 * x[i] * v[i] for i in range(2)] and v_both == [2 * x[i] * w[i] for i in range(2)]
+
+
+def _replicated_results_body(sizes):
+    """Replicated results of reductions over the sharded dim, from fp32 values of many magnitudes (sums whose bits
+    depend on the order of the ranks' partial sums)."""
+    DistributedManager.initialize(batch=1, domain=-1)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 64, 12, generator=g) * 10 ** (torch.rand(2, 64, 12, generator=g) * 8 - 4)
+    t = torch.randn(2, 64, 12, generator=g)
+    xs, ts = domain.shard(x, dim=2, sizes=sizes), domain.shard(t, dim=2, sizes=sizes)
+    outs = {"sum": xs.sum(dim=2), "mean": xs.mean(), "var": xs.var(dim=2), "mse": F.mse_loss(xs, ts),
+            "softmax_stats": torch.softmax(xs, dim=2).sum(dim=2)}
+    return {k: v.to_local() for k, v in outs.items()}
+
+
+@pytest.mark.parametrize("world, sizes", [(3, (5, 4, 3)), (4, (2, 0, 6, 4))])
+def test_replicated_results_are_the_same_bits_on_every_rank(ranks, world, sizes):
+    """A replicated value is one value: every rank adds the partial sums in the same (rank) order, so at D >= 3, where
+    (a + b) + c and (c + a) + b round differently, every rank still holds the same bits."""
+    results = ranks.run(world, _replicated_results_body, sizes, timeout=60)
+    for name, first in results[0].items():
+        assert first.dtype == torch.float32 and first.numel() > 1 or name in ("mean", "mse")
+        for rank, result in enumerate(results[1:], start=1):
+            assert torch.equal(result[name], first), (name, rank, float((result[name] - first).abs().max()))
