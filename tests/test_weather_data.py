@@ -113,6 +113,18 @@ def test_latitude_weights_integrate_over_the_sphere():
         LatLonGrid(lat, np.arange(0, 180, 1.0))
 
 
+def test_latitude_weights_follow_the_grid_s_own_order():
+    """An asymmetric grid, descending (as ERA5's), ascending and shuffled: each latitude's weight is its band's area,
+    the band reaching halfway to its neighbours in latitude (not in the list), computed here with math alone."""
+    lat = [80.0, 50.0, 10.0, -30.0, -85.0]                      # descending, unevenly spaced, not symmetric
+    edges = [90.0, 65.0, 30.0, -10.0, -57.5, -90.0]
+    area = [np.sin(np.radians(a)) - np.sin(np.radians(b)) for a, b in zip(edges[:-1], edges[1:])]
+    want = np.array(area) / np.mean(area)
+    for order in ([0, 1, 2, 3, 4], [4, 3, 2, 1, 0], [2, 0, 4, 1, 3]):
+        got = lat_weights([lat[i] for i in order])[:, 0].numpy()
+        np.testing.assert_allclose(got, want[order], rtol=1e-12, err_msg=str(order))
+
+
 def test_scores_match_their_formulas():
     g = torch.Generator().manual_seed(0)
     pred, truth, clim = (torch.randn(2, 3, 5, 8, dtype=torch.float64, generator=g) for _ in range(3))
