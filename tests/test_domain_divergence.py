@@ -166,6 +166,35 @@ def test_a_peer_failing_outside_mesh3d_is_named_when_it_ends_not_a_hang(ranks):
 
 
 
+def _wrong_rows_body(uneven, op):
+    """Domain rank 1's shard holds one row fewer than its layout says (what a rule with a halo one row short makes);
+    then a conv (its halo exchange) or full_tensor. Each rank returns what it raised."""
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.core.tensor import unwrap, wrap
+
+    dm = DistributedManager.initialize(batch=1, domain=-1)   # the default group timeout (minutes): none waits it out
+    xs = domain.shard(torch.randn(1, 1, 12, 4), dim=2, sizes=(5, 4, 3) if uneven else None)
+    if dm.axis_rank("domain") == 1:
+        xs = wrap(unwrap(xs)[:, :, :-1], xs.spec)
+    try:
+        if op == "conv":
+            torch.nn.functional.conv2d(xs, torch.ones(1, 1, 3, 3), padding=1)
+        else:
+            xs.full_tensor()
+    except Exception as err:  # noqa: BLE001 - returned for the test to read
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@pytest.mark.parametrize("uneven, op", [(False, "full_tensor"), (True, "full_tensor"), (True, "conv")])
+def test_a_shard_with_a_wrong_row_count_raises_on_every_rank_before_the_exchange(ranks, uneven, op):
+    """Not a hang until the group timeout: the rank with the wrong shard refuses before its exchange and tells its
+    peers, which raise in theirs; the timeout below only bounds a hang."""
+    for rank, message in enumerate(ranks.run(3, _wrong_rows_body, uneven, op, timeout=60)):
+        assert message and "domain rank 1's shard has 3 rows along dim 2 where its layout says 4" in message, (rank,
+                                                                                                          message)
+
+
 def test_a_divergence_is_named_on_every_rank_every_run(ranks):
     """Three ranks (5, 4, 4): only rank 0 pads. Runs diverging in forward and in backward, each on fresh ranks (a
     divergence leaves the groups out of step): every rank raises DomainDivergenceError every time (the issue saw 4

@@ -30,8 +30,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.manager import DistributedManager
 
-__all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "count_traffic", "dry_run",
-           "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange", "swap"]
+__all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "check_local_rows",
+           "count_traffic", "dry_run", "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange", "swap"]
 
 
 def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
@@ -317,11 +317,32 @@ def gather_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainC
     When nothing moves to or from this rank the result is built by slicing (the whole shard
     itself when that is what the plan asks for), so autograd sees only torch's own views.
     """
+    check_local_rows(local, dim, plan, comm)
     if plan.moves_nothing:
         if plan.is_local_view:
             return local
         return _assemble(local, dim, plan.pieces, {}, fill)
     return _GatherRows.apply(local, dim, plan, comm, fill, exchange_point(comm))
+
+
+def check_local_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm) -> None:
+    """Before an exchange: this rank's shard must have the rows its layout (``plan``) says. If not, raise here and tell
+    every peer first, so they raise in this exchange instead of waiting for rows that would never come (until the
+    group's timeout).
+
+    Usage: ``check_local_rows(local, 2, plan, comm)  # then post the exchange``
+    """
+    if local.shape[dim] == plan.local_rows or torch.compiler.is_dynamo_compiling():
+        return
+    err = divergence.DomainDivergenceError(
+        f"domain rank {comm.domain_index(comm.index)}'s shard has {local.shape[dim]} rows along dim {dim} where its "
+        f"layout says {plan.local_rows}: the op that made it (a rule, or a tensor wrapped by hand) gave a wrong local "
+        "size; refused before the exchange, and every domain peer told")
+    if comm.size > 1 and comm.axis is not None:  # NOTE: a simulated rank (mesh3d plan) has no peers to tell
+        reported = report_failure(comm, "an exchange of rows", err)
+        if reported is not err:
+            raise reported from err
+    raise err
 
 
 def exchange_all(t: torch.Tensor, comm: DomainComm) -> list[torch.Tensor]:

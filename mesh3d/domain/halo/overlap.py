@@ -30,7 +30,8 @@ import torch
 
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.group import DomainComm
-from mesh3d.domain.comm.exchange import PendingExchange, exchange_point, new_buffers, rows_of, start_exchange
+from mesh3d.domain.comm.exchange import (PendingExchange, check_local_rows, exchange_point, new_buffers, rows_of,
+                                         start_exchange)
 from mesh3d.domain.comm.rows import ExchangePlan, Piece
 from mesh3d.domain.halo.windows import Extended
 from mesh3d.domain.core.plan_cache import plan_cache
@@ -291,7 +292,9 @@ class HaloInFlight:
         self._state = _Exchange(dim, plan, split, comm, fill)
 
     def begin(self, local: torch.Tensor) -> torch.Tensor:
-        return _Begin.apply(local, self._state)
+        state = self._state
+        check_local_rows(local, state.dim, state.plan, state.comm)
+        return _Begin.apply(local, state)
 
     def finish(self, shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return _Finish.apply(shard, self._state)
