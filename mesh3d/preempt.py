@@ -28,7 +28,11 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
+from mesh3d.faults.beat import WAITING
+
 __all__ = ["PREEMPTED_EXIT_CODE", "STOP", "StopSignals", "agree_to_stop", "parse_signals"]
+
+WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat says so: mesh3d/faults/beat.py)
 
 #: The exit status after a preemption checkpoint: EX_TEMPFAIL ("try again"), for the job script to requeue on.
 PREEMPTED_EXIT_CODE = 75

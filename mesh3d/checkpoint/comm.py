@@ -32,9 +32,12 @@ from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.faults.attach import WATCH
 from mesh3d.launcher import refuse_if_launched_uninitialized
 from mesh3d.manager import DistributedManager
+from mesh3d.faults.beat import WAITING
 
 __all__ = ["world", "allgather_json", "allgather_int64", "collective_step", "raise_if_any_failed", "start_allgather_int64",
            "StepFailure"]
+
+WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat says so: mesh3d/faults/beat.py)
 
 T = TypeVar("T")
 

@@ -12,19 +12,50 @@ the watcher's own clock.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 from dataclasses import asdict, dataclass
 
-__all__ = ["ALIVE", "DONE", "FAILED", "Beat", "main_thread_where"]
+import torch.distributed
+
+__all__ = ["ALIVE", "DONE", "FAILED", "WAITING", "Beat", "WaitingPlaces", "main_thread_where"]
 
 #: Statuses: running; ended with an error (``detail`` says which); shut down cleanly.
 ALIVE, FAILED, DONE = "alive", "failed", "done"
 
 #: Frames in these paths are machinery; the line a user recognises is the innermost frame outside them.
 _MACHINERY = ("/torch/", "/mesh3d/", "/threading.py", "/contextlib.py", "/runpy.py", "/rankpool/")
-#: A main thread inside one of these waits on other ranks (a collective or an exchange).
-_WAITING_IN = ("/torch/distributed/", "/mesh3d/domain/exchange", "/mesh3d/checkpoint/comm.py", "/mesh3d/preempt.py")
+
+
+def _normal(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
+
+
+class WaitingPlaces:
+    """The source files (and folders) whose frames wait on other ranks: a main thread with such a frame on its stack is
+    waiting in a collective or an exchange. Each module that waits adds its own ``__file__`` when it is imported
+    (``WAITING.add(__file__)``), so a module that moves takes its place with it; torch.distributed's folder is here
+    from the start.
+
+    Usage: ``WAITING.add(__file__)`` at the top of a module whose functions wait on peers; ``path in WAITING``
+    """
+
+    def __init__(self, *folders: str) -> None:
+        self._files: set[str] = set()
+        self._folders = tuple(_normal(f) + os.sep for f in folders)
+
+    def add(self, module_file: str) -> None:
+        self._files.add(_normal(module_file))
+
+    def __contains__(self, path: str) -> bool:
+        path = _normal(path)
+        return path in self._files or path.startswith(self._folders)
+
+
+#: Where a main thread waits on other ranks: torch.distributed's package, and mesh3d's modules that add themselves (the
+#: domain exchange and its stop protocol, the checkpointer's collective steps, the preemption agreement).
+WAITING = WaitingPlaces(os.path.dirname(torch.distributed.__file__))
 
 
 @dataclass(frozen=True)
@@ -62,7 +93,7 @@ def main_thread_where() -> tuple[str, bool]:
         path = frame.f_code.co_filename.replace("\\", "/")
         here = f"{path.rsplit('/', 1)[-1]}:{frame.f_lineno} in {frame.f_code.co_name}"
         innermost = innermost or here
-        waiting = waiting or any(part in path for part in _WAITING_IN)
+        waiting = waiting or frame.f_code.co_filename in WAITING
         if not user and not any(part in path for part in _MACHINERY):
             user = here
         frame = frame.f_back

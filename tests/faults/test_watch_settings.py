@@ -41,3 +41,34 @@ def test_a_heartbeat_round_trips_and_says_where_the_main_thread_is():
     beat = Beat(seq=4, status=ALIVE, doing="train step", where=where)
     assert Beat.decode(beat.encode()) == beat
     assert beat.describe().startswith("train step, at test_watch_settings.py:")
+
+
+def _blocked_in_a_halo_exchange():
+    """Domain rank 0 enters a conv's halo exchange while rank 1 sleeps; a thread on each rank reads the heartbeat's
+    ``main_thread_where`` meanwhile. Rank 1 then joins, so the exchange completes."""
+    import threading
+    import time
+
+    import torch
+
+    from mesh3d import domain
+
+    dm = DistributedManager.initialize(batch=1, domain=2)
+    xs = domain.shard(torch.randn(1, 1, 8, 4), dim=2)
+    seen = []
+    sampler = threading.Timer(2.0, lambda: seen.append(main_thread_where()))
+    sampler.start()
+    if dm.axis_rank("domain") == 1:
+        time.sleep(4.0)                       # not in any collective: the rank the others wait for
+    torch.nn.functional.conv2d(xs, torch.ones(1, 1, 3, 3), padding=1)
+    sampler.join()
+    DistributedManager.shutdown()
+    return seen[0]
+
+
+def test_a_rank_blocked_in_a_halo_exchange_is_reported_as_waiting(ranks):
+    """The waiting places come from the modules themselves (each adds its __file__): rank 0, inside the exchange, is
+    waiting; rank 1, asleep in its own code, is not."""
+    (where0, waiting0), (where1, waiting1) = ranks.run(2, _blocked_in_a_halo_exchange, timeout=60)
+    assert waiting0 and "test_watch_settings.py" in where0 and "in _blocked_in_a_halo_exchange" in where0, where0
+    assert not waiting1 and "test_watch_settings.py" in where1, where1

@@ -29,9 +29,12 @@ from mesh3d.domain.comm.traffic import TrafficCounter, count_traffic, dry_run, d
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.manager import DistributedManager
+from mesh3d.faults.beat import WAITING
 
 __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "check_local_rows",
            "count_traffic", "dry_run", "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange", "swap"]
+
+WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat says so: mesh3d/faults/beat.py)
 
 
 def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],

@@ -22,8 +22,11 @@ from mesh3d.faults import PeerLostError
 from mesh3d.faults.errors import WHAT_TO_DO
 from mesh3d.faults.watch import closed_connection
 from mesh3d.manager import DistributedManager
+from mesh3d.faults.beat import WAITING
 
 __all__ = ["DomainPeerLostError", "lost_peers", "peer_lost_error"]
+
+WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat says so: mesh3d/faults/beat.py)
 
 class DomainPeerLostError(PeerLostError):
     """A domain peer's process ended during a domain exchange; ``lost_domain_ranks``: its index on the domain axis.

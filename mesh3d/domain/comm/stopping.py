@@ -23,8 +23,11 @@ from mesh3d.domain.comm.notices import NOTICES
 from mesh3d.domain.comm.peer_lost import lost_peers
 from mesh3d.domain.comm.traffic import dry_run_observer
 from mesh3d.domain.core.group import domain_groups
+from mesh3d.faults.beat import WAITING
 
 __all__ = ["abort", "finish_matched", "leave", "matched_peers", "post", "swap_journals", "tell_other_groups"]
+
+WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat says so: mesh3d/faults/beat.py)
 
 
 def post(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
