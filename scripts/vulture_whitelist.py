@@ -64,3 +64,5 @@ _.readable
 _.seekable
 # zarr's WrapperStore protocol: zarr calls it to rewrap the store (mesh3d/data/zarr_counting.py: CountingStore).
 _._with_store
+# PEP 562: dir(mesh3d) lists the lazily loaded public names too (mesh3d/__init__.py).
+__dir__
