@@ -147,7 +147,7 @@ def test_the_command_line_prints_tables_for_people_and_json_for_tools(capsys):
     assert job["world"] == 16 and sum(c["count"] for c in job["classes"]) == 16
     assert job["reshard"]["bytes_needed"] > 0 and job["checkpoint"]["files"] == 2 * job["checkpoint"]["writers"]
     assert main(["plan", "plan_models:conv_stack", "--domain", "-1", "--input", "1x2x32x16"]) == 2
-    assert "give --world when an axis size is -1" in capsys.readouterr().err
+    assert "mesh3d plan: error: give --world N (the batch axis, -1 by default, is inferred from it)" in capsys.readouterr().err
 
 
 def test_attention_is_planned_as_the_fused_kernel_and_recomputation_sees_it_too():
