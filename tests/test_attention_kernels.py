@@ -147,7 +147,11 @@ def test_the_ring_on_each_fused_kernel_equals_sdpa_in_fp64(data, kernel, rule, g
         assert torch.allclose(a, b, rtol=0, atol=1e-12)
     ran = {name for name, _ in kernels.calls}  # masked blocks, and cuDNN's blocks of one key, run memory-efficient
     assert ran <= ({"efficient"} if mask is not None else {kernel, "efficient"}), ran
-    if mask is None and width == 8 and kernel != "cudnn":
+    # NOTE: a window (left bound, or a right bound other than the diagonal) cuts blocks that need a mask: those run
+    # memory-efficient where it is enabled, else the math kernel (flash's order here), so only full and causal rules
+    # run every block on the kernel (hypothesis seeds 209147585, 5 and 6 drew flash with MaskRule(3, 0), n >= 2)
+    windowed = rule.left is not None or rule.right not in (None, 0)
+    if mask is None and width == 8 and kernel != "cudnn" and (kernel == "efficient" or not windowed):
         assert ran == {kernel}, ran
 
 
