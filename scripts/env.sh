@@ -21,11 +21,11 @@ if [ ! -x "$PY" ]; then
 fi
 _want="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh"; echo "$TORCH_PIN") | sha256sum | cut -c1-16)"
 if [ "$(cat "$VENV/.mesh3d-installed" 2>/dev/null)" != "$_want" ]; then
-  echo "mesh3d: installing $TORCH_PIN, mesh3d[test,lightning,hf,zoo,weather] and $LINT_PINS into $VENV" >&2
+  echo "mesh3d: installing $TORCH_PIN, mesh3d[test,lightning,hf,zoo,weather,graph] and $LINT_PINS into $VENV" >&2
   # shellcheck disable=SC2086  # LINT_PINS is a list of requirements
-  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test,lightning,hf,zoo,weather]" $LINT_PINS 2>&1 \
+  "$PY" -m pip install --quiet --disable-pip-version-check "$TORCH_PIN" -e "$ROOT[test,lightning,hf,zoo,weather,graph]" $LINT_PINS 2>&1 \
     | grep -v "^WARNING: Location" >&2 || true
-  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')" \
+  "$PY" -c "import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, torch_geometric, pymetis, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')" \
     || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
   echo "$_want" > "$VENV/.mesh3d-installed"
 fi
