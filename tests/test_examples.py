@@ -103,3 +103,12 @@ def test_weather_example_trains_equal_to_one_process_resumes_forecasts_and_draws
     assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", out)) == 7, out
     assert re.search(r"lat \(0, 8\) lon \(0, 64\): read \d+ bytes", out), out    # a lat slab of the resumed mesh
     assert "every check passed" in out and os.path.getsize(tmp_path / "weather" / "forecast.png") > 10_000
+
+
+def test_meshgraphnet_example_trains_equal_to_one_process_and_prints_its_halo():
+    out = _run(["examples/meshgraphnet.py", "--ranks", "3", "--steps", "3"])
+    assert "MATCHES one process" in out, out
+    assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+$", out, re.M)) == 3
+    per_layer, gather_all = (int(v) for v in re.search(r"(\d+) bytes per message-passing layer .* against (\d+) bytes", out).groups())
+    assert 0 < per_layer < gather_all
+    assert re.search(rf"= 4 layers x {per_layer} \+ \d+ for the loss", out), out

@@ -80,6 +80,32 @@ def _softmax(func: Callable) -> Callable:
     return rule
 
 
+def _along_features(func: Callable) -> Callable:
+    """An op reducing or mixing along ``dim`` (a vector norm, a max over features): local when ``dim`` is not the item
+    dim; over the items it is refused (a whole-graph reduction has ``sum``/``mean``)."""
+    def rule(input, *args, **kwargs):
+        dim = kwargs.get("dim", args[1] if func in _NORMS and len(args) > 1 else args[0] if args else None)
+        dims = list(range(input.ndim)) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+        _features_only(op_name(func), input, dims)
+        keepdim = kwargs.get("keepdim", False)
+        spec = graph_spec_of(input)
+        shift = 0 if keepdim else sum(d % input.ndim < spec.dim for d in dims)
+        out = func(unwrap(input), *args, **kwargs)
+        return adopt(out, spec.replaced(dim=spec.dim - shift, endpoint=None)) if isinstance(out, torch.Tensor) else out
+    return rule
+
+
+_NORMS = (torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm)
+
+
+def _view_as(input, other):
+    # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input: exact on an identically laid out tensor.
+    if is_graph(other) and graph_spec_of(other) == graph_spec_of(input) and size_of(input) == size_of(other):
+        return adopt(unwrap(input).view_as(unwrap(other)), graph_spec_of(input))
+    raise NotImplementedError("torch.Tensor.view_as on a graph tensor: only onto an identically laid out tensor of the "
+                              "same shape; use view / reshape with the global sizes")
+
+
 def _dropout(input, p=0.5, training=True, inplace=False):
     if training and p > 0:
         raise NotImplementedError("torch.nn.functional.dropout with p > 0 in training on a graph tensor: mesh3d has no "
@@ -176,9 +202,11 @@ for _funcs, _rule in (
     ((torch.Tensor.expand,), _expand), ((torch.Tensor.expand_as,), _expand_as),
     ((torch.unsqueeze, torch.Tensor.unsqueeze), _unsqueeze), ((torch.squeeze, torch.Tensor.squeeze), _squeeze),
     ((torch.transpose, torch.Tensor.transpose), _transpose), ((torch.permute, torch.Tensor.permute), _permute),
-    ((torch.flatten, torch.Tensor.flatten), _flatten),
+    ((torch.flatten, torch.Tensor.flatten), _flatten), ((torch.Tensor.view_as,), _view_as),
 ):
     for _f in _funcs:
         GRAPH_RULES.register(_f, _rule)
 for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
     GRAPH_RULES.register(_f, _softmax(_f))
+for _f in (*_NORMS, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin):
+    GRAPH_RULES.register(_f, _along_features(_f))
