@@ -1,6 +1,6 @@
 """Peak memory per rank of a MeshGraphNet step on a 200K-node mesh: one process against 4 domain ranks, in one run.
 
-Usage: ``python scripts/bench_graph_memory.py [--side 448] [--hidden 32] [--blocks 2] [--world 4]``
+Usage: ``python scripts/bench_graph_memory.py [--side 454] [--hidden 32] [--blocks 2] [--world 4]``
 (writes docs/benchmarks/graph_memory.json and .png)
 
 Each process is fresh (spawned); its peak RSS above what it held before the step (the step's activations, halo
@@ -74,7 +74,7 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--side", type=int, default=448)
+    parser.add_argument("--side", type=int, default=454)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--blocks", type=int, default=2)
     parser.add_argument("--world", type=int, default=4)
