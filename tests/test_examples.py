@@ -112,3 +112,14 @@ def test_meshgraphnet_example_trains_equal_to_one_process_and_prints_its_halo():
     per_layer, gather_all = (int(v) for v in re.search(r"(\d+) bytes per message-passing layer .* against (\d+) bytes", out).groups())
     assert 0 < per_layer < gather_all
     assert re.search(rf"= 4 layers x {per_layer} \+ \d+ for the loss", out), out
+
+
+def test_graph_weather_example_trains_on_4_ranks_resumes_on_2_equal_to_one_process(tmp_path):
+    done = run(["examples/graph_weather.py", "--out", str(tmp_path / "gw")], timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "trained on (2, 2): MATCHES one process" in out and "resumed on (2, 1): MATCHES one process" in out, out
+    assert len(re.findall(r"^step \d loss [\d.]+ one-process [\d.]+$", out, re.M)) == 7
+    halos = re.findall(r"halo rows \([\d, ]+\):\s+(\d+) bytes per step, a gather of every node\s+(\d+)", out)
+    assert len(halos) == 8 and all(0 < int(h) < int(g) for h, g in halos), out
+    assert "graph_weather: every check passed" in out
