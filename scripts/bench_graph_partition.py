@@ -4,7 +4,8 @@ breadth-first fallback, each with the halo the partition leaves (and the time to
 Usage: ``python scripts/bench_graph_partition.py [--nodes-side 1006] [--parts 4]`` (writes docs/benchmarks/graph_partition.json)
 
 The graph: a jittered 1006 x 1006 triangulated channel (``graphs.channel_mesh``), every triangle side both ways
-(about 6M directed edges). Issue 57 asks for under 60 s on one core.
+(about 6M directed edges). Issue 57 asks for under 60 s on one core: the CPU time (``process_time``) is that
+measure; the wall time also counts whatever else the machine ran meanwhile.
 """
 
 from __future__ import annotations
@@ -45,15 +46,15 @@ def main() -> None:
         if name == "metis" and not graphs.metis_available():
             print("metis: pymetis is not installed (pip install pymetis); skipped")
             continue
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         part = run()
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         start = time.perf_counter()
         halo = graphs.Graph(edges, part).halo_counts(part)
         plan_s = time.perf_counter() - start
-        rows[name] = {"seconds": round(seconds, 2), "halo_plan_seconds": round(plan_s, 2), "counts": part.counts,
+        rows[name] = {"seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "halo_plan_seconds": round(plan_s, 2), "counts": part.counts,
                       "halo_rows": halo, "halo_fraction": round(sum(halo) / mesh.num_nodes, 5)}
-        print(f"{name:8s} {seconds:6.1f} s  halo rows per rank {halo} ({100 * sum(halo) / mesh.num_nodes:.2f}% of the "
+        print(f"{name:8s} {seconds:6.1f} s ({cpu:.1f} s of CPU)  halo rows per rank {halo} ({100 * sum(halo) / mesh.num_nodes:.2f}% of the "
               f"nodes; planned in {plan_s:.1f} s)")
     record = {"nodes": mesh.num_nodes, "edges": int(edges.shape[1]), "parts": args.parts, "cpu": cpu_model(),
               "torch": torch.__version__, "threads": 1, "methods": rows}
