@@ -118,3 +118,20 @@ def uneven_partition(n: int, parts: int, seed: int, empty: int | None = None):
     choices = [r for r in range(parts) if r != empty] or [0]
     weights = rng.uniform(0.3, 1.0, len(choices))
     return graphs.Partition(rng.choice(choices, size=n, p=weights / weights.sum()), parts)
+
+
+class NodeGNN(nn.Module):
+    """``model(x, edge_index)``: a MeshGraphNet whose edge features come from the node features (for ``mesh3d check``)."""
+
+    def __init__(self, f: int = 3, h: int = 8) -> None:
+        super().__init__()
+        self.enc, self.edge_enc, self.block, self.dec = mlp(f, h), mlp(f, h), MGNBlock(h), mlp(h, 2, norm=False)
+
+    def forward(self, x, edge_index):
+        e = self.edge_enc(x[edge_index[0]] - x[edge_index[1]])
+        h, _ = self.block(self.enc(x), e, edge_index)
+        return self.dec(h)
+
+
+def make_gnn() -> nn.Module:
+    return NodeGNN()

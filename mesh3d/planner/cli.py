@@ -5,6 +5,8 @@ Usage::
     mesh3d plan mypkg.models:make_unet --world 4096 --domain 4x4x4 --model 1 --input 1x1x512x512x512 \\
         --plan mypkg.plans:PLAN --to 64,8x8,1 --device-memory 80GiB [--json]
     mesh3d check mypkg.models:make_unet --input 1x1x32x32 [--plan mypkg.plans:PLAN] [--meshes 1,2,1 2,2,1] [--json]
+    mesh3d plan mypkg.models:make_gnn --graph icosahedral:6 --domain 8 --features 512 --layers 16 --dtype bfloat16
+    mesh3d check mypkg.models:make_gnn --graph icosahedral:2 --input 162x4 --meshes 1,2,1 1,3,1
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 
 from mesh3d.planner.check import CheckSpec
 from mesh3d.planner.check_run import check_model
+from mesh3d.planner.graph_job import load_graph, plan_graph
 from mesh3d.planner.job import plan_job
 from mesh3d.planner.mesh import JobMesh, parse_grid
 from mesh3d.planner.simulate import InputSpec
@@ -66,7 +69,10 @@ def input_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODULE:FACTORY", help="a function returning the nn.Module (called on the meta "
                         "device for plan); MODULE may be a path to a .py file")
     parser.add_argument("--plan", metavar="MODULE:NAME", help="a mesh3d.Plan, or a function returning one (default: Plan())")
-    parser.add_argument("--input", required=True, metavar="SHAPE", help="one batch rank's input, e.g. 1x1x256x256x256")
+    parser.add_argument("--input", metavar="SHAPE", help="one batch rank's input, e.g. 1x1x256x256x256 (required; for "
+                        "--graph of check: the node features, e.g. 642x4)")
+    parser.add_argument("--graph", metavar="SPEC", help="a graph job: icosahedral:R, channel:NXxNY or MODULE:FACTORY "
+                        "(a mesh3d.graphs.TriMesh or a dict with edge_index); the model is called model(x, edge_index)")
     parser.add_argument("--dtype", default="float32", help="the input's dtype (default float32; int64 for token ids)")
     parser.add_argument("--shard-dims", metavar="D[,D]", help="dims the domain shards (default 2; 2,3 on a 2-D grid)")
     parser.add_argument("--sizes", metavar="N,N[/N,N]", help="each domain rank's rows per sharded dim (default: torch.chunk)")
@@ -88,11 +94,31 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whose kernels to model: cuda (cuDNN, cuBLAS, fused attention, the caching allocator; "
                         "default) or cpu (oneDNN, im2col)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--features", type=int, default=128, help="--graph: features per node row (default 128)")
+    parser.add_argument("--layers", type=int, default=16, help="--graph: message-passing layers (default 16)")
+    parser.add_argument("--partition", default="hilbert", choices=("hilbert", "metis", "bfs"),
+                        help="--graph: how the nodes are partitioned (default: a Hilbert curve over the coordinates)")
+
+
+def _plan_graph(args: argparse.Namespace) -> int:
+    domain = parse_grid(args.domain)
+    parts = domain if isinstance(domain, int) else math.prod(domain)
+    dtype = getattr(torch, args.dtype, None)
+    if not isinstance(dtype, torch.dtype) or parts < 1:
+        raise ValueError(f"--graph needs --domain N (>= 1) and a torch --dtype; got {args.domain!r}, {args.dtype!r}")
+    job = plan_graph(load_graph(args.graph), parts, features=args.features, layers=args.layers,
+                     dtype_bytes=dtype.itemsize, batch=max(int(args.batch), 1), method=args.partition)
+    print(json.dumps(job.to_json(), indent=1) if args.json else job.table())
+    return 0
 
 
 def run_plan(args: argparse.Namespace) -> int:
     """``mesh3d plan ...``: print the tables (or ``--json``); 2 for bad arguments."""
     try:
+        if args.graph:
+            return _plan_graph(args)
+        if not args.input:
+            raise ValueError("give --input SHAPE (one batch rank's input), or --graph for a graph job")
         batch, domain, model = int(args.batch), parse_grid(args.domain), int(args.model_axis)
         world = args.world
         if world is None:
@@ -125,10 +151,14 @@ def add_check_arguments(parser: argparse.ArgumentParser) -> None:
 def run_check(args: argparse.Namespace) -> int:
     """``mesh3d check ...``: 0 when every mesh gives the one-process answer, 1 when one does not, 2 for bad arguments."""
     try:
+        if not args.input:
+            raise ValueError("give --input SHAPE (one batch rank's input; with --graph, the node features NxF)")
         inputs = parse_input(args.input, args.dtype, args.shard_dims, args.sizes)
         meshes = [JobMesh.parse(m) for m in args.meshes] if args.meshes else None
         load_plan(args.plan)  # a bad --plan fails here, before any process starts
-        spec = CheckSpec(args.model, args.plan, inputs)
+        if args.graph:
+            load_graph(args.graph)  # a bad --graph fails here too
+        spec = CheckSpec(args.model, args.plan, inputs, graph=args.graph)
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
