@@ -24,7 +24,6 @@ loss must match. Each phase prints the halo bytes of each layer beside what a ga
 from __future__ import annotations
 
 import argparse
-import copy
 import os
 import subprocess
 import sys

@@ -10,7 +10,7 @@ import numpy as np
 from graph_models import make_gnn
 
 from mesh3d.cli import main
-from mesh3d.planner import InputSpec, JobMesh
+from mesh3d.planner import InputSpec
 from mesh3d.planner.check import CheckSpec
 from mesh3d.planner.check_run import check_model
 from mesh3d.planner.graph_job import load_graph, partition_graph, plan_graph

@@ -18,6 +18,7 @@ No process group here (numpy and torch only).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 from collections.abc import Sequence
 
 import numpy as np
@@ -313,11 +314,7 @@ def metis_available() -> bool:
 
     Usage: ``method = "metis" if metis_available() else "bfs"``
     """
-    try:
-        import pymetis  # noqa: F401, PLC0415 - optional dependency (the graph extra)
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("pymetis") is not None
 
 
 def metis_partition(edge_index: np.ndarray | torch.Tensor, num_nodes: int, parts: int, *, method: str = "auto",
