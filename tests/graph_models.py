@@ -12,6 +12,28 @@ import numpy as np
 import torch
 from torch import nn
 
+from domain_cases import domain_sum, max_err
+
+
+def step_both(ref, mod, run_ref, run_dom, steps=3):
+    """``steps`` Adam steps of ``ref`` (one process) and ``mod`` (domain, grads summed over the domain): the worst
+    difference of outputs, losses, gradients and parameters."""
+    opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.01), torch.optim.Adam(mod.parameters(), lr=0.01)
+    worst = 0.0
+    for step in range(steps):
+        y_ref, loss_ref = run_ref(ref, step)
+        loss_ref.backward()
+        ys, loss = run_dom(mod, step)
+        loss.backward()
+        worst = max(worst, abs(float(loss) - float(loss_ref)), max_err(ys.full_tensor().to_local(), y_ref))
+        for p, q in zip(ref.parameters(), mod.parameters()):
+            q.grad = domain_sum(q.grad)
+            worst = max(worst, max_err(q.grad, p.grad))
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    return max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
+
 
 def mlp(n_in: int, n_out: int, hidden: int = 16, norm: bool = True) -> nn.Sequential:
     layers = [nn.Linear(n_in, hidden), nn.SiLU(), nn.Linear(hidden, n_out)]

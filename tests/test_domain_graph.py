@@ -11,30 +11,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from domain_cases import domain_sum, max_err
-from graph_models import GraphCastLike, MeshGraphNet, uneven_partition, weather_graphs
+from graph_models import GraphCastLike, MeshGraphNet, step_both, uneven_partition, weather_graphs
 
 TOL = 1e-10
-
-
-def _step_both(ref, mod, run_ref, run_dom, steps=3):
-    """``steps`` Adam steps of ``ref`` (one process) and ``mod`` (domain, grads summed over the domain): the worst
-    difference of outputs, losses, gradients and parameters."""
-    opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.01), torch.optim.Adam(mod.parameters(), lr=0.01)
-    worst = 0.0
-    for step in range(steps):
-        y_ref, loss_ref = run_ref(ref, step)
-        loss_ref.backward()
-        ys, loss = run_dom(mod, step)
-        loss.backward()
-        worst = max(worst, abs(float(loss) - float(loss_ref)), max_err(ys.full_tensor().to_local(), y_ref))
-        for p, q in zip(ref.parameters(), mod.parameters()):
-            q.grad = domain_sum(q.grad)
-            worst = max(worst, max_err(q.grad, p.grad))
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    return max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
 
 
 def _mgn_body(cases):
@@ -69,7 +48,7 @@ def _mgn_body(cases):
             y = model(domain.shard_nodes(x, part), domain.shard_edges(ea, g), ei)
             return y, F.mse_loss(y, domain.shard_nodes(t, part))
 
-        out.append((kind, part.counts, _step_both(ref, mod, run_ref, run_dom)))
+        out.append((kind, part.counts, step_both(ref, mod, run_ref, run_dom)))
     return out
 
 
@@ -117,7 +96,7 @@ def _graphcast_body(cases):
                       domain.shard_edges(mesh_e0, gmesh), eis[2])
             return y, F.mse_loss(y, domain.shard_nodes(t, grid_part))
 
-        out.append((grid_part.counts, mesh_part.counts, _step_both(ref, mod, run_ref, run_dom)))
+        out.append((grid_part.counts, mesh_part.counts, step_both(ref, mod, run_ref, run_dom)))
     return out
 
 

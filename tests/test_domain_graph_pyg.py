@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domain_cases import domain_sum, max_err
-from graph_models import mlp, uneven_partition
+from graph_models import mlp, step_both, uneven_partition
 
 pyg = pytest.importorskip("torch_geometric")  # the graph extra (pip install mesh3d[graph])
 
@@ -69,25 +68,21 @@ def _pyg_body(seed):
     torch.manual_seed(seed)
     ref = _models(h).double()
     mod = copy.deepcopy(ref)
-    opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.01), torch.optim.Adam(mod.parameters(), lr=0.01)
     ei = domain.edge_index(g)
-    worst = 0.0
-    for _ in range(3):
-        x, e, t = (torch.randn(n, h, dtype=torch.float64), torch.randn(edges.shape[1], h, dtype=torch.float64),
-                   torch.randn(n, h, dtype=torch.float64))
-        y_ref = ref(x, edges, e)
-        F.mse_loss(y_ref, t).backward()
-        y = mod(domain.shard_nodes(x, part), ei, domain.shard_edges(e, g))
-        loss = F.mse_loss(y, domain.shard_nodes(t, part))
-        loss.backward()
-        worst = max(worst, max_err(y.full_tensor().to_local(), y_ref), abs(float(loss) - float(F.mse_loss(y_ref, t))))
-        for p, q in zip(ref.parameters(), mod.parameters()):
-            q.grad = domain_sum(q.grad)
-            worst = max(worst, max_err(q.grad, p.grad))
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    return part.counts, max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
+    data = [(torch.randn(n, h, dtype=torch.float64), torch.randn(edges.shape[1], h, dtype=torch.float64),
+             torch.randn(n, h, dtype=torch.float64)) for _ in range(3)]
+
+    def run_ref(model, step):
+        x, e, t = data[step]
+        y = model(x, edges, e)
+        return y, F.mse_loss(y, t)
+
+    def run_dom(model, step):
+        x, e, t = data[step]
+        y = model(domain.shard_nodes(x, part), ei, domain.shard_edges(e, g))
+        return y, F.mse_loss(y, domain.shard_nodes(t, part))
+
+    return part.counts, step_both(ref, mod, run_ref, run_dom)
 
 
 def test_pyg_layers_unchanged_train_like_one_process_on_2_3_and_4_ranks(ranks):

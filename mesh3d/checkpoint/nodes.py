@@ -28,6 +28,7 @@ from safetensors.torch import save as save_bytes
 from mesh3d.checkpoint.checksum import WRITE_ALGORITHM
 from mesh3d.checkpoint.comm import collective_step
 from mesh3d.checkpoint.errors import CheckpointError
+from mesh3d.checkpoint.save import write_file_atomic
 from mesh3d.domain.core.specs import GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, unwrap
 from mesh3d.graphs import Partition
@@ -44,15 +45,6 @@ def _where() -> tuple[int, bool]:
         return 0, True
     dm = DistributedManager()
     return dm.axis_rank("domain"), dm.axis_rank("batch") == 0 and dm.axis_rank("model") == 0
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _rows(name: str, t: torch.Tensor, part: Partition, me: int) -> tuple[torch.Tensor, int]:
@@ -83,9 +75,9 @@ def save_nodes(path: str, tensors: Mapping[str, torch.Tensor], partition: Partit
         payload["__ids__"] = torch.from_numpy(np.array(partition.items(me), dtype=np.int64))
         data = save_bytes(payload)
         file = f"nodes-{me:05d}.safetensors"
-        _atomic_write(os.path.join(path, file), data)
+        write_file_atomic(os.path.join(path, file), data)
         if me == 0:
-            _atomic_write(os.path.join(path, PARTITION),
+            write_file_atomic(os.path.join(path, PARTITION),
                           save_bytes({"owner": torch.from_numpy(np.array(partition.owner, dtype=np.int32))}))
         meta = {name: {"dim": dim, "dtype": str(r.dtype).removeprefix("torch."),
                        "shape": [partition.n if k == dim else s for k, s in enumerate(r.shape)]}
@@ -104,7 +96,7 @@ def save_nodes(path: str, tensors: Mapping[str, torch.Tensor], partition: Partit
         index = {"format": FORMAT, "version": 1, "num_nodes": partition.n, "parts": partition.parts,
                  "partition_digest": partition.digest, "partition_xxh3_64": part_sum, "tensors": files[0]["tensors"],
                  "files": [{k: s[k] for k in ("rank", "file", "rows", "xxh3_64")} for s in files], "extra": extra}
-        _atomic_write(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())
+        write_file_atomic(os.path.join(path, INDEX), json.dumps(index, indent=1).encode())
 
     collective_step("save_nodes: commit the index", commit)
 
