@@ -68,6 +68,22 @@ class MeshGraphNet(nn.Module):
         return self.dec(x)
 
 
+class FromFeatures(nn.Module):
+    """``model(x, edge_index)`` with the positions in the first 2 feature columns (what ``mesh3d check --graph`` calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = MeshGraphNet(4, 2, h=8, layers=2)
+
+    def forward(self, x, edge_index):
+        return self.net(x, x[:, :2], edge_index)
+
+
+def tiny() -> nn.Module:
+    """Usage: ``mesh3d check examples/meshgraphnet.py:tiny --graph icosahedral:2 --input 162x4``"""
+    return FromFeatures()
+
+
 def problem(nx: int = 48, ny: int = 16):
     """The mesh, node inputs (one-hot type, inflow speed) and targets (potential flow past the cylinder) per sample."""
     mesh = graphs.channel_mesh(nx, ny)

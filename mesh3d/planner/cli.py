@@ -5,8 +5,8 @@ Usage::
     mesh3d plan mypkg.models:make_unet --world 4096 --domain 4x4x4 --model 1 --input 1x1x512x512x512 \\
         --plan mypkg.plans:PLAN --to 64,8x8,1 --device-memory 80GiB [--json]
     mesh3d check mypkg.models:make_unet --input 1x1x32x32 [--plan mypkg.plans:PLAN] [--meshes 1,2,1 2,2,1] [--json]
-    mesh3d plan mypkg.models:make_gnn --graph icosahedral:6 --domain 8 --features 512 --layers 16 --dtype bfloat16
-    mesh3d check mypkg.models:make_gnn --graph icosahedral:2 --input 162x4 --meshes 1,2,1 1,3,1
+    mesh3d plan examples/meshgraphnet.py:tiny --graph icosahedral:6 --domain 8 --features 512 --layers 16 --dtype bfloat16
+    mesh3d check examples/meshgraphnet.py:tiny --graph icosahedral:2 --input 162x4 --meshes 1,2,1 1,3,1
 """
 
 from __future__ import annotations
