@@ -1,8 +1,9 @@
 """PyTorch Geometric's layers, unchanged, on graph tensors: GCNConv (self-loops added, symmetric normalization),
 SAGEConv (mean and max), GATConv (self-loops, segment softmax over incoming edges, two heads) and a MeshGraphNet
 block written as a ``MessagePassing`` subclass, and a GraphCast-style model of bipartite ``MessagePassing`` mappers
-(grid to mesh and back, partitions with an empty part on each side) with GAT and that block on the mesh, on 2, 3 and 4 ranks against one process (fp64, 3 Adam steps),
-with a random uneven partition whose last part is empty. PyG 2.8 (pure Python, no torch-scatter)."""
+(grid to mesh and back, partitions with an empty part on each side) with GAT and that block on the mesh, on 2, 3
+and 4 ranks against one process (fp64, 3 Adam steps), with random uneven partitions whose last part is empty.
+PyG 2.8 (pure Python, no torch-scatter)."""
 
 from __future__ import annotations
 
