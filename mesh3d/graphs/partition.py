@@ -343,5 +343,8 @@ def metis_partition(edge_index: np.ndarray | torch.Tensor, num_nodes: int, parts
                           "(or the graph extra: pip install mesh3d[graph]); method='bfs' needs nothing") from err
     xadj, adjncy = _csr(edge_index, num_nodes)
     options = pymetis.Options(seed=seed)
-    _, membership = pymetis.part_graph(parts, xadj=xadj, adjncy=adjncy, options=options)
+    if hasattr(pymetis, "CSRAdjacency"):  # NOTE: pymetis 2025.2 deprecates xadj=/adjncy= (removed in 2027)
+        _, membership = pymetis.part_graph(parts, pymetis.CSRAdjacency(xadj, adjncy), options=options)
+    else:
+        _, membership = pymetis.part_graph(parts, xadj=xadj, adjncy=adjncy, options=options)
     return Partition(np.asarray(membership), parts)
