@@ -165,3 +165,37 @@ def lat_band_weights(lat: np.ndarray) -> np.ndarray:
     area = np.empty_like(s)
     area[order] = np.sin(edges[1:]) - np.sin(edges[:-1])
     return area / area.mean()
+
+
+def smooth_perturbation(x, noise):
+    """A perturbation function: white noise smoothed by a sphere convolution (halos across blocks and the seam)."""
+    from mesh3d.weather import SphereConv2d
+
+    torch.manual_seed(3)
+    conv = SphereConv2d(x.shape[1], x.shape[1], 3, bias=False).to(x.dtype)
+    return x + 0.2 * conv(noise.normal(x))
+
+
+class Failing(nn.Module):
+    """``net`` until its ``at``-th call, which raises (a run stopped mid-way, in this process)."""
+
+    def __init__(self, net: nn.Module, at: int) -> None:
+        super().__init__()
+        self.net, self.at, self.calls = net, at, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.at:
+            raise RuntimeError(f"stopped at call {self.at}")
+        return self.net(x)
+
+
+def chunk_files(store: str) -> dict[str, tuple[int, int]]:
+    """Every chunk file of ``forecast``: relative path -> (mtime_ns, inode)."""
+    out = {}
+    base = os.path.join(store, "forecast", "c")
+    for d, _, files in os.walk(base):
+        for f in files:
+            st = os.stat(os.path.join(d, f))
+            out[os.path.relpath(os.path.join(d, f), base)] = (st.st_mtime_ns, st.st_ino)
+    return out

@@ -9,6 +9,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 
 import forecast_helpers as fh
@@ -72,3 +73,85 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
 
     again = _run_body(case, one, None, 1, 4)                        # a complete store: nothing is written again
     assert (again.written, again.skipped) == (0, 24 * LEADS)
+
+
+# ---------------------------------------------------------------- members that depend on their seed only
+NOISY = {"init_times": [1, 3], "leads": 3, "members": 3, "seed": 11, "tile": (2, 5), "batch_size": 1}
+
+
+def _noisy_body(case, out, batch, grid, other):
+    from mesh3d import DistributedManager
+    from mesh3d.weather import forecast_ensemble
+
+    DistributedManager.initialize(batch=batch, domain=grid, model=1)
+    kwargs = dict(case=None, **NOISY)
+    kwargs.pop("case")
+    result = forecast_ensemble(fh.noisy_net(), case["store"], case["variables"], out, stats=case["stats"],
+                               perturbation=fh.smooth_perturbation, model_noise=True, progress=None, **kwargs)
+    refusals = []
+    for bad in ({"tile": (7, 10)}, {"seed": 12}):                  # every rank refuses, naming the fix
+        try:
+            forecast_ensemble(fh.noisy_net(), case["store"], case["variables"], other if "tile" in bad else out,
+                              stats=case["stats"], perturbation=fh.smooth_perturbation, model_noise=True, progress=None,
+                              **{**kwargs, **bad})
+        except ValueError as err:
+            refusals.append(str(err))
+    return result.written, refusals
+
+
+def test_members_depend_on_their_seed_only_with_perturbation_functions_and_the_models_own_noise(ranks, tmp_path):
+    import xarray as xr
+
+    from mesh3d.weather import forecast_ensemble
+
+    case = fh.sphere_checkpoint(str(tmp_path), fh.noisy_net)
+    one = str(tmp_path / "one.zarr")
+    forecast_ensemble(fh.noisy_net(), case["store"], case["variables"], one, stats=case["stats"],
+                      perturbation=fh.smooth_perturbation, model_noise=True, progress=None, **NOISY)
+    want = xr.open_zarr(one)["forecast"].values
+    assert np.abs(want[:, :, 0] - want[:, :, 1]).max() > 1e-3 and np.isfinite(want).all()
+    two = str(tmp_path / "two.zarr")                                   # fewer members: the first ones unchanged
+    forecast_ensemble(fh.noisy_net(), case["store"], case["variables"], two, stats=case["stats"],
+                      perturbation=fh.smooth_perturbation, model_noise=True, progress=None, **{**NOISY, "members": 2})
+    np.testing.assert_array_equal(xr.open_zarr(two)["forecast"].values, want[:, :, :2])
+    for world, batch, grid in ((4, 2, (2,)), (4, 1, (2, 2))):
+        out = str(tmp_path / f"mesh{batch}.zarr")
+        results = ranks.run(world, _noisy_body, case, out, batch, grid, str(tmp_path / f"bad{batch}.zarr"))
+        np.testing.assert_allclose(xr.open_zarr(out)["forecast"].values, want, rtol=TOL, atol=TOL)
+        for written, refusals in results:
+            assert written > 0 and len(refusals) == 2
+            assert "splits latitude over 2 ranks, but the store has only 1 tiles of 7 points" in refusals[0]
+            assert "holds another forecast (seed: 12 vs 11)" in refusals[1]
+
+
+# ---------------------------------------------------------------- a run stopped mid-way continues where it was
+@pytest.mark.parametrize("restart_every", [1, 2, 0])
+def test_a_stopped_run_continues_from_the_last_lead_written_without_rewriting_it(tmp_path, restart_every):
+    import xarray as xr
+    import zarr
+
+    from mesh3d.weather import forecast_ensemble
+
+    case = fh.sphere_checkpoint(str(tmp_path))
+    run = dict(init_times=[0, 2], leads=5, members=3, stats=case["stats"], perturbation=0.1, batch_size=2, progress=None,
+               tile=(2, 5), restart_every=restart_every)
+    plain = fh.killing_model().net
+    full, out = str(tmp_path / "full.zarr"), str(tmp_path / "out.zarr")
+    forecast_ensemble(plain, case["store"], case["variables"], full, **run)
+    with pytest.raises(RuntimeError, match="stopped at call 9"):       # batch 2 of 3 (samples 2, 3), at lead 4
+        forecast_ensemble(fh.Failing(plain, 9), case["store"], case["variables"], out, **run)
+    done = zarr.open_array(out, path="restart/leads_done", mode="r")[:]
+    assert done.tolist() == [5, 5, 3, 3, 0, 0]
+    before = fh.chunk_files(out)
+    assert {tuple(int(v) for v in p.split("/")[:3]) for p in before} == {
+        (i, k, m) for s, d in enumerate(done) for k in range(d) for i, m in [divmod(s, 3)]}
+    result = forecast_ensemble(plain, case["store"], case["variables"], out, **run)
+    assert result.skipped == done.sum() and result.written == 6 * 5 - done.sum()       # written once, each lead
+    kept = {1: 3, 2: 2, 0: 0}[restart_every]                           # the lead of the state samples 2, 3 resume from
+    assert result.recomputed == 2 * (3 - kept)                         # steps re-run without writing
+    after = fh.chunk_files(out)
+    assert all(after[p] == v for p, v in before.items())               # not one chunk already written was touched
+    a, b = xr.open_zarr(full), xr.open_zarr(out)
+    np.testing.assert_array_equal(b["forecast"].values, a["forecast"].values)
+    xr.testing.assert_identical(a, b)
+    assert "restart" not in os.listdir(out)

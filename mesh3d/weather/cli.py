@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mesh3d.checkpoint import CheckpointError
 from mesh3d.data.weather_channels import ChannelStats
 from mesh3d.manager import DistributedManager
 from mesh3d.planner.mesh import parse_grid
@@ -122,10 +123,13 @@ def run_forecast_command(args: argparse.Namespace) -> int:
             seed=args.seed, perturbation=_perturbation(args.perturb), model_noise=args.model_noise,
             batch_size=args.batch_size, tile=args.tile, store_dtype=args.store_dtype, restart_every=args.restart_every,
             **quiet)
-    except (ValueError, TypeError, FileNotFoundError) as err:
+    except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as err:
         print(f"mesh3d forecast: {err}", file=sys.stderr)
         return 2
-    counts = torch.tensor([result.written, result.skipped, result.recomputed, result.bytes_written], dtype=torch.float64)
+    # NOTE: a batch rank's domain and model ranks all count its samples' skipped and recomputed leads: one of them says.
+    leader = dm.coordinates["domain"] == 0 and dm.coordinates["model"] == 0
+    counts = torch.tensor([result.written, result.skipped * leader, result.recomputed * leader, result.bytes_written],
+                          dtype=torch.float64)
     if dm.world_size > 1:
         dist.all_reduce(counts, group=dm.world_mesh.get_group())
     if dm.rank == 0:
