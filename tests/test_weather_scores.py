@@ -134,3 +134,26 @@ def test_score_figure_has_a_line_per_channel_against_lead_time(tmp_path):
     assert [line.get_label() for line in first] == ["z850", "z300", "t2m"]
     np.testing.assert_allclose(first[2].get_ydata(), table.rmse[:, 2] / 30.0, rtol=1e-12)
     np.testing.assert_allclose(first[2].get_xdata(), [6, 12, 18, 24])
+
+
+def test_forecast_maps_are_labelled_with_units_init_time_model_and_the_errors_rmse():
+    from mesh3d.weather.figures import forecast_maps
+
+    g = np.random.default_rng(0)
+    lat, lon = np.linspace(80, -80, 9), np.arange(16) * 22.5
+    truth = 5500 + 100 * g.standard_normal((2, 9, 16))
+    fc = truth + g.standard_normal((2, 9, 16))
+    fig = forecast_maps(fc, truth, lat=lat, lon=lon, channel="z500", units="m", init=np.datetime64("2020-01-14T06"),
+                        model="SFNO", lead_hours=[6, 48])
+    maps = [a for a in fig.axes if a.get_label() != "<colorbar>"]
+    bars = [a for a in fig.axes if a.get_label() == "<colorbar>"]
+    assert fig.get_suptitle() == "SFNO: z500 from init 2020-01-14T06:00 UTC"
+    assert {a.get_xlabel() for a in maps} == {"longitude (°E)"} and {a.get_ylabel() for a in maps} == {"latitude (°N)"}
+    assert [b.get_ylabel() for b in bars] == ["z500 (m)", "z500 (m)", "z500 forecast - truth (m)"]
+    w = fh.lat_band_weights(lat)[:, None]
+    want = np.sqrt((w * (fc[1] - truth[1]) ** 2).mean())
+    assert maps[5].get_title() == f"error, +48 h: RMSE {want:.3g} m"
+    assert all(len(a.collections) > 0 for a in maps[:4]) and not maps[4].collections   # contours on z, not on the error
+    plain = forecast_maps(fc, truth, lat=lat, lon=lon, channel="t2m", units="K", init="2020-01-14T06", model="SFNO",
+                          lead_hours=[6, 48])
+    assert not any(a.collections for a in plain.axes if a.get_label() != "<colorbar>")   # no contours for temperature

@@ -16,6 +16,7 @@ Usage::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -149,7 +150,7 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
         if blocks.split else probe
     spec = StoreSpec(inputs.init_times(init_times), inputs.lead, leads, members, inputs.channels, inputs.lat, inputs.lon,
                      tile, str(store_dtype or _numpy_name(state_dtype)).removeprefix("torch."), _numpy_name(state_dtype),
-                     _run_record(run, seed, perturbation, model_noise, restart_every, inputs, variables, names))
+                     _run_record(model, run, seed, perturbation, model_noise, restart_every, inputs, variables, names))
     store = _open_or_create(out, spec, dm)
     batch_rank, batch_ranks = (dm.axis_rank("batch"), dm.axis_size("batch")) if dm is not None else (0, 1)
     coords = dm.coordinates if dm is not None else {"model": 0, "domain": 0}
@@ -172,7 +173,20 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
     return result
 
 
-def _run_record(run: Mapping[str, Any] | None, seed: int, perturbation: Perturbation, model_noise: bool,
+def _fingerprint(model: Any) -> str | None:
+    """A hash of the model's whole weights and buffers (the same on every mesh): a store continues only the same model."""
+    if not isinstance(model, nn.Module):
+        return None
+    digest = hashlib.sha256()
+    for name, value in model.state_dict().items():
+        whole = value.full_tensor() if hasattr(value, "full_tensor") else value   # NOTE: a collective for split weights
+        data = whole.detach().cpu().contiguous().reshape(-1)
+        digest.update(f"{name} {data.dtype} {tuple(whole.shape)}".encode())
+        digest.update(data.view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:24]
+
+
+def _run_record(model: Any, run: Mapping[str, Any] | None, seed: int, perturbation: Perturbation, model_noise: bool,
                 restart_every: int, inputs: ForecastInputs, variables: Any, names: Mapping[str, str] | None) -> dict[str, Any]:
     record = dict(run or {})
     chosen = [list(pair) for pair in variable_pairs(variables)]  # NOTE: pairs: the store's JSON keeps their order
@@ -180,7 +194,7 @@ def _run_record(run: Mapping[str, Any] | None, seed: int, perturbation: Perturba
         described: Any = f"{getattr(perturbation, '__module__', '?')}.{getattr(perturbation, '__qualname__', '?')}"
     else:
         described = None if perturbation is None else np.asarray(perturbation, dtype=np.float64).reshape(-1).tolist()
-    record.update(seed=int(seed), perturbation=described, model_noise=bool(model_noise), restart_every=int(restart_every),
+    record.update(weights=_fingerprint(model), seed=int(seed), perturbation=described, model_noise=bool(model_noise), restart_every=int(restart_every),
                   stats=None if inputs.stats is None else inputs.stats.to_dict(), variables=chosen,
                   names=dict(names) if names else None,
                   source=os.path.abspath(inputs.data.path) if inputs.data.path else "an xarray.Dataset")

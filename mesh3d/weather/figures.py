@@ -81,7 +81,7 @@ def forecast_maps(forecast: np.ndarray, truth: np.ndarray, *, lat: Sequence[floa
             image = ax.imshow(field, extent=extent, origin=origin, aspect="auto", cmap="RdBu_r" if is_error else "viridis",
                               vmin=-span if is_error else low, vmax=span if is_error else high)
             if contours and not is_error:
-                ax.contour(lons, lats, field, levels=8, colors="k", linewidths=0.6)
+                ax.contour(lons, lats, field, levels=np.linspace(low, high, 9)[1:-1], colors="k", linewidths=0.6)
             ax.set_title(f"{name}, +{hours:g} h" + (f": RMSE {rmse:.3g} {units}" if is_error else ""), fontsize=9)
             ax.set_xlabel("longitude (°E)")
             ax.set_ylabel("latitude (°N)")
