@@ -211,29 +211,35 @@ class WeatherDataset(Dataset):
     def __len__(self) -> int:
         return len(self.times)
 
-    def read_block(self, time_indices: Sequence[int]) -> np.ndarray:
-        """This rank's block of every channel at ``time_indices``: ``(len(time_indices), C, h, w)``, fp64, raw."""
+    def read_block(self, time_indices: Sequence[int], dtype: Any = np.float64) -> np.ndarray:
+        """This rank's block of every channel at ``time_indices``: ``(len(time_indices), C, h, w)``, raw, in ``dtype``.
+
+        Each variable's values go straight into the result (no second copy of the block)."""
         ds, names = self.dataset, self.dim_names
         window = {names["lat"]: slice(*self.block[names["lat"]]), names["lon"]: slice(*self.block[names["lon"]])}
-        parts = []
+        (a, b), (c, d) = self.block[names["lat"]], self.block[names["lon"]]
+        out = np.empty((len(time_indices), len(self.channels), b - a, d - c), dtype=dtype)
+        first = 0
         for var, run in itertools.groupby(self.channels, key=lambda c: c.variable):  # consecutive channels of a variable
             levels = [c.level_index for c in run]
             select: dict[str, Any] = {names["time"]: list(time_indices), **window}
             if levels[0] is None:
-                parts.append(self._read(ds[var], select, [names["time"], names["lat"], names["lon"]])[:, None])
+                out[:, first] = self._read(ds[var], select, [names["time"], names["lat"], names["lon"]])
+                first += 1
                 continue
             # NOTE: one list index per read (the times), each run of consecutive levels a slice: HDF5 backends read a
             # second list index as the whole range it spans.
-            pieces = {}
             for start, stop in _runs(sorted(set(levels))):
                 block = self._read(ds[var], {**select, names["level"]: slice(start, stop)},
                                    [names["time"], names["level"], names["lat"], names["lon"]])
-                pieces.update({lv: block[:, lv - start] for lv in range(start, stop)})
-            parts.append(np.stack([pieces[lv] for lv in levels], axis=1))
-        return np.concatenate(parts, axis=1)
+                for j, lv in enumerate(levels):
+                    if start <= lv < stop:
+                        out[:, first + j] = block[:, lv - start]
+            first += len(levels)
+        return out
 
     def _read(self, array: Any, select: dict[str, Any], order: list[str]) -> np.ndarray:
-        values = np.asarray(array.isel(select).transpose(*order).values, dtype=np.float64)
+        values = np.asarray(array.isel(select).transpose(*order).values)  # the store's dtype: cast into the result
         self.bytes_requested += values.size * array.dtype.itemsize
         return values
 

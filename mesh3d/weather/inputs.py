@@ -127,22 +127,29 @@ class ForecastInputs:
         return None if t is None else self.data.read_block([t])[0]
 
     def state(self, when: np.datetime64, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's block at ``when`` as the model sees it: normalized, ``(C, h, w)`` in ``dtype``."""
-        raw = self.raw(when)
-        if raw is None:
+        """This rank's block at ``when`` as the model sees it: normalized, ``(C, h, w)`` in ``dtype``.
+
+        Read and normalized in fp64 for an fp64 model, else in fp32 (one fp32 copy of the block, not two in fp64)."""
+        t = self.index(when)
+        if t is None:
             raise ValueError(f"init time {when} is not in the dataset")
-        return torch.from_numpy(np.ascontiguousarray(self.normalize(raw))).to(dtype)
+        wide = np.float64 if dtype == torch.float64 else np.float32
+        return torch.from_numpy(self.normalize(self.data.read_block([t], dtype=wide)[0])).to(dtype)
 
     def normalize(self, raw: np.ndarray) -> np.ndarray:
+        """``(raw - mean) / std`` per channel, in place (``raw`` is this rank's fresh fp64 read)."""
         if self.stats is None:
             return raw
         mean, std = self.stats.arrays(raw.shape[-3])
-        return (raw - mean) / std
+        raw -= mean.astype(raw.dtype)
+        raw /= std.astype(raw.dtype)
+        return raw
 
-    def physical(self, state: np.ndarray) -> np.ndarray:
-        """The model's normalized ``(..., C, h, w)`` values in physical units (fp64)."""
-        state = np.asarray(state, dtype=np.float64)
-        if self.stats is None:
-            return state
-        mean, std = self.stats.arrays(state.shape[-3])
-        return state * std + mean
+    def physical(self, state: np.ndarray, dtype: Any = np.float64) -> np.ndarray:
+        """The model's normalized ``(..., C, h, w)`` values in physical units, computed in ``dtype`` (a new array)."""
+        out = np.array(state, dtype=dtype)
+        if self.stats is not None:
+            mean, std = self.stats.arrays(out.shape[-3])
+            out *= std.astype(dtype)
+            out += mean.astype(dtype)
+        return out
