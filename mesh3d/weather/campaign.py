@@ -59,7 +59,10 @@ class ForecastResult:
 
 @dataclass(frozen=True)
 class ForecastProgress:
-    """One lead of one batch of samples done (what the progress callback receives, on every rank)."""
+    """One lead of one batch of samples done (what the progress callback receives, on every rank).
+
+    Usage: ``forecast_ensemble(..., progress=lambda p: print(p.line()) if p.lead == p.leads else None)``
+    """
 
     lead: int
     leads: int
@@ -113,8 +116,9 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
                       variables: Sequence[str] | Mapping[str, Sequence[Any] | None], out: str, *,
                       init_times: Sequence[Any], leads: int, lead: Any = 1, stats: Any = None, members: int = 1,
                       seed: int = 0, perturbation: Perturbation = None, model_noise: bool = False, batch_size: int = 1,
-                      tile: tuple[int, int] | None = None, store_dtype: Any = None, restart_every: int = 1,
-                      progress: Callable[[ForecastProgress], None] | None = _print_rank0,
+                      tile: tuple[int, int] | None = None, store_dtype: Any = None, compress: bool = True,
+                      restart_every: int = 1,
+                      progress: bool | Callable[[ForecastProgress], None] | None = True,
                       names: Mapping[str, str] | None = None, run: Mapping[str, Any] | None = None) -> ForecastResult:
     """Forecast ``leads`` steps of ``members`` members from each init time into the zarr store ``out``; every rank calls it.
 
@@ -131,8 +135,10 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
         model_noise: the model draws its own noise from ``noise.normal(...)`` (and torch's generator is seeded per
             member and lead: draws from it are the same on every mesh only with ``batch_size=1``).
         tile: the store's (lat, lon) chunk tile (default: 8 x 8 tiles of the globe); the domain split follows it.
-        store_dtype: the store's dtype (default: the model's); restart_every: keep the state every n leads (0: never).
-        progress: called after each lead of each batch on every rank (default: a line on rank 0; None: quiet).
+        store_dtype: the store's dtype (default: the model's); compress: zstd (zarr's default codec) or raw bytes;
+            restart_every: keep the state every n leads (0: never).
+        progress: True (a line per lead on global rank 0), False or None (quiet), or a function called after each lead
+            of each batch on every rank with a :class:`ForecastProgress`.
         run: JSON-able facts about the run recorded in the store (and checked when it resumes).
     """
     started = time.perf_counter()
@@ -150,14 +156,15 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
         if blocks.split else probe
     spec = StoreSpec(inputs.init_times(init_times), inputs.lead, leads, members, inputs.channels, inputs.lat, inputs.lon,
                      tile, str(store_dtype or _numpy_name(state_dtype)).removeprefix("torch."), _numpy_name(state_dtype),
-                     _run_record(model, run, seed, perturbation, model_noise, restart_every, inputs, variables, names))
+                     _run_record(model, run, seed, perturbation, model_noise, inputs, variables, names),
+                     compress=compress)
     store = _open_or_create(out, spec, dm)
     batch_rank, batch_ranks = (dm.axis_rank("batch"), dm.axis_size("batch")) if dm is not None else (0, 1)
     coords = dm.coordinates if dm is not None else {"model": 0, "domain": 0}
     result = ForecastResult(out, _share(spec.samples, batch_ranks, batch_rank))
     runner = _Runner(model, inputs, store, spec, result, blocks, model_noise, perturbation, seed, restart_every,
                      writes=coords["model"] == 0, leads_rank=coords["model"] == 0 and coords["domain"] == 0, dm=dm,
-                     progress=progress, state_dtype=state_dtype)
+                     progress=_print_rank0 if progress is True else (progress or None), state_dtype=state_dtype)
     batches = [result.samples[i:i + batch_size] for i in range(0, len(result.samples), batch_size)]
     with torch.no_grad():
         for number, samples in enumerate(batches):
@@ -187,14 +194,15 @@ def _fingerprint(model: Any) -> str | None:
 
 
 def _run_record(model: Any, run: Mapping[str, Any] | None, seed: int, perturbation: Perturbation, model_noise: bool,
-                restart_every: int, inputs: ForecastInputs, variables: Any, names: Mapping[str, str] | None) -> dict[str, Any]:
+                inputs: ForecastInputs, variables: Any, names: Mapping[str, str] | None) -> dict[str, Any]:
     record = dict(run or {})
     chosen = [list(pair) for pair in variable_pairs(variables)]  # NOTE: pairs: the store's JSON keeps their order
     if callable(perturbation):
         described: Any = f"{getattr(perturbation, '__module__', '?')}.{getattr(perturbation, '__qualname__', '?')}"
     else:
         described = None if perturbation is None else np.asarray(perturbation, dtype=np.float64).reshape(-1).tolist()
-    record.update(weights=_fingerprint(model), seed=int(seed), perturbation=described, model_noise=bool(model_noise), restart_every=int(restart_every),
+    # NOTE: what decides the values written (restart_every does not: a run may continue with another).
+    record.update(weights=_fingerprint(model), seed=int(seed), perturbation=described, model_noise=bool(model_noise),
                   stats=None if inputs.stats is None else inputs.stats.to_dict(), variables=chosen,
                   names=dict(names) if names else None,
                   source=os.path.abspath(inputs.data.path) if inputs.data.path else "an xarray.Dataset")
@@ -302,12 +310,14 @@ class _Runner:
         local = (x.to_local() if hasattr(x, "to_local") else x).detach().cpu()
         local = local.float() if local.dtype == torch.bfloat16 else local
         began = time.perf_counter()
-        physical = self.inputs.physical(local.numpy())
         members = self.spec.members
+        # NOTE: in the wider of the model's and the store's dtypes (fp32 for both fp32: no fp64 copy of the block).
+        dtype = np.result_type(local.numpy().dtype, np.dtype(self.spec.dtype))
         # NOTE: runs of samples of one init with consecutive members are written in one call (zarr writes them at once).
         for run in _runs(samples, fresh, lambda a, b: b == a + 1 and a // members == b // members):
             i, m = divmod(samples[run[0]], members)
-            self.store.write(i, k - 1, m, physical[run[0]:run[-1] + 1], self.rows, self.cols)
+            physical = self.inputs.physical(local[run[0]:run[-1] + 1].numpy(), dtype)
+            self.store.write(i, k - 1, m, physical, self.rows, self.cols)
         self.result.write_seconds += time.perf_counter() - began
         for run in _runs(samples, saved, lambda a, b: b == a + 1 and saved[a] == saved[b]):
             self.store.write_state(samples[run[0]], saved[samples[run[0]]], local[run[0]:run[-1] + 1].numpy(),

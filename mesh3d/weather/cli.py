@@ -96,6 +96,7 @@ def add_forecast_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None, help="cast the model (default: "
                    "the checkpoint's)")
     p.add_argument("--store-dtype", choices=("float32", "float64"), default=None, help="the store's dtype (default: the model's)")
+    p.add_argument("--no-compress", action="store_true", help="store raw bytes (default: zstd, zarr's default codec)")
     p.add_argument("--tile", type=_tile, default=None, help="the store's chunk tile LATxLON (default: 8 x 8 tiles)")
     p.add_argument("--restart-every", type=int, default=1, help="keep the state every n leads for a resume (0: recompute)")
     p.add_argument("--scores", default=None, metavar="DIR", help="score the store and write scores.csv/.json/.png here")
@@ -121,7 +122,8 @@ def run_forecast_command(args: argparse.Namespace) -> int:
             members=args.members, variables=parse_channels(args.channels) if args.channels else None,
             stats=_load_stats(args.stats), lead=args.lead, plan=args.plan, dtype=dtype, scores=args.scores,
             seed=args.seed, perturbation=_perturbation(args.perturb), model_noise=args.model_noise,
-            batch_size=args.batch_size, tile=args.tile, store_dtype=args.store_dtype, restart_every=args.restart_every,
+            batch_size=args.batch_size, tile=args.tile, store_dtype=args.store_dtype, compress=not args.no_compress,
+            restart_every=args.restart_every,
             **quiet)
     except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as err:
         print(f"mesh3d forecast: {err}", file=sys.stderr)

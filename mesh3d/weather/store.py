@@ -70,6 +70,8 @@ class StoreSpec:
     dtype: str
     state_dtype: str = "float32"
     run: dict[str, Any] = field(default_factory=dict)
+    #: zarr's default codec (zstd) for ``forecast``; False: the bytes as they are (faster to write, larger).
+    compress: bool = True
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -147,7 +149,7 @@ def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
     xr.Dataset(coords=coords, attrs=attrs).to_zarr(building, mode="w", consolidated=False, zarr_format=3)
     root = zarr.open_group(building, mode="r+")
     fc = root.create_array("forecast", shape=spec.shape, chunks=spec.chunks, dtype=spec.dtype, fill_value=float("nan"),
-                           dimension_names=DIMS)
+                           dimension_names=DIMS, compressors="auto" if spec.compress else None)
     fc.attrs.update({"long_name": "forecast", "coordinates": "valid_time channel_variable channel_level channel_units",
                      "units_by_channel": "see channel_units"})
     restart = root.create_group("restart")
