@@ -199,3 +199,27 @@ def chunk_files(store: str) -> dict[str, tuple[int, int]]:
             st = os.stat(os.path.join(d, f))
             out[os.path.relpath(os.path.join(d, f), base)] = (st.st_mtime_ns, st.st_ino)
     return out
+
+
+class ChannelMLP(nn.Module):
+    """A residual MLP over the channels at every point: weights for tensor parallelism on the model axis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.up, self.down = nn.Linear(3, 8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.up(x.permute(0, 2, 3, 1)))
+        return x + 0.5 * self.down(h).permute(0, 3, 1, 2)
+
+
+def channel_mlp() -> nn.Module:
+    return ChannelMLP().double()
+
+
+def mlp_plan():
+    """up column-wise, down row-wise over the model axis; the weights whole on each batch rank (inference)."""
+    from mesh3d import Plan
+
+    return Plan(model={"up": "colwise", "down": "rowwise"}, batch=None)

@@ -137,7 +137,7 @@ def test_a_stopped_run_continues_from_the_last_lead_written_without_rewriting_it
                tile=(2, 5), restart_every=restart_every)
     plain = fh.killing_model().net
     full, out = str(tmp_path / "full.zarr"), str(tmp_path / "out.zarr")
-    forecast_ensemble(plain, case["store"], case["variables"], full, **run)
+    forecast_ensemble(fh.Failing(plain, 0), case["store"], case["variables"], full, **run)   # never stops
     with pytest.raises(RuntimeError, match="stopped at call 9"):       # batch 2 of 3 (samples 2, 3), at lead 4
         forecast_ensemble(fh.Failing(plain, 9), case["store"], case["variables"], out, **run)
     done = zarr.open_array(out, path="restart/leads_done", mode="r")[:]
@@ -145,7 +145,7 @@ def test_a_stopped_run_continues_from_the_last_lead_written_without_rewriting_it
     before = fh.chunk_files(out)
     assert {tuple(int(v) for v in p.split("/")[:3]) for p in before} == {
         (i, k, m) for s, d in enumerate(done) for k in range(d) for i, m in [divmod(s, 3)]}
-    result = forecast_ensemble(fh.Failing(plain, 0), case["store"], case["variables"], out, **run)   # the same weights
+    result = forecast_ensemble(fh.Failing(plain, 0), case["store"], case["variables"], out, **run)
     assert result.skipped == done.sum() and result.written == 6 * 5 - done.sum()       # written once, each lead
     kept = {1: 3, 2: 2, 0: 0}[restart_every]                           # the lead of the state samples 2, 3 resume from
     assert result.recomputed == 2 * (3 - kept)                         # steps re-run without writing
@@ -155,3 +155,34 @@ def test_a_stopped_run_continues_from_the_last_lead_written_without_rewriting_it
     np.testing.assert_array_equal(b["forecast"].values, a["forecast"].values)
     xr.testing.assert_identical(a, b)
     assert "restart" not in os.listdir(out)
+
+
+# ---------------------------------------------------------------- weights over the model axis
+def _tensor_parallel_body(case, out, plan):
+    from mesh3d import DistributedManager
+    from mesh3d.weather import run_forecast
+
+    DistributedManager.initialize(batch=1, domain=2, model=2)
+    try:
+        result, _ = run_forecast(f"{fh.HERE}:channel_mlp", case["ckpt"], case["store"], out, init_times=[0, 3], leads=3,
+                                 members=2, perturbation=0.1, tile=(2, 5), plan=plan, progress=None)
+    except ValueError as err:
+        return str(err)
+    return result.written
+
+
+def test_weights_split_over_the_model_axis_give_the_one_process_forecast(ranks, tmp_path):
+    import xarray as xr
+
+    from mesh3d.weather import run_forecast
+
+    case = fh.sphere_checkpoint(str(tmp_path), fh.channel_mlp)
+    one, split = str(tmp_path / "one.zarr"), str(tmp_path / "split.zarr")
+    run_forecast(f"{fh.HERE}:channel_mlp", case["ckpt"], case["store"], one, init_times=[0, 3], leads=3, members=2,
+                 perturbation=0.1, tile=(2, 5), progress=None)
+    written = ranks.run(4, _tensor_parallel_body, case, split, f"{fh.HERE}:mlp_plan")
+    assert written == [4 * 3, 0, 4 * 3, 0]                              # model rank 0 of each domain rank writes
+    np.testing.assert_allclose(xr.open_zarr(split)["forecast"].values, xr.open_zarr(one)["forecast"].values,
+                               rtol=TOL, atol=TOL)
+    refused = ranks.run(4, _tensor_parallel_body, case, str(tmp_path / "fsdp.zarr"), "mesh3d:Plan")   # batch="fsdp"
+    assert all("keeps the weights whole on each batch rank" in r for r in refused)

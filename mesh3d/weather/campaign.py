@@ -205,7 +205,7 @@ def _run_record(model: Any, run: Mapping[str, Any] | None, seed: int, perturbati
     record.update(weights=_fingerprint(model), seed=int(seed), perturbation=described, model_noise=bool(model_noise),
                   stats=None if inputs.stats is None else inputs.stats.to_dict(), variables=chosen,
                   names=dict(names) if names else None,
-                  source=os.path.abspath(inputs.data.path) if inputs.data.path else "an xarray.Dataset")
+                  source=os.path.abspath(inputs.data.path) if inputs.data.path else None)   # None: an xarray.Dataset
     return json.loads(json.dumps(record))  # as the store will give it back (tuples as lists)
 
 

@@ -168,11 +168,16 @@ def score_forecast(store: str | os.PathLike, source: Any = None,
     source = source if source is not None else run.get("source")
     variables = variables if variables is not None else run.get("variables")
     if source is None or variables is None:
-        raise ValueError("score_forecast: pass source= and variables= (the store does not record them)")
+        raise ValueError("score_forecast: pass source= (the truth) and variables=: the store does not record them (its "
+                         "forecast read an xarray.Dataset passed in, not a path)")
     stats = stats if stats is not None else run.get("stats")
     names = names if names is not None else run.get("names")
     blocks = FieldBlocks.for_mesh((spec.lat.size, spec.lon.size), spec.tile)
     inputs = ForecastInputs(source, variables, lead=spec.lead, stats=stats, blocks=blocks, names=names)
+    if inputs.lat.shape != spec.lat.shape or inputs.lon.shape != spec.lon.shape or not (
+            np.allclose(inputs.lat, spec.lat) and np.allclose(inputs.lon, spec.lon)):
+        raise ValueError(f"score_forecast: the dataset's grid ({inputs.lat.size} x {inputs.lon.size}) is not the store's "
+                         f"({spec.lat.size} x {spec.lon.size}, or other coordinates)")
     if [c.name for c in inputs.channels] != [c.name for c in spec.channels]:
         raise ValueError(f"score_forecast: the dataset's channels {[c.name for c in inputs.channels]} are not the "
                          f"store's {[c.name for c in spec.channels]}")
