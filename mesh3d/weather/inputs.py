@@ -111,8 +111,9 @@ class ForecastInputs:
                 continue
             value = np.datetime64(t, "ns")
             if value.tolist() not in self._index:
-                raise ValueError(f"init time {value} is not a time of the dataset (its times run from {self.times[0]} to "
-                                 f"{self.times[-1]} every {hours(self.times[1] - self.times[0])})")
+                when = lambda v: np.datetime_as_string(v, unit="m")
+                raise ValueError(f"init time {when(value)} is not a time of the dataset (its times run from "
+                                 f"{when(self.times[0])} to {when(self.times[-1])} every {hours(self.times[1] - self.times[0])})")
             out.append(value)
         if not out or len(set(out)) != len(out):
             raise ValueError(f"give one or more distinct init times, got {[str(t) for t in out]}")
