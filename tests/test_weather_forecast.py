@@ -18,16 +18,19 @@ TOL = 1e-12
 INITS, MEMBERS, LEADS, SCALE = [40, 45, 50], 8, 10, 0.05
 
 
-def _run_body(case, out, grid, batch, batch_size):
+def _run_body(case, out, grid, batch, batch_size, dtypes=(torch.float64,)):
     from mesh3d import DistributedManager
     from mesh3d.weather import run_forecast
 
     if grid is not None:
         DistributedManager.initialize(batch=batch, domain=grid, model=1)
-    result, _ = run_forecast(case["model"], case["ckpt"], case["store"], out, init_times=INITS, leads=LEADS,
-                             members=MEMBERS, dtype=torch.float64, perturbation=SCALE, seed=5, batch_size=batch_size,
-                             progress=None, restart_every=0)        # no restart state: the resume tests keep it
-    return result
+    results = []
+    for dtype in dtypes:
+        result, _ = run_forecast(case["model"], case["ckpt"], case["store"], out.replace(".zarr", f"{dtype}.zarr"),
+                                 init_times=INITS, leads=LEADS, members=MEMBERS, dtype=dtype, perturbation=SCALE, seed=5,
+                                 batch_size=batch_size, progress=None, restart_every=0)   # the resume tests keep state
+        results.append(result)
+    return results[0]
 
 
 def _metadata(path):
@@ -48,10 +51,11 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
     from mesh3d.weather import load_forecast_model
 
     case = fh.example_checkpoint(str(tmp_path))
-    one, mesh = str(tmp_path / "one.zarr"), str(tmp_path / "mesh.zarr")
-    alone = _run_body(case, one, None, 1, 24)                      # one process, all 24 samples in one batch
+    both = (torch.float64, torch.float32)
+    alone = _run_body(case, str(tmp_path / "one.zarr"), None, 1, 24, both)   # one process, 24 samples in one batch
     assert (alone.written, alone.skipped) == (24 * LEADS, 0)
-    results = ranks.run(8, _run_body, case, mesh, (2, 2), 2, 5, timeout=300)   # batches of 5, 5, 2 per batch rank
+    results = ranks.run(8, _run_body, case, str(tmp_path / "mesh.zarr"), (2, 2), 2, 5, both, timeout=300)  # 5, 5, 2
+    one, mesh = (str(tmp_path / f"{name}{torch.float64}.zarr") for name in ("one", "mesh"))
     assert [r.samples for r in results] == [list(range(12))] * 4 + [list(range(12, 24))] * 4
     assert [(r.written, r.skipped, r.recomputed) for r in results] == [(12 * LEADS, 0, 0)] * 8  # each its block, once
 
@@ -71,7 +75,13 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
     assert np.abs(hand[:, -1] - hand[:, -1].mean(axis=1, keepdims=True)).max() > 1e-3   # the members differ
     assert np.isfinite(want).all() and np.abs(hand[:, 0] - hand[:, -1]).max() > 1.0     # and the forecast moves
 
-    again = _run_body(case, one, None, 1, 4)                        # a complete store: nothing is written again
+    # fp32: the mesh's error (against fp64) is of the one-process fp32 run's own rounding, channel by channel.
+    one32, mesh32 = (xr.open_zarr(str(tmp_path / f"{n}{torch.float32}.zarr"))["forecast"].values for n in ("one", "mesh"))
+    error = lambda got: np.abs(got - want).max(axis=(0, 1, 2, 4, 5))
+    assert (error(one32) > 0).all() and (error(mesh32) <= 2 * error(one32)).all(), (error(mesh32), error(one32))
+    assert (np.abs(mesh32 - one32).max(axis=(0, 1, 2, 4, 5)) <= 2 * error(one32)).all()
+
+    again = _run_body(case, str(tmp_path / "one.zarr"), None, 1, 4)    # the complete fp64 store: nothing rewritten
     assert (again.written, again.skipped) == (0, 24 * LEADS)
 
 
