@@ -8,6 +8,8 @@ Usage::
     mesh3d ckpt inspect|verify|coalesce PATH [OUT]
     mesh3d plan pkg.mod:make_model --world 4096 --domain 4x4 --model 4 --input 1x1x512x512 [--json]
     mesh3d check pkg.mod:make_model --input 1x1x32x32 [--plan pkg.mod:plan] [--meshes 1,2,1 2,2,1]
+    mesh3d forecast pkg.mod:make_model CKPT DATASET --out fc.zarr --init 40,44 --leads 10 --members 8 [--scores DIR]
+    mesh3d score fc.zarr --out DIR
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from mesh3d.launcher import detect_launcher
 from mesh3d.parallel.explain import explain_table
 from mesh3d.parallel.plan import Plan
 from mesh3d.planner import cli as planner_cli
+from mesh3d.weather import cli as forecast_cli
 
 __all__ = ["main", "build_parser", "environment_report", "TESTED_TORCH"]
 
@@ -123,6 +126,10 @@ SUBCOMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Cal
              planner_cli.add_plan_arguments, planner_cli.run_plan),
     "check": ("run a model and plan on small uneven meshes of local gloo ranks against one process, in fp64",
               planner_cli.add_check_arguments, planner_cli.run_check),
+    "forecast": ("an ensemble weather forecast from a checkpoint on any mesh, each rank writing its block of one zarr "
+                 "store (resumes a killed run)", forecast_cli.add_forecast_arguments, forecast_cli.run_forecast_command),
+    "score": ("RMSE, fair CRPS, spread/skill and ACC of a forecast store against its dataset, per channel and lead",
+              forecast_cli.add_score_arguments, forecast_cli.run_score_command),
 }
 
 

@@ -11,6 +11,8 @@ import os
 import re
 import sys
 
+import numpy as np
+
 from launch_helpers import clean_env, run, run_on_free_port
 
 
@@ -103,6 +105,13 @@ def test_weather_example_trains_equal_to_one_process_resumes_forecasts_and_draws
     assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", out)) == 7, out
     assert re.search(r"lat \(0, 8\) lon \(0, 64\): read \d+ bytes", out), out    # a lat slab of the resumed mesh
     assert "every check passed" in out and os.path.getsize(tmp_path / "weather" / "forecast.png") > 10_000
+    assert re.search(r"lead 48 h  u10   RMSE +[\d.]+ m s-1 \(persistence +[\d.]+\)  ACC [\d.]+", out), out  # by channel
+    import xarray as xr
+
+    fc = xr.open_zarr(tmp_path / "weather" / "forecast.zarr")            # CF coordinates, opened by xarray alone
+    assert fc["lead_time"].values[-1] == np.timedelta64(48, "h") and str(fc["init_time"].values[0]) == \
+        "2020-01-14T00:00:00.000000000"
+    assert fc["channel"].values.tolist() == ["z500", "t850", "t2m", "u10"] and fc["latitude"].attrs["units"] == "degrees_north"
 
 
 def test_meshgraphnet_example_trains_equal_to_one_process_and_prints_its_halo():
