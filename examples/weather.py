@@ -1,6 +1,6 @@
 """A weather model on the mesh, end to end: ERA5-like fields from zarr, a spherical Fourier neural operator on a
 lat x lon domain grid, latitude-weighted rollout training against one process, resume on another mesh, an 8-step
-forecast written block by block, and a picture of truth beside forecast.
+forecast written block by block into a CF-style store and scored on the mesh, and a picture of truth, forecast and error.
 
 Usage::
 
@@ -18,9 +18,10 @@ eastward-moving waves, noise. ``train`` reads each rank's (lat, lon) block with 
 ``SFNO`` (below) on 2-step rollouts (output fed back, each step under activation checkpointing) with the
 latitude-weighted MSE, and rank 0 trains the same weights in one process: every step's loss must match.
 ``resume`` loads the checkpoint (weights, Adam, the data cursor) on another mesh, continues like the
-uninterrupted run, then forecasts 8 steps from held-out times with each rank writing its own block of every step
-to ``forecast.zarr`` (no gather), and checks the store against a one-process forecast. Exit status 0 only when
-every check passes.
+uninterrupted run, saves ``ckpt-7`` (what ``mesh3d forecast`` starts from: docs/weather.md, Forecasting), then
+forecasts 8 steps from held-out times with ``forecast_ensemble``, each rank writing its own block of every step to
+``forecast.zarr`` (no gather), scores it per channel, and checks the store against a one-process forecast. Exit
+status 0 only when every check passes.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -39,7 +41,9 @@ from torch import nn
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize
 from mesh3d.data import MeshDataLoader, MeshSampler, WeatherDataset
-from mesh3d.weather import ForecastWriter, LatLonGrid, SphereConv2d, acc, forecast, rmse, rollout_loss, weighted_mse
+from mesh3d.weather import (LatLonGrid, SphereConv2d, forecast, forecast_ensemble, rmse, rollout_loss, score_forecast,
+                            weather_extra, weighted_mse)
+from mesh3d.weather.figures import forecast_maps
 
 NLAT, NLON, TIMES, TEST_TIMES = 32, 64, 64, 12
 VARIABLES = {"z": [500], "t": [850], "t2m": None, "u10": None}
@@ -186,6 +190,9 @@ def write_store(path: str) -> None:
                     coords={"time": np.datetime64("2020-01-01T00", "ns") + np.arange(TIMES) * np.timedelta64(6, "h"), "level": [500, 850],
                             "lat": lat, "lon": lon})
     ds = ds.astype("float32")
+    for name, units, long_name in (("z", "m", "geopotential height"), ("t", "K", "temperature"),
+                                   ("t2m", "K", "2 m temperature"), ("u10", "m s-1", "10 m eastward wind")):
+        ds[name].attrs.update(units=units, long_name=long_name)
     chunks = {"z": (1, 1, 8, 32), "t": (1, 1, 8, 32), "t2m": (1, 8, 32), "u10": (1, 8, 32)}
     ds.to_zarr(path, mode="w", consolidated=False, encoding={k: {"chunks": c} for k, c in chunks.items()})
 
@@ -248,8 +255,12 @@ def phase_train(out: str, resume: bool) -> int:
     start = time.perf_counter()
     losses = run_steps(net, opt, loader, ds, RESUME_STEPS if resume else TRAIN_STEPS, parallel=True)
     seconds = time.perf_counter() - start
+    # NOTE: the channels (in order), their statistics and the step, for `mesh3d forecast` (docs/weather.md, Forecasting).
+    weather = {"weather": weather_extra(ds, lead_hours=6)}
     if not resume:
-        checkpoint.save(ckpt, net, opt, step=TRAIN_STEPS, data=loader)
+        checkpoint.save(ckpt, net, opt, step=TRAIN_STEPS, data=loader, extra=weather)
+    else:
+        checkpoint.save(f"{ckpt}-{TRAIN_STEPS + RESUME_STEPS}", net, step=TRAIN_STEPS + RESUME_STEPS, extra=weather)
     block = {k: v for k, v in ds.block.items()}
     print(f"rank {dm.rank}: block lat {block['lat']} lon {block['lon']}: read {ds.bytes_read} bytes of compressed chunks "
           f"for {ds.bytes_requested} bytes of its own points", flush=True)
@@ -274,67 +285,59 @@ def phase_train(out: str, resume: bool) -> int:
 
 
 def forecast_and_check(net, store: str, out: str, dm: DistributedManager) -> bool:
-    """8 steps from every held-out start, each rank writing its block; rank 0 checks the store against one process."""
+    """8 leads from every held-out start, each rank writing its block of a CF-style store; scored on the mesh (no
+    gather); rank 0 checks the store against a forecast of whole fields in one process and prints the scores."""
     stats = train_set_stats(store)
     # NOTE: inference needs no FSDP: every rank holds the whole (small) model, and only the fields are split.
     plain = model()
     plain.load_state_dict({k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in net.state_dict().items()})
-    test = WeatherDataset(store, VARIABLES, lead=np.timedelta64(6, "h"), steps=FORECAST_STEPS, stats=stats,
-                          times=range(TIMES - TEST_TIMES, TIMES - FORECAST_STEPS))
-    loader = MeshDataLoader(test, MeshSampler(len(test), dm.axis_size("batch"), shuffle=False, tail="pad"))
-    path, writer = os.path.join(out, "forecast.zarr"), None
-    for batch in loader:
-        batch = test.to_domain(batch)
-        if writer is None:
-            writer = ForecastWriter(path, len(test), FORECAST_STEPS, like=batch["x"], channels=test.channel_names,
-                                    lat=test.lat, lon=test.lon)
-        forecast(plain, batch["x"], FORECAST_STEPS, writer, sample_ids=batch["index"])
-    writer.close()
+    inits = list(range(TIMES - TEST_TIMES, TIMES - FORECAST_STEPS))
+    path = os.path.join(out, "forecast.zarr")
+    if dm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)                 # a new forecast each run of the example
+    dist.barrier()
+    forecast_ensemble(plain, store, VARIABLES, path, init_times=inits, leads=FORECAST_STEPS, lead=np.timedelta64(6, "h"),
+                      stats=stats, batch_size=2, tile=(8, 16), progress=None, run={"model": "examples/weather.py:SFNO"})
+    table = score_forecast(path)                                # every rank: block sums, one all-reduce
     if dm.rank != 0:
         return True
     import xarray as xr
 
-    written = torch.from_numpy(xr.open_zarr(path, consolidated=False)["forecast"].values)
+    written = xr.open_zarr(path)["forecast"].isel(member=0)     # (init_time, lead_time, channel, latitude, longitude)
     one = WeatherDataset(store, VARIABLES, lead=np.timedelta64(6, "h"), steps=FORECAST_STEPS, stats=stats,
-                         times=test.times, domain=((1,), (0,)))
+                         times=inits, domain=((1,), (0,)))
     x0 = torch.stack([one[i]["x"] for i in range(len(one))])
-    truth = torch.stack([torch.stack(one[i]["y"]) for i in range(len(one))])
-    want = torch.stack(forecast(plain, x0, FORECAST_STEPS), dim=1)
-    err = float((written - want).abs().max())
-    same = err <= 1e-4 * float(want.abs().max())
+    mean, std = (torch.tensor(v).reshape(1, 1, -1, 1, 1) for v in (stats["mean"], stats["std"]))
+    want = torch.stack(forecast(plain, x0, FORECAST_STEPS), dim=1).double() * std + mean   # physical units
+    truth = torch.stack([torch.stack(one[i]["y"]) for i in range(len(one))]).double() * std + mean
+    err = float((torch.from_numpy(written.values) - want).abs().max())
+    same = err <= 1e-5 * float(want.abs().max())
     weights = LatLonGrid(one.lat, one.lon).weights
-    for step in (0, 3, 7):
-        r = rmse(written[:, step], truth[:, step], weights).mean(0)
-        p = rmse(x0, truth[:, step], weights).mean(0)
-        a = acc(written[:, step], truth[:, step], weights).mean(0)
-        print(f"lead {6 * (step + 1):3d} h: RMSE (normalized) {[f'{v:.3f}' for v in r.tolist()]} persistence "
-              f"{[f'{v:.3f}' for v in p.tolist()]} ACC {[f'{v:.3f}' for v in a.tolist()]}")
-    print(f"forecast.zarr {tuple(written.shape)} (sample, step, channel, lat, lon), written block by block: max abs diff "
-          f"{err:.2e} from the one-process forecast: {'MATCHES one process' if same else 'DIFFERS'}", flush=True)
+    persistence = rmse((x0.double() * std[:, 0] + mean[:, 0])[:, None], truth, weights).pow(2).mean(0).sqrt()
+    for k in (0, 3, 7):
+        for c, (name, units) in enumerate(zip(table.channels, table.units)):
+            print(f"lead {table.lead_hours[k]:2g} h  {name:<5} RMSE {table.rmse[k, c]:7.3f} {units:<5} (persistence "
+                  f"{persistence[k, c]:7.3f})  ACC {table.acc[k, c]:.3f}")
+    print(f"forecast.zarr {dict(written.sizes)}, written block by block: max abs diff {err:.2e} from the one-process "
+          f"forecast: {'MATCHES one process' if same else 'DIFFERS'}", flush=True)
     return same
 
 
 # ---------------------------------------------------------------------------------------------- the picture
 def phase_plot(out: str) -> int:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """z500 of the first held-out start: truth, forecast and their difference at +6, +24 and +48 h."""
     import xarray as xr
 
-    store, stats = os.path.join(out, "era5_like.zarr"), train_set_stats(os.path.join(out, "era5_like.zarr"))
-    fc = xr.open_zarr(os.path.join(out, "forecast.zarr"), consolidated=False)
-    test = WeatherDataset(store, VARIABLES, lead=np.timedelta64(6, "h"), steps=FORECAST_STEPS, stats=stats,
-                          times=range(TIMES - TEST_TIMES, TIMES - FORECAST_STEPS), domain=((1,), (0,)))
-    c, mean, std = 0, stats["mean"][0], stats["std"][0]           # z500, back in metres^2/s^2-like units
-    fig, axes = plt.subplots(2, 3, figsize=(12, 4.6), constrained_layout=True)
-    for col, step in enumerate((0, 3, 7)):
-        truth = test[0]["y"][step][c].numpy() * std + mean
-        pred = fc["forecast"].values[0, step, c] * std + mean
-        for row, (field, name) in enumerate(((truth, "truth"), (pred, "forecast"))):
-            im = axes[row, col].imshow(field, extent=(0, 360, -90, 90), cmap="viridis", vmin=truth.min(), vmax=truth.max())
-            axes[row, col].set_title(f"z500 {name}, +{6 * (step + 1)} h", fontsize=9)
-        fig.colorbar(im, ax=axes[:, col], shrink=0.8)
+    fc = xr.open_zarr(os.path.join(out, "forecast.zarr"))
+    era5 = xr.open_zarr(os.path.join(out, "era5_like.zarr"), consolidated=False)
+    init, leads = fc["init_time"].values[0], [0, 3, 7]
+    z500 = fc["forecast"].sel(channel="z500").isel(init_time=0, member=0, lead_time=leads)
+    valid = init + fc["lead_time"].values[leads]
+    truth = era5["z"].sel(level=500, time=valid).values            # geopotential height (m), as the store holds it
+    fig = forecast_maps(z500.values, truth, lat=fc["latitude"].values, lon=fc["longitude"].values, channel="z500",
+                        units=str(fc["channel_units"].sel(channel="z500").values), init=init, variable="z",
+                        model=f"SFNO (examples/weather.py, {TRAIN_STEPS + RESUME_STEPS} Adam steps)",
+                        lead_hours=[6 * (k + 1) for k in leads])
     path = os.path.join(out, "forecast.png")
     fig.savefig(path, dpi=80)
     print(f"saved {path}")

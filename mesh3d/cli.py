@@ -8,6 +8,8 @@ Usage::
     mesh3d ckpt inspect|verify|coalesce PATH [OUT]
     mesh3d plan pkg.mod:make_model --world 4096 --domain 4x4 --model 4 --input 1x1x512x512 [--json]
     mesh3d check pkg.mod:make_model --input 1x1x32x32 [--plan pkg.mod:plan] [--meshes 1,2,1 2,2,1]
+    mesh3d forecast pkg.mod:make_model CKPT DATASET --out fc.zarr --init 40,44 --leads 10 --members 8 [--scores DIR]
+    mesh3d score fc.zarr --out DIR
 
 The parser comes from ``mesh3d.commands`` (no torch); a command's module is imported when it runs, so
 ``--version`` and ``--help`` answer without torch, and ``info`` with torch alone (no compiler stack). A bad

@@ -19,6 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import BENCH, cpu_model, load_bench_json as _load  # noqa: E402
 from bench_report_domain import domain_sections  # noqa: E402
+from bench_report_graphs import graph_sections  # noqa: E402
+from bench_report_forecast import forecast_section  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -327,9 +329,11 @@ def main() -> None:
              "step times, up to +-30 % for disk-bound checkpoint phases.", ""]
     _parallelize(lines)
     domain_sections(lines)
+    graph_sections(lines)
     _checkpoint(lines)
     _pretrained(lines)
     _checkpoint_async(lines)
+    forecast_section(lines)
     _faults(lines)
     _lightning(lines)
     _plan(lines)

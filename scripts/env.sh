@@ -27,10 +27,10 @@ if [ "$MESH3D_FOR" = demo ]; then
   _expect="about 0.8 GB on disk, 1-2 minutes from a local wheel cache (torch's CPU wheel is ~200 MB to download)"
   _check="import mesh3d, torch, safetensors, einops, numpy, xxhash"
 else
-  _extras="test,lightning,hf,zoo,weather${MESH3D_EXTRAS:+,$MESH3D_EXTRAS}"
+  _extras="test,lightning,hf,zoo,weather,graph${MESH3D_EXTRAS:+,$MESH3D_EXTRAS}"
   _pins="$LINT_PINS"
   _expect="about 1.9 GB on disk, 5-7 minutes from a local wheel cache (more to download from PyPI)"
-  _check="import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')"
+  _check="import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, torch_geometric, pymetis, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')"
 fi
 _target="$ROOT${_extras:+[$_extras]}"
 
@@ -42,8 +42,8 @@ if [ ! -x "$PY" ]; then
 fi
 
 # The installed sets, one marker line each ("<hash> <extras> <pins>"): a set is current when its line is there.
-_want="$( (cat "$ROOT/pyproject.toml"; echo "$TORCH_PIN $_extras $_pins") | sha256sum | cut -c1-16)"
-_full="$( (cat "$ROOT/pyproject.toml"; echo "$TORCH_PIN test,lightning,hf,zoo,weather $LINT_PINS") | sha256sum | cut -c1-16)"
+_want="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh"; echo "$TORCH_PIN $_extras $_pins") | sha256sum | cut -c1-16)"
+_full="$( (cat "$ROOT/pyproject.toml" "$ROOT/scripts/env.sh"; echo "$TORCH_PIN test,lightning,hf,zoo,weather,graph $LINT_PINS") | sha256sum | cut -c1-16)"
 
 _installed() {  # this set, or (for the demo without extras) the test set, which holds it
   grep -qx "$1" "$VENV/.mesh3d-installed" 2>/dev/null

@@ -19,7 +19,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("mesh3d", "mesh3d.domain", "mesh3d.checkpoint", "mesh3d.data", "mesh3d.weather", "mesh3d.lightning",
-            "mesh3d.planner")
+            "mesh3d.planner", "mesh3d.graphs")
 HEADER = """<!-- doc-test: page not run: the python blocks of this page are signatures, generated from the code -->
 # API reference
 

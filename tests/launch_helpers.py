@@ -48,7 +48,7 @@ def clean_env(**extra: str) -> dict[str, str]:
     """This environment without any launcher's variables, one thread per process, mesh3d importable."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in _LAUNCHER_VARS}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **extra)
+    env.update({"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), **extra})  # PYTHONPATH may be extended
     return env
 
 

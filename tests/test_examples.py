@@ -11,6 +11,8 @@ import os
 import re
 import sys
 
+import numpy as np
+
 from launch_helpers import clean_env, run, run_on_free_port
 
 
@@ -103,3 +105,30 @@ def test_weather_example_trains_equal_to_one_process_resumes_forecasts_and_draws
     assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", out)) == 7, out
     assert re.search(r"lat \(0, 8\) lon \(0, 64\): read \d+ bytes", out), out    # a lat slab of the resumed mesh
     assert "every check passed" in out and os.path.getsize(tmp_path / "weather" / "forecast.png") > 10_000
+    assert re.search(r"lead 48 h  u10   RMSE +[\d.]+ m s-1 \(persistence +[\d.]+\)  ACC [\d.]+", out), out  # by channel
+    import xarray as xr
+
+    fc = xr.open_zarr(tmp_path / "weather" / "forecast.zarr")            # CF coordinates, opened by xarray alone
+    assert fc["lead_time"].values[-1] == np.timedelta64(48, "h") and str(fc["init_time"].values[0]) == \
+        "2020-01-14T00:00:00.000000000"
+    assert fc["channel"].values.tolist() == ["z500", "t850", "t2m", "u10"] and fc["latitude"].attrs["units"] == "degrees_north"
+
+
+def test_meshgraphnet_example_trains_equal_to_one_process_and_prints_its_halo():
+    out = _run(["examples/meshgraphnet.py", "--ranks", "3", "--steps", "3"])
+    assert "MATCHES one process" in out, out
+    assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+$", out, re.M)) == 3
+    per_layer, gather_all = (int(v) for v in re.search(r"(\d+) bytes per message-passing layer .* against (\d+) bytes", out).groups())
+    assert 0 < per_layer < gather_all
+    assert re.search(rf"= 4 layers x {per_layer} \+ \d+ for the loss", out), out
+
+
+def test_graph_weather_example_trains_on_4_ranks_resumes_on_2_equal_to_one_process(tmp_path):
+    done = run(["examples/graph_weather.py", "--out", str(tmp_path / "gw")], timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    out = done.stdout
+    assert "trained on (2, 2): MATCHES one process" in out and "resumed on (2, 1): MATCHES one process" in out, out
+    assert len(re.findall(r"^step \d loss [\d.]+ one-process [\d.]+$", out, re.M)) == 7
+    halos = re.findall(r"halo rows \([\d, ]+\):\s+(\d+) bytes per step, a gather of every node\s+(\d+)", out)
+    assert len(halos) == 8 and all(0 < int(h) < int(g) for h, g in halos), out
+    assert "graph_weather: every check passed" in out

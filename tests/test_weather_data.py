@@ -101,6 +101,24 @@ def test_bad_selections_say_what_would_be_right(tmp_path, kwargs, message):
         WeatherDataset(path, **kwargs)
 
 
+def test_dims_named_latitude_and_longitude_are_taken_as_they_are(tmp_path):
+    """ARCO ERA5 and WeatherBench 2 name the dims latitude/longitude (and the CDS pressure_level, valid_time)."""
+    import xarray as xr
+
+    path = wh.write_weather(str(tmp_path))["zarr"]
+    plain = WeatherDataset(path, wh.VARIABLES, steps=1, domain=((2, 2), (1, 0)), dtype=torch.float64)
+    renamed = xr.open_zarr(path, consolidated=False).rename(lat="latitude", lon="longitude", level="pressure_level",
+                                                            time="valid_time")
+    ds = WeatherDataset(renamed, wh.VARIABLES, steps=1, domain=((2, 2), (1, 0)), dtype=torch.float64)
+    assert ds.dim_names == {"lat": "latitude", "lon": "longitude", "time": "valid_time", "level": "pressure_level"}
+    assert ds.block == {"latitude": (4, 7), "longitude": (0, 5)} and ds.channel_names == plain.channel_names
+    assert torch.equal(ds[2]["x"], plain[2]["x"]) and torch.equal(ds[2]["y"][0], plain[2]["y"][0])
+    with pytest.raises(ValueError, match=r"lead=9 h is not a positive multiple of the time step 6 h"):
+        WeatherDataset(renamed, ["t2m"], lead=np.timedelta64(9, "h"))
+    with pytest.raises(ValueError, match=r"name the dims with lat=, lon=, time=, level="):
+        WeatherDataset(renamed.rename(latitude="y"), ["t2m"])
+
+
 def test_latitude_weights_integrate_over_the_sphere():
     lat = np.linspace(90, -90, 721)                   # 0.25 degrees, poles included
     w = lat_weights(lat)

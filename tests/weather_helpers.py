@@ -36,6 +36,8 @@ def write_weather(root: str) -> dict[str, str]:
     ds = xr.Dataset({"z": (("time", "level", "lat", "lon"), f["z"]), "t2m": (("time", "lat", "lon"), f["t2m"])},
                     coords={"time": np.datetime64("2020-01-01T00", "ns") + np.arange(T) * np.timedelta64(6, "h"), "level": list(LEVELS),
                             "lat": f["lat"], "lon": f["lon"]})
+    ds["z"].attrs["units"] = "m**2 s**-2"
+    ds["t2m"].attrs["units"] = "K"
     paths = {"zarr": os.path.join(root, "w.zarr"), "nc": os.path.join(root, "w.nc")}
     chunks = {"z": (1, 1, CHUNKS["lat"], CHUNKS["lon"]), "t2m": (1, CHUNKS["lat"], CHUNKS["lon"])}
     ds.to_zarr(paths["zarr"], mode="w", consolidated=False,

@@ -8,6 +8,7 @@ Usage::
     info = checkpoint.load("ckpt/step-100", model, optimizer)                        # any mesh shape
     checkpoint.coalesce("ckpt/step-100", "export/hf")                                # one process
     checkpoint.load_pretrained("llama-hf/", model)                                   # HF safetensors, any mesh
+    checkpoint.save_nodes("ckpt/nodes", {"embed": rows}, part)                        # node-partitioned tensors
 
 Nothing is pickled: tensors are in safetensors files, everything else is JSON.
 """
@@ -19,6 +20,7 @@ from mesh3d.checkpoint.index import read_index, validate_index
 from mesh3d.checkpoint.inspect import describe, verify
 from mesh3d.checkpoint.load import LoadInfo, load
 from mesh3d.checkpoint.manager import CheckpointManager
+from mesh3d.checkpoint.nodes import load_nodes, save_nodes
 from mesh3d.checkpoint.pretrained import PretrainedInfo, load_pretrained
 from mesh3d.checkpoint.save import save
 from mesh3d.checkpoint.weight_source import key_prefix
@@ -41,9 +43,11 @@ __all__ = [
     "describe",
     "key_prefix",
     "load",
+    "load_nodes",
     "load_pretrained",
     "read_index",
     "save",
+    "save_nodes",
     "validate_index",
     "verify",
 ]

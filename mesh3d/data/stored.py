@@ -81,6 +81,11 @@ class StoredArray:
     def __len__(self) -> int:
         return self.shape[0]
 
+    @property
+    def chunks(self) -> tuple[int, ...] | None:
+        """The storage's chunk shape (None for a contiguous HDF5 dataset)."""
+        return getattr(self._open(), "chunks", None)
+
     def __getitem__(self, key: Any) -> Any:
         return self._open()[key]
 

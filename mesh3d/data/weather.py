@@ -55,6 +55,18 @@ def open_weather(path: str | os.PathLike, counter: ReadCounter | None = None) ->
     return xarray.open_dataset(CountingFile(path, counter), engine="h5netcdf", chunks=None, cache=False)
 
 
+#: The names each dim goes by in the field's stores (ERA5 from the CDS or ARCO, WeatherBench 2, CMIP), first match wins.
+DIM_NAMES = {"lat": ("lat", "latitude"), "lon": ("lon", "longitude"), "time": ("time", "valid_time"),
+             "level": ("level", "pressure_level", "isobaricInhPa", "plev")}
+
+
+def dim_name(ds: Any, role: str) -> str:
+    """The name ``ds`` gives the ``role`` dim ("lat", "lon", "time", "level"): the first of ``DIM_NAMES[role]`` it has
+    (the first of them when it has none, for the error that names what is missing)."""
+    names = DIM_NAMES[role]
+    return next((n for n in names if n in ds.dims), names[0])
+
+
 def _lead_steps(ds: Any, lead: Any, time: str) -> int:
     """``lead`` in index steps: an int, or a timedelta divided by the (uniform) spacing of the time coordinate."""
     if isinstance(lead, (int, np.integer)) and not isinstance(lead, (bool, np.timedelta64)):
@@ -64,12 +76,20 @@ def _lead_steps(ds: Any, lead: Any, time: str) -> int:
     times = np.asarray(ds[time].values)
     steps = np.diff(times)
     if len(steps) == 0 or not (steps == steps[0]).all():
-        raise ValueError(f"WeatherDataset: lead={lead!r} is a duration, which needs a uniformly spaced {time!r} "
+        raise ValueError(f"WeatherDataset: lead={_duration(lead)} is a duration, which needs a uniformly spaced {time!r} "
                          "coordinate; pass lead as a number of time steps instead")
     ratio = np.timedelta64(lead) / steps[0] if np.issubdtype(steps.dtype, np.timedelta64) else lead / steps[0]
     if ratio < 1 or float(ratio) != int(ratio):
-        raise ValueError(f"WeatherDataset: lead={lead!r} is not a positive multiple of the time step {steps[0]!r}")
+        raise ValueError(f"WeatherDataset: lead={_duration(lead)} is not a positive multiple of the time step "
+                         f"{_duration(steps[0])}")
     return int(ratio)
+
+
+def _duration(value: Any) -> str:
+    """A time step in hours (``6 h``) rather than ``np.timedelta64(21600000000000,'ns')``."""
+    if isinstance(value, np.timedelta64):
+        return f"{np.timedelta64(value, 'ns').astype(np.int64) / 3.6e12:g} h"
+    return repr(value)
 
 
 def _chunk_of(ds: Any, names: Sequence[str], dim: str) -> int | None:
@@ -116,12 +136,14 @@ class WeatherDataset(Dataset):
     def __init__(self, source: Any, variables: Sequence[str] | Mapping[str, Sequence[Any] | None], *, lead: Any = 1,
                  steps: int = 1, stats: ChannelStats | Mapping[str, Sequence[float]] | str | None = None,
                  times: Sequence[int] | None = None, sizes: Sequence[Sequence[int] | None] | None = None,
-                 lat: str = "lat", lon: str = "lon", time: str = "time", level: str = "level",
+                 lat: str | None = None, lon: str | None = None, time: str | None = None, level: str | None = None,
                  dtype: torch.dtype = torch.float32, domain: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> None:
         self.counter = ReadCounter()
         self.path = None if hasattr(source, "data_vars") else os.fspath(source)
         self._ds = source if self.path is None else open_weather(self.path, self.counter)
         self._pid = os.getpid()
+        lat, lon, time, level = (given or dim_name(self._ds, role) for role, given in
+                                 (("lat", lat), ("lon", lon), ("time", time), ("level", level)))
         self.dim_names = {"lat": lat, "lon": lon, "time": time, "level": level}
         self.channels: tuple[Channel, ...] = select_channels(self._ds, variables, level=level, dims=(time, lat, lon))
         if not isinstance(steps, int) or steps < 1:
@@ -189,29 +211,35 @@ class WeatherDataset(Dataset):
     def __len__(self) -> int:
         return len(self.times)
 
-    def read_block(self, time_indices: Sequence[int]) -> np.ndarray:
-        """This rank's block of every channel at ``time_indices``: ``(len(time_indices), C, h, w)``, fp64, raw."""
+    def read_block(self, time_indices: Sequence[int], dtype: Any = np.float64) -> np.ndarray:
+        """This rank's block of every channel at ``time_indices``: ``(len(time_indices), C, h, w)``, raw, in ``dtype``.
+
+        Each variable's values go straight into the result (no second copy of the block)."""
         ds, names = self.dataset, self.dim_names
         window = {names["lat"]: slice(*self.block[names["lat"]]), names["lon"]: slice(*self.block[names["lon"]])}
-        parts = []
+        (a, b), (c, d) = self.block[names["lat"]], self.block[names["lon"]]
+        out = np.empty((len(time_indices), len(self.channels), b - a, d - c), dtype=dtype)
+        first = 0
         for var, run in itertools.groupby(self.channels, key=lambda c: c.variable):  # consecutive channels of a variable
             levels = [c.level_index for c in run]
             select: dict[str, Any] = {names["time"]: list(time_indices), **window}
             if levels[0] is None:
-                parts.append(self._read(ds[var], select, [names["time"], names["lat"], names["lon"]])[:, None])
+                out[:, first] = self._read(ds[var], select, [names["time"], names["lat"], names["lon"]])
+                first += 1
                 continue
             # NOTE: one list index per read (the times), each run of consecutive levels a slice: HDF5 backends read a
             # second list index as the whole range it spans.
-            pieces = {}
             for start, stop in _runs(sorted(set(levels))):
                 block = self._read(ds[var], {**select, names["level"]: slice(start, stop)},
                                    [names["time"], names["level"], names["lat"], names["lon"]])
-                pieces.update({lv: block[:, lv - start] for lv in range(start, stop)})
-            parts.append(np.stack([pieces[lv] for lv in levels], axis=1))
-        return np.concatenate(parts, axis=1)
+                for j, lv in enumerate(levels):
+                    if start <= lv < stop:
+                        out[:, first + j] = block[:, lv - start]
+            first += len(levels)
+        return out
 
     def _read(self, array: Any, select: dict[str, Any], order: list[str]) -> np.ndarray:
-        values = np.asarray(array.isel(select).transpose(*order).values, dtype=np.float64)
+        values = np.asarray(array.isel(select).transpose(*order).values)  # the store's dtype: cast into the result
         self.bytes_requested += values.size * array.dtype.itemsize
         return values
 

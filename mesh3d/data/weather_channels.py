@@ -58,7 +58,7 @@ def select_channels(ds: Any, variables: Sequence[str] | Mapping[str, Sequence[An
         missing = [d for d in dims if d not in var_dims]
         if extra or missing:
             raise ValueError(f"WeatherDataset: variable {name!r} has dims {var_dims}; need {tuple(dims)} and at most "
-                             f"{level!r} (missing {missing}, unexpected {extra}); rename with ds.rename(...)")
+                             f"{level!r} (missing {missing}, unexpected {extra}); name the dims with lat=, lon=, time=, level=")
         if level not in var_dims:
             if levels is not None:
                 raise ValueError(f"WeatherDataset: variable {name!r} has no {level!r} dim, so levels={levels!r} "

@@ -23,7 +23,7 @@ from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.comm.exchange import NOTICES, count_traffic
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.core.connected import connected_zeros
-from mesh3d.domain.core.specs import BlockSpec, DomainSpec, Layout, TokenSpec
+from mesh3d.domain.core.specs import BlockSpec, DomainSpec, GraphSpec, Layout, TokenSpec
 from mesh3d.domain.core.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.compile_guards import guard_filter
@@ -32,6 +32,7 @@ from mesh3d.domain.dispatch.dispatcher import dispatch_autograd_function
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.short_path import SHORT
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
+from mesh3d.domain.graph import edge_index, nodes_from_local, nodes_from_tokens, shard_edges, shard_nodes, tokens_from_nodes
 from mesh3d.domain.halo.overlap import window_overlap
 from mesh3d.domain.halo.windows import Extended, Window, plan_window
 from mesh3d.domain.io import NpyArray, read
@@ -66,6 +67,7 @@ __all__ = [
     "DomainTensor",
     "Entering",
     "Extended",
+    "GraphSpec",
     "Layout",
     "NpyArray",
     "Resplit",
@@ -81,12 +83,15 @@ __all__ = [
     "count_traffic",
     "domain_comm",
     "downsampling_factor",
+    "edge_index",
     "elementwise",
     "from_local",
     "full_tensor",
     "guard_filter",
     "local",
     "neighbourhood_attention",
+    "nodes_from_local",
+    "nodes_from_tokens",
     "plan_window",
     "positions",
     "read",
@@ -94,7 +99,10 @@ __all__ = [
     "register",
     "scatter",
     "shard",
+    "shard_edges",
+    "shard_nodes",
     "split_sizes",
+    "tokens_from_nodes",
     "whole_dim",
     "window",
     "window_overlap",

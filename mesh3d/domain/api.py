@@ -25,7 +25,8 @@ from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import block_full_tensor, shard_blocks
 from mesh3d.domain.layouts.blocks_local import blocks_from_local
-from mesh3d.domain.core.specs import TokenSpec
+from mesh3d.domain.core.specs import GraphSpec, TokenSpec
+from mesh3d.domain.layouts.graph import graph_full_tensor
 from mesh3d.domain.layouts.tokens import token_full_tensor
 from mesh3d.domain.layouts.slabs import full_tensor as slab_full_tensor
 from mesh3d.domain.comm.rows import plan_exchange
@@ -191,6 +192,8 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
         return block_full_tensor(x)
     if isinstance(x._spec, TokenSpec):
         return token_full_tensor(x)
+    if isinstance(x._spec, GraphSpec):
+        return graph_full_tensor(x)
     return slab_full_tensor(x)
 
 

@@ -32,12 +32,15 @@ from torch.distributed.tensor import DTensor
 from mesh3d.checkpoint.load import load
 from mesh3d.checkpoint.save import save
 from mesh3d.domain.api import shard
+from mesh3d.domain.graph import edge_index, shard_nodes
+from mesh3d.graphs import Graph
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.specs import Layout, sharded_dims
 from mesh3d.manager import DistributedManager
 from mesh3d.parallel.apply import parallelize
 from mesh3d.parallel.plan import Plan
 from mesh3d.planner.exercise import exercise_of, perturb_zero_parameters, zero_at_init
+from mesh3d.planner.graph_job import load_graph, partition_graph
 from mesh3d.planner.mesh import JobMesh
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan
@@ -58,6 +61,12 @@ class CheckSpec:
     inputs: InputSpec
     #: give parameters that are zero throughout at initialisation small random values first (``exercise.py``)
     perturb_zero_init: bool = False
+    #: a graph (``planner.graph_job.load_graph``): the model is called ``model(x, edge_index)`` with ``x`` its node
+    #: features (``inputs``; the node dim ``inputs.dims[0]``, default 0 for ``(N, F)``, 1 for ``(B, N, F)``)
+    graph: str | None = None
+
+    def node_dim(self) -> int:
+        return self.inputs.dims[0] if self.inputs.dims else (0 if len(self.inputs.shape) == 2 else 1)
 
 
 def relative_difference(a: Any, b: Any, floor: float = 0.0) -> float:
@@ -120,6 +129,8 @@ def _shard(x: torch.Tensor, spec: InputSpec, mesh: JobMesh, sizes: tuple[tuple[i
 
 def _like(cot: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """The cotangent laid out as the parallel output is."""
+    if isinstance(y, DomainTensor) and y.spec.layout is Layout.GRAPH:
+        return shard_nodes(cot, y.spec.items, y.spec.dim)  # type: ignore[attr-defined]
     if isinstance(y, DomainTensor) and sharded_dims(y.spec):
         spec = y.spec
         if spec.layout is Layout.BLOCKS:
@@ -160,17 +171,23 @@ def _run(spec: CheckSpec, mesh: JobMesh, sizes: tuple[tuple[int, ...], ...], sav
     model = copy.deepcopy(ref)
     b = dm.axis_rank("batch")
     xs = [_input(spec.inputs, i) for i in range(mesh.batch)]
-    outs = [_first_float(ref(x)) for x in xs]
+    graph = load_graph(spec.graph) if spec.graph else None
+    extra = (torch.from_numpy(graph.edge_index),) if graph is not None else ()
+    outs = [_first_float(ref(x, *extra)) for x in xs]
     cots = [torch.randn(y.shape, generator=torch.Generator().manual_seed(2000 + i), dtype=y.dtype)
             for i, y in enumerate(outs)]
     losses = [(y * c).sum() for y, c in zip(outs, cots)]
     (sum(losses) / mesh.batch).backward()
     with torch.random.fork_rng():  # NOTE: the parallel run draws what it would have drawn without this extra forward
-        exercise = exercise_of(ref, xs[0], outs[0], lambda x: _first_float(ref(x)), _input(spec.inputs, -1), zero,
+        exercise = exercise_of(ref, xs[0], outs[0], lambda x: _first_float(ref(x, *extra)), _input(spec.inputs, -1), zero,
                                perturbed)
 
     model = parallelize(model, plan)
-    y = _first_float(model(_shard(xs[b], spec.inputs, mesh, sizes)))
+    if graph is not None:  # the nodes along a Hilbert curve (uneven sizes), the edges with their destinations
+        part = partition_graph(graph, mesh.domain, "hilbert", sizes[0] if mesh.domain > 1 else None)
+        y = _first_float(model(shard_nodes(xs[b], part, spec.node_dim()), edge_index(Graph(graph.edge_index, part))))
+    else:
+        y = _first_float(model(_shard(xs[b], spec.inputs, mesh, sizes)))
     loss = (y * _like(cots[b], y)).sum()
     loss.backward()
     result: dict[str, Any] = {"status": "ok", "diffs": _compare(model, ref, y, outs[b].detach(), loss, losses[b].detach()),

@@ -109,11 +109,15 @@ class ForecastWriter:
         root = zarr.open_group(self.path, mode="w")
         arr = root.create_array("forecast", shape=self.shape, chunks=self.chunks, dtype=self.dtype,
                                 fill_value=float("nan"), dimension_names=DIMS)
-        arr.attrs["channels"] = list(channels) if channels is not None else [f"c{i}" for i in range(self.shape[2])]
-        for name, values in (("lat", lat), ("lon", lon)):
+        names = list(channels) if channels is not None else [f"c{i}" for i in range(self.shape[2])]
+        arr.attrs["channels"] = names
+        coord = root.create_array("channel", shape=(len(names),), dtype=str, dimension_names=("channel",))
+        coord[:] = np.array(names, dtype=np.dtypes.StringDType())  # a coordinate: xarray selects by name
+        for name, values, units in (("lat", lat, "degrees_north"), ("lon", lon, "degrees_east")):
             if values is not None:
                 coord = root.create_array(name, shape=(len(values),), dtype="f8", dimension_names=(name,))
                 coord[:] = np.asarray(values, dtype=np.float64)
+                coord.attrs["units"] = units
 
     def _open(self) -> Any:
         if self.format == "npy":

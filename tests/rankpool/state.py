@@ -38,7 +38,7 @@ from mesh3d.checkpoint.agree import AgreedPlans
 from mesh3d.checkpoint.inflight import IN_FLIGHT
 from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.comm.exchange import TrafficCounter
-from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES
 
 __all__ = ["ProcessState"]
 
@@ -126,7 +126,8 @@ class ProcessState:
 
 
 #: The op rule tables; a test may register (or override) a rule.
-_RULE_TABLES = {"RULES": RULES, "BLOCK_RULES": BLOCK_RULES, "TOKEN_RULES": TOKEN_RULES, "STRIDED_RULES": STRIDED_RULES}
+_RULE_TABLES = {"RULES": RULES, "BLOCK_RULES": BLOCK_RULES, "TOKEN_RULES": TOKEN_RULES, "STRIDED_RULES": STRIDED_RULES,
+                "GRAPH_RULES": GRAPH_RULES}
 
 
 def _finish_mesh3d(rules: dict[str, dict]) -> list[str]:

@@ -9,7 +9,8 @@ Usage::
 * ``DomainSpec``: a *slab* (one sharded dim, any per-rank sizes), a *strided* slab (``outer > 1``), or a value
   *replicated* over the domain (``dim=None``: results of global reductions);
 * ``BlockSpec``: *blocks*, one sharded dim per dim of a factored domain grid;
-* ``TokenSpec``: a *token grid*, blocks flattened into one token dim with the global token order kept.
+* ``TokenSpec``: a *token grid*, blocks flattened into one token dim with the global token order kept;
+* ``GraphSpec``: the nodes (or edges) of a graph, split by a partition of any assignment (``mesh3d.graphs``).
 
 The dispatcher picks an op's rule table by ``layout`` (``mesh3d.domain.dispatch.registry``).
 """
@@ -20,6 +21,7 @@ import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,7 +29,11 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.plan_cache import plan_property
 from mesh3d.domain.core.split import offsets_of
 
-__all__ = ["AnySpec", "BlockSpec", "DomainSpec", "Layout", "LayoutSpec", "TokenSpec", "grid_coords", "sharded_dims"]
+if TYPE_CHECKING:
+    from mesh3d.graphs import Graph, Partition
+
+__all__ = ["AnySpec", "BlockSpec", "DomainSpec", "GraphSpec", "Layout", "LayoutSpec", "TokenSpec", "grid_coords",
+           "sharded_dims"]
 
 
 class Layout(enum.Enum):
@@ -41,6 +47,7 @@ class Layout(enum.Enum):
     STRIDED = "strided"        #: a slab merged under the dims before it (``x.view(-1, c)``)
     BLOCKS = "blocks"          #: one sharded dim per grid dim
     TOKENS = "tokens"          #: blocks flattened into one token dim
+    GRAPH = "graph"            #: a graph's nodes or edges, split by a partition of any assignment
 
 
 class LayoutSpec:
@@ -260,6 +267,54 @@ class TokenSpec(LayoutSpec):
         return torch.Size(shape)
 
 
+@dataclass(frozen=True)
+class GraphSpec(LayoutSpec):
+    """Items of a graph (nodes, or edges) along ``dim``, split by the partition ``items`` (any assignment; each rank
+    holds its items in ascending global order), over the domain ``comm``. ``graph``: the ``mesh3d.graphs.Graph`` whose
+    edges these are, or whose node ids an integer tensor holds (None for plain node tensors); ``endpoint``: such an
+    index tensor's values are row ``endpoint`` of the graph's edge list (0 sources, 1 destinations; -1: the ``(2, E)``
+    edge list itself, its dim 0 the two rows).
+
+    Usage: ``xs.spec.items.counts, xs.spec.dim, ei.spec.graph.halo_counts(xs.spec.items)``
+    """
+
+    dim: int
+    items: Partition
+    comm: DomainComm
+    graph: Graph | None = None
+    endpoint: int | None = None
+
+    layout = Layout.GRAPH  # a constant of the class
+    outer = 1  # never strided: generic code reading ``sum(sizes) * outer`` gets the item count
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """Items held by each domain rank."""
+        return self.items.counts
+
+    @property
+    def sharded_dims(self) -> tuple[int, ...]:
+        return (self.dim,)
+
+    @property
+    def dims(self) -> tuple[int, ...]:
+        return (self.dim,)
+
+    def replaced(self, **changes: Any) -> GraphSpec:
+        """This spec with fields changed (itself when nothing changes).
+
+        Usage: ``spec.replaced(dim=1, endpoint=None)``
+        """
+        if all(getattr(self, k) is v for k, v in changes.items()):
+            return self
+        return replace(self, **changes)
+
+    def global_shape(self, local_shape: Sequence[int]) -> torch.Size:
+        shape = list(local_shape)
+        shape[self.dim] = self.items.n
+        return torch.Size(shape)
+
+
 def grid_coords(index: int, grid: tuple[int, ...]) -> tuple[int, ...]:
     """A domain rank's grid coordinates (the grid is the domain axis unflattened, row-major).
 
@@ -281,4 +336,4 @@ def sharded_dims(spec: LayoutSpec) -> tuple[int, ...]:
 
 
 #: The spec of any domain tensor (what ``DomainTensor.spec`` is): read its ``layout`` before a layout's own fields.
-AnySpec = DomainSpec | BlockSpec | TokenSpec
+AnySpec = DomainSpec | BlockSpec | TokenSpec | GraphSpec

@@ -35,7 +35,8 @@ from mesh3d.domain.halo.windows import WindowProbe, window_exchange
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.dispatch.operators import COMPILED_GRAPH_RUNTIME, autograd_function_target, operator_target
-from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, writes_into_first
+from mesh3d.domain.dispatch.registry import (
+    BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, writes_into_first)
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.comm.rows import plan_exchange
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
@@ -79,6 +80,22 @@ def _dispatch_grid(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
     return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
 
 
+def _dispatch_graph(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
+    """An op with a graph-laid-out input (``mesh3d.domain.ops.graph``): its rule, or a refusal naming it on every rank
+    (before any exchange)."""
+    rule = GRAPH_RULES.get(func)
+    if rule is None:
+        raise NotImplementedError(
+            f"{op_name(func)} has no rule for graph layouts (nodes or edges split by a partition, along dim "
+            f"{spec.dim}): mesh3d will not run it, because the local answer could differ from the one-process answer. "
+            "The ops supported are listed in docs/domain.md, 'Graphs and meshes'. Call .full_tensor() first, or "
+            "register a rule with mesh3d.domain.register")
+    if spec.comm.size == 1 or torch.compiler.is_dynamo_compiling():
+        return rule(*args, **kwargs)
+    JOURNAL.record(_op_label(func), ((spec.dim,), (spec.items.n,)))
+    return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
+
+
 def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
     """``run()``; if it fails on this rank, tell every domain peer before raising.
 
@@ -99,13 +116,14 @@ def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[]
 #: Layouts whose rules see a grid (blocks, or token grids flattened from them).
 _GRID_LAYOUTS = (Layout.BLOCKS, Layout.TOKENS)
 #: The rule table of each sharded layout.
-_TABLES = {Layout.SLAB: RULES, Layout.STRIDED: STRIDED_RULES, Layout.BLOCKS: BLOCK_RULES, Layout.TOKENS: TOKEN_RULES}
+_TABLES = {Layout.SLAB: RULES, Layout.STRIDED: STRIDED_RULES, Layout.BLOCKS: BLOCK_RULES, Layout.TOKENS: TOKEN_RULES,
+           Layout.GRAPH: GRAPH_RULES}
 
 
 def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], DomainTensor | None, bool]:
     """Domain tensors among the arguments (and inside one level of lists); the one whose layout picks the rule table
-    (the first grid, else the first strided slab, else the first slab; None when every one is replicated); whether
-    any argument is a DTensor."""
+    (the first graph, else the first grid, else the first strided slab, else the first slab; None when every one is
+    replicated); whether any argument is a DTensor."""
     found: list[DomainTensor] = []
     dtensor = False
     for group in (args, kwargs.values()):
@@ -119,7 +137,8 @@ def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], DomainTensor |
     lead, rank = None, 0
     for t in found:
         kind = t._spec.layout
-        at = 3 if kind in _GRID_LAYOUTS else 2 if kind is Layout.STRIDED else 1 if kind is Layout.SLAB else 0
+        at = 4 if kind is Layout.GRAPH else 3 if kind in _GRID_LAYOUTS else 2 if kind is Layout.STRIDED else \
+            1 if kind is Layout.SLAB else 0
         if at > rank:
             lead, rank = t, at
     return found, lead, dtensor
@@ -156,6 +175,8 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     if lead is None:
         return _run_replicated(func, found[0]._spec, args, kwargs)
     layout = lead._spec.layout
+    if layout is Layout.GRAPH:
+        return _dispatch_graph(func, args, kwargs, lead._spec)
     if layout in _GRID_LAYOUTS:
         return _dispatch_grid(func, args, kwargs, lead._spec)
     rule = _TABLES[layout].get(func)

@@ -21,8 +21,8 @@ import torch
 
 from mesh3d._torch_private import OpOverload, OpOverloadPacket, custom_op_overload, is_operator
 
-__all__ = ["BLOCK_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "op_name", "register", "rules_for",
-           "writes_into_first"]
+__all__ = ["BLOCK_RULES", "GRAPH_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "op_name", "register",
+           "rules_for", "writes_into_first"]
 
 
 #: Every rule table by its name: a compiled lookup names its table (see ``_rule_index_at_trace_time``).
@@ -110,6 +110,8 @@ RULES = RuleTable("RULES")
 BLOCK_RULES = RuleTable("BLOCK_RULES")
 #: Rules for token grids (blocks flattened into tokens, ``mesh3d.domain.layouts.tokens``; ``mesh3d.domain.ops.tokens.rules``).
 TOKEN_RULES = RuleTable("TOKEN_RULES")
+#: Rules for graph layouts (nodes and edges split by a partition; ``mesh3d.domain.ops.graph``).
+GRAPH_RULES = RuleTable("GRAPH_RULES")
 #: Rules for strided layouts (``DomainSpec.outer > 1``; registered by ``mesh3d.domain.ops.strided``).
 STRIDED_RULES = RuleTable("STRIDED_RULES")
 

@@ -1,0 +1,212 @@
+"""Graph rules that keep every item where it is: element-wise ops, ``Linear``, norms and softmax over features,
+and the views and reshapes that keep the item dim.
+
+Usage (through torch): ``F.relu(lin(torch.cat([xs, hs], -1))) + xs``, ``h.view(-1, heads, c)``, ``idx.view(-1, 1)
+.expand_as(msg)`` on tensors of one graph layout; any other layout meeting them raises, naming the op.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.dispatch.registry import GRAPH_RULES, op_name
+from mesh3d.domain.ops import pointwise
+from mesh3d.domain.ops.graph.common import VALUE_KEEPING, graph_spec_of, is_graph, rows_for, sharded_at
+from mesh3d.domain.ops.pointwise import ELEMENTWISE
+
+__all__ = ["elementwise_rule", "reshape_rule"]
+
+
+def _lead(func: Callable, tensors: list) -> DomainTensor:
+    graphs = [t for t in tensors if is_graph(t)]
+    ref = graphs[0]
+    spec = graph_spec_of(ref)
+    for t in graphs[1:]:
+        other = graph_spec_of(t)
+        if other.items != spec.items or t.ndim - other.dim != ref.ndim - spec.dim:
+            raise ValueError(
+                f"{op_name(func)}: graph tensors laid out differently ({spec.items} along dim {spec.dim} of a "
+                f"{ref.ndim}-D tensor vs {other.items} along dim {other.dim} of a {t.ndim}-D one); nodes and edges "
+                "meet through a gather (x[src]) or a scatter (index_add_), not element by element")
+    return ref
+
+
+def elementwise_rule(func: Callable) -> Callable:
+    keeps_values = func in VALUE_KEEPING
+
+    def rule(*args, **kwargs):
+        pointwise.refuse_other_forms(func, args, kwargs)
+        ref = _lead(func, [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)])
+        spec = graph_spec_of(ref)
+        name = op_name(func)
+        local = lambda o: unwrap(o) if is_graph(o) else rows_for(o, sharded_at(o, ref) if isinstance(o, torch.Tensor)
+                                                                 else -1, spec, name)
+        out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
+        if not isinstance(out, torch.Tensor):
+            return out
+        keep = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and not isinstance(t, DomainTensor))
+        dim = out.ndim - (ref.ndim - spec.dim)
+        return adopt(out, spec.replaced(dim=dim, endpoint=spec.endpoint if keeps_values else None), keep)
+    return rule
+
+
+def _features_only(op: str, x: DomainTensor, dims) -> None:
+    spec = graph_spec_of(x)
+    if spec.dim in {d % x.ndim for d in dims}:
+        raise NotImplementedError(f"{op} along the item dim {spec.dim} of a graph tensor: its items are spread over the "
+                                  "ranks; reduce over a graph's items with torch.sum/mean, aggregate with index_add_ / "
+                                  "scatter_reduce, or call .full_tensor() first")
+
+
+def _linear(input, weight, bias=None):
+    _features_only("torch.nn.functional.linear", input, [-1])
+    return adopt(F.linear(unwrap(input), unwrap(weight), unwrap(bias)), graph_spec_of(input).replaced(endpoint=None))
+
+
+def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
+    _features_only("torch.nn.functional.layer_norm", input, range(input.ndim - len(normalized_shape), input.ndim))
+    return adopt(F.layer_norm(unwrap(input), normalized_shape, weight, bias, eps), graph_spec_of(input))
+
+
+def _softmax(func: Callable) -> Callable:
+    def rule(input, dim=None, *args, **kwargs):
+        _features_only(op_name(func), input, [input.ndim - 1 if dim is None else dim])
+        return adopt(func(unwrap(input), dim, *args, **kwargs), graph_spec_of(input))
+    return rule
+
+
+def _along_features(func: Callable) -> Callable:
+    """An op reducing or mixing along ``dim`` (a vector norm, a max over features): local when ``dim`` is not the item
+    dim; over the items it is refused (a whole-graph reduction has ``sum``/``mean``)."""
+    def rule(input, *args, **kwargs):
+        dim = kwargs.get("dim", args[1] if func in _NORMS and len(args) > 1 else args[0] if args else None)
+        dims = list(range(input.ndim)) if dim is None else [dim] if isinstance(dim, int) else list(dim)
+        _features_only(op_name(func), input, dims)
+        keepdim = kwargs.get("keepdim", False)
+        spec = graph_spec_of(input)
+        shift = 0 if keepdim else sum(d % input.ndim < spec.dim for d in dims)
+        out = func(unwrap(input), *args, **kwargs)
+        return adopt(out, spec.replaced(dim=spec.dim - shift, endpoint=None)) if isinstance(out, torch.Tensor) else out
+    return rule
+
+
+_NORMS = (torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm)
+
+
+def _view_as(input, other):
+    # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input: exact on an identically laid out tensor.
+    if is_graph(other) and graph_spec_of(other) == graph_spec_of(input) and size_of(input) == size_of(other):
+        return adopt(unwrap(input).view_as(unwrap(other)), graph_spec_of(input))
+    raise NotImplementedError("torch.Tensor.view_as on a graph tensor: only onto an identically laid out tensor of the "
+                              "same shape; use view / reshape with the global sizes")
+
+
+def _dropout(input, p=0.5, training=True, inplace=False):
+    if training and p > 0:
+        raise NotImplementedError("torch.nn.functional.dropout with p > 0 in training on a graph tensor: mesh3d has no "
+                                  "draw of the one-process mask for a graph partition yet; set p=0 (or eval mode)")
+    return input
+
+
+# ----------------------------------------------------------------------------- views and reshapes
+def _shape_args(shape: tuple) -> list[int]:
+    return list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (list, tuple, torch.Size)) else list(shape)
+
+
+def reshape_rule(view: bool) -> Callable:
+    name = "torch.Tensor.view" if view else "torch.reshape"
+
+    def rule(input, *shape):
+        spec, local = graph_spec_of(input), unwrap(input)
+        whole, target, d = list(size_of(input)), _shape_args(shape), graph_spec_of(input).dim
+        if target.count(-1) == 1:
+            known = math.prod(t for t in target if t != -1)
+            target[target.index(-1)] = math.prod(whole) // known if known else 0
+        if len(target) > d and target[:d + 1] == whole[:d + 1] and math.prod(target[d + 1:]) == math.prod(whole[d + 1:]):
+            target[d] = local.shape[d]
+            return adopt(local.view(target) if view else local.reshape(target), spec)
+        raise NotImplementedError(f"{name}{tuple(_shape_args(shape))} of a graph tensor of shape {tuple(whole)} (items "
+                                  f"along dim {d}): only reshapes that keep the dims up to the item dim and split or "
+                                  "merge the ones after it are supported; call .full_tensor() first")
+    return rule
+
+
+def _expand(input, *sizes):
+    spec, local = graph_spec_of(input), unwrap(input)
+    target = _shape_args(sizes)
+    d = spec.dim + len(target) - input.ndim
+    if target[d] not in (-1, spec.items.n):
+        raise NotImplementedError(f"torch.Tensor.expand{tuple(target)} of a graph tensor along its item dim {spec.dim}")
+    target[d] = local.shape[spec.dim]
+    return adopt(local.expand(target), spec.replaced(dim=d))
+
+
+def _expand_as(input, other):
+    spec = graph_spec_of(input)
+    if is_graph(other):
+        if graph_spec_of(other).items != spec.items:
+            raise ValueError("torch.Tensor.expand_as onto a graph tensor laid out otherwise")
+        return adopt(unwrap(input).expand_as(unwrap(other)), spec.replaced(dim=graph_spec_of(other).dim))
+    return _expand(input, *other.shape)
+
+
+def _unsqueeze(input, dim):
+    spec = graph_spec_of(input)
+    d = dim % (input.ndim + 1)
+    return adopt(unwrap(input).unsqueeze(d), spec.replaced(dim=spec.dim + (d <= spec.dim)))
+
+
+def _squeeze(input, dim=None):
+    spec = graph_spec_of(input)
+    if dim is None:
+        raise NotImplementedError("torch.squeeze() without a dim on a graph tensor (a rank's item count may be 1): "
+                                  "name the dims to squeeze")
+    dims = [d % input.ndim for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
+    _features_only("torch.squeeze", input, dims)
+    dims = [d for d in dims if size_of(input)[d] == 1]
+    return adopt(unwrap(input).squeeze(tuple(dims)), spec.replaced(dim=spec.dim - sum(d < spec.dim for d in dims)))
+
+
+def _transpose(input, dim0, dim1):
+    spec = graph_spec_of(input)
+    d0, d1 = dim0 % input.ndim, dim1 % input.ndim
+    swap = {d0: d1, d1: d0}
+    return adopt(torch.transpose(unwrap(input), d0, d1), spec.replaced(dim=swap.get(spec.dim, spec.dim)))
+
+
+def _permute(input, *dims):
+    order = [d % input.ndim for d in _shape_args(dims)]
+    spec = graph_spec_of(input)
+    return adopt(unwrap(input).permute(order), spec.replaced(dim=order.index(spec.dim)))
+
+
+def _flatten(input, start_dim=0, end_dim=-1):
+    spec = graph_spec_of(input)
+    s, e = start_dim % input.ndim, end_dim % input.ndim
+    if s <= spec.dim <= e and s != e:
+        raise NotImplementedError(f"torch.flatten({s}, {e}) of a graph tensor would merge its item dim {spec.dim} with "
+                                  "others: flatten only the feature dims")
+    return adopt(torch.flatten(unwrap(input), s, e), spec.replaced(dim=spec.dim - (max(e - s, 0) if spec.dim > e else 0)))
+
+
+for _f in ELEMENTWISE:
+    GRAPH_RULES.register(_f, elementwise_rule(_f))
+for _funcs, _rule in (
+    ((F.linear,), _linear), ((F.layer_norm,), _layer_norm), ((F.dropout,), _dropout),
+    ((torch.Tensor.view,), reshape_rule(True)), ((torch.reshape, torch.Tensor.reshape), reshape_rule(False)),
+    ((torch.Tensor.expand,), _expand), ((torch.Tensor.expand_as,), _expand_as),
+    ((torch.unsqueeze, torch.Tensor.unsqueeze), _unsqueeze), ((torch.squeeze, torch.Tensor.squeeze), _squeeze),
+    ((torch.transpose, torch.Tensor.transpose), _transpose), ((torch.permute, torch.Tensor.permute), _permute),
+    ((torch.flatten, torch.Tensor.flatten), _flatten), ((torch.Tensor.view_as,), _view_as),
+):
+    for _f in _funcs:
+        GRAPH_RULES.register(_f, _rule)
+for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
+    GRAPH_RULES.register(_f, _softmax(_f))
+for _f in (*_NORMS, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin):
+    GRAPH_RULES.register(_f, _along_features(_f))

@@ -1,0 +1,210 @@
+"""Ensemble scores of a forecast store against the dataset's truth, on the mesh, without gathering a field.
+
+Per channel and lead, over the init times (each rank reads its (lat, lon) block of every member and of the truth,
+reduces it to a few latitude-weighted sums per channel, and one all-reduce of those sums gives every rank the table):
+
+- ``rmse``: of the ensemble mean, ``sqrt(mean_t <(mean_m f - o)^2>)``, where ``<g>`` is the latitude-weighted mean
+  over the globe (``LatLonGrid.weights``, WeatherBench 2's cell-area rule);
+- ``crps``: the fair CRPS, ``mean_t <1/M sum_m |f_m - o| - 1/(2 M (M - 1)) sum_m sum_m' |f_m - f_m'|>`` (the second
+  term 0 for one member: then it is the mean absolute error);
+- ``spread``: ``sqrt(mean_t <var_m f>)`` with the unbiased member variance (NaN for one member), and
+  ``spread_skill = spread / rmse``;
+- ``acc``: of the ensemble mean, ``mean_t <fa oa> / sqrt(<fa^2> <oa^2>)`` with anomalies from ``climatology``
+  (default: each channel's normalization mean, a constant field).
+
+Leads whose valid time is past the dataset's end are NaN (``inits`` counts the init times scored at each lead).
+
+Usage::
+
+    table = score_forecast("fc.zarr")                  # every rank calls it; the dataset and stats from the store's record
+    print(table.format()); table.to_csv("scores.csv"); table.to_json("scores.json")
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from mesh3d.manager import DistributedManager
+from mesh3d.weather.grid import lat_weights
+from mesh3d.weather.inputs import ForecastInputs
+from mesh3d.weather.layout import FieldBlocks
+from mesh3d.weather.store import read_spec
+
+__all__ = ["SCORES", "ScoreTable", "block_sums", "score_forecast", "scores_from_sums"]
+
+SCORES = ("rmse", "crps", "spread", "spread_skill", "acc")
+#: The latitude-weighted sums per (init, lead, channel) that the scores are made of, in this order.
+SUMS = ("sq_err", "abs_err", "pair_abs", "variance", "fa_oa", "fa_fa", "oa_oa", "count")
+
+
+@dataclass
+class ScoreTable:
+    """Scores per lead and channel (arrays ``(leads, channels)``), with the channels' names and units.
+
+    Usage: ``table.rmse[lead_index, channel_index]``; ``table.rows()``; ``table.format()``
+    """
+
+    channels: list[str]
+    units: list[str]
+    lead_hours: list[float]
+    members: int
+    inits: np.ndarray
+    rmse: np.ndarray
+    crps: np.ndarray
+    spread: np.ndarray
+    spread_skill: np.ndarray
+    acc: np.ndarray
+    #: Each channel's normalization std (what the score figure divides RMSE and CRPS by), when known.
+    scale: list[float] | None = None
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per (lead, channel): lead_hours, channel, units, inits and each score (None for NaN)."""
+        out = []
+        for k, h in enumerate(self.lead_hours):
+            for c, name in enumerate(self.channels):
+                row: dict[str, Any] = {"lead_hours": h, "channel": name, "units": self.units[c], "inits": int(self.inits[k])}
+                for score in SCORES:
+                    v = float(getattr(self, score)[k, c])
+                    row[score] = None if np.isnan(v) else v
+                out.append(row)
+        return out
+
+    def to_csv(self, path: str | os.PathLike) -> None:
+        rows = self.rows()
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows({k: ("" if v is None else v) for k, v in r.items()} for r in rows)
+
+    def to_json(self, path: str | os.PathLike) -> None:
+        with open(path, "w") as f:
+            json.dump({"members": self.members, "scores": self.rows()}, f, indent=1)
+
+    def format(self) -> str:
+        """The table as text, one line per (lead, channel), each score labelled with the channel and its units."""
+        lines = [f"{'lead':>7}  {'channel':<10} {'RMSE':>11} {'CRPS':>11} {'spread/skill':>12} {'ACC':>7}  units"]
+        for r in self.rows():
+            cell = lambda v, fmt: f"{v:{fmt}}" if v is not None else "n/a"
+            lines.append(f"{r['lead_hours']:>5g} h  {r['channel']:<10} {cell(r['rmse'], '11.4g'):>11} "
+                         f"{cell(r['crps'], '11.4g'):>11} {cell(r['spread_skill'], '12.3f'):>12} "
+                         f"{cell(r['acc'], '7.4f'):>7}  {r['units'] or '-'}")
+        return "\n".join(lines)
+
+
+def block_sums(members: np.ndarray, truth: np.ndarray, weights: np.ndarray, climatology: np.ndarray) -> np.ndarray:
+    """``(len(SUMS), C)``: the latitude-weighted sums over a block of ``members`` (M, C, h, w) against ``truth`` (C, h, w).
+
+    ``weights`` is the block's ``(h, 1)`` rows of the global weights; ``climatology`` broadcasts to ``(C, h, w)``.
+    """
+    m = members.shape[0]
+    mean = members.mean(axis=0)
+    w = weights.reshape(1, -1, 1)
+    wsum = lambda field: (field * w).sum(axis=(-2, -1))
+    ordered = np.sort(members, axis=0)
+    rank = (2 * np.arange(m) - m + 1).reshape(-1, 1, 1, 1)
+    pair = 2 * (ordered * rank).sum(axis=0)                       # sum over m, m' of |f_m - f_m'|
+    var = ((members - mean) ** 2).sum(axis=0) / (m - 1) if m > 1 else np.zeros_like(mean)
+    fa, oa = mean - climatology, truth - climatology
+    count = np.broadcast_to(w, mean.shape)
+    return np.stack([wsum((mean - truth) ** 2), wsum(np.abs(members - truth).mean(axis=0)), wsum(pair), wsum(var),
+                     wsum(fa * oa), wsum(fa * fa), wsum(oa * oa), wsum(count)])
+
+
+def scores_from_sums(sums: np.ndarray, members: int, points: int) -> dict[str, np.ndarray]:
+    """The scores ``(leads, channels)`` from the global sums ``(inits, leads, len(SUMS), channels)`` of every unit
+    (all zero where a unit was not scored); ``points`` is H * W (the weights have mean 1)."""
+    scored = sums[:, :, SUMS.index("count")] > 0                      # (inits, leads, channels)
+    n = scored.sum(axis=0)
+    per = {name: sums[:, :, i] / points for i, name in enumerate(SUMS)}
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_t = lambda v: np.where(n > 0, np.where(scored, v, 0).sum(axis=0) / n, np.nan)
+        pair_term = per["pair_abs"] / (2 * members * (members - 1)) if members > 1 else 0 * per["pair_abs"]
+        rmse = np.sqrt(mean_t(per["sq_err"]))
+        spread = np.sqrt(mean_t(per["variance"])) if members > 1 else np.full_like(rmse, np.nan)
+        acc = mean_t(per["fa_oa"] / np.sqrt(per["fa_fa"] * per["oa_oa"]))
+        return {"rmse": rmse, "crps": mean_t(per["abs_err"] - pair_term), "spread": spread,
+                "spread_skill": spread / rmse, "acc": acc}
+
+
+def _climatology(climatology: Any, inputs: ForecastInputs, blocks: FieldBlocks, channels: int) -> np.ndarray:
+    (r0, r1), (c0, c1) = blocks.rows, blocks.cols
+    if climatology is None:
+        if inputs.stats is None:
+            raise ValueError("score_forecast: ACC needs a climatology: pass climatology= (C,), (C, H, W) or a DataArray "
+                             "(channel, latitude, longitude), or stats= whose means serve as one")
+        return np.asarray(inputs.stats.mean, dtype=np.float64).reshape(-1, 1, 1)
+    if hasattr(climatology, "isel"):                                      # an xarray.DataArray: read this block only
+        lat, lon = (d for d in climatology.dims if d != "channel")
+        return np.asarray(climatology.isel({lat: slice(r0, r1), lon: slice(c0, c1)}).values, dtype=np.float64)
+    clim = np.asarray(climatology, dtype=np.float64)
+    if clim.shape == (channels,):
+        return clim.reshape(-1, 1, 1)
+    if clim.ndim != 3 or clim.shape[0] != channels:
+        raise ValueError(f"score_forecast: climatology= must be (C,) or (C, H, W) with C = {channels}, got {clim.shape}")
+    return clim[:, r0:r1, c0:c1]
+
+
+def score_forecast(store: str | os.PathLike, source: Any = None,
+                   variables: Sequence[str] | Mapping[str, Sequence[Any] | None] | None = None, *, stats: Any = None,
+                   climatology: Any = None, names: Mapping[str, str] | None = None) -> ScoreTable:
+    """Score the store against the truth in ``source`` (default: the dataset its run read); every rank calls it.
+
+    Usage: ``table = score_forecast("fc.zarr"); table.rmse``
+    """
+    import zarr  # noqa: PLC0415 (optional: the weather extra)
+
+    path = os.fspath(store)
+    spec = read_spec(path)
+    run = spec.run
+    source = source if source is not None else run.get("source")
+    variables = variables if variables is not None else run.get("variables")
+    if source is None or variables is None:
+        raise ValueError("score_forecast: pass source= (the truth) and variables=: the store does not record them (its "
+                         "forecast read an xarray.Dataset passed in, not a path)")
+    stats = stats if stats is not None else run.get("stats")
+    names = names if names is not None else run.get("names")
+    blocks = FieldBlocks.for_mesh((spec.lat.size, spec.lon.size), spec.tile)
+    inputs = ForecastInputs(source, variables, lead=spec.lead, stats=stats, blocks=blocks, names=names)
+    if inputs.lat.shape != spec.lat.shape or inputs.lon.shape != spec.lon.shape or not (
+            np.allclose(inputs.lat, spec.lat) and np.allclose(inputs.lon, spec.lon)):
+        raise ValueError(f"score_forecast: the dataset's grid ({inputs.lat.size} x {inputs.lon.size}) is not the store's "
+                         f"({spec.lat.size} x {spec.lon.size}, or other coordinates)")
+    if [c.name for c in inputs.channels] != [c.name for c in spec.channels]:
+        raise ValueError(f"score_forecast: the dataset's channels {[c.name for c in inputs.channels]} are not the "
+                         f"store's {[c.name for c in spec.channels]}")
+    dm = DistributedManager() if DistributedManager.is_initialized() else None
+    coords = dm.coordinates if dm is not None else {"model": 0, "batch": 0}
+    batch_ranks = dm.axis_size("batch") if dm is not None else 1
+    n_init, n_lead, m, c = len(spec.init_times), spec.leads, spec.members, len(spec.channels)
+    sums = np.zeros((n_init, n_lead, len(SUMS), c))
+    (r0, r1), (c0, c1) = blocks.rows, blocks.cols
+    if coords["model"] == 0 and r1 > r0 and c1 > c0:
+        forecast = zarr.open_array(path, path="forecast", mode="r")
+        weights = lat_weights(spec.lat).numpy()[r0:r1]
+        clim = _climatology(climatology, inputs, blocks, c)
+        units = [(i, k) for i in range(n_init) for k in range(n_lead)]
+        for i, k in units[coords["batch"]::batch_ranks]:
+            truth = inputs.raw(spec.init_times[i] + spec.lead * (k + 1))
+            if truth is None:
+                continue
+            block = np.asarray(forecast[i, k, :, :, r0:r1, c0:c1], dtype=np.float64)
+            sums[i, k] = block_sums(block, truth, weights, clim)
+    if dm is not None and dm.world_size > 1:
+        total = torch.from_numpy(sums)
+        dist.all_reduce(total, group=dm.world_mesh.get_group())   # NOTE: a few sums per (init, lead, channel), no field
+        sums = total.numpy()
+    scores = scores_from_sums(sums, m, spec.lat.size * spec.lon.size)
+    n = (sums[:, :, SUMS.index("count")] > 0).sum(axis=0)[:, 0]
+    hours = [float(np.timedelta64(spec.lead * (k + 1), "ns").astype(np.int64) / 3.6e12) for k in range(n_lead)]
+    scale = None if inputs.stats is None else list(inputs.stats.std)
+    return ScoreTable([ch.name for ch in spec.channels], [ch.units for ch in spec.channels], hours, m, n, **scores,
+                      scale=scale)

@@ -1,0 +1,254 @@
+"""The forecast store: one zarr v3 store with CF-style coordinates, written block by block, with a restart record.
+
+``forecast(init_time, lead_time, member, channel, latitude, longitude)`` in physical units, with coordinates
+``init_time`` (``forecast_reference_time``), ``lead_time`` (a timedelta, ``forecast_period``), ``valid_time``
+(their sum), ``member`` (``realization``), ``channel`` (names) with ``channel_variable``, ``channel_level`` and
+``channel_units``, and ``latitude``/``longitude`` in degrees north/east. A chunk is one (init, lead, member), every
+channel, one tile of the globe: reading a lead's map reads whole chunks, and one point's time series one tile per
+(lead, member). The tiles do not depend on the mesh, so every mesh writes the same store.
+
+While a run is under way the store also holds ``restart/``: per sample (``init * members + member``) the number of
+leads written (``leads_done``) and the model's state at recent leads in its own dtype (``state``, three slots;
+``state_lead`` says which lead each slot holds), so a killed run continues from the last lead written, exactly.
+It is removed when the run completes, and the metadata is consolidated: ``xarray.open_zarr(path)`` opens it.
+
+Usage::
+
+    spec = StoreSpec(init_times, lead, 10, 8, channels, lat, lon, tile=(4, 8), dtype="float32", run={...})
+    if dm.rank == 0: create_store("fc.zarr", spec)     # then a barrier; every rank opens it
+    store = ForecastStore("fc.zarr")
+    store.write(init=0, lead=3, member=5, block=y, rows=(0, 16), cols=(32, 64))
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DIMS", "SLOTS", "ChannelInfo", "ForecastStore", "StoreSpec", "create_store", "read_spec"]
+
+DIMS = ("init_time", "lead_time", "member", "channel", "latitude", "longitude")
+#: Restart slots per sample: the one being written is never the latest recorded nor the one being recorded.
+SLOTS = 3
+RUN_ATTR = "mesh3d_forecast"
+
+
+@dataclass(frozen=True)
+class ChannelInfo:
+    """A channel of the store: its name, variable, level (None for a surface field) and units.
+
+    Usage: ``ChannelInfo("z500", "z", 500.0, "m")``
+    """
+
+    name: str
+    variable: str
+    level: float | None
+    units: str
+
+
+@dataclass(frozen=True)
+class StoreSpec:
+    """Everything the store's metadata holds: coordinates, tiles, dtypes and the run that writes it.
+
+    Usage: ``StoreSpec(inits, np.timedelta64(6, "h"), 10, 8, channels, lat, lon, (4, 8), "float32")``
+    """
+
+    init_times: tuple[np.datetime64, ...]
+    lead: np.timedelta64
+    leads: int
+    members: int
+    channels: tuple[ChannelInfo, ...]
+    lat: np.ndarray = field(compare=False)
+    lon: np.ndarray = field(compare=False)
+    tile: tuple[int, int]
+    dtype: str
+    state_dtype: str = "float32"
+    run: dict[str, Any] = field(default_factory=dict)
+    #: zarr's default codec (zstd) for ``forecast``; False: the bytes as they are (faster to write, larger).
+    compress: bool = True
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.init_times), self.leads, self.members, len(self.channels), len(self.lat), len(self.lon))
+
+    @property
+    def chunks(self) -> tuple[int, ...]:
+        return (1, 1, 1, len(self.channels), *self.tile)
+
+    @property
+    def samples(self) -> int:
+        return len(self.init_times) * self.members
+
+    def lead_times(self) -> np.ndarray:
+        return (np.arange(1, self.leads + 1) * self.lead).astype("timedelta64[ns]")
+
+    def differences(self, other: StoreSpec) -> list[str]:
+        """What differs from ``other`` (the store's), each as ``"name: ours vs theirs"``."""
+        out = []
+        for name in ("leads", "members", "tile", "dtype"):
+            if getattr(self, name) != getattr(other, name):
+                out.append(f"{name}: {getattr(self, name)} vs {getattr(other, name)}")
+        if [str(t) for t in self.init_times] != [str(t) for t in other.init_times]:
+            out.append(f"init times: {[str(t) for t in self.init_times]} vs {[str(t) for t in other.init_times]}")
+        if np.timedelta64(self.lead, "ns") != np.timedelta64(other.lead, "ns"):
+            out.append(f"lead: {hours(self.lead)} vs {hours(other.lead)}")
+        if [c.name for c in self.channels] != [c.name for c in other.channels]:
+            out.append(f"channels: {[c.name for c in self.channels]} vs {[c.name for c in other.channels]}")
+        if self.lat.shape != other.lat.shape or self.lon.shape != other.lon.shape or not (
+                np.array_equal(self.lat, other.lat) and np.array_equal(self.lon, other.lon)):
+            out.append(f"grid: {self.lat.size} x {self.lon.size} vs {other.lat.size} x {other.lon.size} (or other values)")
+        for key in sorted(set(self.run) | set(other.run)):
+            if self.run.get(key) != other.run.get(key):
+                out.append(f"{key}: {self.run.get(key)!r} vs {other.run.get(key)!r}")
+        return out
+
+
+def hours(delta: Any) -> str:
+    """A duration as hours: ``"6 h"``, ``"1.5 h"`` (not ``numpy.timedelta64(21600000000000,'ns')``)."""
+    value = np.timedelta64(delta, "ns").astype(np.int64) / 3.6e12
+    return f"{value:g} h"
+
+
+def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
+    """Create the store (one rank): coordinates, the NaN-filled ``forecast`` array and the restart record.
+
+    Built beside ``path`` and renamed into place, so a store that exists is complete.
+    """
+    import xarray as xr  # noqa: PLC0415 (optional: the weather extra)
+    import zarr  # noqa: PLC0415 (optional: the weather extra)
+
+    path = os.fspath(path)
+    building = f"{path}.creating"
+    shutil.rmtree(building, ignore_errors=True)
+    text = lambda values: np.array(values, dtype=np.dtypes.StringDType())
+    inits = np.array(spec.init_times, dtype="datetime64[ns]")
+    leads = spec.lead_times()
+    coords = {
+        "init_time": ("init_time", inits, {"standard_name": "forecast_reference_time", "long_name": "initial time"}),
+        "lead_time": ("lead_time", leads, {"standard_name": "forecast_period", "long_name": "lead time"}),
+        "valid_time": (("init_time", "lead_time"), inits[:, None] + leads[None, :], {"standard_name": "time"}),
+        "member": ("member", np.arange(spec.members), {"standard_name": "realization", "long_name": "ensemble member"}),
+        "channel": ("channel", text([c.name for c in spec.channels]), {"long_name": "channel (variable and level)"}),
+        "channel_variable": ("channel", text([c.variable for c in spec.channels])),
+        "channel_level": ("channel", np.array([np.nan if c.level is None else c.level for c in spec.channels]),
+                          {"long_name": "pressure level (NaN: a surface field)", "units": "hPa"}),
+        "channel_units": ("channel", text([c.units for c in spec.channels])),
+        "latitude": ("latitude", np.asarray(spec.lat, dtype=np.float64),
+                     {"units": "degrees_north", "standard_name": "latitude", "axis": "Y"}),
+        "longitude": ("longitude", np.asarray(spec.lon, dtype=np.float64),
+                      {"units": "degrees_east", "standard_name": "longitude", "axis": "X"}),
+    }
+    attrs = {"Conventions": "CF-1.10", "title": "ensemble forecast", "source": "mesh3d forecast",
+             RUN_ATTR: json.dumps(spec.run, sort_keys=True), "tile": list(spec.tile)}
+    xr.Dataset(coords=coords, attrs=attrs).to_zarr(building, mode="w", consolidated=False, zarr_format=3)
+    root = zarr.open_group(building, mode="r+")
+    fc = root.create_array("forecast", shape=spec.shape, chunks=spec.chunks, dtype=spec.dtype, fill_value=float("nan"),
+                           dimension_names=DIMS, compressors="auto" if spec.compress else None)
+    fc.attrs.update({"long_name": "forecast", "coordinates": "valid_time channel_variable channel_level channel_units",
+                     "units_by_channel": "see channel_units"})
+    restart = root.create_group("restart")
+    n, (c, h, w) = spec.samples, spec.shape[3:]
+    restart.create_array("leads_done", shape=(n,), chunks=(1,), dtype="int32", fill_value=0)
+    restart.create_array("state_lead", shape=(n, SLOTS), chunks=(1, SLOTS), dtype="int32", fill_value=-1)
+    restart.create_array("state", shape=(n, SLOTS, c, h, w), chunks=(1, 1, c, *spec.tile), dtype=spec.state_dtype,
+                         fill_value=float("nan"))
+    _consolidate(building)
+    os.replace(building, path)
+
+
+def _consolidate(path: str) -> None:
+    import zarr  # noqa: PLC0415 (optional: the weather extra)
+
+    with warnings.catch_warnings():
+        # NOTE: zarr warns that consolidated metadata is not (yet) in the v3 spec; xarray's open_zarr reads it.
+        warnings.filterwarnings("ignore", message="Consolidated metadata", category=UserWarning)
+        zarr.consolidate_metadata(path)
+
+
+def read_spec(path: str | os.PathLike) -> StoreSpec:
+    """The spec of an existing store (its coordinates, chunks, dtypes and run record)."""
+    import xarray as xr  # noqa: PLC0415 (optional: the weather extra)
+
+    with xr.open_zarr(os.fspath(path), consolidated=False) as ds:
+        fc = ds["forecast"]
+        channels = tuple(ChannelInfo(str(n), str(v), None if np.isnan(lv) else float(lv), str(u)) for n, v, lv, u in zip(
+            ds["channel"].values, ds["channel_variable"].values, ds["channel_level"].values, ds["channel_units"].values))
+        leads = ds["lead_time"].values
+        return StoreSpec(tuple(ds["init_time"].values), leads[0], fc.shape[1], fc.shape[2], channels,
+                         np.asarray(ds["latitude"].values), np.asarray(ds["longitude"].values),
+                         tuple(fc.encoding["chunks"][4:]), str(fc.dtype), run=json.loads(ds.attrs.get(RUN_ATTR, "{}")))
+
+
+class ForecastStore:
+    """An open store: this rank's blocks written into ``forecast``, the restart record read and written.
+
+    Usage: ``store = ForecastStore("fc.zarr"); store.write(i, k, m, block, rows, cols); store.writes``
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        import zarr  # noqa: PLC0415 (optional: the weather extra)
+
+        self.path = os.fspath(path)
+        self._root = zarr.open_group(self.path, mode="r+", use_consolidated=False)
+        self.forecast = self._root["forecast"]
+        self.complete = "restart" not in self._root
+        self._restart: Any = None if self.complete else self._root["restart"]
+        #: Blocks written by this rank into ``forecast`` and into the restart state, and their bytes.
+        self.writes = 0
+        self.state_writes = 0
+        self.bytes_written = 0
+
+    def write(self, init: int, lead: int, member: int, blocks: np.ndarray, rows: tuple[int, int],
+              cols: tuple[int, int]) -> None:
+        """This rank's ``(n, C, h, w)`` blocks of members ``member .. member + n - 1`` at (init, lead index), in
+        physical units (one call: zarr writes the chunks concurrently)."""
+        if blocks.size == 0:
+            return
+        n = blocks.shape[0]
+        self.forecast[init, lead, member:member + n, :, rows[0]:rows[1], cols[0]:cols[1]] = blocks.astype(
+            self.forecast.dtype, copy=False)
+        self.writes += n
+        self.bytes_written += blocks.size * self.forecast.dtype.itemsize
+
+    # ------------------------------------------------------------------ the restart record
+    def leads_done(self, samples: list[int]) -> np.ndarray:
+        if self._restart is None:
+            return np.full(len(samples), self.forecast.shape[1], dtype=np.int64)
+        return np.asarray(self._restart["leads_done"].get_orthogonal_selection((samples,)), dtype=np.int64)
+
+    def state_leads(self, samples: list[int]) -> np.ndarray:
+        """``(len(samples), SLOTS)``: the lead each restart slot holds (-1: none)."""
+        if self._restart is None:
+            return np.full((len(samples), SLOTS), -1, dtype=np.int64)
+        return np.asarray(self._restart["state_lead"].get_orthogonal_selection((samples, slice(None))), dtype=np.int64)
+
+    def read_state(self, sample: int, slot: int, rows: tuple[int, int], cols: tuple[int, int]) -> np.ndarray:
+        return np.asarray(self._restart["state"][sample, slot, :, rows[0]:rows[1], cols[0]:cols[1]])
+
+    def write_state(self, sample: int, slot: int, blocks: np.ndarray, rows: tuple[int, int], cols: tuple[int, int]) -> None:
+        """This rank's ``(n, C, h, w)`` blocks of the states of samples ``sample .. sample + n - 1`` into ``slot``."""
+        if blocks.size == 0:
+            return
+        self._restart["state"][sample:sample + blocks.shape[0], slot, :, rows[0]:rows[1], cols[0]:cols[1]] = blocks
+        self.state_writes += blocks.shape[0]
+
+    def record(self, samples: list[int], lead: int, slots: dict[int, int]) -> None:
+        """(One rank per sample's group, after every rank wrote) ``lead`` leads of ``samples`` are in the store, and
+        slot ``slots[s]`` of sample ``s`` holds its state at ``lead``."""
+        kept = sorted(slots)
+        if kept:
+            self._restart["state_lead"].set_coordinate_selection((kept, [slots[s] for s in kept]), lead)
+        self._restart["leads_done"].set_coordinate_selection((sorted(samples),), lead)
+
+    def finish(self) -> None:
+        """(One rank, after every rank finished) drop the restart record and consolidate the metadata."""
+        if self._restart is not None:
+            shutil.rmtree(os.path.join(self.path, "restart"))
+            self._restart, self.complete = None, True
+        _consolidate(self.path)
