@@ -10,19 +10,14 @@ is bounded by a timeout.
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from exit_scenarios import TinyField, launch
-from launch_helpers import clean_env
 from mesh3d import checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("run", range(4))
@@ -55,19 +50,3 @@ def test_an_uncaught_exception_exits_non_zero_with_the_error_not_an_abort(tmp_pa
     done = launch("raise", 2, tmp_path, torchrun=True)
     assert not done.aborted, done.output[-3000:]
     assert done.returncodes != [0] and done.output.count("RuntimeError: planned failure") >= 1, done.output[-3000:]
-
-
-def test_the_demos_resume_phase_exits_cleanly_twice_in_a_row(tmp_path):
-    env = clean_env()
-    demo = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    out = str(tmp_path / "demo")
-    train = subprocess.run([*demo, "8", "examples/demo_3d.py", "train", "--batch", "2", "--domain", "2", "--model",
-                            "2", "--out", out], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert train.returncode == 0, train.stderr[-3000:]
-    for attempt in range(2):
-        resume = subprocess.run([*demo, "4", "examples/demo_3d.py", "resume", "--batch", "1", "--domain", "2",
-                                 "--model", "2", "--out", out], cwd=ROOT, env=env, capture_output=True, text=True,
-                                timeout=300)
-        assert resume.returncode == 0 and "terminate called" not in resume.stderr, (attempt, resume.stderr[-3000:])
-        assert resume.stdout.count("one-process") == 3
-        (tmp_path / "demo" / "ckpt-final").rename(tmp_path / "demo" / f"ckpt-final-{attempt}")  # never overwritten
