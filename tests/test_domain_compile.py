@@ -264,9 +264,13 @@ def test_rules_send_their_own_torch_calls_through_the_dispatcher(ranks, world, g
         assert found == []
 
 
-@pytest.mark.parametrize(("kind", "backend"), [("unet", "aot_eager"), ("vit", "inductor")])
-@pytest.mark.parametrize(("shape", "sizes"), [((2, 1, 2), None), ((2, 2, 2), {"unet": (9, 5), "vit": (8, 6)})],
-                         ids=["2x1x2", "2x2x2"])
+# NOTE: Inductor on 4 ranks (2x1x2) covers the ViT's compiled view of a view; the 8-rank uneven 2x2x2 case runs the same
+# graphs through aot_eager (Inductor's C++ builds on 8 ranks took a minute of the suite on 2 cores)
+@pytest.mark.parametrize(("shape", "sizes", "kind", "backend"), [
+    ((2, 1, 2), None, "unet", "aot_eager"), ((2, 1, 2), None, "vit", "inductor"),
+    ((2, 2, 2), {"unet": (9, 5), "vit": (8, 6)}, "unet", "aot_eager"),
+    ((2, 2, 2), {"unet": (9, 5), "vit": (8, 6)}, "vit", "aot_eager")], ids=["2x1x2-unet", "2x1x2-vit-inductor",
+                                                                          "2x2x2-unet", "2x2x2-vit"])
 def test_parallelize_compiles_blocks_with_fsdp_tp_and_domain(ranks, shape, sizes, kind, backend):
     """``Plan(compile=...)``: TP, then compile of each block, then FSDP; the domain axis in the model. Trains as one
     process (so as the same plan uncompiled, which test_domain_parallelize checks the same way). The ViT runs with
