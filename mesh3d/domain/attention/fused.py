@@ -9,8 +9,9 @@ Usage::
 
 The kernel is torch's own choice for the call (``BlockKernels.choose``), with three of mesh3d's: K/V heads are
 expanded for the kernels that do not group query heads (memory-efficient, cuDNN: an O(rows) copy per block; flash
-groups them itself), a masked call torch would give cuDNN runs memory-efficient (cuDNN's masks are not exact for rows
-a block masks whole in torch 2.11-2.13), and the causal flag only ever sees as many keys as queries: a block cut by
+groups them itself), a masked call torch would give cuDNN runs memory-efficient in fp32 (cuDNN's masks are not exact for
+rows a block masks whole in torch 2.11-2.13) and math in fp16/bf16 (memory-efficient with a half-precision bias was
+measured wrong there on an H200), and the causal flag only ever sees as many keys as queries: a block cut by
 the diagonal with more queries than keys (uneven shards) runs as a square causal call and a full one, since flash
 (and torch's SDPA with it) aligns a non-square causal mask bottom-right where the ring's is top-left.
 
@@ -82,7 +83,12 @@ def cuda_block_kernel(kernels: BlockKernels, q: torch.Tensor, k: torch.Tensor, v
         k, v = heads_view(k, heads), heads_view(v, heads)
         kernel = kernels.choose(q, k, v, mask, square, False)
     if kernel == "cudnn" and mask is not None:
-        kernel = "efficient" if kernels.can_use("efficient", q, k, v, mask, square) else "math"
+        # NOTE: torch runs this call on cuDNN with its mask; a block's cuDNN op takes none. In fp16/bf16 the
+        # memory-efficient kernel with the block's bias was measured wrong where torch had picked cuDNN (H200, torch
+        # 2.11: band, bias and window rings off by 0.6-1.4 in bf16, docs/benchmarks.md "On a GPU"; fp32 exact), so
+        # half types take the math kernel there until that is diagnosed on a GPU
+        half = q.dtype in (torch.float16, torch.bfloat16)
+        kernel = "efficient" if not half and kernels.can_use("efficient", q, k, v, mask, square) else "math"
     return kernel
 
 

@@ -21,7 +21,8 @@ The kernel of a block (``block_kernel``), the same contract for each (docs/domai
   (``_torch_private.cpu_flash_attention``: no ``Lq x Lk`` scores in memory, GQA native);
 * on CUDA: torch's own choice for the call (``attention.fused``): flash (fp16/bf16, no mask), memory-efficient
   (fp32 too; a bool or float mask as a bias; K/V heads expanded), cuDNN where torch picks it (no mask), and math
-  where torch itself would run it (fp64, head dims no fused kernel takes).
+  where torch itself would run it (fp64, head dims no fused kernel takes) and for a masked fp16/bf16 call torch
+  gives cuDNN (``fused.cuda_block_kernel`` says why).
 
 ``mask`` is None, bool (True: attend) or additive float, broadcastable to ``(B, H, Lq, Lk)``. ``causal`` masks
 top-left aligned (query ``i`` sees keys ``j <= i``). A row that sees no key gets output 0 and lse -inf,
