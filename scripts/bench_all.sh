@@ -4,6 +4,7 @@
 #   scripts/bench_all.sh
 #   QUICK=1 scripts/bench_all.sh      # smaller sizes, ~3 minutes (a smoke run; do not publish its figures)
 set -euo pipefail
+# shellcheck source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 "$PY" -m pip install -q -e ".[bench]"            # matplotlib, for the plots (not a core dependency)

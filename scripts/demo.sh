@@ -7,7 +7,8 @@
 #   OUT=/tmp/d scripts/demo.sh               # elsewhere
 #   MESH3D_EXTRAS=weather scripts/demo.sh    # also install extras other examples need (weather, lightning, hf)
 set -euo pipefail
-MESH3D_FOR=demo
+MESH3D_FOR=demo  # read by env.sh
+# shellcheck source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 OUT="${OUT:-runs/demo}"

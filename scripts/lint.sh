@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
 # Static checks, run by .ci/run before the tests (fast: about a minute on two cores):
-#   ruff (style, pyflakes, imports at the top), mypy on mesh3d/ (config in pyproject.toml),
+#   ruff (style, pyflakes, imports at the top), mypy on mesh3d/ (config in pyproject.toml), shellcheck on the
+#   shell scripts (scripts/*.sh, .ci/run, examples/*.sbatch; settings in .shellcheckrc),
 #   vulture (dead code in mesh3d/; tests, examples and scripts count as callers) and
 #   deptry (declared dependencies vs imports). Versions are pinned in scripts/env.sh.
 set -euo pipefail
+# shellcheck source=env.sh
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
 BIN="$(dirname "$PY")"
 echo "lint: ruff" >&2
 "$BIN/ruff" check .
+echo "lint: shellcheck" >&2
+"$BIN/shellcheck" scripts/*.sh .ci/run examples/*.sbatch
 echo "lint: mypy mesh3d" >&2
 "$BIN/mypy"
 echo "lint: vulture (dead code)" >&2
