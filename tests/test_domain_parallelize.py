@@ -99,3 +99,51 @@ def test_styles_that_cannot_take_domain_inputs_refuse_by_name(ranks):
         assert len(errors) == 2, errors
         assert "SequenceParallel" in errors[0] and "domain-sharded" in errors[0]
         assert "acts on the last dim" in errors[1]
+
+
+def _linear_unit_body(layout: str):
+    import copy
+    import warnings
+
+    from torch import nn
+
+    from mesh3d import DistributedManager, Plan, domain, graphs, parallelize
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 4))  # default units: each Linear
+
+        def forward(self, x):
+            h = self.layers[0](x)
+            h += 1  # an in-place op on a Linear unit's output: FSDP2's pre-backward hook on it must survive
+            return self.layers[1](h)
+
+    DistributedManager.initialize(batch=1, domain=(2, 2) if layout == "blocks" else 4)
+    torch.manual_seed(0)
+    ref = Net().double()
+    net = parallelize(copy.deepcopy(ref), Plan(batch="fsdp"))
+    x = torch.randn(2, 6, 5, 4, dtype=torch.float64) if layout == "blocks" else torch.randn(2, 11, 4, dtype=torch.float64)
+    if layout == "blocks":
+        xs = domain.shard(x, dims=(1, 2))
+    elif layout == "nodes":
+        xs = domain.shard_nodes(x, graphs.Partition([3, 0, 1, 3, 2, 0, 3, 1, 2, 3, 3], 4), dim=1)  # uneven parts
+    else:
+        xs = domain.shard(x, dim=1, sizes=(2, 3, 2, 4))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = net(xs).square().mean()
+        loss.backward()
+    ref(x).square().mean().backward()
+    grad_err = max(float((p.grad.full_tensor() - q.grad).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
+    return [str(w.message) for w in caught], grad_err
+
+
+@pytest.mark.parametrize("layout", ["slabs", "blocks", "nodes"])
+def test_a_linear_units_output_on_domain_tensors_is_not_a_view(ranks, layout):
+    """F.linear of a 3-D or 4-D input is torch's view of one 2-D product; FSDP2 warns for a unit returning a view (an
+    in-place op on it drops the unit's pre-backward hook). The domain rules return the product itself: no warning,
+    and an in-place op after a Linear unit keeps the one-process gradients."""
+    for messages, grad_err in ranks.run(4, _linear_unit_body, layout, timeout=120):
+        assert not [m for m in messages if "view" in m], messages
+        assert grad_err < 1e-12

@@ -11,8 +11,8 @@ from typing import Any, ContextManager
 import torch
 from torch.distributed._composable import checkpoint
 
-__all__ = ["checkpoint_module", "disable_torch_function_subclass", "patch_checkpoint_recomputation", "route_autograd_function_calls",
-           "run_autograd_function", "run_backward_from"]
+__all__ = ["checkpoint_module", "disable_torch_function_subclass", "linear_not_a_view", "patch_checkpoint_recomputation",
+           "route_autograd_function_calls", "run_autograd_function", "run_backward_from"]
 
 
 def checkpoint_module(module: object, context_fn: object | None = None) -> None:
@@ -39,6 +39,24 @@ def disable_torch_function_subclass():
     metadata queries (``.shape``, ``.dtype``) on it.
     """
     return torch._C.DisableTorchFunctionSubclass()
+
+
+def linear_not_a_view(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(input, weight, bias)``, the same values and storage, as a tensor autograd does not count as a view.
+
+    Why: with a bias and a contiguous input of 3 or more dims, torch 2.13's ``F.linear`` runs one ``addmm`` on the
+    input flattened to 2-D and returns a *view* of that product. FSDP2 warns for each wrapped module that returns a
+    view (an in-place op on it, ``out += y``, would drop the pre-backward hook that re-gathers the parameters), so
+    every ``nn.Linear`` unit called on a domain tensor of (batch, nodes or tokens, features) warned, and such an
+    in-place op after it would run backward on freed parameters. The product is a temporary no other tensor holds and
+    ``addmm``'s backward does not save it, so nothing is lost by not tracking the view.
+    Why private: ``torch.ops.aten._unsafe_view``, the reshape torch's own ``matmul`` returns its N-D products with
+    for the same reason (no public op reshapes without making an autograd view; ``clone()`` would copy).
+    """
+    out = torch.nn.functional.linear(input, weight, bias)
+    if out._base is None or type(out) is not torch.Tensor or torch.compiler.is_dynamo_compiling():
+        return out  # NOTE: a compiled graph's outputs are fresh tensors of its own
+    return torch.ops.aten._unsafe_view(out, out.shape)
 
 
 def patch_checkpoint_recomputation(input_metadata: Callable[[torch.Tensor], Any],

@@ -12,10 +12,12 @@ gradient is the sum of the shards' partial gradients.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
 from mesh3d.domain.dispatch.registry import (
@@ -181,7 +183,9 @@ def local_unless_sharded(func, x: DomainTensor, dims, what: str, *args, **kwargs
 
 @register(F.linear)
 def _linear(input, weight, bias=None) -> Step:
-    return local_unless_sharded(F.linear, input, [-1], "Linear mixes the last dim", weight, bias)
+    # NOTE: the local product is not a view (``linear_not_a_view`` says why: FSDP2's hook on a Linear unit's output)
+    step = local_unless_sharded(F.linear, input, [-1], "Linear mixes the last dim", weight, bias)
+    return replace(step, compute=linear_not_a_view)
 
 
 @register(torch.cat, torch.concat)

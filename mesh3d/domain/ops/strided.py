@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.ops import global_index, idioms, pointwise, reshape  # noqa: F401  (their rules registered first)
 from mesh3d.domain.ops.attention import sdpa_rule
 from mesh3d.domain.ops.idioms import strided_rows
@@ -73,7 +74,7 @@ def _rows_local(func):
         if len(sharded) > 1:
             raise NotImplementedError(f"{op_name(func)} with a domain-sharded weight or bias: the weights must be "
                                       "plain (replicated) tensors; call .full_tensor() on them first")
-        return Step(func, args, kwargs, out=x.spec)
+        return Step(linear_not_a_view if func is F.linear else func, args, kwargs, out=x.spec)  # NOTE: see its docstring
 
     return rule
 

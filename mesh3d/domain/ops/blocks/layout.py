@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
 from mesh3d.domain.ops.idioms import expand_index, slice_sizes
@@ -90,7 +91,7 @@ def _local_unless_block(op: str, x: DomainTensor, dims: list[int]) -> BlockSpec:
 
 def _linear(input, weight, bias=None):
     spec = _local_unless_block("torch.nn.functional.linear", input, [-1])  # NOTE: checked before the local product
-    return adopt(F.linear(unwrap(input), weight, bias), spec)
+    return adopt(linear_not_a_view(unwrap(input), weight, bias), spec)
 
 
 def _softmax(func):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES, op_name
 from mesh3d.domain.ops import pointwise
@@ -65,7 +66,7 @@ def _features_only(op: str, x: DomainTensor, dims) -> None:
 
 def _linear(input, weight, bias=None):
     _features_only("torch.nn.functional.linear", input, [-1])
-    return adopt(F.linear(unwrap(input), unwrap(weight), unwrap(bias)), graph_spec_of(input).replaced(endpoint=None))
+    return adopt(linear_not_a_view(unwrap(input), unwrap(weight), unwrap(bias)), graph_spec_of(input).replaced(endpoint=None))
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
 from mesh3d.domain.ops.blocks.rules import CHANNEL_NORMS, reduction_rules, run_elementwise
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
@@ -184,7 +185,7 @@ def _splitter(func: Callable, name: str) -> Callable:
 
 def _linear(input, weight, bias=None):
     spec = _local_unless_tokens("torch.nn.functional.linear", input, [-1])  # NOTE: checked before the local product
-    return adopt(F.linear(unwrap(input), weight, bias), spec)
+    return adopt(linear_not_a_view(unwrap(input), weight, bias), spec)
 
 
 def _pointwise_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
