@@ -76,3 +76,31 @@ def test_two_inferred_axes_are_refused():
 def test_inference_needs_a_divisible_rest():
     with pytest.raises(ValueError, match="cannot infer batch"):
         resolve_mesh_shape(8, batch=-1, domain=4, model=4)
+
+
+@pytest.mark.parametrize("world, asked", [(3, (2, 2, 2)), (12, (2, 2, 2)), (8, (3, 1, 1)), (8, (-1, 4, 4)),
+                                          (3, (-1, 2, 2)), (7, (2, 1, 1)), (8, (1, 1, 1))])
+def test_a_mesh_that_does_not_fit_the_world_says_what_to_launch_and_which_meshes_fit(world, asked):
+    """The launch the asked mesh needs (torchrun --nproc-per-node N) and the meshes that fit the launched world; every
+    mesh the message offers is one resolve_mesh_shape takes on that world."""
+    import math
+    import re
+
+    with pytest.raises(ValueError) as info:
+        resolve_mesh_shape(world, *asked)
+    message = str(info.value)
+    needed = math.prod(s for s in asked if s != -1)
+    if needed == 1:
+        assert "run one process" in message, message
+    else:
+        assert f"torchrun --nproc-per-node {needed}" in message, message
+        assert ("a multiple of" in message) == (-1 in asked), message
+    offered = re.findall(r"batch=(\d+), domain=(\d+), model=(\d+)\)", message)
+    singles = re.findall(r"on \d+ use ((?:\w+=\d+(?: or )?)+)", message)
+    assert offered or singles, message
+    for b, d, m in offered:
+        assert resolve_mesh_shape(world, int(b), int(d), int(m)) == (int(b), int(d), int(m))
+    for fix in (singles[0].split(" or ") if singles else []):
+        name, value = fix.split("=")
+        sizes = dict(zip(("batch", "domain", "model"), asked)) | {name: int(value)}
+        assert resolve_mesh_shape(world, **sizes)

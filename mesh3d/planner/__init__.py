@@ -13,7 +13,7 @@ See docs/plan.md.
 from mesh3d.planner.check import CheckSpec
 from mesh3d.planner.check_run import CheckReport, check_model
 from mesh3d.planner.job import plan_job
-from mesh3d.planner.mesh import JobMesh
+from mesh3d.mesh_shape import JobMesh
 from mesh3d.planner.report import JobPlan, RankClass
 from mesh3d.planner.simulate import InputSpec, default_loss
 

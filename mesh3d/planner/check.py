@@ -41,7 +41,7 @@ from mesh3d.parallel.apply import parallelize
 from mesh3d.parallel.plan import Plan
 from mesh3d.planner.exercise import exercise_of, perturb_zero_parameters, zero_at_init
 from mesh3d.planner.graph_job import load_graph, partition_graph
-from mesh3d.planner.mesh import JobMesh
+from mesh3d.mesh_shape import JobMesh
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan
 from mesh3d._torch_private import tree_flatten

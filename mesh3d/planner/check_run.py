@@ -32,7 +32,7 @@ from mesh3d.planner.check import CheckSpec, check_on_rank
 from mesh3d.planner.exercise import Exercise
 from mesh3d.planner.job import plan_job
 from mesh3d.planner.launch import LocalRanks
-from mesh3d.planner.mesh import JobMesh
+from mesh3d.mesh_shape import JobMesh
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan
 

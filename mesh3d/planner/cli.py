@@ -23,7 +23,7 @@ from mesh3d.planner.check import CheckSpec
 from mesh3d.planner.check_run import check_model, default_meshes
 from mesh3d.planner.graph_job import load_graph, plan_graph
 from mesh3d.planner.job import plan_job
-from mesh3d.planner.mesh import JobMesh, parse_grid
+from mesh3d.mesh_shape import JobMesh, parse_grid
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan, load_spec
 

@@ -35,7 +35,7 @@ from mesh3d.planner.ckpt_plan import CheckpointLayout
 from mesh3d.planner.classes import DomainClasses
 from mesh3d.planner.cuda_kernels import CUDA_ASSUMPTIONS
 from mesh3d.planner.layout import ModelLayout, optimizer_state_keys
-from mesh3d.planner.mesh import JobMesh
+from mesh3d.mesh_shape import JobMesh
 from mesh3d.planner.report import JobPlan, RankClass, human_bytes, spans
 from mesh3d.planner.simulate import InputSpec, RankSim, Simulator
 from mesh3d.planner.verdict import communicators_used, judge

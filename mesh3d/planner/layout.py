@@ -23,7 +23,7 @@ from torch import nn
 from mesh3d.checkpoint.chunks import Box
 from mesh3d.parallel.styles import style_description, style_kind, weight_dim
 from mesh3d.parallel.validate import PlanFields, hsdp_shard_size, resolve_plan
-from mesh3d.planner.mesh import JobMesh
+from mesh3d.mesh_shape import JobMesh
 
 __all__ = ["BatchSharding", "ModelLayout", "ParamLayout", "optimizer_state_keys"]
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from mesh3d.checkpoint import CheckpointError
 from mesh3d.data.weather_channels import ChannelStats
 from mesh3d.manager import DistributedManager
-from mesh3d.planner.mesh import parse_grid
+from mesh3d.mesh_shape import parse_grid
 from mesh3d.planner.spec import load_spec
 from mesh3d.weather.job import run_forecast, write_scores
 from mesh3d.weather.scores import score_forecast
