@@ -25,6 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from mesh3d._torch_private import clear_dtensor_caches, flatten_mesh, group_options, live_process_groups, unflatten_mesh
 from mesh3d.faults import PeerWatch, WatchSettings
 from mesh3d.faults.attach import WATCH, start_watch
+from mesh3d.faults.summary import SUMMARY, mark_shared
 from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_transport, init_default_group
 from mesh3d.launcher import LaunchInfo, detect_launcher
 from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
@@ -117,8 +118,13 @@ class DistributedManager:
             )
         else:
             info = detect_launcher()
-        domain_size, grid = resolve_domain_grid(info.world_size, batch, domain, model)
-        shape = resolve_mesh_shape(info.world_size, batch, domain_size, model)
+        # NOTE: the checks below give every rank the same error from the same arguments: it is reported once.
+        SUMMARY.install(info.rank, info.world_size)
+        try:
+            domain_size, grid = resolve_domain_grid(info.world_size, batch, domain, model)
+            shape = resolve_mesh_shape(info.world_size, batch, domain_size, model)
+        except ValueError as err:
+            raise mark_shared(err, range(info.world_size)) from None
         if len(grid) == 1:
             grid = (shape[1],)
 

@@ -330,5 +330,6 @@ def test_a_missing_directory_says_so_in_a_few_lines_on_each_of_four_ranks(ranks,
         assert len(lines) <= 5, shown            # not every rank's traceback on every rank (148 lines at 2 ranks before)
         assert "failed on 4 of 4 ranks" in lines[0]
         assert lines[1].strip() == (f"ranks 0-3: CheckpointFormatError: checkpoint directory "
-                                    f"'{tmp_path / 'no' / 'such' / 'ckpt'}' does not exist (from {os.getcwd()})"), lines
-        assert "index.json" not in shown and tracebacks == 4   # each rank's traceback kept aside, not printed
+                                    f"'{tmp_path / 'no' / 'such' / 'ckpt'}' does not exist (from {os.getcwd()}); "
+                                    "pass the directory checkpoint.save wrote (it holds index.json)"), lines
+        assert "Traceback" not in shown and tracebacks == 4   # each rank's traceback kept aside, not printed

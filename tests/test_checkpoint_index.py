@@ -259,3 +259,17 @@ def test_error_messages_say_what_and_where():
     refused(lambda d: first(d).update(checksums=[81985529216486895]), r"checksums\[0\] must be a 64-bit xxh3_64 value")
     refused(lambda d: first(d).pop("checksums"), r"'checksums' must be a list of xxh3_64 values, one per 512-byte block")
     refused(lambda d: d.update(version=1), r"crc_block_bytes: must be an integer in \[512, 2\*\*30\], got None")
+
+
+def test_a_missing_checkpoint_directory_names_the_checkpoints_beside_it(tmp_path):
+    from mesh3d.checkpoint.index import read_index
+
+    for name in ("step-00000002", "step-00000004"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "index.json").write_text("{}")
+    (tmp_path / "not-a-checkpoint").mkdir()
+    with pytest.raises(CheckpointFormatError) as info:
+        read_index(str(tmp_path / "step-00000003"))
+    message = str(info.value)
+    assert "does not exist" in message and "pass the directory checkpoint.save wrote (it holds index.json)" in message
+    assert message.endswith(f"checkpoints in {tmp_path}: step-00000002, step-00000004"), message

@@ -7,6 +7,7 @@ a plain ``python -c``, and docs/getting-started.md's first script as a plain pro
 
 from __future__ import annotations
 
+import re
 import socket
 import sys
 
@@ -73,14 +74,22 @@ def test_slurm_variables_start_a_two_rank_job():
         assert done.stdout.strip() == f"{rank} {rank} slurm {rank} [0, 1]"
 
 
-def test_bad_sizes_fail_fast_under_torchrun_on_every_rank():
+def test_bad_sizes_fail_fast_under_torchrun_on_every_rank_and_the_cause_is_printed_once():
     # NOTE: torchrun's agent ends the other workers as soon as one fails (it polls every 0.1 s); on two
     # busy cores the slower rank can be ended before it gets to the check (importing torch and mesh3d took
     # over 3 s there in CI once). A 15 s poll lets both get there; each fails within seconds of starting.
     out = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "15",
                EXAMPLE, "--batch", "3"], timeout=120)
     assert out.returncode != 0
-    assert out.stderr.count("batch=3 does not divide world size 2") >= 2, out.stderr[-3000:]
+    # every rank failed by itself (exit status 1 in torchrun's report, not ended by torchrun's SIGTERM) ...
+    assert len(re.findall(r"exitcode\s*: 1 ", out.stderr)) == 2, out.stderr[-3000:]
+    # ... and the shared cause is printed once by rank 0, with the launch that fits, then named by torchrun's report
+    printed = re.findall(r"^mesh3d: error on ranks 0, 1: ValueError: batch=3 does not divide world size 2", out.stderr, re.M)
+    assert len(printed) == 1, out.stderr[-3000:]
+    assert "launch 3 processes (torchrun --nproc-per-node 3" in out.stderr
+    assert "traceback : mesh3d: error on ranks 0, 1: ValueError: batch=3" in out.stderr, out.stderr[-3000:]
+    ranks_said = out.stderr.split("torch/distributed/elastic")[0]  # what the ranks printed, before torchrun's report
+    assert "Traceback (most recent call last)" not in ranks_said, out.stderr[-3000:]
 
 
 def test_a_launch_whose_port_was_taken_starts_again_on_another(monkeypatch):

@@ -33,6 +33,7 @@ from mesh3d.faults.attach import WATCH
 from mesh3d.launcher import refuse_if_launched_uninitialized
 from mesh3d.manager import DistributedManager
 from mesh3d.faults.beat import WAITING
+from mesh3d.faults.summary import mark_shared, ranks_text
 
 __all__ = ["world", "allgather_json", "allgather_int64", "collective_step", "raise_if_any_failed", "start_allgather_int64",
            "StepFailure"]
@@ -135,18 +136,6 @@ def _failure_text(err: BaseException) -> str:
     return str(err) if isinstance(err, StepFailure) else f"{type(err).__name__}: {err}"
 
 
-def _ranks_text(ranks: list[int]) -> str:
-    """``[1]`` → ``"rank 1"``; ``[0, 1, 2, 5]`` → ``"ranks 0-2, 5"``."""
-    runs: list[list[int]] = []
-    for r in ranks:
-        if runs and r == runs[-1][-1] + 1:
-            runs[-1].append(r)
-        else:
-            runs.append([r])
-    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
-
-
 #: The longest a cause's one line may be in the message.
 _CAUSE_CHARS = 400
 
@@ -164,10 +153,17 @@ def _failed_error(what: str, failed: list[tuple[int, str]], note: str, world_siz
     of = f" on {len(failed)} of {world_size} ranks" if world_size else ""
     lines = [f"{what} failed{of}" + (f". {note}" if note else "")]
     listed = list(causes.items())
-    lines += [f"  {_ranks_text(ranks)}: {cause}" for cause, ranks in listed[:_LISTED]]
+    lines += [f"  {ranks_text(ranks)}: {cause}" for cause, ranks in listed[:_LISTED]]
     if len(listed) > _LISTED:
         lines.append(f"  (and {len(listed) - _LISTED} more causes on {sum(len(r) for _, r in listed[_LISTED:])} ranks)")
     return CheckpointError("\n".join(lines))
+
+
+def _group_ranks(group: dist.ProcessGroup | None) -> list[int]:
+    """The global ranks of ``group`` (default: the world): every one of them raises an agreed error."""
+    if not dist.is_initialized():
+        return [0]
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
 
 
 def collective_step(
@@ -210,7 +206,7 @@ def collective_step(
         on_failure()
     error = _failed_error(what, failed, note, len(gathered))
     error.rank_tracebacks = {r: d["traceback"] for r, d in enumerate(gathered) if d["traceback"]}
-    raise error from mine
+    raise mark_shared(error, _group_ranks(group)) from mine
 
 
 def raise_if_any_failed(error: str | None, what: str, note: str = "", group: dist.ProcessGroup | None = None) -> None:
@@ -219,4 +215,4 @@ def raise_if_any_failed(error: str | None, what: str, note: str = "", group: dis
     errors = allgather_json(error, group) if size > 1 else [error]
     failed = [(r, e) for r, e in enumerate(errors) if e]
     if failed:
-        raise _failed_error(what, failed, note, len(errors))
+        raise mark_shared(_failed_error(what, failed, note, len(errors)), _group_ranks(group))

@@ -270,6 +270,17 @@ def validate_index(doc: Any) -> dict[str, Any]:
     return doc
 
 
+def _nearby(path: str) -> str:
+    """What to pass instead: the checkpoints beside ``path`` (directories holding an index), if any."""
+    parent = os.path.dirname(os.path.abspath(path))
+    try:
+        found = sorted(e.name for e in os.scandir(parent) if e.is_dir() and os.path.isfile(os.path.join(e.path, INDEX_NAME)))
+    except OSError:
+        found = []
+    there = f"; checkpoints in {parent}: {', '.join(found[-5:])}" if found else ""
+    return f"pass the directory checkpoint.save wrote (it holds {INDEX_NAME}){there}"
+
+
 def read_index(path: str) -> dict[str, Any]:
     """Read and validate ``path/index.json``; errors name the file.
 
@@ -278,7 +289,7 @@ def read_index(path: str) -> dict[str, Any]:
     file = os.path.join(path, INDEX_NAME)
     if not os.path.isdir(path):
         there = "is a file, not a checkpoint directory" if os.path.exists(path) else "does not exist"
-        raise CheckpointFormatError(f"checkpoint directory {path!r} {there} (from {os.getcwd()})")
+        raise CheckpointFormatError(f"checkpoint directory {path!r} {there} (from {os.getcwd()}); {_nearby(path)}")
     try:
         with open(file, "rb") as f:
             raw = f.read()
