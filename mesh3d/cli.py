@@ -24,7 +24,7 @@ import sys
 from collections.abc import Sequence
 
 import mesh3d
-from mesh3d.commands import COMMANDS
+from mesh3d.commands import COMMANDS, Parser
 
 __all__ = ["build_parser", "main"]
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     Usage: ``build_parser().parse_args(["plan", "m.py:f", "--input", "1x1x8x8"])``
     """
-    parser = argparse.ArgumentParser(prog="mesh3d", description="3D-parallel training for PyTorch.")
+    parser = Parser(prog="mesh3d", description="3D-parallel training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"mesh3d {mesh3d.__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, command in COMMANDS.items():
@@ -57,6 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    problem = COMMANDS[args.command].check(args)
+    if problem:
+        parser.exit(2, f"mesh3d {args.command}: error: {problem} (see mesh3d {args.command} --help)\n")
     module, function = COMMANDS[args.command].run.split(":")
     run = getattr(importlib.import_module(module), function)
     try:

@@ -12,17 +12,97 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from mesh3d.mesh_shape import JobMesh, parse_grid
+
 __all__ = ["COMMANDS", "Command", "add_check_arguments", "add_ckpt_arguments", "add_explain_arguments",
-           "add_forecast_arguments", "add_plan_arguments", "add_score_arguments", "input_arguments"]
+           "add_forecast_arguments", "add_plan_arguments", "add_score_arguments", "input_arguments", "parse_bytes"]
+
+# NOTE: every argument is checked here, by its argparse type, before torch or the model is imported: a typo answers
+# in a fraction of a second, not after the import (a minute on a loaded machine). What needs torch or the model (the
+# model's own input layout) is checked by the command itself, still before any process starts.
+
+#: torch's dtype names (``getattr(torch, name)``), listed so the parser needs no torch.
+DTYPES = ("float32", "float64", "float16", "bfloat16", "float", "double", "half", "int64", "int32", "int16", "int8",
+          "uint8", "long", "int", "short", "bool", "complex64", "complex128")
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GiB"`` → 85899345920; ``"8e10"`` → 80000000000.
+
+    Usage: ``parse_bytes("80GB")``
+    """
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
+    try:
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise ValueError
+        return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    except ValueError:
+        raise ValueError(f"{text!r} is not an amount of memory; write e.g. 80GiB, 80GB or 8e10") from None
+
+
+def _checked(parse: Callable[[str], Any], what: str) -> Callable[[str], str]:
+    """An argparse type that checks ``text`` with ``parse`` and keeps the text (the command parses it again)."""
+    def check(text: str) -> str:
+        try:
+            parse(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err) if str(err) else f"{text!r} is not {what}") from None
+        return text
+    check.__name__ = what  # argparse names the type in its message
+    return check
+
+
+def _positive_ints(text: str, sep: str, what: str, example: str) -> tuple[int, ...]:
+    parts = text.replace(",", sep).split(sep) if sep == "x" else text.split(sep)
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+        raise ValueError(f"{text!r} is not {what}: give positive integers, e.g. {example}")
+    return tuple(int(p) for p in parts)
+
+
+def _spec(text: str) -> None:
+    module, _, name = text.rpartition(":")
+    if not module or not name.isidentifier():
+        raise ValueError(f"{text!r} is not MODULE:NAME: give a module or .py file and a name in it, e.g. "
+                         "mypkg.models:make_unet or examples/llama_decoder.py:tiny")
+    if module.endswith(".py") and not os.path.isfile(module):
+        raise ValueError(f"{module!r} does not exist (from {os.getcwd()}): give the path of the .py file, or a module")
+
+
+def _axis(text: str) -> None:
+    value = parse_grid(text)
+    if (value != -1 and isinstance(value, int) and value < 1) or (isinstance(value, tuple) and min(value) < 1):
+        raise ValueError(f"{text!r} is not an axis size: give a positive integer, -1 (inferred), or a grid such as 2x2")
+
+
+SHAPE = _checked(lambda t: _positive_ints(t, "x", "a shape", "1x1x64x64"), "a shape")
+DIMS = _checked(lambda t: _positive_ints(t, ",", "a list of dims", "2 or 2,3"), "a list of dims")
+SIZES = _checked(lambda t: [_positive_ints(p, ",", "rows per rank", "40,24 or 20,12/16,16") for p in t.split("/")],
+                 "rows per rank")
+MESH = _checked(JobMesh.parse, "a mesh")
+AXIS = _checked(_axis, "an axis size")
+SPEC = _checked(_spec, "MODULE:NAME")
+BYTES = _checked(parse_bytes, "an amount of memory")
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose error is one line: what was wrong, and where to read what is right."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def add_explain_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="module:factory that returns the nn.Module (built on the meta device)")
-    parser.add_argument("plan", help="module:name of a mesh3d.Plan, or of a function returning one")
+    parser.add_argument("model", type=SPEC, help="module:factory that returns the nn.Module (built on the meta device)")
+    parser.add_argument("plan", type=SPEC, help="module:name of a mesh3d.Plan, or of a function returning one")
     for axis in ("batch", "domain", "model"):
         parser.add_argument(f"--{axis}", dest=f"size_{axis}", type=int, default=1, help=f"{axis} axis size")
 
@@ -40,32 +120,44 @@ def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-gb", type=float, default=5.0, help="split output above this size (default 5)")
 
 
-def input_arguments(parser: argparse.ArgumentParser) -> None:
+def input_arguments(parser: argparse.ArgumentParser, input_required: bool) -> None:
     """The arguments ``plan`` and ``check`` share: the model, its plan and its input."""
-    parser.add_argument("model", metavar="MODULE:FACTORY", help="a function returning the nn.Module (called on the meta "
-                        "device for plan); MODULE may be a path to a .py file")
-    parser.add_argument("--plan", metavar="MODULE:NAME", help="a mesh3d.Plan, or a function returning one (default: Plan())")
-    parser.add_argument("--input", metavar="SHAPE", help="one batch rank's input, e.g. 1x1x256x256x256 (required; for "
-                        "--graph of check: the node features, e.g. 642x4)")
+    parser.add_argument("model", metavar="MODULE:FACTORY", type=SPEC, help="a function returning the nn.Module (called "
+                        "on the meta device for plan); MODULE may be a path to a .py file")
+    parser.add_argument("--plan", metavar="MODULE:NAME", type=SPEC, help="a mesh3d.Plan, or a function returning one "
+                        "(default: Plan())")
+    parser.add_argument("--input", metavar="SHAPE", type=SHAPE, required=input_required,
+                        help="one batch rank's input, e.g. 1x1x256x256x256" + (" (with --graph: the node features, "
+                        "e.g. 642x4)" if input_required else " (required, unless --graph)"))
     parser.add_argument("--graph", metavar="SPEC", help="a graph job: icosahedral:R, channel:NXxNY or MODULE:FACTORY "
                         "(a mesh3d.graphs.TriMesh or a dict with edge_index); the model is called model(x, edge_index)")
-    parser.add_argument("--dtype", default="float32", help="the input's dtype (default float32; int64 for token ids)")
-    parser.add_argument("--shard-dims", metavar="D[,D]", help="dims the domain shards (default 2; 2,3 on a 2-D grid)")
-    parser.add_argument("--sizes", metavar="N,N[/N,N]", help="each domain rank's rows per sharded dim (default: torch.chunk)")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES, metavar="DTYPE",
+                        help="the input's dtype, a torch dtype name (default float32; int64 for token ids)")
+    parser.add_argument("--shard-dims", metavar="D[,D]", type=DIMS, help="dims the domain shards (default 2; 2,3 on a "
+                        "2-D grid)")
+    parser.add_argument("--sizes", metavar="N,N[/N,N]", type=SIZES, help="each domain rank's rows per sharded dim "
+                        "(default: torch.chunk)")
+
+
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of ranks: give a positive integer, e.g. 4096")
+    return int(text)
 
 
 def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    input_arguments(parser)
-    parser.add_argument("--world", type=int, help="number of ranks (default: the product of the axis sizes)")
-    parser.add_argument("--batch", default="-1", help="batch axis size (default -1: inferred from --world)")
-    parser.add_argument("--domain", default="1", help="domain axis size, or a grid such as 4x4 or 4x4x4")
-    parser.add_argument("--model", dest="model_axis", default="1", help="model (tensor-parallel) axis size")
+    input_arguments(parser, input_required=False)
+    parser.add_argument("--world", type=_positive, help="number of ranks (default: the product of the axis sizes)")
+    parser.add_argument("--batch", type=AXIS, default="-1", help="batch axis size (default -1: inferred from --world)")
+    parser.add_argument("--domain", type=AXIS, default="1", help="domain axis size, or a grid such as 4x4 or 4x4x4")
+    parser.add_argument("--model", type=AXIS, dest="model_axis", default="1", help="model (tensor-parallel) axis size")
     parser.add_argument("--optimizer", default="adamw", choices=("adamw", "adam", "sgd", "none"))
-    parser.add_argument("--to", metavar="MESH", help="plan loading the checkpoint onto this mesh: BATCH,DOMAIN,MODEL")
-    parser.add_argument("--device-memory", metavar="BYTES", help="each rank's device memory, e.g. 80GiB: the verdict "
-                        "compares the worst class's peak plus the margin with it")
-    parser.add_argument("--margin", metavar="BYTES", help="a fixed margin per rank for what the plan does not model, "
-                        "instead of the estimate (CUDA context, NCCL buffers, fragmentation; docs/plan.md)")
+    parser.add_argument("--to", metavar="MESH", type=MESH, help="plan loading the checkpoint onto this mesh: "
+                        "BATCH,DOMAIN,MODEL")
+    parser.add_argument("--device-memory", metavar="BYTES", type=BYTES, help="each rank's device memory, e.g. 80GiB: "
+                        "the verdict compares the worst class's peak plus the margin with it")
+    parser.add_argument("--margin", metavar="BYTES", type=BYTES, help="a fixed margin per rank for what the plan does "
+                        "not model, instead of the estimate (CUDA context, NCCL buffers, fragmentation; docs/plan.md)")
     parser.add_argument("--kernels", default="cuda", choices=("cuda", "cpu"),
                         help="whose kernels to model: cuda (cuDNN, cuBLAS, fused attention, the caching allocator; "
                         "default) or cpu (oneDNN, im2col)")
@@ -76,9 +168,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--graph: how the nodes are partitioned (default: a Hilbert curve over the coordinates)")
 
 
+def _require_input_unless_graph(args: argparse.Namespace) -> str | None:
+    return None if args.input or args.graph else "give --input SHAPE (one batch rank's input), or --graph for a graph job"
+
+
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
-    input_arguments(parser)
-    parser.add_argument("--meshes", nargs="+", metavar="MESH", help="meshes BATCH,DOMAIN,MODEL to check on (default: "
+    input_arguments(parser, input_required=True)
+    parser.add_argument("--meshes", nargs="+", metavar="MESH", type=MESH, help="meshes BATCH,DOMAIN,MODEL to check on (default: "
                         "1,2,1 1,3,1 2,2,1, and 1,1,2 when the plan has tensor parallelism)")
     parser.add_argument("--tolerance", type=float, default=1e-9, help="largest relative difference counted as equal")
     parser.add_argument("--perturb-zero-init", action="store_true", help="give parameters that are zero throughout at "
@@ -108,7 +204,8 @@ def _tile(text: str) -> tuple[int, int]:
 
 
 def add_forecast_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", metavar="MODULE:FACTORY", help="a function returning the model (package.module:name or file.py:name)")
+    p.add_argument("model", metavar="MODULE:FACTORY", type=SPEC, help="a function returning the model "
+                   "(package.module:name or file.py:name)")
     p.add_argument("checkpoint", help="a mesh3d checkpoint directory (saved on any mesh)")
     p.add_argument("dataset", help="the initial conditions (and truth): a zarr v3 store or NetCDF4/HDF5 file")
     p.add_argument("--out", required=True, help="the forecast store (zarr); an existing one of the same run is continued")
@@ -125,10 +222,11 @@ def add_forecast_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stats", default=None, help="normalization JSON {'mean': [...], 'std': [...]} (default: the checkpoint's)")
     p.add_argument("--lead", type=_hours, default=None, help="the model's step, e.g. 6h (default: the checkpoint's)")
     for axis, default in (("batch", "-1"), ("domain", "1"), ("model", "1")):
-        p.add_argument(f"--{axis}", dest=f"{axis}_axis", default=default,
+        p.add_argument(f"--{axis}", dest=f"{axis}_axis", default=default, type=AXIS,
                        help=f"{axis} axis size{' (a grid such as 2x2 splits lat x lon)' if axis == 'domain' else ''} "
                             f"(default {default})")
-    p.add_argument("--plan", default=None, help="a Plan splitting the weights over the model axis (module:name; batch=None)")
+    p.add_argument("--plan", default=None, type=SPEC, help="a Plan splitting the weights over the model axis "
+                   "(module:name; batch=None)")
     p.add_argument("--batch-size", type=int, default=1, help="samples per model call on each batch rank (default 1)")
     p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None, help="cast the model (default: "
                    "the checkpoint's)")
@@ -145,7 +243,8 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="where scores.csv, scores.json and scores.png go")
     p.add_argument("--dataset", default=None, help="the truth (default: the dataset the forecast read)")
     for axis, default in (("batch", "-1"), ("domain", "1")):
-        p.add_argument(f"--{axis}", dest=f"{axis}_axis", default=default, help=f"{axis} axis size (default {default})")
+        p.add_argument(f"--{axis}", dest=f"{axis}_axis", default=default, type=AXIS,
+                       help=f"{axis} axis size (default {default})")
 
 
 @dataclass(frozen=True)
@@ -156,6 +255,8 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: str
+    #: What the parser cannot say alone (arguments that need each other): an error message, or None.
+    check: Callable[[argparse.Namespace], str | None] = lambda args: None
 
 
 COMMANDS: dict[str, Command] = {
@@ -166,7 +267,7 @@ COMMANDS: dict[str, Command] = {
     "ckpt": Command("inspect, verify or coalesce (to Hugging Face safetensors) a mesh3d checkpoint", add_ckpt_arguments,
                     "mesh3d.checkpoint.cli:run"),
     "plan": Command("size a job before it runs: memory, communication and checkpoint files per class of ranks, on one "
-                    "CPU", add_plan_arguments, "mesh3d.planner.cli:run_plan"),
+                    "CPU", add_plan_arguments, "mesh3d.planner.cli:run_plan", _require_input_unless_graph),
     "check": Command("run a model and plan on small uneven meshes of local gloo ranks against one process, in fp64",
                      add_check_arguments, "mesh3d.planner.cli:run_check"),
     "forecast": Command("an ensemble weather forecast from a checkpoint on any mesh, each rank writing its block of one "

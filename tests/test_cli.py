@@ -86,10 +86,10 @@ def test_version_and_help_import_no_torch_and_info_no_compiler_stack():
 
 
 @pytest.mark.parametrize("argv, says", [
-    (["plan", "nonexist.py:f", "--input", "1x1x8x8"], "there is no file 'nonexist.py'"),
+    (["plan", "nonexist.py:f", "--input", "1x1x8x8"], "'nonexist.py' does not exist"),
     (["plan", "nonexist_module_x:f", "--input", "1x1x8x8", "--world", "2"], "no module named 'nonexist_module_x'"),
     (["plan", "plan_models:nope", "--input", "1x1x8x8", "--world", "2"], "plan_models has no 'nope'; it has"),
-    (["plan", "plan_models:conv_stack", "--input", "1xax8", "--world", "2"], "give a shape like 1x1x64x64"),
+    (["plan", "plan_models:conv_stack", "--input", "1xax8", "--world", "2"], "'1xax8' is not a shape"),
     (["plan", "plan_models:conv_stack", "--input", "1x2x16x8", "--world", "2", "--device-memory", "lots"],
      "'lots' is not an amount of memory"),
     (["check", "plan_models:conv_stack", "--input", "1x2x16x8", "--shard-dims", "9"], "out of range"),
@@ -98,7 +98,33 @@ def test_version_and_help_import_no_torch_and_info_no_compiler_stack():
     (["ckpt", "inspect", "/nonexistent/ckpt"], "/nonexistent/ckpt"),
 ])
 def test_a_bad_argument_is_one_line_not_a_traceback(argv, says, capsys):
-    code = main(argv)                            # an exception would escape here (the console script's traceback)
+    try:
+        code = main(argv)                        # an exception would escape here (the console script's traceback)
+    except SystemExit as done:                   # the parser's own refusal
+        code = done.code
     lines = capsys.readouterr().err.strip().splitlines()
     assert code in (1, 2) and len(lines) == 1, lines
     assert lines[0].startswith(f"mesh3d {argv[0]}: error: ") and says in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["check", "plan_models:conv_stack", "--input", "1x3xfoo"], "argument --input: '1x3xfoo' is not a shape"),
+    (["check", "plan_models:conv_stack"], "the following arguments are required: --input"),
+    (["plan", "plan_models:conv_stack"], "give --input SHAPE"),
+    (["plan", "plan_models:conv_stack", "--input", "1x1x8x8", "--domain", "2xq"], "'2xq' is not an axis size"),
+    (["check", "plan_models:conv_stack", "--input", "1x1x8x8", "--meshes", "1,2"], "give three sizes"),
+    (["check", "plan_models:conv_stack", "--input", "1x1x8x8", "--dtype", "flaot32"], "invalid choice: 'flaot32'"),
+    (["forecast", "m.py:f", "ck", "ds", "--out", "o", "--init", "0", "--leads", "2"], "'m.py' does not exist"),
+])
+def test_arguments_are_checked_before_torch_or_the_model_is_imported(argv, says):
+    """A typo answers at once (it took about 70 s on a loaded machine: torch and the model were imported first)."""
+    out = _fresh(*argv)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and lines[-1] == "IMPORTED", out.stderr     # no torch
+    assert len(lines) == 2 and lines[0].startswith(f"mesh3d {argv[0]}: error: ") and says in lines[0], lines
+
+
+def test_help_marks_the_required_arguments():
+    out = _fresh("check", "--help")
+    usage = " ".join(out.stdout.split("options:")[0].split())
+    assert "--input SHAPE" in usage and "[--input SHAPE]" not in usage, usage

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import sys
 
 import torch
@@ -23,26 +22,12 @@ from mesh3d.planner.check import CheckSpec
 from mesh3d.planner.check_run import check_model, default_meshes
 from mesh3d.planner.graph_job import load_graph, plan_graph
 from mesh3d.planner.job import plan_job
+from mesh3d.commands import parse_bytes
 from mesh3d.mesh_shape import JobMesh, parse_grid
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan, load_spec
 
-__all__ = ["parse_bytes", "parse_input", "run_check", "run_plan"]
-
-_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
-          "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
-
-
-def parse_bytes(text: str) -> int:
-    """``"80GiB"`` → 85899345920; ``"8e10"`` → 80000000000.
-
-    Usage: ``parse_bytes("80GB")``
-    """
-    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", text)
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"{text!r} is not an amount of memory; write e.g. 80GiB, 80GB or 8e10")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
-
+__all__ = ["parse_input", "run_check", "run_plan"]
 
 def parse_input(shape: str, dtype: str, dims: str | None, sizes: str | None) -> InputSpec:
     """``--input 1x1x64x64 --dtype float32 --shard-dims 2 --sizes 40,24`` → ``InputSpec`` (sizes: one comma list per
