@@ -119,8 +119,11 @@ def test_a_check_that_exercises_nothing_is_degenerate_and_fails_until_the_zero_h
     table = report.table()
     assert "WARNING: this check exercises little of the model" in table and "--perturb-zero-init" in table
     assert "DEGENERATE" in table
+    row = next(line for line in table.splitlines() if line.strip().startswith("1,2x2,1"))
+    assert row.endswith("equal, DEGENERATE"), table   # no mesh row says plain "equal" above the verdict
     accepted = check_model(spec, [JobMesh(1, (2, 2), 1)], runner=_pool(ranks), allow_degenerate=True)
     assert accepted.degenerate and accepted.passed
+    assert "equal (accepted degenerate)" in accepted.table()
 
     perturbed = check_model(CheckSpec(_WEATHER, None, InputSpec((1, 4, 32, 64)), perturb_zero_init=True),
                             [JobMesh(1, (2,), 1)], runner=_pool(ranks))

@@ -153,12 +153,14 @@ class CheckReport:
         lines = [f"check of {self.model} against one process (float64, equal: every difference <= {self.tolerance:g})", ""]
         head = ["mesh", "sizes", "output", "loss", "worst gradient", "checkpoint", "verdict"]
         rows = []
+        # NOTE: a degenerate check's rows never say plain "equal": the numbers compare what little was exercised.
+        mark = "" if not self.degenerate else " (accepted degenerate)" if self.allow_degenerate else ", DEGENERATE"
         for m in self.meshes:
             grads = {k: v for k, v in m.diffs.items() if k.startswith("grad ")}
             worst = max(grads, key=grads.__getitem__, default=None)
             rows.append([m.mesh, "/".join(",".join(map(str, s)) for s in m.sizes), _num(m.diffs.get("output")),
                          _num(m.diffs.get("loss")), f"{_num(grads[worst])} ({worst[5:]})" if worst else "-",
-                         m.checkpoint or "-", m.verdict])
+                         m.checkpoint or "-", m.verdict + (mark if m.verdict == "equal" else "")])
         lines += _aligned(head, rows) + [""]
         names = list(dict.fromkeys(k for m in self.meshes for k in m.diffs))
         if names:
