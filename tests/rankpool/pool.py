@@ -104,7 +104,7 @@ class RankPool:
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(
                 target=worker_main,
-                args=(rank, self.world_size, store.port, child_end, self._logs[rank], self.pg_timeout_s),
+                args=(rank, self.world_size, store.port, child_end, self._logs[rank], self.pg_timeout_s, os.getpid()),
                 name=f"mesh3d-rank{rank}of{self.world_size}",
                 daemon=True,
             )

@@ -11,6 +11,8 @@ import os
 import pickle
 import signal
 import sys
+import threading
+import time
 import traceback
 from datetime import timedelta
 from typing import Any
@@ -54,9 +56,24 @@ def gloo_loop_threads() -> int:
     return names.count("gloo_tcp_loop")
 
 
-def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path: str, pg_timeout_s: float) -> None:
+def _exit_with(parent: int) -> None:
+    """End this rank when the pytest process that owns the pool is gone (killed, or ended by a CI time limit): a rank
+    left in a body's collective otherwise polls its gloo threads, a core's share among a few of them, for ever."""
+    def watch() -> None:
+        while True:
+            time.sleep(2.0)
+            try:
+                os.kill(parent, 0)
+            except ProcessLookupError:
+                os._exit(3)
+    threading.Thread(target=watch, name="rankpool-parent-watch", daemon=True).start()
+
+
+def worker_main(rank: int, world_size: int, store_port: int, conn: Any, log_path: str, pg_timeout_s: float,
+                parent: int) -> None:
     """Entry point of one pooled rank (runs in a process forked from the forkserver)."""
     log = _redirect_output(log_path)
+    _exit_with(parent)
     import torch
     import torch.distributed as dist
 
