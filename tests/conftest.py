@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, settings
 from profiles import CI_EXAMPLES
 from rankpool.state import ProcessState
 
-pytest_plugins = ["rankpool.plugin"]
+pytest_plugins = ["rankpool.plugin", "durations"]
 
 # ci: new examples every run (the run's seed, printed in the header), no deadline on two busy cores, no database.
 settings.register_profile("ci", deadline=None, database=None, print_blob=True, max_examples=CI_EXAMPLES,
