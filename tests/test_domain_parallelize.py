@@ -147,3 +147,52 @@ def test_a_linear_units_output_on_domain_tensors_is_not_a_view(ranks, layout):
     for messages, grad_err in ranks.run(4, _linear_unit_body, layout, timeout=120):
         assert not [m for m in messages if "view" in m], messages
         assert grad_err < 1e-12
+
+
+def _tp_head_body(domain_size: int):
+    import copy
+    import warnings
+
+    from torch import nn
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from mesh3d import DistributedManager, Plan, domain, parallelize
+
+    class Net(nn.Module):  # the root's output is its tensor-parallel head's: DTensor.to_local(), an autograd view
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down, self.head = nn.Linear(4, 8), nn.Linear(8, 4), nn.Linear(4, 8)
+
+        def forward(self, x):
+            return self.head(x + self.down(torch.tanh(self.up(x))))
+
+    DistributedManager.initialize(batch=1, domain=domain_size, model=4 // domain_size)
+    torch.manual_seed(0)
+    ref = Net().double()
+    plan = Plan(model={"up": ColwiseParallel(), "down": RowwiseParallel(), "head": ColwiseParallel(output_layouts=Replicate())},
+                units=["up", "down"])  # up's output is a view too (Shard(-1), local), down's an all-reduce's
+    net = parallelize(copy.deepcopy(ref), plan)
+    x = torch.randn(2, 5, 4, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = net(domain.shard(x, dim=1) if domain_size > 1 else x)
+        out += 1  # an in-place op on the root's output
+        out.square().mean().backward()
+    want = ref(x)
+    want += 1
+    want.square().mean().backward()
+    grad_err = max(float((p.grad.full_tensor() - q.grad).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
+    return [str(w.message) for w in caught], grad_err
+
+
+@pytest.mark.parametrize("domain_size", [1, 2], ids=["plain", "domain"])
+def test_a_tensor_parallel_units_output_is_not_a_view(ranks, domain_size):
+    """torch's styles hand a module's output back as ``DTensor.to_local()``, an autograd view of the DTensor's local
+    tensor; where that is an FSDP unit's output (the model's head, a colwise or rowwise unit), FSDP2 warns that an
+    in-place op on it drops the unit's pre-backward hook (and torch refuses an in-place op on that view). mesh3d's
+    units return it as a tensor of its own: no warning, and an in-place op on the root's output gives the one-process
+    gradients."""
+    for messages, grad_err in ranks.run(4, _tp_head_body, domain_size, timeout=120):
+        assert not [m for m in messages if "view" in m], messages
+        assert grad_err < 1e-12

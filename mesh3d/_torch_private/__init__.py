@@ -9,7 +9,7 @@ from mesh3d._torch_private.distributed import (
     clear_dtensor_caches, default_store, flatten_mesh, gloo_backend, group_options, live_process_groups,
     local_shape_and_global_offset, post_barrier, python_group_private_names, unflatten_mesh, wait_async_collective)
 from mesh3d._torch_private.autograd import (
-    checkpoint_module, disable_torch_function_subclass, linear_not_a_view, patch_checkpoint_recomputation,
+    checkpoint_module, disable_torch_function_subclass, linear_not_a_view, own_output, patch_checkpoint_recomputation,
     route_autograd_function_calls, run_autograd_function, run_backward_from)
 from mesh3d._torch_private.compile import (
     autograd_inside_custom_op, keep_in_program_order, let_compiled_graphs_take_function_subclasses,
@@ -55,6 +55,7 @@ __all__ = [
     "live_process_groups",
     "local_shape_and_global_offset",
     "op_schema",
+    "own_output",
     "patch_checkpoint_recomputation",
     "post_barrier",
     "python_group_private_names",

@@ -11,8 +11,8 @@ from typing import Any, ContextManager
 import torch
 from torch.distributed._composable import checkpoint
 
-__all__ = ["checkpoint_module", "disable_torch_function_subclass", "linear_not_a_view", "patch_checkpoint_recomputation",
-           "route_autograd_function_calls", "run_autograd_function", "run_backward_from"]
+__all__ = ["checkpoint_module", "disable_torch_function_subclass", "linear_not_a_view", "own_output",
+           "patch_checkpoint_recomputation", "route_autograd_function_calls", "run_autograd_function", "run_backward_from"]
 
 
 def checkpoint_module(module: object, context_fn: object | None = None) -> None:
@@ -57,6 +57,23 @@ def linear_not_a_view(input: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
     if out._base is None or type(out) is not torch.Tensor or torch.compiler.is_dynamo_compiling():
         return out  # NOTE: a compiled graph's outputs are fresh tensors of its own
     return torch.ops.aten._unsafe_view(out, out.shape)
+
+
+def own_output(t: object) -> object:
+    """``t``, when it is an autograd view only in name, as a tensor autograd does not count as a view; else ``t``.
+
+    A view only in name: it needs grad but its base has no autograd history, as ``DTensor.to_local()`` returns the
+    DTensor's local tensor (its autograd function's result is ``view_as`` of it). torch's tensor-parallel styles hand
+    a module's output back that way (an ``AsyncCollectiveTensor`` after a reduction: this waits for it), and FSDP2
+    warns for a wrapped module returning a view (an in-place op on it would drop the pre-backward hook), as a model
+    whose last module is tensor parallel (a head) does. The base is the dropped DTensor's, which nothing else writes.
+    Why private: ``torch.ops.aten._unsafe_view`` and ``Tensor._base``, as ``linear_not_a_view``.
+    """
+    if not isinstance(t, torch.Tensor) or (type(t) is not torch.Tensor and type(t).__name__ != "AsyncCollectiveTensor"):
+        return t  # NOTE: a domain tensor or a DTensor: an op's own result, never this view
+    if not t.requires_grad or t._base is None or t._base.requires_grad or torch.compiler.is_dynamo_compiling():
+        return t
+    return torch.ops.aten._unsafe_view(t, t.shape)
 
 
 def patch_checkpoint_recomputation(input_metadata: Callable[[torch.Tensor], Any],

@@ -35,7 +35,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from mesh3d._torch_private import wait_async_collective
+from mesh3d._torch_private import own_output, wait_async_collective
 from mesh3d.domain.comm.collectives import scale_grad
 from mesh3d.domain.core.trees import flat_tensors, tree_map
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
@@ -109,7 +109,7 @@ class _Bridge:
         def to_domain(o: Any) -> Any:
             if not isinstance(o, torch.Tensor) or isinstance(o, DomainTensor):
                 return o
-            o = wait_async_collective(o)
+            o = own_output(wait_async_collective(o))  # NOTE: not a view of the style's DTensor (FSDP2's hooks)
             if not sharded_dims(spec) and size > 1 and o.requires_grad:
                 o = scale_grad(o, 1.0 / size)  # every domain rank computed this: each keeps 1/D of the param grads
             return adopt(o, spec, keep)

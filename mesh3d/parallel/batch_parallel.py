@@ -22,6 +22,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from mesh3d._torch_private import own_output
+from mesh3d.domain.core.trees import tree_map
 from mesh3d.manager import DistributedManager
 from mesh3d.parallel.plan import Plan
 from mesh3d.parallel.validate import hsdp_shard_size
@@ -50,6 +52,7 @@ def apply_batch_parallel(model: nn.Module, plan: Plan, units: list[str], dm: Dis
         # The root's parameters are needed right after forward (backward starts there), so
         # resharding it would only add an all-gather; FSDP itself makes the same choice.
         reshard = plan.reshard_after_forward if fqn else False
+        module.register_forward_hook(_own_outputs)  # NOTE: before fully_shard: runs before FSDP's post-forward hook
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp, offload_policy=offload)
     domain = dm.axis_size("domain")
     for module in model.modules():
@@ -59,6 +62,13 @@ def apply_batch_parallel(model: nn.Module, plan: Plan, units: list[str], dm: Dis
             module.set_force_sum_reduction_for_comms(True)
             if domain > 1:
                 module.set_all_reduce_hook(_times(domain))
+
+
+def _own_outputs(_module: nn.Module, _args: tuple, output: object) -> object:
+    """A unit's outputs that are autograd views only in name (a tensor-parallel module's ``DTensor.to_local()``, when
+    it is the unit's last module) as tensors of their own: FSDP2 would warn that an in-place op on such a view drops
+    the unit's pre-backward hook (``own_output``)."""
+    return tree_map(own_output, output)
 
 
 def _times(factor: int):
