@@ -353,9 +353,11 @@ class PeerWatch:
         os._exit(PEER_LOST_EXIT_CODE)
 
 
-def _one_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return f"{type(err).__name__}: {text.splitlines()[0][:200] if text else ''}"
+def _one_line(err: BaseException, limit: int = 400) -> str:
+    """The error in one line: its lines joined (an agreed error's first line says what failed, the next ones name the
+    rank each cause came from: a peer that reads only the first learns nothing of where the fault was)."""
+    text = "; ".join(line.strip() for line in str(err).strip().splitlines() if line.strip())
+    return f"{type(err).__name__}: {text if len(text) <= limit else text[:limit - 3] + '...'}"
 
 
 class _NoWatch:
