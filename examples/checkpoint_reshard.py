@@ -21,6 +21,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from _runs import whole
+
 
 class Net(nn.Module):
     def __init__(self) -> None:
@@ -34,19 +36,12 @@ class Net(nn.Module):
 
 
 def build(mesh: tuple[int, int, int]):
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    from mesh3d import DistributedManager
+    from mesh3d import DistributedManager, Plan, parallelize
 
     dm = DistributedManager.initialize(*mesh)
     torch.manual_seed(0)
-    model = Net().double()
-    if dm.axis_size("model") > 1:  # TP first, then FSDP bottom-up, root last
-        parallelize_module(model, dm.axis_mesh("model"), {"up": ColwiseParallel(), "down": RowwiseParallel()})
-    if dm.axis_size("batch") * dm.axis_size("domain") > 1:
-        for sub in (model.emb, model.up, model.down, model):
-            fully_shard(sub, mesh=dm.batch_domain_mesh)
+    tp = {"up": "colwise", "down": "rowwise"} if dm.axis_size("model") > 1 else {}
+    model = parallelize(Net().double(), Plan(model=tp, units=["emb", "up", "down"]))  # TP, then FSDP units, root last
     return model, torch.optim.AdamW(model.parameters(), lr=0.05)
 
 
@@ -86,10 +81,8 @@ def main() -> None:
         train(model, opt, range(info.step, 5))
         manager.save(model, opt, step=5)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
-        from torch.distributed.tensor import DTensor
 
-        full = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-                for k, v in get_model_state_dict(model).items()}
+        full = {k: whole(v).clone() for k, v in get_model_state_dict(model).items()}  # a collective on every rank
         if DistributedManager().rank == 0:
             safetensors.torch.save_file(full, os.path.join(args.root, "trained.safetensors"))
     DistributedManager.shutdown()

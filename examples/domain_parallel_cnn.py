@@ -72,7 +72,7 @@ def main() -> int:
         worst = max(worst, abs(float(loss.detach()) - float(loss_ref.detach())))
         if dm.rank == 0 and (step % 5 == 0 or step == args.steps - 1):
             log.info("step %d loss %.6e (one process %.6e)", step, float(loss.detach()), float(loss_ref.detach()))
-    param_diff = max(float((p - q).abs().max()) for p, q in zip(model.parameters(), reference.parameters()))
+    param_diff = max((p - q).abs().max().item() for p, q in zip(model.parameters(), reference.parameters()))
     ok = worst < 1e-9 and param_diff < 1e-9
     if dm.rank == 0:
         print(f"domain={dm.axis_size('domain')} sizes={sizes} max|loss diff|={worst:.2e} "

@@ -170,7 +170,7 @@ def one_process(store: str, stats, steps: int) -> list[float]:
             for o in (opt, opt_nodes):
                 o.step()
                 o.zero_grad()
-            losses.append(float(loss))
+            losses.append(loss.item())
             if len(losses) == steps:
                 break
     return losses

@@ -20,7 +20,6 @@ run's and exits non-zero if the parameters differ from it.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 
 import lightning.pytorch as pl
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+from _runs import whole
 from mesh3d import DistributedManager, Plan
 from mesh3d.lightning import MeshStrategy
 
@@ -137,9 +137,7 @@ def main() -> None:
         trainer.save_checkpoint(args.ckpt, weights_only=False)  # a directory: sharded safetensors + JSON (trainer state included)
     else:
         trainer.fit(module, ckpt_path=args.ckpt)  # saved on another mesh: resharded on load
-    # Gathering FSDP x TP parameters for the check: torch notes that it takes two all-gathers. Expected.
-    logging.getLogger("torch.distributed.tensor._redistribute").setLevel(logging.ERROR)
-    full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach() for k, v in module.named_parameters()}
+    full = {k: whole(v) for k, v in module.named_parameters()}  # a collective on every rank
     if not trainer.is_global_zero:
         return
 

@@ -138,14 +138,14 @@ def run(args: argparse.Namespace) -> int:
         loss_ref.backward()
         opt_ref.step()
         opt_ref.zero_grad()
-        same = abs(float(loss) - float(loss_ref)) <= RTOL * abs(float(loss_ref))
+        got, want = loss.item(), loss_ref.item()  # not float(): torch warns for a tensor that requires grad
+        same = abs(got - want) <= RTOL * abs(want)
         ok &= same
         if me == 0:
-            print(f"step {step} loss {float(loss):.6f} one-process {float(loss_ref):.6f}{'' if same else '  <-- DIFFERS'}",
-                  flush=True)
+            print(f"step {step} loss {got:.6f} one-process {want:.6f}{'' if same else '  <-- DIFFERS'}", flush=True)
         if step == 0:
             report_traffic(traffic.bytes_sent, g, part, 32, len(net.layers), d)
-    worst = max(float((p.full_tensor() - q).abs().max()) for p, q in zip(net.parameters(), ref.parameters()))
+    worst = max((p.full_tensor() - q).abs().max().item() for p, q in zip(net.parameters(), ref.parameters()))
     ok &= worst <= 1e-8
     flag = torch.tensor(int(ok))
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)

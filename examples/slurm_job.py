@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from _runs import whole
 from mesh3d import PREEMPTED_EXIT_CODE, DistributedManager, Plan, global_mean_loss, parallelize
 from mesh3d.checkpoint import CheckpointManager
 from mesh3d.parallel.init import capture_init_specs, materialize
@@ -86,10 +87,8 @@ def run_rank(args) -> None:
     if last < args.steps:
         say(f"preempted after step {last - 1} (simulated); requeue the job to resume", flush=True)
     else:
-        from torch.distributed.tensor import DTensor
-
-        with torch.no_grad():  # full_tensor is a collective: every rank gathers, rank 0 checks
-            weights = [p.full_tensor() if isinstance(p, DTensor) else p.detach() for p in model.parameters()]
+        with torch.no_grad():  # a collective: every rank gathers, rank 0 checks
+            weights = [whole(p) for p in model.parameters()]
         if dm.rank == 0:
             check_against_one_process(weights, specs, nb, args.steps)
     DistributedManager.shutdown()
