@@ -9,7 +9,8 @@ Usage (any world sizes; the second run may differ from the first)::
 ``save`` trains 3 AdamW steps (TP on the model axis, FSDP on batch x domain) and saves
 ``/tmp/ck/step-00000003``; ``resume`` loads it on a different mesh, trains 2 more steps and
 saves step 5; ``check`` coalesces step 5 to ``/tmp/ck/hf`` (one process, no launcher) and
-compares it with the parameters that ``resume`` gathered, printing ``coalesced == trained``.
+compares it with the parameters that ``resume`` gathered, printing ``coalesced == trained``. A phase run again
+replaces what it and the later phases wrote under the root (which the first run marked as the example's own).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from _runs import whole
+from _runs import fresh_output, whole
 
 
 class Net(nn.Module):
@@ -53,6 +54,12 @@ def train(model, opt, steps: range) -> None:
         opt.zero_grad()
 
 
+#: What the phases write under root, in the order they write it, and each phase's first. Without step 5 (and with
+#: ``latest`` still naming it) the manager finds step 3 again: a rerun of resume resumes from the saved step 3.
+OUTPUTS = ["step-00000003", "latest", "step-00000005", "trained.safetensors", "hf"]
+PHASE_FIRST = {"save": "step-00000003", "resume": "step-00000005", "check": "hf"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("phase", choices=["save", "resume", "check"])
@@ -63,6 +70,10 @@ def main() -> None:
     from mesh3d.checkpoint import CheckpointManager
 
     manager = CheckpointManager(args.root, keep_last=2)
+    if int(os.environ.get("RANK", "0")) == 0:  # before the mesh exists: the other ranks write only after collectives
+        # A rerun of a phase replaces what that phase and the later ones wrote (checkpoints are never overwritten).
+        fresh_output(args.root, "examples/checkpoint_reshard.py", OUTPUTS[OUTPUTS.index(PHASE_FIRST[args.phase]):],
+                     known=OUTPUTS)
     if args.phase == "check":
         out = os.path.join(args.root, "hf")
         checkpoint.coalesce(manager.latest(), out)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from _runs import fresh_output
 from mesh3d import DistributedManager, Plan, checkpoint, parallelize
 from mesh3d.data import MeshDataLoader, MeshSampler, SlabDataset
 
@@ -95,8 +96,8 @@ def main() -> int:
 
     dm = DistributedManager.initialize(*(int(v) for v in args.mesh.split(",")))
     paths = {"x": os.path.join(args.root, "x.npy"), "y": os.path.join(args.root, "y.npy")}
-    if args.mode == "train" and dm.rank == 0:
-        os.makedirs(args.root, exist_ok=True)
+    if args.mode == "train" and dm.rank == 0:  # the others wait at the barrier below
+        fresh_output(args.root, "examples/data_resume.py", ["x.npy", "y.npy", "ckpt"])  # a rerun: afresh
         write_dataset(args.root)
     dist.barrier()
 

@@ -250,6 +250,11 @@ def _read(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+#: What the phases write under --out, in the order they write it, and each phase's first.
+OUTPUTS = ["ckpt-train", "train.json", "ckpt-final", "one_process.safetensors", "resume.json", "hf"]
+PHASE_FIRST = {"train": "ckpt-train", "resume": "ckpt-final", "export": "hf"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", choices=["train", "resume", "export"])
@@ -259,18 +264,14 @@ def main() -> None:
     parser.add_argument("--model", type=int, default=2)
     args = parser.parse_args()
     out = Path(args.out)
-    if args.phase == "train" and int(os.environ.get("RANK", "0")) == 0:
-        out.mkdir(parents=True, exist_ok=True)
-        for old in ("ckpt-train", "ckpt-final", "hf"):   # a rerun starts clean (checkpoints refuse to overwrite)
-            _remove(out / old)
+    if int(os.environ.get("RANK", "0")) == 0:  # before the mesh exists: the other ranks write only after collectives
+        # NOTE: imported here: examples/ is on sys.path when this file runs, not when tools import it by path.
+        from _runs import fresh_output
+
+        # A rerun of a phase replaces what that phase and the later ones wrote (checkpoints are never overwritten).
+        fresh_output(out, "examples/demo_3d.py", OUTPUTS[OUTPUTS.index(PHASE_FIRST[args.phase]):],
+                     known=OUTPUTS)
     {"train": phase_train, "resume": phase_resume, "export": phase_export}[args.phase](args, out)
-
-
-def _remove(path: Path) -> None:
-    import shutil
-
-    if path.exists():
-        shutil.rmtree(path)
 
 
 if __name__ == "__main__":

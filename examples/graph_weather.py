@@ -35,11 +35,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from weather import TIMES, TEST_TIMES, VARIABLES, write_store  # noqa: E402  (the weather example's dataset)
+from _runs import fresh_output  # noqa: E402  (a rerun starts afresh in the folder it owns)
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, graphs, parallelize  # noqa: E402
 from mesh3d.data import MeshDataLoader, MeshSampler, WeatherDataset  # noqa: E402
 from mesh3d.weather import LatLonGrid, weighted_mse  # noqa: E402
 
+EXAMPLE = "examples/graph_weather.py"
+OUTPUTS = ["era5_like.zarr", "ckpt"]  # what the phases write under --out, in order
 H, REFINEMENTS, LAYERS, GLOBAL_BATCH, LR, SEED = 16, 2, 2, 2, 2e-3, 0
 TRAIN_STEPS, RESUME_STEPS = 4, 3
 RTOL = 1e-4  # fp32: only the summation order differs
@@ -245,7 +248,10 @@ def main() -> int:
     parser.add_argument("phase", nargs="?", default="all", choices=["all", "data", "train", "resume"])
     parser.add_argument("--out", default="runs/graph_weather")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    if args.phase != "resume" and int(os.environ.get("RANK", "0")) == 0:  # before the mesh: the others write after it
+        # A rerun of a phase replaces what that phase and the later ones wrote (checkpoints are never overwritten).
+        fresh_output(args.out, EXAMPLE, OUTPUTS[OUTPUTS.index("ckpt" if args.phase == "train" else "era5_like.zarr"):],
+                     known=OUTPUTS)
     if args.phase == "data":
         write_store(os.path.join(args.out, "era5_like.zarr"))
         return 0

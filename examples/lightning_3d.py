@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from _runs import whole
+from _runs import fresh_output, whole
 from mesh3d import DistributedManager, Plan
 from mesh3d.lightning import MeshStrategy
 
@@ -132,7 +132,8 @@ def main() -> None:
     module, log = HeatModule(), LossLog()
     trainer = trainer_for(epochs, log, strategy, args.devices)
     if args.phase == "fit":
-        os.makedirs(os.path.dirname(os.path.abspath(args.ckpt)), exist_ok=True)
+        if first:  # a rerun starts afresh (checkpoints are never overwritten); the other processes write after collectives
+            fresh_output(os.path.dirname(os.path.abspath(args.ckpt)), "examples/lightning_3d.py", [os.path.basename(args.ckpt)])
         trainer.fit(module)
         trainer.save_checkpoint(args.ckpt, weights_only=False)  # a directory: sharded safetensors + JSON (trainer state included)
     else:

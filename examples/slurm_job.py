@@ -84,8 +84,11 @@ def run_rank(args) -> None:
             say(f"stop signal: saved step {step + 1}; exiting with {PREEMPTED_EXIT_CODE} for the job to requeue", flush=True)
             DistributedManager.shutdown()
             sys.exit(PREEMPTED_EXIT_CODE)
+    if start >= last:  # a job run again after it got this far: nothing to redo
+        say(f"steps 0-{last - 1} are done already (the checkpoint is at step {start}): nothing to train", flush=True)
     if last < args.steps:
-        say(f"preempted after step {last - 1} (simulated); requeue the job to resume", flush=True)
+        if start < last:
+            say(f"preempted after step {last - 1} (simulated); requeue the job to resume", flush=True)
     else:
         with torch.no_grad():  # a collective: every rank gathers, rank 0 checks
             weights = [whole(p) for p in model.parameters()]

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -292,10 +291,7 @@ def forecast_and_check(net, store: str, out: str, dm: DistributedManager) -> boo
     plain = model()
     plain.load_state_dict({k: (v.full_tensor() if hasattr(v, "full_tensor") else v) for k, v in net.state_dict().items()})
     inits = list(range(TIMES - TEST_TIMES, TIMES - FORECAST_STEPS))
-    path = os.path.join(out, "forecast.zarr")
-    if dm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)                 # a new forecast each run of the example
-    dist.barrier()
+    path = os.path.join(out, "forecast.zarr")                    # a new store each run (main removed the old one)
     forecast_ensemble(plain, store, VARIABLES, path, init_times=inits, leads=FORECAST_STEPS, lead=np.timedelta64(6, "h"),
                       stats=stats, batch_size=2, tile=(8, 16), progress=None, run={"model": "examples/weather.py:SFNO"})
     table = score_forecast(path)                                # every rank: block sums, one all-reduce
@@ -344,12 +340,24 @@ def phase_plot(out: str) -> int:
     return 0
 
 
+#: What the phases write under --out, in the order they write it, and each phase's first.
+OUTPUTS = ["era5_like.zarr", "stats.json", "ckpt", f"ckpt-{TRAIN_STEPS + RESUME_STEPS}", "forecast.zarr", "forecast.png"]
+PHASE_FIRST = {"all": "era5_like.zarr", "data": "era5_like.zarr", "train": "stats.json", "resume": OUTPUTS[3],
+               "plot": "forecast.png"}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("phase", nargs="?", default="all", choices=["all", "data", "train", "resume", "plot"])
     parser.add_argument("--out", default="runs/weather")
     args = parser.parse_args()
-    os.makedirs(args.out, exist_ok=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # before the mesh exists: the other ranks write only after collectives
+        # NOTE: imported here: examples/ is on sys.path when this file runs, not when tools import it by path.
+        from _runs import fresh_output
+
+        # A rerun of a phase replaces what that phase and the later ones wrote (checkpoints are never overwritten).
+        fresh_output(args.out, "examples/weather.py", OUTPUTS[OUTPUTS.index(PHASE_FIRST[args.phase]):],
+                     known=OUTPUTS)
     if args.phase == "data":
         write_store(os.path.join(args.out, "era5_like.zarr"))
         return 0

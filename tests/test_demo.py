@@ -3,8 +3,9 @@
 One subprocess test (three launches, then the resume once more). The demo checks itself and exits non-zero if
 any check fails; this test also reads its figures: every printed parallel loss beside the one-process loss (fp32,
 rtol 1e-4: they differ only in summation order), and the exported file. The resume phase then runs a second time
-from the same checkpoint: both runs exit cleanly (no "terminate called" at exit; tests/test_clean_exit.py says
-why), which reuses the demo's 8-rank training instead of training again for that check.
+from the same checkpoint (replacing what the first resume and the export wrote, and saying so): both runs exit
+cleanly (no "terminate called" at exit; tests/test_clean_exit.py says why), which reuses the demo's 8-rank training
+instead of training again for that check.
 """
 
 from __future__ import annotations
@@ -32,9 +33,11 @@ def test_demo_trains_resumes_and_exports_like_one_process(tmp_path):
     assert (tmp_path / "demo" / "hf" / "model.safetensors").stat().st_size > 0
     assert "terminate called" not in done.stderr, done.stderr[-3000:]
     out = tmp_path / "demo"
-    (out / "ckpt-final").rename(out / "ckpt-final-0")  # the resume writes it anew: never overwritten
     again = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
                             "examples/demo_3d.py", "resume", "--batch", "1", "--domain", "2", "--model", "2", "--out",
                             str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0 and "terminate called" not in again.stderr, again.stderr[-3000:]
     assert again.stdout.count("one-process") == 3, again.stdout
+    # Checkpoints are never overwritten: the rerun removes what the resume and export phases wrote, and says so.
+    assert f"starting afresh in {out}: removed ckpt-final, one_process.safetensors, resume.json, hf" in again.stdout
+    assert (out / "ckpt-train").is_dir() and (out / "ckpt-final").is_dir() and not (out / "hf").exists()

@@ -7,13 +7,27 @@ test_parallelize_example.py, domain_parallel_cnn.py in test_domain_example.py.)
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import sys
+from pathlib import Path
 
 import numpy as np
+import pytest
 
 from launch_helpers import clean_env, run, run_on_free_port
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _script(path: Path):
+    """A script of the checkout (examples/, scripts/) as a module, by path: they are not a package."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def _run(args: list[str]) -> str:
@@ -132,3 +146,36 @@ def test_graph_weather_example_trains_on_4_ranks_resumes_on_2_equal_to_one_proce
     halos = re.findall(r"halo rows \([\d, ]+\):\s+(\d+) bytes per step, a gather of every node\s+(\d+)", out)
     assert len(halos) == 8 and all(0 < int(h) < int(g) for h, g in halos), out
     assert "graph_weather: every check passed" in out
+
+
+def test_an_example_run_twice_into_the_same_folder_starts_afresh_and_says_what_it_removed(tmp_path):
+    """Checkpoints are never overwritten, so a second run of an example removes what its first run wrote (the folder
+    carries the example's marker) and says so in one line; the rest of the folder stays."""
+    root = tmp_path / "slabs"
+    train = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/data_resume.py", "train",
+             "--root", str(root), "--mesh", "1,2,1", "--steps", "2"]
+    first = _run(train)
+    assert "starting afresh" not in first and "MATCHES the uninterrupted run" in first, first
+    (root / "notes.txt").write_text("the user's")
+    second = _run(train)
+    assert f"examples/data_resume.py: starting afresh in {root}: removed x.npy, y.npy, ckpt" in second, second
+    assert "MATCHES the uninterrupted run" in second and (root / "notes.txt").read_text() == "the user's"
+
+
+def test_an_example_leaves_a_folder_it_did_not_mark_alone(tmp_path):
+    runs = _script(ROOT / "examples" / "_runs.py")
+    theirs = tmp_path / "theirs"
+    (theirs / "ckpt").mkdir(parents=True)
+    (theirs / "thesis.tex").write_text("keep")
+    with pytest.raises(SystemExit, match=r"already holds ckpt, and the folder holds other files and no \.mesh3d-example"):
+        runs.fresh_output(theirs, "examples/x.py", ["ckpt"])
+    assert sorted(os.listdir(theirs)) == ["ckpt", "thesis.tex"]
+    old = tmp_path / "old"  # a run from before the marker: nothing there but what the example writes
+    (old / "ckpt").mkdir(parents=True)
+    (old / "data.npy").write_text("")
+    assert runs.fresh_output(old, "examples/x.py", ["ckpt"], known=["ckpt", "data.npy"]) == ["ckpt"]
+    assert sorted(os.listdir(old)) == [runs.MARKER, "data.npy"]
+    (old / "ckpt").mkdir()
+    with pytest.raises(SystemExit, match="marked by examples/x.py"):
+        runs.fresh_output(old, "examples/y.py", ["ckpt"])
+
