@@ -8,6 +8,7 @@ test_parallelize_example.py, domain_parallel_cnn.py in test_domain_example.py.)
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -112,7 +113,7 @@ def test_data_resume_example_continues_the_same_global_batches_on_another_mesh(t
 def test_weather_example_trains_equal_to_one_process_resumes_forecasts_and_draws(tmp_path):
     """The whole example: 8 ranks (batch 2 x 2x2 blocks) beside one process, resume on 4 lat slabs, 8-step forecast
     written block by block and checked against one process, the PNG. It exits non-zero unless every check passes."""
-    done = run(["examples/weather.py", "--out", str(tmp_path / "weather")], timeout=600)  # about 1.5 min on 2 idle cores
+    done = run(["examples/weather.py", "--out", str(tmp_path / "weather")], timeout=600)  # its time: docs/example_times.json
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     out = done.stdout
     assert out.count("MATCHES one process") == 3, out                      # two trainings and the forecast
@@ -179,3 +180,14 @@ def test_an_example_leaves_a_folder_it_did_not_mark_alone(tmp_path):
     with pytest.raises(SystemExit, match="marked by examples/x.py"):
         runs.fresh_output(old, "examples/y.py", ["ckpt"])
 
+
+def test_every_stated_example_time_is_the_one_in_example_times_json():
+    """README.md's table, the other Markdown and the examples' docstrings state each example's time from
+    docs/example_times.json alone (scripts/time_examples.py measures and writes them); every example is listed."""
+    times = _script(ROOT / "scripts" / "time_examples.py")
+    data = json.loads((ROOT / "docs" / "example_times.json").read_text())
+    assert {"machine", "torch", "date", "load_at_start", "examples"} <= set(data)
+    assert times.problems(data) == []
+    stated = times.stated(data)
+    assert {name for f, name, _, _ in stated if f == "README.md"} == set(data["examples"]) == set(times.commands(ROOT))
+    assert ("docs/weather.md", "weather.py") in {(f, name) for f, name, _, _ in stated}
