@@ -57,7 +57,11 @@ def _fault(action: str, key: str) -> None:
     if action == "freeze":  # NOTE: libc's sleep through PyDLL keeps the GIL: no Python thread runs, the watch's neither
         ctypes.PyDLL(None).sleep(int(GROUP_TIMEOUT_S + 6.0))
         raise InjectedFault("woke up after the freeze")
-    time.sleep(GROUP_TIMEOUT_S + 6.0)  # a hang that outlasts the survivors' group timeout
+    # A hang that outlasts the survivors' group timeout; it ends once every survivor has reported its outcome (they
+    # count themselves under the key: outcome()), so the cell takes the survivors' time, not the hang's longest.
+    deadline = time.monotonic() + GROUP_TIMEOUT_S + 6.0
+    while time.monotonic() < deadline and default_store().add(f"{key}/reported", 0) < dist.get_world_size() - 1:
+        time.sleep(0.2)
     raise InjectedFault("woke up after the hang")
 
 
@@ -189,6 +193,7 @@ def train_steps(net: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, st
 def outcome(rank: int, key: str, started: float, err: Exception | None) -> dict:
     """What a rank reports from a cell: its error (None: none) and the seconds from the fault (the victim wrote its
     time under ``key`` in the store) to it."""
+    default_store().add(f"{key}/reported", 1)  # a hanging victim stops hanging once every survivor has (_fault)
     if err is None:
         return {"rank": rank, "error": None, "message": "", "seconds": time.time() - started}
     faulted = float(default_store().get(key)) if default_store().check([key]) else started
