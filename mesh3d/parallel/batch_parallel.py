@@ -23,7 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from mesh3d._torch_private import own_output
-from mesh3d.domain.core.trees import tree_map
 from mesh3d.manager import DistributedManager
 from mesh3d.parallel.plan import Plan
 from mesh3d.parallel.validate import hsdp_shard_size
@@ -67,8 +66,15 @@ def apply_batch_parallel(model: nn.Module, plan: Plan, units: list[str], dm: Dis
 def _own_outputs(_module: nn.Module, _args: tuple, output: object) -> object:
     """A unit's outputs that are autograd views only in name (a tensor-parallel module's ``DTensor.to_local()``, when
     it is the unit's last module) as tensors of their own: FSDP2 would warn that an in-place op on such a view drops
-    the unit's pre-backward hook (``own_output``)."""
-    return tree_map(own_output, output)
+    the unit's pre-backward hook (``own_output``). A tensor, or a plain tuple or list of them; any other structure
+    (a dict, a model's output class) is left as it is, and nothing is replaced when nothing changes."""
+    if isinstance(output, torch.Tensor):
+        own = own_output(output)
+        return None if own is output else own
+    if type(output) in (tuple, list):
+        items = [own_output(o) for o in output]
+        return None if all(a is b for a, b in zip(items, output)) else type(output)(items)
+    return None
 
 
 def _times(factor: int):
