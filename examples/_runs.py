@@ -2,9 +2,10 @@
 
 Usage (one process, before it writes anything: the parent that starts the ranks, or rank 0 before the mesh exists)::
 
-    from _runs import fresh_output, whole
+    from _runs import fresh_output, torchrun_env, whole
     fresh_output("runs/graph_weather", "examples/graph_weather.py", ["era5_like.zarr", "ckpt"])
     weights = [whole(p) for p in model.parameters()]     # on every rank: a collective for each DTensor
+    subprocess.run(["torchrun", "--nproc-per-node", "4", ...], env=torchrun_env())
 
 An example names what it writes in its folder. The first run marks the folder as its own (a file ``.mesh3d-example``
 listing the examples that wrote there); a later run removes those names from a folder so marked, and only those
@@ -25,7 +26,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor, Replicate
 
-__all__ = ["MARKER", "fresh_output", "whole"]
+__all__ = ["MARKER", "fresh_output", "torchrun_env", "whole"]
 
 #: The file that marks a folder as the output of the examples it lists (one per line).
 MARKER = ".mesh3d-example"
@@ -75,3 +76,9 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     for k in range(mesh.ndim):
         t = t.redistribute(mesh, [Replicate()] * (k + 1) + list(t.placements[k + 1:]))
     return t.to_local().detach()
+
+
+def torchrun_env() -> dict[str, str]:
+    """The environment for a ``torchrun`` an example starts itself: ``OMP_NUM_THREADS`` as torchrun sets it anyway (1
+    thread per process unless the user chose), so torchrun does not print its banner saying that it set it."""
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

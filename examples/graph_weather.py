@@ -35,7 +35,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from weather import TIMES, TEST_TIMES, VARIABLES, write_store  # noqa: E402  (the weather example's dataset)
-from _runs import fresh_output  # noqa: E402  (a rerun starts afresh in the folder it owns)
+from _runs import fresh_output, torchrun_env  # noqa: E402  (a rerun starts afresh in the folder it owns)
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, graphs, parallelize  # noqa: E402
 from mesh3d.data import MeshDataLoader, MeshSampler, WeatherDataset  # noqa: E402
@@ -260,7 +260,7 @@ def main() -> int:
     write_store(os.path.join(args.out, "era5_like.zarr"))
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     for n, name in (("4", "train"), ("2", "resume")):
-        done = subprocess.run([*run, n, os.path.abspath(__file__), name, "--out", args.out])
+        done = subprocess.run([*run, n, os.path.abspath(__file__), name, "--out", args.out], env=torchrun_env())
         if done.returncode:
             print(f"graph_weather: the {name} phase FAILED (exit {done.returncode})")
             return done.returncode

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from _runs import torchrun_env
 from mesh3d import DistributedManager, Plan, domain, graphs, parallelize
 
 RTOL = 1e-9
@@ -185,7 +186,7 @@ def main() -> int:
         return run(args)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.ranks),
            os.path.abspath(__file__), "run", "--partition", args.partition, "--steps", str(args.steps)]
-    return subprocess.run(cmd).returncode
+    return subprocess.run(cmd, env=torchrun_env()).returncode
 
 
 if __name__ == "__main__":

@@ -351,10 +351,10 @@ def main() -> int:
     parser.add_argument("phase", nargs="?", default="all", choices=["all", "data", "train", "resume", "plot"])
     parser.add_argument("--out", default="runs/weather")
     args = parser.parse_args()
-    if int(os.environ.get("RANK", "0")) == 0:  # before the mesh exists: the other ranks write only after collectives
-        # NOTE: imported here: examples/ is on sys.path when this file runs, not when tools import it by path.
-        from _runs import fresh_output
+    # NOTE: imported here: examples/ is on sys.path when this file runs, not when tools import it by path.
+    from _runs import fresh_output, torchrun_env
 
+    if int(os.environ.get("RANK", "0")) == 0:  # before the mesh exists: the other ranks write only after collectives
         # A rerun of a phase replaces what that phase and the later ones wrote (checkpoints are never overwritten).
         fresh_output(args.out, "examples/weather.py", OUTPUTS[OUTPUTS.index(PHASE_FIRST[args.phase]):],
                      known=OUTPUTS)
@@ -369,7 +369,7 @@ def main() -> int:
     write_store(os.path.join(args.out, "era5_like.zarr"))
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
     for n, phase in (("8", "train"), ("4", "resume")):
-        done = subprocess.run([*run, n, os.path.abspath(__file__), phase, "--out", args.out])
+        done = subprocess.run([*run, n, os.path.abspath(__file__), phase, "--out", args.out], env=torchrun_env())
         if done.returncode:
             print(f"weather: the {phase} phase FAILED (exit {done.returncode})")
             return done.returncode
