@@ -23,9 +23,11 @@ Usage::
     .venv/bin/python scripts/time_examples.py --check         # exit 1 where a stated time differs from the json
 
 Every example checks itself and exits non-zero when it differs from one process; a failing example fails the run and
-nothing is written. Each command's stdout and stderr stay in ``--work``/logs (logs-2 ... on later runs); the count of warning lines in each
-example's stderr is printed beside its time. Run it on an otherwise idle machine: the load average at the start is
-recorded, and two cores shared with other work make every figure longer.
+nothing is written. Each command's stdout and stderr stay in ``--work``/logs (logs-2 ... on later runs); beside each
+time it prints how many lines the example wrote to stderr, and how many of them name a warning (torchrun's notice
+that it set OMP_NUM_THREADS, for the commands that start it without one, and Lightning's own lines are expected).
+Run it on an otherwise idle machine: the load average at the start is recorded, and two cores shared with other work
+make every figure longer.
 """
 
 from __future__ import annotations
@@ -108,10 +110,11 @@ def commands(work: Path) -> dict[str, list[tuple[list[str], dict[str, str]]]]:
     }
 
 
-def run_example(name: str, steps: list[tuple[list[str], dict[str, str]]], logs: Path, timeout: float) -> tuple[float, int, int]:
-    """Run one example's commands in order from the checkout; (wall seconds, exit status, warning lines in stderr)."""
-    warning = re.compile(r"\b\w*Warning\b")
-    start, warnings = time.perf_counter(), 0
+def run_example(name: str, steps: list[tuple[list[str], dict[str, str]]], logs: Path,
+                timeout: float) -> tuple[float, int, int, int]:
+    """Run one example's commands in order from the checkout; (wall seconds, exit status, stderr lines, warnings)."""
+    warning = re.compile(r"\b\w*Warning\b|^\[rank\d+\]:W\d")
+    start, lines, warnings = time.perf_counter(), 0, 0
     for k, (argv, extra) in enumerate(steps):
         log = logs / f"{name}.{k}"
         with open(f"{log}.out", "w") as out, open(f"{log}.err", "w") as err:
@@ -120,10 +123,11 @@ def run_example(name: str, steps: list[tuple[list[str], dict[str, str]]], logs: 
                                       timeout=timeout).returncode
             except subprocess.TimeoutExpired:
                 code = 124
-        warnings += sum(1 for line in open(f"{log}.err") if warning.search(line))
+        err = [line for line in open(f"{log}.err") if line.strip()]
+        lines, warnings = lines + len(err), warnings + sum(1 for line in err if warning.search(line))
         if code:
-            return time.perf_counter() - start, code, warnings
-    return time.perf_counter() - start, 0, warnings
+            return time.perf_counter() - start, code, lines, warnings
+    return time.perf_counter() - start, 0, lines, warnings
 
 
 def machine() -> str:
@@ -254,10 +258,10 @@ def main() -> int:
           flush=True)
     failed = []
     for name in chosen:
-        seconds, code, warnings = run_example(name, every[name], logs, args.timeout)
+        seconds, code, lines, warnings = run_example(name, every[name], logs, args.timeout)
         data["examples"][name] = round(seconds, 1)
         status = "ok" if code == 0 else f"FAILED (exit {code}; logs: {logs}/{name}.*)"
-        print(f"  {name:24s} {seconds:7.1f} s  {status}; {warnings} warning lines in its stderr", flush=True)
+        print(f"  {name:24s} {seconds:7.1f} s  {status}; stderr: {lines} lines, {warnings} naming a warning", flush=True)
         if code:
             failed.append(name)
     if failed:
