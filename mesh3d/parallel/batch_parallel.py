@@ -71,9 +71,11 @@ def _own_outputs(_module: nn.Module, _args: tuple, output: object) -> object:
     if isinstance(output, torch.Tensor):
         own = own_output(output)
         return None if own is output else own
-    if type(output) in (tuple, list):
+    if isinstance(output, (tuple, list)) and type(output) in (tuple, list):  # not a named tuple or another subclass
         items = [own_output(o) for o in output]
-        return None if all(a is b for a, b in zip(items, output)) else type(output)(items)
+        if all(a is b for a, b in zip(items, output)):
+            return None
+        return tuple(items) if isinstance(output, tuple) else items
     return None
 
 
