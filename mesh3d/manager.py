@@ -28,7 +28,7 @@ from mesh3d.faults.attach import WATCH, start_watch
 from mesh3d.faults.summary import SUMMARY, mark_shared
 from mesh3d.group_settings import DEFAULT_TIMEOUT, as_timeout, choose_transport, init_default_group
 from mesh3d.launcher import LaunchInfo, detect_launcher
-from mesh3d.mesh_shape import AXES, resolve_domain_grid, resolve_mesh_shape
+from mesh3d.mesh_shape import AXES, JobMesh
 from mesh3d.preempt import STOP, agree_to_stop
 from mesh3d.teardown import EXIT_DRAIN_TIMEOUT_ON_ERROR, SHUTDOWN_DRAIN_TIMEOUT, Teardown, exiting_on_error
 
@@ -112,21 +112,15 @@ class DistributedManager:
         watch = WatchSettings.from_env() if watch is None else watch
         STOP.install(stop_signals)  # bad names raise here, on every rank, before any collective
         reuse = dist.is_available() and dist.is_initialized()
-        if reuse:
-            info = LaunchInfo(
-                "existing", dist.get_rank(), dist.get_world_size(), int(os.environ.get("LOCAL_RANK", dist.get_rank()))
-            )
-        else:
-            info = detect_launcher()
+        info = LaunchInfo("existing", dist.get_rank(), dist.get_world_size(), int(os.environ.get(
+            "LOCAL_RANK", dist.get_rank()))) if reuse else detect_launcher()
         # NOTE: the checks below give every rank the same error from the same arguments: it is reported once.
         SUMMARY.install(info.rank, info.world_size)
         try:
-            domain_size, grid = resolve_domain_grid(info.world_size, batch, domain, model)
-            shape = resolve_mesh_shape(info.world_size, batch, domain_size, model)
+            asked = JobMesh.resolve(info.world_size, batch, domain, model)
         except ValueError as err:
             raise mark_shared(err, range(info.world_size)) from None
-        if len(grid) == 1:
-            grid = (shape[1],)
+        shape, grid = (asked.batch, asked.domain, asked.model), asked.grid
 
         if cls._instance is not None:
             current = tuple(cls._instance.mesh.shape)
@@ -141,10 +135,9 @@ class DistributedManager:
         if device.type == "cuda":
             torch.cuda.set_device(device)
 
-        created_default_group = False
-        if not reuse:
+        created_default_group = not reuse
+        if created_default_group:
             init_default_group(info, backend, device, timeout)
-            created_default_group = True
 
         self = object.__new__(cls)
         self.rank, self.world_size, self.local_rank = info.rank, info.world_size, info.local_rank
