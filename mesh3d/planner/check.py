@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d.checkpoint.load import load
 from mesh3d.checkpoint.save import save
@@ -106,7 +106,12 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DomainTensor):
         return (t.full_tensor() if sharded_dims(t.spec) else t).to_local()
     if isinstance(t, DTensor):
-        return t.full_tensor()
+        # NOTE: one mesh dim at a time, the outermost (FSDP's) first: full_tensor() of a parameter split twice along one
+        # dim (FSDP over tensor parallelism) runs the same all-gathers but logs that it cannot merge them.
+        mesh = t.device_mesh
+        for k in range(mesh.ndim):
+            t = t.redistribute(mesh, [Replicate()] * (k + 1) + list(t.placements[k + 1:]))
+        return t.to_local()
     return t
 
 
