@@ -21,6 +21,7 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
 from mesh3d.domain.layouts.graph_halo import gather_halo, global_mask
 from mesh3d.domain.ops.graph.common import graph_spec_of, is_graph, lookup, own_rows, rows_for
+from mesh3d.domain.ops.graph.pieces import row_endpoint
 from mesh3d.graphs import Partition
 
 __all__ = ["gather_nodes", "target_items"]
@@ -124,11 +125,22 @@ def _getitem(self, index):
         out += 0 if isinstance(item, int) else 1
         dim += 1
     picked = out + (spec.dim - dim) if picked is None else picked
-    endpoint = spec.endpoint
-    if endpoint == -1:  # the (2, E) edge list: a row of it names its endpoint; anything else is no row
-        endpoint = items[0] % 2 if spec.dim == 1 and isinstance(items[0], int) else -1 \
-            if not items or (isinstance(items[0], slice) and items[0] == _WHOLE) else None
-    return adopt(unwrap(self)[tuple(items)], spec.replaced(dim=picked, endpoint=endpoint))
+    return adopt(unwrap(self)[tuple(items)], spec.replaced(dim=picked, endpoint=_endpoint_after(spec, items)))
+
+
+def _endpoint_after(spec, items: list) -> int | None:
+    """The endpoint of ``x[items]``: for the ``(2, E)`` edge list, row k's for ``ei[k]`` and ``ei[k:k + 1]``, -1 for
+    it whole, None for anything else (no row); any other tensor's own."""
+    if spec.endpoint != -1:
+        return spec.endpoint
+    first = items[0] if items else _WHOLE
+    if isinstance(first, slice) and first == _WHOLE:
+        return -1
+    if spec.dim != 1:
+        return None
+    if isinstance(first, int):
+        return first % 2
+    return row_endpoint(spec, 0, range(2)[first]) if isinstance(first, slice) else None
 
 
 def _select(input, dim, index):

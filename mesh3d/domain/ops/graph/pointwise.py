@@ -119,6 +119,16 @@ def _shape_args(shape: tuple) -> list[int]:
     return list(shape[0]) if len(shape) == 1 and isinstance(shape[0], (list, tuple, torch.Size)) else list(shape)
 
 
+def _item_dim_after(whole: list[int], d: int, target: list[int]) -> int | None:
+    """Where the item dim ``d`` of a tensor of shape ``whole`` lands in ``target`` when the reshape keeps it whole and
+    apart (the dims before it and the dims after it regrouped among themselves); None when it does not."""
+    before, after = math.prod(whole[:d]), math.prod(whole[d + 1:])
+    for k, size in enumerate(target):
+        if size == whole[d] and math.prod(target[:k]) == before and math.prod(target[k + 1:]) == after:
+            return k
+    return None
+
+
 def reshape_rule(view: bool) -> Callable:
     name = "torch.Tensor.view" if view else "torch.reshape"
 
@@ -128,12 +138,15 @@ def reshape_rule(view: bool) -> Callable:
         if target.count(-1) == 1:
             known = math.prod(t for t in target if t != -1)
             target[target.index(-1)] = math.prod(whole) // known if known else 0
-        if len(target) > d and target[:d + 1] == whole[:d + 1] and math.prod(target[d + 1:]) == math.prod(whole[d + 1:]):
-            target[d] = local.shape[d]
-            return adopt(local.view(target) if view else local.reshape(target), spec)
+        # NOTE: (A, n, B) -> (A', n, B') with prod(A) == prod(A'), prod(B) == prod(B') maps each item's elements as
+        # the local (A, n_r, B) -> (A', n_r, B') does: a (1, E) row of the edge list .view(-1), (E,) .view(1, -1)
+        k = _item_dim_after(whole, d, target)
+        if k is not None:
+            target[k] = local.shape[d]
+            return adopt(local.view(target) if view else local.reshape(target), spec.replaced(dim=k))
         raise NotImplementedError(f"{name}{tuple(_shape_args(shape))} of a graph tensor of shape {tuple(whole)} (items "
-                                  f"along dim {d}): only reshapes that keep the dims up to the item dim and split or "
-                                  "merge the ones after it are supported; call .full_tensor() first")
+                                  f"along dim {d}): only reshapes that keep the item dim whole and apart (regrouping "
+                                  "the dims before it and those after it) are supported; call .full_tensor() first")
     return rule
 
 
@@ -164,12 +177,15 @@ def _unsqueeze(input, dim):
 
 def _squeeze(input, dim=None):
     spec = graph_spec_of(input)
-    if dim is None:
-        raise NotImplementedError("torch.squeeze() without a dim on a graph tensor (a rank's item count may be 1): "
-                                  "name the dims to squeeze")
+    whole = size_of(input)
+    if dim is None:  # every dim of global length 1; the item dim only if the graph has one item
+        if whole[spec.dim] == 1:
+            raise NotImplementedError("torch.squeeze() of a graph tensor of one item would drop its item dim (the rank "
+                                      "holding the item and the others would disagree): name the dims to squeeze")
+        dim = [d for d in range(input.ndim) if whole[d] == 1]
     dims = [d % input.ndim for d in (dim if isinstance(dim, (list, tuple)) else [dim])]
     _features_only("torch.squeeze", input, dims)
-    dims = [d for d in dims if size_of(input)[d] == 1]
+    dims = [d for d in dims if whole[d] == 1]
     return adopt(unwrap(input).squeeze(tuple(dims)), spec.replaced(dim=spec.dim - sum(d < spec.dim for d in dims)))
 
 
@@ -189,9 +205,13 @@ def _permute(input, *dims):
 def _flatten(input, start_dim=0, end_dim=-1):
     spec = graph_spec_of(input)
     s, e = start_dim % input.ndim, end_dim % input.ndim
+    whole = size_of(input)
     if s <= spec.dim <= e and s != e:
-        raise NotImplementedError(f"torch.flatten({s}, {e}) of a graph tensor would merge its item dim {spec.dim} with "
-                                  "others: flatten only the feature dims")
+        if any(whole[k] != 1 for k in range(s, e + 1) if k != spec.dim):
+            raise NotImplementedError(f"torch.flatten({s}, {e}) of a graph tensor would merge its item dim {spec.dim} "
+                                      "with others: flatten only the feature dims")
+        # the other dims are of length 1: the items stay apart (a (1, E) row of the edge list flattened)
+        return adopt(torch.flatten(unwrap(input), s, e), spec.replaced(dim=s))
     return adopt(torch.flatten(unwrap(input), s, e), spec.replaced(dim=spec.dim - (max(e - s, 0) if spec.dim > e else 0)))
 
 
