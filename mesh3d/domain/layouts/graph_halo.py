@@ -7,6 +7,7 @@ Usage::
     own = scatter_halo(ext, dim, plan, comm)       # the adjoint: halo rows' contributions sent home and added
     whole = gather_all(local, dim, items, comm)    # every item in global order (full_tensor)
     keep = global_mask(mask_local, items, comm)    # a bool mask of every item (numpy), one bit per item sent
+    parts = gather_varying(values, comm)           # every rank's 1-D values (lengths differ), in rank order
     total = reduce_sum(partial, comm)              # a replicated sum (backward: the replicated gradient)
 
 The rules of ``mesh3d.domain.ops.graph`` compute on plain local tensors and call only these for anything that
@@ -29,7 +30,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.graphs import HaloPlan, Partition
 
-__all__ = ["entering", "gather_all", "gather_halo", "global_mask", "reduce_sum", "scatter_halo"]
+__all__ = ["entering", "gather_all", "gather_halo", "gather_varying", "global_mask", "reduce_sum", "scatter_halo"]
 
 
 def _gather(local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) -> torch.Tensor:
@@ -142,6 +143,24 @@ def global_mask(mask: torch.Tensor, items: Partition, comm: DomainComm) -> np.nd
     for r, part in enumerate(parts):
         out[items.items(r)] = np.unpackbits(part.numpy())[:items.counts[r]].astype(bool)
     return out
+
+
+def gather_varying(values: torch.Tensor, comm: DomainComm) -> list[torch.Tensor]:
+    """Every rank's 1-D ``values`` (of lengths that differ), in rank order, on every rank: each rank's length first
+    (one int per rank), then one message of its values to each peer (none where it has none).
+
+    Usage: ``uniques = torch.cat(gather_varying(torch.unique(local), comm))``
+    """
+    values = values.detach().contiguous().reshape(-1)
+    if comm.size == 1:
+        return [values]
+    lengths = [int(n) for n in exchange_all(torch.tensor([values.numel()], dtype=torch.int64), comm)]
+    others = [q for q in range(comm.size) if q != comm.index]
+    row = values.view(1, -1)
+    sends = [(q, row) for q in others] if values.numel() else []
+    received = swap(comm, sends, row, (1,), [(q, (lengths[q],)) for q in others if lengths[q]], exchange_point(comm))
+    return [values if q == comm.index else received[q].view(-1) if lengths[q] else values.new_empty(0)
+            for q in range(comm.size)]
 
 
 def reduce_sum(partial: torch.Tensor, comm: DomainComm) -> torch.Tensor:

@@ -65,8 +65,13 @@ def _index_values(idx: torch.Tensor, op: str) -> torch.Tensor:
     return idx.long()
 
 
-def own_rows(idx: torch.Tensor, nodes: Partition, me: int, op: str) -> torch.Tensor:
-    """This rank's rows of the nodes ``idx`` names (global ids it owns); raises where it names another rank's node.
+_NOT_OWN = ("an index of the destinations names a node another rank owns; the edges of a graph layout are owned by "
+            "their destination's rank (build the edge list with domain.edge_index)")
+
+
+def own_rows(idx: torch.Tensor, nodes: Partition, me: int, op: str, not_own: str = _NOT_OWN) -> torch.Tensor:
+    """This rank's rows of the nodes ``idx`` names (global ids it owns); raises ``not_own`` (after the op's name)
+    where it names another rank's node.
 
     Usage: ``pos = own_rows(unwrap(dst), x.spec.items, comm.index, "torch.Tensor.index_add_")``
     """
@@ -75,8 +80,7 @@ def own_rows(idx: torch.Tensor, nodes: Partition, me: int, op: str) -> torch.Ten
         if int(ids.min()) < 0 or int(ids.max()) >= nodes.n:
             raise IndexError(f"{op}: node ids {int(ids.min())}..{int(ids.max())} outside 0..{nodes.n - 1}")
         if bool((nodes.tensor("owner").to(ids.device)[ids] != me).any()):
-            raise ValueError(f"{op}: an index of the destinations names a node another rank owns; the edges of a graph "
-                             "layout are owned by their destination's rank (build the edge list with domain.edge_index)")
+            raise ValueError(f"{op}: {not_own}")
     return nodes.tensor("local_index").to(ids.device)[ids]
 
 

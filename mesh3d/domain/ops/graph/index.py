@@ -24,7 +24,7 @@ from mesh3d.domain.ops.graph.common import graph_spec_of, is_graph, lookup, own_
 from mesh3d.domain.ops.graph.pieces import row_endpoint
 from mesh3d.graphs import Partition
 
-__all__ = ["gather_nodes", "target_items"]
+__all__ = ["gather_nodes", "take_own", "target_items"]
 
 
 def gather_nodes(x: DomainTensor, dim: int, index: DomainTensor, op: str) -> DomainTensor:
@@ -37,6 +37,8 @@ def gather_nodes(x: DomainTensor, dim: int, index: DomainTensor, op: str) -> Dom
     graph, comm = ispec.graph, spec.comm
     if spec.dim != dim % x.ndim:
         raise NotImplementedError(f"{op} along dim {dim} of a graph tensor whose items are along dim {spec.dim}")
+    if graph is None and ispec.endpoint is None and index.ndim == 1 and not index.dtype.is_floating_point:
+        return take_own(x, spec.dim, index, op)
     if graph is None or index.ndim != 1:
         raise NotImplementedError(f"{op}: the index of a graph gather must be a row of a graph's edge list (1-D, e.g. "
                                   "ei[0] with ei = domain.edge_index(graph)), so each rank knows the halo it reads")
@@ -50,6 +52,22 @@ def gather_nodes(x: DomainTensor, dim: int, index: DomainTensor, op: str) -> Dom
         ext = gather_halo(unwrap(x), spec.dim, plan, comm)
         rows = ext.index_select(spec.dim, lookup(unwrap(index), plan, op))
     return adopt(rows, spec.replaced(items=ispec.items, graph=graph, endpoint=None))
+
+
+_NOT_OWN = ("an index of item positions names an item another rank owns; a gather by positions (torch.where(mask)[0], "
+            "x.nonzero()) reads only this rank's items: index the tensor the mask was over, or call .full_tensor()")
+
+
+def take_own(x: DomainTensor, dim: int, index: DomainTensor, op: str) -> DomainTensor:
+    """``x`` indexed along its item dim ``dim`` by global item positions that each rank holds for its own items
+    (``torch.where(mask)[0]`` of a mask over ``x``'s items): local rows, laid out as ``index``; raises where a position
+    names another rank's item.
+
+    Usage: ``kept_attr = take_own(edge_attr, 0, torch.where(keep)[0], "torch.Tensor.__getitem__")``
+    """
+    spec, ispec = graph_spec_of(x), graph_spec_of(index)
+    rows = own_rows(unwrap(index), spec.items, spec.comm.index, op, _NOT_OWN)
+    return adopt(unwrap(x).index_select(dim, rows), spec.replaced(items=ispec.items))
 
 
 def _table_rows(table: torch.Tensor, dim: int, index: DomainTensor, op: str) -> DomainTensor:
@@ -113,10 +131,12 @@ def _getitem(self, index):
             out += 1
             continue
         if dim == spec.dim:
-            if is_graph(item) and item.dtype == torch.bool:
+            if is_graph(item) and item.ndim == 1 and (item.dtype == torch.bool or graph_spec_of(item).graph is None):
                 if any(i is not _WHOLE and i != _WHOLE for i in items[:k] + items[k + 1:]):
                     _refuse_index(spec, index)
-                return _mask_items(self, dim, item)
+                if item.dtype == torch.bool:
+                    return _mask_items(self, dim, item)
+                return take_own(self, dim, item, "torch.Tensor.__getitem__")  # ei[:, torch.where(keep)[0]]
             if not (isinstance(item, slice) and item == _WHOLE):
                 _refuse_index(spec, index)
             picked = out

@@ -216,7 +216,8 @@ def _flatten(input, start_dim=0, end_dim=-1):
 
 
 for _f in ELEMENTWISE:
-    GRAPH_RULES.register(_f, elementwise_rule(_f))
+    if _f is not torch.where:  # NOTE: where(condition) alone is nonzero: counting.py's rule, which calls this one
+        GRAPH_RULES.register(_f, elementwise_rule(_f))
 for _funcs, _rule in (
     ((F.linear,), _linear), ((F.layer_norm,), _layer_norm), ((F.dropout,), _dropout),
     ((torch.Tensor.view,), reshape_rule(True)), ((torch.reshape, torch.Tensor.reshape), reshape_rule(False)),
