@@ -186,3 +186,51 @@ def test_fresh_runs_a_body_on_new_processes_and_the_pool_goes_on(ranks):
     assert not set(fresh) & set(before)
     assert ranks.run(2, _pid) == fresh
     assert ranks.run(2, _all_reduce_rank_sum) == [1, 1]
+
+
+def _state(pid: int) -> str | None:
+    """A process's state letter from /proc (``T``: stopped), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def _states_within(pids: list[int], wanted: str | None, seconds: float) -> list[str | None]:
+    """The processes' states once all are ``wanted`` (a signal takes effect a moment after it is sent), or at the end."""
+    deadline = time.monotonic() + seconds
+    while any(_state(p) != wanted for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [_state(p) for p in pids]
+
+
+_ORPHAN_SCRIPT = """
+import os, sys
+sys.path.insert(0, {tests!r})
+from rankpool import RankPool
+if __name__ == "__main__":
+    print(RankPool(2).run(os.getpid), flush=True)
+    os.kill(os.getpid(), 9)                  # as CI's time limit or a ^\\ ends pytest
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads process states from /proc (Linux)")
+def test_idle_ranks_are_stopped_and_go_when_their_pytest_is_killed(ranks, tmp_path):
+    import subprocess
+    import sys
+
+    pids = ranks.run(2, os.getpid)
+    # Between bodies every rank is stopped: an idle rank's gloo threads would otherwise poll (pool.py's suspend).
+    assert _states_within(pids, "T", 10.0) == ["T", "T"]
+    assert ranks.run(2, _all_reduce_rank_sum) == [1.0, 1.0]  # and resumed for the next body
+    # A pytest killed while its ranks sit stopped leaves none behind.
+    script = tmp_path / "orphans.py"
+    script.write_text(_ORPHAN_SCRIPT.format(tests=os.path.dirname(__file__)))
+    # NOTE: output to a file, not a pipe: the forkserver holds the script's stdout until its ranks end, and the ranks
+    # end once the script is reaped (a zombie still answers ``kill -0``), as CI's shell reaps a killed pytest.
+    with open(tmp_path / "out", "w") as out:
+        subprocess.run([sys.executable, str(script)], stdout=out, stderr=subprocess.STDOUT, timeout=120)
+    printed = (tmp_path / "out").read_text()
+    orphans = [int(p) for p in printed.splitlines()[0].strip("[]").split(",")]
+    assert _states_within(orphans, None, 20.0) == [None, None]

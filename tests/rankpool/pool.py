@@ -19,6 +19,8 @@ import multiprocessing
 import os
 import pickle
 import shutil
+import signal
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -81,6 +83,7 @@ class RankPool:
         self._logs: list[str] = []
         self._task_id = 0
         self._store: Any = None
+        self._watchdog: subprocess.Popen | None = None
         self._log_dir = tempfile.mkdtemp(prefix=f"mesh3d-pool{world_size}-")
         self.starts = 0
 
@@ -112,6 +115,7 @@ class RankPool:
             child_end.close()
             self._procs.append(proc)
             self._conns.append(parent_end)
+        self._watch_parent()
         deadline = time.monotonic() + _START_TIMEOUT_S
         replies = self._collect(deadline)
         missing = [r for r in range(self.world_size) if r not in replies]
@@ -120,8 +124,45 @@ class RankPool:
             self.close()
             raise RuntimeError(f"rank pool of {self.world_size} failed to start; ranks {missing} not ready\n{detail}")
 
+    def _watch_parent(self) -> None:
+        """A shell that SIGKILLs these ranks once this pytest process is gone (killed, or ended by CI's time limit).
+
+        NOTE: a stopped rank (``suspend``) cannot watch for that itself, and its parent, the forkserver, lives as long
+        as any rank holds its ``alive`` pipe (each does): without this a killed pytest left every idle rank behind.
+        Stopped with the pool (``_end_watch``) before the ranks' pids can be reused."""
+        pids = " ".join(str(p.pid) for p in self._procs)
+        script = f"while kill -0 {os.getpid()} 2>/dev/null; do sleep 1; done; kill -9 {pids} 2>/dev/null"
+        self._watchdog = subprocess.Popen(["sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                          stderr=subprocess.DEVNULL, start_new_session=True)
+
+    def _end_watch(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.kill()
+            self._watchdog.wait()
+            self._watchdog = None
+
+    def _signal(self, sig: int) -> None:
+        for proc in self._procs:
+            if proc.pid is not None:
+                try:
+                    os.kill(proc.pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def suspend(self) -> None:
+        """Stop the ranks (SIGSTOP) between bodies: an idle rank's gloo threads wake about a hundred times a second
+        per group, and with several pools alive (one per world size) idle ranks took a quarter of the two cores.
+
+        NOTE: only between bodies, when every rank has answered and sits in ``conn.recv()``: no collective is in
+        flight, and a stopped rank's peers are stopped too. ``run`` resumes them (SIGCONT) before the next body."""
+        self._signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self._signal(signal.SIGCONT)
+
     def close(self) -> None:
         """Stop every rank (politely if idle, by force otherwise)."""
+        self.resume()
         for conn in self._conns:
             try:
                 conn.send(("stop",))
@@ -134,6 +175,7 @@ class RankPool:
                 proc.join(timeout=5)
         for conn in self._conns:
             conn.close()
+        self._end_watch()
         self._procs, self._conns, self._store = [], [], None
 
     def remove_logs(self) -> None:
@@ -148,6 +190,7 @@ class RankPool:
             proc.join(timeout=5)
         for conn in self._conns:
             conn.close()
+        self._end_watch()
         self._procs, self._conns, self._store = [], [], None
 
     # ------------------------------------------------------------------ running bodies
@@ -207,6 +250,13 @@ class RankPool:
         ranks are restarted so the next body starts from a clean group. ``fresh``: new processes
         for this body (what it measures must not depend on what earlier bodies left, e.g. malloc's heap).
         """
+        self.resume()
+        try:
+            return self._run(fn, args, kwargs, timeout, fresh)
+        finally:
+            self.suspend()
+
+    def _run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, timeout: float, fresh: bool) -> list[Any]:
         if fresh and self.alive:
             self.close()
         if not self.alive:
