@@ -27,6 +27,13 @@ def test_plan_of_a_graph_job_counts_halo_rows_and_bytes_per_rank_from_the_partit
     assert [r["halo_rows"] for r in job.ranks] == list(halo) and sum(halo) > 0
     assert all(r["halo_bytes_per_layer"] == r["halo_rows"] * 64 * 2 < r["gather_all_bytes_per_layer"] for r in job.ranks)
     assert sum(r["edges"] for r in job.ranks) == graph.edge_index.shape[1]
+    # A batch of 3 graphs sends 3 rows per halo node: bytes and activations grow with it, rows and counts do not
+    # (issue 65: a planner ignoring the batch size passed with batch 1 alone).
+    batched = plan_graph(graph, 4, features=64, layers=8, dtype_bytes=2, batch=3)
+    for one, three, rows in zip(job.ranks, batched.ranks, halo):
+        assert three["halo_rows"] == one["halo_rows"] == rows
+        assert three["halo_bytes_per_layer"] == rows * 64 * 2 * 3 == 3 * one["halo_bytes_per_layer"]
+        assert three["activation_bytes_per_layer"] == 3 * one["activation_bytes_per_layer"] > 0
     assert main(["plan", "graph_models:make_gnn", "--graph", "icosahedral:3", "--domain", "4", "--features", "64",
                  "--layers", "8", "--dtype", "bfloat16", "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)
