@@ -165,3 +165,67 @@ def test_a_custom_op_failing_on_one_block_fails_every_rank(ranks):
         else:
             assert kind == "DomainDivergenceError", (rank, kind, message)
             assert failed.search(message) or "stopped (the domain ranks" in message, message
+
+
+def _custom_graph_body():
+    """Custom ops on node and edge tensors, in a small message-passing step, against the same step in one process."""
+    import custom_ops
+    import torch.distributed as dist
+
+    from graph_models import uneven_partition
+    from mesh3d import graphs
+
+    d = dist.get_world_size()
+    DistributedManager.initialize(batch=1, domain=d)
+    mesh = graphs.channel_mesh(6, 4)
+    n, edges = mesh.num_nodes, mesh.edges
+    part = uneven_partition(n, d, 5 + d, empty=0)  # uneven, owners interleaving along the ids, rank 0 empty
+    g = graphs.Graph(edges, part)
+    ei, ep = domain.edge_index(g), torch.from_numpy(edges)
+    gen = torch.Generator().manual_seed(9)
+    x, e = torch.randn(n, 3, dtype=D64, generator=gen), torch.randn(edges.shape[1], 3, dtype=D64, generator=gen)
+    w = torch.randn(4, 3, dtype=D64, generator=gen)
+
+    def step(x, e, ei, w):
+        src, dst = ei
+        msg = custom_ops.softclip(x[src], e) + custom_ops.CubeFunction.apply(x[dst])     # edge tensors, element-wise
+        agg = torch.zeros_like(x).index_add_(0, dst, msg)                                # back to the destinations
+        return custom_ops.mix(agg, w)                                                    # mixes features only
+
+    refused = []
+    for call in (lambda: custom_ops.softclip(domain.shard_nodes(x, part), domain.shard_nodes(x, part)),
+                 lambda: custom_ops.CubeFunction.apply(domain.shard_nodes(x, part))):
+        try:
+            call()
+            refused.append(None)
+        except NotImplementedError as err:
+            refused.append(str(err))
+    custom_ops.register_rules()
+    plain = [t.clone().requires_grad_() for t in (x, e, w)]
+    y = step(plain[0], plain[1], ep, plain[2])
+    cot = torch.randn(y.shape, dtype=D64, generator=gen)
+    (y * cot).sum().backward()
+    xs, es = domain.shard_nodes(x, part).requires_grad_(), domain.shard_edges(e, g).requires_grad_()
+    ws = w.clone().requires_grad_()
+    ys = step(xs, es, ei, ws)
+    (ys * domain.shard_nodes(cot, part)).sum().backward()
+    errors = [max_err(ys.full_tensor().to_local(), y), max_err(xs.grad.full_tensor().to_local(), plain[0].grad),
+              max_err(es.grad.full_tensor().to_local(), plain[1].grad), max_err(domain_sum(ws.grad), plain[2].grad)]
+    try:  # dim 1 of a (features, nodes) tensor: the items themselves
+        custom_ops.mix(xs.t(), torch.ones(2, n, dtype=D64))
+        mixed_items = None
+    except NotImplementedError as err:
+        mixed_items = str(err)
+    return part.counts, refused, errors, mixed_items
+
+
+def test_custom_ops_on_graph_tensors_equal_one_process(ranks):
+    """domain.elementwise() and domain.local() rules run on node and edge tensors (issue 65): a message-passing step
+    of custom ops (element-wise on gathered edge rows, a feature mix on nodes) equals one process at 2 and 3 ranks,
+    an empty part included; unruled they are refused by name; mixing along the items is refused."""
+    for world in (2, 3):
+        for counts, refused, errors, mixed_items in ranks.run(world, _custom_graph_body, timeout=120):
+            assert 0 in counts
+            assert "torch.ops.m3test.softclip.default" in refused[0] and "has no domain rule" in refused[1], refused
+            assert max(errors) < TOL, (world, errors)
+            assert "mixes values along dims (1,)" in mixed_items and "domain.whole_dim" in mixed_items, mixed_items

@@ -12,9 +12,10 @@ A library's kernel knows nothing of the domain: called on a shard it would compu
 say what the op reads, and mesh3d brings it the rows it needs (through the same differentiable exchanges as its own
 rules, so the op's own backward is exact too) or refuses where the description does not fit the call:
 
-* ``elementwise()``: every output element from the inputs' elements at the same index; any layout.
+* ``elementwise()``: every output element from the inputs' elements at the same index; any layout, graphs included.
 * ``local(dims)``: the op mixes values along ``dims`` of its first tensor only (and keeps the tensor's shape along the
-  others): exact on the shard when no sharded dim is among them, refused when one is (use ``whole_dim`` then).
+  others): exact on the shard when no sharded dim is among them (a graph tensor's features, its items never), refused
+  when one is (use ``whole_dim`` then).
 * ``window(dim, kernel, stride, dilation, padding, periodic)``: output row ``j`` along ``dim`` reads input rows
   ``j * stride - padding + t * dilation``, ``t < kernel``, rows beyond the ends being zeros (or the rows wrapped round
   when ``periodic``): the op's own padding. Each rank gets its rows with a halo from its neighbours, computes and keeps
@@ -47,6 +48,7 @@ from mesh3d.domain.dispatch.registry import op_name
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.ops import pointwise, strided
 from mesh3d.domain.ops.blocks import rules as block_rules
+from mesh3d.domain.ops.graph import pointwise as graph_pointwise
 from mesh3d.domain.ops.tokens import rules as token_rules
 
 __all__ = ["CustomRule", "elementwise", "local", "whole_dim", "window"]
@@ -158,7 +160,8 @@ def _call(func: Callable, args: tuple, kwargs: dict, ndim: int, probe: dict[int,
 class _Elementwise(CustomRule):
     def rules(self, func: Callable) -> dict[str, Callable]:
         return {"RULES": pointwise.elementwise_rule(func), "STRIDED_RULES": strided.elementwise_rule(func),
-                "BLOCK_RULES": block_rules.elementwise_rule(func), "TOKEN_RULES": token_rules.elementwise_rule(func)}
+                "BLOCK_RULES": block_rules.elementwise_rule(func), "TOKEN_RULES": token_rules.elementwise_rule(func),
+                "GRAPH_RULES": graph_pointwise.elementwise_rule(func)}
 
 
 def elementwise() -> CustomRule:
@@ -184,9 +187,10 @@ class _Local(CustomRule):
                     "sharded over the domain: register it with domain.whole_dim(...) to gather that dim, shard "
                     "another dim, or call it on .full_tensor()")
             local_args, local_kwargs = _plain_args(func, ref, args, kwargs)
-            return _wrap_outputs(func, _call(func, local_args, local_kwargs, ref.ndim), ref, ref._spec,
-                                 _keep(args, kwargs))
-        return {"RULES": rule, "STRIDED_RULES": rule, "BLOCK_RULES": rule, "TOKEN_RULES": rule}
+            # NOTE: on a graph the output's values are new: an edge-list row's endpoint (what keeps x[src] local) goes.
+            spec = ref._spec.replaced(endpoint=None) if ref._spec.layout is Layout.GRAPH else ref._spec
+            return _wrap_outputs(func, _call(func, local_args, local_kwargs, ref.ndim), ref, spec, _keep(args, kwargs))
+        return {"RULES": rule, "STRIDED_RULES": rule, "BLOCK_RULES": rule, "TOKEN_RULES": rule, "GRAPH_RULES": rule}
 
 
 def local(dims: Sequence[int]) -> CustomRule:
