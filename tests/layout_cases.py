@@ -4,7 +4,8 @@ calls of every ruled torch function on it.
 ``LAYOUTS`` name how a (2, 3, N, 4) fp64 tensor is laid out: a slab along dim 2 (uneven, empty and one-row shards as
 the sizes say), the same value replicated (``full_tensor``), a strided slab (``view(-1, 4)`` merging the sharded dim
 under the dims before it), blocks of dims (2, 3) on a 2-D grid, blocks of dims (1, 2, 3) on a 3-D grid, and a token grid
-(2-D blocks flattened into tokens). ``calls(func, x, y)`` makes argument lists for one torch function: from the
+(2-D blocks flattened into tokens), and graph items: the N rows of dim 2 as nodes of a partition whose owners interleave along
+the ids (``interleaved``: the counts as the sizes say). ``calls(func, x, y)`` makes argument lists for one torch function: from the
 schema of the ATen operator of its name (``operator_cases``), and from ``RECIPES`` for the functions whose Python
 arguments differ (convolutions, pooling, norms, interpolation, attention ...).
 """
@@ -19,7 +20,7 @@ import torch.nn.functional as F
 
 from operator_cases import SKIP_NAMES, calls as schema_calls
 
-LAYOUTS = ("slab", "replicated", "strided", "blocks2", "blocks3", "tokens")
+LAYOUTS = ("slab", "replicated", "strided", "blocks2", "blocks3", "tokens", "graph")
 
 
 def make(layout: str, x: torch.Tensor, sizes: Any) -> Any:
@@ -38,7 +39,23 @@ def make(layout: str, x: torch.Tensor, sizes: Any) -> Any:
         return domain.shard(x, dims=(1, 2, 3), sizes=sizes)
     if layout == "tokens":
         return domain.shard(x, dims=(2, 3), sizes=sizes).flatten(2).transpose(1, 2)
+    if layout == "graph":
+        return domain.shard_nodes(x, interleaved(sizes), dim=2)
     raise ValueError(layout)
+
+
+def interleaved(counts: Any) -> Any:
+    """A partition holding ``counts[r]`` items on rank ``r``, dealt round the ranks that still have room (owners
+    interleave along the ids, as a real partition's do; an empty part holds none)."""
+    from mesh3d import graphs
+
+    left, owner = list(counts), []
+    while any(left):
+        for r, k in enumerate(left):
+            if k:
+                owner.append(r)
+                left[r] -= 1
+    return graphs.Partition(owner, len(counts))
 
 
 def plain(layout: str, x: torch.Tensor) -> torch.Tensor:

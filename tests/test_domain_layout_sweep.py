@@ -2,7 +2,8 @@
 or raises a named refusal (``NotImplementedError``/``ValueError`` naming the op), on every rank.
 
 The layouts (``layout_cases.LAYOUTS``): a slab with uneven, empty and one-row shards, the same value replicated, a
-strided slab, blocks on a 2-D and a 3-D grid (an empty block among them), a token grid. The calls
+strided slab, blocks on a 2-D and a 3-D grid (an empty block among them), a token grid, graph nodes (interleaved owners,
+an empty part). The calls
 (``layout_cases.calls``): recipes for the functions whose arguments need shapes (convolutions, pooling, norms,
 interpolation, attention, indexing ...) and argument lists made from the schema of each function's ATen twin. The
 reference is the same call on the whole tensor in one process (fp64). A ``TypeError``, ``IndexError``,
@@ -50,7 +51,7 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     from layout_cases import calls, make, plain
 
     from mesh3d.domain.comm.divergence import DomainDivergenceError
-    from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name
+    from mesh3d.domain.dispatch.registry import BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name
 
     DistributedManager.initialize(batch=1, domain=grid)
     g = torch.Generator().manual_seed(5)
@@ -58,7 +59,7 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     y0 = torch.randn(shape, dtype=D64, generator=g).abs() + 0.5
     xp, yp = plain(layout, x0), plain(layout, y0)
     sharded = {"strided": 0, "tokens": 1}.get(layout, 2)
-    funcs = sorted({f for t in (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES) for f in t}, key=op_name)
+    funcs = sorted({f for t in (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES, GRAPH_RULES) for f in t}, key=op_name)
     outcome: dict[str, str] = {}
     for func in funcs:
         for i, call in enumerate(calls(func, xp, yp, sharded)):
@@ -111,6 +112,7 @@ CASES = [
     ("blocks2", 4, (2, 2), (2, 3, 7, 5), ((7, 0), (2, 3))),
     ("blocks3", 4, (1, 2, 2), (2, 3, 7, 5), ((3,), (1, 6), (5, 0))),
     ("tokens", 4, (2, 2), (2, 3, 6, 4), ((5, 1), (2, 2))),
+    ("graph", 3, (3,), (2, 3, 7, 4), (4, 0, 3)),
 ]
 
 
