@@ -174,6 +174,34 @@ def test_a_rank_holding_many_gloo_groups_is_recycled_before_the_next_body(ranks)
     assert pool.starts == starts + 1 and max(after) < _MAX_GLOO_THREADS, (pool.starts, starts, after)
 
 
+def _mesh_with_fsdp() -> int:
+    """A body as most tests write one: a manager whose mesh has sub-groups, and FSDP over it."""
+    import torch
+
+    from mesh3d import DistributedManager, Plan, parallelize
+    from rankpool.worker import gloo_loop_threads
+
+    DistributedManager.initialize(batch=2, domain=1, model=1)
+    model = parallelize(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)), Plan())
+    model(torch.randn(2, 4)).sum().backward()
+    return gloo_loop_threads()
+
+
+def test_a_body_s_groups_are_gone_before_the_next_body(ranks):
+    """The groups a body's mesh made do not pile up (the worker collects the cycles holding them): bodies that build
+    meshes leave the rank's gloo threads at a steady count, so the pool is not restarted for them."""
+    pool = ranks.pool(2)
+    base = ranks.run(2, _hold_gloo_groups, 0)
+    starts = pool.starts
+    during = [ranks.run(2, _mesh_with_fsdp) for _ in range(_MESH_BODIES)]
+    assert min(during[0]) > max(base), (base, during)  # each body makes groups of its own
+    # NOTE: the last body's groups are let go during the next one (what still holds them goes then): two bodies' worth
+    assert all(d == during[1] for d in during[1:]) and pool.starts == starts, (base, during, pool.starts, starts)
+
+
+_MESH_BODIES = 6
+
+
 def _pid() -> int:
     return os.getpid()
 
