@@ -49,6 +49,7 @@ from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.ops import pointwise, strided
 from mesh3d.domain.ops.blocks import rules as block_rules
 from mesh3d.domain.ops.graph import pointwise as graph_pointwise
+from mesh3d.domain.ops.graph.common import graph_spec_of
 from mesh3d.domain.ops.tokens import rules as token_rules
 
 __all__ = ["CustomRule", "elementwise", "local", "whole_dim", "window"]
@@ -188,7 +189,7 @@ class _Local(CustomRule):
                     "another dim, or call it on .full_tensor()")
             local_args, local_kwargs = _plain_args(func, ref, args, kwargs)
             # NOTE: on a graph the output's values are new: an edge-list row's endpoint (what keeps x[src] local) goes.
-            spec = ref._spec.replaced(endpoint=None) if ref._spec.layout is Layout.GRAPH else ref._spec
+            spec = graph_spec_of(ref).replaced(endpoint=None) if ref._spec.layout is Layout.GRAPH else ref._spec
             return _wrap_outputs(func, _call(func, local_args, local_kwargs, ref.ndim), ref, spec, _keep(args, kwargs))
         return {"RULES": rule, "STRIDED_RULES": rule, "BLOCK_RULES": rule, "TOKEN_RULES": rule, "GRAPH_RULES": rule}
 
