@@ -162,3 +162,18 @@ def test_exercise_finds_an_output_that_ignores_the_input_and_zero_gradients():
     torch.nn.init.zeros_(zero.weight)
     assert zero_at_init(zero) == ["weight"] and zero_at_init(torch.nn.Linear(2, 2)) == []
     assert perturb_zero_parameters(zero) == ["weight"] and zero.weight.std() > 0.1
+
+
+def test_a_model_file_importing_its_sibling_loads_as_python_would_run_it(tmp_path, monkeypatch):
+    """``path/file.py:factory`` sees the file's own folder on the path, as ``python path/file.py`` does
+    (examples/meshgraphnet.py imports examples/_runs.py: its documented ``mesh3d check`` failed without it)."""
+    import sys
+
+    monkeypatch.setattr(sys, "path", list(sys.path))  # what load_spec adds goes with the test
+    folder = tmp_path / "models"
+    folder.mkdir()
+    (folder / "_sibling_helpers.py").write_text("WIDTH = 5\n")
+    (folder / "net.py").write_text("import torch\nfrom _sibling_helpers import WIDTH\n\n\n"
+                                   "def make():\n    return torch.nn.Linear(WIDTH, 2)\n")
+    monkeypatch.chdir(tmp_path)
+    assert load_spec("models/net.py:make")().in_features == 5

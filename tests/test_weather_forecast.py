@@ -63,8 +63,10 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
     assert a["forecast"].dims == ("init_time", "lead_time", "member", "channel", "latitude", "longitude")
     want = a["forecast"].values
     scale = np.abs(want).max(axis=(0, 1, 2, 4, 5), keepdims=True)
-    np.testing.assert_allclose(b["forecast"].values, want, rtol=TOL, atol=0)
-    assert np.abs(b["forecast"].values - want).max(initial=0) <= TOL * scale.max()
+    # NOTE: relative to each channel's own magnitude, not element by element: a value near zero (a cancellation) carries
+    # fp64's summation-order noise of the larger terms it came from (measured: 1e-15 of the channel, 1e-11 of the value)
+    err = np.abs(b["forecast"].values - want) / scale
+    assert err.max(initial=0) <= TOL, err.max(axis=(0, 1, 2, 4, 5)).ravel()
     xr.testing.assert_identical(a.drop_vars("forecast"), b.drop_vars("forecast"))   # every coordinate and attribute
     assert _metadata(one) == _metadata(mesh) and "restart" not in os.listdir(mesh)  # chunks, codecs, attrs; no record left
 

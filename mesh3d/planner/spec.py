@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+import sys
 from collections.abc import Callable
 
 from torch import nn
@@ -32,6 +33,11 @@ def load_spec(spec: str) -> object:
         if not os.path.isfile(where):
             raise ValueError(f"{spec!r}: there is no file {where!r} (from {os.getcwd()}); give a path to a .py file or "
                              "an importable module, e.g. examples/weather.py:model or mypkg.models:make_unet")
+        # NOTE: the file's own folder on the path, as `python path/file.py` puts it: a file importing a sibling
+        # (examples/meshgraphnet.py imports examples/_runs.py) loads here as it runs there
+        folder = os.path.dirname(os.path.abspath(where))
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
         module_spec = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(where))[0], where)
         if module_spec is None or module_spec.loader is None:
             raise ValueError(f"cannot load {where!r} as a Python file")
