@@ -34,6 +34,20 @@ def _cases(d: int):
     return [(name, part, mesh.edges) for name, part in parts]
 
 
+def _on_each_case(seed: int):
+    """The domain over every rank, then per case of ``_cases``: (name, partition, edges, graph, the edge list whole,
+    the edge list as a domain tensor), torch seeded with ``seed`` before each case's draws."""
+    import torch.distributed as dist
+
+    from mesh3d import DistributedManager, domain, graphs
+
+    DistributedManager.initialize(batch=1, domain=dist.get_world_size())
+    for name, part, edges in _cases(dist.get_world_size()):
+        g = graphs.Graph(edges, part)
+        torch.manual_seed(seed)
+        yield name, part, edges, g, torch.from_numpy(edges), domain.edge_index(g)
+
+
 def _interleaved(part) -> bool:
     """Owners change along the ids more often than contiguous runs would."""
     return int(np.count_nonzero(np.diff(part.owner))) > part.parts - 1
@@ -101,23 +115,15 @@ def _layer(x, e, ei, lin, how):
 
 
 def _rows_body():
-    import torch.distributed as dist
-
     from domain_cases import domain_sum
-    from mesh3d import DistributedManager, domain, graphs
+    from mesh3d import domain
 
-    d = dist.get_world_size()
-    DistributedManager.initialize(batch=1, domain=d)
     out = []
-    for name, part, edges in _cases(d):
-        g = graphs.Graph(edges, part)
+    for name, part, edges, g, ep, ei in _on_each_case(3):
         n, e_count = part.n, edges.shape[1]
-        torch.manual_seed(3)
         lin = torch.nn.Linear(7, 3).double()
         x = torch.randn(n, 3, dtype=torch.float64)
         e = torch.randn(e_count, 2, dtype=torch.float64)
-        ep = torch.from_numpy(edges)
-        ei = domain.edge_index(g)
         worst, endpoints = 0.0, []
         for how in HOWS:
             src, dst = _rows(ei, how)
@@ -152,19 +158,11 @@ def test_rows_of_the_edge_list_as_model_code_takes_them(ranks):
 
 
 def _counting_body():
-    import torch.distributed as dist
+    from mesh3d import domain
 
-    from mesh3d import DistributedManager, domain, graphs
-
-    d = dist.get_world_size()
-    DistributedManager.initialize(batch=1, domain=d)
     out = []
-    for name, part, edges in _cases(d):
-        g = graphs.Graph(edges, part)
+    for name, part, edges, g, ep, ei in _on_each_case(5):
         n, e_count = part.n, edges.shape[1]
-        torch.manual_seed(5)
-        ep = torch.from_numpy(edges)
-        ei = domain.edge_index(g)
         w64, w32 = torch.randn(e_count, dtype=torch.float64), torch.randn(e_count)
         w16, wint = w32.half(), torch.randint(0, 4, (e_count,))
         labels = torch.randint(0, 5, (n,))
@@ -235,20 +233,12 @@ def test_bincount_and_unique_give_the_one_process_answer(ranks):
 
 
 def _degree_body():
-    import torch.distributed as dist
+    from mesh3d import domain
 
-    from mesh3d import DistributedManager, domain, graphs
-
-    d = dist.get_world_size()
-    DistributedManager.initialize(batch=1, domain=d)
     out = []
-    for name, part, edges in _cases(d):
-        g = graphs.Graph(edges, part)
+    for name, part, edges, g, ep, ei in _on_each_case(7):
         n, e_count = part.n, edges.shape[1]
-        torch.manual_seed(7)
         x = torch.randn(n, 3, dtype=torch.float64)
-        ep = torch.from_numpy(edges)
-        ei = domain.edge_index(g)
 
         def degrees(ei):
             src, dst = ei
@@ -291,23 +281,15 @@ def test_degrees_and_sums_into_the_sources_are_exact(ranks):
 
 
 def _where_body():
-    import torch.distributed as dist
-
     from domain_cases import domain_sum
-    from mesh3d import DistributedManager, domain, graphs
+    from mesh3d import domain
 
-    d = dist.get_world_size()
-    DistributedManager.initialize(batch=1, domain=d)
     out = []
-    for name, part, edges in _cases(d):
-        g = graphs.Graph(edges, part)
+    for name, part, edges, g, ep, ei in _on_each_case(9):
         n, e_count = part.n, edges.shape[1]
-        torch.manual_seed(9)
         x = torch.randn(n, 3, dtype=torch.float64)
         e = torch.randn(e_count, 2, dtype=torch.float64)
         b = torch.randn(e_count, dtype=torch.float64)
-        ep = torch.from_numpy(edges)
-        ei = domain.edge_index(g)
 
         def positions(ei, e):
             src, dst = ei
