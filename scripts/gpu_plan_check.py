@@ -150,9 +150,8 @@ def measure_case(case: PlanCase, device: torch.device) -> dict[str, int]:
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - rest
     else:
-        with PeakRss() as rss:
-            default_loss(model(x)).backward()
-        peak = rss.growth
+        peak, _ = PeakRss.of_steps(lambda m=model, i=x: default_loss(m(i)).backward(),
+                                   before=lambda o=opt: o.zero_grad(set_to_none=False))
     out = {"step_peak": peak, "params": storage_bytes(local_tensors(model.parameters())),
            "optimizer": storage_bytes(local_tensors(v for s in opt.state.values() for v in s.values()))}
     del model, opt, x
