@@ -30,13 +30,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
 from mesh3d.faults.beat import ALIVE, DONE, FAILED, Beat, main_thread_where
 from mesh3d.faults.errors import PEER_LOST_EXIT_CODE, STORE_RANK, CollectiveTimeoutError, PeerLostError
+from mesh3d.faults.settings import WatchSettings
 
 __all__ = ["NO_WATCH", "PeerWatch", "WatchSettings", "closed_connection", "timed_out"]
 
@@ -58,61 +58,20 @@ def timed_out(err: BaseException) -> bool:
     return any(s in str(err).lower() for s in _TIMED_OUT)
 
 
-@dataclass(frozen=True)
-class WatchSettings:
-    """Seconds: heartbeat ``interval``; silence that means lost with (``suspect_after``) and without evidence
-    (``dead_after``); how long a survivor blocked in a collective waits after a loss (``grace``) before it ends.
-
-    Usage: ``WatchSettings.from_env()`` reads ``MESH3D_HEARTBEAT`` (the interval; 0 turns the watch off),
-    ``MESH3D_PEER_DEAD_AFTER`` and ``MESH3D_PEER_GRACE``.
-    """
-
-    interval: float = 1.0
-    suspect_after: float = 3.0
-    dead_after: float = 60.0
-    grace: float = 10.0
-
-    def __post_init__(self) -> None:
-        for name in ("interval", "suspect_after", "dead_after", "grace"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or value < 0:
-                raise ValueError(f"WatchSettings.{name}={value!r} must be a number of seconds >= 0")
-        if self.interval and not self.interval * 2 <= self.suspect_after <= self.dead_after:
-            raise ValueError(
-                f"WatchSettings needs 2 * interval <= suspect_after <= dead_after (a peer must miss two beats before it "
-                f"is suspected); got interval={self.interval}, suspect_after={self.suspect_after}, "
-                f"dead_after={self.dead_after}")
-
-    @property
-    def enabled(self) -> bool:
-        return self.interval > 0
-
-    @classmethod
-    def from_env(cls) -> WatchSettings:
-        values = {}
-        for field, env in (("interval", "MESH3D_HEARTBEAT"), ("dead_after", "MESH3D_PEER_DEAD_AFTER"),
-                           ("grace", "MESH3D_PEER_GRACE")):
-            if env in os.environ:
-                try:
-                    values[field] = float(os.environ[env])
-                except ValueError:
-                    raise ValueError(f"{env}={os.environ[env]!r} must be a number of seconds") from None
-        if values.get("interval"):
-            values.setdefault("suspect_after", max(cls.suspect_after, 3 * values["interval"]))
-        return cls(**values)
-
-
 class PeerWatch:
     """This rank's heartbeat thread and what it has learnt about its peers (``lost``: {rank: reason})."""
 
-    def __init__(self, store: dist.Store, rank: int, world_size: int, describe: Callable[[int], str],
+    def __init__(self, connection: dist.Store, rank: int, world_size: int, describe: Callable[[int], str],
                  settings: WatchSettings) -> None:
+        """``connection``: a client of the job's store that only watches use (``store.clone()``)."""
         self.rank, self.world_size, self.settings, self.describe = rank, world_size, settings, describe
         self.lost: dict[int, str] = {}
+        #: False once a store operation failed: the connection may be out of step (``ended_sound``)
+        self.connection_sound = True
         # NOTE: a generation per mesh: keys from an earlier mesh in this job's store (a test pool's, a restarted
         # manager's) must not be read as this one's. Every rank joins each mesh once, in the same order.
-        generation = (store.add("mesh3d/watch/joined", 1) - 1) // world_size
-        self._store = dist.PrefixStore(f"mesh3d/watch/{generation}", store.clone())  # type: ignore[attr-defined]  # its own connection
+        generation = (connection.add("mesh3d/watch/joined", 1) - 1) // world_size
+        self._store = dist.PrefixStore(f"mesh3d/watch/{generation}", connection)
         self._store.set_timeout(timedelta(seconds=max(2.0, 2 * settings.interval)))
         self._lock = threading.RLock()  # the store client and the state below
         self._doing, self._guards, self._seq, self._status, self._detail = "", 0, 0, ALIVE, ""
@@ -135,6 +94,10 @@ class PeerWatch:
         self._thread = threading.Thread(target=self._run, name="mesh3d-peer-watch", daemon=True)
         self._thread.start()
 
+    def ended_sound(self) -> bool:
+        """Stopped as a clean shutdown does: done, no peer lost, every store operation answered."""
+        return self._status == DONE and not self.lost and self.connection_sound
+
     def stop(self) -> None:
         """Stop the thread; the last beat says this rank shut down (unless it failed)."""
         self._stopped.set()
@@ -145,7 +108,7 @@ class PeerWatch:
             try:
                 self._beat()
             except (RuntimeError, OSError):
-                pass  # the store is gone: nobody is left to tell
+                self.connection_sound = False  # the store is gone: nobody is left to tell
 
     # -- the main thread's side -----------------------------------------------------------------------------------
 
@@ -272,6 +235,7 @@ class PeerWatch:
                     self._tick()
                 self._store_ok_at = time.monotonic()
             except (RuntimeError, OSError, ValueError) as err:  # the store is unreachable (its host is gone)
+                self.connection_sound = False
                 silent = time.monotonic() - self._store_ok_at
                 if silent > (self.settings.suspect_after if self._evidence else self.settings.dead_after):
                     self._declare(STORE_RANK, f"unreachable for {silent:.0f} s ({type(err).__name__})", announce=False)
@@ -306,6 +270,7 @@ class PeerWatch:
             try:
                 raw = self._store.multi_get([f"beat/{r}" for r in ranks])
             except (RuntimeError, OSError):
+                self.connection_sound = False
                 return {}
         return {r: Beat.decode(value) for r, value in zip(ranks, raw)}
 
@@ -367,6 +332,9 @@ class _NoWatch:
 
     def begin(self, watched: list[int]) -> None:
         pass
+
+    def ended_sound(self) -> bool:
+        return False
 
     def stop(self) -> None:
         pass
