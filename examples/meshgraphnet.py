@@ -4,7 +4,7 @@ gather of every node would cost.
 
 Usage::
 
-    python examples/meshgraphnet.py                      # 4 ranks (torchrun, started for you): 20 s (docs/example_times.json)
+    python examples/meshgraphnet.py                      # 4 ranks (torchrun, started for you): 13 s (docs/example_times.json)
     torchrun --nproc-per-node 3 examples/meshgraphnet.py run --partition metis --steps 5
 
 The target is potential flow past the cylinder (velocity at each node, from its coordinates), the input the node
