@@ -1,0 +1,143 @@
+"""More of PyTorch Geometric's layers, unchanged, on graph tensors (issue 65, item 2): GINConv, GraphConv,
+EdgeConv (max of MLP messages), GATv2Conv, TransformerConv (segment softmax over incoming edges, two heads) and
+PointNetConv (positions as node tensors), stacked in one model and trained for 3 Adam steps on 2 and 3 ranks against
+one process (fp64), random uneven partitions, the last part empty on 3 ranks. And ``torch_geometric.utils`` on a
+graph tensor's edge index: degree, scatter (sum, max), softmax and the self-loop helpers equal one process;
+to_undirected, dropout_edge and a max into the sources are refused by name on every rank (not yet ruled: issue 65)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from graph_models import mlp, step_both, uneven_partition
+
+pytest.importorskip("torch_geometric")  # the graph extra (pip install mesh3d[graph])
+
+TOL = 1e-10
+
+
+def _model(h: int):
+    from torch import nn
+    from torch_geometric.nn import EdgeConv, GATv2Conv, GINConv, GraphConv, PointNetConv, TransformerConv
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gin, self.graph = GINConv(mlp(h, h), train_eps=True), GraphConv(h, h)
+            self.edge = EdgeConv(mlp(2 * h, h), aggr="max")
+            self.gatv2 = GATv2Conv(h, h, heads=2, concat=False)
+            self.transformer = TransformerConv(h, h, heads=2, concat=False)
+            self.point = PointNetConv(mlp(h + 2, h), mlp(h, h))
+
+        def forward(self, x, pos, ei):
+            x = torch.tanh(self.gin(x, ei)) + self.graph(x, ei)
+            x = torch.tanh(self.edge(x, ei))
+            x = F.elu(self.gatv2(x, ei)) + self.transformer(x, ei)
+            return self.point(x, pos, ei)
+
+    return Net()
+
+
+def _layers_body(seed):
+    import torch.distributed as dist
+
+    from mesh3d import DistributedManager, domain, graphs
+
+    d = dist.get_world_size()
+    DistributedManager.initialize(batch=1, domain=d)
+    try:
+        mesh = graphs.channel_mesh(8, 5)
+        edges = torch.from_numpy(mesh.edges)
+        n, h = mesh.num_nodes, 4
+        part = uneven_partition(n, d, seed, empty=d - 1 if d > 2 else None)
+        g = graphs.Graph(edges, part)
+        torch.manual_seed(seed)
+        ref = _model(h).double()
+        mod = copy.deepcopy(ref)
+        ei = domain.edge_index(g)
+        pos = torch.from_numpy(mesh.points[:, :2]).double()
+        data = [(torch.randn(n, h, dtype=torch.float64), torch.randn(n, h, dtype=torch.float64)) for _ in range(3)]
+
+        def run_ref(model, step):
+            x, t = data[step]
+            y = model(x, pos, edges)
+            return y, F.mse_loss(y, t)
+
+        def run_dom(model, step):
+            x, t = data[step]
+            y = model(domain.shard_nodes(x, part), domain.shard_nodes(pos, part), ei)
+            return y, F.mse_loss(y, domain.shard_nodes(t, part))
+
+        return part.counts, step_both(ref, mod, run_ref, run_dom)
+    finally:
+        DistributedManager.shutdown()
+
+
+def test_more_pyg_layers_unchanged_train_like_one_process_on_2_and_3_ranks(ranks):
+    for world in (2, 3):
+        counts, worst = ranks.run(world, _layers_body, world, timeout=180)[0]
+        assert worst < TOL, (world, counts, worst)
+        assert world == 2 or counts[-1] == 0
+
+
+def _utils_body(seed):
+    import torch.distributed as dist
+    import torch_geometric.utils as U
+
+    from mesh3d import DistributedManager, domain, graphs
+
+    d = dist.get_world_size()
+    DistributedManager.initialize(batch=1, domain=d)
+    try:
+        mesh = graphs.channel_mesh(8, 5)
+        edges = torch.from_numpy(mesh.edges)
+        n = mesh.num_nodes
+        part = uneven_partition(n, d, seed, empty=d - 1 if d > 2 else None)
+        g = graphs.Graph(edges, part)
+        ei = domain.edge_index(g)
+        e = torch.randn(edges.shape[1], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        es = domain.shard_edges(e, g)
+        cases = {
+            "degree": (lambda i, v: U.degree(i[1], n, dtype=torch.float64)),
+            "scatter sum": (lambda i, v: U.scatter(v, i[1], 0, n, "sum")),
+            "scatter max": (lambda i, v: U.scatter(v, i[1], 0, n, "max")),
+            "scatter sum into sources": (lambda i, v: U.scatter(v, i[0], 0, n, "sum")),
+            "softmax": (lambda i, v: U.softmax(v, i[1], num_nodes=n)),
+            "add_self_loops": (lambda i, v: U.add_self_loops(i, num_nodes=n)[0]),
+            # the mesh has no self-loops: these two see the ones add_self_loops made
+            "remove_self_loops": (lambda i, v: U.remove_self_loops(U.add_self_loops(i, num_nodes=n)[0])[0]),
+            "add_remaining_self_loops": (lambda i, v: U.add_remaining_self_loops(U.add_self_loops(i, num_nodes=n)[0],
+                                                                                 num_nodes=n)[0]),
+        }
+        worst = {}
+        for name, fn in cases.items():
+            want, got = fn(edges, e), fn(ei, es)
+            assert isinstance(got, domain.DomainTensor) and got.shape == want.shape, (name, type(got), got.shape)
+            whole = got.full_tensor().to_local()
+            assert whole.dtype == want.dtype, (name, whole.dtype, want.dtype)
+            worst[name] = float((whole.double() - want.double()).abs().max())
+        refused = {}
+        for name, fn in {"to_undirected": lambda: U.to_undirected(ei, num_nodes=n),
+                         "dropout_edge": lambda: U.dropout_edge(ei, p=0.3),
+                         "scatter max into sources": lambda: U.scatter(es, ei[0], 0, n, "max")}.items():
+            try:
+                fn()
+                refused[name] = ""
+            except NotImplementedError as err:
+                refused[name] = str(err)
+        return part.counts, worst, refused
+    finally:
+        DistributedManager.shutdown()
+
+
+def test_pyg_graph_utilities_equal_one_process_or_are_refused_by_name(ranks):
+    for world in (2, 3):
+        for counts, worst, refused in ranks.run(world, _utils_body, world, timeout=180):
+            assert all(v < TOL for v in worst.values()), (world, counts, worst)
+            assert "__setitem__" in refused["to_undirected"] and ".full_tensor()" in refused["to_undirected"]
+            assert "indexing a graph tensor" in refused["dropout_edge"], refused["dropout_edge"]
+            assert "only sums travel home" in refused["scatter max into sources"], refused["scatter max into sources"]
