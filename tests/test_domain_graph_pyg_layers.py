@@ -141,3 +141,72 @@ def test_pyg_graph_utilities_equal_one_process_or_are_refused_by_name(ranks):
             assert "__setitem__" in refused["to_undirected"] and ".full_tensor()" in refused["to_undirected"]
             assert "indexing a graph tensor" in refused["dropout_edge"], refused["dropout_edge"]
             assert "only sums travel home" in refused["scatter max into sources"], refused["scatter max into sources"]
+
+
+def _dropout_model(h: int):
+    from torch import nn
+    from torch_geometric.nn import GATConv
+
+    class DropNet(nn.Module):
+        """Dropout as people write it in graph models: on node features (F.dropout) and on the attention
+        coefficients of every edge (GATConv's own ``dropout``: an edge tensor)."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin, self.gat = nn.Linear(h, h), GATConv(h, h, heads=2, concat=False, dropout=0.4)
+
+        def forward(self, x, ei):
+            x = F.dropout(torch.tanh(self.lin(x)), p=0.3, training=self.training)
+            return self.gat(x, ei)
+
+    return DropNet()
+
+
+def _dropout_body(seed):
+    import torch.distributed as dist
+
+    from mesh3d import DistributedManager, domain, graphs
+
+    d = dist.get_world_size()
+    dm = DistributedManager.initialize(batch=1, domain=d)
+    try:
+        mesh = graphs.channel_mesh(8, 5)
+        edges = torch.from_numpy(mesh.edges)
+        n, h = mesh.num_nodes, 4
+        part = uneven_partition(n, d, seed, empty=d - 1 if d > 2 else None)
+        g = graphs.Graph(edges, part)
+        torch.manual_seed(seed)
+        ref = _dropout_model(h).double()
+        mod = copy.deepcopy(ref)
+        ei = domain.edge_index(g)
+        data = [(torch.randn(n, h, dtype=torch.float64), torch.randn(n, h, dtype=torch.float64)) for _ in range(3)]
+        with torch.no_grad():  # the draws matter: in training the output is not eval mode's
+            ref.eval()
+            plain = ref(data[0][0], edges)
+            ref.train()
+            assert not torch.allclose(ref(data[0][0], edges), plain)
+
+        def run_ref(model, step):
+            x, t = data[step]
+            torch.manual_seed(100 + step)  # one process's stream for this step
+            y = model(x, edges)
+            return y, F.mse_loss(y, t)
+
+        def run_dom(model, step):
+            x, t = data[step]
+            dm.manual_seed(100 + step)  # the domain's ranks share one stream: the same draws
+            y = model(domain.shard_nodes(x, part), ei)
+            return y, F.mse_loss(y, domain.shard_nodes(t, part))
+
+        return part.counts, step_both(ref, mod, run_ref, run_dom)
+    finally:
+        DistributedManager.shutdown()
+
+
+def test_graph_dropout_on_nodes_and_edges_is_the_one_process_draw(ranks):
+    """F.dropout on a node tensor and GATConv's attention dropout on an edge tensor, in training: each rank keeps its
+    items' part of the mask one process draws (issue 65, item 3), so 3 Adam steps equal one process."""
+    for world in (2, 3):
+        counts, worst = ranks.run(world, _dropout_body, world, timeout=180)[0]
+        assert worst < TOL, (world, counts, worst)
+        assert world == 2 or counts[-1] == 0

@@ -19,6 +19,7 @@ from mesh3d.domain.dispatch.registry import GRAPH_RULES, op_name
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.graph.common import VALUE_KEEPING, graph_spec_of, is_graph, rows_for, sharded_at
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
+from mesh3d.domain.ops.random_ops import dropout_mask
 
 __all__ = ["elementwise_rule", "reshape_rule"]
 
@@ -108,10 +109,18 @@ def _view_as(input, other):
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
-    if training and p > 0:
-        raise NotImplementedError("torch.nn.functional.dropout with p > 0 in training on a graph tensor: mesh3d has no "
-                                  "draw of the one-process mask for a graph partition yet; set p=0 (or eval mode)")
-    return input
+    """The mask one process draws for the whole tensor, this rank's items of it (random_ops.py: the domain's ranks
+    share one stream after ``dm.manual_seed``, so every rank draws the same numbers in the same order)."""
+    if not training or p == 0:
+        return input
+    spec, local = graph_spec_of(input), unwrap(input)
+    mask = dropout_mask(F.dropout, size_of(input), local, p)
+    own = torch.from_numpy(spec.items.items(spec.comm.index)).to(device=mask.device, dtype=torch.long)
+    mask = mask.index_select(spec.dim, own)
+    if inplace:
+        local.mul_(mask)
+        return input
+    return adopt(local * mask, spec)
 
 
 # ----------------------------------------------------------------------------- views and reshapes
