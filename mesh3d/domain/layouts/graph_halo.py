@@ -19,6 +19,7 @@ are each other, recorded to any order (``core.linear``).
 from __future__ import annotations
 
 import math
+import zlib
 
 import numpy as np
 import torch
@@ -30,7 +31,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.graphs import HaloPlan, Partition
 
-__all__ = ["entering", "gather_all", "gather_halo", "gather_varying", "global_mask", "reduce_sum", "scatter_halo"]
+__all__ = ["entering", "gather_all", "gather_halo", "gather_varying", "global_mask", "reduce_sum", "scatter_halo",
+           "shared_mask"]
 
 
 def _gather(local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) -> torch.Tensor:
@@ -143,6 +145,20 @@ def global_mask(mask: torch.Tensor, items: Partition, comm: DomainComm) -> np.nd
     for r, part in enumerate(parts):
         out[items.items(r)] = np.unpackbits(part.numpy())[:items.counts[r]].astype(bool)
     return out
+
+
+def shared_mask(mask: torch.Tensor, comm: DomainComm) -> np.ndarray | None:
+    """A plain bool mask over every item (``dropout_edge``'s draw), as numpy, when every domain rank holds the same
+    one; None where they differ (one checksum per rank travels).
+
+    Usage: ``keep = shared_mask(plain_mask, comm)  # None: drawn from streams that differ``
+    """
+    keep = mask.detach().cpu().numpy().astype(bool).ravel()
+    if comm.size == 1:
+        return keep
+    mine = torch.tensor([zlib.crc32(np.packbits(keep).tobytes()), keep.size], dtype=torch.int64)
+    parts = exchange_all(mine, comm)
+    return keep if all(bool(torch.equal(p, parts[0])) for p in parts) else None
 
 
 def gather_varying(values: torch.Tensor, comm: DomainComm) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ import torch
 
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
-from mesh3d.domain.layouts.graph_halo import gather_halo, global_mask
+from mesh3d.domain.layouts.graph_halo import gather_halo, global_mask, shared_mask
 from mesh3d.domain.ops.graph.common import graph_spec_of, is_graph, lookup, own_rows, rows_for
 from mesh3d.domain.ops.graph.pieces import row_endpoint
 from mesh3d.graphs import Partition
@@ -102,12 +102,30 @@ def _mask_items(x: DomainTensor, dim: int, mask: DomainTensor) -> DomainTensor:
     return adopt(unwrap(x)[index], spec.replaced(items=spec.items.take(keep)))
 
 
+def _plain_mask_items(x: DomainTensor, dim: int, mask: torch.Tensor) -> DomainTensor:
+    """``x`` masked along its items by a plain bool mask over all of them, drawn alike on every rank (PyG's
+    ``dropout_edge``: ``edge_index[:, torch.rand(E) >= p]``): each rank keeps its items' bits of it."""
+    spec = graph_spec_of(x)
+    if mask.ndim != 1 or mask.numel() != spec.items.n:
+        raise NotImplementedError(f"a plain boolean mask over a graph tensor's items must be 1-D with one bit per item "
+                                  f"({spec.items.n}), got shape {tuple(mask.shape)}")
+    keep = shared_mask(mask, spec.comm)
+    if keep is None:
+        raise ValueError("a plain boolean mask over a graph tensor's items differs between the domain's ranks (drawn "
+                         "from streams that differ): draw it after dm.manual_seed(seed), which every rank of the domain "
+                         "shares, or make it a graph tensor laid out as the items (e.g. from src != dst)")
+    own = torch.from_numpy(keep[spec.items.items(spec.comm.index)]).to(unwrap(x).device)
+    index = (slice(None),) * dim + (own,)
+    return adopt(unwrap(x)[index], spec.replaced(items=spec.items.take(keep)))
+
+
 _WHOLE = slice(None)
 
 
 def _refuse_index(spec, index) -> None:
     raise NotImplementedError(f"indexing a graph tensor (items along dim {spec.dim}) with {index!r}: supported are a "
-                              "gather x[idx] by a row of the edge list, a boolean mask over the items, and ints, "
+                              "gather x[idx] by a row of the edge list, a boolean mask over the items (a graph tensor, "
+                              "or plain with one bit per item, alike on every rank), and ints, "
                               "slices and None on the other dims (the item dim taken whole, ':')")
 
 
@@ -137,6 +155,10 @@ def _getitem(self, index):
                 if item.dtype == torch.bool:
                     return _mask_items(self, dim, item)
                 return take_own(self, dim, item, "torch.Tensor.__getitem__")  # ei[:, torch.where(keep)[0]]
+            if isinstance(item, torch.Tensor) and not is_graph(item) and item.dtype == torch.bool:
+                if any(i is not _WHOLE and i != _WHOLE for i in items[:k] + items[k + 1:]):
+                    _refuse_index(spec, index)
+                return _plain_mask_items(self, dim, item)  # ei[:, torch.rand(E) >= p]: dropout_edge
             if not (isinstance(item, slice) and item == _WHOLE):
                 _refuse_index(spec, index)
             picked = out
