@@ -2,7 +2,7 @@
 EdgeConv (max of MLP messages), GATv2Conv, TransformerConv (segment softmax over incoming edges, two heads) and
 PointNetConv (positions as node tensors), stacked in one model and trained for 3 Adam steps on 2 and 3 ranks against
 one process (fp64), random uneven partitions, the last part empty on 3 ranks. And ``torch_geometric.utils`` on a
-graph tensor's edge index: degree, scatter (sum, max), softmax, the self-loop helpers and dropout_edge (its mask on
+graph tensor's edge index: degree, scatter (sum, mean, max, min), softmax, the self-loop helpers and dropout_edge (its mask on
 the edge list and on edge features) equal one process; to_undirected and a max into the sources are refused by name
 on every rank (not yet ruled: issue 65), and so is dropout_edge drawn from streams that differ between ranks."""
 
@@ -106,6 +106,8 @@ def _utils_body(seed):
             "degree": (lambda i, v: U.degree(i[1], n, dtype=torch.float64)),
             "scatter sum": (lambda i, v: U.scatter(v, i[1], 0, n, "sum")),
             "scatter max": (lambda i, v: U.scatter(v, i[1], 0, n, "max")),
+            "scatter min": (lambda i, v: U.scatter(v, i[1], 0, n, "min")),
+            "scatter mean": (lambda i, v: U.scatter(v, i[1], 0, n, "mean")),
             "scatter sum into sources": (lambda i, v: U.scatter(v, i[0], 0, n, "sum")),
             "softmax": (lambda i, v: U.softmax(v, i[1], num_nodes=n)),
             "add_self_loops": (lambda i, v: U.add_self_loops(i, num_nodes=n)[0]),
