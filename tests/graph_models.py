@@ -8,6 +8,10 @@ mesh-to-grid decoder. The same code runs on plain tensors (one process) and on d
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 from torch import nn
@@ -130,6 +134,31 @@ def weather_graphs(refinements: int = 1, nlat: int = 6, nlon: int = 12):
     glat, glon = np.meshgrid(lat, lon, indexing="ij")
     grid_xyz = graphs.lat_lon_to_xyz(glat.ravel(), glon.ravel())
     return mesh, lat, lon, grid_xyz, g2m, m2g
+
+
+@contextmanager
+def channel_graph(seed: int) -> Iterator[SimpleNamespace]:
+    """On every rank of a pool body: a manager with the domain over every rank, the 8x5 channel mesh's edges whole
+    (``edges``) and as a graph tensor (``ei``), its node count ``n``, a random uneven partition ``part`` (its last part
+    empty from 3 ranks) and the graph ``g``; shut down afterwards.
+
+    Usage: ``with channel_graph(seed) as c: y = model(domain.shard_nodes(x, c.part), c.ei)``
+    """
+    import torch.distributed as dist
+
+    from mesh3d import DistributedManager, domain, graphs
+
+    d = dist.get_world_size()
+    dm = DistributedManager.initialize(batch=1, domain=d)
+    try:
+        mesh = graphs.channel_mesh(8, 5)
+        edges = torch.from_numpy(mesh.edges)
+        part = uneven_partition(mesh.num_nodes, d, seed, empty=d - 1 if d > 2 else None)
+        g = graphs.Graph(edges, part)
+        yield SimpleNamespace(dm=dm, mesh=mesh, edges=edges, n=mesh.num_nodes, part=part, g=g,
+                              ei=domain.edge_index(g))
+    finally:
+        DistributedManager.shutdown()
 
 
 def uneven_partition(n: int, parts: int, seed: int, empty: int | None = None):

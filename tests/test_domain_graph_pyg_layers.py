@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from graph_models import mlp, step_both, uneven_partition
+from graph_models import channel_graph, mlp, step_both
 
 pytest.importorskip("torch_geometric")  # the graph extra (pip install mesh3d[graph])
 
@@ -44,38 +44,27 @@ def _model(h: int):
 
 
 def _layers_body(seed):
-    import torch.distributed as dist
+    from mesh3d import domain
 
-    from mesh3d import DistributedManager, domain, graphs
-
-    d = dist.get_world_size()
-    DistributedManager.initialize(batch=1, domain=d)
-    try:
-        mesh = graphs.channel_mesh(8, 5)
-        edges = torch.from_numpy(mesh.edges)
-        n, h = mesh.num_nodes, 4
-        part = uneven_partition(n, d, seed, empty=d - 1 if d > 2 else None)
-        g = graphs.Graph(edges, part)
+    with channel_graph(seed) as c:
+        h, part = 4, c.part
         torch.manual_seed(seed)
         ref = _model(h).double()
         mod = copy.deepcopy(ref)
-        ei = domain.edge_index(g)
-        pos = torch.from_numpy(mesh.points[:, :2]).double()
-        data = [(torch.randn(n, h, dtype=torch.float64), torch.randn(n, h, dtype=torch.float64)) for _ in range(3)]
+        pos = torch.from_numpy(c.mesh.points[:, :2]).double()
+        data = [(torch.randn(c.n, h, dtype=torch.float64), torch.randn(c.n, h, dtype=torch.float64)) for _ in range(3)]
 
         def run_ref(model, step):
             x, t = data[step]
-            y = model(x, pos, edges)
+            y = model(x, pos, c.edges)
             return y, F.mse_loss(y, t)
 
         def run_dom(model, step):
             x, t = data[step]
-            y = model(domain.shard_nodes(x, part), domain.shard_nodes(pos, part), ei)
+            y = model(domain.shard_nodes(x, part), domain.shard_nodes(pos, part), c.ei)
             return y, F.mse_loss(y, domain.shard_nodes(t, part))
 
         return part.counts, step_both(ref, mod, run_ref, run_dom)
-    finally:
-        DistributedManager.shutdown()
 
 
 def test_more_pyg_layers_unchanged_train_like_one_process_on_2_and_3_ranks(ranks):
@@ -89,19 +78,12 @@ def _utils_body(seed):
     import torch.distributed as dist
     import torch_geometric.utils as U
 
-    from mesh3d import DistributedManager, domain, graphs
+    from mesh3d import domain
 
-    d = dist.get_world_size()
-    DistributedManager.initialize(batch=1, domain=d)
-    try:
-        mesh = graphs.channel_mesh(8, 5)
-        edges = torch.from_numpy(mesh.edges)
-        n = mesh.num_nodes
-        part = uneven_partition(n, d, seed, empty=d - 1 if d > 2 else None)
-        g = graphs.Graph(edges, part)
-        ei = domain.edge_index(g)
+    with channel_graph(seed) as c:
+        edges, ei, n, part = c.edges, c.ei, c.n, c.part
         e = torch.randn(edges.shape[1], 3, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
-        es = domain.shard_edges(e, g)
+        es = domain.shard_edges(e, c.g)
         cases = {
             "degree": (lambda i, v: U.degree(i[1], n, dtype=torch.float64)),
             "scatter sum": (lambda i, v: U.scatter(v, i[1], 0, n, "sum")),
@@ -137,8 +119,6 @@ def _utils_body(seed):
             except (NotImplementedError, ValueError) as err:
                 refused[name] = str(err)
         return part.counts, worst, refused
-    finally:
-        DistributedManager.shutdown()
 
 
 def test_pyg_graph_utilities_equal_one_process_or_are_refused_by_name(ranks):
@@ -172,22 +152,13 @@ def _dropout_model(h: int):
 
 
 def _dropout_body(seed):
-    import torch.distributed as dist
+    from mesh3d import domain
 
-    from mesh3d import DistributedManager, domain, graphs
-
-    d = dist.get_world_size()
-    dm = DistributedManager.initialize(batch=1, domain=d)
-    try:
-        mesh = graphs.channel_mesh(8, 5)
-        edges = torch.from_numpy(mesh.edges)
-        n, h = mesh.num_nodes, 4
-        part = uneven_partition(n, d, seed, empty=d - 1 if d > 2 else None)
-        g = graphs.Graph(edges, part)
+    with channel_graph(seed) as c:
+        edges, ei, n, h, part, dm = c.edges, c.ei, c.n, 4, c.part, c.dm
         torch.manual_seed(seed)
         ref = _dropout_model(h).double()
         mod = copy.deepcopy(ref)
-        ei = domain.edge_index(g)
         data = [(torch.randn(n, h, dtype=torch.float64), torch.randn(n, h, dtype=torch.float64)) for _ in range(3)]
         with torch.no_grad():  # the draws matter: in training the output is not eval mode's
             ref.eval()
@@ -208,8 +179,6 @@ def _dropout_body(seed):
             return y, F.mse_loss(y, domain.shard_nodes(t, part))
 
         return part.counts, step_both(ref, mod, run_ref, run_dom)
-    finally:
-        DistributedManager.shutdown()
 
 
 def test_graph_dropout_on_nodes_and_edges_is_the_one_process_draw(ranks):
