@@ -34,6 +34,10 @@ def _function(nodeid: str) -> tuple[Path, str]:
     return ROOT / path, rest.split("[")[0].split("::")[-1]
 
 
+#: The longest "asserts" cell, in characters.
+_LONGEST = 200
+
+
 def what_it_asserts(nodeid: str) -> str:
     """The first sentence of the test function's docstring, else its name in words."""
     path, name = _function(nodeid)
@@ -42,8 +46,9 @@ def what_it_asserts(nodeid: str) -> str:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == name:
             doc = ast.get_docstring(node)
             if doc:
-                first = " ".join(doc.split())
-                return re.split(r"(?<=[.:;])\s", first, maxsplit=1)[0].rstrip(".:;")
+                first = re.split(r"(?<=\.)\s", " ".join(doc.split()), maxsplit=1)[0].rstrip(".")
+                # NOTE: a sentence, not its label: "The whole example: 8 ranks ..." says what it runs after the colon
+                return first if len(first) <= _LONGEST else first[:_LONGEST - 3].rstrip() + "..."
             break
     return name.removeprefix("test_").replace("_", " ")
 

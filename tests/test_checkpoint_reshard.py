@@ -55,6 +55,8 @@ def _load_body(root: str, world: int) -> dict[str, list[str]]:
 
 
 def test_reshard_matrix_bitwise(ranks, tmp_path):
+    """Every configuration's checkpoint (1, 2, 4, 8 ranks; FSDP, HSDP, TP, DDP, uneven dims, empty shards) loads
+    bitwise on every other configuration and in a plain process (model and AdamW state)."""
     root = str(tmp_path)
     for world in WORLDS:
         ranks.run(world, _save_body, root, world, timeout=240)
