@@ -97,9 +97,13 @@ def _mask_items(x: DomainTensor, dim: int, mask: DomainTensor) -> DomainTensor:
     spec, mspec = graph_spec_of(x), graph_spec_of(mask)
     if mask.ndim != 1 or mspec.items != spec.items:
         raise NotImplementedError("a boolean mask over a graph tensor's items must be 1-D and laid out as its items")
-    keep = global_mask(unwrap(mask), spec.items, spec.comm)
-    index = (slice(None),) * dim + (unwrap(mask),)
-    return adopt(unwrap(x)[index], spec.replaced(items=spec.items.take(keep)))
+    return _kept(x, dim, unwrap(mask), global_mask(unwrap(mask), spec.items, spec.comm))
+
+
+def _kept(x: DomainTensor, dim: int, mine: torch.Tensor, keep) -> DomainTensor:
+    """``x``'s items where ``mine`` (this rank's bits) holds, laid out as the items where ``keep`` (every bit) holds."""
+    spec = graph_spec_of(x)
+    return adopt(unwrap(x)[(slice(None),) * dim + (mine,)], spec.replaced(items=spec.items.take(keep)))
 
 
 def _plain_mask_items(x: DomainTensor, dim: int, mask: torch.Tensor) -> DomainTensor:
@@ -114,9 +118,7 @@ def _plain_mask_items(x: DomainTensor, dim: int, mask: torch.Tensor) -> DomainTe
         raise ValueError("a plain boolean mask over a graph tensor's items differs between the domain's ranks (drawn "
                          "from streams that differ): draw it after dm.manual_seed(seed), which every rank of the domain "
                          "shares, or make it a graph tensor laid out as the items (e.g. from src != dst)")
-    own = torch.from_numpy(keep[spec.items.items(spec.comm.index)]).to(unwrap(x).device)
-    index = (slice(None),) * dim + (own,)
-    return adopt(unwrap(x)[index], spec.replaced(items=spec.items.take(keep)))
+    return _kept(x, dim, torch.from_numpy(keep[spec.items.items(spec.comm.index)]).to(unwrap(x).device), keep)
 
 
 _WHOLE = slice(None)
