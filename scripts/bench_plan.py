@@ -11,8 +11,11 @@ Two jobs of 4096 ranks, planned on one CPU with no process group (the worked exa
 - a 3-D U-Net 32 features wide on a 4x4x4 domain grid, batch 64, 512^3 voxels, HSDP.
 
 For each: the median wall and CPU time of ``plan_job`` (goal: under 10 s), the number of ranks simulated,
-and the time of the alternative that keys no classes: simulating every domain rank (the ratio is what the
-classes save; the model and batch axes need no simulation of their own either way). Then the scaling check:
+the time of the same plan with every block of a deep stack simulated (``splice_blocks=False``: what splicing
+saves, ``mesh3d.planner.repeat``; its figures must be equal, and are checked here) and the time of the
+alternative that keys no classes: simulating every domain rank (what the classes save; the model and batch axes
+need no simulation of their own either way). Then the documented ``mesh3d plan`` command for the decoder, end to
+end through the console script (imports included; goal: at most 5 s). Then the scaling check:
 bytes per rank against the shard degree, which must fall as 1/degree where the plan shards (parameters,
 gradients and optimizer state over FSDP's degree; the input over the domain), and the U-Net's step peak
 over the domain (activations 1/D plus halos). Writes docs/benchmarks/plan.json and plan.png (with matplotlib).
@@ -24,6 +27,7 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -38,6 +42,7 @@ from bench_common import cpu_model  # noqa: E402
 from mesh3d import Plan  # noqa: E402
 from mesh3d.planner import InputSpec, JobMesh, plan_job  # noqa: E402
 from mesh3d.planner.layout import ModelLayout  # noqa: E402
+from mesh3d.planner.repeat import SplicedSimulation  # noqa: E402
 from mesh3d.planner.simulate import Simulator  # noqa: E402
 
 OUT = ROOT / "docs" / "benchmarks" / "plan.json"
@@ -57,17 +62,43 @@ def _jobs():
     }
 
 
-def _every_domain_rank(factory, plan, mesh, inputs) -> float:
-    """Seconds to simulate every domain rank (what planning without classes would cost)."""
+def _every_domain_rank(factory, plan, mesh, inputs, spliced: bool) -> float:
+    """Seconds to simulate every domain rank (what planning without classes would cost), each as the plan did:
+    spliced from a few blocks where it spliced."""
     with torch.device("meta"):
         model = factory()
-    layout = ModelLayout.build(model, plan, mesh)
-    sim = Simulator(model, plan, layout, inputs)
     start = time.perf_counter()
+    if spliced:
+        sim = SplicedSimulation.build(model, plan, mesh, inputs, "cuda", None)
+        assert sim is not None
+    else:
+        sim = Simulator(model, plan, ModelLayout.build(model, plan, mesh), inputs)
     for d in range(mesh.domain):
         sim.run(d)
     sim.close()
     return time.perf_counter() - start
+
+
+def _figures(job) -> dict:
+    """A plan's report less its timing and how it was simulated (what splicing must leave equal)."""
+    report = job.to_json()
+    for key in ("seconds", "spliced"):
+        report.pop(key)
+    return report
+
+
+def _command_seconds(repeats: int) -> float:
+    """Median wall seconds of docs/plan.md's llama_8b command through the installed console script."""
+    command = [str(Path(sys.executable).with_name("mesh3d")), "plan", "examples/llama_decoder.py:llama_8b",
+               "--world", "4096", "--batch", "32", "--domain", "16", "--model", "8", "--input", "1x131072",
+               "--dtype", "int64", "--shard-dims", "1", "--plan", "examples/llama_decoder.py:PLAN",
+               "--device-memory", "80GiB"]
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=600)
+        walls.append(time.perf_counter() - start)
+    return statistics.median(walls)
 
 
 def _scaling(factory, plan_of, meshes, inputs_of) -> list[dict]:
@@ -97,15 +128,26 @@ def main() -> int:
             job = plan_job(factory, plan, mesh, inputs, to=to, device_memory=80 * 2**30)
             walls.append(time.perf_counter() - wall)
             cpus.append(time.process_time() - cpu)
-        every = _every_domain_rank(factory, plan, mesh, inputs)
+        whole_walls = []
+        for _ in range(args.repeats if job.spliced else 0):
+            wall = time.perf_counter()
+            whole = plan_job(factory, plan, mesh, inputs, to=to, device_memory=80 * 2**30, splice_blocks=False)
+            whole_walls.append(time.perf_counter() - wall)
+            if _figures(whole) != _figures(job):
+                raise SystemExit(f"{name}: the spliced plan's figures differ from every block simulated")
+        every = _every_domain_rank(factory, plan, mesh, inputs, bool(job.spliced))
         simulate_share = every / mesh.domain * job.simulated_ranks
         report["jobs"][name] = {"ranks": mesh.world, "classes": len(job.classes), "simulated": job.simulated_ranks,
-                                "domain_ranks": mesh.domain, "wall_s": statistics.median(walls),
-                                "cpu_s": statistics.median(cpus), "every_domain_rank_s": every,
+                                "spliced": job.spliced, "domain_ranks": mesh.domain, "wall_s": statistics.median(walls),
+                                "cpu_s": statistics.median(cpus),
+                                "every_block_s": statistics.median(whole_walls) if whole_walls else None,
+                                "every_domain_rank_s": every,
                                 "classes_s": simulate_share, "peak_bytes": max(c.memory["peak"] for c in job.classes)}
         print(f"{name}: {statistics.median(walls):.2f} s wall, {statistics.median(cpus):.2f} s CPU, {len(job.classes)} "
-              f"classes, {job.simulated_ranks} of {mesh.domain} domain ranks simulated; every domain rank: {every:.2f} s",
-              flush=True)
+              f"classes, {job.simulated_ranks} of {mesh.domain} domain ranks simulated ({job.spliced or 'every block'}); "
+              f"every block: {report['jobs'][name]['every_block_s']}; every domain rank: {every:.2f} s", flush=True)
+    report["command_s"] = _command_seconds(args.repeats)
+    print(f"mesh3d plan (the documented llama_8b command, console script): {report['command_s']:.2f} s", flush=True)
     from llama_decoder import PLAN, llama_8b
     from volume_unet3d import unet3d_wide
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils import _python_dispatch, _pytree
 
 __all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator", "op_schema",
-           "running_compiled_backward", "storage_key", "tree_flatten", "tree_map", "view_base"]
+           "outside_dispatch_modes", "running_compiled_backward", "storage_key", "tree_flatten", "tree_map", "view_base"]
 
 
 
@@ -28,6 +28,16 @@ TorchDispatchMode = _python_dispatch.TorchDispatchMode
 #: with torch). Why private: torch 2.13 has no public pytree module (``torch.utils._pytree`` only).
 tree_flatten = _pytree.tree_flatten
 tree_map = _pytree.tree_map
+
+
+def outside_dispatch_modes() -> Any:
+    """A context in which the dispatch modes in force are set aside (a measurement of its own that an enclosing
+    memory tracker must not count, then put back).
+
+    Why private: ``torch.utils._python_dispatch._disable_current_modes``; torch has no public way to step outside
+    the modes in force.
+    """
+    return _python_dispatch._disable_current_modes()
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:

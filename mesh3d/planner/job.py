@@ -37,6 +37,7 @@ from mesh3d.planner.cuda_kernels import CUDA_ASSUMPTIONS
 from mesh3d.planner.layout import ModelLayout, optimizer_state_keys
 from mesh3d.mesh_shape import JobMesh
 from mesh3d.planner.report import JobPlan, RankClass, human_bytes, spans
+from mesh3d.planner.repeat import CannotSplice, SplicedSimulation
 from mesh3d.planner.simulate import InputSpec, RankSim, Simulator
 from mesh3d.planner.verdict import communicators_used, judge
 
@@ -77,20 +78,41 @@ def _factors(model: nn.Module, inputs: InputSpec, dims: tuple[int, ...]) -> tupl
     return tuple(out)
 
 
-def _simulate_classes(sim: Simulator, mesh: JobMesh, classes: DomainClasses | None) -> tuple[dict[int, RankSim], list[int]]:
+def _simulate_classes(run: Callable[[int], RankSim], mesh: JobMesh,
+                      classes: DomainClasses | None) -> tuple[dict[int, RankSim], list[int]]:
     """Simulate one rank per domain class, growing the neighbourhood radius until every exchange fits in it."""
     if classes is None:
-        return {0: sim.run(0)}, [0]
+        return {0: run(0)}, [0]
     done: dict[int, RankSim] = {}
     radius = 1
     while True:
         for d in classes.representatives(radius).values():
             if d not in done:
-                done[d] = sim.run(d)
+                done[d] = run(d)
         reach = max(s.reach for s in done.values())
         if reach <= radius or radius >= max(mesh.grid):
             return done, classes.class_of()
         radius = min(reach, max(mesh.grid))
+
+
+def _simulate(meta: nn.Module, plan: Plan, layout: ModelLayout, mesh: JobMesh, inputs: InputSpec,
+              classes: DomainClasses | None, device: str,
+              loss: Callable[[Any], torch.Tensor] | None, splice_blocks: bool) -> tuple[dict[int, RankSim], list[int], str]:
+    """Each class's step: from a few blocks of a deep stack, spliced (``mesh3d.planner.repeat``), else the whole
+    model; also what was spliced, for the report."""
+    spliced = SplicedSimulation.build(meta, plan, mesh, inputs, device, loss) if splice_blocks else None
+    if spliced is not None:
+        try:
+            return (*_simulate_classes(spliced.run, mesh, classes), spliced.note)
+        except CannotSplice:
+            pass  # NOTE: not provably periodic: the whole model below gives the figures (or the step's own error)
+        finally:
+            spliced.close()
+    sim = Simulator(meta, plan, layout, inputs, device=device, loss=loss)
+    try:
+        return (*_simulate_classes(sim.run, mesh, classes), "")
+    finally:
+        sim.close()
 
 
 def _firsts(inverse: torch.Tensor, classes: int) -> list[int]:
@@ -170,7 +192,7 @@ def _reshard(source: CheckpointLayout, target: CheckpointLayout, to: JobMesh) ->
 def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh: JobMesh, inputs: InputSpec, *,
              optimizer: str = "adamw", to: JobMesh | None = None, device_memory: int | None = None,
              device: str = "cuda", loss: Callable[[Any], torch.Tensor] | None = None, name: str | None = None,
-             margin: int | None = None) -> JobPlan:
+             margin: int | None = None, splice_blocks: bool = True) -> JobPlan:
     """Plan one training step of ``model`` under ``plan`` on ``mesh`` (see the module docstring).
 
     Usage: ``print(plan_job(make_model, Plan(), JobMesh.resolve(8, domain=2), InputSpec((1, 1, 64, 64))).table())``
@@ -180,7 +202,8 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     verdict compares each class's peak plus the margin with (``mesh3d.planner.verdict``; ``margin`` in bytes
     replaces its estimate); ``device="cuda"`` models CUDA kernels and the caching allocator
     (``mesh3d.planner.cuda_kernels``), ``"cpu"`` CPU kernels (``mesh3d.planner.workspace``); ``loss(output)``
-    defaults to the sum of the first floating output.
+    defaults to the sum of the first floating output; ``splice_blocks=False`` simulates every block of a deep stack
+    (``mesh3d.planner.repeat``: the same figures, slower).
     """
     start = time.perf_counter()
     plan = plan if plan is not None else Plan()
@@ -192,11 +215,7 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     target = ModelLayout.build(meta, plan, to) if to is not None else None
     dims, sizes = inputs.layout(mesh.grid)
     classes = DomainClasses(mesh.grid, sizes, _factors(meta, inputs, dims)) if mesh.domain > 1 else None
-    sim = Simulator(meta, plan, layout, inputs, device=device, loss=loss)
-    try:
-        sims, class_of = _simulate_classes(sim, mesh, classes)
-    finally:
-        sim.close()
+    sims, class_of, spliced = _simulate(meta, plan, layout, mesh, inputs, classes, device, loss, splice_blocks)
 
     fixed, held, opt = _static_memory(layout, optimizer)
     ckpt = CheckpointLayout(layout, optimizer)
@@ -277,4 +296,4 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
                    plan.describe(), {"shape": list(inputs.shape), "dtype": str(inputs.dtype).replace("torch.", ""),
                                      "sharded_dims": list(dims), "sizes": [list(x) for x in sizes]},
                    optimizer, device, result, checkpoint, reshard, warnings, refused, len(sims),
-                   time.perf_counter() - start, verdict, _assumptions(device, plan))
+                   time.perf_counter() - start, verdict, _assumptions(device, plan), spliced)

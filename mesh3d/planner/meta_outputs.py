@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from mesh3d._torch_private import OpOverload, op_schema
+from mesh3d._torch_private import OpOverload, op_schema, storage_key
 
 __all__ = ["MetaOutputs"]
 
@@ -46,6 +46,21 @@ def _key_of(x: Any) -> Any:
     raise _Uncacheable
 
 
+def _aliases_an_input(out: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    mine = storage_key(out.untyped_storage())
+    stack: list[Any] = [args, kwargs]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            if storage_key(x.untyped_storage()) == mine:
+                return True
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return False
+
+
 class _Uncacheable(Exception):
     pass
 
@@ -73,5 +88,11 @@ class MetaOutputs:
             return torch.empty_strided(known[0], known[1], dtype=known[2], device="meta")
         out = func(*args, **kwargs)
         if isinstance(out, torch.Tensor) and out.device.type == "meta" and out.storage_offset() == 0:
-            self._outputs[key] = (tuple(out.shape), out.stride(), out.dtype)
+            if _aliases_an_input(out, args, kwargs):
+                # NOTE: an op whose schema promises a fresh tensor can still return its input's storage
+                # (``aten._unsafe_view`` after ``linear``'s matmul): a cached fresh tensor would count bytes the op
+                # never allocates, on every call after the first
+                self._pure[func] = False
+            else:
+                self._outputs[key] = (tuple(out.shape), out.stride(), out.dtype)
         return out

@@ -76,6 +76,7 @@ class JobPlan:
     seconds: float = 0.0
     verdict: dict[str, Any] = field(default_factory=dict)  # mesh3d.planner.verdict.judge's: the report's first line
     assumptions: list[str] = field(default_factory=list)  # what the memory model assumes (kernels, compile)
+    spliced: str = ""  # how much of a deep block stack each class simulated (mesh3d.planner.repeat); "": all of it
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (bytes as integers)."""
@@ -97,7 +98,8 @@ class JobPlan:
         lines = [self.verdict["line"]] if self.verdict else []
         lines += [f"plan for {self.model} on {self.mesh}", f"  {self.plan}; input {self.input['shape']} "
                   f"{self.input['dtype']}, optimizer {self.optimizer}, kernels modeled for {self.device}; "
-                  f"{len(self.classes)} classes of ranks, {self.simulated_ranks} simulated, {self.seconds:.1f} s"]
+                  f"{len(self.classes)} classes of ranks, {self.simulated_ranks} simulated"
+                  f"{f' ({self.spliced})' if self.spliced else ''}, {self.seconds:.1f} s"]
         lines += [f"  assumes: {a}" for a in self.assumptions]
         lines += [f"  {self.verdict['margin_line']}"] if self.verdict else []
         lines.append("")

@@ -46,6 +46,7 @@ from mesh3d.planner.fused_sdpa import FusedAttention
 from mesh3d.planner.layout import ModelLayout
 from mesh3d.planner.meta_outputs import MetaOutputs
 from mesh3d.planner.tracker import GRADS, HALO, MemoryTracker
+from mesh3d.planner.trace import BlockMarks, Mark, RankTrace
 from mesh3d.planner.workspace import cpu_kernel_workspace
 from mesh3d._torch_private import tree_flatten
 
@@ -185,7 +186,10 @@ class Simulator:
     """Runs one rank's step on the meta model; one instance serves every rank class of a plan."""
 
     def __init__(self, model: nn.Module, plan: PlanFields, layout: ModelLayout, inputs: InputSpec, *,
-                 device: str = "cuda", loss: Callable[[Any], torch.Tensor] | None = None) -> None:
+                 device: str = "cuda", loss: Callable[[Any], torch.Tensor] | None = None,
+                 outputs: MetaOutputs | None = None, blocks: tuple[str, int] | None = None) -> None:
+        """``outputs``: a cache of op outputs to share with other simulators; ``blocks``: (FQN, count) of a
+        repeated block stack whose crossings each run records in ``last_trace`` (``mesh3d.planner.trace``)."""
         self.model, self.layout, self.inputs = model, layout, inputs
         self.loss = loss or default_loss
         self.device = device
@@ -194,12 +198,14 @@ class Simulator:
         # NOTE: ring attention's blocks planned as the fused kernels CUDA runs (their log-sum-exp, not a math kernel's
         # scores), with the workspace those kernels hold inside
         self.block_kernels = PlannedCudaKernels(cuda_kernel_workspace) if device == "cuda" else None
-        self.meta_outputs = MetaOutputs()
+        self.meta_outputs = outputs if outputs is not None else MetaOutputs()
         self.autocast = AutocastEmulation(device)
         self.dims, self.sizes = inputs.layout(layout.mesh.grid)
         param_dtype = getattr(plan, "param_dtype", None)
         self._by_unit: dict[str, list[nn.Parameter]] = {}
         self._params = self._meta_parameters(param_dtype)
+        self.marks = BlockMarks(model, *blocks) if blocks is not None else None
+        self.last_trace: RankTrace | None = None
         for fqn in layout.checkpointed:
             # NOTE: torch function modes are not active in backward, where activation checkpointing recomputes:
             # the recomputation enters the simulation's own ones again, in the autocast state of the forward.
@@ -236,6 +242,8 @@ class Simulator:
     def close(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self.marks is not None:
+            self.marks.remove()
 
     # ------------------------------------------------------------------ setup
     def _meta_parameters(self, param_dtype: torch.dtype | None) -> list[nn.Parameter]:
@@ -319,19 +327,39 @@ class Simulator:
             if far > 1 and recvs and not relayout:
                 sim.thin[op] = max(sim.thin.get(op, 0), far)
 
+        counters: list = []  # the forward's and the backward's traffic counters, once open
+
+        def snapshot() -> Mark:
+            f = counters[0]
+            b = counters[1] if len(counters) > 1 else None
+            return Mark(len(tracker.events or ()), (f.bytes_sent, f.messages, b.bytes_sent if b else 0, b.messages if b else 0),
+                        tuple(sim.domain_by_op.items()), len(self.tp.collectives),
+                        len(self.fsdp.collectives) if self.fsdp else 0)
+
         if self.fsdp is not None:
             self.fsdp.start(tracker)
         self.tp.collectives.clear()
+        self.last_trace = None
         try:
             grid_of_rank = simulated_grid(grid, self._grid_lines) if self._grid_lines else contextlib.nullcontext()
             with _journal_kept(), dry_run(observe), grid_of_rank, tracker, self.autocast.patched(), self._modes():
                 with count_traffic() as forward:
+                    counters.append(forward)
+                    if self.marks is not None:
+                        tracker.record()
+                        self.marks.start(snapshot)
                     loss = self.loss(self.model(x))
                 watch.in_forward = False
+                if self.marks is not None:
+                    self.marks.forward_done()
                 with count_traffic() as backward:
+                    counters.append(backward)
                     loss.backward()
                 if self.fsdp is not None:
                     self.fsdp.finish()
+                if self.marks is not None:
+                    self.last_trace = self.marks.finish(snapshot(), tracker.events or [], self.tp.collectives,
+                                                        self.fsdp.collectives if self.fsdp else [])
         except Exception as err:
             where = f" in {watch.op}" if watch.op else ""
             raise ValueError(

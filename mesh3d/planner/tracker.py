@@ -1,4 +1,4 @@
-"""Live memory of one simulated step: every storage an op allocates (meta tensors included), plus named buffers.
+"""Live memory of one simulated step: every meta storage an op allocates, plus named buffers.
 
 A ``TorchDispatchMode`` sees each aten op's outputs; a storage not seen before and not aliasing an input is an
 allocation, and a weakref finalizer on it records its release, so the count follows autograd's own lifetimes
@@ -25,9 +25,12 @@ import torch
 from mesh3d.planner.meta_outputs import MetaOutputs
 from mesh3d._torch_private import TorchDispatchMode, storage_key
 
-__all__ = ["ACTIVATIONS", "FSDP_BUFFERS", "GRADS", "HALO", "MemoryTracker", "Workspace"]
+__all__ = ["ACTIVATIONS", "ADDED", "REMOVED", "SPIKE", "FSDP_BUFFERS", "GRADS", "HALO", "MemoryTracker", "Workspace"]
 
 ACTIVATIONS, HALO, FSDP_BUFFERS, GRADS, WORKSPACE = "activations", "halo buffers", "fsdp buffers", "grads", "kernel workspace"
+
+#: The kinds of ``MemoryTracker.events``.
+ADDED, REMOVED, SPIKE = 0, 1, 2
 
 #: A function giving the transient bytes a kernel needs beside its inputs and outputs (0: none).
 Workspace = Callable[[object, tuple, dict, object], int]
@@ -65,16 +68,27 @@ class MemoryTracker(TorchDispatchMode):
         self.current = 0
         self.peak = 0
         self.peak_by_category: dict[str, int] = {}
+        #: With ``record()``: every change in order, as (ADDED, REMOVED or SPIKE, category, bytes); the planner
+        #: splices these to extrapolate repeated layers (``mesh3d.planner.repeat``).
+        self.events: list[tuple[int, str, int]] | None = None
 
     # ------------------------------------------------------------------ bookkeeping
+    def record(self) -> None:
+        """Keep every change in ``events`` from now on (see its comment)."""
+        self.events = []
+
     def _add(self, category: str, nbytes: int) -> None:
         self.current += nbytes
         self._by_category[category] = self._by_category.get(category, 0) + nbytes
+        if self.events is not None:
+            self.events.append((ADDED, category, nbytes))
         self._note_peak()
 
     def _sub(self, category: str, nbytes: int) -> None:
         self.current -= nbytes
         self._by_category[category] -= nbytes
+        if self.events is not None:
+            self.events.append((REMOVED, category, nbytes))
 
     def _note_peak(self, extra: int = 0, extra_category: str = WORKSPACE) -> None:
         if self.current + extra > self.peak:
@@ -119,7 +133,12 @@ class MemoryTracker(TorchDispatchMode):
 
     def spike(self, category: str, nbytes: int) -> None:
         """A buffer alive only for a moment (allocated and released at once): it can only raise the peak."""
-        self._note_peak(self._block(nbytes), category)
+        self._spike(self._block(nbytes), category)
+
+    def _spike(self, extra: int, category: str = WORKSPACE) -> None:
+        if self.events is not None:
+            self.events.append((SPIKE, category, extra))
+        self._note_peak(extra, category)
 
     # ------------------------------------------------------------------ the dispatch mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -127,6 +146,10 @@ class MemoryTracker(TorchDispatchMode):
         inputs = {storage_key(s) for s in _storages((args, kwargs))}
         out = self._outputs.call(func, args, kwargs)
         for storage in _storages(out):
+            if storage.device.type != "meta":
+                # NOTE: the step runs on meta tensors; a real tensor is the host's bookkeeping (a plan's cached index
+                # of rows, built on first use and kept): counted, it would depend on which step built it first
+                continue
             key = storage_key(storage)
             if key in inputs or key in self._live:
                 continue  # a view, or an in-place result
@@ -137,5 +160,5 @@ class MemoryTracker(TorchDispatchMode):
         if self._workspace is not None:
             extra = self._workspace(func, args, kwargs, out)
             if extra:
-                self._note_peak(self._block(extra))
+                self._spike(self._block(extra))
         return out

@@ -27,7 +27,7 @@ import torch
 
 from mesh3d.domain.attention.backends import BLOCK_KERNELS, BlockKernels
 from mesh3d.domain.attention.kernels import accumulation_dtype, block_backward, block_forward, merge_into
-from mesh3d._torch_private import TorchDispatchMode, storage_key
+from mesh3d._torch_private import TorchDispatchMode, outside_dispatch_modes, storage_key
 
 __all__ = ["BlockShape", "block_workspace"]
 
@@ -98,8 +98,13 @@ def block_workspace(shape: BlockShape, backward: bool, kernels: BlockKernels | N
 
 @functools.lru_cache(maxsize=1024)
 def _block_workspace(shape: BlockShape, backward: bool, kernels: BlockKernels, math: bool) -> int:
-    s = shape
+    # NOTE: outside the modes in force: a planner's memory tracker around the step would count this measurement's
+    # storages (only on the first call of a shape: the figures would depend on what the process planned before)
+    with outside_dispatch_modes():
+        return _measured(shape, backward, kernels, math)
 
+
+def _measured(s: BlockShape, backward: bool, kernels: BlockKernels, math: bool) -> int:
     def meta(*size: int, dtype: torch.dtype = s.dtype) -> torch.Tensor:
         return torch.empty(size, dtype=dtype, device="meta")
 
