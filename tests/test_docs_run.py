@@ -81,7 +81,9 @@ def _save_checkpoints(root: str) -> None:
         checkpoint.save(os.path.join(root, "ckpt", f"step-{step}"), model, opt, step=step)
 
 
-@pytest.fixture(scope="module")
+# NOTE: session, not module: the suite runs shuffled across files, and pytest ends a module's fixtures whenever the
+# next test is another file's (the checkpoints were saved again for nearly every documented command).
+@pytest.fixture(scope="session")
 def workdir(ranks, tmp_path_factory) -> Path:
     """A directory where the documented relative paths exist: ``examples/`` (a link to the checkout's) and
     ``ckpt/step-100``, ``ckpt/step-1000``."""

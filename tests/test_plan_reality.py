@@ -141,7 +141,9 @@ def _files_of(job, cls, rank: int) -> dict[str, int]:
     return {f.replace(f"r{example:05d}", f"r{rank:05d}"): size for f, size in cls.checkpoint_files.items()}
 
 
-@pytest.fixture(scope="module")
+# NOTE: session, not module: the suite runs shuffled across files, and pytest ends a module's fixtures whenever the
+# next test is another file's, so a module fixture ran every case again for nearly every test of this file.
+@pytest.fixture(scope="session")
 def exact_runs(ranks, tmp_path_factory):
     """Every exact case run once, batched by world size (one rank-pool call per size)."""
     root = str(tmp_path_factory.mktemp("plan-ckpt"))
