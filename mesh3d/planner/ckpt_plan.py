@@ -53,6 +53,7 @@ class CheckpointLayout:
             entries += [Entry(f"optimizer.{p.name}.{key}", "optimizer", p.dtype, p.shape, p)
                         for p in layout.params if p.requires_grad]
         self.entries = entries
+        self._parts_of: dict[int, dict[str, dict[str, tuple[str, tuple[int, ...]]]]] = {}
 
     # ------------------------------------------------------------------ one rank
     def box(self, e: Entry, rank: int) -> Box:
@@ -72,12 +73,19 @@ class CheckpointLayout:
         part = replica_part(self.box(e, rank), list(range(n)), i)
         return part if part is not None and part.numel else None
 
+    def _parts(self, rank: int) -> dict[str, dict[str, tuple[str, tuple[int, ...]]]]:
+        """Per role, what ``rank`` writes: {tensor name: (safetensors dtype, part shape)} (kept: a plan asks again)."""
+        known = self._parts_of.get(rank)
+        if known is None:
+            known = self._parts_of[rank] = {
+                role: {e.name: (TORCH_TO_ST[e.dtype], part.shape) for e in self.entries if e.role == role
+                       for part in [self.part(e, rank)] if part is not None} for role in ("model", "optimizer")}
+        return known
+
     def files(self, rank: int, label: int | None = None) -> dict[str, int]:
         """The shard files ``rank`` writes and their exact sizes in bytes (``label``: the rank its header names)."""
         out = {}
-        for role in ("model", "optimizer"):
-            parts = {e.name: (TORCH_TO_ST[e.dtype], part.shape) for e in self.entries if e.role == role
-                     for part in [self.part(e, rank)] if part is not None}
+        for role, parts in self._parts(rank).items():
             if not parts:
                 continue
             header, ranges = plan_header(parts, {"format": "pt", "mesh3d_rank": str(rank if label is None else label)})

@@ -226,7 +226,10 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     static_key = held * 1000003 + opt
     rows = torch.stack([dom, static_key[s], ckpt.signatures()], 1)
     _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
-    if ckpt.header_names_matter(_firsts(inverse, len(counts))):
+    # NOTE: one rank per checkpoint signature: ranks of one signature write parts of the same shapes (their files
+    # differ at most in the rank their headers name), so asking each class's first rank repeats the same question
+    _, by_signature = torch.unique(rows[:, 2], return_inverse=True)
+    if ckpt.header_names_matter(_firsts(by_signature, int(by_signature.max()) + 1)):
         rows = torch.stack([dom, static_key[s], ckpt.signatures(digits=True)], 1)
         _, inverse, counts = torch.unique(rows, dim=0, return_inverse=True, return_counts=True)
     firsts = _firsts(inverse, len(counts))
