@@ -13,7 +13,9 @@ from __future__ import annotations
 import ctypes
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -54,8 +56,8 @@ def _fault(action: str, key: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if action == "raise":
         raise InjectedFault("injected fault")
-    if action == "freeze":  # NOTE: libc's sleep through PyDLL keeps the GIL: no Python thread runs, the watch's neither
-        ctypes.PyDLL(None).sleep(int(GROUP_TIMEOUT_S + 6.0))
+    if action == "freeze":
+        _freeze_holding_the_gil(key, GROUP_TIMEOUT_S + 6.0)
         raise InjectedFault("woke up after the freeze")
     # A hang that outlasts the survivors' group timeout; it ends once every survivor has reported its outcome (they
     # count themselves under the key: outcome()), so the cell takes the survivors' time, not the hang's longest.
@@ -63,6 +65,42 @@ def _fault(action: str, key: str) -> None:
     while time.monotonic() < deadline and default_store().add(f"{key}/reported", 0) < dist.get_world_size() - 1:
         time.sleep(0.2)
     raise InjectedFault("woke up after the hang")
+
+
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+def _freeze_holding_the_gil(key: str, most: float) -> None:
+    """Block in native code with the GIL held until the last survivor has reported (it writes a byte to a FIFO whose
+    path is in the store under ``key/wake``: ``outcome``), or ``most`` seconds.
+
+    NOTE: libc's poll through PyDLL keeps the GIL: no Python thread of this process runs, its watch's neither. Woken
+    by the survivors rather than after a fixed sleep, a cell takes their time, not the freeze's longest."""
+    folder = tempfile.mkdtemp(prefix="mesh3d-freeze-")
+    path = os.path.join(folder, "wake")
+    os.mkfifo(path)
+    fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)  # read and write: never a FIFO without a writer (no POLLHUP)
+    try:
+        default_store().set(f"{key}/wake", path)
+        ctypes.PyDLL(None).poll(ctypes.byref(_PollFd(fd, 1, 0)), 1, int(most * 1000))  # events: POLLIN
+    finally:
+        os.close(fd)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _wake_a_frozen_victim(key: str) -> None:
+    """What the last survivor to report does: write to the FIFO a frozen victim polls (``_freeze_holding_the_gil``)."""
+    if not default_store().check([f"{key}/wake"]):
+        return
+    try:
+        fd = os.open(default_store().get(f"{key}/wake").decode(), os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        return  # the victim is no longer polling: its bound passed
+    try:
+        os.write(fd, b"x")
+    finally:
+        os.close(fd)
 
 
 class _GradTap(torch.autograd.Function):
@@ -193,7 +231,9 @@ def train_steps(net: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, st
 def outcome(rank: int, key: str, started: float, err: Exception | None) -> dict:
     """What a rank reports from a cell: its error (None: none) and the seconds from the fault (the victim wrote its
     time under ``key`` in the store) to it."""
-    default_store().add(f"{key}/reported", 1)  # a hanging victim stops hanging once every survivor has (_fault)
+    # a hanging victim stops hanging once every survivor has (_fault); a frozen one is woken by the last
+    if default_store().add(f"{key}/reported", 1) >= dist.get_world_size() - 1:
+        _wake_a_frozen_victim(key)
     if err is None:
         return {"rank": rank, "error": None, "message": "", "seconds": time.time() - started}
     faulted = float(default_store().get(key)) if default_store().check([key]) else started
