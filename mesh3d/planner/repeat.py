@@ -90,12 +90,11 @@ def shortened(model: nn.Module, fqn: str, count: int) -> nn.Module:
     stack = parent.get_submodule(name)
     assert isinstance(stack, (nn.ModuleList, nn.Sequential))
     blocks = list(stack)[:count]
-    short = type(stack)(*blocks) if isinstance(stack, nn.Sequential) else nn.ModuleList(blocks)
-    parent._modules[name] = short
+    setattr(parent, name, type(stack)(*blocks) if isinstance(stack, nn.Sequential) else nn.ModuleList(blocks))
     try:
         return copy.deepcopy(model)
     finally:
-        parent._modules[name] = stack
+        setattr(parent, name, stack)
 
 
 # ---------------------------------------------------------------------- splicing

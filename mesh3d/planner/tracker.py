@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from mesh3d.planner.meta_outputs import MetaOutputs
+from mesh3d.planner.meta_outputs import MetaOutputs, storages_of
 from mesh3d._torch_private import TorchDispatchMode, storage_key
 
 __all__ = ["ACTIVATIONS", "ADDED", "REMOVED", "SPIKE", "FSDP_BUFFERS", "GRADS", "HALO", "MemoryTracker", "Workspace"]
@@ -34,23 +34,6 @@ ADDED, REMOVED, SPIKE = 0, 1, 2
 
 #: A function giving the transient bytes a kernel needs beside its inputs and outputs (0: none).
 Workspace = Callable[[object, tuple, dict, object], int]
-
-
-def _storages(obj: object) -> list[torch.UntypedStorage]:
-    """The storages of every tensor in nested tuples, lists and dicts (an op's arguments or results).
-
-    NOTE: not ``torch.utils._pytree.tree_flatten``: this runs for every op of the simulated step, and pytree's
-    generality cost a third of a plan's time."""
-    out, stack = [], [obj]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x.untyped_storage())
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return out
 
 
 class MemoryTracker(TorchDispatchMode):
@@ -143,9 +126,9 @@ class MemoryTracker(TorchDispatchMode):
     # ------------------------------------------------------------------ the dispatch mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        inputs = {storage_key(s) for s in _storages((args, kwargs))}
+        inputs = {storage_key(s) for s in storages_of((args, kwargs))}
         out = self._outputs.call(func, args, kwargs)
-        for storage in _storages(out):
+        for storage in storages_of(out):
             if storage.device.type != "meta":
                 # NOTE: the step runs on meta tensors; a real tensor is the host's bookkeeping (a plan's cached index
                 # of rows, built on first use and kept): counted, it would depend on which step built it first
