@@ -275,7 +275,17 @@ def _as_local_plain(func):
     return rule
 
 
+def _setitem(target, key, value):
+    raise NotImplementedError(
+        "torch.Tensor.__setitem__ into or from a graph tensor (nodes or edges split by a partition): positions along "
+        "the items name different items on each rank, so a write by position would not be the one-process write. "
+        "Aggregate into node tensors with a row of the edge list (index_add_, scatter_add_, scatter_reduce); edit the "
+        "edge list itself (PyG's to_undirected and coalesce write into it) before building the graph, on the whole "
+        "edge list: graphs.Graph(to_undirected(edge_index), part); or call .full_tensor() first")
+
+
 for _funcs, _rule in (
+    ((torch.Tensor.__setitem__,), _setitem),
     ((torch.index_select, torch.Tensor.index_select), _index_select),
     ((torch.Tensor.__getitem__,), _getitem), ((torch.select, torch.Tensor.select), _select),
     ((torch.cat, torch.concat, torch.concatenate), _cat), ((torch.stack,), _stack),
