@@ -83,6 +83,10 @@ def _dispatch_grid(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
 def _dispatch_graph(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
     """An op with a graph-laid-out input (``mesh3d.domain.ops.graph``): its rule, or a refusal naming it on every rank
     (before any exchange)."""
+    if torch.compiler.is_dynamo_compiling():
+        # NOTE: graph rules check node ids against the partition and plan halos in numpy, which Dynamo cannot trace:
+        # under torch.compile each graph op is a graph break, run eagerly (docs/domain.md, "Graphs and meshes").
+        return _graph_eager(func, args, kwargs, spec)
     rule = GRAPH_RULES.get(func)
     if rule is None:
         raise NotImplementedError(
@@ -94,6 +98,11 @@ def _dispatch_graph(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any
         return rule(*args, **kwargs)
     JOURNAL.record(_op_label(func), ((spec.dim,), (spec.items.n,)))
     return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
+
+
+@torch.compiler.disable(reason="mesh3d: an op on a graph tensor runs eagerly")
+def _graph_eager(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
+    return _dispatch_graph(func, args, kwargs, spec)
 
 
 def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
