@@ -12,8 +12,8 @@ from mesh3d._torch_private.autograd import (
     checkpoint_module, disable_torch_function_subclass, linear_not_a_view, own_output, patch_checkpoint_recomputation,
     route_autograd_function_calls, run_autograd_function, run_backward_from)
 from mesh3d._torch_private.compile import (
-    autograd_inside_custom_op, keep_in_program_order, let_compiled_graphs_take_function_subclasses,
-    run_compiled_graphs_without_subclass_dispatch)
+    autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
+    let_compiled_graphs_take_function_subclasses, never_compiled_alone, run_compiled_graphs_without_subclass_dispatch)
 from mesh3d._torch_private.kernels import (
     cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_cudnn_backward, cuda_cudnn_forward,
     cuda_efficient_attention, cuda_efficient_backward, cuda_efficient_forward, cuda_flash_attention, cuda_flash_backward,
@@ -27,6 +27,7 @@ __all__ = [
     "OpOverloadPacket",
     "TorchDispatchMode",
     "autograd_inside_custom_op",
+    "call_without_compiling",
     "checkpoint_module",
     "clear_dtensor_caches",
     "cpu_flash_attention",
@@ -52,6 +53,7 @@ __all__ = [
     "keep_in_program_order",
     "let_compiled_graphs_take_function_subclasses",
     "linear_not_a_view",
+    "never_compiled_alone",
     "live_process_groups",
     "local_shape_and_global_offset",
     "op_schema",

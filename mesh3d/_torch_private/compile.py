@@ -5,16 +5,22 @@ Each function says which private name it touches and why no public API serves.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch._C._dynamo.eval_frame import set_eval_frame
+from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.output_graph import OutputGraph
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch._library.effects import EffectType
 
 __all__ = [
     "autograd_inside_custom_op",
+    "call_without_compiling",
     "keep_in_program_order",
     "let_compiled_graphs_take_function_subclasses",
+    "never_compiled_alone",
     "run_compiled_graphs_without_subclass_dispatch",
 ]
 
@@ -39,6 +45,41 @@ def keep_in_program_order(op: Any) -> None:
     type it takes, ``EffectType.ORDERED``, lives in the private ``torch._library.effects``.
     """
     op.register_effect(EffectType.ORDERED)
+
+
+def never_compiled_alone(fn: Any) -> Any:
+    """Make Dynamo run ``fn``'s frame eagerly when ``fn`` is entered from eager code (the functions it calls are treated
+    as usual); traced inside a compiled frame it is still inlined as before. Returns ``fn``.
+
+    Why private: ``DomainTensor.__torch_function__`` means something only inlined in the trace of the model code that
+    called the op. Where that trace breaks, the op is re-run eagerly, and Dynamo would compile it as a frame of its
+    own, once per call signature, until its recompile limit (a warning, and compile time for nothing).
+    ``torch.compiler.disable`` would also stop the inlining. ``torch._dynamo.eval_frame.set_code_exec_strategy`` sets
+    what the eval-frame callback does with one code object's frames without touching inlining (``torch._dynamo.skip``
+    does the same but marks the function, which stops the inlining too).
+    """
+    set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+    return fn
+
+
+def call_without_compiling(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` with Dynamo's frame evaluation off: no frame it runs is compiled, unless it calls a
+    ``torch.compile``d function (which turns it on for itself). For code that only ever runs eagerly.
+
+    Why private: ``torch.compiler.disable`` does this through a wrapper costing 0.3 us a call on this CPU (stance
+    checks, a context object); on every eager op of a domain tensor that is 3-6 % of the host path. This is its core,
+    ``torch._C._dynamo.eval_frame.set_eval_frame``: about 0.04 us. (A code strategy skipping the callees recursively,
+    as ``never_compiled_alone`` sets for one frame, left FSDP2-wrapped blocks of ``Plan(compile=...)`` never compiled:
+    tests/test_domain_compile.py.)
+    """
+    prior = set_eval_frame(None)
+    try:
+        return fn(*args)
+    finally:
+        set_eval_frame(prior)
+
+
+never_compiled_alone(call_without_compiling)  # NOTE: called from a frame Dynamo skips, it would be compiled itself
 
 
 def autograd_inside_custom_op() -> Any:

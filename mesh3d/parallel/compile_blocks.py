@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.autograd.function import BackwardCFunction
 
 from mesh3d._torch_private import disable_torch_function_subclass, view_base
 from mesh3d.domain.dispatch.compile_guards import guard_filter
@@ -64,7 +65,13 @@ def apply_compile(model: nn.Module, blocks: list[str], options: dict[str, Any]) 
     """``torch.compile`` each of ``blocks`` (FQNs; ``""`` is the model itself) in place with ``options``."""
     for fqn in blocks:
         block = model.get_submodule(fqn)
-        block.compile(**_with_guard_filter(options))
+        if type(block).__module__.startswith("torch."):
+            # NOTE: Dynamo skips torch's own frames where torch.compile enters them (nn.Module._call_impl, then
+            # Sequential.forward or Conv2d.forward), so nn.Module.compile of a torch.nn block compiles nothing
+            # (torch 2.13: no graph). Its forward compiled as a function is traced; its hooks then run eagerly.
+            block.forward = torch.compile(block.forward, **_with_guard_filter(options))
+        else:
+            block.compile(**_with_guard_filter(options))
         # NOTE: registered before FSDP's own hooks (fully_shard comes next), so it runs before FSDP's post-forward.
         block.register_forward_hook(_fresh_domain_outputs)
 
@@ -97,9 +104,22 @@ def _fresh_domain_outputs(module: nn.Module, args: Any, output: Any) -> Any:
             return t
         if base.requires_grad and _viewed_node(t) is not base.grad_fn:
             return t  # NOTE: ``_base`` is the root of a chain of views, not the graph output (below)
+        if base.requires_grad and _made_by_a_function(t):
+            return t  # NOTE: a view made by an autograd.Function after the graph (a gradient scale): its node counts
         return adopt(base, t.spec)
 
     return tree_map(fresh, output)
+
+
+def _made_by_a_function(t: DomainTensor) -> bool:
+    """Whether ``t``'s autograd node is a custom ``autograd.Function``'s, not an alias node.
+
+    NOTE: a tensor-parallel output hook runs before this one and may hand over ``x.view_as(x)`` from a gradient-scaling
+    Function applied to the graph's output: a view of that output whose own node is the Function's. Taking the base
+    then dropped the 1/D scale (a ViT's head under TP x domain trained with gradients 2x and 4x one process's,
+    tests/test_domain_compile.py), once torch.nn blocks were compiled at all."""
+    with disable_torch_function_subclass():
+        return isinstance(t.grad_fn, BackwardCFunction)
 
 
 def _viewed_node(t: DomainTensor) -> Any:

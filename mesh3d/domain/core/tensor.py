@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import disable_torch_function_subclass, run_backward_from, view_base
+from mesh3d._torch_private import (
+    call_without_compiling, disable_torch_function_subclass, never_compiled_alone, run_backward_from, view_base)
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout, sharded_dims
 
 __all__ = ["DomainTensor", "adopt", "detach_in_place", "global_shape_of", "local_shape", "size_of", "unwrap", "wrap"]
@@ -239,9 +240,21 @@ class DomainTensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # NOTE: traced, every call takes the dispatcher (torch 2.11's Dynamo cannot hash a method-wrapper key)
         if not torch.compiler.is_dynamo_compiling():
-            short = cls._short.get(func)
-            if short is not None:
-                out = short(func, args, kwargs)
-                if out is not NotImplemented:
-                    return out
+            # NOTE: eager code never compiles a frame of its own: an op re-run where a compiled trace broke (at an op
+            # on a graph tensor, say) would compile the short path, the dispatcher and the rules as frames, once per
+            # op signature, up to Dynamo's recompile limit, for nothing
+            return call_without_compiling(_eager_torch_function, cls, func, types, args, kwargs)
         return cls._dispatcher(func, types, args, kwargs or {})
+
+
+def _eager_torch_function(cls: type[DomainTensor], func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
+    short = cls._short.get(func)
+    if short is not None:
+        out = short(func, args, kwargs)
+        if out is not NotImplemented:
+            return out
+    return cls._dispatcher(func, types, args, kwargs or {})
+
+
+# NOTE: the same for this frame, entered from eager code (traced, it is inlined as before)
+never_compiled_alone(DomainTensor.__torch_function__)
