@@ -203,6 +203,13 @@ def _tile(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
+def _member_range(text: str) -> tuple[int, int]:
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts) or int(parts[0]) >= int(parts[1]):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a member range: give START:STOP with START < STOP, e.g. 0:10")
+    return int(parts[0]), int(parts[1])
+
+
 def add_forecast_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODULE:FACTORY", type=SPEC, help="a function returning the model "
                    "(package.module:name or file.py:name)")
@@ -213,6 +220,9 @@ def add_forecast_arguments(p: argparse.ArgumentParser) -> None:
                    "comma-separated")
     p.add_argument("--leads", required=True, type=int, help="lead times to forecast (model steps)")
     p.add_argument("--members", type=int, default=1, help="ensemble members per init time (default 1)")
+    p.add_argument("--member-range", type=_member_range, default=None, metavar="START:STOP",
+                   help="run members START..STOP-1 of the --members only: jobs of disjoint ranges write one store, "
+                        "equal to one job's (default: all)")
     p.add_argument("--seed", type=int, default=0, help="the ensemble's seed (a member depends on it, never on the mesh)")
     p.add_argument("--perturb", default=None, help="initial perturbation: a Gaussian scale in normalized units, one per "
                    "channel, or a function module:name taking (x, noise)")

@@ -34,7 +34,7 @@ from mesh3d.manager import DistributedManager
 from mesh3d.weather.ensemble import MemberKey, MemberNoise, Perturbation, perturb_initial
 from mesh3d.weather.inputs import ForecastInputs, variable_pairs
 from mesh3d.weather.layout import FieldBlocks, block_of, default_tile
-from mesh3d.weather.store import ForecastStore, StoreSpec, create_store, hours, read_spec
+from mesh3d.weather.store import MOVABLE, ForecastStore, StoreSpec, create_store, hours, read_spec
 
 __all__ = ["ForecastProgress", "ForecastResult", "forecast_ensemble"]
 
@@ -115,7 +115,8 @@ def _model_dtype(model: nn.Module) -> torch.dtype:
 def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: Any,
                       variables: Sequence[str] | Mapping[str, Sequence[Any] | None], out: str, *,
                       init_times: Sequence[Any], leads: int, lead: Any = 1, stats: Any = None, members: int = 1,
-                      seed: int = 0, perturbation: Perturbation = None, model_noise: bool = False, batch_size: int = 1,
+                      seed: int = 0, member_range: tuple[int, int] | None = None,
+                      perturbation: Perturbation = None, model_noise: bool = False, batch_size: int = 1,
                       tile: tuple[int, int] | None = None, store_dtype: Any = None, compress: bool = True,
                       restart_every: int = 1,
                       progress: bool | Callable[[ForecastProgress], None] | None = True,
@@ -132,6 +133,9 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
         init_times: datetimes, or indices into the dataset's times.
         members, seed, perturbation: the ensemble: member ``m`` of init ``t`` draws from ``MemberKey(seed, m, t)``;
             ``perturbation`` is a Gaussian scale (or one per channel) or a function ``f(x, noise)`` (mesh3d.weather.ensemble).
+        member_range: ``(start, stop)``: this job runs members ``start..stop-1`` of the ``members`` of the store (default
+            all), so separate jobs write disjoint members of one campaign into one store (each member depends on its
+            seed only: the store equals one job's). The last job to complete the store finishes it.
         model_noise: the model draws its own noise from ``noise.normal(...)`` (and torch's generator is seeded per
             member and lead: draws from it are the same on every mesh only with ``batch_size=1``).
         tile: the store's (lat, lon) chunk tile (default: 8 x 8 tiles of the globe); the domain split follows it.
@@ -145,6 +149,10 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
     dm = DistributedManager() if DistributedManager.is_initialized() else None
     if not isinstance(leads, int) or leads < 1 or not isinstance(members, int) or members < 1 or batch_size < 1:
         raise ValueError(f"leads={leads!r}, members={members!r} and batch_size={batch_size!r} must be ints >= 1")
+    start, stop = (0, members) if member_range is None else (int(member_range[0]), int(member_range[1]))
+    if not 0 <= start < stop <= members:
+        raise ValueError(f"member_range={member_range!r} must be (start, stop) with 0 <= start < stop <= members "
+                         f"({members}): the members of the campaign this job runs")
     if restart_every < 0:
         raise ValueError(f"restart_every={restart_every} must be >= 0 (0: keep no state; a resume recomputes)")
     state_dtype = _model_dtype(model) if isinstance(model, nn.Module) else torch.get_default_dtype()
@@ -161,7 +169,8 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
     store = _open_or_create(out, spec, dm)
     batch_rank, batch_ranks = (dm.axis_rank("batch"), dm.axis_size("batch")) if dm is not None else (0, 1)
     coords = dm.coordinates if dm is not None else {"model": 0, "domain": 0}
-    result = ForecastResult(out, _share(spec.samples, batch_ranks, batch_rank))
+    mine = [s for s in range(spec.samples) if start <= s % members < stop]   # NOTE: sample = init * members + member
+    result = ForecastResult(out, [mine[j] for j in _share(len(mine), batch_ranks, batch_rank)])
     runner = _Runner(model, inputs, store, spec, result, blocks, model_noise, perturbation, seed, restart_every,
                      writes=coords["model"] == 0, leads_rank=coords["model"] == 0 and coords["domain"] == 0, dm=dm,
                      progress=_print_rank0 if progress is True else (progress or None), state_dtype=state_dtype)
@@ -171,8 +180,8 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
             runner.run(samples, number, len(batches))
     if dm is not None and dm.world_size > 1:
         dist.barrier(group=dm.world_mesh.get_group())
-    if dm is None or dm.rank == 0:
-        store.finish()
+    if (dm is None or dm.rank == 0) and store.leads_done(list(range(spec.samples))).min() >= spec.leads:
+        store.finish()   # NOTE: every member of every init written (by this job, or with the other jobs' members)
     if dm is not None and dm.world_size > 1:
         dist.barrier(group=dm.world_mesh.get_group())
     result.written, result.state_writes, result.bytes_written = store.writes, store.state_writes, store.bytes_written
@@ -205,8 +214,22 @@ def _run_record(model: Any, run: Mapping[str, Any] | None, seed: int, perturbati
     record.update(weights=_fingerprint(model), seed=int(seed), perturbation=described, model_noise=bool(model_noise),
                   stats=None if inputs.stats is None else inputs.stats.to_dict(), variables=chosen,
                   names=dict(names) if names else None,
-                  source=os.path.abspath(inputs.data.path) if inputs.data.path else None)   # None: an xarray.Dataset
+                  source=os.path.abspath(inputs.data.path) if inputs.data.path else None,   # None: an xarray.Dataset
+                  source_digest=_dataset_digest(inputs))
     return json.loads(json.dumps(record))  # as the store will give it back (tuples as lists)
+
+
+def _dataset_digest(inputs: ForecastInputs) -> str:
+    """A hash of the dataset's coordinates and channels (grid, every time, names, levels, units): a store continues
+    from a dataset that moved only if it still describes the same fields. Values are not read (that would read the
+    whole dataset); a dataset rewritten with other values on the same coordinates is not told apart."""
+    digest = hashlib.sha256()
+    for values in (inputs.lat, inputs.lon, inputs.times.astype("datetime64[ns]").astype(np.int64)):
+        array = np.ascontiguousarray(np.asarray(values))
+        digest.update(f"{array.dtype} {array.shape}".encode())
+        digest.update(array.tobytes())
+    digest.update(json.dumps([[c.name, c.variable, c.level, c.units] for c in inputs.channels]).encode())
+    return digest.hexdigest()[:24]
 
 
 def _open_or_create(out: str, spec: StoreSpec, dm: DistributedManager | None) -> ForecastStore:
@@ -215,11 +238,18 @@ def _open_or_create(out: str, spec: StoreSpec, dm: DistributedManager | None) ->
         create_store(out, spec)
     if dm is not None and dm.world_size > 1:
         dist.barrier(group=dm.world_mesh.get_group())
-    differences = spec.differences(read_spec(out))  # every rank reads the same metadata: all raise, or none
+    recorded = read_spec(out)
+    differences = spec.differences(recorded)  # every rank reads the same metadata: all raise, or none
     if differences:
         raise ValueError(f"{out} holds another forecast ({'; '.join(differences)}): continue it with the same settings, "
                          "or write to a new path (or remove it)")
-    return ForecastStore(out)
+    store = ForecastStore(out)
+    moved = [key for key in MOVABLE if spec.run.get(key) != recorded.run.get(key)]
+    if moved and (dm is None or dm.rank == 0):
+        store.move_inputs(spec.run)   # NOTE: the same content found elsewhere (checked above): record where it is now
+    if moved and dm is not None and dm.world_size > 1:
+        dist.barrier(group=dm.world_mesh.get_group())
+    return store
 
 
 class _Runner:

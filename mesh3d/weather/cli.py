@@ -72,7 +72,8 @@ def run_forecast_command(args: argparse.Namespace) -> int:
             args.model, args.checkpoint, args.dataset, args.out, init_times=args.init, leads=args.leads,
             members=args.members, variables=parse_channels(args.channels) if args.channels else None,
             stats=_load_stats(args.stats), lead=lead, plan=args.plan, dtype=dtype, scores=args.scores,
-            seed=args.seed, perturbation=_perturbation(args.perturb), model_noise=args.model_noise,
+            seed=args.seed, member_range=args.member_range, perturbation=_perturbation(args.perturb),
+            model_noise=args.model_noise,
             batch_size=args.batch_size, tile=args.tile, store_dtype=args.store_dtype, compress=not args.no_compress,
             restart_every=args.restart_every,
             **quiet)
@@ -92,6 +93,9 @@ def run_forecast_command(args: argparse.Namespace) -> int:
               f"steps recomputed", flush=True)
         if table is not None:
             print(table.format(), flush=True)
+        elif args.scores:
+            print(f"forecast: {args.out} still lacks members of other jobs (--member-range): not scored; the job that "
+                  "completes it scores it (or run mesh3d score)", flush=True)
     DistributedManager.shutdown()
     return 0
 

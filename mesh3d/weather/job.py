@@ -37,6 +37,7 @@ from mesh3d.weather.campaign import ForecastResult, forecast_ensemble
 from mesh3d.weather.figures import score_figure
 from mesh3d.weather.inputs import variable_pairs
 from mesh3d.weather.scores import ScoreTable, score_forecast
+from mesh3d.weather.store import ForecastStore
 
 __all__ = ["load_forecast_model", "run_forecast", "weather_settings"]
 
@@ -108,6 +109,8 @@ def run_forecast(model: str | Callable[[], nn.Module], checkpoint: str | os.Path
     result = forecast_ensemble(net, source, variables, out, init_times=init_times, leads=leads, lead=lead, stats=stats,
                                members=members, names=names, run=run, **options)
     if scores is None:
+        return result, None
+    if not ForecastStore(out).complete:   # NOTE: a job of some members only; the job that completes the store scores it
         return result, None
     table = score_forecast(out)
     if not DistributedManager.is_initialized() or DistributedManager().rank == 0:

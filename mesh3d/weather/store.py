@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +38,11 @@ DIMS = ("init_time", "lead_time", "member", "channel", "latitude", "longitude")
 #: Restart slots per sample: the one being written is never the latest recorded nor the one being recorded.
 SLOTS = 3
 RUN_ATTR = "mesh3d_forecast"
+#: Run record entries that are where the inputs lie, not what they hold: a checkpoint or dataset moved elsewhere may
+#: continue a store, their content checked instead ("weights": the model's weights; "source_digest": the dataset's).
+MOVABLE = ("checkpoint", "source")
+#: Compared only where both records hold it (a store written before it was recorded).
+COMPARED_WHEN_BOTH = ("source_digest",)
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,8 @@ class StoreSpec:
                 np.array_equal(self.lat, other.lat) and np.array_equal(self.lon, other.lon)):
             out.append(f"grid: {self.lat.size} x {self.lon.size} vs {other.lat.size} x {other.lon.size} (or other values)")
         for key in sorted(set(self.run) | set(other.run)):
+            if key in MOVABLE or (key in COMPARED_WHEN_BOTH and (key not in self.run or key not in other.run)):
+                continue
             if self.run.get(key) != other.run.get(key):
                 out.append(f"{key}: {self.run.get(key)!r} vs {other.run.get(key)!r}")
         return out
@@ -124,7 +132,8 @@ def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
     import zarr  # noqa: PLC0415 (optional: the weather extra)
 
     path = os.fspath(path)
-    building = f"{path}.creating"
+    # NOTE: one building folder per process: jobs writing members of one campaign may create the store at once
+    building = f"{path}.creating-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
     text = lambda values: np.array(values, dtype=np.dtypes.StringDType())
     inits = np.array(spec.init_times, dtype="datetime64[ns]")
@@ -159,7 +168,12 @@ def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
     restart.create_array("state", shape=(n, SLOTS, c, h, w), chunks=(1, 1, c, *spec.tile), dtype=spec.state_dtype,
                          fill_value=float("nan"))
     _consolidate(building)
-    os.replace(building, path)
+    try:
+        os.replace(building, path)
+    except OSError:
+        if not os.path.isdir(path):
+            raise
+        shutil.rmtree(building, ignore_errors=True)   # another job created it first: the caller checks it is this run's
 
 
 def _consolidate(path: str) -> None:
@@ -246,9 +260,17 @@ class ForecastStore:
             self._restart["state_lead"].set_coordinate_selection((kept, [slots[s] for s in kept]), lead)
         self._restart["leads_done"].set_coordinate_selection((sorted(samples),), lead)
 
+    def move_inputs(self, run: dict[str, Any]) -> None:
+        """(One rank) record where the inputs lie now (``MOVABLE`` entries of ``run``), after a resume that found them
+        elsewhere with the same content: scoring then reads the dataset where it is."""
+        recorded = json.loads(self._root.attrs.get(RUN_ATTR, "{}"))
+        recorded.update({key: run[key] for key in MOVABLE if key in run})
+        self._root.attrs[RUN_ATTR] = json.dumps(recorded, sort_keys=True)
+        _consolidate(self.path)
+
     def finish(self) -> None:
         """(One rank, after every rank finished) drop the restart record and consolidate the metadata."""
         if self._restart is not None:
-            shutil.rmtree(os.path.join(self.path, "restart"))
+            shutil.rmtree(os.path.join(self.path, "restart"), ignore_errors=True)   # NOTE: two last jobs may end at once
             self._restart, self.complete = None, True
         _consolidate(self.path)
