@@ -252,6 +252,9 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("store", help="a forecast store written by mesh3d forecast")
     p.add_argument("--out", required=True, metavar="DIR", help="where scores.csv, scores.json and scores.png go")
     p.add_argument("--dataset", default=None, help="the truth (default: the dataset the forecast read)")
+    p.add_argument("--climatology", default=None, metavar="PATH", help="ACC's climatology: a zarr store or NetCDF file "
+                   "with one variable per channel (z500, t2m, ...), each a field on the forecast's grid or one value "
+                   "(default: the normalization means)")
     for axis, default in (("batch", "-1"), ("domain", "1")):
         p.add_argument(f"--{axis}", dest=f"{axis}_axis", default=default, type=AXIS,
                        help=f"{axis} axis size (default {default})")

@@ -11,6 +11,7 @@ Usage::
     forecast_ensemble(model, "era5.zarr", variables, "ens.zarr", init_times=[40], leads=10, members=8, stats=stats)
     run_forecast("pkg.mod:make", "ckpt", "era5.zarr", "ens.zarr", init_times=[40], leads=10, scores="scores/")
     score_forecast("ens.zarr").format()                 # RMSE, fair CRPS, spread/skill, ACC per channel and lead
+    score_forecast("ens.zarr", climatology=open_climatology("clim.nc"))   # ACC against a climatology per channel
 
 See docs/weather.md.
 """
@@ -19,6 +20,7 @@ import importlib
 from typing import Any
 
 from mesh3d.weather.campaign import ForecastProgress, ForecastResult, forecast_ensemble
+from mesh3d.weather.climatology import open_climatology
 from mesh3d.weather.ensemble import MemberKey, MemberNoise, perturb_initial
 from mesh3d.weather.inputs import weather_extra
 from mesh3d.weather.grid import LatLonGrid, SphereConv2d, lat_weights, sphere_pad
@@ -29,7 +31,7 @@ from mesh3d.weather.writer import ForecastWriter
 
 __all__ = ["ForecastProgress", "ForecastResult", "ForecastWriter", "LatLonGrid", "MemberKey", "MemberNoise", "ScoreTable",
            "SphereConv2d", "acc", "forecast", "forecast_ensemble", "lat_weights", "load_forecast_model",
-           "perturb_initial", "rmse", "rollout", "rollout_loss", "run_forecast", "score_forecast", "sphere_pad",
+           "open_climatology", "perturb_initial", "rmse", "rollout", "rollout_loss", "run_forecast", "score_forecast", "sphere_pad",
            "weather_extra", "weighted_mse"]
 
 #: Loaded on first use (they import the checkpointer and the planner): ``from mesh3d.weather import run_forecast``.

@@ -27,6 +27,7 @@ from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import parse_grid
 from mesh3d.planner.spec import load_spec
 from mesh3d.weather.job import run_forecast, write_scores
+from mesh3d.weather.climatology import open_climatology
 from mesh3d.weather.scores import score_forecast
 
 __all__ = ["parse_channels", "run_forecast_command", "run_score_command"]
@@ -60,6 +61,12 @@ def _load_stats(path: str | None) -> Any:
         return ChannelStats.from_dict(json.load(f)).to_dict()
 
 
+def _shut_down() -> None:
+    """The mesh gone after a refusal too (the command may run inside a process that goes on: mesh3d.cli.main)."""
+    if DistributedManager.is_initialized():
+        DistributedManager.shutdown()
+
+
 def run_forecast_command(args: argparse.Namespace) -> int:
     """Initialize the mesh, forecast (and score), print a summary on rank 0, shut down."""
     try:
@@ -79,6 +86,7 @@ def run_forecast_command(args: argparse.Namespace) -> int:
             **quiet)
     except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as err:
         print(f"mesh3d forecast: {err}", file=sys.stderr)
+        _shut_down()
         return 2
     # NOTE: a batch rank's domain and model ranks all count its samples' skipped and recomputed leads: one of them says.
     leader = dm.coordinates["domain"] == 0 and dm.coordinates["model"] == 0
@@ -103,9 +111,11 @@ def run_forecast_command(args: argparse.Namespace) -> int:
 def run_score_command(args: argparse.Namespace) -> int:
     try:
         dm = DistributedManager.initialize(batch=int(args.batch_axis), domain=parse_grid(args.domain_axis), model=1)
-        table = score_forecast(args.store, args.dataset)
+        clim = open_climatology(args.climatology) if args.climatology else None
+        table = score_forecast(args.store, args.dataset, climatology=clim)
     except (ValueError, FileNotFoundError) as err:
         print(f"mesh3d score: {err}", file=sys.stderr)
+        _shut_down()
         return 2
     if dm.rank == 0:
         write_scores(table, args.out)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from mesh3d.manager import DistributedManager
+from mesh3d.weather.climatology import check_climatology, climatology_block
 from mesh3d.weather.grid import lat_weights
 from mesh3d.weather.inputs import ForecastInputs
 from mesh3d.weather.layout import FieldBlocks
@@ -139,9 +140,12 @@ def _climatology(climatology: Any, inputs: ForecastInputs, blocks: FieldBlocks, 
     (r0, r1), (c0, c1) = blocks.rows, blocks.cols
     if climatology is None:
         if inputs.stats is None:
-            raise ValueError("score_forecast: ACC needs a climatology: pass climatology= (C,), (C, H, W) or a DataArray "
-                             "(channel, latitude, longitude), or stats= whose means serve as one")
+            raise ValueError("score_forecast: ACC needs a climatology: pass climatology= (C,), (C, H, W), a DataArray "
+                             "(channel, latitude, longitude) or {channel: field} (open_climatology), or stats= whose "
+                             "means serve as one")
         return np.asarray(inputs.stats.mean, dtype=np.float64).reshape(-1, 1, 1)
+    if isinstance(climatology, Mapping):                                  # one field per channel (open_climatology)
+        return climatology_block(climatology, [c.name for c in inputs.channels], blocks.rows, blocks.cols)
     if hasattr(climatology, "isel"):                                      # an xarray.DataArray: read this block only
         lat, lon = (d for d in climatology.dims if d != "channel")
         return np.asarray(climatology.isel({lat: slice(r0, r1), lon: slice(c0, c1)}).values, dtype=np.float64)
@@ -181,6 +185,8 @@ def score_forecast(store: str | os.PathLike, source: Any = None,
     if [c.name for c in inputs.channels] != [c.name for c in spec.channels]:
         raise ValueError(f"score_forecast: the dataset's channels {[c.name for c in inputs.channels]} are not the "
                          f"store's {[c.name for c in spec.channels]}")
+    if isinstance(climatology, Mapping):   # NOTE: on every rank, before the all-reduce: all raise, or none
+        check_climatology(climatology, [ch.name for ch in spec.channels], spec.lat, spec.lon)
     dm = DistributedManager() if DistributedManager.is_initialized() else None
     coords = dm.coordinates if dm is not None else {"model": 0, "batch": 0}
     batch_ranks = dm.axis_size("batch") if dm is not None else 1
