@@ -64,6 +64,10 @@ def _score_body(store, path, bad):
             score_forecast(store, climatology=open_climatology(other))
         except ValueError as err:
             refused.append(str(err))
+    try:                                                                  # an array of the wrong grid, every rank
+        score_forecast(store, climatology=np.zeros((3, 4, 4)))
+    except ValueError as err:
+        refused.append(str(err))
     return acc, refused
 
 
@@ -85,6 +89,7 @@ def test_acc_against_a_climatology_file_equals_numpy_and_bad_ones_are_refused(ra
         np.testing.assert_allclose(acc, want, rtol=TOL)                   # from 2x2 blocks, each reading its block
         assert "lacks channels ['t2m']" in refused[0] and "has shape" in refused[1], refused
         assert "latitudes" in refused[2] and "in its order" in refused[2], refused
+        assert "must be (C,) or (C, H, W) = (3," in refused[3], refused
 
     out = tmp_path / "scores"
     assert main(["score", store, "--out", str(out), "--climatology", path]) == 0

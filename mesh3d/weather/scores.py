@@ -185,8 +185,14 @@ def score_forecast(store: str | os.PathLike, source: Any = None,
     if [c.name for c in inputs.channels] != [c.name for c in spec.channels]:
         raise ValueError(f"score_forecast: the dataset's channels {[c.name for c in inputs.channels]} are not the "
                          f"store's {[c.name for c in spec.channels]}")
-    if isinstance(climatology, Mapping):   # NOTE: on every rank, before the all-reduce: all raise, or none
+    # NOTE: on every rank, before the all-reduce (a rank without a block never reads it): all raise, or none
+    if isinstance(climatology, Mapping):
         check_climatology(climatology, [ch.name for ch in spec.channels], spec.lat, spec.lon)
+    elif climatology is not None and not hasattr(climatology, "isel"):
+        whole = (len(spec.channels), spec.lat.size, spec.lon.size)
+        if np.shape(climatology) not in (whole[:1], whole):
+            raise ValueError(f"score_forecast: climatology= must be (C,) or (C, H, W) = {whole}, got "
+                             f"{np.shape(climatology)}")
     dm = DistributedManager() if DistributedManager.is_initialized() else None
     coords = dm.coordinates if dm is not None else {"model": 0, "batch": 0}
     batch_ranks = dm.axis_size("batch") if dm is not None else 1
