@@ -157,3 +157,52 @@ def test_forecast_maps_are_labelled_with_units_init_time_model_and_the_errors_rm
     plain = forecast_maps(fc, truth, lat=lat, lon=lon, channel="t2m", units="K", init="2020-01-14T06", model="SFNO",
                           lead_hours=[6, 48])
     assert not any(a.collections for a in plain.axes if a.get_label() != "<colorbar>")   # no contours for temperature
+
+
+def _failing_rank_body(store, case, out):
+    import torch.distributed as dist
+
+    import mesh3d.weather.campaign as campaign
+    from mesh3d import DistributedManager
+    from mesh3d.checkpoint import CheckpointError
+    from mesh3d.weather import forecast_ensemble, score_forecast
+    from mesh3d.weather.inputs import ForecastInputs
+
+    DistributedManager.initialize(batch=1, domain=(2, 2), model=1)
+    rank, errors = dist.get_rank(), []
+    real_raw, real_create = ForecastInputs.raw, campaign.create_store
+
+    def raw(self, when):
+        if rank == 2:
+            raise OSError("the truth's chunk cannot be read")
+        return real_raw(self, when)
+
+    def create(path, spec):
+        raise OSError("no space left on device")
+
+    ForecastInputs.raw, campaign.create_store = raw, create
+    try:
+        for run in (lambda: score_forecast(store),
+                    lambda: forecast_ensemble(fh.killing_model().net, case["store"], case["variables"], out,
+                                              init_times=[1], leads=1, stats=case["stats"], tile=(2, 5), progress=None)):
+            try:
+                run()
+                errors.append(None)
+            except CheckpointError as err:
+                errors.append(str(err))
+    finally:
+        ForecastInputs.raw, campaign.create_store = real_raw, real_create
+    return errors
+
+
+def test_a_rank_failing_to_score_or_to_create_the_store_fails_every_rank_at_once(ranks, tmp_path):
+    """A rank that cannot read its block of the truth, or rank 0 failing to create the store, tells every rank:
+    all raise the same error naming the rank and its cause, instead of waiting in a collective for the timeout."""
+    case = fh.sphere_checkpoint(str(tmp_path))
+    store = str(tmp_path / "fc.zarr")
+    _forecast(case, store, members=2)
+    for score_error, create_error in ranks.run(4, _failing_rank_body, store, case, str(tmp_path / "new.zarr"),
+                                               timeout=60):
+        assert "score_forecast: the sums of this rank's blocks failed on 1 of 4 ranks" in score_error, score_error
+        assert "rank 2: OSError: the truth's chunk cannot be read" in score_error, score_error
+        assert "forecast: create the store" in create_error and "rank 0: OSError: no space left" in create_error

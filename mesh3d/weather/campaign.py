@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mesh3d.checkpoint.comm import collective_step
 from mesh3d.manager import DistributedManager
 from mesh3d.weather.ensemble import MemberKey, MemberNoise, Perturbation, perturb_initial
 from mesh3d.weather.inputs import ForecastInputs, variable_pairs
@@ -234,10 +235,16 @@ def _dataset_digest(inputs: ForecastInputs) -> str:
 
 def _open_or_create(out: str, spec: StoreSpec, dm: DistributedManager | None) -> ForecastStore:
     """Global rank 0 creates the store if it does not exist; then every rank checks it belongs to this run and opens it."""
-    if (dm is None or dm.rank == 0) and not os.path.exists(out):
-        create_store(out, spec)
+    def create() -> None:
+        if (dm is None or dm.rank == 0) and not os.path.exists(out):
+            create_store(out, spec)
+
     if dm is not None and dm.world_size > 1:
-        dist.barrier(group=dm.world_mesh.get_group())
+        # NOTE: rank 0 failing to create it (a full disk, no permission) tells every rank, which all raise its error,
+        # instead of leaving them in a barrier until the group's timeout
+        collective_step(f"forecast: create the store {out}", create, group=dm.world_mesh.get_group())
+    else:
+        create()
     recorded = read_spec(out)
     differences = spec.differences(recorded)  # every rank reads the same metadata: all raise, or none
     if differences:

@@ -113,7 +113,7 @@ def run_score_command(args: argparse.Namespace) -> int:
         dm = DistributedManager.initialize(batch=int(args.batch_axis), domain=parse_grid(args.domain_axis), model=1)
         clim = open_climatology(args.climatology) if args.climatology else None
         table = score_forecast(args.store, args.dataset, climatology=clim)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, CheckpointError) as err:   # CheckpointError: a rank's failure, agreed
         print(f"mesh3d score: {err}", file=sys.stderr)
         _shut_down()
         return 2

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from mesh3d.checkpoint.comm import collective_step
 from mesh3d.manager import DistributedManager
 from mesh3d.weather.climatology import check_climatology, climatology_block
 from mesh3d.weather.grid import lat_weights
@@ -199,7 +200,9 @@ def score_forecast(store: str | os.PathLike, source: Any = None,
     n_init, n_lead, m, c = len(spec.init_times), spec.leads, spec.members, len(spec.channels)
     sums = np.zeros((n_init, n_lead, len(SUMS), c))
     (r0, r1), (c0, c1) = blocks.rows, blocks.cols
-    if coords["model"] == 0 and r1 > r0 and c1 > c0:
+    def local_sums() -> None:
+        if coords["model"] != 0 or r1 <= r0 or c1 <= c0:
+            return
         forecast = zarr.open_array(path, path="forecast", mode="r")
         weights = lat_weights(spec.lat).numpy()[r0:r1]
         clim = _climatology(climatology, inputs, blocks, c)
@@ -210,6 +213,14 @@ def score_forecast(store: str | os.PathLike, source: Any = None,
                 continue
             block = np.asarray(forecast[i, k, :, :, r0:r1, c0:c1], dtype=np.float64)
             sums[i, k] = block_sums(block, truth, weights, clim)
+
+    if dm is not None and dm.world_size > 1:
+        # NOTE: a rank failing to read its blocks tells every rank, which all raise the same error, instead of
+        # leaving them in the all-reduce until the group's timeout
+        collective_step("score_forecast: the sums of this rank's blocks", local_sums,
+                        group=dm.world_mesh.get_group())
+    else:
+        local_sums()
     if dm is not None and dm.world_size > 1:
         total = torch.from_numpy(sums)
         dist.all_reduce(total, group=dm.world_mesh.get_group())   # NOTE: a few sums per (init, lead, channel), no field
