@@ -1,6 +1,7 @@
 """A forecast store continued from inputs that moved (issue 68, item 6): a checkpoint and a dataset found at new paths
 with the same content continue the store (nothing rewritten) and the store records where they are now, so scoring
-reads the dataset there; other weights or a dataset of other times or channels are refused, naming what differs."""
+reads the dataset there, and so does a dataset that grew (times appended); other weights or a dataset of other times
+or channels are refused, naming what differs."""
 
 from __future__ import annotations
 
@@ -41,6 +42,12 @@ def test_moved_inputs_continue_the_store_and_other_content_is_refused(tmp_path):
     np.testing.assert_array_equal(xr.open_zarr(out)["forecast"].values, before)
     assert np.isfinite(score_forecast(out).rmse).all()                    # the truth read where it lies now
 
+    grown = str(moved / "grown.zarr")                                     # new times appended since: continues too
+    ds = xr.open_zarr(data, consolidated=False)
+    later = ds.assign_coords(time=ds["time"].values + ds.sizes["time"] * (ds["time"].values[1] - ds["time"].values[0]))
+    xr.concat([ds, later], dim="time").to_zarr(grown, mode="w", consolidated=False, zarr_format=3)
+    assert run_forecast(model, ckpt, grown, out, **RUN)[0].skipped == 4 * 3
+
     other = str(moved / "other")                                          # other weights at the recorded path's name
     net = fh.killing_model()
     with torch.no_grad():
@@ -51,7 +58,6 @@ def test_moved_inputs_continue_the_store_and_other_content_is_refused(tmp_path):
         run_forecast(model, other, data, out, **RUN)
 
     shifted = str(moved / "shifted.zarr")                                 # the same grid, other times
-    ds = xr.open_zarr(data, consolidated=False)
     ds.assign_coords(time=ds["time"].values + np.timedelta64(1, "D")).to_zarr(shifted, mode="w", consolidated=False,
                                                                             zarr_format=3)
     with pytest.raises(ValueError, match="holds another forecast .*source_digest"):

@@ -31,8 +31,8 @@ from mesh3d.weather.writer import ForecastWriter
 
 __all__ = ["ForecastProgress", "ForecastResult", "ForecastWriter", "LatLonGrid", "MemberKey", "MemberNoise", "ScoreTable",
            "SphereConv2d", "acc", "forecast", "forecast_ensemble", "lat_weights", "load_forecast_model",
-           "open_climatology", "perturb_initial", "rmse", "rollout", "rollout_loss", "run_forecast", "score_forecast", "sphere_pad",
-           "weather_extra", "weighted_mse"]
+           "open_climatology", "perturb_initial", "rmse", "rollout", "rollout_loss", "run_forecast", "score_forecast",
+           "sphere_pad", "weather_extra", "weighted_mse"]
 
 #: Loaded on first use (they import the checkpointer and the planner): ``from mesh3d.weather import run_forecast``.
 _LAZY = {"run_forecast": "mesh3d.weather.job", "load_forecast_model": "mesh3d.weather.job"}

@@ -163,9 +163,11 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
     blocks = FieldBlocks.for_mesh(shape, tile)
     inputs = ForecastInputs(source, variables, lead=lead, stats=probe.stats, blocks=blocks, names=names) \
         if blocks.split else probe
-    spec = StoreSpec(inputs.init_times(init_times), inputs.lead, leads, members, inputs.channels, inputs.lat, inputs.lon,
+    inits = inputs.init_times(init_times)
+    window = (min(inits), max(inits) + leads * inputs.lead)   # the times this campaign reads and is scored on
+    spec = StoreSpec(inits, inputs.lead, leads, members, inputs.channels, inputs.lat, inputs.lon,
                      tile, str(store_dtype or _numpy_name(state_dtype)).removeprefix("torch."), _numpy_name(state_dtype),
-                     _run_record(model, run, seed, perturbation, model_noise, inputs, variables, names),
+                     _run_record(model, run, seed, perturbation, model_noise, inputs, variables, names, window),
                      compress=compress)
     store = _open_or_create(out, spec, dm)
     batch_rank, batch_ranks = (dm.axis_rank("batch"), dm.axis_size("batch")) if dm is not None else (0, 1)
@@ -204,7 +206,8 @@ def _fingerprint(model: Any) -> str | None:
 
 
 def _run_record(model: Any, run: Mapping[str, Any] | None, seed: int, perturbation: Perturbation, model_noise: bool,
-                inputs: ForecastInputs, variables: Any, names: Mapping[str, str] | None) -> dict[str, Any]:
+                inputs: ForecastInputs, variables: Any, names: Mapping[str, str] | None,
+                window: tuple[np.datetime64, np.datetime64]) -> dict[str, Any]:
     record = dict(run or {})
     chosen = [list(pair) for pair in variable_pairs(variables)]  # NOTE: pairs: the store's JSON keeps their order
     if callable(perturbation):
@@ -216,16 +219,19 @@ def _run_record(model: Any, run: Mapping[str, Any] | None, seed: int, perturbati
                   stats=None if inputs.stats is None else inputs.stats.to_dict(), variables=chosen,
                   names=dict(names) if names else None,
                   source=os.path.abspath(inputs.data.path) if inputs.data.path else None,   # None: an xarray.Dataset
-                  source_digest=_dataset_digest(inputs))
+                  source_digest=_dataset_digest(inputs, window))
     return json.loads(json.dumps(record))  # as the store will give it back (tuples as lists)
 
 
-def _dataset_digest(inputs: ForecastInputs) -> str:
-    """A hash of the dataset's coordinates and channels (grid, every time, names, levels, units): a store continues
-    from a dataset that moved only if it still describes the same fields. Values are not read (that would read the
-    whole dataset); a dataset rewritten with other values on the same coordinates is not told apart."""
+def _dataset_digest(inputs: ForecastInputs, window: tuple[np.datetime64, np.datetime64]) -> str:
+    """A hash of the dataset's grid, its times within ``window`` (those the campaign reads or is scored on) and its
+    channels (names, levels, units): a store continues from a dataset that moved only if it still describes the same
+    fields. Times outside the window are left out, so a dataset that grew since (new times appended) still continues
+    its stores. Values are not read (that would read the whole dataset); a dataset rewritten with other values on the
+    same coordinates is not told apart."""
+    times = inputs.times.astype("datetime64[ns]")
     digest = hashlib.sha256()
-    for values in (inputs.lat, inputs.lon, inputs.times.astype("datetime64[ns]").astype(np.int64)):
+    for values in (inputs.lat, inputs.lon, times[(times >= window[0]) & (times <= window[1])].astype(np.int64)):
         array = np.ascontiguousarray(np.asarray(values))
         digest.update(f"{array.dtype} {array.shape}".encode())
         digest.update(array.tobytes())
@@ -239,24 +245,28 @@ def _open_or_create(out: str, spec: StoreSpec, dm: DistributedManager | None) ->
         if (dm is None or dm.rank == 0) and not os.path.exists(out):
             create_store(out, spec)
 
-    if dm is not None and dm.world_size > 1:
-        # NOTE: rank 0 failing to create it (a full disk, no permission) tells every rank, which all raise its error,
-        # instead of leaving them in a barrier until the group's timeout
-        collective_step(f"forecast: create the store {out}", create, group=dm.world_mesh.get_group())
-    else:
-        create()
+    _agreed(f"forecast: create the store {out}", create, dm)
     recorded = read_spec(out)
     differences = spec.differences(recorded)  # every rank reads the same metadata: all raise, or none
     if differences:
         raise ValueError(f"{out} holds another forecast ({'; '.join(differences)}): continue it with the same settings, "
                          "or write to a new path (or remove it)")
     store = ForecastStore(out)
-    moved = [key for key in MOVABLE if spec.run.get(key) != recorded.run.get(key)]
-    if moved and (dm is None or dm.rank == 0):
-        store.move_inputs(spec.run)   # NOTE: the same content found elsewhere (checked above): record where it is now
-    if moved and dm is not None and dm.world_size > 1:
-        dist.barrier(group=dm.world_mesh.get_group())
+    if any(spec.run.get(key) != recorded.run.get(key) for key in MOVABLE):
+        # NOTE: the same content found elsewhere (checked above): record where it is now
+        _agreed(f"forecast: record the inputs' new paths in {out}",
+                lambda: store.move_inputs(spec.run) if dm is None or dm.rank == 0 else None, dm)
     return store
+
+
+def _agreed(what: str, step: Callable[[], None], dm: DistributedManager | None) -> None:
+    """``step()`` on every rank, then agreed: a rank that fails (rank 0 writing the store's metadata: a full disk, no
+    permission) tells every rank, which all raise its error, instead of leaving them in a barrier until the group's
+    timeout. One process: ``step()`` itself."""
+    if dm is not None and dm.world_size > 1:
+        collective_step(what, step, group=dm.world_mesh.get_group())
+    else:
+        step()
 
 
 class _Runner:

@@ -200,6 +200,7 @@ def score_forecast(store: str | os.PathLike, source: Any = None,
     n_init, n_lead, m, c = len(spec.init_times), spec.leads, spec.members, len(spec.channels)
     sums = np.zeros((n_init, n_lead, len(SUMS), c))
     (r0, r1), (c0, c1) = blocks.rows, blocks.cols
+
     def local_sums() -> None:
         if coords["model"] != 0 or r1 <= r0 or c1 <= c0:
             return

@@ -175,8 +175,8 @@ def _expand_as(input, other):
         d = ospec.dim + input.ndim - other.ndim
         if d >= 0 and size_of(input)[d] not in (1, ospec.items.n):
             raise NotImplementedError(f"torch.Tensor.expand_as of a tensor of shape {tuple(size_of(input))} onto a "
-                                      f"graph tensor of shape {tuple(size_of(other))}: only a length-1 (or absent) item dim, or one row per "
-                                      "item, broadcasts over the items")
+                                      f"graph tensor of shape {tuple(size_of(other))}: only a length-1 (or absent) "
+                                      "item dim, or one row per item, broadcasts over the items")
         rows = rows_for(input, d, ospec, "torch.Tensor.expand_as")
         return adopt(rows.expand(unwrap(other).shape), ospec.replaced(endpoint=None))
     spec = graph_spec_of(input)
