@@ -97,12 +97,16 @@ class Teardown:
         those are harmless for this process, whose threads the posting already drained.
         """
         posted = []
-        seen: set[int] = set()
+        # NOTE: the backends are kept alive while we compare them: ``_get_backend`` hands out a new Python wrapper
+        # when none is alive, and a freed wrapper's id is reused by the next one, so an id set of dropped wrappers
+        # skipped a group now and then, on one rank and not its peer, whose barrier then waited out the timeout
+        # (60 s at shutdown, about one shutdown in twenty after a background save)
+        kept: dict[int, object] = {}
         for group in groups:
             backend = gloo_backend(group)
-            if backend is None or id(backend) in seen:
+            if backend is None or id(backend) in kept:
                 continue
-            seen.add(id(backend))
+            kept[id(backend)] = backend
             try:
                 posted.append((group, post_barrier(backend, timeout)))
             except RuntimeError as err:  # a group whose peers are already gone: nothing left to drain
