@@ -32,7 +32,7 @@ else
   _extras="test,lightning,hf,zoo,weather,graph${MESH3D_EXTRAS:+,$MESH3D_EXTRAS}"
   _pins="$LINT_PINS"
   _expect="about 1.9 GB on disk, 5-7 minutes from a local wheel cache (more to download from PyPI)"
-  _check="import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, torch_geometric, pymetis, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')"
+  _check="import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, xdist, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, torch_geometric, pymetis, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')"
 fi
 _target="$ROOT${_extras:+[$_extras]}"
 

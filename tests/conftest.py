@@ -41,6 +41,9 @@ def pytest_configure(config: pytest.Config) -> None:
     MESH3D_HYPOTHESIS_SEED's, else a new one. Every hypothesis test draws from it; the header prints it."""
     if config.getoption("hypothesis_seed", None) is None:
         config.option.hypothesis_seed = os.environ.get(HYPOTHESIS_SEED_ENV) or str(random.SystemRandom().getrandbits(31))
+    # NOTE: pytest-xdist's workers (scripts/test.sh starts two) are started after this and inherit the environment:
+    # every worker draws from the seed the header prints, not one of its own
+    os.environ[HYPOTHESIS_SEED_ENV] = str(config.option.hypothesis_seed)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
