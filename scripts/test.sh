@@ -16,7 +16,7 @@ if [ -z "$workers" ]; then
   workers=2
   for arg in "$@"; do
     case "$arg" in
-      tests|tests/*|*.py|*::*|-n|-n*|--numprocesses*|--co|--collect-only|-p|--pdb) workers=0 ;;
+      tests|tests/*|*.py|*::*|-n*|--numprocesses*|--co|--collect-only|-p|--pdb) workers=0 ;;
     esac
   done
 fi
