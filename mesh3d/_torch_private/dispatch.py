@@ -10,8 +10,9 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch, _pytree
 
-__all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator", "op_schema",
-           "outside_dispatch_modes", "running_compiled_backward", "storage_key", "tree_flatten", "tree_map", "view_base"]
+__all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator",
+           "make_wrapper_tensor", "op_schema", "outside_dispatch_modes", "running_compiled_backward", "storage_key",
+           "tree_flatten", "tree_map", "view_base"]
 
 
 
@@ -23,6 +24,18 @@ OpOverload = torch._ops.OpOverload
 #: workspace measurement subclass it. Why private: torch's only dispatch-mode base class lives in
 #: ``torch.utils._python_dispatch`` (``__torch_function__`` modes cannot see the allocations of a kernel call).
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+def make_wrapper_tensor(cls: type, shape: torch.Size, strides: tuple[int, ...], like: torch.Tensor,
+                        requires_grad: bool = False) -> Any:
+    """A tensor of type ``cls`` with the given metadata and no storage: an instance of a wrapper subclass that holds its
+    data in attributes (the wrapper domain tensor, ``mesh3d.domain.core.wrapped``).
+
+    Why private: ``torch.Tensor._make_wrapper_subclass`` is how DTensor and every wrapper subclass in torch is made;
+    torch 2.13 has no public constructor of a tensor without storage whose ATen calls reach ``__torch_dispatch__``.
+    """
+    return torch.Tensor._make_wrapper_subclass(cls, shape, strides=strides, dtype=like.dtype, device=like.device,
+                                               layout=like.layout, requires_grad=requires_grad)
+
 
 #: Flattening nested op arguments the way torch's own dispatch does (named tuples, dicts, dataclasses registered
 #: with torch). Why private: torch 2.13 has no public pytree module (``torch.utils._pytree`` only).

@@ -25,6 +25,7 @@ from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import BlockSpec, DomainSpec, GraphSpec, Layout, TokenSpec
 from mesh3d.domain.core.split import aligned_sizes, balanced_sizes, split_sizes
+from mesh3d.domain.core import wrapped  # noqa: F401  (the private wrapper switch's maker, issue 64)
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.compile_guards import guard_filter
 from mesh3d.domain.dispatch.dispatcher import dispatch as _dispatch

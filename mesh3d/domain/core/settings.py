@@ -18,8 +18,9 @@ guards on the value. The ``with`` blocks restore the previous value on exit, as 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_MODES", "AttentionSettings", "DomainSettings", "OverlapSettings", "SETTINGS",
@@ -66,10 +67,15 @@ class OverlapSettings:
 
 @dataclass(frozen=True)
 class DomainSettings:
-    """Every setting the domain rules read, one frozen value."""
+    """Every setting the domain rules read, one frozen value.
+
+    ``wrapper`` is private while it lands (issue 64): domain tensors are made as the wrapper subclass of
+    ``mesh3d.domain.core.wrapped`` (``MESH3D_DOMAIN_WRAPPER=1`` sets it for a process).
+    """
 
     attention: AttentionSettings = AttentionSettings()
     overlap: OverlapSettings = OverlapSettings()
+    wrapper: bool = field(default_factory=lambda: os.environ.get("MESH3D_DOMAIN_WRAPPER") == "1")
 
 
 class ValueSlot(Generic[T]):

@@ -35,13 +35,29 @@ import torch
 
 from mesh3d._torch_private import (
     call_without_compiling, disable_torch_function_subclass, never_compiled_alone, run_backward_from, view_base)
+from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout, sharded_dims
 
-__all__ = ["DomainTensor", "adopt", "detach_in_place", "global_shape_of", "local_shape", "size_of", "unwrap", "wrap"]
+__all__ = ["DomainTensor", "adopt", "detach_in_place", "global_shape_for", "global_shape_of", "global_strides_for",
+           "local_shape", "size_of", "storage_view", "unwrap", "wrap"]
 
 
 def wrap(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
-    """View ``local`` (a plain tensor, autograd history kept) as a DomainTensor with ``spec``."""
+    """View ``local`` (a plain tensor, autograd history kept) as a DomainTensor with ``spec``.
+
+    Under the private switch (``mesh3d.domain.core.wrapped``), a wrapper tensor whose autograd edge leads to ``local``.
+    """
+    if SETTINGS.value.wrapper:
+        return DomainTensor._from_local(local, spec)
+    return storage_view(local, spec)
+
+
+def storage_view(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
+    """A storage domain tensor viewing ``local`` (whichever kind ``wrap`` makes): what an op writing into a wrapper
+    tensor runs on (``mesh3d.domain.dispatch.dispatcher``).
+
+    Usage: ``stand_in = storage_view(unwrap(xs), xs.spec)``
+    """
     with disable_torch_function_subclass():
         out = local.as_subclass(DomainTensor)
     out._spec = spec
@@ -58,7 +74,7 @@ def adopt(fresh: torch.Tensor, spec: AnySpec, keep: tuple = ()) -> DomainTensor:
     result keeps the op's own autograd node. Tensors a caller may still hold as plain tensors
     (leaves that need grad, parameters, anything in ``keep``) are wrapped as views instead.
     """
-    if torch.compiler.is_dynamo_compiling() or type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) \
+    if SETTINGS.value.wrapper or torch.compiler.is_dynamo_compiling() or type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) \
             or any(fresh is k for k in keep):
         # NOTE: Dynamo cannot set ``__class__``; a compiled graph's outputs are fresh tensors of its own anyway.
         return wrap(fresh, spec)
@@ -72,6 +88,8 @@ def local_shape(t: torch.Tensor) -> torch.Size:
 
     Usage: ``rows = local_shape(xs)[xs.spec.dim]``
     """
+    if isinstance(t, DomainTensor) and t._wraps:
+        return t._local.shape
     with disable_torch_function_subclass():
         return t.shape
 
@@ -81,13 +99,42 @@ def global_shape_of(x: DomainTensor) -> torch.Size:
 
     Usage: ``global_shape_of(xs) == xs.shape``
     """
-    shape = list(local_shape(x))
-    spec = x._spec
+    return global_shape_for(local_shape(x), x._spec)
+
+
+def global_shape_for(local: torch.Size, spec: AnySpec) -> torch.Size:
+    """The whole tensor's shape for a shard of shape ``local`` laid out by ``spec``.
+
+    Usage: ``global_shape_for(shard.shape, spec)``
+    """
+    shape = list(local)
     if spec.layout in (Layout.BLOCKS, Layout.TOKENS):
         return spec.global_shape(shape)  # type: ignore[attr-defined]
     if spec.dim is not None:
-        shape[spec.dim] = sum(spec.sizes) * spec.outer
+        shape[spec.dim] = sum(spec.sizes) * spec.outer  # type: ignore[union-attr]
     return torch.Size(shape)
+
+
+def global_strides_for(local: torch.Tensor, whole: torch.Size) -> tuple[int, ...]:
+    """Strides of the whole tensor laid out in the shard ``local``'s memory order (contiguous, channels-last, ...).
+
+    Usage: ``global_strides_for(shard, global_shape_for(shard.shape, spec))``
+
+    Dims the shard expands (stride 0, length > 1) keep stride 0. A zero stride on a dim of an empty shard is only
+    the product with its zero length: such dims are outermost, as they are in the shard's peers.
+    """
+    with disable_torch_function_subclass():
+        strides_here, sizes = local.stride(), local.shape
+    expanded = {d for d in range(len(whole)) if strides_here[d] == 0 and sizes[d] > 1} if 0 not in sizes else set()
+    # Outermost first, as in memory. torch computes an empty tensor's strides with each length clamped to 1, so
+    # an empty dim ties with the dim just outside it: in a tie the empty dim is the inner one.
+    order = sorted((d for d in range(len(whole)) if d not in expanded),
+                   key=lambda d: (strides_here[d] != 0, -strides_here[d], sizes[d] == 0, d))
+    strides, step = [0] * len(whole), 1
+    for d in reversed(order):
+        strides[d] = step
+        step *= max(whole[d], 1)
+    return tuple(strides)
 
 
 def size_of(t: torch.Tensor) -> torch.Size:
@@ -108,6 +155,10 @@ def detach_in_place(t: torch.Tensor) -> torch.Tensor:
 
     Usage: ``return detach_in_place(xs)`` (the rule of ``Tensor.detach_``, and the dispatcher for replicated values)
     """
+    if isinstance(t, DomainTensor) and t._wraps:
+        with disable_torch_function_subclass():
+            torch.Tensor.detach_(t)  # autograd forgets the wrapper's history; its shard has none of its own
+        return t
     with disable_torch_function_subclass():
         if view_base(t) is not None:  # NOTE: a shard aliasing the tensor it was cut from (an empty one, dim 0)
             if t.requires_grad:
@@ -122,6 +173,8 @@ def detach_in_place(t: torch.Tensor) -> torch.Tensor:
 def unwrap(t: Any) -> Any:
     """The plain local tensor behind a DomainTensor (differentiable); anything else unchanged."""
     if isinstance(t, DomainTensor):
+        if t._wraps:
+            return t._differentiable_local()
         if torch.compiler.is_dynamo_compiling():
             # NOTE: one query through ``__torch_function__`` marks the graph as handling the domain tensor's
             # dispatch itself, so torch runs it with subclass dispatch off (torch 2.13's OutputGraph). A graph
@@ -147,6 +200,10 @@ class DomainTensor(torch.Tensor):
     #: NOTE: annotated as the slab spec, which most rules read; a grid rule reads a ``BlockSpec``'s or
     #: ``TokenSpec``'s fields after its table was chosen by ``layout`` (the declared type is ``AnySpec``).
     _spec: DomainSpec
+    #: Whether this is the wrapper tensor of ``mesh3d.domain.core.wrapped`` (its shard inside, no storage of its own).
+    _wraps = False
+    #: ``mesh3d.domain.core.wrapped``'s differentiable maker of wrapper tensors, set when that module is imported.
+    _from_local: Any = None
 
     # ----------------------------------------------------------------- accessors
     @property
@@ -194,6 +251,9 @@ class DomainTensor(torch.Tensor):
             inputs = (inputs,)
         if inputs is not None and len(inputs) == 0:
             raise RuntimeError("backward(): inputs= cannot be empty; pass the tensors to accumulate into, or None")
+        if self._wraps and gradient is not None and not isinstance(gradient, DomainTensor):
+            # a plain gradient for a wrapper tensor: laid out like it by the dispatcher's torch.autograd.backward
+            return torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
         if gradient is None:
             with disable_torch_function_subclass():
                 numel = self.numel()

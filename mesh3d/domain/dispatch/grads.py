@@ -85,10 +85,16 @@ def _local_grad_outputs(outputs: tuple, grad_outputs: tuple, op: str) -> tuple:
             if sharded and g._spec != o._spec:
                 raise ValueError(f"{op}: grad_outputs laid out otherwise than its output (specs {g._spec} and "
                                  f"{o._spec}); use torch.ones_like(output) or domain.redistribute it first")
-            out.append(unwrap(g))
+            out.append(_for_output(unwrap(g), o))
         else:
-            out.append(_this_ranks_part(g, o, op) if sharded else g)
+            out.append(_for_output(_this_ranks_part(g, o, op) if sharded else g, o))
     return tuple(out)
+
+
+def _for_output(local: torch.Tensor, output: Any) -> torch.Tensor:
+    """A gradient's shard as the engine takes it for ``output``: the shard for a storage domain tensor (autograd runs on
+    shards), a wrapper tensor laid out like a wrapper output (autograd runs on wrappers)."""
+    return DomainTensor._from_local(local, output._spec) if isinstance(output, DomainTensor) and output._wraps else local
 
 
 def _laid_out(grads: Sequence, inputs: tuple) -> tuple:

@@ -20,8 +20,7 @@ from collections.abc import Callable
 import torch
 import math
 from typing import Any
-from mesh3d._torch_private import disable_torch_function_subclass
-from mesh3d.domain.core.tensor import DomainTensor, global_shape_of
+from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, global_strides_for
 
 __all__ = ["DATA_GET", "DATA_QUERIES", "GLOBAL_SIZES", "METADATA", "NBYTES_GET", "SHAPE_GET", "is_global_size",
            "is_metadata"]
@@ -127,20 +126,5 @@ def global_size_answer(func: Callable, x: DomainTensor, rest: tuple, kwargs: dic
 
 
 def global_strides(x: DomainTensor, whole: torch.Size) -> tuple[int, ...]:
-    """Strides of the whole tensor laid out in the shard's memory order (contiguous, channels-last, ...).
-
-    Dims the shard expands (stride 0, length > 1) keep stride 0. A zero stride on a dim of an empty shard is only
-    the product with its zero length: such dims are outermost, as they are in the shard's peers.
-    """
-    with disable_torch_function_subclass():
-        local, sizes = x.stride(), x.shape
-    expanded = {d for d in range(len(whole)) if local[d] == 0 and sizes[d] > 1} if 0 not in sizes else set()
-    # Outermost first, as in memory. torch computes an empty tensor's strides with each length clamped to 1, so
-    # an empty dim ties with the dim just outside it: in a tie the empty dim is the inner one.
-    order = sorted((d for d in range(len(whole)) if d not in expanded),
-                   key=lambda d: (local[d] != 0, -local[d], sizes[d] == 0, d))
-    strides, step = [0] * len(whole), 1
-    for d in reversed(order):
-        strides[d] = step
-        step *= max(whole[d], 1)
-    return tuple(strides)
+    """Strides of the whole tensor laid out in the shard's memory order (``tensor.global_strides_for``)."""
+    return global_strides_for(x._local if x._wraps else x, whole)  # type: ignore[attr-defined]  # a wrapper's shard

@@ -1,0 +1,253 @@
+"""The wrapper-subclass domain tensor (issue 64), landing in steps behind a private switch, off by default.
+
+Usage (private, while it lands)::
+
+    from mesh3d.domain.core.wrapped import wrapper_tensors
+    with wrapper_tensors():                   # or MESH3D_DOMAIN_WRAPPER=1 in the environment
+        xs = domain.shard(x, dim=2)           # a WrappedDomainTensor: no storage of its own, the shard inside
+        loss = model(xs).sum(); loss.backward()
+
+What changes against the storage subclass (``mesh3d.domain.core.tensor``): the tensor's own metadata is the whole
+tensor's, and it has no storage, so nothing below the rules can take this rank's shard for the whole tensor: C++ code
+(an extension's ``at::sum``, TorchScript, ``torch.func``) reaches ``__torch_dispatch__``, the floor, which refuses
+every op by name except the few the autograd engine itself runs on gradients laid out alike. Autograd tracks the
+wrapper: every rule still runs on plain shards (``unwrap`` is a differentiable ``_ToLocal``, ``wrap`` a differentiable
+``_FromLocal``), so gradients reaching hooks, ``.grad`` and ``torch.autograd.grad`` are domain tensors of the global
+shape, answering every question (``g.norm()``) as the one-process gradient.
+
+NOTE (the steps): this module is the first: the type, its two autograd edges, the floor, in-place writes rebased onto
+the written tensor. Compile is refused under the switch; the rest of the suite runs on the storage subclass until the
+switch is the default.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from mesh3d._torch_private import disable_torch_function_subclass, make_wrapper_tensor, tree_flatten, tree_map
+from mesh3d.domain.core.settings import SETTINGS
+from mesh3d.domain.core.specs import AnySpec
+from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
+
+__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "check_writable", "rebase", "wrapper_tensors"]
+
+
+@contextlib.contextmanager
+def wrapper_tensors(on: bool = True) -> Iterator[None]:
+    """Domain tensors made inside the block are wrapper tensors (``on``) or storage tensors (private switch).
+
+    Usage: ``with wrapper_tensors(): xs = domain.shard(x, dim=2)``
+    """
+    with SETTINGS.replaced(dataclasses.replace(SETTINGS.value, wrapper=on)):
+        yield
+
+
+class _FromLocal(torch.autograd.Function):
+    """A plain shard -> the wrapper tensor it is this rank's part of; backward hands the wrapper gradient's shard on."""
+
+    @staticmethod
+    def forward(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
+        return _made_from(local, spec)
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.set_materialize_grads(False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
+        if grad is None:
+            return None, None
+        if not isinstance(grad, WrappedDomainTensor):
+            raise TypeError(f"a plain gradient of shape {tuple(grad.shape)} reached a domain tensor's autograd edge: "
+                            "gradients of domain tensors are domain tensors laid out like them; pass "
+                            "torch.ones_like(output) (or a domain tensor of the output's layout) as the gradient")
+        return grad._differentiable_local(), None
+
+
+class _ToLocal(torch.autograd.Function):
+    """The wrapper tensor -> its shard (a plain tensor sharing its memory); backward wraps the shard's gradient."""
+
+    @staticmethod
+    def forward(wrapped: WrappedDomainTensor) -> torch.Tensor:
+        # NOTE: detach(), not a view: the output is a fresh autograd tensor sharing the shard's memory and version
+        # counter, so a rule may write into it in place (a view made inside a Function may not be) and autograd
+        # still sees every saved shard's version change
+        alias = wrapped._local.detach()
+        alias._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
+        return alias
+
+    @staticmethod
+    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+        ctx.set_materialize_grads(False)
+        ctx.spec = inputs[0]._spec
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> Any:
+        return None if grad is None else _from_local(grad, ctx.spec)
+
+
+class _Rebase(torch.autograd.Function):
+    """``target`` now holds what ``written`` holds (an in-place op's result): its history becomes ``written``'s."""
+
+    @staticmethod
+    def forward(ctx: Any, target: WrappedDomainTensor, written: WrappedDomainTensor) -> WrappedDomainTensor:
+        ctx.set_materialize_grads(False)
+        target._local, target._spec, target._alias = written._local, written._spec, None
+        ctx.mark_dirty(target)
+        return target
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple[None, Any]:
+        return None, grad
+
+
+def check_writable(target: WrappedDomainTensor) -> None:
+    """Raise unless an in-place write into ``target`` can be recorded for autograd (it views no other domain tensor).
+
+    Usage: ``check_writable(args[0])`` before running an in-place op's rule
+    """
+    if target._views_domain:
+        raise NotImplementedError(
+            "an in-place write into a view of a domain tensor (x[:, 0].add_(y), x.transpose(1, 2).relu_()) is not "
+            "built yet for wrapper domain tensors (the private switch of issue 64): the tensor it views would not "
+            "record the write for autograd. Write out of place (x = x + ...), or into the tensor itself (x[:, 0] = v)")
+
+
+def rebase(target: WrappedDomainTensor, written: Any) -> WrappedDomainTensor:
+    """An in-place op's answer on wrapper tensors: ``target`` itself, holding ``written`` (the rule's result), with
+    ``written``'s autograd history, as torch gives a tensor written in place.
+
+    Usage: ``return rebase(args[0], result)`` (the dispatcher, for ops that write into their first argument)
+    """
+    check_writable(target)
+    if written is target:
+        return target
+    if not isinstance(written, WrappedDomainTensor):
+        raise TypeError(f"an in-place op on a domain tensor returned a {type(written).__name__}, not a domain tensor")
+    if tuple(written.shape) != tuple(target.shape):
+        raise RuntimeError(f"an in-place op would change a domain tensor's shape from {tuple(target.shape)} to "
+                           f"{tuple(written.shape)}")
+    return _Rebase.apply(target, written)
+
+
+def _from_local(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
+    if torch.compiler.is_compiling():
+        raise NotImplementedError("torch.compile of wrapper domain tensors (the private switch of issue 64) is not "
+                                  "built yet: compile with the switch off (MESH3D_DOMAIN_WRAPPER unset)")
+    if local.requires_grad and torch.is_grad_enabled():
+        return _FromLocal.apply(local, spec)
+    return _made_from(local, spec)  # NOTE: no history to connect: the Function's cost (about 10 us) is not paid
+
+
+def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
+    out = WrappedDomainTensor(local.detach() if local.requires_grad else local, spec)
+    # NOTE: a view rule's result: its shard is a view of another wrapper's shard (each wrapper's shard and its
+    # differentiable aliases are marked)
+    out._views_domain = getattr(local._base, "_shard_alias", False) or getattr(local, "_shard_alias", False)
+    return out
+
+
+def _same_layout(wrapped: list[WrappedDomainTensor]) -> bool:
+    first = wrapped[0]
+    return all(w._spec is first._spec or w._spec == first._spec for w in wrapped[1:]) and \
+        all(w._local.shape == first._local.shape for w in wrapped[1:])
+
+
+#: ATen ops the floor runs on the shards, for wrapper tensors laid out alike and nothing else: what the autograd
+#: engine and ``.grad`` accumulation run on gradients (sums of two, copies, detaching, tensors like one).
+ENGINE_OPS = frozenset({
+    torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor, torch.ops.aten.detach.default,
+    torch.ops.aten.detach_.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
+    torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
+    torch.ops.aten.copy_.default, torch.ops.aten.zero_.default,
+})
+
+
+class WrappedDomainTensor(DomainTensor):
+    """A domain tensor with the whole tensor's metadata and no storage; its shard is ``to_local()`` (module docstring).
+
+    Usage: ``with wrapper_tensors(): xs = domain.shard(x, dim=2)  # type(xs) is WrappedDomainTensor``
+    """
+
+    _local: torch.Tensor
+    _wraps = True
+    #: Whether the shard is a view of another wrapper tensor's shard (the result of a view rule)
+    _views_domain = False
+    #: The shard's differentiable alias (``_differentiable_local``), once made
+    _alias: torch.Tensor | None
+    #: NOTE: no short path: its handlers make storage tensors (``short_path.reclassed``)
+    _short: Any = {}
+
+    @staticmethod
+    def __new__(cls, local: torch.Tensor, spec: AnySpec, requires_grad: bool = False) -> WrappedDomainTensor:
+        whole = global_shape_for(local.shape, spec)
+        out = make_wrapper_tensor(cls, whole, global_strides_for(local, whole), local, requires_grad)
+        local._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
+        out._local, out._spec, out._alias = local, spec, None
+        return out
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107  (everything is set in __new__)
+        super().__init__()
+
+    def _differentiable_local(self) -> torch.Tensor:
+        """The shard, connected to this tensor's autograd history where it has one (made once per tensor).
+
+        NOTE: one alias serves every rule that reads this tensor (autograd sums their gradients at the alias): a
+        ``_ToLocal`` per read cost about 10 us per op. An in-place write makes a new one (``_Rebase``)."""
+        if not torch.is_grad_enabled():
+            return self._local
+        with disable_torch_function_subclass():  # NOTE: read through the dispatcher, the flag cost a whole walk
+            if not self.requires_grad:
+                return self._local
+        alias = self._alias
+        if alias is None:
+            alias = self._alias = _ToLocal.apply(self)
+        return alias
+
+    def __deepcopy__(self, memo: dict) -> WrappedDomainTensor:
+        """A copy with the same spec; a leaf keeps ``requires_grad`` as torch's deep copy of a leaf does."""
+        return WrappedDomainTensor(copy.deepcopy(self._local, memo), self._spec, requires_grad=self.requires_grad)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (),  # type: ignore[override]
+                           kwargs: dict | None = None) -> Any:
+        """The floor: every ATen op that reaches a wrapper tensor below the rules.
+
+        NOTE: what arrives here was not called through Python's torch functions (those take the rules): the autograd
+        engine summing gradients, or C++ code (an extension, TorchScript, torch.func's transforms) that would run on
+        the shard as if it were the whole tensor. Only ENGINE_OPS on tensors laid out alike run; all else is refused.
+        """
+        kwargs = kwargs or {}
+        flat, _ = tree_flatten((args, kwargs))
+        wrapped = [a for a in flat if isinstance(a, WrappedDomainTensor)]
+        plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, WrappedDomainTensor)]
+        if func not in ENGINE_OPS or plain or not _same_layout(wrapped):
+            message = (
+                f"{func} reached a domain tensor below mesh3d's rules (called from C++: an extension, TorchScript, "
+                "torch.func or another dispatch-level caller), where it would see only this rank's shard as the whole "
+                "tensor: mesh3d refuses it. Call it through Python torch functions, or on x.full_tensor() (the whole "
+                "tensor) or x.to_local() (this rank's shard) explicitly")
+            # NOTE: TorchScript's interpreter re-raises an op's Python error with its message dropped (torch 2.13:
+            # "RuntimeError: " and nothing after): the warning is what names the op there
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            raise NotImplementedError(message)
+        spec = wrapped[0]._spec
+        out = func(*tree_map(_shard_of, args), **tree_map(_shard_of, kwargs))
+        if func.overloadpacket in (torch.ops.aten.add_, torch.ops.aten.copy_, torch.ops.aten.zero_,
+                                   torch.ops.aten.detach_):
+            return args[0]
+        return WrappedDomainTensor(out, spec)
+
+
+def _shard_of(a: Any) -> Any:
+    return a._local if isinstance(a, WrappedDomainTensor) else a
+
+
+DomainTensor._from_local = staticmethod(_from_local)
