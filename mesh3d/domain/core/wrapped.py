@@ -36,7 +36,7 @@ from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
 
-__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "check_writable", "rebase", "wrapper_tensors"]
+__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "rebase", "wrapper_tensors"]
 
 
 @contextlib.contextmanager
@@ -100,6 +100,7 @@ class _Rebase(torch.autograd.Function):
     def forward(ctx: Any, target: WrappedDomainTensor, written: WrappedDomainTensor) -> WrappedDomainTensor:
         ctx.set_materialize_grads(False)
         target._local, target._spec, target._alias = written._local, written._spec, None
+        target._seen_version = written._local._version
         ctx.mark_dirty(target)
         return target
 
@@ -108,25 +109,15 @@ class _Rebase(torch.autograd.Function):
         return None, grad
 
 
-def check_writable(target: WrappedDomainTensor) -> None:
-    """Raise unless an in-place write into ``target`` can be recorded for autograd (it views no other domain tensor).
-
-    Usage: ``check_writable(args[0])`` before running an in-place op's rule
-    """
-    if target._views_domain:
-        raise NotImplementedError(
-            "an in-place write into a view of a domain tensor (x[:, 0].add_(y), x.transpose(1, 2).relu_()) is not "
-            "built yet for wrapper domain tensors (the private switch of issue 64): the tensor it views would not "
-            "record the write for autograd. Write out of place (x = x + ...), or into the tensor itself (x[:, 0] = v)")
-
-
-def rebase(target: WrappedDomainTensor, written: Any) -> WrappedDomainTensor:
+def rebase(target: WrappedDomainTensor, written: Any, check: bool = True) -> WrappedDomainTensor:
     """An in-place op's answer on wrapper tensors: ``target`` itself, holding ``written`` (the rule's result), with
     ``written``'s autograd history, as torch gives a tensor written in place.
 
     Usage: ``return rebase(args[0], result)`` (the dispatcher, for ops that write into their first argument)
     """
-    check_writable(target)
+    if check and target._views_domain:
+        raise NotImplementedError("an in-place write into a view of a domain tensor is made by "
+                                  "mesh3d.domain.dispatch.writes (it rebases the tensor viewed too)")
     if written is target:
         return target
     if not isinstance(written, WrappedDomainTensor):
@@ -182,6 +173,10 @@ class WrappedDomainTensor(DomainTensor):
     _views_domain = False
     #: The shard's differentiable alias (``_differentiable_local``), once made
     _alias: torch.Tensor | None
+    #: How a view was made from the tensor it views, ``(func, args, kwargs, index)`` (``dispatch.writes``)
+    _replay: tuple | None = None
+    #: The shard's version when this tensor's history was last set: a later one means a write through another tensor
+    _seen_version: int
     #: NOTE: no short path: its handlers make storage tensors (``short_path.reclassed``)
     _short: Any = {}
 
@@ -190,7 +185,7 @@ class WrappedDomainTensor(DomainTensor):
         whole = global_shape_for(local.shape, spec)
         out = make_wrapper_tensor(cls, whole, global_strides_for(local, whole), local, requires_grad)
         local._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
-        out._local, out._spec, out._alias = local, spec, None
+        out._local, out._spec, out._alias, out._seen_version = local, spec, None, local._version
         return out
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107  (everything is set in __new__)
@@ -206,10 +201,28 @@ class WrappedDomainTensor(DomainTensor):
         with disable_torch_function_subclass():  # NOTE: read through the dispatcher, the flag cost a whole walk
             if not self.requires_grad:
                 return self._local
+            stale = self._local._version != self._seen_version and self.grad_fn is not None
+        if stale:
+            self._remade()
         alias = self._alias
         if alias is None:
             alias = self._alias = _ToLocal.apply(self)
         return alias
+
+    def _remade(self) -> None:
+        """This tensor's history made anew from the tensor it views, written into since (by another view of it or
+        itself): autograd's answer to a read of a view after a write into its base. A tensor with a history that views
+        no recorded one cannot be remade: refused, as reading it would miss the write's gradient."""
+        replay = self._replay
+        if replay is None:
+            raise NotImplementedError(
+                "a domain tensor read after its memory was written through another tensor (a view of it, or a tensor "
+                "it views, written in place): its autograd history would miss the write. Write out of place "
+                "(x = x + ...), or take the views after the write")
+        func, args, kwargs, index = replay
+        with wrapper_tensors():
+            made = DomainTensor._dispatcher(func, (), args, kwargs)
+        rebase(self, made if index is None else made[index], check=False)
 
     def __deepcopy__(self, memo: dict) -> WrappedDomainTensor:
         """A copy with the same spec; a leaf keeps ``requires_grad`` as torch's deep copy of a leaf does."""

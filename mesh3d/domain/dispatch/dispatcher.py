@@ -42,8 +42,8 @@ from mesh3d.domain.comm.rows import plan_exchange
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.halo.windows import Extended, Window
 from mesh3d.domain.core.specs import DomainSpec, Layout
-from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, storage_view, unwrap, wrap
-from mesh3d.domain.core.wrapped import check_writable, rebase
+from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, unwrap, wrap
+from mesh3d.domain.dispatch.writes import record_views, written_into_wrapper
 from mesh3d.domain.dispatch.queries import global_size_answer
 from mesh3d.domain.layouts.slabs import redistribute_local
 from mesh3d.domain.core.settings import SETTINGS
@@ -161,32 +161,14 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """
     if args and isinstance(args[0], DomainTensor) and args[0]._wraps and writes_into_first(func) and \
             not is_metadata(func) and func not in _DETACHING:
-        return _written_into_wrapper(func, types, args, kwargs)
-    return _dispatch(func, types, args, kwargs)
+        return written_into_wrapper(_dispatch, func, types, args, kwargs)
+    out = _dispatch(func, types, args, kwargs)
+    return record_views(out, func, args, kwargs) if SETTINGS.value.wrapper else out
 
 
 _DATA_PTR = torch.Tensor.data_ptr
 #: In-place by name, but writing no values: they change what autograd records of the tensor itself.
 _DETACHING = (torch.Tensor.detach_, torch.detach_)
-
-
-def _written_into_wrapper(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
-    """An op writing into a wrapper tensor (``mesh3d.domain.core.wrapped``): run on a storage stand-in of its shard, as
-    the storage subclass runs it (a rule writes into the shard), then the wrapper takes the written shard's history.
-
-    NOTE: the stand-in is a view of the shard's differentiable alias, so autograd rebases the alias through whatever
-    view the rule wrote into (``x[i] = v`` included), as it rebased a storage domain tensor."""
-    target = args[0]
-    check_writable(target)
-    alias = unwrap(target)
-    stand_in = storage_view(alias, target._spec)
-    out = _dispatch(func, types, (stand_in, *args[1:]), kwargs)
-    if isinstance(out, DomainTensor) and out is not stand_in:
-        written = out if out._wraps else DomainTensor._from_local(unwrap(out), out._spec)
-    else:
-        written = DomainTensor._from_local(alias, stand_in._spec)
-    rebase(target, written)
-    return target if out is stand_in or out is written or isinstance(out, DomainTensor) else out
 
 
 def _dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:

@@ -1,0 +1,98 @@
+"""In-place writes into wrapper domain tensors (``mesh3d.domain.core.wrapped``), views of them included.
+
+Usage: not called directly; the dispatcher sends an op that writes into a wrapper tensor here, and records each view
+a rule makes (``record_views``)::
+
+    h = xs * 2
+    h[:, 0].add_(h[:, 2])     # a write into a view: h takes the write's history, as torch gives it
+    h.transpose(1, 2).relu_()
+
+How: the storage subclass already writes the way torch does (a rule writes into a view of the shard and autograd
+rebases the shard through the view), so a write runs there: on a storage stand-in of the written tensor's shard,
+made by replaying the view ops from the tensor it views (its root) on a differentiable alias of the root's shard.
+Then the root and the written view take the new histories (``wrapped.rebase``). Other views of the root, now stale,
+are remade from it when next read (``WrappedDomainTensor._differentiable_local``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from mesh3d.domain.core.tensor import DomainTensor, storage_view, unwrap
+from mesh3d.domain.core.wrapped import WrappedDomainTensor, rebase, wrapper_tensors
+
+__all__ = ["record_views", "written_into_wrapper"]
+
+Run = Callable[[Callable, tuple, tuple, dict], Any]
+
+
+def record_views(out: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
+    """Remember how each wrapper view in ``out`` (a rule's result) was made from the tensor it views: ``(func, args,
+    kwargs, index)``, ``index`` its place in a tuple result (``unbind``, ``split``) or None."""
+    if isinstance(out, WrappedDomainTensor):
+        if out._views_domain:
+            out._replay = (func, args, kwargs, None)
+    elif isinstance(out, (tuple, list)):
+        for i, o in enumerate(out):
+            if isinstance(o, WrappedDomainTensor) and o._views_domain:
+                o._replay = (func, args, kwargs, i)
+    return out
+
+
+def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)`` writing into ``args[0]``, a wrapper tensor (module docstring); ``run`` is the
+    dispatcher's walk for one call."""
+    target = args[0]
+    chain, root = _views_up_to_root(target)
+    alias = unwrap(root)
+    before = alias._version
+    with wrapper_tensors(False):
+        stand_in = storage_view(alias, root._spec)
+        for func_i, args_i, kwargs_i, index in reversed(chain):
+            made = run(func_i, (), _replaced(args_i, _base_of(args_i), stand_in), kwargs_i)
+            stand_in = made if index is None else made[index]
+        out = run(func, types, (stand_in, *args[1:]), kwargs)
+    written = out if isinstance(out, DomainTensor) and out is not stand_in else stand_in
+    if chain:
+        if alias._version == before:
+            raise NotImplementedError(
+                f"{getattr(func, '__name__', func)} into a view of a domain tensor: its rule answered without writing "
+                "into the view's memory, so the tensor viewed would not change as torch's does; write out of place")
+        rebase(root, DomainTensor._from_local(alias, root._spec), check=False)
+        rebase(target, _as_wrapper(written), check=False)
+    else:
+        rebase(target, DomainTensor._from_local(alias, root._spec) if written is stand_in else _as_wrapper(written))
+    return target if isinstance(out, DomainTensor) else out
+
+
+def _as_wrapper(t: DomainTensor) -> DomainTensor:
+    return t if t._wraps else DomainTensor._from_local(unwrap(t), t._spec)
+
+
+def _views_up_to_root(target: WrappedDomainTensor) -> tuple[list, WrappedDomainTensor]:
+    """The view ops from the tensor ``target`` views (its root: a wrapper with a shard of its own) down to ``target``,
+    last first, and that root."""
+    chain, t = [], target
+    while t._views_domain:
+        replay = t._replay
+        if replay is None:
+            raise NotImplementedError(
+                "an in-place write into a domain tensor that views another one in a way mesh3d did not record (made "
+                "below the dispatcher): write out of place (x = x + ...), or into the tensor it views")
+        chain.append(replay)
+        t = _base_of(replay[1])
+    return chain, t
+
+
+def _base_of(args: tuple) -> WrappedDomainTensor:
+    """The wrapper tensor among a view op's arguments whose shard the view's shard is a view of (the first one)."""
+    for a in args:
+        if isinstance(a, WrappedDomainTensor):
+            return a
+    raise AssertionError("a recorded view op has no wrapper tensor among its arguments")
+
+
+def _replaced(args: tuple, base: WrappedDomainTensor, stand_in: Any) -> tuple:
+    return tuple(stand_in if a is base else a for a in args)
+
