@@ -139,9 +139,9 @@ def run_backward_from(tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tens
         tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
 
 
-def route_autograd_function_calls(tensor_type: type, handler: Callable[[type, tuple, dict], Any]) -> bool:
-    """Send every ``torch.autograd.Function.apply`` call that has a ``tensor_type`` argument to ``handler(cls, args,
-    kwargs)``; other calls run as before. Returns False if already installed.
+def route_autograd_function_calls(tensor_types: tuple[type, ...], handler: Callable[[type, tuple, dict], Any]) -> bool:
+    """Send every ``torch.autograd.Function.apply`` call that has an argument of one of ``tensor_types`` (exactly) to
+    ``handler(cls, args, kwargs)``; other calls run as before. Returns False if already installed.
 
     Why private: ``Function.apply`` does not consult ``__torch_function__``, so a library's Function on a domain
     tensor would run its forward's extension kernels on the shard and its backward on this rank's gradients, unseen
@@ -154,7 +154,7 @@ def route_autograd_function_calls(tensor_type: type, handler: Callable[[type, tu
     original = base.apply.__func__  # type: ignore[attr-defined]  # a classmethod's function
 
     def apply(cls, *args, **kwargs):
-        if any(type(a) is tensor_type for a in args) or any(type(v) is tensor_type for v in kwargs.values()):
+        if any(type(a) in tensor_types for a in args) or any(type(v) in tensor_types for v in kwargs.values()):
             return handler(cls, args, kwargs)
         return original(cls, *args, **kwargs)
 

@@ -55,7 +55,7 @@ DistributedManager.on_teardown(NOTICES.settle)
 # torch.compile of models called with domain tensors (docs/domain.md, "torch.compile").
 let_compiled_graphs_take_function_subclasses()
 # A torch.autograd.Function called with a domain tensor: ruled, torch's or mesh3d's own, or refused (no back door).
-route_autograd_function_calls(DomainTensor, dispatch_autograd_function)
+route_autograd_function_calls((DomainTensor, wrapped.WrappedDomainTensor), dispatch_autograd_function)
 # Activation checkpointing recomputes a region as its forward ran (inputs, attention mode, overlap).
 recompute.install()
 

@@ -26,6 +26,7 @@ import contextlib
 import copy
 import dataclasses
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
 
-__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "rebase", "wrapper_tensors"]
+__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "fresh_wrapper", "rebase", "wrapper_tensors"]
 
 
 @contextlib.contextmanager
@@ -81,6 +82,7 @@ class _ToLocal(torch.autograd.Function):
         # still sees every saved shard's version change
         alias = wrapped._local.detach()
         alias._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
+        alias._owner = weakref.ref(wrapped)  # type: ignore[attr-defined]  # read by _wrapped_or_owner
         return alias
 
     @staticmethod
@@ -90,7 +92,7 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
-        return None if grad is None else _from_local(grad, ctx.spec)
+        return None if grad is None else fresh_wrapper(grad, ctx.spec)
 
 
 class _Rebase(torch.autograd.Function):
@@ -128,7 +130,29 @@ def rebase(target: WrappedDomainTensor, written: Any, check: bool = True) -> Wra
     return _Rebase.apply(target, written)
 
 
-def _from_local(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
+def _wrapped_or_owner(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
+    """``wrap``'s answer under the switch: the wrapper tensor whose shard ``local`` is, where a rule handed its input's
+    shard back unchanged (``x.contiguous()``, ``x.to(x.dtype)`` are ``x`` in torch: a write into one is a write into
+    the other), else a new one (``fresh_wrapper``)."""
+    owner_ref = getattr(local, "_owner", None)
+    if owner_ref is not None:
+        owner = owner_ref()
+        if owner is not None and (local is owner._local or local is owner._alias) and \
+                (owner._spec is spec or owner._spec == spec):
+            if local._version != owner._seen_version:  # the rule wrote into it (F.relu(x, inplace=True) returns x)
+                if local is owner._alias:
+                    rebase(owner, fresh_wrapper(local, spec), check=False)
+                else:
+                    owner._seen_version = local._version  # no history to rebase: the write was not recorded
+            return owner
+    return fresh_wrapper(local, spec)
+
+
+def fresh_wrapper(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
+    """A new wrapper tensor holding ``local`` (its autograd edge leads to ``local``'s history).
+
+    Usage: ``rebase(root, fresh_wrapper(alias, root.spec))`` (a written shard's new history)
+    """
     if torch.compiler.is_compiling():
         raise NotImplementedError("torch.compile of wrapper domain tensors (the private switch of issue 64) is not "
                                   "built yet: compile with the switch off (MESH3D_DOMAIN_WRAPPER unset)")
@@ -138,10 +162,11 @@ def _from_local(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
 
 
 def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
-    out = WrappedDomainTensor(local.detach() if local.requires_grad else local, spec)
     # NOTE: a view rule's result: its shard is a view of another wrapper's shard (each wrapper's shard and its
-    # differentiable aliases are marked)
-    out._views_domain = getattr(local._base, "_shard_alias", False) or getattr(local, "_shard_alias", False)
+    # differentiable aliases are marked; read before this one's shard is)
+    views = getattr(local._base, "_shard_alias", False) or getattr(local, "_shard_alias", False)
+    out = WrappedDomainTensor(local.detach() if local.requires_grad else local, spec)
+    out._views_domain = views
     return out
 
 
@@ -157,7 +182,7 @@ ENGINE_OPS = frozenset({
     torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor, torch.ops.aten.detach.default,
     torch.ops.aten.detach_.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
     torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
-    torch.ops.aten.copy_.default, torch.ops.aten.zero_.default,
+    torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.new_empty_strided.default,
 })
 
 
@@ -185,6 +210,7 @@ class WrappedDomainTensor(DomainTensor):
         whole = global_shape_for(local.shape, spec)
         out = make_wrapper_tensor(cls, whole, global_strides_for(local, whole), local, requires_grad)
         local._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
+        local._owner = weakref.ref(out)  # type: ignore[attr-defined]  # read by _wrapped_or_owner
         out._local, out._spec, out._alias, out._seen_version = local, spec, None, local._version
         return out
 
@@ -252,6 +278,10 @@ class WrappedDomainTensor(DomainTensor):
             warnings.warn(message, RuntimeWarning, stacklevel=2)
             raise NotImplementedError(message)
         spec = wrapped[0]._spec
+        if func is torch.ops.aten.new_empty_strided.default:
+            # NOTE: AccumulateGrad's layout contract: a gradient strided otherwise than its leaf is copied into a new
+            # tensor of the leaf's (global) sizes and strides; the shard of that is a shard-sized one
+            return WrappedDomainTensor(torch.empty_like(args[0]._local), spec)
         out = func(*tree_map(_shard_of, args), **tree_map(_shard_of, kwargs))
         if func.overloadpacket in (torch.ops.aten.add_, torch.ops.aten.copy_, torch.ops.aten.zero_,
                                    torch.ops.aten.detach_):
@@ -263,4 +293,4 @@ def _shard_of(a: Any) -> Any:
     return a._local if isinstance(a, WrappedDomainTensor) else a
 
 
-DomainTensor._from_local = staticmethod(_from_local)
+DomainTensor._from_local = staticmethod(_wrapped_or_owner)

@@ -231,7 +231,7 @@ def dispatch_autograd_function(cls: type, args: tuple, kwargs: dict) -> Any:
     """``cls.apply(*args, **kwargs)`` for a ``torch.autograd.Function`` called with a domain tensor: through its rule,
     as torch's or mesh3d's own Function, or refused (``operators.autograd_function_target``).
 
-    Usage: ``route_autograd_function_calls(DomainTensor, dispatch_autograd_function)`` (``mesh3d.domain`` does this)
+    Usage: ``route_autograd_function_calls((DomainTensor, ...), dispatch_autograd_function)`` (``mesh3d.domain`` does this)
     """
     target = autograd_function_target(cls)
     if target is None:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from mesh3d.domain.core.tensor import DomainTensor, storage_view, unwrap
-from mesh3d.domain.core.wrapped import WrappedDomainTensor, rebase, wrapper_tensors
+from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper, rebase, wrapper_tensors
 
 __all__ = ["record_views", "written_into_wrapper"]
 
@@ -59,15 +59,15 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
             raise NotImplementedError(
                 f"{getattr(func, '__name__', func)} into a view of a domain tensor: its rule answered without writing "
                 "into the view's memory, so the tensor viewed would not change as torch's does; write out of place")
-        rebase(root, DomainTensor._from_local(alias, root._spec), check=False)
+        rebase(root, fresh_wrapper(alias, root._spec), check=False)
         rebase(target, _as_wrapper(written), check=False)
     else:
-        rebase(target, DomainTensor._from_local(alias, root._spec) if written is stand_in else _as_wrapper(written))
+        rebase(target, fresh_wrapper(alias, root._spec) if written is stand_in else _as_wrapper(written))
     return target if isinstance(out, DomainTensor) else out
 
 
 def _as_wrapper(t: DomainTensor) -> DomainTensor:
-    return t if t._wraps else DomainTensor._from_local(unwrap(t), t._spec)
+    return t if t._wraps else fresh_wrapper(unwrap(t), t._spec)
 
 
 def _views_up_to_root(target: WrappedDomainTensor) -> tuple[list, WrappedDomainTensor]:
