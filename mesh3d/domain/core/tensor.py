@@ -39,7 +39,7 @@ from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout, sharded_dims
 
 __all__ = ["DomainTensor", "adopt", "detach_in_place", "global_shape_for", "global_shape_of", "global_strides_for",
-           "local_shape", "size_of", "storage_view", "unwrap", "wrap"]
+           "is_wrapper", "local_shape", "size_of", "storage_view", "unwrap", "wrap"]
 
 
 def wrap(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
@@ -83,13 +83,24 @@ def adopt(fresh: torch.Tensor, spec: AnySpec, keep: tuple = ()) -> DomainTensor:
     return fresh
 
 
+def is_wrapper(t: Any) -> bool:
+    """Whether ``t`` is a wrapper domain tensor (``mesh3d.domain.core.wrapped``, behind issue 64's private switch).
+
+    Usage: ``if is_wrapper(x): ...``
+
+    NOTE: never while Dynamo traces: wrapper tensors refuse compile, and Dynamo (torch 2.13) cannot read a class
+    attribute through a traced tensor subclass (a graph break on every op).
+    """
+    return isinstance(t, DomainTensor) and not torch.compiler.is_dynamo_compiling() and t._wraps
+
+
 def local_shape(t: torch.Tensor) -> torch.Size:
     """The shape of ``t``'s storage: a domain tensor's shard, a plain tensor's own shape.
 
     Usage: ``rows = local_shape(xs)[xs.spec.dim]``
     """
-    if isinstance(t, DomainTensor) and t._wraps:
-        return t._local.shape
+    if is_wrapper(t):
+        return t._local.shape  # type: ignore[attr-defined]  # a wrapper's shard
     with disable_torch_function_subclass():
         return t.shape
 
@@ -155,7 +166,7 @@ def detach_in_place(t: torch.Tensor) -> torch.Tensor:
 
     Usage: ``return detach_in_place(xs)`` (the rule of ``Tensor.detach_``, and the dispatcher for replicated values)
     """
-    if isinstance(t, DomainTensor) and t._wraps:
+    if is_wrapper(t):
         with disable_torch_function_subclass():
             torch.Tensor.detach_(t)  # autograd forgets the wrapper's history; its shard has none of its own
         return t
@@ -173,8 +184,8 @@ def detach_in_place(t: torch.Tensor) -> torch.Tensor:
 def unwrap(t: Any) -> Any:
     """The plain local tensor behind a DomainTensor (differentiable); anything else unchanged."""
     if isinstance(t, DomainTensor):
-        if t._wraps:
-            return t._differentiable_local()
+        if is_wrapper(t):
+            return t._differentiable_local()  # type: ignore[attr-defined]  # a wrapper's method
         if torch.compiler.is_dynamo_compiling():
             # NOTE: one query through ``__torch_function__`` marks the graph as handling the domain tensor's
             # dispatch itself, so torch runs it with subclass dispatch off (torch 2.13's OutputGraph). A graph
@@ -251,7 +262,7 @@ class DomainTensor(torch.Tensor):
             inputs = (inputs,)
         if inputs is not None and len(inputs) == 0:
             raise RuntimeError("backward(): inputs= cannot be empty; pass the tensors to accumulate into, or None")
-        if self._wraps and gradient is not None and not isinstance(gradient, DomainTensor):
+        if is_wrapper(self) and gradient is not None and not isinstance(gradient, DomainTensor):
             # a plain gradient for a wrapper tensor: laid out like it by the dispatcher's torch.autograd.backward
             return torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
         if gradient is None:

@@ -42,7 +42,7 @@ from mesh3d.domain.comm.rows import plan_exchange
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.halo.windows import Extended, Window
 from mesh3d.domain.core.specs import DomainSpec, Layout
-from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, unwrap, wrap
+from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, is_wrapper, unwrap, wrap
 from mesh3d.domain.dispatch.writes import record_views, written_into_wrapper
 from mesh3d.domain.dispatch.queries import global_size_answer
 from mesh3d.domain.layouts.slabs import redistribute_local
@@ -159,6 +159,8 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
 
     Usage: ``DomainTensor.__torch_function__`` calls ``dispatch(func, types, args, kwargs)``
     """
+    if torch.compiler.is_dynamo_compiling():  # NOTE: wrapper tensors refuse compile (``core.wrapped``)
+        return _dispatch(func, types, args, kwargs)
     if args and isinstance(args[0], DomainTensor) and args[0]._wraps and writes_into_first(func) and \
             not is_metadata(func) and func not in _DETACHING:
         return written_into_wrapper(_dispatch, func, types, args, kwargs)
@@ -182,7 +184,7 @@ def _dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     if gradient is not None:  # ``.grad``, ``torch.autograd.grad``/``backward``: answered for the whole tensor
         return gradient(*args, **kwargs)
     if is_metadata(func):
-        if func is _DATA_PTR and args[0]._wraps:
+        if func is _DATA_PTR and is_wrapper(args[0]):
             raise RuntimeError("x.data_ptr() of a wrapper domain tensor: it has no storage of its own (the shard is "
                                "x.to_local(), the whole tensor x.full_tensor())")
         with disable_torch_function_subclass():

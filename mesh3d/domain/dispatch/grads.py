@@ -23,7 +23,7 @@ import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.core.specs import BlockSpec, TokenSpec, sharded_dims
-from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, unwrap, wrap
+from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, is_wrapper, unwrap, wrap
 from mesh3d.domain.core.wrapped import fresh_wrapper
 
 __all__ = ["GRADIENT_CALLS", "autograd_backward", "autograd_grad", "domain_grad"]
@@ -95,7 +95,7 @@ def _local_grad_outputs(outputs: tuple, grad_outputs: tuple, op: str) -> tuple:
 def _for_output(local: torch.Tensor, output: Any) -> torch.Tensor:
     """A gradient's shard as the engine takes it for ``output``: the shard for a storage domain tensor (autograd runs on
     shards), a wrapper tensor laid out like a wrapper output (autograd runs on wrappers)."""
-    return fresh_wrapper(local, output._spec) if isinstance(output, DomainTensor) and output._wraps else local
+    return fresh_wrapper(local, output._spec) if is_wrapper(output) else local
 
 
 def _laid_out(grads: Sequence, inputs: tuple) -> tuple:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import math
 from typing import Any
-from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, global_strides_for
+from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, global_strides_for, is_wrapper
 
 __all__ = ["DATA_GET", "DATA_QUERIES", "GLOBAL_SIZES", "METADATA", "NBYTES_GET", "SHAPE_GET", "is_global_size",
            "is_metadata"]
@@ -127,4 +127,4 @@ def global_size_answer(func: Callable, x: DomainTensor, rest: tuple, kwargs: dic
 
 def global_strides(x: DomainTensor, whole: torch.Size) -> tuple[int, ...]:
     """Strides of the whole tensor laid out in the shard's memory order (``tensor.global_strides_for``)."""
-    return global_strides_for(x._local if x._wraps else x, whole)  # type: ignore[attr-defined]  # a wrapper's shard
+    return global_strides_for(x._local if is_wrapper(x) else x, whole)  # type: ignore[attr-defined]  # a wrapper's shard
