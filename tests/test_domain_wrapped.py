@@ -1,7 +1,8 @@
-"""The wrapper-subclass domain tensor behind its private switch (issue 64, first step), against one process in fp64:
+"""The wrapper-subclass domain tensor behind its private switch (issue 64's first steps), against one process in fp64:
 a model with halos, a norm, pooling and in-place writes trains equal to one process with gradients that are domain
-tensors of the global shape; a normalising gradient hook and module backward hooks see the whole gradient's norm; ops
-that escape the rules (TorchScript, torch.func, C++) are refused by name, never run on the shard."""
+tensors of the global shape; a normalising gradient hook and module backward hooks see the whole gradient's norm;
+writes into views carry their gradient to the tensor viewed; ops that escape the rules (TorchScript, torch.func, C++)
+are refused by name, never run on the shard (a compiled extension: scripts/check_cpp_escape.py)."""
 
 from __future__ import annotations
 
