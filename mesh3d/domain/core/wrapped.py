@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import disable_torch_function_subclass, make_wrapper_tensor, tree_flatten, tree_map
+from mesh3d._torch_private import (
+    disable_torch_function_subclass, make_wrapper_tensor, run_autograd_function, tree_flatten, tree_map)
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
@@ -125,10 +126,12 @@ def rebase(target: WrappedDomainTensor, written: Any, check: bool = True) -> Wra
         return target
     if not isinstance(written, WrappedDomainTensor):
         raise TypeError(f"an in-place op on a domain tensor returned a {type(written).__name__}, not a domain tensor")
-    if tuple(written.shape) != tuple(target.shape):
-        raise RuntimeError(f"an in-place op would change a domain tensor's shape from {tuple(target.shape)} to "
-                           f"{tuple(written.shape)}")
-    return _Rebase.apply(target, written)
+    with disable_torch_function_subclass():  # NOTE: a wrapper's own sizes are the whole tensor's: no dispatcher walk
+        before, after = tuple(target.shape), tuple(written.shape)
+    if after != before:
+        raise RuntimeError(f"an in-place op would change a domain tensor's shape from {before} to {after}")
+    # NOTE: past route_autograd_function_calls, which would only find this Function mesh3d's own and run it
+    return run_autograd_function(_Rebase, (target, written), {})
 
 
 def _wrapped_or_owner(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
@@ -233,7 +236,7 @@ class WrappedDomainTensor(DomainTensor):
             self._remade()
         alias = self._alias
         if alias is None:
-            alias = self._alias = _ToLocal.apply(self)
+            alias = self._alias = run_autograd_function(_ToLocal, (self,), {})  # NOTE: as in rebase
         return alias
 
     def _remade(self) -> None:
