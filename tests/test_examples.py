@@ -78,21 +78,25 @@ def test_lightning_example_under_lightnings_launcher_torchrun_and_slurm(tmp_path
     fit = _run(["examples/lightning_3d.py", "fit", "--devices", "4", "--mesh", "1,2,2", "--ckpt", ck])
     assert "(LightningEnvironment)" in fit and "MATCHES one process" in fit, fit
     assert len(re.findall(r"step \d loss [\d.]+ one-process [\d.]+", fit)) == 4
-    torchrun = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", "examples/lightning_3d.py",
-                     "resume", "--mesh", "2,1,2", "--ckpt", ck])
-    assert "(TorchElasticEnvironment), global step 8, epoch 2" in torchrun and "MATCHES one process" in torchrun
+    # NOTE: the resumes run on 2 processes, not 4: each process spends about 5 s importing Lightning here, and a
+    # resume onto fewer ranks (domain and model axes gone, or the batch axis gone) reshards as much as onto more.
+    torchrun = _run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/lightning_3d.py",
+                     "resume", "--devices", "2", "--mesh", "2,1,1", "--ckpt", ck])
+    assert "on 2 processes (TorchElasticEnvironment), global step 8, epoch 2" in torchrun, torchrun
+    assert "MATCHES one process" in torchrun, torchrun
 
-    def srun(port):  # srun's variables on four processes started by hand; rank 0 hosts the store on `port`
-        return [([sys.executable, "examples/lightning_3d.py", "resume", "--mesh", "4,1,1", "--ckpt", ck],
-                 clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="4",
-                           SLURM_NTASKS_PER_NODE="4", SLURM_JOB_NAME="mesh3d", SLURM_JOB_ID="7",
+    def srun(port):  # srun's variables on two processes started by hand; rank 0 hosts the store on `port`
+        return [([sys.executable, "examples/lightning_3d.py", "resume", "--devices", "2", "--mesh", "1,1,2", "--ckpt", ck],
+                 clean_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NODEID="0", SLURM_NTASKS="2",
+                           SLURM_NTASKS_PER_NODE="2", SLURM_JOB_NAME="mesh3d", SLURM_JOB_ID="7",
                            SLURM_NODELIST="localhost", SLURM_JOB_NODELIST="localhost", MASTER_PORT=str(port)))
-                for rank in range(4)]
+                for rank in range(2)]
 
     done = run_on_free_port(srun)
     assert all(d.returncode == 0 for d in done), [d.stdout[-2000:] + d.stderr[-2000:] for d in done]
     out = done[0].stdout
-    assert "(SLURMEnvironment), global step 8, epoch 2" in out and "MATCHES one process" in out, out
+    assert "on 2 processes (SLURMEnvironment), global step 8, epoch 2" in out, out
+    assert "MATCHES one process" in out, out
 
 
 def test_data_resume_example_continues_the_same_global_batches_on_another_mesh(tmp_path):
