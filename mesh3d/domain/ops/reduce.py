@@ -66,11 +66,16 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
         return _finish(x, rounded(r / count if kind == "mean" else r), dims, keepdim)
     if kind == "amax":
         shape = [1 if d in dims else s for d, s in enumerate(local.shape)]
-        part = local.amax(dims, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
+        floating = local.is_floating_point()
+        lowest = -math.inf if floating else False if local.dtype == torch.bool else torch.iinfo(local.dtype).min
+        part = local.amax(dims, keepdim=True) if local.numel() else local.new_full(shape, lowest)  # an empty shard's
         top = all_reduce_max(part, comm)
-        mask = (local == top).to(local.dtype)
-        ties = reduce_to_replicated(mask.sum(dims, keepdim=True), comm).detach()
-        picked = reduce_to_replicated((local * mask).sum(dims, keepdim=True), comm) / ties
+        if not floating:  # no gradient to share among ties, and the dtype stays
+            return _finish(x, top, dims, keepdim)
+        hit = local == top
+        ties = reduce_to_replicated(hit.to(local.dtype).sum(dims, keepdim=True), comm).detach()
+        # NOTE: where, not local * mask: a -inf beside the maximum (a masked score) times 0 is nan
+        picked = reduce_to_replicated(torch.where(hit, local, 0).sum(dims, keepdim=True), comm) / ties
         # Value exactly the max; gradient shared among ties as torch.amax does.
         return _finish(x, top + (picked - picked.detach()), dims, keepdim)
     if kind in ("var", "std"):

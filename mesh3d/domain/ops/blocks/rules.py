@@ -264,9 +264,8 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
         d % x.ndim for d in ([dim] if isinstance(dim, int) else dim))
     fn = torch.sum if kind == "sum" else torch.mean
     if not set(spec.dims) & set(dims):  # the blocks survive: a local reduction
-        if not keepdim and any(d < s for d in dims for s in spec.dims):
-            raise NotImplementedError(f"torch.{kind} over dims {dims} before the block-sharded dims {spec.dims}: "
-                                      "pass keepdim=True")
+        if not keepdim:  # dims reduced away before the block dims move them left
+            spec = type(spec)(tuple(b - sum(d < b for d in dims) for b in spec.dims), spec.sizes, spec.lines, spec.comm)
         return adopt(fn(local, dims, keepdim=keepdim), spec)
     if not set(spec.dims) <= set(dims):
         raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
