@@ -142,3 +142,48 @@ def compare_to_one_process(make, x: torch.Tensor, dim: int, sizes, seed: int = 0
         for b_ref, b in zip(ref.buffers(), mod.buffers()):
             err = max(err, max_err(b_ref.double(), b.double()))
     return err
+
+
+def step_both(ref: torch.nn.Module, mod: torch.nn.Module, opt_ref, opt, loss_ref, loss) -> float:
+    """One optimizer step of the one-process model and of its domain copy (gradients summed over the domain), after
+    ``loss_ref`` and ``loss`` were backpropagated; the largest difference of the losses and then of the parameters."""
+    worst = abs(float(loss) - float(loss_ref))
+    for q in mod.parameters():
+        q.grad.copy_(domain_sum(q.grad))
+    opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
+    return max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
+
+
+def case_error(run, x0: torch.Tensor, seed: int) -> float | str:
+    """``run(x, sharded)`` in one process and on the domain: the largest error of its value and of ``x``'s gradient
+    (a random cotangent drawn from ``seed``), or the first words of a refusal (``NotImplementedError``) on the domain.
+
+    Usage: ``case_error(lambda x, sharded: torch.diff(domain.shard(x, dim=2) if sharded else x, dim=2), x0, 0)``
+    """
+    from mesh3d import domain
+
+    x = x0.clone().requires_grad_()
+    want = run(x, False)
+    cot = torch.randn(want.shape, dtype=want.dtype, generator=torch.Generator().manual_seed(seed))
+    (want * cot).sum().backward()
+    want_grad, x.grad = x.grad, None
+    try:
+        got = run(x, True)
+    except NotImplementedError as refusal:
+        return str(refusal).split(":")[0]
+    if got.spec.layout is domain.Layout.REPLICATED:  # a replicated result: backward on it directly
+        whole = got.to_local()
+        (got * cot).sum().backward()
+    else:
+        whole = got.full_tensor().to_local()
+        (whole * cot).sum().backward()
+    return max(max_err(whole, want.detach()), max_err(domain_sum(x.grad), want_grad))
+
+
+def assert_equal_or_refused(errors: dict, refusals: dict, tol: float) -> None:
+    """Every case of ``errors`` (``case_error``'s answers) within ``tol``, but those of ``refusals`` (name -> the
+    refusal's first words), which must be refused so and only those."""
+    refused = {k: v for k, v in errors.items() if isinstance(v, str)}
+    assert refused.keys() == refusals.keys() and all(refused[k].startswith(v) for k, v in refusals.items()), refused
+    bad = {k: v for k, v in errors.items() if k not in refused and not v < tol}
+    assert not bad, bad

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domain_cases import domain_sum, max_err
+from domain_cases import assert_equal_or_refused, case_error, step_both
 
 TOL = 1e-10
 H, W = 9, 6
@@ -77,25 +77,10 @@ def _cases_body(layout: dict) -> dict:
             return domain.shard(t, dims=(dim, dim + 1), sizes=layout["sizes"])
         return domain.shard(t, dim=dim, sizes=layout["sizes"])
 
-    errors = {}
-    for i, (name, fn) in enumerate(_cases(labels, target, weight).items()):
-        x = x0.clone().requires_grad_()
-        want = fn(x, target, labels, lambda t, d: t)
-        cot = torch.randn(want.shape, dtype=D64, generator=torch.Generator().manual_seed(i))
-        (want * cot).sum().backward()
-        want_grad, x.grad = x.grad, None
-        try:
-            got = fn(shard(x, 2), target, labels, shard)
-        except NotImplementedError as refusal:  # a part this layout has no rule for, named
-            errors[name] = str(refusal).split(":")[0]
-            continue
-        if got.spec.layout is domain.Layout.REPLICATED:  # a replicated result: backward on it directly
-            whole = got.to_local()
-            (got * cot).sum().backward()
-        else:
-            whole = got.full_tensor().to_local()
-            (whole * cot).sum().backward()
-        errors[name] = max(max_err(whole, want.detach()), max_err(domain_sum(x.grad), want_grad))
+    whole = lambda t, d: t  # noqa: E731 - one process: nothing to lay out
+    errors = {name: case_error(lambda x, sharded, fn=fn: fn(shard(x, 2), target, labels, shard) if sharded
+                               else fn(x, target, labels, whole), x0, i)
+              for i, (name, fn) in enumerate(_cases(labels, target, weight).items())}
     if "dims" not in layout:  # an integer amax (an empty shard's part is the dtype's lowest, not -inf): its dtype too
         top = torch.amax(shard(labels, 1), dim=(1, 2))
         errors["amax_int"] = 0.0 if top.dtype == labels.dtype and torch.equal(top.to_local(), labels.amax((1, 2))) \
@@ -126,12 +111,8 @@ LAYOUTS = {
 def test_composites_equal_one_process(ranks, layout):
     spec = LAYOUTS[layout]
     for errors in ranks.run(spec["world"], _cases_body, spec):
-        refused = {k: v for k, v in errors.items() if isinstance(v, str)}
         # On blocks, what needs a rule blocks lack is refused by that rule's name, never run wrong.
-        expected = BLOCK_REFUSALS if "dims" in spec else {}
-        assert refused.keys() == expected.keys() and all(refused[k].startswith(v) for k, v in expected.items()), refused
-        bad = {k: v for k, v in errors.items() if k not in refused and not v < TOL}
-        assert not bad, bad
+        assert_equal_or_refused(errors, BLOCK_REFUSALS if "dims" in spec else {}, TOL)
 
 
 class _Net(torch.nn.Module):
@@ -181,11 +162,7 @@ def _train_body(layout: dict, steps: int) -> float:
         loss_ref.backward()
         loss = loss_of(*mod(shard(x)), shard(target), shard(labels, 1))
         loss.backward()
-        worst = max(worst, abs(float(loss) - float(loss_ref)))
-        for q in mod.parameters():
-            q.grad.copy_(domain_sum(q.grad))
-        opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
-        worst = max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
+        worst = max(worst, step_both(ref, mod, opt_ref, opt, loss_ref, loss))
     DistributedManager.shutdown()
     return worst
 

@@ -1,7 +1,7 @@
 """Op rules for domain tensors, one module per op family (importing registers them)."""
 
 from mesh3d.domain.ops import (  # noqa: F401
-    attention, blocks, composite, conv, conv_short, conversions, custom, distances, einsum, global_index, graph,
-    grid_variance, idioms, interpolate, matmul, mixed_attention, norm, pieces, pointwise, pool, random_ops, reduce,
-    reshape, scan, spectral, strided, tokens, unfold, vector_norms, weighted_resample,
+    attention, blocks, composite, conv, conv_short, conversions, custom, distances, einsum, finite_differences,
+    global_index, graph, grid_variance, idioms, interpolate, matmul, mixed_attention, norm, pieces, pointwise, pool,
+    random_ops, reduce, reshape, scan, spectral, strided, tokens, unfold, vector_norms, weighted_resample,
 )

@@ -24,20 +24,34 @@ from mesh3d.domain.core.tensor import DomainTensor, size_of
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, TOKEN_RULES
 
-__all__: list[str] = []
+__all__ = ["call", "register_composite"]
 
 #: The layouts every composite serves (graphs have their own reductions over items, strided slabs their own views).
 _TABLES = (RULES, BLOCK_RULES, TOKEN_RULES)
 
 
-def _r(func: Callable, *args: Any, **kwargs: Any) -> Any:
-    """``func`` through the dispatcher where a domain tensor takes part, plainly where none does (a weight's arithmetic)."""
-    if any(isinstance(a, DomainTensor) for a in (*args, *kwargs.values())):
+def _holds_domain(value: Any) -> bool:
+    if isinstance(value, (list, tuple)):
+        return any(_holds_domain(v) for v in value)
+    return isinstance(value, DomainTensor)
+
+
+def call(func: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``func`` through the dispatcher where a domain tensor takes part (lists of them too), plainly where none does
+    (a weight's arithmetic).
+
+    Usage: ``call(torch.sub, call(torch.Tensor.narrow, x, d, 1, n - 1), call(torch.Tensor.narrow, x, d, 0, n - 1))``
+    """
+    if _holds_domain(args) or _holds_domain(tuple(kwargs.values())):
         return redispatch(func, *args, **kwargs)
     return func(*args, **kwargs)
 
 
-def _register(*funcs: Callable) -> Callable[[Callable], Callable]:
+def register_composite(*funcs: Callable) -> Callable[[Callable], Callable]:
+    """Register a composite rule for ``funcs`` on slabs, blocks and token grids.
+
+    Usage: ``@register_composite(torch.logsumexp, torch.Tensor.logsumexp)`` above the rule, written with ``call``
+    """
     def add(rule: Callable) -> Callable:
         for table in _TABLES:
             for func in funcs:
@@ -65,33 +79,33 @@ def _checking() -> bool:
 
 def _any(mask: Any) -> bool:
     """Whether any element of a boolean tensor is set, anywhere: a count (sums are ruled on every layout)."""
-    count = _r(torch.sum, _r(torch.Tensor.to, mask, torch.int64))
+    count = call(torch.sum, call(torch.Tensor.to, mask, torch.int64))
     return int(count.to_local() if isinstance(count, DomainTensor) else count) > 0
 
 
 # ---------------------------------------------------------------------------------------------- reductions
-@_register(torch.logsumexp, torch.Tensor.logsumexp)
+@register_composite(torch.logsumexp, torch.Tensor.logsumexp)
 def _logsumexp(input, dim=None, keepdim=False, *, out=None):
     _no_out(out, "torch.logsumexp")
     dims = _all_dims(input, dim)
-    top = _r(torch.Tensor.detach, _r(torch.amax, input, dims, True))
-    top = _r(torch.where, _r(torch.isinf, top), 0.0, top)  # as torch: an all -inf (or +inf) slice gives -inf (inf)
-    total = _r(torch.sum, _r(torch.exp, _r(torch.sub, input, top)), dims, True)
-    result = _r(torch.add, _r(torch.log, total), top)
-    return result if keepdim else _r(torch.Tensor.squeeze, result, tuple(dims))
+    top = call(torch.Tensor.detach, call(torch.amax, input, dims, True))
+    top = call(torch.where, call(torch.isinf, top), 0.0, top)  # as torch: an all -inf (or +inf) slice gives -inf (inf)
+    total = call(torch.sum, call(torch.exp, call(torch.sub, input, top)), dims, True)
+    result = call(torch.add, call(torch.log, total), top)
+    return result if keepdim else call(torch.Tensor.squeeze, result, tuple(dims))
 
 
-@_register(torch.amin, torch.Tensor.amin)
+@register_composite(torch.amin, torch.Tensor.amin)
 def _amin(input, dim=(), keepdim=False, *, out=None):
     _no_out(out, "torch.amin")
-    return _r(torch.neg, _r(torch.amax, _r(torch.neg, input), _all_dims(input, dim), keepdim))
+    return call(torch.neg, call(torch.amax, call(torch.neg, input), _all_dims(input, dim), keepdim))
 
 
-@_register(torch.aminmax, torch.Tensor.aminmax)
+@register_composite(torch.aminmax, torch.Tensor.aminmax)
 def _aminmax(input, *, dim=None, keepdim=False, out=None):
     _no_out(out, "torch.aminmax")
     dims = _all_dims(input, dim)
-    return torch.return_types.aminmax((_amin(input, dims, keepdim), _r(torch.amax, input, dims, keepdim)))
+    return torch.return_types.aminmax((_amin(input, dims, keepdim), call(torch.amax, input, dims, keepdim)))
 
 
 def _moments(spread: Callable, name: str) -> Callable:
@@ -112,21 +126,21 @@ def _moments(spread: Callable, name: str) -> Callable:
             raise TypeError(f"{name}: give correction= or unbiased=, not both")
         corr = correction if correction is not None else (1 if unbiased is None else int(unbiased))
         dims = _all_dims(input, dim)
-        return _r(spread, input, dims, correction=corr, keepdim=keepdim), _r(torch.mean, input, dims, keepdim=keepdim)
+        return call(spread, input, dims, correction=corr, keepdim=keepdim), call(torch.mean, input, dims, keepdim=keepdim)
 
     return rule
 
 
-_register(torch.var_mean)(_moments(torch.var, "torch.var_mean"))
-_register(torch.std_mean)(_moments(torch.std, "torch.std_mean"))
+register_composite(torch.var_mean)(_moments(torch.var, "torch.var_mean"))
+register_composite(torch.std_mean)(_moments(torch.std, "torch.std_mean"))
 
 
-@_register(torch.cosine_similarity)
+@register_composite(torch.cosine_similarity)
 def _cosine_similarity(x1, x2, dim=1, eps=1e-8):
     """Each operand over its norm clamped to ``eps``, then their product summed along ``dim`` (torch's formula)."""
-    unit1 = _r(torch.div, x1, _r(torch.clamp_min, _r(torch.linalg.vector_norm, x1, 2, dim, True), eps))
-    unit2 = _r(torch.div, x2, _r(torch.clamp_min, _r(torch.linalg.vector_norm, x2, 2, dim, True), eps))
-    return _r(torch.sum, _r(torch.mul, unit1, unit2), dim)
+    unit1 = call(torch.div, x1, call(torch.clamp_min, call(torch.linalg.vector_norm, x1, 2, dim, True), eps))
+    unit2 = call(torch.div, x2, call(torch.clamp_min, call(torch.linalg.vector_norm, x2, 2, dim, True), eps))
+    return call(torch.sum, call(torch.mul, unit1, unit2), dim)
 
 
 # ---------------------------------------------------------------------------------------------- losses
@@ -143,27 +157,27 @@ def _reduction(name: str, size_average: Any, reduce: Any, reduction: str, allowe
 def _reduced(loss, reduction: str):
     if reduction == "none":
         return loss
-    return _r(torch.mean if reduction == "mean" else torch.sum, loss)
+    return call(torch.mean if reduction == "mean" else torch.sum, loss)
 
 
 def _weighted(loss, weight):
-    return loss if weight is None else _r(torch.mul, loss, weight)
+    return loss if weight is None else call(torch.mul, loss, weight)
 
 
-@_register(F.smooth_l1_loss)
+@register_composite(F.smooth_l1_loss)
 def _smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
     reduction = _reduction("F.smooth_l1_loss", size_average, reduce, reduction)
     if beta < 0:
         raise ValueError(f"F.smooth_l1_loss: beta={beta} must not be negative")
-    distance = _r(torch.abs, _r(torch.sub, input, target))
+    distance = call(torch.abs, call(torch.sub, input, target))
     if beta == 0:
         return _reduced(distance, reduction)
-    quadratic = _r(torch.div, _r(torch.mul, _r(torch.square, distance), 0.5), beta)
-    return _reduced(_r(torch.where, _r(torch.lt, distance, beta), quadratic, _r(torch.sub, distance, 0.5 * beta)),
+    quadratic = call(torch.div, call(torch.mul, call(torch.square, distance), 0.5), beta)
+    return _reduced(call(torch.where, call(torch.lt, distance, beta), quadratic, call(torch.sub, distance, 0.5 * beta)),
                     reduction)
 
 
-@_register(F.huber_loss)
+@register_composite(F.huber_loss)
 def _huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     reduction = _reduction("F.huber_loss", None, None, reduction)
     if delta <= 0:
@@ -171,51 +185,51 @@ def _huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
     if weight is not None and size_of(weight) != size_of(input):
         raise ValueError(f"F.huber_loss: weight= of size {tuple(size_of(weight))} must have the input's size "
                          f"{tuple(size_of(input))}, as torch requires")
-    distance = _r(torch.abs, _r(torch.sub, input, target))
-    quadratic = _r(torch.mul, _r(torch.square, distance), 0.5)
-    linear = _r(torch.mul, _r(torch.sub, distance, 0.5 * delta), delta)
-    return _reduced(_weighted(_r(torch.where, _r(torch.lt, distance, delta), quadratic, linear), weight), reduction)
+    distance = call(torch.abs, call(torch.sub, input, target))
+    quadratic = call(torch.mul, call(torch.square, distance), 0.5)
+    linear = call(torch.mul, call(torch.sub, distance, 0.5 * delta), delta)
+    return _reduced(_weighted(call(torch.where, call(torch.lt, distance, delta), quadratic, linear), weight), reduction)
 
 
-@_register(F.binary_cross_entropy_with_logits)
+@register_composite(F.binary_cross_entropy_with_logits)
 def _bce_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
     """``(1 - t) x + w_t (log1p(exp(-|x|)) + max(-x, 0))``, ``w_t = 1 + (pos_weight - 1) t``: torch's stable form."""
     reduction = _reduction("F.binary_cross_entropy_with_logits", size_average, reduce, reduction)
-    softplus = _r(torch.add, _r(torch.log1p, _r(torch.exp, _r(torch.neg, _r(torch.abs, input)))),
-                  _r(torch.clamp_min, _r(torch.neg, input), 0))
+    softplus = call(torch.add, call(torch.log1p, call(torch.exp, call(torch.neg, call(torch.abs, input)))),
+                  call(torch.clamp_min, call(torch.neg, input), 0))
     if pos_weight is not None:
-        softplus = _r(torch.mul, softplus, _r(torch.add, _r(torch.mul, _r(torch.sub, pos_weight, 1), target), 1))
-    loss = _r(torch.add, _r(torch.mul, _r(torch.rsub, target, 1), input), softplus)
+        softplus = call(torch.mul, softplus, call(torch.add, call(torch.mul, call(torch.sub, pos_weight, 1), target), 1))
+    loss = call(torch.add, call(torch.mul, call(torch.rsub, target, 1), input), softplus)
     return _reduced(_weighted(loss, weight), reduction)
 
 
-@_register(F.binary_cross_entropy)
+@register_composite(F.binary_cross_entropy)
 def _binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """``-(t log x + (1 - t) log(1 - x))`` with each log clamped at -100, as torch's kernel."""
     reduction = _reduction("F.binary_cross_entropy", size_average, reduce, reduction)
-    if _checking() and _any(_r(torch.logical_or, _r(torch.lt, input, 0), _r(torch.gt, input, 1))):
+    if _checking() and _any(call(torch.logical_or, call(torch.lt, input, 0), call(torch.gt, input, 1))):
         raise ValueError("F.binary_cross_entropy: every input must lie in [0, 1] (probabilities); for logits use "
                          "F.binary_cross_entropy_with_logits")
-    log_x = _r(torch.clamp_min, _r(torch.log, input), -100)
-    log_rest = _r(torch.clamp_min, _r(torch.log, _r(torch.rsub, input, 1)), -100)
-    loss = _r(torch.neg, _r(torch.add, _r(torch.mul, target, log_x), _r(torch.mul, _r(torch.rsub, target, 1), log_rest)))
+    log_x = call(torch.clamp_min, call(torch.log, input), -100)
+    log_rest = call(torch.clamp_min, call(torch.log, call(torch.rsub, input, 1)), -100)
+    loss = call(torch.neg, call(torch.add, call(torch.mul, target, log_x), call(torch.mul, call(torch.rsub, target, 1), log_rest)))
     return _reduced(_weighted(loss, weight), reduction)
 
 
-@_register(F.kl_div)
+@register_composite(F.kl_div)
 def _kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
     reduction = _reduction("F.kl_div", size_average, reduce, reduction, ("none", "mean", "sum", "batchmean"))
     if log_target:
-        loss = _r(torch.mul, _r(torch.exp, target), _r(torch.sub, target, input))
+        loss = call(torch.mul, call(torch.exp, target), call(torch.sub, target, input))
     else:
-        loss = _r(torch.sub, _r(torch.xlogy, target, target), _r(torch.mul, target, input))
+        loss = call(torch.sub, call(torch.xlogy, target, target), call(torch.mul, target, input))
     if reduction == "batchmean":
-        total = _r(torch.sum, loss)
-        return total if input.ndim == 0 else _r(torch.div, total, size_of(input)[0])
+        total = call(torch.sum, loss)
+        return total if input.ndim == 0 else call(torch.div, total, size_of(input)[0])
     return _reduced(loss, reduction)
 
 
-@_register(F.gaussian_nll_loss)
+@register_composite(F.gaussian_nll_loss)
 def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     """``0.5 (log v + (x - t)^2 / v)``, ``v`` clamped to ``eps`` without changing its gradient (torch's no_grad
     clamp), its shape read as torch reads it (the input's, or one dim fewer, or a trailing 1)."""
@@ -228,22 +242,22 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
         shape, vshape = size_of(input), size_of(var)
         if vshape != shape:
             if shape[:-1] == vshape:
-                var = _r(torch.Tensor.unsqueeze, var, -1)
+                var = call(torch.Tensor.unsqueeze, var, -1)
             elif not (shape[:-1] == vshape[:-1] and vshape[-1] == 1):
                 raise ValueError(f"F.gaussian_nll_loss: var of size {tuple(vshape)} fits neither the input's "
                                  f"{tuple(shape)} nor it without its last dim (or with a last dim of 1)")
-        if _checking() and _any(_r(torch.lt, var, 0)):
+        if _checking() and _any(call(torch.lt, var, 0)):
             raise ValueError("F.gaussian_nll_loss: var has negative entry/entries")
-        clamped = _r(torch.clamp_min, var, eps)
-        var = _r(torch.add, var, _r(torch.Tensor.detach, _r(torch.sub, clamped, var)))
-    loss = _r(torch.mul, _r(torch.add, _r(torch.log, var) if not isinstance(var, float) else math.log(var),
-                            _r(torch.div, _r(torch.square, _r(torch.sub, input, target)), var)), 0.5)
+        clamped = call(torch.clamp_min, var, eps)
+        var = call(torch.add, var, call(torch.Tensor.detach, call(torch.sub, clamped, var)))
+    loss = call(torch.mul, call(torch.add, call(torch.log, var) if not isinstance(var, float) else math.log(var),
+                            call(torch.div, call(torch.square, call(torch.sub, input, target)), var)), 0.5)
     if full:
-        loss = _r(torch.add, loss, 0.5 * math.log(2 * math.pi))
+        loss = call(torch.add, loss, 0.5 * math.log(2 * math.pi))
     return _reduced(loss, reduction)
 
 
-@_register(F.nll_loss)
+@register_composite(F.nll_loss)
 def _nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     """``-w[t] x[n, t]`` picked by comparing the target with the class ids (the class dim, 1, is never split); a mean
     divides by the summed weights of the targets not ignored, as torch."""
@@ -253,24 +267,24 @@ def _nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, 
     classes = size_of(input)[1]
     ids = torch.arange(classes, device=input.device).view(1, classes, *[1] * (input.ndim - 2))
     if _checking():
-        wrong = _r(torch.logical_and, _r(torch.ne, target, ignore_index),
-                   _r(torch.logical_or, _r(torch.lt, target, 0), _r(torch.ge, target, classes)))
+        wrong = call(torch.logical_and, call(torch.ne, target, ignore_index),
+                   call(torch.logical_or, call(torch.lt, target, 0), call(torch.ge, target, classes)))
         if _any(wrong):
             raise ValueError(f"F.nll_loss: a target is out of bounds: class ids are 0..{classes - 1} (or "
                              f"ignore_index={ignore_index})")
-    hit = _r(torch.eq, _r(torch.Tensor.unsqueeze, target, 1), ids)
-    picked = _r(torch.sum, _r(torch.where, hit, input, 0.0), 1)
-    kept = _r(torch.Tensor.to, _r(torch.ne, target, ignore_index), input.dtype)
+    hit = call(torch.eq, call(torch.Tensor.unsqueeze, target, 1), ids)
+    picked = call(torch.sum, call(torch.where, hit, input, 0.0), 1)
+    kept = call(torch.Tensor.to, call(torch.ne, target, ignore_index), input.dtype)
     if weight is not None:
-        kept = _r(torch.mul, kept, _r(torch.sum, _r(torch.where, hit, weight.view(ids.shape).to(input.dtype), 0.0), 1))
-    loss = _r(torch.neg, _r(torch.mul, picked, kept))
+        kept = call(torch.mul, kept, call(torch.sum, call(torch.where, hit, weight.view(ids.shape).to(input.dtype), 0.0), 1))
+    loss = call(torch.neg, call(torch.mul, picked, kept))
     if reduction != "mean":
         return _reduced(loss, reduction)
-    return _r(torch.div, _r(torch.sum, loss), _r(torch.Tensor.detach, _r(torch.sum, kept)))
+    return call(torch.div, call(torch.sum, loss), call(torch.Tensor.detach, call(torch.sum, kept)))
 
 
 # ---------------------------------------------------------------------------------------------- rearrangements
-@_register(torch.rot90, torch.Tensor.rot90)
+@register_composite(torch.rot90, torch.Tensor.rot90)
 def _rot90(input, k=1, dims=(0, 1)):
     """torch's own steps: a flip, then a transpose, by ``k`` mod 4."""
     if len(dims) != 2:
@@ -280,15 +294,15 @@ def _rot90(input, k=1, dims=(0, 1)):
         raise ValueError(f"torch.rot90: dims={tuple(dims)} must name two different dims")
     k %= 4
     if k == 1:
-        return _r(torch.transpose, _r(torch.flip, input, [d1]), d0, d1)
+        return call(torch.transpose, call(torch.flip, input, [d1]), d0, d1)
     if k == 2:
-        return _r(torch.flip, input, [d0, d1])
+        return call(torch.flip, input, [d0, d1])
     if k == 3:
-        return _r(torch.transpose, _r(torch.flip, input, [d0]), d0, d1)
-    return _r(torch.clone, input)
+        return call(torch.transpose, call(torch.flip, input, [d0]), d0, d1)
+    return call(torch.clone, input)
 
 
-@_register(torch.pixel_shuffle, F.pixel_shuffle)
+@register_composite(torch.pixel_shuffle, F.pixel_shuffle)
 def _pixel_shuffle(input, upscale_factor):
     """``(*, C r^2, H, W) -> (*, C, H r, W r)`` as torch's own view, permute and reshape."""
     r, shape = upscale_factor, size_of(input)
@@ -296,13 +310,13 @@ def _pixel_shuffle(input, upscale_factor):
         raise ValueError(f"F.pixel_shuffle: the channels ({shape[-3] if input.ndim >= 3 else '-'}) of a (*, C, H, W) "
                          f"input must divide by upscale_factor^2 = {r * r}")
     *lead, c, h, w = shape
-    split = _r(torch.Tensor.reshape, input, (*lead, c // (r * r), r, r, h, w))
+    split = call(torch.Tensor.reshape, input, (*lead, c // (r * r), r, r, h, w))
     n = len(lead)
-    moved = _r(torch.Tensor.permute, split, (*range(n), n, n + 3, n + 1, n + 4, n + 2))
-    return _r(torch.Tensor.reshape, moved, (*lead, c // (r * r), h * r, w * r))
+    moved = call(torch.Tensor.permute, split, (*range(n), n, n + 3, n + 1, n + 4, n + 2))
+    return call(torch.Tensor.reshape, moved, (*lead, c // (r * r), h * r, w * r))
 
 
-@_register(torch.pixel_unshuffle, F.pixel_unshuffle)
+@register_composite(torch.pixel_unshuffle, F.pixel_unshuffle)
 def _pixel_unshuffle(input, downscale_factor):
     """``(*, C, H r, W r) -> (*, C r^2, H, W)`` as torch's own view, permute and reshape."""
     r, shape = downscale_factor, size_of(input)
@@ -310,7 +324,7 @@ def _pixel_unshuffle(input, downscale_factor):
         raise ValueError(f"F.pixel_unshuffle: the height and width of a (*, C, H, W) input ({tuple(shape[-2:])}) "
                          f"must divide by downscale_factor = {r}")
     *lead, c, h, w = shape
-    split = _r(torch.Tensor.reshape, input, (*lead, c, h // r, r, w // r, r))
+    split = call(torch.Tensor.reshape, input, (*lead, c, h // r, r, w // r, r))
     n = len(lead)
-    moved = _r(torch.Tensor.permute, split, (*range(n), n, n + 2, n + 4, n + 1, n + 3))
-    return _r(torch.Tensor.reshape, moved, (*lead, c * r * r, h // r, w // r))
+    moved = call(torch.Tensor.permute, split, (*range(n), n, n + 2, n + 4, n + 1, n + 3))
+    return call(torch.Tensor.reshape, moved, (*lead, c * r * r, h // r, w // r))
