@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch.utils import _python_dispatch, _pytree
 
-__all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_overload", "is_operator",
-           "make_wrapper_tensor", "op_schema", "outside_dispatch_modes", "running_compiled_backward", "storage_key",
+__all__ = ["OpOverload", "OpOverloadPacket", "TRUTH_REDUCTIONS", "TorchDispatchMode", "custom_op_overload",
+           "is_operator", "make_wrapper_tensor", "op_schema", "outside_dispatch_modes", "running_compiled_backward", "storage_key",
            "tree_flatten", "tree_map", "view_base"]
 
 
@@ -19,6 +19,11 @@ __all__ = ["OpOverload", "OpOverloadPacket", "TorchDispatchMode", "custom_op_ove
 #: The class of ATen operators (``torch.ops.aten.add.Tensor``), for type hints and ``isinstance``.
 #: Why private: ``torch._ops`` is the only home of the class.
 OpOverload = torch._ops.OpOverload
+
+#: ``torch._is_all_true`` and ``torch._is_any_true``: ``torch.distributions`` validates an argument by reducing its
+#: constraint's check with them (``Normal(xs, s).log_prob(v)``), so a domain tensor reaches them as torch functions.
+#: Why private: they are what torch calls; mesh3d gives them the rules of ``all`` and ``any``.
+TRUTH_REDUCTIONS = (torch._is_all_true, torch._is_any_true)
 
 #: A mode that sees every ATen call below autograd: the planner's memory tracker and the attention kernels'
 #: workspace measurement subclass it. Why private: torch's only dispatch-mode base class lives in

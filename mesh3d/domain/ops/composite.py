@@ -328,3 +328,35 @@ def _pixel_unshuffle(input, downscale_factor):
     n = len(lead)
     moved = call(torch.Tensor.permute, split, (*range(n), n, n + 2, n + 4, n + 1, n + 3))
     return call(torch.Tensor.reshape, moved, (*lead, c * r * r, h // r, w // r))
+
+
+# ---------------------------------------------------------------------------------------------- encodings and shapes
+@register_composite(F.one_hot)
+def _one_hot(tensor, num_classes=-1):
+    """``t[..., None] == arange(C)`` as int64; ``num_classes=-1`` reads the global maximum, as torch."""
+    if tensor.dtype != torch.int64:
+        raise ValueError(f"F.one_hot: the indices must be int64 (torch.long), not {tensor.dtype}")
+    if num_classes < 0:
+        num_classes = int(call(torch.amax, tensor).to_local()) + 1
+    if _checking() and _any(call(torch.logical_or, call(torch.lt, tensor, 0), call(torch.ge, tensor, num_classes))):
+        raise ValueError(f"F.one_hot: a class index lies outside 0..{num_classes - 1}")
+    classes = torch.arange(num_classes, device=tensor.device)
+    return call(torch.Tensor.to, call(torch.eq, call(torch.Tensor.unsqueeze, tensor, -1), classes), torch.int64)
+
+
+@register_composite(torch.broadcast_tensors)
+def _broadcast_tensors(*tensors):
+    """Each operand expanded to the operands' broadcast shape (global sizes)."""
+    shape = torch.broadcast_shapes(*(size_of(t) for t in tensors))
+    return tuple(call(torch.Tensor.expand, t, shape) for t in tensors)
+
+
+@register_composite(getattr(torch.Tensor, "mT").__get__)
+def _matrix_transpose(input, owner=None):
+    return call(torch.transpose, input, -2, -1)
+
+
+@register_composite(getattr(torch.Tensor, "mH").__get__)
+def _matrix_adjoint(input, owner=None):
+    swapped = call(torch.transpose, input, -2, -1)
+    return call(torch.conj, swapped) if input.is_complex() else swapped

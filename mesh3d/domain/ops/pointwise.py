@@ -32,7 +32,7 @@ _NAMES = (
     "add sub mul div true_divide rsub neg abs exp log sqrt rsqrt sin cos tanh sigmoid relu pow clamp clamp_min "
     "clamp_max where maximum minimum square reciprocal sign erf log1p expm1 lerp addcmul addcdiv floor ceil round "
     "exp2 log2 sinh cosh atan2 hypot fmod remainder gt lt ge le eq ne logical_and logical_or logical_not isnan isinf "
-    "isposinf isneginf signbit xlogy logaddexp logaddexp2 "
+    "isposinf isneginf signbit xlogy logaddexp logaddexp2 isclose "
     "isfinite nan_to_num masked_fill zeros_like ones_like full_like empty_like detach clone contiguous to float "
     "double half bfloat16 long int short bool byte char type type_as cpu cuda zero_ fill_ copy_ sub_ add_ "
     "mul_ div_ relu_ clamp_ "
