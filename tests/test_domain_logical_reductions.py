@@ -1,4 +1,5 @@
-"""Truth tests, NaN-aware reductions, one-hot encodings, broadcasting and matrix transposes on domain tensors against
+"""Truth tests, NaN-aware reductions, one-hot encodings, broadcasting, matrix transposes and gathers along an unsharded
+dim on domain tensors against
 one process (fp64): ``any``/``all``/``count_nonzero`` (whole and along dims), ``allclose``/``isclose``,
 ``nansum``/``nanmean`` (values and gradients, NaNs on one shard only), ``F.one_hot``, ``torch.broadcast_tensors`` (and
 ``torch.distributions.Normal(xs, s).log_prob``, which calls it), ``.mT`` and ``.mH``, on slabs of 2 and 3 uneven ranks
@@ -39,6 +40,8 @@ def _grads() -> dict:
         "normal_log_prob": lambda x: torch.distributions.Normal(x, 0.5 + x.abs()).log_prob(x * 0.3),
         "mT": lambda x: x.mT.sin(),
         "mH": lambda x: x.mH * 2,
+        "gather_classes": lambda x: x.gather(1, (x.detach() > 0).long()[:, :2] * 2) * 3,
+        "take_along_dim": lambda x: torch.take_along_dim(x, (x.detach() * 3).long().clamp(0, 2)[:, :2], dim=1).cos(),
     }
 
 
@@ -73,6 +76,11 @@ def _body(layout: dict) -> dict:
         == (True, False) else float("inf")
     for i, (name, fn) in enumerate(_grads().items()):
         errors[name] = case_error(lambda x, sharded, fn=fn: fn(shard(x) if sharded else x), x0, i)
+    try:  # along the sharded dim the indices would be other ranks' rows: refused by name
+        shard(x0).gather(2, shard(torch.zeros(2, 3, H, W, dtype=torch.long)))
+        errors["gather_sharded_dim"] = float("inf")
+    except NotImplementedError as err:
+        errors["gather_sharded_dim"] = 0.0 if "gather" in str(err) else float("inf")
     bad = labels.clone()
     bad[0, 0, 0] = 4
     try:
@@ -92,7 +100,9 @@ LAYOUTS = {
 #: Blocks reduce over all their block dims or none, and have no amax (one_hot's inferred class count reads it).
 BLOCK_REFUSALS = {"any_dim": "torch.sum over dims [2] covers only some", "all_dim": "torch.sum over dims [3] covers",
                   "count_nonzero_dims": "torch.sum over dims [1, 2] covers only some",
-                  "one_hot_inferred": "torch.amax has no rule for block layouts", "nansum_dim": "torch.sum over dims [2]"}
+                  "one_hot_inferred": "torch.amax has no rule for block layouts", "nansum_dim": "torch.sum over dims [2]",
+                  "gather_classes": "torch.Tensor.gather has no rule for block layouts",
+                  "take_along_dim": "torch.take_along_dim has no rule for block layouts"}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
