@@ -58,7 +58,7 @@ def _body(layout: dict) -> dict:
 
 
 _PART = "torch.sum over dims [2] covers only some of the block-sharded dims"
-_SELECT = "torch.select has no rule for block layouts"
+_SELECT = "torch.Tensor.select has no rule for block layouts"
 LAYOUTS = {
     "slabs 2 (8, 1)": {"world": 2, "grid": 2, "sizes": (8, 1)},
     "slabs 3 (4, 0, 5)": {"world": 3, "grid": 3, "sizes": (4, 0, 5)},

@@ -137,7 +137,10 @@ register_composite(torch.std_mean)(_moments(torch.std, "torch.std_mean"))
 
 @register_composite(torch.cosine_similarity)
 def _cosine_similarity(x1, x2, dim=1, eps=1e-8):
-    """Each operand over its norm clamped to ``eps``, then their product summed along ``dim`` (torch's formula)."""
+    """Each operand over its norm clamped to ``eps``, then their product summed along ``dim`` (torch's formula, after
+    broadcasting the two as torch does)."""
+    if size_of(x1) != size_of(x2):
+        x1, x2 = _broadcast_tensors(x1, x2)
     unit1 = call(torch.div, x1, call(torch.clamp_min, call(torch.linalg.vector_norm, x1, 2, dim, True), eps))
     unit2 = call(torch.div, x2, call(torch.clamp_min, call(torch.linalg.vector_norm, x2, 2, dim, True), eps))
     return call(torch.sum, call(torch.mul, unit1, unit2), dim)
@@ -145,7 +148,10 @@ def _cosine_similarity(x1, x2, dim=1, eps=1e-8):
 
 # ---------------------------------------------------------------------------------------------- losses
 def _reduction(name: str, size_average: Any, reduce: Any, reduction: str, allowed=("none", "mean", "sum")) -> str:
-    """torch's legacy ``size_average``/``reduce`` read as torch reads them, then the reduction checked."""
+    """torch's legacy ``size_average``/``reduce`` read as torch reads them, then the reduction checked; ATen's integer
+    reduction (0, 1, 2: an ``aten.*_loss`` operator called with a domain tensor) is the name it stands for."""
+    if isinstance(reduction, int) and not isinstance(reduction, bool):
+        reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction)
     if size_average is not None or reduce is not None:
         keep = True if reduce is None else reduce
         reduction = "none" if not keep else ("mean" if (True if size_average is None else size_average) else "sum")

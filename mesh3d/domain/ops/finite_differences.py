@@ -99,7 +99,9 @@ def _trapezoid(y, x=None, *, dx=None, dim=-1):
         return call(torch.sum, y, d)  # zeros of the remaining shape, as torch
     if x is None:
         step = 1.0 if dx is None else float(dx)
-        ends = call(torch.mul, call(torch.add, call(torch.select, y, d, 0), call(torch.select, y, d, -1)), 0.5)
+        # NOTE: Tensor.select, not torch.select: torch_geometric replaces torch.select with its own on import
+        ends = call(torch.mul, call(torch.add, call(torch.Tensor.select, y, d, 0), call(torch.Tensor.select, y, d, -1)),
+                    0.5)
         return call(torch.mul, call(torch.sub, call(torch.sum, y, d), ends), step)
     if x.ndim == 1:
         if size_of(x)[0] != length:
