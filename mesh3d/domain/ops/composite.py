@@ -24,7 +24,7 @@ from mesh3d.domain.core.tensor import DomainTensor, size_of
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, TOKEN_RULES
 
-__all__ = ["call", "register_composite"]
+__all__ = ["call", "count_true", "register_composite"]
 
 #: The layouts every composite serves (graphs have their own reductions over items, strided slabs their own views).
 _TABLES = (RULES, BLOCK_RULES, TOKEN_RULES)
@@ -77,9 +77,18 @@ def _checking() -> bool:
     return not torch.compiler.is_compiling()
 
 
+def count_true(mask: Any, dim: Any = None, keepdim: bool = False) -> Any:
+    """How many elements of a boolean tensor are set (along ``dim``, or in all): a sum, ruled on every layout.
+
+    Usage: ``count_true(call(torch.isnan, xs), dim=2)``
+    """
+    ones = call(torch.Tensor.to, mask, torch.int64)
+    return call(torch.sum, ones) if dim is None else call(torch.sum, ones, dim, keepdim=keepdim)
+
+
 def _any(mask: Any) -> bool:
-    """Whether any element of a boolean tensor is set, anywhere: a count (sums are ruled on every layout)."""
-    count = call(torch.sum, call(torch.Tensor.to, mask, torch.int64))
+    """Whether any element of a boolean tensor is set, anywhere, as a Python bool on every rank."""
+    count = count_true(mask)
     return int(count.to_local() if isinstance(count, DomainTensor) else count) > 0
 
 

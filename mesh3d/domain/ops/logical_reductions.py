@@ -14,33 +14,28 @@ import torch
 
 from mesh3d._torch_private import TRUTH_REDUCTIONS
 from mesh3d.domain.core.tensor import DomainTensor
-from mesh3d.domain.ops.composite import call, register_composite
+from mesh3d.domain.ops.composite import call, count_true, register_composite
 
 __all__: list[str] = []
 
 
-def _count(mask, dim=None, keepdim=False):
-    ones = call(torch.Tensor.to, mask, torch.int64)
-    return call(torch.sum, ones) if dim is None else call(torch.sum, ones, dim, keepdim=keepdim)
-
-
-@register_composite(torch.any, torch.Tensor.any)
+@register_composite(torch.any, torch.Tensor.any, TRUTH_REDUCTIONS[1])
 def _any(input, dim=None, keepdim=False, *, out=None):
     if out is not None:
         raise NotImplementedError("torch.any(out=...) on a domain tensor: assign the result instead")
-    return call(torch.gt, _count(call(torch.ne, input, 0), dim, keepdim), 0)
+    return call(torch.gt, count_true(call(torch.ne, input, 0), dim, keepdim), 0)
 
 
-@register_composite(torch.all, torch.Tensor.all)
+@register_composite(torch.all, torch.Tensor.all, TRUTH_REDUCTIONS[0])
 def _all(input, dim=None, keepdim=False, *, out=None):
     if out is not None:
         raise NotImplementedError("torch.all(out=...) on a domain tensor: assign the result instead")
-    return call(torch.eq, _count(call(torch.eq, input, 0), dim, keepdim), 0)
+    return call(torch.eq, count_true(call(torch.eq, input, 0), dim, keepdim), 0)
 
 
 @register_composite(torch.count_nonzero, torch.Tensor.count_nonzero)
 def _count_nonzero(input, dim=None):
-    return _count(call(torch.ne, input, 0), dim)
+    return count_true(call(torch.ne, input, 0), dim)
 
 
 @register_composite(torch.allclose, torch.Tensor.allclose)
@@ -62,9 +57,5 @@ def _nansum(input, dim=None, keepdim=False, *, dtype=None):
 @register_composite(torch.nanmean, torch.Tensor.nanmean)
 def _nanmean(input, dim=None, keepdim=False, *, dtype=None):
     """``nansum / count of the non-NaN``, as torch divides (an all-NaN slice gives NaN)."""
-    kept = _count(call(torch.logical_not, call(torch.isnan, input)), dim, keepdim)
+    kept = count_true(call(torch.logical_not, call(torch.isnan, input)), dim, keepdim)
     return call(torch.div, _nansum(input, dim, keepdim, dtype=dtype), kept)
-
-
-register_composite(TRUTH_REDUCTIONS[0])(lambda input: _all(input))
-register_composite(TRUTH_REDUCTIONS[1])(lambda input: _any(input))
