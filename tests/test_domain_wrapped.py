@@ -201,3 +201,39 @@ def _view_writes_body():
 def test_in_place_writes_into_views_equal_one_process(ranks):
     for err in ranks.run(2, _view_writes_body):
         assert err < 1e-12, err
+
+
+@pytest.mark.parametrize("case", ["slabs with an empty shard", "fsdp on 2x2 blocks", "tensor parallel"])
+def test_the_planner_simulates_wrapper_tensors_with_the_storage_subclass_s_figures(case, monkeypatch):
+    """``mesh3d plan`` under the switch: its step on meta wrapper tensors (a memory tracker and a collective counter
+    seeing every ATen op) gives the figures it gives on the storage subclass, memory peaks and traffic included."""
+    from domain_models import TinyUNet
+    from plan_models import ConvStack, transformer
+
+    from mesh3d import Plan
+    from mesh3d.domain.core import wrapped
+    from mesh3d.planner import InputSpec, JobMesh, plan_job
+
+    tp = {"layers.*.attn.w[qkv]": "colwise", "layers.*.attn.wo": "rowwise",
+          "layers.*.mlp.up": "colwise", "layers.*.mlp.down": "rowwise"}
+    args = {"slabs with an empty shard": (TinyUNet, Plan(batch=None), JobMesh.resolve(3, 1, 3, 1),
+                                          InputSpec((1, 2, 20, 10), sizes=((8, 12, 0),))),
+            "fsdp on 2x2 blocks": (lambda: ConvStack(width=8, depth=2, channels=8), Plan(), JobMesh.resolve(8, 2, (2, 2), 1),
+                                   InputSpec((2, 8, 12, 10), sizes=((7, 5), (6, 4)))),
+            "tensor parallel": (transformer, Plan(model=tp), JobMesh.resolve(4, 1, 2, 2),
+                                InputSpec((1, 12), torch.int64, dims=(1,), sizes=((7, 5),)))}[case]
+    made = []
+    monkeypatch.setattr(wrapped, "_made_from", lambda local, spec, made_from=wrapped._made_from:
+                        made.append(1) or made_from(local, spec))
+
+    def figures():
+        job = plan_job(*args, optimizer="adamw").to_json()
+        job.pop("seconds")
+        return job
+
+    storage = figures()
+    assert not made
+    with wrapped.wrapper_tensors():
+        on_wrappers = figures()
+    assert made  # the simulated step made wrapper tensors
+    assert on_wrappers == storage

@@ -125,6 +125,10 @@ class MemoryTracker(TorchDispatchMode):
 
     # ------------------------------------------------------------------ the dispatch mode
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(getattr(t, "_wraps", False) for t in types):
+            # NOTE: a wrapper domain tensor has no storage of its own: its floor runs the op on the shards, which come
+            # back here as plain tensors to be counted (cached outputs would hand autograd a plain tensor for it)
+            return NotImplemented
         kwargs = kwargs or {}
         inputs = {storage_key(s) for s in storages_of((args, kwargs))}
         out = self._outputs.call(func, args, kwargs)

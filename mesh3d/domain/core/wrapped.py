@@ -18,7 +18,8 @@ shape, answering every question (``g.norm()``) as the one-process gradient.
 NOTE (the steps): landed so far: the type, its two autograd edges, the floor, in-place writes rebased onto the
 written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``). Not yet: compile (refused under the
 switch), the short path's speed. The suite runs on the storage subclass until the switch is the default; under it,
-the domain test files but the compile file, and the zoo, pass but for the short path's own tests.
+the domain test files but the compile file, the zoo and the planner (``mesh3d plan``, its reality checks and
+documented commands) pass but for the short path's own tests.
 """
 
 from __future__ import annotations
