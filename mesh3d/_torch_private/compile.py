@@ -5,7 +5,9 @@ Each function says which private name it touches and why no public API serves.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -14,6 +16,8 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.output_graph import OutputGraph
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch._library.effects import EffectType
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
     "autograd_inside_custom_op",
@@ -22,6 +26,7 @@ __all__ = [
     "let_compiled_graphs_take_function_subclasses",
     "never_compiled_alone",
     "run_compiled_graphs_without_subclass_dispatch",
+    "saved_under_traced_checkpoints",
 ]
 
 
@@ -124,3 +129,28 @@ def run_compiled_graphs_without_subclass_dispatch() -> bool:
     wrapped._mesh3d_wrapped = True  # type: ignore[attr-defined]
     OutputGraph.call_user_compiler = wrapped
     return True
+
+
+@contextlib.contextmanager
+def saved_under_traced_checkpoints() -> Iterator[None]:
+    """The graph nodes the block traces are saved for backward, never recomputed, inside an activation checkpoint.
+
+    Why private: ``torch.compile`` of a ``torch.utils.checkpoint`` region tags every node it traces there
+    ``recompute=PREFER_RECOMPUTE`` (``_CachingTorchDispatchMode``, after each op), and Inductor's partitioner then
+    recomputes an effectful op's chain in backward (torch 2.13: ``force_save_effectful_ops`` spares user-checkpointed
+    regions), which its effect-token unlifting cannot compile ("num_erased_outs 2 != expected 1") and which would
+    replay an exchange with peers. The nodes of the block are re-tagged ``MUST_SAVE`` through the tracer's graph
+    (``proxy_tensor.get_proxy_mode``): no public API sets a traced op's checkpoint policy from inside the region.
+    Outside a trace, or a traced region without checkpointing, nothing changes.
+    """
+    # NOTE: not while Dynamo traces (the storage subclass's rules): no graph of nodes is being built then
+    proxy = get_proxy_mode() if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling() else None
+    if proxy is None:
+        yield
+        return
+    graph = proxy.tracer.graph
+    before = len(graph.nodes)
+    yield
+    for node in itertools.islice(reversed(graph.nodes), len(graph.nodes) - before):
+        if node.meta.get("recompute") is not None:
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE

@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 
+from mesh3d._torch_private import saved_under_traced_checkpoints
 from mesh3d.domain.comm import divergence
 from mesh3d.faults.attach import WATCH
 from mesh3d.domain.comm.compiled_exchange import EAGER_EXCHANGE, comm_key, exchange_rows, received_shape
@@ -30,6 +31,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.manager import DistributedManager
 from mesh3d.faults.beat import WAITING
+from mesh3d.domain.core.settings import traced
 
 __all__ = ["DomainComm", "NOTICES", "PendingExchange", "PendingNotices", "TrafficCounter", "check_local_rows",
            "count_traffic", "dry_run", "exchange_all", "exchange_point", "gather_rows", "new_buffers", "rows_of", "start_exchange", "swap"]
@@ -195,10 +197,13 @@ def swap(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]], like: torch
 
     Compiled, it is the ``mesh3d::exchange_rows`` custom op (``exchange_op``): the same exchange, headers checked.
     """
-    if torch.compiler.is_dynamo_compiling():
-        received = exchange_rows([b for _, b in outgoing], like, list(dims), [q for q, _ in outgoing],
-                                 [q for q, _ in counts], [n for _, lengths in counts for n in lengths],
-                                 comm_key(comm.axis, comm.ranks, comm.index, comm.mesh_epoch))
+    if traced():
+        # NOTE: never recomputed in backward, also inside a checkpointed region: a replay would exchange with peers
+        # again, and Inductor cannot compile a recomputed effectful op (_torch_private.saved_under_traced_checkpoints)
+        with saved_under_traced_checkpoints():
+            received = exchange_rows([b for _, b in outgoing], like, list(dims), [q for q, _ in outgoing],
+                                     [q for q, _ in counts], [n for _, lengths in counts for n in lengths],
+                                     comm_key(comm.axis, comm.ranks, comm.index, comm.mesh_epoch))
         return {q: buf for (q, _), buf in zip(counts, received)}
     incoming = [(q, like.new_empty(received_shape(like, dims, lengths))) for q, lengths in counts]
     run_exchange(comm, outgoing, incoming, fingerprint)
@@ -216,7 +221,7 @@ EAGER_EXCHANGE.run = _run_in_graph
 
 def exchange_point(comm: DomainComm) -> int | None:
     """What this rank's peers check at an exchange: the op journal's fingerprint (None on a one-rank domain)."""
-    if torch.compiler.is_dynamo_compiling():  # NOTE: read when the graph runs, by mesh3d::exchange_rows itself
+    if traced():  # NOTE: read when the graph runs, by mesh3d::exchange_rows itself
         return None
     return divergence.JOURNAL.fingerprint if comm.size > 1 else None
 
@@ -335,7 +340,7 @@ def check_local_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: Do
 
     Usage: ``check_local_rows(local, 2, plan, comm)  # then post the exchange``
     """
-    if local.shape[dim] == plan.local_rows or torch.compiler.is_dynamo_compiling():
+    if local.shape[dim] == plan.local_rows or traced():
         return
     err = divergence.DomainDivergenceError(
         f"domain rank {comm.domain_index(comm.index)}'s shard has {local.shape[dim]} rows along dim {dim} where its "

@@ -24,6 +24,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from mesh3d._torch_private import outside_dispatch_modes
+
 __all__ = ["plan_cache"]
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -45,6 +47,11 @@ def plan_cache(maxsize: int, *, run_at_trace_time: bool = False) -> Callable[[F]
         def planned(*args: Any, **kwargs: Any) -> Any:
             if torch.compiler.is_dynamo_compiling() and not run_at_trace_time:
                 return fn(*args, **kwargs)  # Dynamo traces the planner itself: its result is a constant
+            if run_at_trace_time and torch.compiler.is_compiling():
+                # NOTE: a wrapper domain tensor's rule runs under the tracer's fake and functional modes (issue 64):
+                # the planner's own tensors must be real ones, computed now
+                with outside_dispatch_modes():
+                    return cached(*args, **kwargs)
             return cached(*args, **kwargs)
 
         planned.cache_clear = cached.cache_clear  # type: ignore[attr-defined]

@@ -23,8 +23,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+import torch
+
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_MODES", "AttentionSettings", "DomainSettings", "OverlapSettings", "SETTINGS",
-           "SettingsSlot", "ValueSlot"]
+           "SettingsSlot", "ValueSlot", "traced"]
 
 T = TypeVar("T")
 
@@ -110,3 +112,17 @@ class SettingsSlot(ValueSlot[DomainSettings]):
 
 #: The settings of this process (one per process: every rank of a domain group must run with the same).
 SETTINGS = SettingsSlot()
+
+
+def traced() -> bool:
+    """Whether a rule runs while ``torch.compile`` traces it: it then emits the compiled forms of its exchanges and
+    attention (custom ops, read when the graph runs) instead of running them now.
+
+    Usage: ``if traced(): return exchange_rows(...)``
+
+    NOTE: two tracers run the rules: Dynamo, which inlines a storage domain tensor's ``__torch_function__``, and,
+    for wrapper tensors (issue 64's switch), Dynamo's fake run of each recorded op and AOTAutograd's trace of the
+    graph, which call the rules on fake shards outside Dynamo (``torch.compiler.is_dynamo_compiling()`` is False
+    there, ``is_compiling()`` True).
+    """
+    return torch.compiler.is_dynamo_compiling() or (SETTINGS.value.wrapper and torch.compiler.is_compiling())

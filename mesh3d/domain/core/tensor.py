@@ -88,10 +88,10 @@ def is_wrapper(t: Any) -> bool:
 
     Usage: ``if is_wrapper(x): ...``
 
-    NOTE: never while Dynamo traces: wrapper tensors refuse compile, and Dynamo (torch 2.13) cannot read a class
-    attribute through a traced tensor subclass (a graph break on every op).
+    NOTE: the class's attribute, not the tensor's: Dynamo (torch 2.13) cannot read a class attribute through a traced
+    tensor subclass (a graph break on every op), and reads it on the class.
     """
-    return isinstance(t, DomainTensor) and not torch.compiler.is_dynamo_compiling() and t._wraps
+    return isinstance(t, DomainTensor) and type(t)._wraps
 
 
 def local_shape(t: torch.Tensor) -> torch.Size:

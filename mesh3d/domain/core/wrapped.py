@@ -15,11 +15,18 @@ wrapper: every rule still runs on plain shards (``unwrap`` is a differentiable `
 ``_FromLocal``), so gradients reaching hooks, ``.grad`` and ``torch.autograd.grad`` are domain tensors of the global
 shape, answering every question (``g.norm()``) as the one-process gradient.
 
+Compiled (``torch.compile``): a wrapper tensor is a traceable subclass (``__tensor_flatten__``), as DTensor is. Dynamo
+records the model's ops on it without tracing mesh3d's code; the rules run when the graph is traced (Dynamo's fake run
+of each op, then AOTAutograd's trace), on fake shards, and emit their exchanges as ``mesh3d::exchange_rows``
+(``core.settings.traced``). Builtins that Dynamo records in place of a Python function of torch are routed to that
+function's rule (``PYTHON_LEVEL``).
+
 NOTE (the steps): landed so far: the type, its two autograd edges, the floor, in-place writes rebased onto the
-written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``). Not yet: compile (refused under the
-switch), the short path's speed. The suite runs on the storage subclass until the switch is the default; under it,
-the domain test files but the compile file, the zoo and the planner (``mesh3d plan``, its reality checks and
-documented commands) pass but for the short path's own tests.
+written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``), compile. Not yet: the short path's
+speed; dropout inside a checkpointed region compiled by Inductor draws other numbers than one process
+(``test_random_axes``' compiled case fails under the switch; ``aot_eager`` is exact). The suite runs on the storage
+subclass until the switch is the default; under it, every test passes but the short path's own, that Inductor case
+and the guard filter's count of guards on mesh3d's code (which Dynamo no longer traces).
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ class _ToLocal(torch.autograd.Function):
 
     @staticmethod
     def forward(wrapped: WrappedDomainTensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return wrapped._local.detach()  # NOTE: traced: no marks (Dynamo cannot make weakrefs)
         # NOTE: detach(), not a view: the output is a fresh autograd tensor sharing the shard's memory and version
         # counter, so a rule may write into it in place (a view made inside a Function may not be) and autograd
         # still sees every saved shard's version change
@@ -139,6 +148,8 @@ def _wrapped_or_owner(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor
     """``wrap``'s answer under the switch: the wrapper tensor whose shard ``local`` is, where a rule handed its input's
     shard back unchanged (``x.contiguous()``, ``x.to(x.dtype)`` are ``x`` in torch: a write into one is a write into
     the other), else a new one (``fresh_wrapper``)."""
+    if torch.compiler.is_compiling():
+        return fresh_wrapper(local, spec)
     owner_ref = getattr(local, "_owner", None)
     if owner_ref is not None:
         owner = owner_ref()
@@ -158,15 +169,14 @@ def fresh_wrapper(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
 
     Usage: ``rebase(root, fresh_wrapper(alias, root.spec))`` (a written shard's new history)
     """
-    if torch.compiler.is_compiling():
-        raise NotImplementedError("torch.compile of wrapper domain tensors (the private switch of issue 64) is not "
-                                  "built yet: compile with the switch off (MESH3D_DOMAIN_WRAPPER unset)")
     if local.requires_grad and torch.is_grad_enabled():
         return _FromLocal.apply(local, spec)
     return _made_from(local, spec)  # NOTE: no history to connect: the Function's cost (about 10 us) is not paid
 
 
 def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
+    if torch.compiler.is_compiling():
+        return WrappedDomainTensor(local, spec)  # NOTE: traced: in-place writes into views are not replayed there
     # NOTE: a view rule's result: its shard is a view of another wrapper's shard (each wrapper's shard and its
     # differentiable aliases are marked; read before this one's shard is)
     views = getattr(local._base, "_shard_alias", False) or getattr(local, "_shard_alias", False)
@@ -189,6 +199,13 @@ ENGINE_OPS = frozenset({
     torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
     torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.new_empty_strided.default,
 })
+
+
+#: Builtins that torch.compile records where a Python function of torch calls them (Dynamo inlines ``F.pad``, so
+#: the graph holds ``torch._C._nn.pad``): the Python function, whose rule runs when the graph is traced.
+PYTHON_LEVEL: dict = {
+    torch._C._nn.pad: lambda input, pad, mode="constant", value=None: torch.nn.functional.pad(input, pad, mode, value),
+}
 
 
 class WrappedDomainTensor(DomainTensor):
@@ -214,6 +231,9 @@ class WrappedDomainTensor(DomainTensor):
     def __new__(cls, local: torch.Tensor, spec: AnySpec, requires_grad: bool = False) -> WrappedDomainTensor:
         whole = global_shape_for(local.shape, spec)
         out = make_wrapper_tensor(cls, whole, global_strides_for(local, whole), local, requires_grad)
+        if torch.compiler.is_compiling():
+            out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
+            return out
         local._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
         local._owner = weakref.ref(out)  # type: ignore[attr-defined]  # read by _wrapped_or_owner
         out._local, out._spec, out._alias, out._seen_version = local, spec, None, local._version
@@ -227,6 +247,8 @@ class WrappedDomainTensor(DomainTensor):
 
         NOTE: one alias serves every rule that reads this tensor (autograd sums their gradients at the alias): a
         ``_ToLocal`` per read cost about 10 us per op. An in-place write makes a new one (``_Rebase``)."""
+        if torch.compiler.is_compiling():
+            return _ToLocal.apply(self) if torch.is_grad_enabled() else self._local
         if not torch.is_grad_enabled():
             return self._local
         with disable_torch_function_subclass():  # NOTE: read through the dispatcher, the flag cost a whole walk
@@ -254,6 +276,25 @@ class WrappedDomainTensor(DomainTensor):
         with wrapper_tensors():
             made = DomainTensor._dispatcher(func, (), args, kwargs)
         rebase(self, made if index is None else made[index], check=False)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        """The dispatcher's, after a builtin recorded in place of a Python function of torch is routed to it."""
+        kwargs = kwargs or {}
+        python_level = PYTHON_LEVEL.get(func)
+        if python_level is not None:
+            return python_level(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
+
+    def __tensor_flatten__(self) -> tuple[list[str], AnySpec]:
+        """What ``torch.compile`` sees of a wrapper tensor: its shard, and its spec as a constant of the graph."""
+        return ["_local"], self._spec
+
+    @staticmethod
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], spec: AnySpec, _outer_size: Any,
+                             _outer_stride: Any) -> WrappedDomainTensor:
+        """The wrapper tensor ``__tensor_flatten__`` took apart (a compiled graph's input or output)."""
+        return WrappedDomainTensor(inner["_local"], spec)
 
     def __deepcopy__(self, memo: dict) -> WrappedDomainTensor:
         """A copy with the same spec; a leaf keeps ``requires_grad`` as torch's deep copy of a leaf does."""

@@ -46,7 +46,7 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, is_w
 from mesh3d.domain.dispatch.writes import record_views, written_into_wrapper
 from mesh3d.domain.dispatch.queries import global_size_answer
 from mesh3d.domain.layouts.slabs import redistribute_local
-from mesh3d.domain.core.settings import SETTINGS
+from mesh3d.domain.core.settings import SETTINGS, traced
 
 __all__ = ["dispatch", "dispatch_autograd_function", "redispatch", "run_step"]
 
@@ -75,7 +75,7 @@ def _dispatch_grid(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
             "not run it, because the local answer could differ from the one-process answer. The ops supported are "
             "listed in docs/domain.md, 'Blocks' and 'Token grids'. Call .full_tensor() first, or move to slabs with "
             "domain.redistribute(x, dim=...)")
-    if spec.comm.size == 1 or torch.compiler.is_dynamo_compiling():  # NOTE: see dispatch() on compiled graphs
+    if spec.comm.size == 1 or traced():  # NOTE: see dispatch() on compiled graphs
         return rule(*args, **kwargs)
     JOURNAL.record(_op_label(func), (spec.dims, tuple(sum(s) for s in spec.sizes)))
     return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
@@ -95,7 +95,7 @@ def _dispatch_graph(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any
             f"{spec.dim}): mesh3d will not run it, because the local answer could differ from the one-process answer. "
             "The ops supported are listed in docs/domain.md, 'Graphs and meshes'. Call .full_tensor() first, or "
             "register a rule with mesh3d.domain.register")
-    if spec.comm.size == 1 or torch.compiler.is_dynamo_compiling():
+    if spec.comm.size == 1 or traced():
         return rule(*args, **kwargs)
     JOURNAL.record(_op_label(func), ((spec.dim,), (spec.items.n,)))
     return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
@@ -223,7 +223,7 @@ def _dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     comm = lead._spec.comm
     # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
     # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
-    if comm.size == 1 or torch.compiler.is_dynamo_compiling():
+    if comm.size == 1 or traced():
         result = rule(*args, **kwargs)
         return run_step(result) if isinstance(result, Step) else result
     return _telling_peers_of_failure(comm, func, lambda: _run_rule_checked(func, rule, lead, args, kwargs))
@@ -336,7 +336,7 @@ def _resolve(req: Any) -> Any:
 def _overlapped(step: Step) -> torch.Tensor | None:
     """The step's result computed with its halo exchange in flight (``mesh3d.domain.halo.overlap``), or None
     where that does not apply: overlap off or not declared, nothing received, or no interior rows."""
-    if not SETTINGS.value.overlap.enabled or len(step.args) != 1 or step.kwargs or torch.compiler.is_dynamo_compiling():
+    if not SETTINGS.value.overlap.enabled or len(step.args) != 1 or step.kwargs or traced():
         return None
     req = step.args[0]
     if not isinstance(req, Window) or req.overlap is None or req.x._spec.comm.size == 1:

@@ -26,6 +26,7 @@ from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.core.settings import traced
 
 __all__ = ["neighbourhood_attention"]
 
@@ -89,7 +90,7 @@ def sdpa_rule(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         return mixed
     if _batched(query, key, value):  # sharded along a batch dim (Swin's windows): local
         return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if torch.compiler.is_dynamo_compiling():
+    if traced():
         if query.spec.comm.size == 1:  # the whole sequence is here: torch's own SDPA, traced like any op
             return _local_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
         if takes(query, key, value, attn_mask):  # slabs: one custom op pair carries any mode (attention_op.py)

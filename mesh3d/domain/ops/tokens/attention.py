@@ -35,6 +35,7 @@ from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
+from mesh3d.domain.core.settings import traced
 
 __all__ = ["neighbourhood_attention"]
 
@@ -61,7 +62,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
     mixed = mixed_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     if mixed is not None:  # a plain conditioning (cross-attention), latent queries: ops/mixed_attention.py
         return mixed
-    if torch.compiler.is_dynamo_compiling() and query.spec.comm.size > 1 and takes(query, key, value, attn_mask):
+    if traced() and query.spec.comm.size > 1 and takes(query, key, value, attn_mask):
         # NOTE: as on slabs, one custom op pair carries any mode in the graph (mesh3d/domain/attention/compiled.py)
         return compiled_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # ring, gather or ulysses over the global token order (mesh3d/domain/attention/modes.py)
