@@ -147,3 +147,25 @@ def test_pyg_layers_unchanged_train_like_one_process_on_2_3_and_4_ranks(ranks):
         counts, worst = ranks.run(world, _pyg_body, world, timeout=180)[0]
         assert worst < TOL, (world, counts, worst)
         assert world == 2 or counts[-1] == 0
+
+
+_IMPORTED_FIRST = """
+import torch, torch_geometric  # PyG first: it puts Python functions in place of torch.select and torch.index_select
+from mesh3d import DistributedManager, domain
+DistributedManager.initialize(batch=1, domain=1)
+x = torch.arange(60.).view(3, 4, 5)
+xs = domain.shard(x, dim=1)
+got = [torch.select(xs, 2, 3), torch.index_select(xs, 1, torch.tensor([0, 3])), torch.index_select(xs, 2, torch.tensor([4, 1]))]
+want = [x.select(2, 3), x.index_select(1, torch.tensor([0, 3])), x.index_select(2, torch.tensor([4, 1]))]
+print(all(torch.equal(g.full_tensor().to_local(), w) for g, w in zip(got, want)))
+"""
+
+
+def test_torch_select_and_index_select_keep_their_rules_when_pyg_is_imported_before_mesh3d():
+    """PyTorch Geometric replaces ``torch.select`` and ``torch.index_select`` on import with Python functions that call
+    the builtins: rules registered after that reach the builtins too (they were refused by name before)."""
+    from launch_helpers import run
+
+    done = run(["-c", _IMPORTED_FIRST], timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.strip().splitlines()[-1] == "True", done.stdout

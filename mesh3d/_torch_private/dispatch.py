@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import types
+
 import torch
 from torch.utils import _python_dispatch, _pytree
 
-__all__ = ["OpOverload", "OpOverloadPacket", "TRUTH_REDUCTIONS", "TorchDispatchMode", "custom_op_overload",
+__all__ = ["OpOverload", "OpOverloadPacket", "TRUTH_REDUCTIONS", "TorchDispatchMode", "builtins_replaced_by", "custom_op_overload",
            "is_operator", "make_wrapper_tensor", "op_schema", "outside_dispatch_modes", "running_compiled_backward", "storage_key",
            "tree_flatten", "tree_map", "view_base"]
 
@@ -113,3 +115,22 @@ def running_compiled_backward() -> bool:
     """
     node = torch._C._current_autograd_node()
     return node is not None and node.name() == "CompiledFunctionBackward"
+
+
+def builtins_replaced_by(func: Any) -> list[Any]:
+    """The builtin torch functions that ``func``, a Python function some library put in their place in ``torch``'s
+    namespace, stands for: ``[builtin select]`` for PyTorch Geometric's ``torch.select`` (it replaces
+    ``torch.select`` and ``torch.index_select`` on import and calls the builtins inside). Empty for anything else.
+
+    Why private: the builtins' home is ``torch._C._VariableFunctions``; once a library has replaced ``torch.select``,
+    no public name reaches the builtin, which is what reaches ``__torch_function__``.
+    """
+    module = getattr(func, "__module__", None) or ""
+    if isinstance(func, types.BuiltinFunctionType) or module == "torch" or module.startswith("torch."):
+        return []  # NOTE: torch's own Python functions (torch.split, F.conv2d) are what callers reach
+    found = []
+    for name, value in vars(torch).items():
+        builtin = getattr(torch._C._VariableFunctions, name, None)
+        if value is func and builtin is not None and builtin is not func:
+            found.append(builtin)
+    return found

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import OpOverload, OpOverloadPacket, custom_op_overload, is_operator
+from mesh3d._torch_private import OpOverload, OpOverloadPacket, builtins_replaced_by, custom_op_overload, is_operator
 
 __all__ = ["BLOCK_RULES", "GRAPH_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "op_name", "register",
            "rules_for", "writes_into_first"]
@@ -55,6 +55,10 @@ class RuleTable:
                 "pass override=True to replace it on purpose"
             )
         self._rules[func] = rule
+        # NOTE: a library imported before mesh3d may have put a Python function in place of a torch builtin
+        # (PyTorch Geometric's torch.select, torch.index_select); what reaches __torch_function__ is the builtin
+        for builtin in builtins_replaced_by(func):
+            self._rules[builtin] = rule
         RuleTable.changes += 1
         if not any(r is rule for r in self._listed):
             self._listed.append(rule)
