@@ -187,3 +187,12 @@ def assert_equal_or_refused(errors: dict, refusals: dict, tol: float) -> None:
     assert refused.keys() == refusals.keys() and all(refused[k].startswith(v) for k, v in refusals.items()), refused
     bad = {k: v for k, v in errors.items() if k not in refused and not v < tol}
     assert not bad, bad
+
+
+#: Slabs of 2 and 3 uneven ranks (an empty shard among them) and 2x2 uneven blocks of a (..., 9, 6) field: the layouts
+#: of the per-family rule tests (``ranks.run(spec["world"], body, spec)``; ``"dims"`` marks blocks).
+RULE_LAYOUTS = {
+    "slabs 2 (6, 3)": {"world": 2, "grid": 2, "sizes": (6, 3)},
+    "slabs 3 (4, 0, 5)": {"world": 3, "grid": 3, "sizes": (4, 0, 5)},
+    "blocks 2x2 (5, 4) x (2, 4)": {"world": 4, "grid": (2, 2), "dims": True, "sizes": ((5, 4), (2, 4))},
+}

@@ -20,7 +20,8 @@ from mesh3d._torch_private import op_schema
 #: Overloads no schema-made call can check against one process: random draws (another stream per process),
 #: allocation and identity queries.
 SKIP_NAMES = {"bernoulli", "bernoulli_", "dropout", "alpha_dropout", "feature_alpha_dropout", "feature_dropout", "rrelu",
-              "rand_like", "randn_like", "randint_like", "empty_like", "new_empty", "new_empty_strided", "data_ptr",
+              "rand_like", "randn_like", "randint_like", "normal_", "uniform_", "exponential_", "random_", "cauchy_",
+              "log_normal_", "geometric_", "kaiming_uniform_", "empty_like", "new_empty", "new_empty_strided", "data_ptr",
               "set_", "resize_", "resize_as_", "record_stream", "_version", "retains_grad", "requires_grad_",
               "untyped_storage", "storage_offset", "is_set_to", "cpu", "cuda", "pin_memory", "to", "type_as", "item"}
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domain_cases import assert_equal_or_refused, case_error, step_both
+from domain_cases import RULE_LAYOUTS, assert_equal_or_refused, case_error, step_both
 
 TOL = 1e-10
 H, W = 9, 6
@@ -100,11 +100,7 @@ BLOCK_REFUSALS = {
     **dict.fromkeys(("rot90", "rot90_other_dims"), "torch.flip has no rule for block layouts"),
     **dict.fromkeys(("pixel_shuffle", "pixel_unshuffle_shuffle"), "torch.reshape(2, 1, 18, 12) of a block tensor"),
 }
-LAYOUTS = {
-    "slabs 2 (6, 3)": {"world": 2, "grid": 2, "sizes": (6, 3)},
-    "slabs 3 (4, 0, 5)": {"world": 3, "grid": 3, "sizes": (4, 0, 5)},
-    "blocks 2x2 (5, 4) x (2, 4)": {"world": 4, "grid": (2, 2), "dims": True, "sizes": ((5, 4), (2, 4))},
-}
+LAYOUTS = RULE_LAYOUTS
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))

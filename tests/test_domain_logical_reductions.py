@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domain_cases import assert_equal_or_refused, case_error
+from domain_cases import RULE_LAYOUTS, assert_equal_or_refused, case_error
 
 TOL = 1e-10
 H, W = 9, 6
@@ -92,11 +92,7 @@ def _body(layout: dict) -> dict:
     return errors
 
 
-LAYOUTS = {
-    "slabs 2 (6, 3)": {"world": 2, "grid": 2, "sizes": (6, 3)},
-    "slabs 3 (4, 0, 5)": {"world": 3, "grid": 3, "sizes": (4, 0, 5)},
-    "blocks 2x2 (5, 4) x (2, 4)": {"world": 4, "grid": (2, 2), "dims": True, "sizes": ((5, 4), (2, 4))},
-}
+LAYOUTS = RULE_LAYOUTS
 #: Blocks reduce over all their block dims or none, and have no amax (one_hot's inferred class count reads it).
 BLOCK_REFUSALS = {"any_dim": "torch.sum over dims [2] covers only some", "all_dim": "torch.sum over dims [3] covers",
                   "count_nonzero_dims": "torch.sum over dims [1, 2] covers only some",
