@@ -88,6 +88,13 @@ def _dispatch_graph(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any
         # NOTE: graph rules check node ids against the partition and plan halos in numpy, which Dynamo cannot trace:
         # under torch.compile each graph op is a graph break, run eagerly (docs/domain.md, "Graphs and meshes").
         return _graph_eager(func, args, kwargs, spec)
+    if traced():
+        # NOTE: wrapper tensors (issue 64's switch) are traced by AOTAutograd, where no graph break can be made, and
+        # the graph rules' numpy halo plans cannot run on fake tensors
+        raise NotImplementedError(
+            f"{op_name(func)} on a graph-laid-out wrapper domain tensor under torch.compile: graph ops run eagerly "
+            "(docs/domain.md, 'Graphs and meshes'), which a wrapper tensor's trace cannot do yet; compile the layers "
+            "around the message passing, or wrap it in torch.compiler.disable")
     rule = GRAPH_RULES.get(func)
     if rule is None:
         raise NotImplementedError(
