@@ -12,7 +12,7 @@ from mesh3d._torch_private.autograd import (
     checkpoint_module, disable_torch_function_subclass, linear_not_a_view, own_output, patch_checkpoint_recomputation,
     route_autograd_function_calls, run_autograd_function, run_backward_from)
 from mesh3d._torch_private.compile import (
-    autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
+    PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
     let_compiled_graphs_take_function_subclasses, never_compiled_alone, run_compiled_graphs_without_subclass_dispatch,
     saved_under_traced_checkpoints)
 from mesh3d._torch_private.kernels import (
@@ -25,6 +25,7 @@ from mesh3d._torch_private.dispatch import (
     outside_dispatch_modes, running_compiled_backward, storage_key, tree_flatten, tree_map, view_base)
 
 __all__ = [
+    "PAD_BUILTIN",
     "OpOverload",
     "OpOverloadPacket",
     "TRUTH_REDUCTIONS",

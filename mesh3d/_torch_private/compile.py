@@ -20,6 +20,7 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
+    "PAD_BUILTIN",
     "autograd_inside_custom_op",
     "call_without_compiling",
     "keep_in_program_order",
@@ -28,6 +29,12 @@ __all__ = [
     "run_compiled_graphs_without_subclass_dispatch",
     "saved_under_traced_checkpoints",
 ]
+
+
+#: ``F.pad``'s builtin. ``torch.compile`` records it in a graph in place of ``F.pad`` (Dynamo inlines the Python
+#: function), so a traceable subclass (the wrapper domain tensor) meets it at trace time and pad's rule is registered
+#: for it too. Why private: it lives in ``torch._C._nn``; no public name reaches it.
+PAD_BUILTIN = torch._C._nn.pad
 
 
 def let_compiled_graphs_take_function_subclasses() -> None:

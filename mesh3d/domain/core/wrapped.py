@@ -18,15 +18,17 @@ shape, answering every question (``g.norm()``) as the one-process gradient.
 Compiled (``torch.compile``): a wrapper tensor is a traceable subclass (``__tensor_flatten__``), as DTensor is. Dynamo
 records the model's ops on it without tracing mesh3d's code; the rules run when the graph is traced (Dynamo's fake run
 of each op, then AOTAutograd's trace), on fake shards, and emit their exchanges as ``mesh3d::exchange_rows``
-(``core.settings.traced``). Builtins that Dynamo records in place of a Python function of torch are routed to that
-function's rule (``PYTHON_LEVEL``).
+(``core.settings.traced``). A builtin that Dynamo records in place of a Python function of torch needs that
+function's rule registered for it too (``F.pad``'s: ``_torch_private.PAD_BUILTIN``).
 
 NOTE (the steps): landed so far: the type, its two autograd edges, the floor, in-place writes rebased onto the
 written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``), compile. Not yet: the short path's
 speed; dropout inside a checkpointed region compiled by Inductor draws other numbers than one process
-(``test_random_axes``' compiled case fails under the switch; ``aot_eager`` is exact). The suite runs on the storage
-subclass until the switch is the default; under it, every test passes but the short path's own, that Inductor case
-and the guard filter's count of guards on mesh3d's code (which Dynamo no longer traces).
+(``test_random_axes``' compiled case fails under the switch; ``aot_eager`` is exact); graph ops under compile (refused
+at trace time, so Dynamo breaks the graph at each: equal to eager, but more frames than the storage subclass compiles).
+The suite runs on the storage subclass until the switch is the default; under it (843 tests, 2026-12-03), every test
+passes but the short path's own (32), that Inductor case, the compiled message passing's frame count and the guard
+filter's count of guards on mesh3d's code (which Dynamo no longer traces).
 """
 
 from __future__ import annotations
@@ -201,13 +203,6 @@ ENGINE_OPS = frozenset({
 })
 
 
-#: Builtins that torch.compile records where a Python function of torch calls them (Dynamo inlines ``F.pad``, so
-#: the graph holds ``torch._C._nn.pad``): the Python function, whose rule runs when the graph is traced.
-PYTHON_LEVEL: dict = {
-    torch._C._nn.pad: lambda input, pad, mode="constant", value=None: torch.nn.functional.pad(input, pad, mode, value),
-}
-
-
 class WrappedDomainTensor(DomainTensor):
     """A domain tensor with the whole tensor's metadata and no storage; its shard is ``to_local()`` (module docstring).
 
@@ -276,15 +271,6 @@ class WrappedDomainTensor(DomainTensor):
         with wrapper_tensors():
             made = DomainTensor._dispatcher(func, (), args, kwargs)
         rebase(self, made if index is None else made[index], check=False)
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        """The dispatcher's, after a builtin recorded in place of a Python function of torch is routed to it."""
-        kwargs = kwargs or {}
-        python_level = PYTHON_LEVEL.get(func)
-        if python_level is not None:
-            return python_level(*args, **kwargs)
-        return super().__torch_function__(func, types, args, kwargs)
 
     def __tensor_flatten__(self) -> tuple[list[str], AnySpec]:
         """What ``torch.compile`` sees of a wrapper tensor: its shard, and its spec as a constant of the graph."""

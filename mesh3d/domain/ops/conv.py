@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import PAD_BUILTIN
 from mesh3d.domain.halo.windows import extent_map, plan_window, sizes_by_first_index
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.comm.rows import Span, runs_from_indices
@@ -240,7 +241,7 @@ def padded_rows(lo: int, hi: int, n: int, pl: int, mode: str):
     return left + middle + right
 
 
-@register(F.pad)
+@register(F.pad, PAD_BUILTIN)
 def _pad(input, pad, mode="constant", value=None) -> Step:
     dim = input.spec.dim
     pos = input.ndim - 1 - dim  # which (left, right) pair of ``pad`` belongs to the sharded dim

@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import PAD_BUILTIN
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import (
     extend_windows, gather_along, gather_boxes, in_layout, replicate_blocks_if_singleton)
@@ -302,5 +303,6 @@ for _nd in (1, 2, 3):
     for _kind in ("avg", "max"):
         BLOCK_RULES.register(getattr(F, f"adaptive_{_kind}_pool{_nd}d"), _adaptive(_kind, _nd))
 BLOCK_RULES.register(F.pad, _pad)
+BLOCK_RULES.register(PAD_BUILTIN, _pad)  # NOTE: what a compiled graph of wrapper tensors records for F.pad
 for _f in (torch.cat, torch.concat):
     BLOCK_RULES.register(_f, _cat)
