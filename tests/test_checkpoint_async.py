@@ -274,3 +274,49 @@ def test_shutdown_finishes_a_pending_save_and_raises_an_unseen_failure_on_every_
         assert seen[0] == "True True", seen
         assert "rank 1: OSError after writing shards: disk full (injected)" in seen[1], seen
         assert seen[2:] == ["initialized after: False", "sum 2; landed"], seen
+
+
+def _commit_under_each_managers_timeout(root: str) -> list[str]:
+    from mesh3d import DistributedManager
+    from mesh3d._torch_private import default_store, live_process_groups
+
+    rank, store, seen = torch.distributed.get_rank(), default_store(), []
+    groups_before = len(live_process_groups())
+    DistributedManager.initialize(batch=2, timeout=600)
+    model, opt = _trained()
+    checkpoint.async_save(os.path.join(root, "first"), model, opt, step=1).wait()  # commits over a 600 s group
+    DistributedManager.shutdown()
+    seen.append(f"groups left by the first manager: {len(live_process_groups()) - groups_before}")
+
+    def hang_on_rank_1(stage: str) -> None:  # until rank 0 has its verdict (at most 60 s)
+        deadline = time.monotonic() + 60
+        while stage == "mid_shard" and rank == 1 and time.monotonic() < deadline and store.add("verdict", 0) < 1:
+            time.sleep(0.05)
+
+    DistributedManager.initialize(batch=2, timeout=3)
+    handle = checkpoint.async_save(os.path.join(root, "second"), model, opt, step=2, stage_hook=hang_on_rank_1)
+    try:
+        handle.wait()
+        seen.append("committed")
+    except CheckpointError as err:
+        seen.append(str(err))
+    finally:
+        if rank == 0:  # NOTE: the verdict came from rank 0's own timeout, before rank 1 woke: it names no failure of rank 1
+            store.add("verdict", 1)
+    try:
+        DistributedManager.shutdown()
+    except CheckpointError:
+        pass
+    seen.append(f"groups left by the second manager: {len(live_process_groups()) - groups_before}")
+    return seen
+
+
+def test_a_background_commit_waits_for_the_current_managers_timeout_and_its_group_goes_at_shutdown(ranks, tmp_path):
+    """A default group made outside mesh3d outlives each manager: the checkpoint group must not (it carried the first
+    manager's 600 s timeout into the second's, whose survivors then waited for the hung rank instead of 3 s)."""
+    seen = ranks.run(2, _commit_under_each_managers_timeout, str(tmp_path), timeout=120)
+    assert seen[0][0] == seen[1][0] == "groups left by the first manager: 0", seen
+    assert "timed out" in seen[0][1].lower() and "rank 1 (batch 1, domain 0, model 0): the likely hang" in seen[0][1]
+    assert "while writing shards" not in seen[0][1], seen[0]  # rank 0's own timeout, not rank 1's later failure
+    assert seen[0][1].startswith("saving") and "/second failed" in seen[0][1], seen[0]
+    assert seen[0][2] == seen[1][2] == "groups left by the second manager: 0", seen

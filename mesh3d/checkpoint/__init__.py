@@ -30,6 +30,9 @@ from mesh3d.manager import DistributedManager
 # NOTE: a background save still being written finishes (commit included) before the groups go, at shutdown()
 # and at exit; its failure, if nobody has seen it, is raised by shutdown() on every rank.
 DistributedManager.on_teardown(IN_FLIGHT.wait)
+# ... and the group it committed over goes with the manager's groups: the next manager's saves commit over a group
+# with that manager's timeout.
+DistributedManager.on_shutdown(IN_FLIGHT.release_group)
 
 __all__ = [
     "AsyncSave",

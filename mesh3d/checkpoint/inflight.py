@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from mesh3d._torch_private import live_process_groups
 from mesh3d.checkpoint.agree import AgreedPlans
 from mesh3d.checkpoint.errors import CheckpointError
 from mesh3d.checkpoint.staging import HostStaging
@@ -75,7 +76,7 @@ class InFlight:
         self.plans = AgreedPlans()  # shared by save and async_save: every rank saves in the same order
         self.host = HostStaging()  # reused by every background save: the previous one has finished with it
         self._group: dist.ProcessGroup | None = None
-        self._world: object = None  # the default group the checkpoint group was made from
+        self._made_for: tuple[object, int] | None = None  # (default group, manager epoch) the group was made under
         self._writer: ThreadPoolExecutor | None = None  # the one writer thread, made by the first background save
         self._writer_pid = 0  # the process that made it (a forked child has the object but not the thread)
 
@@ -110,18 +111,33 @@ class InFlight:
         return {handle.staging} if handle is not None and not handle.done() else set()
 
     def group(self) -> dist.ProcessGroup | None:
-        """The gloo group background writers commit over (None in a world of one); made once per default group.
+        """The gloo group background writers commit over (None in a world of one); made once per default group and
+        manager, with the manager's timeout (else torch's default).
 
-        Every rank must call this at the same point (``async_save`` does, before returning): making a group
-        is a collective on the default group.
+        Every rank must call this at the same point (``async_save`` does, before returning, after the previous save
+        has finished): making a group is a collective on the default group.
         """
         if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
             return None
-        if self._world is not dist.group.WORLD:  # first use, or the default group was destroyed and remade
-            timeout = DistributedManager().timeout if DistributedManager.is_initialized() else dist.default_pg_timeout
-            self._group = dist.new_group(backend="gloo", timeout=timeout)
-            self._world = dist.group.WORLD
+        manager = DistributedManager() if DistributedManager.is_initialized() else None
+        made_for = (dist.group.WORLD, 0 if manager is None else manager.epoch)
+        if self._made_for is None or self._made_for[0] is not made_for[0] or self._made_for[1] != made_for[1]:
+            # NOTE: remade for every manager, not only for a new default group: a default group the user made outlives
+            # shutdown(), and a group kept from an earlier manager kept that manager's timeout (a background commit
+            # then waited out a 30 s hang where the new manager said 6 s: the async-hang fault cell, in rank pools
+            # whose worker had saved in the background under another test's manager).
+            self.release_group()
+            self._group = dist.new_group(backend="gloo", timeout=dist.default_pg_timeout if manager is None
+                                         else manager.timeout)
+            self._made_for = made_for
         return self._group
+
+    def release_group(self) -> None:
+        """Destroy the checkpoint group if it is still live (the manager's ``shutdown`` calls this once the pending save
+        has finished; a default group the manager made took it down already)."""
+        group, self._group, self._made_for = self._group, None, None
+        if group is not None and group in live_process_groups():
+            dist.destroy_process_group(group)
 
 
 #: The process's one in-flight background save (a process writes one checkpoint at a time).
