@@ -255,6 +255,11 @@ def add_score_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--climatology", default=None, metavar="PATH", help="ACC's climatology: a zarr store or NetCDF file "
                    "with one variable per channel (z500, t2m, ...), each a field on the forecast's grid or one value "
                    "(default: the normalization means)")
+    p.add_argument("--region", dest="regions", action="append", default=None, metavar="REGION", help="a region to "
+                   "score over, repeatable: a name (global, tropics, extratropics_north, extratropics_south, arctic, "
+                   "antarctic, europe, north_america) or a box NAME=SOUTH:NORTH,WEST:EAST in degrees (default: global)")
+    p.add_argument("--metrics", default=None, metavar="LIST", help="comma-separated metrics to report (default all: "
+                   "rmse, crps, spread, spread_skill, acc, member_rmse, member_mae)")
     for axis, default in (("batch", "-1"), ("domain", "1")):
         p.add_argument(f"--{axis}", dest=f"{axis}_axis", default=default, type=AXIS,
                        help=f"{axis} axis size (default {default})")

@@ -66,5 +66,5 @@ def test_forecast_command_killed_mid_run_continues_under_slurm_to_the_uninterrup
     xr.testing.assert_identical(a.drop_vars("forecast"), b.drop_vars("forecast"))
     with open(tmp_path / "scores" / "scores.csv") as f:
         header, *rows = f.read().splitlines()
-    assert header == "lead_hours,channel,units,inits,rmse,crps,spread,spread_skill,acc" and len(rows) == 6 * 3
+    assert header == "region,lead_hours,channel,units,inits,rmse,crps,spread,spread_skill,acc" and len(rows) == 6 * 3
     assert (tmp_path / "scores" / "scores.png").stat().st_size > 10_000

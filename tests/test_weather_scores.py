@@ -89,7 +89,7 @@ def test_scores_on_meshes_equal_an_independent_computation(ranks, tmp_path):
     table.to_csv(tmp_path / "s.csv")
     table.to_json(tmp_path / "s.json")
     rows = json.load(open(tmp_path / "s.json"))["scores"]
-    assert rows[2] == {"lead_hours": 6.0, "channel": "t2m", "units": "K", "inits": 3, **{
+    assert rows[2] == {"region": "global", "lead_hours": 6.0, "channel": "t2m", "units": "K", "inits": 3, **{
         k: pytest.approx(float(want[k][0, 2]), rel=TOL) for k in ("rmse", "crps", "spread", "spread_skill", "acc")}}
     text = table.format()
     assert "   24 h  z300" in text and text.count("\n") == LEADS * 3 and "m**2 s**-2" in text

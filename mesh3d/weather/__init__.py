@@ -12,6 +12,7 @@ Usage::
     run_forecast("pkg.mod:make", "ckpt", "era5.zarr", "ens.zarr", init_times=[40], leads=10, scores="scores/")
     score_forecast("ens.zarr").format()                 # RMSE, fair CRPS, spread/skill, ACC per channel and lead
     score_forecast("ens.zarr", climatology=open_climatology("clim.nc"))   # ACC against a climatology per channel
+    write_score_files(score_regions("ens.zarr", regions=["global", "europe"]), "scores/")   # scores.nc, .csv, ...
 
 See docs/weather.md.
 """
@@ -26,13 +27,16 @@ from mesh3d.weather.inputs import weather_extra
 from mesh3d.weather.grid import LatLonGrid, SphereConv2d, lat_weights, sphere_pad
 from mesh3d.weather.metrics import acc, rmse, weighted_mse
 from mesh3d.weather.rollout import forecast, rollout, rollout_loss
-from mesh3d.weather.scores import ScoreTable, score_forecast
+from mesh3d.weather.regions import REGIONS, Region
+from mesh3d.weather.score_files import scores_dataset, write_score_files
+from mesh3d.weather.scores import ScoreTable, score_forecast, score_regions
 from mesh3d.weather.writer import ForecastWriter
 
-__all__ = ["ForecastProgress", "ForecastResult", "ForecastWriter", "LatLonGrid", "MemberKey", "MemberNoise", "ScoreTable",
-           "SphereConv2d", "acc", "forecast", "forecast_ensemble", "lat_weights", "load_forecast_model",
-           "open_climatology", "perturb_initial", "rmse", "rollout", "rollout_loss", "run_forecast", "score_forecast",
-           "sphere_pad", "weather_extra", "weighted_mse"]
+__all__ = ["REGIONS", "ForecastProgress", "ForecastResult", "ForecastWriter", "LatLonGrid", "MemberKey", "MemberNoise",
+           "Region", "ScoreTable", "SphereConv2d", "acc", "forecast", "forecast_ensemble", "lat_weights",
+           "load_forecast_model", "open_climatology", "perturb_initial", "rmse", "rollout", "rollout_loss",
+           "run_forecast", "score_forecast", "score_regions", "scores_dataset", "sphere_pad", "weather_extra",
+           "weighted_mse", "write_score_files"]
 
 #: Loaded on first use (they import the checkpointer and the planner): ``from mesh3d.weather import run_forecast``.
 _LAZY = {"run_forecast": "mesh3d.weather.job", "load_forecast_model": "mesh3d.weather.job"}

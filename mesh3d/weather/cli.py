@@ -7,7 +7,8 @@ Usage::
         runs/weather/era5_like.zarr --out runs/weather/ens.zarr --init 52,53,54 --leads 10 --members 8 \\
         --perturb 0.05 --batch 2 --domain 2x2 --scores runs/weather/scores
     srun -n 8 mesh3d forecast ...                   # SLURM: the same arguments
-    mesh3d score runs/weather/ens.zarr --out runs/weather/scores
+    mesh3d score runs/weather/ens.zarr --out runs/weather/scores --region global --region tropics \\
+        --region alps=44:49,5:17 --metrics rmse,crps,acc,member_rmse --climatology clim.nc
 """
 
 from __future__ import annotations
@@ -26,9 +27,11 @@ from mesh3d.data.weather_channels import ChannelStats
 from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import parse_grid
 from mesh3d.planner.spec import load_spec
-from mesh3d.weather.job import run_forecast, write_scores
+from mesh3d.weather.job import run_forecast
 from mesh3d.weather.climatology import open_climatology
-from mesh3d.weather.scores import score_forecast
+from mesh3d.weather.regions import parse_regions
+from mesh3d.weather.score_files import summary_text, write_score_files
+from mesh3d.weather.scores import score_regions
 
 __all__ = ["parse_channels", "run_forecast_command", "run_score_command"]
 
@@ -111,14 +114,17 @@ def run_forecast_command(args: argparse.Namespace) -> int:
 def run_score_command(args: argparse.Namespace) -> int:
     try:
         dm = DistributedManager.initialize(batch=int(args.batch_axis), domain=parse_grid(args.domain_axis), model=1)
+        regions = parse_regions(args.regions)
+        metrics = args.metrics.split(",") if args.metrics else None
         clim = open_climatology(args.climatology) if args.climatology else None
-        table = score_forecast(args.store, args.dataset, climatology=clim)
+        tables = score_regions(args.store, args.dataset, climatology=clim, regions=regions, metrics=metrics)
     except (ValueError, FileNotFoundError, CheckpointError) as err:   # CheckpointError: a rank's failure, agreed
         print(f"mesh3d score: {err}", file=sys.stderr)
         _shut_down()
         return 2
     if dm.rank == 0:
-        write_scores(table, args.out)
-        print(table.format(), flush=True)
+        boxes = {r.name: r for r in regions}
+        write_score_files(tables, args.out, regions=boxes)
+        print(summary_text(tables, boxes), flush=True)
     DistributedManager.shutdown()
     return 0

@@ -3,7 +3,8 @@
 The model is built by its factory, split over the model axis when a plan says so (``Plan(model=..., batch=None)``:
 inference keeps the weights whole on each batch rank), loaded from the checkpoint (saved on any mesh), cast to
 ``dtype`` and put in eval mode; then :func:`forecast_ensemble` writes the store and, with ``scores=``, every rank
-scores it and global rank 0 writes ``scores.csv``, ``scores.json`` and ``scores.png`` there.
+scores it and global rank 0 writes the score files there (``write_score_files``: ``scores.nc``, ``.csv``, ``.json``,
+``.txt``, ``.png``).
 
 The dataset's channels, its normalization and the model's lead time come from the arguments or, when not given,
 from the checkpoint's ``extra["weather"]`` (``{"variables": ..., "stats": ..., "lead_hours": 6}``; the weather
@@ -34,8 +35,8 @@ from mesh3d.manager import DistributedManager
 from mesh3d.parallel import Plan, parallelize
 from mesh3d.planner.spec import load_model_factory, load_plan
 from mesh3d.weather.campaign import ForecastResult, forecast_ensemble
-from mesh3d.weather.figures import score_figure
 from mesh3d.weather.inputs import variable_pairs
+from mesh3d.weather.score_files import write_score_files
 from mesh3d.weather.scores import ScoreTable, score_forecast
 from mesh3d.weather.store import ForecastStore
 
@@ -114,14 +115,5 @@ def run_forecast(model: str | Callable[[], nn.Module], checkpoint: str | os.Path
         return result, None
     table = score_forecast(out)
     if not DistributedManager.is_initialized() or DistributedManager().rank == 0:
-        write_scores(table, scores, title=f"{run['model']} (step {run['step']}): {members} members")
+        write_score_files(table, scores, title=f"{run['model']} (step {run['step']}): {members} members")
     return result, table
-
-
-def write_scores(table: ScoreTable, directory: str, title: str = "") -> None:
-    """``scores.csv``, ``scores.json`` and ``scores.png`` (score against lead, one line per channel) in ``directory``."""
-    os.makedirs(directory, exist_ok=True)
-    table.to_csv(os.path.join(directory, "scores.csv"))
-    table.to_json(os.path.join(directory, "scores.json"))
-    fig = score_figure(table, title)
-    fig.savefig(os.path.join(directory, "scores.png"), dpi=90)
