@@ -21,6 +21,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import groupby
 from typing import Any
@@ -30,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mesh3d.checkpoint.comm import collective_step
 from mesh3d.manager import DistributedManager
+from mesh3d.weather.agreement import agreed
 from mesh3d.weather.ensemble import MemberKey, MemberNoise, Perturbation, perturb_initial
 from mesh3d.weather.inputs import ForecastInputs, variable_pairs
 from mesh3d.weather.layout import FieldBlocks, block_of, default_tile
@@ -178,15 +179,21 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
                      writes=coords["model"] == 0, leads_rank=coords["model"] == 0 and coords["domain"] == 0, dm=dm,
                      progress=_print_rank0 if progress is True else (progress or None), state_dtype=state_dtype)
     batches = [result.samples[i:i + batch_size] for i in range(0, len(result.samples), batch_size)]
-    with torch.no_grad():
-        for number, samples in enumerate(batches):
-            runner.run(samples, number, len(batches))
-    if dm is not None and dm.world_size > 1:
-        dist.barrier(group=dm.world_mesh.get_group())
-    if (dm is None or dm.rank == 0) and store.leads_done(list(range(spec.samples))).min() >= spec.leads:
-        store.finish()   # NOTE: every member of every init written (by this job, or with the other jobs' members)
-    if dm is not None and dm.world_size > 1:
-        dist.barrier(group=dm.world_mesh.get_group())
+    # NOTE: guarded: a rank that fails mid-campaign (its model, a read, a write) tells every peer at once, which all
+    # raise PeerLostError naming it and its error, instead of waiting in a halo exchange or a lead's barrier for the
+    # group's timeout. A killed rank is named the same way by the watch's heartbeats.
+    guarded = dm.guard(f"the forecast into {os.path.basename(out)}") if dm is not None and dm.world_size > 1 \
+        else nullcontext()
+    with guarded:
+        with torch.no_grad():
+            for number, samples in enumerate(batches):
+                runner.run(samples, number, len(batches))
+        if dm is not None and dm.world_size > 1:
+            dist.barrier(group=dm.world_mesh.get_group())
+    # NOTE: every member of every init written (by this job, or with the other jobs' members): rank 0 finishes the
+    # store (removes the restart record, consolidates); agreed, so its failure is every rank's
+    agreed(f"forecast: finish the store {out}", lambda: store.finish() if (dm is None or dm.rank == 0) and store.leads_done(
+        list(range(spec.samples))).min() >= spec.leads else None, dm)
     result.written, result.state_writes, result.bytes_written = store.writes, store.state_writes, store.bytes_written
     result.seconds = time.perf_counter() - started
     return result
@@ -245,7 +252,7 @@ def _open_or_create(out: str, spec: StoreSpec, dm: DistributedManager | None) ->
         if (dm is None or dm.rank == 0) and not os.path.exists(out):
             create_store(out, spec)
 
-    _agreed(f"forecast: create the store {out}", create, dm)
+    agreed(f"forecast: create the store {out}", create, dm)
     recorded = read_spec(out)
     differences = spec.differences(recorded)  # every rank reads the same metadata: all raise, or none
     if differences:
@@ -254,19 +261,9 @@ def _open_or_create(out: str, spec: StoreSpec, dm: DistributedManager | None) ->
     store = ForecastStore(out)
     if any(spec.run.get(key) != recorded.run.get(key) for key in MOVABLE):
         # NOTE: the same content found elsewhere (checked above): record where it is now
-        _agreed(f"forecast: record the inputs' new paths in {out}",
+        agreed(f"forecast: record the inputs' new paths in {out}",
                 lambda: store.move_inputs(spec.run) if dm is None or dm.rank == 0 else None, dm)
     return store
-
-
-def _agreed(what: str, step: Callable[[], None], dm: DistributedManager | None) -> None:
-    """``step()`` on every rank, then agreed: a rank that fails (rank 0 writing the store's metadata: a full disk, no
-    permission) tells every rank, which all raise its error, instead of leaving them in a barrier until the group's
-    timeout. One process: ``step()`` itself."""
-    if dm is not None and dm.world_size > 1:
-        collective_step(what, step, group=dm.world_mesh.get_group())
-    else:
-        step()
 
 
 class _Runner:

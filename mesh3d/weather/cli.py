@@ -24,10 +24,13 @@ import torch.distributed as dist
 
 from mesh3d.checkpoint import CheckpointError
 from mesh3d.data.weather_channels import ChannelStats
+from mesh3d.faults import CollectiveTimeoutError, PeerLostError
+from mesh3d.faults.summary import ranks_text, shared_ranks
 from mesh3d.manager import DistributedManager
 from mesh3d.mesh_shape import parse_grid
 from mesh3d.planner.spec import load_spec
 from mesh3d.weather.job import run_forecast
+from mesh3d.weather.agreement import agreed_checks
 from mesh3d.weather.climatology import open_climatology
 from mesh3d.weather.regions import parse_regions
 from mesh3d.weather.score_files import summary_text, write_score_files
@@ -67,7 +70,35 @@ def _load_stats(path: str | None) -> Any:
 def _shut_down() -> None:
     """The mesh gone after a refusal too (the command may run inside a process that goes on: mesh3d.cli.main)."""
     if DistributedManager.is_initialized():
-        DistributedManager.shutdown()
+        try:
+            DistributedManager.shutdown()
+        except CheckpointError:
+            pass  # a pending save's failure: the command already reports its own
+
+
+#: What ends a forecast or a scoring in one line: a bad argument, a rank's failure agreed by every rank
+#: (CheckpointError), a peer lost or a collective timed out (named by the watch), a file that cannot be read or
+#: written. Anything else is a bug: its traceback is shown.
+REPORTED = (ValueError, TypeError, ImportError, OSError, CheckpointError, PeerLostError, CollectiveTimeoutError)
+
+
+def report(command: str, err: BaseException) -> int:
+    """Print ``err`` in one line on stderr, once: an error every rank shares (a wrong rank count, an agreed failure)
+    by the lowest of them, a rank's own error by that rank, naming it; shut the mesh down; return the exit status 2."""
+    ranks = shared_ranks(err)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_available() and dist.is_initialized() else (0, 1)
+    text = " ".join(str(err).split()) or type(err).__name__
+    if not isinstance(err, (ValueError, CheckpointError, PeerLostError, CollectiveTimeoutError)):
+        text = f"{type(err).__name__}: {text}"
+    if ranks is not None and len(ranks) > 1:
+        text += f" ({ranks_text(ranks)}{': every rank' if len(ranks) == world else ''}, reported once)"
+    elif world > 1 and not isinstance(err, (PeerLostError, CollectiveTimeoutError)):
+        who = DistributedManager().describe_rank(rank) if DistributedManager.is_initialized() else f"rank {rank}"
+        text = f"{who}: {text}"
+    if ranks is None or rank == min(ranks):
+        print(f"mesh3d {command}: {text}", file=sys.stderr, flush=True)
+    _shut_down()
+    return 2
 
 
 def run_forecast_command(args: argparse.Namespace) -> int:
@@ -87,10 +118,8 @@ def run_forecast_command(args: argparse.Namespace) -> int:
             batch_size=args.batch_size, tile=args.tile, store_dtype=args.store_dtype, compress=not args.no_compress,
             restart_every=args.restart_every,
             **quiet)
-    except (ValueError, TypeError, FileNotFoundError, ImportError, CheckpointError) as err:
-        print(f"mesh3d forecast: {err}", file=sys.stderr)
-        _shut_down()
-        return 2
+    except REPORTED as err:
+        return report("forecast", err)
     # NOTE: a batch rank's domain and model ranks all count its samples' skipped and recomputed leads: one of them says.
     leader = dm.coordinates["domain"] == 0 and dm.coordinates["model"] == 0
     counts = torch.tensor([result.written, result.skipped * leader, result.recomputed * leader, result.bytes_written],
@@ -114,14 +143,12 @@ def run_forecast_command(args: argparse.Namespace) -> int:
 def run_score_command(args: argparse.Namespace) -> int:
     try:
         dm = DistributedManager.initialize(batch=int(args.batch_axis), domain=parse_grid(args.domain_axis), model=1)
-        regions = parse_regions(args.regions)
         metrics = args.metrics.split(",") if args.metrics else None
-        clim = open_climatology(args.climatology) if args.climatology else None
+        regions, clim = agreed_checks("mesh3d score: the arguments", lambda: (
+            parse_regions(args.regions), open_climatology(args.climatology) if args.climatology else None), dm)
         tables = score_regions(args.store, args.dataset, climatology=clim, regions=regions, metrics=metrics)
-    except (ValueError, FileNotFoundError, CheckpointError) as err:   # CheckpointError: a rank's failure, agreed
-        print(f"mesh3d score: {err}", file=sys.stderr)
-        _shut_down()
-        return 2
+    except REPORTED as err:
+        return report("score", err)
     if dm.rank == 0:
         boxes = {r.name: r for r in regions}
         write_score_files(tables, args.out, regions=boxes)

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from mesh3d.checkpoint.comm import collective_step
 from mesh3d.manager import DistributedManager
+from mesh3d.weather.agreement import agreed_checks
 from mesh3d.weather.climatology import check_climatology, climatology_block
 from mesh3d.weather.grid import lat_weights
 from mesh3d.weather.inputs import ForecastInputs
@@ -256,44 +257,13 @@ def score_regions(store: str | os.PathLike, source: Any = None,
     """
     import zarr  # noqa: PLC0415 (optional: the weather extra)
 
-    chosen, boxes = check_metrics(metrics), parse_regions(regions)
-    path = os.fspath(store)
-    spec = read_spec(path)
-    run = spec.run
-    source = source if source is not None else run.get("source")
-    variables = variables if variables is not None else run.get("variables")
-    if source is None or variables is None:
-        raise ValueError("score_forecast: pass source= (the truth) and variables=: the store does not record them (its "
-                         "forecast read an xarray.Dataset passed in, not a path)")
-    stats = stats if stats is not None else run.get("stats")
-    names = names if names is not None else run.get("names")
-    blocks = FieldBlocks.for_mesh((spec.lat.size, spec.lon.size), spec.tile)
-    inputs = ForecastInputs(source, variables, lead=spec.lead, stats=stats, blocks=blocks, names=names)
-    if inputs.lat.shape != spec.lat.shape or inputs.lon.shape != spec.lon.shape or not (
-            np.allclose(inputs.lat, spec.lat) and np.allclose(inputs.lon, spec.lon)):
-        raise ValueError(f"score_forecast: the dataset's grid ({inputs.lat.size} x {inputs.lon.size}) is not the store's "
-                         f"({spec.lat.size} x {spec.lon.size}, or other coordinates)")
-    if [c.name for c in inputs.channels] != [c.name for c in spec.channels]:
-        raise ValueError(f"score_forecast: the dataset's channels {[c.name for c in inputs.channels]} are not the "
-                         f"store's {[c.name for c in spec.channels]}")
-    # NOTE: on every rank, before the all-reduce (a rank without a block never reads it): all raise, or none
-    if isinstance(climatology, Mapping):
-        check_climatology(climatology, [ch.name for ch in spec.channels], spec.lat, spec.lon)
-    elif climatology is not None and not hasattr(climatology, "isel"):
-        whole = (len(spec.channels), spec.lat.size, spec.lon.size)
-        if np.shape(climatology) not in (whole[:1], whole):
-            raise ValueError(f"score_forecast: climatology= must be (C,) or (C, H, W) = {whole}, got "
-                             f"{np.shape(climatology)}")
-    weights = lat_weights(spec.lat).numpy()
-    # (H, 1) for the globe (the scores as they always were, bit for bit), else (H, W), zero outside the box
-    region_weights = [weights if box.is_global else weights * box.mask(spec.lat, spec.lon) for box in boxes]
-    totals = [float(spec.lat.size * spec.lon.size) if box.is_global else float(w.sum())
-              for box, w in zip(boxes, region_weights)]
-    empty = [box.describe() for box, total in zip(boxes, totals) if total <= 0]
-    if empty:
-        raise ValueError(f"score_forecast: no grid point lies in region {', '.join(empty)} (the grid: latitudes "
-                         f"{spec.lat.min():g}..{spec.lat.max():g}, longitudes {spec.lon.min():g}..{spec.lon.max():g})")
     dm = DistributedManager() if DistributedManager.is_initialized() else None
+    path = os.fspath(store)
+    # NOTE: checked on every rank, agreed before the sums' collectives: a refusal is raised on every rank at once (a
+    # rank without a block never reads the climatology; one rank failing to read the store's metadata tells the rest)
+    chosen, boxes, spec, inputs, blocks, region_weights, totals = agreed_checks(
+        "score_forecast: the request", lambda: _checked_request(path, source, variables, stats, climatology, names,
+                                                                regions, metrics), dm)
     coords = dm.coordinates if dm is not None else {"model": 0, "batch": 0}
     batch_ranks = dm.axis_size("batch") if dm is not None else 1
     n_init, n_lead, m, c = len(spec.init_times), spec.leads, spec.members, len(spec.channels)
@@ -338,3 +308,43 @@ def score_regions(store: str | os.PathLike, source: Any = None,
         tables[box.name] = ScoreTable([ch.name for ch in spec.channels], [ch.units for ch in spec.channels], hours, m,
                                       n, **scores, scale=scale, region=box.name, metrics=chosen)
     return tables
+
+
+def _checked_request(path: str, source: Any, variables: Any, stats: Any, climatology: Any, names: Any, regions: Any,
+                     metrics: Any) -> tuple:
+    chosen, boxes = check_metrics(metrics), parse_regions(regions)
+    spec = read_spec(path)
+    run = spec.run
+    source = source if source is not None else run.get("source")
+    variables = variables if variables is not None else run.get("variables")
+    if source is None or variables is None:
+        raise ValueError("score_forecast: pass source= (the truth) and variables=: the store does not record them (its "
+                         "forecast read an xarray.Dataset passed in, not a path)")
+    stats = stats if stats is not None else run.get("stats")
+    names = names if names is not None else run.get("names")
+    blocks = FieldBlocks.for_mesh((spec.lat.size, spec.lon.size), spec.tile)
+    inputs = ForecastInputs(source, variables, lead=spec.lead, stats=stats, blocks=blocks, names=names)
+    if inputs.lat.shape != spec.lat.shape or inputs.lon.shape != spec.lon.shape or not (
+            np.allclose(inputs.lat, spec.lat) and np.allclose(inputs.lon, spec.lon)):
+        raise ValueError(f"score_forecast: the dataset's grid ({inputs.lat.size} x {inputs.lon.size}) is not the store's "
+                         f"({spec.lat.size} x {spec.lon.size}, or other coordinates)")
+    if [c.name for c in inputs.channels] != [c.name for c in spec.channels]:
+        raise ValueError(f"score_forecast: the dataset's channels {[c.name for c in inputs.channels]} are not the "
+                         f"store's {[c.name for c in spec.channels]}")
+    if isinstance(climatology, Mapping):
+        check_climatology(climatology, [ch.name for ch in spec.channels], spec.lat, spec.lon)
+    elif climatology is not None and not hasattr(climatology, "isel"):
+        whole = (len(spec.channels), spec.lat.size, spec.lon.size)
+        if np.shape(climatology) not in (whole[:1], whole):
+            raise ValueError(f"score_forecast: climatology= must be (C,) or (C, H, W) = {whole}, got "
+                             f"{np.shape(climatology)}")
+    weights = lat_weights(spec.lat).numpy()
+    # (H, 1) for the globe (the scores as they always were, bit for bit), else (H, W), zero outside the box
+    region_weights = [weights if box.is_global else weights * box.mask(spec.lat, spec.lon) for box in boxes]
+    totals = [float(spec.lat.size * spec.lon.size) if box.is_global else float(w.sum())
+              for box, w in zip(boxes, region_weights)]
+    empty = [box.describe() for box, total in zip(boxes, totals) if total <= 0]
+    if empty:
+        raise ValueError(f"score_forecast: no grid point lies in region {', '.join(empty)} (the grid: latitudes "
+                         f"{spec.lat.min():g}..{spec.lat.max():g}, longitudes {spec.lon.min():g}..{spec.lon.max():g})")
+    return chosen, boxes, spec, inputs, blocks, region_weights, totals
