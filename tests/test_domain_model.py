@@ -70,6 +70,38 @@ def test_nested_activation_checkpointing_recomputes_as_forward_ran(ranks, world,
         assert param_err < 1e-9
 
 
+def _reentrant_body(sizes):
+    from torch.utils.checkpoint import checkpoint
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(1, 2, 3, padding=1).double()
+    x = torch.randn(1, 1, sum(sizes), 4, dtype=torch.float64)
+    checkpoint(conv, x.requires_grad_(), use_reentrant=False).square().sum().backward()
+    want = conv.weight.grad.clone()
+    conv.weight.grad = None
+    xs = domain.shard(x.detach(), dim=2, sizes=sizes).requires_grad_()
+    try:
+        checkpoint(conv, xs, use_reentrant=True)
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    checkpoint(conv, xs, use_reentrant=False).square().sum().backward()   # the way out, exact
+    got = domain_sum(conv.weight.grad)
+    DistributedManager.shutdown()
+    return refused, max_err(got, want)
+
+
+def test_reentrant_checkpointing_is_refused_by_name_and_the_non_reentrant_one_runs(ranks):
+    """use_reentrant=True would replay the block with this rank's gradient shards as whole gradients (before, a
+    ValueError about grad_outputs' shape from inside torch.utils.checkpoint's backward): refused at the forward on
+    every rank, naming use_reentrant=False, which gives the one-process gradients."""
+    for refused, err in ranks.run(2, _reentrant_body, (4, 3), timeout=90):
+        assert refused.startswith("torch.utils.checkpoint.checkpoint(..., use_reentrant=True) does not run on domain "
+                                  "tensors") and "Pass use_reentrant=False" in refused, refused
+        assert err < 1e-12
+
+
 def _mesh_train_body(shape, sizes, steps=3):
     """Domain inside a (batch, domain, model) mesh: peers must be the domain sub-mesh, not global rank +- 1.
 

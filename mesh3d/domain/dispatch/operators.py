@@ -281,6 +281,16 @@ def operator_target(func: Any, args: tuple, kwargs: dict) -> tuple[Callable, tup
 #: Modules whose autograd Functions run on domain tensors as they are: torch's own (checkpointing, FSDP, DTensor) see
 #: the domain tensor through the torch calls of their forward, and mesh3d's take its shards.
 _TRUSTED_FUNCTIONS = ("torch.", "mesh3d.")
+#: torch's own Functions that cannot run on domain tensors, with what to do instead. NOTE: reentrant checkpointing's
+#: backward calls torch.autograd.backward on the recomputed (domain) outputs with the gradients the engine handed it,
+#: which are this rank's shards: refused here, at the forward, on every rank, rather than at a confusing backward.
+_REFUSED_FUNCTIONS = {
+    "torch.utils.checkpoint.CheckpointFunction": (
+        "torch.utils.checkpoint.checkpoint(..., use_reentrant=True) does not run on domain tensors: its backward "
+        "replays the block with this rank's gradient shards as if they were whole. Pass use_reentrant=False (the "
+        "non-reentrant checkpoint runs on domain tensors, exactly, and is what torch recommends), or "
+        "torch.distributed.algorithms._checkpoint's checkpoint_wrapper with CheckpointImpl.NO_REENTRANT"),
+}
 
 
 def autograd_function_target(cls: Any) -> Callable | None:
@@ -289,6 +299,9 @@ def autograd_function_target(cls: Any) -> Callable | None:
 
     Usage: ``target = autograd_function_target(MyFunction)``
     """
+    refusal = _REFUSED_FUNCTIONS.get(f"{cls.__module__}.{cls.__qualname__}")
+    if refusal is not None:
+        raise ValueError(refusal)
     if cls.__module__.startswith(_TRUSTED_FUNCTIONS):
         return None
     target = cls.apply
