@@ -41,8 +41,12 @@ def test_forecast_command_killed_mid_run_continues_under_slurm_to_the_uninterrup
                  **{fh.KILL_ENV: "1:15"}, **PATH)                              # rank 1: its 3rd sample, at lead 3
     assert killed.returncode != 0 and "SIGKILL" in killed.stdout + killed.stderr
     done = zarr.open_array(out, path="restart/leads_done", mode="r")[:]
-    assert done.tolist() == [6, 6, 2, 0, 0, 0]
-    before = fh.chunk_files(out)
+    # NOTE: rank 0 records lead 2 of sample 2 once both ranks wrote it, unless the watch ends it first: inside the
+    # campaign's guard a survivor is ended `grace` seconds after the loss even mid-record (seen under load). Then lead 2
+    # is written but not recorded, and the resume writes it again; what is recorded is never written again.
+    assert done.tolist() in ([6, 6, 2, 0, 0, 0], [6, 6, 1, 0, 0, 0]), done
+    recorded = lambda path: int(path.split("/")[1]) < done[int(path.split("/")[0]) * 2 + int(path.split("/")[2])]
+    before = {p: v for p, v in fh.chunk_files(out).items() if recorded(p)}   # chunk paths: init/lead/member/...
     assert len(before) == done.sum() * 4 * 2                           # 4 x 2 tiles of 2 x 5 points per lead
 
     def slurm(port):
