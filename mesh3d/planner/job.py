@@ -40,21 +40,27 @@ from mesh3d.planner.report import JobPlan, RankClass, human_bytes, spans
 from mesh3d.planner.repeat import CannotSplice, SplicedSimulation
 from mesh3d.planner.simulate import InputSpec, RankSim, Simulator
 from mesh3d.planner.verdict import communicators_used, judge
+from mesh3d.planner.workspace import cpu_kernels_fitted
 
 __all__ = ["collective_table", "plan_job"]
 
 #: Up to this many target ranks, a reshard's reads are computed for every rank; above, for one rank per class.
 _EXACT_RESHARD_RANKS = 64
 
-_CPU_ASSUMPTIONS = ("CPU kernels: oneDNN's channel-blocked reorders and float64's im2col for convolutions, fitted on "
-                    "this project's AVX-512 CPU (mesh3d/planner/workspace.py)",)
 _COMPILE_BOUND = ("Plan.compile: planned as eager; Inductor's min-cut partitioner saves no more bytes than eager for "
                   "the same graph and its fused kernels skip eager's intermediates, so this is an upper bound, "
                   "less Inductor's own scratch buffers")
 
 
 def _assumptions(device: str, plan: Plan) -> list[str]:
-    return list(CUDA_ASSUMPTIONS if device == "cuda" else _CPU_ASSUMPTIONS) + ([_COMPILE_BOUND] if plan.compile else [])
+    return list(CUDA_ASSUMPTIONS if device == "cuda" else _cpu_assumptions()) + ([_COMPILE_BOUND] if plan.compile else [])
+
+
+def _cpu_assumptions() -> tuple[str, ...]:
+    # NOTE: which backend a convolution takes, and what it holds, differ by the CPU's vector width: the plan says
+    # which of the fitted models it used (this machine's), since a plan made elsewhere may be read on another CPU.
+    return (f"CPU kernels: oneDNN's reorders and the native kernels' im2col for convolutions, {cpu_kernels_fitted()} "
+            f"model (this machine's CPU; mesh3d/planner/workspace.py), {torch.get_num_threads()} intra-op threads",)
 
 
 def _meta_model(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
