@@ -1,7 +1,7 @@
 """Model idioms on uneven shards (2 and 3 ranks, empty shards drawn) vs one process in fp64, forward and backward:
 global pooling then a head, tokens back to a grid, class token + position embedding + x[:, 0], slicing,
 embeddings on sharded ids, domain.positions, torch.fft along the sharded dim, einops, redistribute(dim=), cumsum and
-cumprod along the sharded dim and another."""
+cumprod along the sharded dim and another, prod along it (exact zeros), another and everything."""
 
 from __future__ import annotations
 
@@ -154,6 +154,22 @@ class Scans(torch.nn.Module):
         return along * torch.cumprod(1 + 0.1 * torch.tanh(y), dim=2) + y.cumprod(1)
 
 
+class Products(torch.nn.Module):
+    """torch.prod along the sharded dim (with exact zeros: one in a slice, two, none), along another dim, over
+    everything, and of a boolean mask (an int64 product)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1, dtype=D64)
+
+    def forward(self, x):
+        y = self.conv(x)
+        f = (1 + 0.1 * torch.tanh(y)) * (y > -1.2).to(D64)
+        along = torch.prod(f, 2, keepdim=True) * y + f.prod(dim=1, keepdim=True) * y
+        kept = (y > -1.5).prod(2, keepdim=True).to(D64)
+        return along * kept + y * torch.prod(1 + 0.01 * torch.tanh(y)) + f.prod(-2).unsqueeze(2)
+
+
 def _idioms_body(sizes):
     from mesh3d import DistributedManager
 
@@ -170,6 +186,7 @@ def _idioms_body(sizes):
         "positions": (lambda: Positions(H), tokens, 1),
         "einops": (Einops, grid, 2),
         "scans": (Scans, grid, 2),
+        "products": (Products, grid, 2),
     }
     errors = {}
     for i, (name, (make, x, dim)) in enumerate(cases.items()):

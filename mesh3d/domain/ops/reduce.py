@@ -1,4 +1,4 @@
-"""Reductions (sum, mean, amax/max, var, std) and losses (mse, l1, cross-entropy) over sharded dims.
+"""Reductions (sum, mean, amax/max, var, std, prod) and losses (mse, l1, cross-entropy) over sharded dims.
 
 Usage: ``(ys * ys).mean()``, ``ys.sum(dim=(2, 3))``, ``F.mse_loss(ys, ts)`` give the one-process value
 on every domain rank, as a replicated domain tensor (``sharded_dim is None``).
@@ -25,7 +25,7 @@ from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
-__all__ = ["domain_reduce", "global_softmax", "reduction_rule"]
+__all__ = ["domain_prod", "domain_reduce", "global_softmax", "reduction_rule"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -140,6 +140,40 @@ def _extreme_rule(sign: int):
 
 register(torch.max, torch.Tensor.max)(_extreme_rule(1))
 register(torch.min, torch.Tensor.min)(_extreme_rule(-1))
+
+
+def domain_prod(x: DomainTensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """``torch.prod(x)`` or ``torch.prod(x, dim, keepdim)``: the one-process product, exact forward and backward.
+
+    Along another dim it is local. Along the sharded dim (or over everything) each rank multiplies its own rows, the
+    D partial products travel as one all-reduce of a (D, ...) stack holding each rank's in its own slot (the same
+    bits on every rank), and every rank multiplies them in rank order. Backward is torch's own: the stack's product
+    gives this rank's slot the product of the other ranks' partials (zeros included, no division), and its shard's
+    product spreads that over its rows; an empty shard's partial is 1.
+    """
+    local, comm = unwrap(x), x.spec.comm
+    if dim is not None:
+        if not -x.ndim <= dim < x.ndim:
+            raise IndexError(f"torch.prod: dim={dim} is out of range for a {x.ndim}-D tensor")
+        dim %= x.ndim
+        if dim != x.spec.dim:
+            new_dim = x.spec.dim if keepdim or dim > x.spec.dim else x.spec.dim - 1
+            return adopt(torch.prod(local, dim, keepdim=keepdim), x.spec.with_sizes(x.spec.sizes, dim=new_dim))
+    part = torch.prod(local) if dim is None else torch.prod(local, dim, keepdim=True)
+    stack = torch.stack([part if q == comm.index else torch.zeros_like(part) for q in range(comm.size)])
+    whole = reduce_to_replicated(stack, comm).prod(0)
+    return adopt(whole if dim is None or keepdim else whole.squeeze(dim), DomainSpec.replicated(comm))
+
+
+@register(torch.prod, torch.Tensor.prod)
+def _prod(input, dim=None, keepdim=False, *, dtype=None, out=None):
+    if out is not None:
+        raise NotImplementedError("torch.prod(out=...) is not supported on a domain tensor; use the result")
+    if not (dim is None or isinstance(dim, int)):
+        raise TypeError(f"torch.prod: dim must be one int (torch takes one), got {dim!r}")
+    if dtype is not None:
+        input = elementwise(torch.Tensor.to, input, dtype)
+    return domain_prod(input, dim, keepdim)
 
 
 def global_softmax(local: torch.Tensor, dim: int, comm, log: bool) -> torch.Tensor:
