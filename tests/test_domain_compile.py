@@ -102,7 +102,10 @@ def _check(results, frames: int | None = 1) -> None:
             assert first == frames
 
 
-@pytest.mark.parametrize(("kind", "backend"), [("unet", "inductor"), ("vit", "aot_eager")])
+# NOTE: aot_eager for both (issue 63): at D=1 the subject is what Dynamo and AOTAutograd trace (one graph, no break, no
+# recompile); Inductor's code for a plain U-Net is Inductor's own, and Inductor compiles the U-Net's halo exchanges
+# in test_sharded_unet_compiles_whole_and_trains_as_one_process[D2-inductor] (79 s of a loaded run here before).
+@pytest.mark.parametrize(("kind", "backend"), [("unet", "aot_eager"), ("vit", "aot_eager")])
 def test_one_rank_compiles_to_one_graph_equal_to_one_process(ranks, kind, backend):
     """D=1: the model and loss are one graph (fullgraph: no break), compiled once, and train as one process."""
     _check(ranks.run(1, _train_compiled_body, kind, None, backend, True, timeout=300))

@@ -35,10 +35,13 @@ def _on_wrappers(body, *args):
     return result
 
 
+# NOTE: aot_eager (issue 63): the subject is the wrapper tensor traced whole (Dynamo, AOTAutograd, the exchanges as
+# custom ops in the graph); Inductor compiling those exchanges is test_a_checkpointed_region_of_halo_exchanges_...
+# [D2-inductor]. The U-Net under Inductor here took 193 s of a loaded run on 2 cores, most of it Inductor's C++.
 @pytest.mark.parametrize(("world", "sizes", "backend", "grid"),
-                         [(2, (9, 5), "inductor", None), (3, (8, 6, 0), "aot_eager", None),
+                         [(2, (9, 5), "aot_eager", None), (3, (8, 6, 0), "aot_eager", None),
                           (4, ((9, 5), (6, 4)), "aot_eager", (2, 2))],
-                         ids=["slabs-D2-inductor", "slabs-D3-empty-shard", "blocks-2x2"])
+                         ids=["slabs-D2", "slabs-D3-empty-shard", "blocks-2x2"])
 def test_a_sharded_unet_on_wrapper_tensors_compiles_whole_and_trains_as_one_process(ranks, world, sizes, backend, grid):
     """Halo convs, GroupNorm, pooling, circular padding, bilinear upsampling, a transposed conv, a skip concatenation
     and the MSE loss: one graph, every exchange in it, equal to one process."""
