@@ -98,6 +98,8 @@ MODULES = {
     "NLLLoss": (lambda: _Apply(lambda x: F.nll_loss(F.log_softmax(x, 1), x.detach().argmax(1))), lambda n: (2, 3, n, 5),
                 2),
     "PixelShuffle": (lambda: nn.Sequential(nn.PixelShuffle(2), nn.PixelUnshuffle(2)), lambda n: (2, 4, n, 5), 2),
+    "TransformerEncoderLayer": (lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),
+                                lambda n: (2, n, 4), 1),
     "one_hot": (lambda: _Apply(lambda x: x * F.one_hot(x.detach().argmax(1), 3).movedim(-1, 1).to(x.dtype)),
                 lambda n: (2, 3, n, 5), 2),
 }
