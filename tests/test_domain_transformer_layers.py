@@ -1,6 +1,6 @@
 """torch.nn's Transformer layers and nn.MultiheadAttention on tokens sharded along the sequence (issue 67), against
 one process in fp64 on 2 and 3 uneven ranks (an empty shard): output, input gradient and every parameter gradient,
-masks included; the attention weights (need_weights=True) refused by name on every rank."""
+masks included; the attention weights (need_weights=True) and add_zero_attn refused by name on every rank."""
 
 from __future__ import annotations
 
@@ -86,6 +86,12 @@ def _layers_body(sizes):
         errors["weights"] = "ran"
     except NotImplementedError as e:
         errors["weights"] = str(e)
+    zero_attn = torch.nn.MultiheadAttention(8, 2, add_zero_attn=True, batch_first=True, dtype=D64)
+    try:
+        zero_attn(xs, xs, xs, need_weights=False)
+        errors["add_zero_attn"] = "ran"
+    except NotImplementedError as e:
+        errors["add_zero_attn"] = str(e)
     return errors
 
 
@@ -94,5 +100,7 @@ def test_transformer_layers_on_sharded_tokens_equal_one_process(ranks, sizes):
     for errors in ranks.run(len(sizes), _layers_body, sizes, timeout=180):
         refused = errors.pop("weights")
         assert "need_weights=True" in refused and "need_weights=False" in refused, refused
+        refused = errors.pop("add_zero_attn")
+        assert "add_zero_attn" in refused and "without them" in refused, refused
         bad = {k: v for k, v in errors.items() if not (isinstance(v, float) and v < TOL)}
         assert not bad, bad

@@ -28,6 +28,7 @@ Usage::
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -40,6 +41,8 @@ _CONV_BACKWARD = torch.ops.aten.convolution_backward.default
 _WIDE = ("AVX512",)  # capabilities whose oneDNN takes bf16/fp16 and blocks channels by 16
 
 
+# NOTE: cached: asked once per convolution of every simulated rank, and the capability is fixed when torch loads.
+@functools.cache
 def cpu_kernels_fitted() -> str:
     """Which CPU model ``cpu_kernel_workspace`` uses on this machine: ``"AVX512"`` or ``"AVX2"`` (the narrower
     vector units, and CPUs of other architectures, are planned as AVX2).
@@ -67,9 +70,8 @@ def _unfolded(x: torch.Tensor, weight: torch.Tensor, out_spatial: tuple[int, ...
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, stride: list[int], dilation: list[int], groups: int) -> bool:
-    """Whether ATen sends this convolution to oneDNN (``ConvParams::use_mkldnn``, torch 2.13)."""
-    if x.dtype in (torch.bfloat16, torch.float16):
-        return cpu_kernels_fitted() == "AVX512"
+    """Whether ATen sends this convolution to oneDNN (``ConvParams::use_mkldnn``, torch 2.13) on a CPU without AVX-512:
+    float32 only (bf16/fp16 need AVX-512 there, float64 never goes)."""
     if x.dtype != torch.float32:
         return False
     wide, high = weight.shape[-1], weight.shape[-2] if weight.dim() > 3 else 1

@@ -28,14 +28,14 @@ __all__: list[str] = []
 _NAME = "F.multi_head_attention_forward (nn.MultiheadAttention)"
 
 
-def _refuse_unsupported(need_weights: bool, bias_k: Any, add_zero_attn: bool, static_k: Any, static_v: Any,
-                        masks: tuple[Any, ...]) -> None:
+def _refuse_unsupported(need_weights: bool, bias_k: Any, bias_v: Any, add_zero_attn: bool, static_k: Any,
+                        static_v: Any, masks: tuple[Any, ...]) -> None:
     if need_weights:
         raise NotImplementedError(
             f"{_NAME} with need_weights=True on a domain tensor: the attention weights would need every query's "
             "scores against every key on one rank. Call it with need_weights=False (nn.TransformerEncoderLayer "
             "and DecoderLayer do), and compute weights, if you need them, from .full_tensor() of the inputs")
-    if bias_k is not None or add_zero_attn or static_k is not None or static_v is not None:
+    if add_zero_attn or any(t is not None for t in (bias_k, bias_v, static_k, static_v)):
         raise NotImplementedError(f"{_NAME} with bias_k/bias_v, add_zero_attn or static_k/static_v on a domain "
                                   "tensor is not supported: build the attention without them")
     if any(isinstance(m, DomainTensor) for m in masks):
@@ -48,7 +48,7 @@ def _as_additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     if mask is None:
         return None
     if mask.dtype == torch.bool:
-        return torch.zeros(mask.shape, dtype=dtype).masked_fill(mask, float("-inf"))
+        return torch.zeros_like(mask, dtype=dtype).masked_fill(mask, float("-inf"))  # on the mask's device
     return mask.to(dtype)
 
 
@@ -87,8 +87,7 @@ def _multi_head_attention_forward(query, key, value, embed_dim_to_check, num_hea
                                   v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
                                   is_causal=False):
     del average_attn_weights  # NOTE: it shapes only the attention weights, which are refused
-    _refuse_unsupported(need_weights, bias_k if bias_k is not None else bias_v, add_zero_attn, static_k, static_v,
-                        (attn_mask, key_padding_mask))
+    _refuse_unsupported(need_weights, bias_k, bias_v, add_zero_attn, static_k, static_v, (attn_mask, key_padding_mask))
     unbatched = query.dim() == 2
     if unbatched:  # (L, E): one sequence, as torch does it
         query, key, value = (call(torch.unsqueeze, t, 1) for t in (query, key, value))
