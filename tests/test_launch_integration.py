@@ -12,6 +12,7 @@ import socket
 import sys
 
 import launch_helpers
+import pytest
 from doc_blocks import doc_blocks
 from launch_helpers import ROOT, clean_env, run, run_on_free_port
 
@@ -74,12 +75,26 @@ def test_slurm_variables_start_a_two_rank_job():
         assert done.stdout.strip() == f"{rank} {rank} slurm {rank} [0, 1]"
 
 
-def test_bad_sizes_fail_fast_under_torchrun_on_every_rank_and_the_cause_is_printed_once():
-    # NOTE: torchrun's agent ends the other workers as soon as one fails (it polls every 0.1 s); on two
-    # busy cores the slower rank can be ended before it gets to the check (importing torch and mesh3d took
-    # over 3 s there in CI once). A 15 s poll lets both get there; each fails within seconds of starting.
-    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "15",
-               EXAMPLE, "--batch", "3"], timeout=120)
+# A rank that gets to the error seconds after the other (imports on a busy machine): the example, started late on one
+# rank. The launcher's script is the example itself, run as __main__ after the delay.
+_LATE_RANK = """import os, runpy, sys, time
+if os.environ["RANK"] == os.environ["MESH3D_TEST_LATE_RANK"]:
+    time.sleep(float(os.environ["MESH3D_TEST_LATE_S"]))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("late", ["0", "1"], ids=["reporting-rank-late", "quiet-rank-late"])
+def test_bad_sizes_fail_fast_under_torchrun_on_every_rank_and_the_cause_is_printed_once(tmp_path, late):
+    """Each rank fails by itself on the same bad request, whichever gets there first (exit_order.py): torchrun polls
+    every 2 s here and one rank arrives 5 s after the other. Before the ranks agreed their exit order, the early rank
+    ended, torchrun's next poll ended the late one with SIGTERM, and when the late one was the reporting rank the
+    cause was never printed."""
+    script = tmp_path / "late_rank.py"
+    script.write_text(_LATE_RANK)
+    out = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--monitor-interval", "2",
+               str(script), EXAMPLE, "--batch", "3"], timeout=120, MESH3D_TEST_LATE_RANK=late, MESH3D_TEST_LATE_S="5")
     assert out.returncode != 0
     # every rank failed by itself (exit status 1 in torchrun's report, not ended by torchrun's SIGTERM) ...
     assert len(re.findall(r"exitcode\s*: 1 ", out.stderr)) == 2, out.stderr[-3000:]

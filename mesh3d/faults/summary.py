@@ -24,14 +24,13 @@ import traceback
 from collections.abc import Iterable
 from types import TracebackType
 
+from mesh3d.faults.exit_order import QUIET_EXIT_DELAY_S, ExitOrder
+
 __all__ = ["SUMMARY", "TRACEBACK_ENV", "ErrorSummary", "mark_shared", "ranks_text", "shared_ranks"]
 
 #: Set to 1 for Python's full report of every rank's error instead of one summary.
 TRACEBACK_ENV = "MESH3D_TRACEBACK"
 _ATTR = "_mesh3d_shared_ranks"
-#: How long a rank that does not report waits at exit. NOTE: torchrun's report puts the first worker it sees fail
-#: (it polls every 0.1 s) as the root cause, with its error file: the rank that printed the cause.
-QUIET_EXIT_DELAY_S = 1.0
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -99,21 +98,29 @@ class ErrorSummary:
         self.world_size = 1
         self._previous = None
         self._quiet = False
+        self._reported = False
+        self._order: ExitOrder | None = None
 
     def install(self, rank: int, world_size: int) -> None:
         """Chain this hook into ``sys.excepthook`` (once per process) for ``rank`` of ``world_size``.
 
-        NOTE: called before the manager registers its teardown with ``atexit`` (last registered, first run), so the
-        quiet ranks' wait runs after their teardown: every rank meets in the teardown's drain at once, and the quiet
-        ones end a moment after the one that reported."""
+        NOTE: called before the manager registers its teardown with ``atexit`` (last registered, first run), so
+        ``_exit_in_order`` runs after the teardown, as the last thing before the process ends (exit_order.py: under
+        torchrun the reporting rank ends once every rank sharing the error has got to it, the others after it)."""
         self.rank, self.world_size = rank, world_size
         if self._previous is None and world_size > 1:
             self._previous = sys.excepthook
             sys.excepthook = self
-            atexit.register(self._quiet_exit)
+            atexit.register(self._exit_in_order)
 
-    def _quiet_exit(self) -> None:
-        if self._quiet:
+    def _exit_in_order(self) -> None:
+        order = self._order
+        if self._reported and order is not None:
+            order.wait_for_arrivals()
+            order.done()
+        elif self._quiet and order is not None:
+            order.wait_until_done()
+        elif self._quiet:
             time.sleep(QUIET_EXIT_DELAY_S)
 
     def __call__(self, kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
@@ -122,12 +129,16 @@ class ErrorSummary:
         if ranks is None or self.rank not in ranks or os.environ.get(TRACEBACK_ENV, "") not in ("", "0"):
             previous(kind, value, tb)
             return
+        self._order = ExitOrder.under_torchrun(ranks)
+        if self._order is not None:
+            self._order.arrive()
         if self.rank != ranks[0]:
-            self._quiet = True  # nothing printed; the process ends after the reporting rank's (_quiet_exit)
+            self._quiet = True  # nothing printed; the process ends after the reporting rank's (_exit_in_order)
             return
         text = summary(value, ranks, self.world_size, tb)
         print(text, file=sys.stderr, flush=True)
         _write_error_file(text.splitlines()[0])
+        self._reported = True
 
 
 def _write_error_file(line: str) -> None:
