@@ -60,7 +60,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     problem = COMMANDS[args.command].check(args)
     if problem:
         parser.exit(2, f"mesh3d {args.command}: error: {problem} (see mesh3d {args.command} --help)\n")
-    module, function = COMMANDS[args.command].run.split(":")
+    command = COMMANDS[args.command]
+    if command.prepare is not None:  # e.g. the forkserver of mesh3d check's ranks, importing beside the command
+        module, function = command.prepare.split(":")
+        getattr(importlib.import_module(module), function)()
+    module, function = command.run.split(":")
     run = getattr(importlib.import_module(module), function)
     try:
         return run(args)

@@ -275,6 +275,8 @@ class Command:
     run: str
     #: What the parser cannot say alone (arguments that need each other): an error message, or None.
     check: Callable[[argparse.Namespace], str | None] = lambda args: None
+    #: ``"module:function"`` (no torch) called before ``run``'s module is imported: work to start beside those imports.
+    prepare: str | None = None
 
 
 COMMANDS: dict[str, Command] = {
@@ -287,7 +289,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command("size a job before it runs: memory, communication and checkpoint files per class of ranks, on one "
                     "CPU", add_plan_arguments, "mesh3d.planner.cli:run_plan", _require_input_unless_graph),
     "check": Command("run a model and plan on small uneven meshes of local gloo ranks against one process, in fp64",
-                     add_check_arguments, "mesh3d.planner.cli:run_check"),
+                     add_check_arguments, "mesh3d.planner.cli:run_check", prepare="mesh3d.forkserver:start"),
     "forecast": Command("an ensemble weather forecast from a checkpoint on any mesh, each rank writing its block of one "
                         "zarr store (resumes a killed run)", add_forecast_arguments,
                         "mesh3d.weather.cli:run_forecast_command"),

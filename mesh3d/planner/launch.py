@@ -1,7 +1,8 @@
 """Local gloo ranks for ``mesh3d check``: started once, then every mesh runs on as many of them as it needs.
 
-Starting processes that import torch takes seconds each on a small machine, so ``LocalRanks`` spawns the
-largest world once. For each job the first ``world`` ranks make a fresh default process group (a
+Starting processes that import torch takes seconds each on a small machine, so ``LocalRanks`` starts the
+largest world once, forked from a server process that imported torch and mesh3d once (``forkserver``: one import for
+all ranks, not one per rank; no threads of the caller are forked). For each job the first ``world`` ranks make a fresh default process group (a
 ``FileStore`` of its own), run the function, destroy the group and send back its result; the other ranks
 wait. A job that does not finish in time kills every rank and raises.
 
@@ -24,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from mesh3d import forkserver
 
 __all__ = ["LocalRanks"]
 
@@ -53,10 +56,13 @@ def _rank_main(rank: int, conn: Any) -> None:
 
 
 class LocalRanks:
-    """``size`` spawned processes that run functions on gloo groups of any size up to ``size`` (see module doc)."""
+    """``size`` processes that run functions on gloo groups of any size up to ``size`` (see module doc)."""
 
     def __init__(self, size: int, timeout_s: float = 600.0) -> None:
-        ctx = multiprocessing.get_context("spawn")
+        # NOTE: 4 ranks each importing torch and mesh3d (about 6 s of CPU each on a 2-core AVX2 machine) were most of
+        # a `mesh3d check` of a tiny model; mesh3d/forkserver.py imports them once.
+        forkserver.start()
+        ctx = multiprocessing.get_context("forkserver")
         self.size, self.timeout_s = size, timeout_s
         self._dir = tempfile.mkdtemp(prefix="mesh3d-check-")
         self._jobs = 0
