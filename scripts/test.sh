@@ -23,4 +23,6 @@ fi
 if [ "$workers" = 0 ]; then
   exec "$PY" -m pytest "$@"
 fi
-exec "$PY" -m pytest -n "$workers" "$@"
+# NOTE: loadgroup: tests marked @pytest.mark.xdist_group(name) run on one worker, so a session fixture they share is
+# built once (tests/test_plan_reality.py); the rest are spread as with the default scheduling.
+exec "$PY" -m pytest -n "$workers" --dist loadgroup "$@"
