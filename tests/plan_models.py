@@ -64,15 +64,15 @@ class BatchNormNet(nn.Module):
 
 
 class Flips(nn.Module):
-    """Ops with no domain rule along the sharded dim (logcumsumexp, cummax): the planner and check name them."""
+    """Ops with no domain rule on slabs (renorm, msort): the planner and check name them."""
 
     def __init__(self) -> None:
         super().__init__()
         self.conv = nn.Conv2d(2, 2, 3, padding=1)
 
     def forward(self, x):
-        y = torch.logcumsumexp(self.conv(x), dim=2)
-        return torch.cummax(y, dim=2).values + F.relu(y)
+        y = torch.renorm(self.conv(x), 2, 1, 1.0)
+        return torch.msort(y) + F.relu(y)
 
 
 class WideKernel(nn.Module):

@@ -1,7 +1,8 @@
 """Model idioms on uneven shards (2 and 3 ranks, empty shards drawn) vs one process in fp64, forward and backward:
 global pooling then a head, tokens back to a grid, class token + position embedding + x[:, 0], slicing,
 embeddings on sharded ids, domain.positions, torch.fft along the sharded dim, einops, redistribute(dim=), cumsum and
-cumprod along the sharded dim and another, prod along it (exact zeros), another and everything."""
+cumprod along the sharded dim and another, prod along it (exact zeros), another and everything; order statistics
+(sort, topk, median, quantile, cummax, ...) along it, another and everything."""
 
 from __future__ import annotations
 
@@ -170,6 +171,25 @@ class Products(torch.nn.Module):
         return along * kept + y * torch.prod(1 + 0.01 * torch.tanh(y)) + f.prod(-2).unsqueeze(2)
 
 
+class OrderStats(torch.nn.Module):
+    """Order statistics along the sharded dim (sort, argsort's global indices, topk, median, kthvalue, mode,
+    quantile, cummax, logcumsumexp), along another dim, and over everything (median)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 3, 3, padding=1, dtype=D64)
+
+    def forward(self, x):
+        y = self.conv(x)
+        ordered = torch.sort(y, 2).values + y.sort(dim=-1, descending=True)[0] * 0.5 + torch.argsort(y, 2).to(D64) * 0.01
+        top = torch.topk(y, 2, dim=2).values.sum(2, keepdim=True) + y.topk(2, dim=-1)[0].sum(-1, keepdim=True)
+        mid = torch.median(y, 2, keepdim=True).values + y.median(dim=-1, keepdim=True).values + y.median()
+        picked = torch.kthvalue(y, 2, dim=2, keepdim=True).values + torch.quantile(y, 0.3, dim=2, keepdim=True)
+        counted = torch.mode(y.round(), 2, keepdim=True).values + y.nanmedian(1).values.unsqueeze(1)
+        scans = torch.cummax(y, 2).values + torch.logcumsumexp(y, 2) + y.cummin(-1)[0]
+        return ordered + top * mid + picked + counted + scans
+
+
 def _idioms_body(sizes):
     from mesh3d import DistributedManager
 
@@ -187,6 +207,7 @@ def _idioms_body(sizes):
         "einops": (Einops, grid, 2),
         "scans": (Scans, grid, 2),
         "products": (Products, grid, 2),
+        "order_stats": (OrderStats, grid, 2),
     }
     errors = {}
     for i, (name, (make, x, dim)) in enumerate(cases.items()):
@@ -221,7 +242,7 @@ def _idiom_refusals_body():
         "embedding_max_norm": lambda: F.embedding(domain.shard(torch.zeros(2, 4, dtype=torch.long), dim=1),
                                                   torch.randn(3, 2), max_norm=1.0),
         "setitem": lambda: xs.__setitem__((slice(None), slice(None), torch.tensor([0, 1])), 1.0),
-        "unknown_op": lambda: torch.cummax(xs, 2),
+        "unknown_op": lambda: torch.renorm(xs, 2, 1, 1.0),
     }
     messages = {}
     for name, attempt in attempts.items():
@@ -244,7 +265,7 @@ IDIOM_REFUSALS = {
                            "use max_norm=None, scale_grad_by_freq=False"],
     "setitem": ["torch.Tensor.__setitem__ with a Tensor index along the sharded dim 2 is not supported",
                 "(ints and slices are)"],
-    "unknown_op": ["torch.cummax has no domain rule", "Call .full_tensor() first"],
+    "unknown_op": ["torch.renorm has no domain rule", "Call .full_tensor() first"],
 }
 
 

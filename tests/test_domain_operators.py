@@ -100,8 +100,8 @@ def _one_rank():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda x: torch.ops.aten.logcumsumexp.default(x, 2), "torch.ops.aten.logcumsumexp.default has no domain rule"),
-    (lambda x: torch.ops.aten.logcumsumexp(x, 2), "torch.ops.aten.logcumsumexp has no domain rule"),
+    (lambda x: torch.ops.aten.renorm.default(x, 2, 1, 1.0), "torch.ops.aten.renorm.default has no domain rule"),
+    (lambda x: torch.ops.aten.renorm(x, 2, 1, 1.0), "torch.ops.aten.renorm has no domain rule"),
     (lambda x: torch.ops.aten.sum.IntList_out(x, [2], out=torch.empty(1, dtype=D64)), "writes into an out= argument"),
     (lambda x: torch.ops.aten.sum.dim_IntList(x, [2], True, True), "cannot run as torch.Tensor.sum"),
     (lambda x: torch.ops.aten._softmax.default(x, 2, True), "torch.ops.aten._softmax.default has no domain rule for"),

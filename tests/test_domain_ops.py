@@ -179,7 +179,7 @@ def _refusals_body():
     x = torch.randn(2, 4, H, 6, dtype=torch.float64)
     xs = domain.shard(x, dim=2)
     attempts = {
-        "logcumsumexp": lambda: torch.logcumsumexp(xs, 2),
+        "renorm": lambda: torch.renorm(xs, 2, 1, 1.0),
         "alpha_dropout": lambda: F.alpha_dropout(xs, 0.5, training=True),
         "cat_strided": lambda: torch.cat([xs.flatten(1, 2), xs.flatten(1, 2)], 1),  # cat of pieces: ops/pieces.py
         "plain_broadcast": lambda: xs + x[:, :, :4],  # neither length 1 nor the global length
@@ -211,7 +211,7 @@ def _refusals_body():
 #: What every rank's refusal must say: the op (or the argument) it refuses, and what to do instead. ``{sizes}`` is the
 #: default split of the H rows (torch.chunk's rule), ``{balanced}`` the balanced one, ``{last}`` the last domain rank.
 REFUSALS = {
-    "logcumsumexp": ["torch.logcumsumexp has no domain rule", "Call .full_tensor() first", "mesh3d.domain.register"],
+    "renorm": ["torch.renorm has no domain rule", "Call .full_tensor() first", "mesh3d.domain.register"],
     "alpha_dropout": ["F.alpha_dropout in training mode on a domain tensor", "use F.dropout, p=0",
                       "after .full_tensor()"],
     "cat_strided": ["torch.cat of strided domain tensors along the strided dim", "reshape them back to their unstrided"],
