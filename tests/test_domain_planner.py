@@ -127,19 +127,19 @@ def test_planning_is_o_d(parts, length):
 def test_a_second_rule_for_one_op_is_refused_unless_overridden():
     from mesh3d.domain.dispatch.registry import RULES, register
 
-    original = RULES.get(torch.cummin) if torch.cummin in RULES else None
-    assert original is None  # torch.cummin has no rule: the dispatcher raises naming it
+    original = RULES.get(torch.renorm) if torch.renorm in RULES else None
+    assert original is None  # torch.renorm has no rule: the dispatcher raises naming it
     try:
-        register(torch.cummin)(lambda input, dims: None)
+        register(torch.renorm)(lambda input, dims: None)
         try:
-            register(torch.cummin)(lambda input, dims: None)
+            register(torch.renorm)(lambda input, dims: None)
             raise AssertionError("a duplicate rule was accepted")
         except ValueError as err:
-            assert "torch.cummin already has a domain rule" in str(err) and "override=True" in str(err)
-        register(torch.cummin, override=True)(lambda input, dims: "replaced")
-        assert RULES.get(torch.cummin)(None, None) == "replaced"
+            assert "torch.renorm already has a domain rule" in str(err) and "override=True" in str(err)
+        register(torch.renorm, override=True)(lambda input, dims: "replaced")
+        assert RULES.get(torch.renorm)(None, None) == "replaced"
     finally:
-        RULES._rules.pop(torch.cummin, None)
+        RULES._rules.pop(torch.renorm, None)
 
 
 @settings(max_examples=examples(100), deadline=None)
