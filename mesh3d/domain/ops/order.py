@@ -1,4 +1,4 @@
-"""Order statistics on slabs: ``sort``, ``argsort``, ``topk``, ``kthvalue``, ``median``, ``nanmedian``, ``mode``,
+"""Order statistics on slabs and blocks: ``sort``, ``argsort``, ``topk``, ``kthvalue``, ``median``, ``nanmedian``, ``mode``,
 ``quantile``, ``nanquantile``, ``cummax``, ``cummin`` and ``logcumsumexp`` (and their tensor methods), the one-process
 values, indices and gradients.
 
@@ -13,6 +13,11 @@ over (sequence positions, a profile, a loss's quantile), not for a full-resoluti
 Gradients follow ``collectives``: an output sharded like the input (``sort``, ``cummax``) gets the whole through
 ``reduce_for_local_use`` (each rank's partial gradient of the whole is summed back to the owner of each row); a
 replicated output (``topk``, ``median``) through ``reduce_to_replicated``. Indices are global.
+
+On blocks the same holds along a block dim (the whole along it from the ranks of this rank's grid line) for the
+orders that keep the shape (``sort``, ``argsort``, the scans) and over everything (``median()``, ``quantile(q)``:
+the whole tensor, replicated); ``topk`` and the reductions along one block dim are refused by name, since blocks
+reduce over all their block dims or none.
 """
 
 from __future__ import annotations
@@ -22,9 +27,10 @@ from collections.abc import Callable
 import torch
 
 from mesh3d.domain.comm.collectives import reduce_for_local_use, reduce_to_replicated
-from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.core.specs import BlockSpec, DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
-from mesh3d.domain.dispatch.registry import op_name, register
+from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name, register
 
 __all__ = ["whole_along"]
 
@@ -46,17 +52,20 @@ _OPS: dict[str, tuple[tuple[str, ...], int | None, str]] = {
 }
 
 
-def whole_along(x: DomainTensor, for_shards: bool) -> torch.Tensor:
-    """The whole of ``x`` (a slab tensor) on every rank, differentiable: for use by this rank's shard
-    (``for_shards``: its gradient is summed over the domain) or as a replicated value (passed straight back)."""
-    local, spec = unwrap(x), x.spec
-    comm, d, sizes = spec.comm, spec.dim, spec.sizes
+#: What torch refuses on an empty input (an empty shard computes on a stand-in row; ``_on_shard``).
+_NEED_ROWS = (torch.quantile, torch.Tensor.quantile, torch.nanquantile, torch.Tensor.nanquantile)
+
+
+def whole_along(local: torch.Tensor, dim: int, sizes: tuple[int, ...], comm: DomainComm, for_shards: bool) -> torch.Tensor:
+    """The whole of a tensor sharded along ``dim`` (``sizes`` per rank of ``comm``; ``local`` this rank's rows) on every
+    rank, differentiable: for use by this rank's shard (``for_shards``: its gradient is summed over the ranks) or as a
+    replicated value (passed straight back)."""
     before, after = sum(sizes[: comm.index]), sum(sizes[comm.index + 1:])
-    parts = [local.new_zeros([before if i == d else s for i, s in enumerate(local.shape)])] if before else []
+    parts = [local.new_zeros([before if i == dim else s for i, s in enumerate(local.shape)])] if before else []
     parts.append(local)
     if after:
-        parts.append(local.new_zeros([after if i == d else s for i, s in enumerate(local.shape)]))
-    padded = torch.cat(parts, d) if len(parts) > 1 else local
+        parts.append(local.new_zeros([after if i == dim else s for i, s in enumerate(local.shape)]))
+    padded = torch.cat(parts, dim) if len(parts) > 1 else local
     return (reduce_for_local_use if for_shards else reduce_to_replicated)(padded, comm)
 
 
@@ -78,47 +87,101 @@ def _apply(result, fn: Callable[[torch.Tensor], DomainTensor]):
     return type(result)(tuple(fn(t) for t in result))
 
 
-def _rule(func: Callable, name: str):
+def _parsed(func: Callable, name: str, input: DomainTensor, args: tuple, kwargs: dict) -> tuple[dict, int | None]:
+    """torch's arguments of ``func`` by name, and the dim (non-negative; None: over everything)."""
     names, default_dim, kind = _OPS[name]
+    if kwargs.pop("out", None) is not None:
+        raise NotImplementedError(f"{op_name(func)}(out=...) is not supported on a domain tensor; use the result")
+    bound = _bind(func, names, args, kwargs)
+    dim = bound.get("dim", default_dim)
+    if dim is None and default_dim is None and kind != "reduce":
+        raise TypeError(f"{op_name(func)} needs dim")
+    if dim is not None:
+        if not isinstance(dim, int) or not -input.ndim <= dim < input.ndim:
+            raise IndexError(f"{op_name(func)}: dim={dim!r} is out of range for a {input.ndim}-D tensor")
+        dim %= input.ndim
+        bound["dim"] = dim
+    return bound, dim
 
-    def rule(input: DomainTensor, *args, out=None, **kwargs):
-        if out is not None:
-            raise NotImplementedError(f"{op_name(func)}(out=...) is not supported on a domain tensor; use the result")
-        bound = _bind(func, names, args, kwargs)
-        dim = bound.get("dim", default_dim)
-        if dim is None and default_dim is None and kind != "reduce":
-            raise TypeError(f"{op_name(func)} needs dim")
+
+def _moved(d: int, dim: int, kind: str, bound: dict, in_ndim: int, out_ndim: int) -> int:
+    """Where input dim ``d`` is in the output of an order statistic along ``dim`` (another dim than ``d``)."""
+    removed = kind == "reduce" and not bound.get("keepdim", False)
+    return d - (removed and dim < d) + out_ndim - (in_ndim - removed)   # NOTE: quantile's q dim comes first
+
+
+def _on_shard(func: Callable, local: torch.Tensor, bound: dict, sharded: tuple[int, ...], dim: int, kind: str):
+    """``func`` on this rank's shard along ``dim`` (not a sharded dim). torch's quantile refuses an empty input: an
+    empty shard's is computed on one zero row along each empty sharded dim, then cut back to none (still in autograd's
+    graph, as the other ranks' are)."""
+    empty = [d for d in sharded if local.shape[d] == 0]
+    if not empty or func not in _NEED_ROWS:
+        return func(local, **bound)
+    for d in empty:
+        local = torch.cat([local, local.new_zeros([1 if i == d else n for i, n in enumerate(local.shape)])], d)
+    result = func(local, **bound)
+
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        for d in empty:
+            t = t.narrow(_moved(d, dim, kind, bound, local.ndim, t.ndim), 0, 0)
+        return t
+
+    return _apply(result, cut)
+
+
+def _rule(func: Callable, name: str):
+    kind = _OPS[name][2]
+
+    def rule(input: DomainTensor, *args, **kwargs):
+        bound, dim = _parsed(func, name, input, args, kwargs)
         spec, comm = input.spec, input.spec.comm
-        if dim is not None:
-            if not isinstance(dim, int) or not -input.ndim <= dim < input.ndim:
-                raise IndexError(f"{op_name(func)}: dim={dim!r} is out of range for a {input.ndim}-D tensor")
-            dim %= input.ndim
-            bound["dim"] = dim
         if spec.dim is None:  # replicated: every rank holds the whole
             return _apply(func(unwrap(input), **bound), lambda t: adopt(t, spec))
         if dim is not None and dim != spec.dim:  # along another dim: this rank's rows alone
-            result = func(unwrap(input), **bound)
-            return _apply(result, lambda t: adopt(t, _local_spec(spec, t, input.ndim, dim, kind, bound)))
+            result = _on_shard(func, unwrap(input), bound, (spec.dim,), dim, kind)
+            return _apply(result, lambda t: adopt(t, spec.with_sizes(
+                spec.sizes, dim=_moved(spec.dim, dim, kind, bound, input.ndim, t.ndim))))
         if kind == "keep":  # the whole along the sharded dim, this rank's rows of the result
             start, rows = sum(spec.sizes[: comm.index]), spec.sizes[comm.index]
-            result = func(whole_along(input, for_shards=True), **bound)
+            result = func(whole_along(unwrap(input), spec.dim, spec.sizes, comm, True), **bound)
             return _apply(result, lambda t: adopt(t.narrow(spec.dim, start, rows), spec))
-        result = func(whole_along(input, for_shards=False), **bound)
+        result = func(whole_along(unwrap(input), spec.dim, spec.sizes, comm, False), **bound)
         return _apply(result, lambda t: adopt(t, DomainSpec.replicated(comm)))
 
     return rule
 
 
-def _local_spec(spec: DomainSpec, out: torch.Tensor, ndim: int, dim: int, kind: str, bound: dict) -> DomainSpec:
-    """The spec of an order statistic taken along ``dim``, another dim than the sharded one."""
-    if kind != "reduce" or bound.get("keepdim", False):
-        new_dim = spec.dim
-    else:
-        new_dim = spec.dim - (dim < spec.dim)
-    new_dim += out.ndim - (ndim if kind != "reduce" or bound.get("keepdim", False) else ndim - 1)  # quantile's q dim
-    return spec.with_sizes(spec.sizes, dim=new_dim)
+def _block_rule(func: Callable, name: str):
+    kind = _OPS[name][2]
+
+    def rule(input: DomainTensor, *args, **kwargs):
+        bound, dim = _parsed(func, name, input, args, kwargs)
+        spec = input._spec
+        assert isinstance(spec, BlockSpec)
+        local = unwrap(input)
+        if dim is None:  # over everything: the whole tensor, replicated
+            for axis, (d, line) in enumerate(zip(spec.dims, spec.lines)):
+                local = whole_along(local, d, spec.sizes[axis], line, False)
+            return _apply(func(local, **bound), lambda t: adopt(t, DomainSpec.replicated(spec.comm)))
+        if dim not in spec.dims:  # along another dim: this rank's block alone
+            result = _on_shard(func, local, bound, spec.dims, dim, kind)
+            return _apply(result, lambda t: adopt(t, BlockSpec(
+                tuple(_moved(b, dim, kind, bound, input.ndim, t.ndim) for b in spec.dims), spec.sizes, spec.lines,
+                spec.comm)))
+        if kind != "keep":
+            raise NotImplementedError(
+                f"{op_name(func)} along block dim {dim} of a block tensor (block dims {spec.dims}) has no rule: blocks "
+                "reduce over all their block dims or none; take it over everything (dim=None where it allows), "
+                "shard as slabs (domain.shard(x, dim=...)), or call .full_tensor() first")
+        axis = spec.dims.index(dim)
+        start, rows = spec.offsets[axis], spec.local_sizes[axis]
+        whole = whole_along(local, dim, spec.sizes[axis], spec.lines[axis], True)
+        return _apply(func(whole, **bound), lambda t: adopt(t.narrow(dim, start, rows), spec))
+
+    return rule
 
 
 for _name in _OPS:
     for _func in (getattr(torch, _name), getattr(torch.Tensor, _name)):
         register(_func)(_rule(_func, _name))
+        BLOCK_RULES.register(_func, _block_rule(_func, _name))
