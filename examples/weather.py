@@ -40,8 +40,8 @@ from torch import nn
 
 from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize
 from mesh3d.data import MeshDataLoader, MeshSampler, WeatherDataset
-from mesh3d.weather import (LatLonGrid, SphereConv2d, forecast, forecast_ensemble, rmse, rollout_loss, score_forecast,
-                            weather_extra, weighted_mse)
+from mesh3d.weather import (LatLonGrid, SphereConv2d, channels_array, forecast, forecast_ensemble, rmse, rollout_loss,
+                            score_forecast, weather_extra, weighted_mse)
 from mesh3d.weather.figures import forecast_maps
 
 NLAT, NLON, TIMES, TEST_TIMES = 32, 64, 64, 12
@@ -299,7 +299,7 @@ def forecast_and_check(net, store: str, out: str, dm: DistributedManager) -> boo
         return True
     import xarray as xr
 
-    written = xr.open_zarr(path)["forecast"].isel(member=0)     # (init_time, lead_time, channel, latitude, longitude)
+    written = channels_array(xr.open_zarr(path)).isel(member=0)  # (init_time, lead_time, channel, latitude, longitude)
     one = WeatherDataset(store, VARIABLES, lead=np.timedelta64(6, "h"), steps=FORECAST_STEPS, stats=stats,
                          times=inits, domain=((1,), (0,)))
     x0 = torch.stack([one[i]["x"] for i in range(len(one))])
@@ -327,11 +327,11 @@ def phase_plot(out: str) -> int:
     fc = xr.open_zarr(os.path.join(out, "forecast.zarr"))
     era5 = xr.open_zarr(os.path.join(out, "era5_like.zarr"), consolidated=False)
     init, leads = fc["init_time"].values[0], [0, 3, 7]
-    z500 = fc["forecast"].sel(channel="z500").isel(init_time=0, member=0, lead_time=leads)
+    z500 = fc["z"].sel(level=500).isel(init_time=0, member=0, lead_time=leads)   # one variable per field
     valid = init + fc["lead_time"].values[leads]
     truth = era5["z"].sel(level=500, time=valid).values            # geopotential height (m), as the store holds it
     fig = forecast_maps(z500.values, truth, lat=fc["latitude"].values, lon=fc["longitude"].values, channel="z500",
-                        units=str(fc["channel_units"].sel(channel="z500").values), init=init, variable="z",
+                        units=fc["z"].attrs["units"], init=init, variable="z",
                         model=f"SFNO (examples/weather.py, {TRAIN_STEPS + RESUME_STEPS} Adam steps)",
                         lead_hours=[6 * (k + 1) for k in leads])
     path = os.path.join(out, "forecast.png")

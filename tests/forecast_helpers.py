@@ -5,6 +5,7 @@ loop on whole fields, and the scores in numpy."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 from pathlib import Path
@@ -191,14 +192,24 @@ class Failing(nn.Module):
 
 
 def chunk_files(store: str) -> dict[str, tuple[int, int]]:
-    """Every chunk file of ``forecast``: relative path -> (mtime_ns, inode)."""
+    """Every chunk file of the store's fields: ``"init/lead/member/.../field"`` -> (mtime_ns, inode)."""
     out = {}
-    base = os.path.join(store, "forecast", "c")
-    for d, _, files in os.walk(base):
-        for f in files:
-            st = os.stat(os.path.join(d, f))
-            out[os.path.relpath(os.path.join(d, f), base)] = (st.st_mtime_ns, st.st_ino)
-    return out
+    for field in sorted(os.listdir(store)):
+        base = os.path.join(store, field, "c")
+        if field == "restart" or not os.path.isdir(base) or not os.path.isfile(os.path.join(store, field, "zarr.json")):
+            continue
+        for d, _, files in os.walk(base):
+            for f in files:
+                st = os.stat(os.path.join(d, f))
+                out[f"{os.path.relpath(os.path.join(d, f), base)}/{field}"] = (st.st_mtime_ns, st.st_ino)
+    return {k: v for k, v in out.items() if k.count("/") >= 4}   # coordinates have one dim: no init/lead/member path
+
+
+def channel_count(store: str) -> int:
+    """How many channels (field and level) a forecast store holds: one chunk each per (init, lead, member, tile)."""
+    import zarr
+
+    return len(json.loads(zarr.open_group(store, mode="r").attrs["mesh3d_channels"]))
 
 
 class ChannelMLP(nn.Module):

@@ -130,7 +130,11 @@ def test_weather_example_trains_equal_to_one_process_resumes_forecasts_and_draws
     fc = xr.open_zarr(tmp_path / "weather" / "forecast.zarr")            # CF coordinates, opened by xarray alone
     assert fc["lead_time"].values[-1] == np.timedelta64(48, "h") and str(fc["init_time"].values[0]) == \
         "2020-01-14T00:00:00.000000000"
-    assert fc["channel"].values.tolist() == ["z500", "t850", "t2m", "u10"] and fc["latitude"].attrs["units"] == "degrees_north"
+    assert sorted(fc.data_vars) == ["t", "t2m", "u10", "z"] and fc["latitude"].attrs["units"] == "degrees_north"  # fields
+    assert fc["t2m"].attrs["units"] == "K" and bool(fc["z"].sel(level=500).notnull().all())
+    from mesh3d.weather import channels_array
+
+    assert channels_array(fc)["channel"].values.tolist() == ["z500", "t850", "t2m", "u10"]         # the model's order
 
 
 def test_meshgraphnet_example_trains_equal_to_one_process_and_prints_its_halo():

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import forecast_helpers as fh
+from mesh3d.weather import channels_array
 
 TOL = 1e-12
 INITS, MEMBERS, LEADS, SCALE = [40, 45, 50], 8, 10, 0.05
@@ -60,14 +61,21 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
     assert [(r.written, r.skipped, r.recomputed) for r in results] == [(12 * LEADS, 0, 0)] * 8  # each its block, once
 
     a, b = xr.open_zarr(one), xr.open_zarr(mesh)                   # open_zarr alone: consolidated CF metadata
-    assert a["forecast"].dims == ("init_time", "lead_time", "member", "channel", "latitude", "longitude")
-    want = a["forecast"].values
+    assert channels_array(a).dims == ("init_time", "lead_time", "member", "channel", "latitude", "longitude")
+    want = channels_array(a).values
     scale = np.abs(want).max(axis=(0, 1, 2, 4, 5), keepdims=True)
     # NOTE: relative to each channel's own magnitude, not element by element: a value near zero (a cancellation) carries
     # fp64's summation-order noise of the larger terms it came from (measured: 1e-15 of the channel, 1e-11 of the value)
-    err = np.abs(b["forecast"].values - want) / scale
+    err = np.abs(channels_array(b).values - want) / scale
     assert err.max(initial=0) <= TOL, err.max(axis=(0, 1, 2, 4, 5)).ravel()
-    xr.testing.assert_identical(a.drop_vars("forecast"), b.drop_vars("forecast"))   # every coordinate and attribute
+    xr.testing.assert_identical(a.drop_vars(list(a.data_vars)), b.drop_vars(list(b.data_vars)))  # coords and attrs
+    # one variable per field, with CF units and names; levels as a dimension; a field's levels not forecast stay empty
+    assert sorted(a.data_vars) == ["t", "t2m", "u10", "z"] and a["level"].values.tolist() == [500.0, 850.0]
+    assert a["z"].dims == ("init_time", "lead_time", "member", "level", "latitude", "longitude") and \
+        a["t2m"].dims == ("init_time", "lead_time", "member", "latitude", "longitude")
+    assert {k: a["t2m"].attrs[k] for k in ("units", "standard_name")} == {"units": "K", "standard_name": "air_temperature"}
+    assert a["z"].attrs["standard_name"] == "geopotential_height" and a["level"].attrs["units"] == "hPa"
+    assert a["t"].sel(level=500).isnull().all() and np.array_equal(a["t"].sel(level=850).values, want[:, :, :, 1])
     assert _metadata(one) == _metadata(mesh) and "restart" not in os.listdir(mesh)  # chunks, codecs, attrs; no record left
 
     # The one-process store against whole fields run here: the documented noise rule, normalization, the plain model.
@@ -78,7 +86,7 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
     assert np.isfinite(want).all() and np.abs(hand[:, 0] - hand[:, -1]).max() > 1.0     # and the forecast moves
 
     # fp32: the mesh's error (against fp64) is of the one-process fp32 run's own rounding, channel by channel.
-    one32, mesh32 = (xr.open_zarr(str(tmp_path / f"{n}{torch.float32}.zarr"))["forecast"].values for n in ("one", "mesh"))
+    one32, mesh32 = (channels_array(xr.open_zarr(str(tmp_path / f"{n}{torch.float32}.zarr"))).values for n in ("one", "mesh"))
     error = lambda got: np.abs(got - want).max(axis=(0, 1, 2, 4, 5))
     assert (error(one32) > 0).all() and (error(mesh32) <= 2 * error(one32)).all(), (error(mesh32), error(one32))
     assert (np.abs(mesh32 - one32).max(axis=(0, 1, 2, 4, 5)) <= 2 * error(one32)).all()
@@ -120,16 +128,16 @@ def test_members_depend_on_their_seed_only_with_perturbation_functions_and_the_m
     one = str(tmp_path / "one.zarr")
     forecast_ensemble(fh.noisy_net(), case["store"], case["variables"], one, stats=case["stats"],
                       perturbation=fh.smooth_perturbation, model_noise=True, progress=None, **NOISY)
-    want = xr.open_zarr(one)["forecast"].values
+    want = channels_array(xr.open_zarr(one)).values
     assert np.abs(want[:, :, 0] - want[:, :, 1]).max() > 1e-3 and np.isfinite(want).all()
     two = str(tmp_path / "two.zarr")                                   # fewer members: the first ones unchanged
     forecast_ensemble(fh.noisy_net(), case["store"], case["variables"], two, stats=case["stats"],
                       perturbation=fh.smooth_perturbation, model_noise=True, progress=None, **{**NOISY, "members": 2})
-    np.testing.assert_array_equal(xr.open_zarr(two)["forecast"].values, want[:, :, :2])
+    np.testing.assert_array_equal(channels_array(xr.open_zarr(two)).values, want[:, :, :2])
     for world, batch, grid in ((4, 2, (2,)), (4, 1, (2, 2))):
         out = str(tmp_path / f"mesh{batch}.zarr")
         results = ranks.run(world, _noisy_body, case, out, batch, grid, str(tmp_path / f"bad{batch}.zarr"))
-        np.testing.assert_allclose(xr.open_zarr(out)["forecast"].values, want, rtol=TOL, atol=TOL)
+        np.testing.assert_allclose(channels_array(xr.open_zarr(out)).values, want, rtol=TOL, atol=TOL)
         for written, refusals in results:
             assert written > 0 and len(refusals) == 2
             assert "splits latitude over 2 ranks, but the store has only 1 tiles of 7 points" in refusals[0]
@@ -164,7 +172,7 @@ def test_a_stopped_run_continues_from_the_last_lead_written_without_rewriting_it
     after = fh.chunk_files(out)
     assert all(after[p] == v for p, v in before.items())               # not one chunk already written was touched
     a, b = xr.open_zarr(full), xr.open_zarr(out)
-    np.testing.assert_array_equal(b["forecast"].values, a["forecast"].values)
+    np.testing.assert_array_equal(channels_array(b).values, channels_array(a).values)
     xr.testing.assert_identical(a, b)
     assert "restart" not in os.listdir(out)
 
@@ -194,7 +202,7 @@ def test_weights_split_over_the_model_axis_give_the_one_process_forecast(ranks, 
                  perturbation=0.1, tile=(2, 5), progress=None)
     written = ranks.run(4, _tensor_parallel_body, case, split, f"{fh.HERE}:mlp_plan")
     assert written == [4 * 3, 0, 4 * 3, 0]                              # model rank 0 of each domain rank writes
-    np.testing.assert_allclose(xr.open_zarr(split)["forecast"].values, xr.open_zarr(one)["forecast"].values,
+    np.testing.assert_allclose(channels_array(xr.open_zarr(split)).values, channels_array(xr.open_zarr(one)).values,
                                rtol=TOL, atol=TOL)
     refused = ranks.run(4, _tensor_parallel_body, case, str(tmp_path / "fsdp.zarr"), "mesh3d:Plan")   # batch="fsdp"
     assert all("keeps the weights whole on each batch rank" in r for r in refused)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import forecast_helpers as fh
+from mesh3d.weather import channels_array
 
 RUN = dict(init_times=[0, 2], leads=3, members=2, perturbation=0.1, tile=(2, 5), progress=None)
 
@@ -28,7 +29,7 @@ def test_moved_inputs_continue_the_store_and_other_content_is_refused(tmp_path):
     model, out = f"{fh.HERE}:killing_model", str(tmp_path / "fc.zarr")
     first, _ = run_forecast(model, case["ckpt"], case["store"], out, **RUN)
     assert first.written == 4 * 3
-    before = xr.open_zarr(out)["forecast"].values
+    before = channels_array(xr.open_zarr(out)).values
 
     moved = tmp_path / "b"
     moved.mkdir()
@@ -39,7 +40,7 @@ def test_moved_inputs_continue_the_store_and_other_content_is_refused(tmp_path):
     assert (again.written, again.skipped) == (0, 4 * 3)                  # followed: nothing rewritten
     run = read_spec(out).run
     assert (run["checkpoint"], run["source"]) == (os.path.abspath(ckpt), os.path.abspath(data))
-    np.testing.assert_array_equal(xr.open_zarr(out)["forecast"].values, before)
+    np.testing.assert_array_equal(channels_array(xr.open_zarr(out)).values, before)
     assert np.isfinite(score_forecast(out).rmse).all()                    # the truth read where it lies now
 
     grown = str(moved / "grown.zarr")                                     # new times appended since: continues too

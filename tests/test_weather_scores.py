@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import forecast_helpers as fh
+from mesh3d.weather import channels_array
 import weather_helpers as wh
 
 INITS, LEADS = [1, 3, 5], 4          # init 5 + 4 leads runs past the dataset's 9 times: 2 inits scored at +24 h
@@ -30,7 +31,7 @@ def _independent(store, case):
     import xarray as xr
 
     fc = xr.open_zarr(store)
-    f = fc["forecast"].values                                          # (init, lead, member, C, H, W)
+    f = channels_array(fc).values                                          # (init, lead, member, C, H, W)
     w = fh.lat_band_weights(fc["latitude"].values)[:, None]
     times = xr.open_zarr(case["store"], consolidated=False)["time"].values
     clim = np.asarray(case["stats"]["mean"])[:, None, None]
@@ -105,7 +106,7 @@ def test_crps_of_a_one_member_ensemble_is_its_mean_absolute_error(tmp_path):
     table = score_forecast(store)
     import xarray as xr
 
-    f = xr.open_zarr(store)["forecast"].values[:, :, 0]
+    f = channels_array(xr.open_zarr(store)).values[:, :, 0]
     w = fh.lat_band_weights(np.asarray(xr.open_zarr(store)["latitude"].values))[:, None]
     mae = np.zeros((LEADS, 3))
     for k in range(LEADS):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import forecast_helpers as fh
+from mesh3d.weather import channels_array
 
 INITS, LEADS, TOL = [1, 3], 3, 1e-10
 
@@ -41,7 +42,7 @@ def _case(tmp_path):
 def _independent_acc(store, raw, clim):
     import xarray as xr
 
-    f = xr.open_zarr(store)["forecast"].values.mean(axis=2)              # the ensemble mean (init, lead, C, H, W)
+    f = channels_array(xr.open_zarr(store)).values.mean(axis=2)              # the ensemble mean (init, lead, C, H, W)
     w = fh.lat_band_weights(xr.open_zarr(store)["latitude"].values)[:, None]
     wmean = lambda g: (w * g).mean(axis=(-2, -1))
     acc = np.zeros((LEADS, 3))

@@ -14,6 +14,7 @@ import json
 import numpy as np
 
 import forecast_helpers as fh
+from mesh3d.weather import channels_array
 import weather_helpers as wh
 
 INITS, LEADS, MEMBERS = [1, 5], 4, 3      # init 5 + 4 leads runs past the dataset's 9 times
@@ -45,7 +46,7 @@ def _independent(store, case, south, north, west, east):
     import xarray as xr
 
     fc = xr.open_zarr(store)
-    f = fc["forecast"].values
+    f = channels_array(fc).values
     lat, lon = fc["latitude"].values, fc["longitude"].values
     w = fh.lat_band_weights(lat)[:, None] * _box(lat, lon, south, north, west, east)
     wmean = lambda g: (w * g).sum(axis=(-2, -1)) / w.sum()

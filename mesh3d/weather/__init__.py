@@ -23,6 +23,7 @@ from typing import Any
 from mesh3d.weather.campaign import ForecastProgress, ForecastResult, forecast_ensemble
 from mesh3d.weather.climatology import open_climatology
 from mesh3d.weather.ensemble import MemberKey, MemberNoise, perturb_initial
+from mesh3d.weather.fields import channels_array
 from mesh3d.weather.inputs import weather_extra
 from mesh3d.weather.grid import LatLonGrid, SphereConv2d, lat_weights, sphere_pad
 from mesh3d.weather.metrics import acc, rmse, weighted_mse
@@ -33,7 +34,7 @@ from mesh3d.weather.scores import ScoreTable, score_forecast, score_regions
 from mesh3d.weather.writer import ForecastWriter
 
 __all__ = ["REGIONS", "ForecastProgress", "ForecastResult", "ForecastWriter", "LatLonGrid", "MemberKey", "MemberNoise",
-           "Region", "ScoreTable", "SphereConv2d", "acc", "forecast", "forecast_ensemble", "lat_weights",
+           "Region", "ScoreTable", "SphereConv2d", "acc", "channels_array", "forecast", "forecast_ensemble", "lat_weights",
            "load_forecast_model", "open_climatology", "perturb_initial", "rmse", "rollout", "rollout_loss",
            "run_forecast", "score_forecast", "score_regions", "scores_dataset", "sphere_pad", "weather_extra",
            "weighted_mse", "write_score_files"]

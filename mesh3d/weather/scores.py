@@ -45,6 +45,7 @@ from mesh3d.weather.grid import lat_weights
 from mesh3d.weather.inputs import ForecastInputs
 from mesh3d.weather.layout import FieldBlocks
 from mesh3d.weather.regions import Region, parse_regions
+from mesh3d.weather.fields import FieldArrays
 from mesh3d.weather.store import read_spec
 
 __all__ = ["METRICS", "SCORES", "ScoreTable", "block_sums", "member_block_sums", "score_forecast", "score_regions",
@@ -255,8 +256,6 @@ def score_regions(store: str | os.PathLike, source: Any = None,
 
     Usage: ``tables = score_regions("fc.zarr", regions=["global", "tropics", "europe"]); tables["europe"].rmse``
     """
-    import zarr  # noqa: PLC0415 (optional: the weather extra)
-
     dm = DistributedManager() if DistributedManager.is_initialized() else None
     path = os.fspath(store)
     # NOTE: checked on every rank, agreed before the sums' collectives: a refusal is raised on every rank at once (a
@@ -274,7 +273,7 @@ def score_regions(store: str | os.PathLike, source: Any = None,
     def local_sums() -> None:
         if coords["model"] != 0 or r1 <= r0 or c1 <= c0:
             return
-        forecast = zarr.open_array(path, path="forecast", mode="r")
+        fields = FieldArrays.open(path, spec.channels)
         mine = [w[r0:r1] if w.shape[1] == 1 else w[r0:r1, c0:c1] for w in region_weights]
         clim = _climatology(climatology, inputs, blocks, c)
         units = [(i, k) for i in range(n_init) for k in range(n_lead)]
@@ -282,7 +281,7 @@ def score_regions(store: str | os.PathLike, source: Any = None,
             truth = inputs.raw(spec.init_times[i] + spec.lead * (k + 1))
             if truth is None:
                 continue
-            block = np.asarray(forecast[i, k, :, :, r0:r1, c0:c1], dtype=np.float64)
+            block = fields.read(i, k, (r0, r1), (c0, c1)).astype(np.float64, copy=False)
             for r, w in enumerate(mine):
                 sums[r, i, k] = block_sums(block, truth, w, clim)
                 member_sums[r, i, k] = member_block_sums(block, truth, w)

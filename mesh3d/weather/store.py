@@ -1,11 +1,15 @@
 """The forecast store: one zarr v3 store with CF-style coordinates, written block by block, with a restart record.
 
-``forecast(init_time, lead_time, member, channel, latitude, longitude)`` in physical units, with coordinates
-``init_time`` (``forecast_reference_time``), ``lead_time`` (a timedelta, ``forecast_period``), ``valid_time``
-(their sum), ``member`` (``realization``), ``channel`` (names) with ``channel_variable``, ``channel_level`` and
-``channel_units``, and ``latitude``/``longitude`` in degrees north/east. A chunk is one (init, lead, member), every
-channel, one tile of the globe: reading a lead's map reads whole chunks, and one point's time series one tile per
-(lead, member). The tiles do not depend on the mesh, so every mesh writes the same store.
+One variable per field, as CF tools, WeatherBench 2 and earth2studio read them: ``t2m(init_time, lead_time, member,
+latitude, longitude)`` for a surface field, ``z(init_time, lead_time, member, level, latitude, longitude)`` for one
+on pressure levels, in physical units, each with ``units``, ``long_name`` and the CF ``standard_name`` where there
+is one (``cf_names``). Coordinates: ``init_time`` (``forecast_reference_time``), ``lead_time`` (a timedelta,
+``forecast_period``), ``valid_time`` (their sum), ``member`` (``realization``), ``level`` (hPa, every level any field
+has; a field's levels it was not forecast on stay NaN and take no space) and ``latitude``/``longitude`` in degrees
+north/east. The model's channels in its order (name, variable, level, units) are the attribute ``mesh3d_channels``;
+``channels_array(ds)`` stacks them back into one ``(..., channel, latitude, longitude)`` array. A chunk is one
+(init, lead, member, level) of one field, one tile of the globe. The tiles do not depend on the mesh, so every mesh
+writes the same store.
 
 While a run is under way the store also holds ``restart/``: per sample (``init * members + member``) the number of
 leads written (``leads_done``) and the model's state at recent leads in its own dtype (``state``, three slots;
@@ -32,9 +36,11 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DIMS", "SLOTS", "ChannelInfo", "ForecastStore", "StoreSpec", "create_store", "read_spec"]
+from mesh3d.weather.cf_names import cf_attrs
+from mesh3d.weather.fields import (CHANNELS_ATTR, FIELD_DIMS, LEVEL_DIMS, ChannelInfo, FieldArrays, field_layout,
+                                   store_channels)
 
-DIMS = ("init_time", "lead_time", "member", "channel", "latitude", "longitude")
+__all__ = ["SLOTS", "ForecastStore", "StoreSpec", "create_store", "read_spec"]
 #: Restart slots per sample: the one being written is never the latest recorded nor the one being recorded.
 SLOTS = 3
 RUN_ATTR = "mesh3d_forecast"
@@ -43,19 +49,6 @@ RUN_ATTR = "mesh3d_forecast"
 MOVABLE = ("checkpoint", "source")
 #: Compared only where both records hold it (a store written before it was recorded).
 COMPARED_WHEN_BOTH = ("source_digest",)
-
-
-@dataclass(frozen=True)
-class ChannelInfo:
-    """A channel of the store: its name, variable, level (None for a surface field) and units.
-
-    Usage: ``ChannelInfo("z500", "z", 500.0, "m")``
-    """
-
-    name: str
-    variable: str
-    level: float | None
-    units: str
 
 
 @dataclass(frozen=True)
@@ -76,16 +69,15 @@ class StoreSpec:
     dtype: str
     state_dtype: str = "float32"
     run: dict[str, Any] = field(default_factory=dict)
-    #: zarr's default codec (zstd) for ``forecast``; False: the bytes as they are (faster to write, larger).
+    #: zarr's default codec (zstd) for the fields; False: the bytes as they are (faster to write, larger).
     compress: bool = True
+
+    def __post_init__(self) -> None:
+        field_layout(self.channels)   # NOTE: checked where the spec is built, on every rank, before any collective
 
     @property
     def shape(self) -> tuple[int, ...]:
         return (len(self.init_times), self.leads, self.members, len(self.channels), len(self.lat), len(self.lon))
-
-    @property
-    def chunks(self) -> tuple[int, ...]:
-        return (1, 1, 1, len(self.channels), *self.tile)
 
     @property
     def samples(self) -> int:
@@ -135,7 +127,7 @@ def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
     # NOTE: one building folder per process: jobs writing members of one campaign may create the store at once
     building = f"{path}.creating-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
-    text = lambda values: np.array(values, dtype=np.dtypes.StringDType())
+    levels, fields = field_layout(spec.channels)
     inits = np.array(spec.init_times, dtype="datetime64[ns]")
     leads = spec.lead_times()
     coords = {
@@ -143,24 +135,30 @@ def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
         "lead_time": ("lead_time", leads, {"standard_name": "forecast_period", "long_name": "lead time"}),
         "valid_time": (("init_time", "lead_time"), inits[:, None] + leads[None, :], {"standard_name": "time"}),
         "member": ("member", np.arange(spec.members), {"standard_name": "realization", "long_name": "ensemble member"}),
-        "channel": ("channel", text([c.name for c in spec.channels]), {"long_name": "channel (variable and level)"}),
-        "channel_variable": ("channel", text([c.variable for c in spec.channels])),
-        "channel_level": ("channel", np.array([np.nan if c.level is None else c.level for c in spec.channels]),
-                          {"long_name": "pressure level (NaN: a surface field)", "units": "hPa"}),
-        "channel_units": ("channel", text([c.units for c in spec.channels])),
         "latitude": ("latitude", np.asarray(spec.lat, dtype=np.float64),
                      {"units": "degrees_north", "standard_name": "latitude", "axis": "Y"}),
         "longitude": ("longitude", np.asarray(spec.lon, dtype=np.float64),
                       {"units": "degrees_east", "standard_name": "longitude", "axis": "X"}),
     }
+    if levels:
+        coords["level"] = ("level", np.asarray(levels, dtype=np.float64), {
+            "units": "hPa", "standard_name": "air_pressure", "long_name": "pressure level", "positive": "down",
+            "axis": "Z"})
+    channels = [[c.name, c.variable, c.level, c.units] for c in spec.channels]
     attrs = {"Conventions": "CF-1.10", "title": "ensemble forecast", "source": "mesh3d forecast",
-             RUN_ATTR: json.dumps(spec.run, sort_keys=True), "tile": list(spec.tile)}
+             RUN_ATTR: json.dumps(spec.run, sort_keys=True), "tile": list(spec.tile), CHANNELS_ATTR: json.dumps(channels)}
     xr.Dataset(coords=coords, attrs=attrs).to_zarr(building, mode="w", consolidated=False, zarr_format=3)
     root = zarr.open_group(building, mode="r+")
-    fc = root.create_array("forecast", shape=spec.shape, chunks=spec.chunks, dtype=spec.dtype, fill_value=float("nan"),
-                           dimension_names=DIMS, compressors="auto" if spec.compress else None)
-    fc.attrs.update({"long_name": "forecast", "coordinates": "valid_time channel_variable channel_level channel_units",
-                     "units_by_channel": "see channel_units"})
+    lead_shape = (len(spec.init_times), spec.leads, spec.members)
+    for name, where in fields.items():
+        leveled = where[0][1] is not None
+        shape = (*lead_shape, *((len(levels),) if leveled else ()), spec.lat.size, spec.lon.size)
+        chunks = (1, 1, 1, *((1,) if leveled else ()), *spec.tile)
+        arr = root.create_array(name, shape=shape, chunks=chunks, dtype=spec.dtype, fill_value=float("nan"),
+                                dimension_names=LEVEL_DIMS if leveled else FIELD_DIMS,
+                                compressors="auto" if spec.compress else None)
+        first = spec.channels[where[0][0]]
+        arr.attrs.update({"units": first.units, **cf_attrs(name, first.units), "coordinates": "valid_time"})
     restart = root.create_group("restart")
     n, (c, h, w) = spec.samples, spec.shape[3:]
     restart.create_array("leads_done", shape=(n,), chunks=(1,), dtype="int32", fill_value=0)
@@ -190,17 +188,16 @@ def read_spec(path: str | os.PathLike) -> StoreSpec:
     import xarray as xr  # noqa: PLC0415 (optional: the weather extra)
 
     with xr.open_zarr(os.fspath(path), consolidated=False) as ds:
-        fc = ds["forecast"]
-        channels = tuple(ChannelInfo(str(n), str(v), None if np.isnan(lv) else float(lv), str(u)) for n, v, lv, u in zip(
-            ds["channel"].values, ds["channel_variable"].values, ds["channel_level"].values, ds["channel_units"].values))
+        channels = store_channels(ds.attrs, os.fspath(path))
+        fc = ds[channels[0].variable]
         leads = ds["lead_time"].values
-        return StoreSpec(tuple(ds["init_time"].values), leads[0], fc.shape[1], fc.shape[2], channels,
+        return StoreSpec(tuple(ds["init_time"].values), leads[0], fc.sizes["lead_time"], fc.sizes["member"], channels,
                          np.asarray(ds["latitude"].values), np.asarray(ds["longitude"].values),
-                         tuple(fc.encoding["chunks"][4:]), str(fc.dtype), run=json.loads(ds.attrs.get(RUN_ATTR, "{}")))
+                         tuple(fc.encoding["chunks"][-2:]), str(fc.dtype), run=json.loads(ds.attrs.get(RUN_ATTR, "{}")))
 
 
 class ForecastStore:
-    """An open store: this rank's blocks written into ``forecast``, the restart record read and written.
+    """An open store: this rank's blocks written into its fields, the restart record read and written.
 
     Usage: ``store = ForecastStore("fc.zarr"); store.write(i, k, m, block, rows, cols); store.writes``
     """
@@ -210,10 +207,12 @@ class ForecastStore:
 
         self.path = os.fspath(path)
         self._root = zarr.open_group(self.path, mode="r+", use_consolidated=False)
-        self.forecast = self._root["forecast"]
+        channels = store_channels(self._root.attrs, self.path)
+        self.fields = FieldArrays(self._root, channels)
+        self.leads = self._root[channels[0].variable].shape[1]
         self.complete = "restart" not in self._root
         self._restart: Any = None if self.complete else self._root["restart"]
-        #: Blocks written by this rank into ``forecast`` and into the restart state, and their bytes.
+        #: Blocks written by this rank into the fields and into the restart state, and their bytes.
         self.writes = 0
         self.state_writes = 0
         self.bytes_written = 0
@@ -224,16 +223,14 @@ class ForecastStore:
         physical units (one call: zarr writes the chunks concurrently)."""
         if blocks.size == 0:
             return
-        n = blocks.shape[0]
-        self.forecast[init, lead, member:member + n, :, rows[0]:rows[1], cols[0]:cols[1]] = blocks.astype(
-            self.forecast.dtype, copy=False)
-        self.writes += n
-        self.bytes_written += blocks.size * self.forecast.dtype.itemsize
+        self.fields.write(init, lead, member, blocks.astype(self.fields.dtype, copy=False), rows, cols)
+        self.writes += blocks.shape[0]
+        self.bytes_written += blocks.size * self.fields.dtype.itemsize
 
     # ------------------------------------------------------------------ the restart record
     def leads_done(self, samples: list[int]) -> np.ndarray:
         if self._restart is None:
-            return np.full(len(samples), self.forecast.shape[1], dtype=np.int64)
+            return np.full(len(samples), self.leads, dtype=np.int64)
         return np.asarray(self._restart["leads_done"].get_orthogonal_selection((samples,)), dtype=np.int64)
 
     def state_leads(self, samples: list[int]) -> np.ndarray:
