@@ -1,10 +1,10 @@
 """Local gloo ranks for ``mesh3d check``: started once, then every mesh runs on as many of them as it needs.
 
 Starting processes that import torch takes seconds each on a small machine, so ``LocalRanks`` starts the
-largest world once, forked from a server process that imported torch and mesh3d once (``forkserver``: one import for
-all ranks, not one per rank; no threads of the caller are forked). For each job the first ``world`` ranks make a fresh default process group (a
-``FileStore`` of its own), run the function, destroy the group and send back its result; the other ranks
-wait. A job that does not finish in time kills every rank and raises.
+largest world once, forked from a server process that imported torch and mesh3d once (``forkserver``: one import
+for all ranks, not one per rank; no threads of the caller are forked). For each job the first ``world`` ranks make a
+fresh default process group (a ``FileStore`` of its own), run the function, destroy the group and send back its
+result; the other ranks wait. A job that does not finish in time kills every rank and raises.
 
 Usage::
 
