@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from mesh3d.host_memory import return_freed_memory
 from mesh3d.manager import DistributedManager
 from mesh3d.weather.agreement import agreed
 from mesh3d.weather.ensemble import MemberKey, MemberNoise, Perturbation, perturb_initial
@@ -120,7 +121,7 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
                       seed: int = 0, member_range: tuple[int, int] | None = None,
                       perturbation: Perturbation = None, model_noise: bool = False, batch_size: int = 1,
                       tile: tuple[int, int] | None = None, store_dtype: Any = None, compress: bool = True,
-                      restart_every: int = 1,
+                      restart_every: int = 1, release_memory: bool = True,
                       progress: bool | Callable[[ForecastProgress], None] | None = True,
                       names: Mapping[str, str] | None = None, run: Mapping[str, Any] | None = None) -> ForecastResult:
     """Forecast ``leads`` steps of ``members`` members from each init time into the zarr store ``out``; every rank calls it.
@@ -143,6 +144,9 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
         tile: the store's (lat, lon) chunk tile (default: 8 x 8 tiles of the globe); the domain split follows it.
         store_dtype: the store's dtype (default: the model's); compress: zstd (zarr's default codec) or raw bytes;
             restart_every: keep the state every n leads (0: never).
+        release_memory: give each freed block-sized array back to the OS at once, so this rank's memory stays flat
+            over any number of leads (glibc: a fixed mmap threshold of 1 MiB for the rest of the process, see
+            :mod:`mesh3d.host_memory`; False leaves the allocator as it is).
         progress: True (a line per lead on global rank 0), False or None (quiet), or a function called after each lead
             of each batch on every rank with a :class:`ForecastProgress`.
         run: JSON-able facts about the run recorded in the store (and checked when it resumes).
@@ -157,6 +161,8 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
                          f"({members}): the members of the campaign this job runs")
     if restart_every < 0:
         raise ValueError(f"restart_every={restart_every} must be >= 0 (0: keep no state; a resume recomputes)")
+    if release_memory:
+        return_freed_memory()
     state_dtype = _model_dtype(model) if isinstance(model, nn.Module) else torch.get_default_dtype()
     probe = ForecastInputs(source, variables, lead=lead, stats=stats, names=names)
     shape = (len(probe.lat), len(probe.lon))
