@@ -34,11 +34,12 @@ echo "== 5/5 Lightning: MeshStrategy vs ModelParallelStrategy (4 ranks, Lightnin
 "$PY" scripts/bench_lightning.py "${l[@]}"
 echo "== faults: time to a named error for each fault cell (kill, raise, hang x 6 points; 3 ranks)"
 "$PY" scripts/bench_faults.py --repeats "$([ "${QUICK:-0}" = 1 ] && echo 1 || echo 3)" > /dev/null
-echo "== forecasts: peak memory per rank at D = 4 vs one process (721 x 1440 x 70), store writes vs np.save"
+echo "== forecasts: peak memory per rank at D = 4 vs one process (721 x 1440 x 70; 2 and 60 leads), store writes vs np.save"
 if [ "${QUICK:-0}" = 1 ]; then
   "$PY" scripts/bench_forecast.py --lat 181 --lon 360 --json /tmp/forecast_quick.json
 else
-  "$PY" scripts/bench_forecast.py
+  "$PY" scripts/bench_forecast.py --leads 10 --repeat 3
+  "$PY" scripts/bench_forecast.py --leads 60 --json docs/benchmarks/forecast_60.json
   "$PY" scripts/bench_forecast.py --raw --json docs/benchmarks/forecast_raw.json
 fi
 echo "== planner: mesh3d plan at 4096 ranks vs simulating every domain rank, and its scaling check"
