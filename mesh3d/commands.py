@@ -243,6 +243,10 @@ def add_forecast_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--store-dtype", choices=("float32", "float64"), default=None, help="the store's dtype (default: the model's)")
     p.add_argument("--no-compress", action="store_true", help="store raw bytes (default: zstd, zarr's default codec)")
     p.add_argument("--tile", type=_tile, default=None, help="the store's chunk tile LATxLON (default: 8 x 8 tiles)")
+    p.add_argument("--convention", choices=("cf", "weatherbench2", "earth2studio"), default="cf",
+                   help="the store's names: cf (init_time, lead_time, member; a variable per field), weatherbench2 "
+                        "(time, prediction_timedelta, realization), earth2studio (a variable per channel over time, "
+                        "lead_time, ensemble, lat, lon) (default cf)")
     p.add_argument("--restart-every", type=int, default=1, help="keep the state every n leads for a resume (0: recompute)")
     p.add_argument("--scores", default=None, metavar="DIR", help="score the store and write scores.csv/.json/.png here")
     p.add_argument("--quiet", action="store_true", help="no progress lines")

@@ -121,7 +121,7 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
                       seed: int = 0, member_range: tuple[int, int] | None = None,
                       perturbation: Perturbation = None, model_noise: bool = False, batch_size: int = 1,
                       tile: tuple[int, int] | None = None, store_dtype: Any = None, compress: bool = True,
-                      restart_every: int = 1, release_memory: bool = True,
+                      restart_every: int = 1, release_memory: bool = True, convention: str = "cf",
                       progress: bool | Callable[[ForecastProgress], None] | None = True,
                       names: Mapping[str, str] | None = None, run: Mapping[str, Any] | None = None) -> ForecastResult:
     """Forecast ``leads`` steps of ``members`` members from each init time into the zarr store ``out``; every rank calls it.
@@ -147,6 +147,9 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
         release_memory: give each freed block-sized array back to the OS at once, so this rank's memory stays flat
             over any number of leads (glibc: a fixed mmap threshold of 1 MiB for the rest of the process, see
             :mod:`mesh3d.host_memory`; False leaves the allocator as it is).
+        convention: the store's names, for the tool that reads it (:mod:`mesh3d.weather.conventions`): ``"cf"``
+            (default), ``"weatherbench2"`` (WeatherBench 2's forecast dims) or ``"earth2studio"`` (a variable per
+            channel, as earth2studio's inference outputs); a store is continued only in its own convention.
         progress: True (a line per lead on global rank 0), False or None (quiet), or a function called after each lead
             of each batch on every rank with a :class:`ForecastProgress`.
         run: JSON-able facts about the run recorded in the store (and checked when it resumes).
@@ -175,7 +178,7 @@ def forecast_ensemble(model: nn.Module | Callable[..., torch.Tensor], source: An
     spec = StoreSpec(inits, inputs.lead, leads, members, inputs.channels, inputs.lat, inputs.lon,
                      tile, str(store_dtype or _numpy_name(state_dtype)).removeprefix("torch."), _numpy_name(state_dtype),
                      _run_record(model, run, seed, perturbation, model_noise, inputs, variables, names, window),
-                     compress=compress)
+                     compress=compress, convention=convention)
     store = _open_or_create(out, spec, dm)
     batch_rank, batch_ranks = (dm.axis_rank("batch"), dm.axis_size("batch")) if dm is not None else (0, 1)
     coords = dm.coordinates if dm is not None else {"model": 0, "domain": 0}

@@ -116,7 +116,7 @@ def run_forecast_command(args: argparse.Namespace) -> int:
             seed=args.seed, member_range=args.member_range, perturbation=_perturbation(args.perturb),
             model_noise=args.model_noise,
             batch_size=args.batch_size, tile=args.tile, store_dtype=args.store_dtype, compress=not args.no_compress,
-            restart_every=args.restart_every,
+            restart_every=args.restart_every, convention=args.convention,
             **quiet)
     except REPORTED as err:
         return report("forecast", err)

@@ -3,6 +3,8 @@
 A channel is a variable at a pressure level, or a surface variable (``ChannelInfo``). The store keeps one array per
 variable: ``(init_time, lead_time, member, latitude, longitude)`` for a surface field, with ``level`` before the
 latitude for a field on pressure levels (the store's ``level`` coordinate: every level any field has, ascending).
+(Those are the ``cf`` convention's names; an ``earth2studio`` store keeps one surface-like variable per channel,
+``store_fields``; every reader here takes the names from the store's ``mesh3d_convention``.)
 ``FieldArrays`` writes and reads ``(member, channel, rows, cols)`` blocks in the model's channel order, each field's
 channels in one call where their levels are one run; ``channels_array`` stacks an opened store back into one array.
 
@@ -21,15 +23,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CHANNELS_ATTR", "FIELD_DIMS", "LEVEL_DIMS", "ChannelInfo", "FieldArrays", "channels_array", "field_layout",
-           "store_channels"]
+from mesh3d.weather.conventions import CONVENTIONS, COORD_NAMES, StoreConvention, convention_of
 
-#: The dims of a surface field and of a field on pressure levels.
-FIELD_DIMS = ("init_time", "lead_time", "member", "latitude", "longitude")
-LEVEL_DIMS = ("init_time", "lead_time", "member", "level", "latitude", "longitude")
+__all__ = ["CHANNELS_ATTR", "FIELD_DIMS", "LEVEL_DIMS", "ChannelInfo", "FieldArrays", "channels_array", "field_layout",
+           "store_channels", "store_fields"]
+
+#: The dims of a surface field and of a field on pressure levels (the ``cf`` convention's).
+FIELD_DIMS = CONVENTIONS["cf"].dims(leveled=False)
+LEVEL_DIMS = CONVENTIONS["cf"].dims(leveled=True)
 #: The store's attribute holding the model's channels in order: ``[[name, variable, level, units], ...]``.
 CHANNELS_ATTR = "mesh3d_channels"
-_COORDS = ("init_time", "lead_time", "valid_time", "member", "level", "latitude", "longitude", "restart")
 
 
 @dataclass(frozen=True)
@@ -52,9 +55,9 @@ def field_layout(channels: tuple[ChannelInfo, ...]) -> tuple[list[float], dict[s
     levels = sorted({c.level for c in channels if c.level is not None})
     fields: dict[str, list[tuple[int, int | None]]] = {}
     for i, c in enumerate(channels):
-        if c.variable in _COORDS or not c.variable or "/" in c.variable:
+        if c.variable in COORD_NAMES or not c.variable or "/" in c.variable:
             raise ValueError(f"forecast store: channel {c.name!r}'s variable {c.variable!r} cannot be a field of the store "
-                             f"(not empty, no '/', none of {', '.join(_COORDS)})")
+                             f"(not empty, no '/', none of {', '.join(COORD_NAMES)})")
         taken = fields.setdefault(c.variable, [])
         first = channels[taken[0][0]] if taken else c
         if (first.level is None) != (c.level is None) or (taken and c.level is None):
@@ -70,6 +73,14 @@ def field_layout(channels: tuple[ChannelInfo, ...]) -> tuple[list[float], dict[s
     return levels, fields
 
 
+def store_fields(channels: tuple[ChannelInfo, ...], convention: StoreConvention) -> tuple[ChannelInfo, ...]:
+    """The channels as the store's variables hold them: as they are, or (a ``per_channel`` convention) each channel
+    its own surface-like variable named as the channel (``z500``)."""
+    if not convention.per_channel:
+        return channels
+    return tuple(ChannelInfo(c.name, c.name, None, c.units) for c in channels)
+
+
 def store_channels(attrs: Any, path: str = "the store") -> tuple[ChannelInfo, ...]:
     """The model's channels in order, from a store's attributes (``mesh3d_channels``)."""
     if CHANNELS_ATTR not in attrs:
@@ -81,17 +92,20 @@ def store_channels(attrs: Any, path: str = "the store") -> tuple[ChannelInfo, ..
 
 def channels_array(ds: Any) -> Any:
     """A store's fields (an ``xarray.Dataset`` from ``xarray.open_zarr``) as one ``xarray.DataArray`` in the model's
-    channel order: ``(init_time, lead_time, member, channel, latitude, longitude)``, ``channel`` the names.
+    channel order: ``(init_time, lead_time, member, channel, latitude, longitude)`` in the ``cf`` convention (the
+    store's own names in another), ``channel`` the names.
 
     Usage: ``channels_array(xr.open_zarr("fc.zarr")).sel(channel="z500")``
     """
     import xarray as xr  # noqa: PLC0415 (optional: the weather extra)
 
+    conv = convention_of(ds.attrs)
     channels = store_channels(ds.attrs)
-    parts = [ds[c.variable] if c.level is None else ds[c.variable].sel(level=c.level, drop=True) for c in channels]
+    parts = [ds[c.variable] if c.level is None else ds[c.variable].sel({conv.level: c.level}, drop=True)
+             for c in store_fields(channels, conv)]
     stacked = xr.concat([p.drop_attrs() for p in parts], dim="channel", coords="minimal", compat="override")
     stacked = stacked.assign_coords(channel=[c.name for c in channels])
-    return stacked.transpose("init_time", "lead_time", "member", "channel", "latitude", "longitude")
+    return stacked.transpose(conv.init, conv.lead, conv.member, "channel", conv.latitude, conv.longitude)
 
 
 class FieldArrays:
@@ -101,7 +115,7 @@ class FieldArrays:
     """
 
     def __init__(self, root: Any, channels: tuple[ChannelInfo, ...]) -> None:
-        _, fields = field_layout(channels)
+        _, fields = field_layout(store_fields(channels, convention_of(root.attrs)))
         # NOTE: per field, its channels in level order, and whether their levels are one run (one slice to write)
         self._fields = []
         for name, where in fields.items():

@@ -6,7 +6,9 @@ on pressure levels, in physical units, each with ``units``, ``long_name`` and th
 is one (``cf_names``). Coordinates: ``init_time`` (``forecast_reference_time``), ``lead_time`` (a timedelta,
 ``forecast_period``), ``valid_time`` (their sum), ``member`` (``realization``), ``level`` (hPa, every level any field
 has; a field's levels it was not forecast on stay NaN and take no space) and ``latitude``/``longitude`` in degrees
-north/east. The model's channels in its order (name, variable, level, units) are the attribute ``mesh3d_channels``;
+north/east. These are the ``cf`` convention's names; ``StoreSpec.convention`` chooses WeatherBench 2's or
+earth2studio's instead (``mesh3d.weather.conventions``), recorded in the attribute ``mesh3d_convention``.
+The model's channels in its order (name, variable, level, units) are the attribute ``mesh3d_channels``;
 ``channels_array(ds)`` stacks them back into one ``(..., channel, latitude, longitude)`` array. A chunk is one
 (init, lead, member, level) of one field, one tile of the globe. The tiles do not depend on the mesh, so every mesh
 writes the same store.
@@ -37,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from mesh3d.weather.cf_names import cf_attrs
-from mesh3d.weather.fields import (CHANNELS_ATTR, FIELD_DIMS, LEVEL_DIMS, ChannelInfo, FieldArrays, field_layout,
-                                   store_channels)
+from mesh3d.weather.conventions import CONVENTION_ATTR, convention_of, store_convention
+from mesh3d.weather.fields import CHANNELS_ATTR, ChannelInfo, FieldArrays, field_layout, store_channels, store_fields
 
 __all__ = ["SLOTS", "ForecastStore", "StoreSpec", "create_store", "read_spec"]
 #: Restart slots per sample: the one being written is never the latest recorded nor the one being recorded.
@@ -71,9 +73,12 @@ class StoreSpec:
     run: dict[str, Any] = field(default_factory=dict)
     #: zarr's default codec (zstd) for the fields; False: the bytes as they are (faster to write, larger).
     compress: bool = True
+    #: how the store names its dims and variables (mesh3d.weather.conventions): cf, weatherbench2 or earth2studio
+    convention: str = "cf"
 
     def __post_init__(self) -> None:
-        field_layout(self.channels)   # NOTE: checked where the spec is built, on every rank, before any collective
+        # NOTE: checked where the spec is built, on every rank, before any collective
+        field_layout(store_fields(self.channels, store_convention(self.convention)))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -89,7 +94,7 @@ class StoreSpec:
     def differences(self, other: StoreSpec) -> list[str]:
         """What differs from ``other`` (the store's), each as ``"name: ours vs theirs"``."""
         out = []
-        for name in ("leads", "members", "tile", "dtype"):
+        for name in ("leads", "members", "tile", "dtype", "convention"):
             if getattr(self, name) != getattr(other, name):
                 out.append(f"{name}: {getattr(self, name)} vs {getattr(other, name)}")
         if [str(t) for t in self.init_times] != [str(t) for t in other.init_times]:
@@ -127,26 +132,29 @@ def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
     # NOTE: one building folder per process: jobs writing members of one campaign may create the store at once
     building = f"{path}.creating-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(building, ignore_errors=True)
-    levels, fields = field_layout(spec.channels)
+    conv = store_convention(spec.convention)
+    levels, fields = field_layout(store_fields(spec.channels, conv))
     inits = np.array(spec.init_times, dtype="datetime64[ns]")
     leads = spec.lead_times()
     coords = {
-        "init_time": ("init_time", inits, {"standard_name": "forecast_reference_time", "long_name": "initial time"}),
-        "lead_time": ("lead_time", leads, {"standard_name": "forecast_period", "long_name": "lead time"}),
-        "valid_time": (("init_time", "lead_time"), inits[:, None] + leads[None, :], {"standard_name": "time"}),
-        "member": ("member", np.arange(spec.members), {"standard_name": "realization", "long_name": "ensemble member"}),
-        "latitude": ("latitude", np.asarray(spec.lat, dtype=np.float64),
-                     {"units": "degrees_north", "standard_name": "latitude", "axis": "Y"}),
-        "longitude": ("longitude", np.asarray(spec.lon, dtype=np.float64),
-                      {"units": "degrees_east", "standard_name": "longitude", "axis": "X"}),
+        conv.init: (conv.init, inits, {"standard_name": "forecast_reference_time", "long_name": "initial time"}),
+        conv.lead: (conv.lead, leads, {"standard_name": "forecast_period", "long_name": "lead time"}),
+        "valid_time": ((conv.init, conv.lead), inits[:, None] + leads[None, :], {"standard_name": "time"}),
+        conv.member: (conv.member, np.arange(spec.members),
+                      {"standard_name": "realization", "long_name": "ensemble member"}),
+        conv.latitude: (conv.latitude, np.asarray(spec.lat, dtype=np.float64),
+                        {"units": "degrees_north", "standard_name": "latitude", "axis": "Y"}),
+        conv.longitude: (conv.longitude, np.asarray(spec.lon, dtype=np.float64),
+                         {"units": "degrees_east", "standard_name": "longitude", "axis": "X"}),
     }
     if levels:
-        coords["level"] = ("level", np.asarray(levels, dtype=np.float64), {
+        coords[conv.level] = (conv.level, np.asarray(levels, dtype=np.float64), {
             "units": "hPa", "standard_name": "air_pressure", "long_name": "pressure level", "positive": "down",
             "axis": "Z"})
     channels = [[c.name, c.variable, c.level, c.units] for c in spec.channels]
     attrs = {"Conventions": "CF-1.10", "title": "ensemble forecast", "source": "mesh3d forecast",
-             RUN_ATTR: json.dumps(spec.run, sort_keys=True), "tile": list(spec.tile), CHANNELS_ATTR: json.dumps(channels)}
+             RUN_ATTR: json.dumps(spec.run, sort_keys=True), "tile": list(spec.tile), CHANNELS_ATTR: json.dumps(channels),
+             CONVENTION_ATTR: conv.name}
     xr.Dataset(coords=coords, attrs=attrs).to_zarr(building, mode="w", consolidated=False, zarr_format=3)
     root = zarr.open_group(building, mode="r+")
     lead_shape = (len(spec.init_times), spec.leads, spec.members)
@@ -155,10 +163,13 @@ def create_store(path: str | os.PathLike, spec: StoreSpec) -> None:
         shape = (*lead_shape, *((len(levels),) if leveled else ()), spec.lat.size, spec.lon.size)
         chunks = (1, 1, 1, *((1,) if leveled else ()), *spec.tile)
         arr = root.create_array(name, shape=shape, chunks=chunks, dtype=spec.dtype, fill_value=float("nan"),
-                                dimension_names=LEVEL_DIMS if leveled else FIELD_DIMS,
+                                dimension_names=conv.dims(leveled),
                                 compressors="auto" if spec.compress else None)
         first = spec.channels[where[0][0]]
-        arr.attrs.update({"units": first.units, **cf_attrs(name, first.units), "coordinates": "valid_time"})
+        names = cf_attrs(first.variable, first.units)
+        if conv.per_channel and first.level is not None:   # z500: geopotential height at 500 hPa
+            names["long_name"] += f" at {first.level:g} hPa"
+        arr.attrs.update({"units": first.units, **names, "coordinates": "valid_time"})
     restart = root.create_group("restart")
     n, (c, h, w) = spec.samples, spec.shape[3:]
     restart.create_array("leads_done", shape=(n,), chunks=(1,), dtype="int32", fill_value=0)
@@ -188,12 +199,14 @@ def read_spec(path: str | os.PathLike) -> StoreSpec:
     import xarray as xr  # noqa: PLC0415 (optional: the weather extra)
 
     with xr.open_zarr(os.fspath(path), consolidated=False) as ds:
+        conv = convention_of(ds.attrs)
         channels = store_channels(ds.attrs, os.fspath(path))
-        fc = ds[channels[0].variable]
-        leads = ds["lead_time"].values
-        return StoreSpec(tuple(ds["init_time"].values), leads[0], fc.sizes["lead_time"], fc.sizes["member"], channels,
-                         np.asarray(ds["latitude"].values), np.asarray(ds["longitude"].values),
-                         tuple(fc.encoding["chunks"][-2:]), str(fc.dtype), run=json.loads(ds.attrs.get(RUN_ATTR, "{}")))
+        fc = ds[store_fields(channels, conv)[0].variable]
+        leads = ds[conv.lead].values
+        return StoreSpec(tuple(ds[conv.init].values), leads[0], fc.sizes[conv.lead], fc.sizes[conv.member], channels,
+                         np.asarray(ds[conv.latitude].values), np.asarray(ds[conv.longitude].values),
+                         tuple(fc.encoding["chunks"][-2:]), str(fc.dtype), run=json.loads(ds.attrs.get(RUN_ATTR, "{}")),
+                         convention=conv.name)
 
 
 class ForecastStore:
@@ -209,7 +222,7 @@ class ForecastStore:
         self._root = zarr.open_group(self.path, mode="r+", use_consolidated=False)
         channels = store_channels(self._root.attrs, self.path)
         self.fields = FieldArrays(self._root, channels)
-        self.leads = self._root[channels[0].variable].shape[1]
+        self.leads = self._root[store_fields(channels, convention_of(self._root.attrs))[0].variable].shape[1]
         self.complete = "restart" not in self._root
         self._restart: Any = None if self.complete else self._root["restart"]
         #: Blocks written by this rank into the fields and into the restart state, and their bytes.
