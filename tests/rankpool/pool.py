@@ -54,8 +54,19 @@ def forkserver_context() -> Any:
         # NOTE: torch._dynamo is what a process's first optimizer step imports (~1.5 s): preloaded once here,
         # not again in every rank (pools restart after each failing body) and every checkpoint crash child.
         # mesh3d.manager and mesh3d.parallel (the domain layers under it): what `import mesh3d` loaded before it was lazy.
-        _context.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "mesh3d.manager", "mesh3d.parallel",
-                                         "rankpool.worker"])
+        # The libraries many test bodies import (Lightning 3.5 s alone on the 2-core machine, MONAI's networks 5 s,
+        # Inductor 1.6 s, zarr and xarray 0.6 s): a pool restarts after every failing body and every few dozen meshes,
+        # and each of its new ranks imported them again. Only in a whole run (on pytest-xdist's workers): a run of a
+        # few files would wait for them whether its bodies import them or not. The forkserver skips a name that raises
+        # ImportError (one not installed): a body that needs it imports it itself and says what is wrong.
+        # NOT torch_geometric: importing it replaces torch.select and torch.index_select for the whole process, and
+        # mesh3d must be right without it too (test_domain_graph_pyg imports it in its own bodies).
+        # NOTE: the server imports these before it takes the parent's sys.path (multiprocessing/forkserver.py, 3.11):
+        # only what the interpreter finds by itself (site-packages, an installed mesh3d), not the tests' own modules.
+        preload = ["torch", "torch.distributed", "torch._dynamo", "mesh3d.manager", "mesh3d.parallel"]
+        if os.environ.get("PYTEST_XDIST_WORKER"):
+            preload += ["lightning.pytorch", "monai.networks.nets", "torch._inductor.compile_fx", "zarr", "xarray"]
+        _context.set_forkserver_preload(preload)
     return _context
 
 
