@@ -1,4 +1,4 @@
-"""Reductions of graph tensors: ``sum`` / ``mean`` over the items (replicated, the one-process value) or over other dims
+"""Reductions of graph tensors: ``sum`` / ``mean`` / ``prod`` over the items (replicated, the one-process value) or over other dims
 (local), and the MSE / L1 losses.
 
 Usage (through torch): ``loss = F.mse_loss(pred_nodes, target_nodes)``, ``pooled = h.mean(0)``, ``h.sum(-1)``
@@ -8,21 +8,19 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
 from mesh3d.domain.layouts.graph_halo import reduce_sum
-from mesh3d.domain.ops.blocks.rules import reduction_rules
+from mesh3d.domain.ops.blocks.rules import local_reduction, product_over_ranks, reduction_rules
 from mesh3d.domain.ops.graph.common import graph_spec_of
 
 __all__ = ["reduce_graph"]
 
 
 def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> DomainTensor:
-    """``x.sum`` / ``x.mean`` over ``dim`` (all when None): over the items, a replicated total; else local.
+    """``x.sum`` / ``x.mean`` / ``x.prod`` over ``dim`` (all when None): over the items, a replicated total; else local.
 
     Usage: ``reduce_graph(h, "mean", 0)``
     """
@@ -30,9 +28,12 @@ def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) ->
     dims = list(range(x.ndim)) if dim is None or dim == [] or dim == () else sorted(
         d % x.ndim for d in ([dim] if isinstance(dim, int) else dim))
     if spec.dim not in dims:  # every rank reduces its own items' features
-        fn = torch.sum if kind == "sum" else torch.mean
         shift = 0 if keepdim else sum(d < spec.dim for d in dims)
-        return adopt(fn(local, dims, keepdim=keepdim), spec.replaced(dim=spec.dim - shift, endpoint=None))
+        return adopt(local_reduction(local, kind, dims, keepdim, dim is None),
+                     spec.replaced(dim=spec.dim - shift, endpoint=None))
+    if kind == "prod":
+        return adopt(product_over_ranks(local, None if dim is None else dims[0], keepdim, spec.comm),
+                     DomainSpec.replicated(spec.comm))
     count = math.prod([size_of(x)[d] for d in dims])
     acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
     total = reduce_sum(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)

@@ -23,7 +23,8 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
-from mesh3d.domain.ops.blocks.rules import CHANNEL_NORMS, reduction_rules, run_elementwise
+from mesh3d.domain.ops.blocks.rules import (CHANNEL_NORMS, local_reduction, product_over_ranks, reduction_rules,
+                                            run_elementwise)
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
@@ -222,10 +223,12 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
     spec, local = _spec(x), unwrap(x)
     dims = list(range(x.ndim)) if dim is None or dim == [] or dim == () else sorted(
         d % x.ndim for d in ([dim] if isinstance(dim, int) else dim))
-    fn = torch.sum if kind == "sum" else torch.mean
     if spec.token_dim not in dims:  # every rank reduces its own tokens
         shift = 0 if keepdim else sum(d < spec.token_dim for d in dims)
-        return adopt(fn(local, dims, keepdim=keepdim), spec.with_token_dim(spec.token_dim - shift))
+        return adopt(local_reduction(local, kind, dims, keepdim, dim is None), spec.with_token_dim(spec.token_dim - shift))
+    if kind == "prod":
+        return adopt(product_over_ranks(local, None if dim is None else dims[0], keepdim, spec.comm),
+                     DomainSpec.replicated(spec.comm))
     count = math.prod([x.global_shape[d] for d in dims])
     acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)
