@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import logging
 import os
 import sys
 import time
@@ -89,6 +90,23 @@ def summary(err: BaseException, ranks: tuple[int, ...], world_size: int, tb: Tra
                       *([f"  {where}"] if where else []), f"  {tail}"])
 
 
+def _end_now() -> None:
+    """End the process at once with the status of an uncaught error (1), streams flushed.
+
+    NOTE: under torchrun, the moment a rank says it is done (or sees the reporting rank done) is the moment its process
+    must end: what is left after this last atexit handler (the handlers registered before mesh3d's, the interpreter's
+    own teardown of torch and gloo) took seconds on a busy machine, and torchrun's next poll then ended the reporting
+    rank with SIGTERM after a quiet rank had ended (test_launch_integration's reporting-rank-late case). mesh3d's own
+    teardown (a pending save landing, the groups) ran before this handler."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(1)
+
+
 class ErrorSummary:
     """``sys.excepthook`` for an error shared by several ranks: the lowest of them reports it once (and writes it to
     torchrun's error file, so the launcher's report names the cause), the others end quietly."""
@@ -118,8 +136,10 @@ class ErrorSummary:
         if self._reported and order is not None:
             order.wait_for_arrivals()
             order.done()
+            _end_now()
         elif self._quiet and order is not None:
             order.wait_until_done()
+            _end_now()
         elif self._quiet:
             time.sleep(QUIET_EXIT_DELAY_S)
 
