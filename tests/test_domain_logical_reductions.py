@@ -93,10 +93,9 @@ def _body(layout: dict) -> dict:
 
 
 LAYOUTS = RULE_LAYOUTS
-#: Blocks reduce over all their block dims or none, and have no amax (one_hot's inferred class count reads it).
+#: Blocks reduce over all their block dims or none (one_hot's inferred class count, an amax of everything, runs).
 BLOCK_REFUSALS = {"any_dim": "torch.sum over dims [2] covers only some", "all_dim": "torch.sum over dims [3] covers",
-                  "count_nonzero_dims": "torch.sum over dims [1, 2] covers only some",
-                  "one_hot_inferred": "torch.amax has no rule for block layouts", "nansum_dim": "torch.sum over dims [2]",
+                  "count_nonzero_dims": "torch.sum over dims [1, 2] covers only some", "nansum_dim": "torch.sum over dims [2]",
                   "gather_classes": "torch.Tensor.gather has no rule for block layouts",
                   "take_along_dim": "torch.take_along_dim has no rule for block layouts"}
 

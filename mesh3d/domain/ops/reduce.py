@@ -25,7 +25,7 @@ from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
-__all__ = ["domain_prod", "domain_reduce", "global_softmax", "reduction_rule"]
+__all__ = ["amax_over_ranks", "domain_prod", "domain_reduce", "global_softmax", "product_over_ranks", "reduction_rule"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -39,6 +39,40 @@ def _finish(x: DomainTensor, r: torch.Tensor, dims: list[int], keepdim: bool) ->
     if not keepdim:
         r = r.squeeze(dims) if r.ndim else r
     return adopt(r, DomainSpec.replicated(x.spec.comm))
+
+
+def amax_over_ranks(local: torch.Tensor, dims: list[int], comm) -> torch.Tensor:
+    """The one-process ``torch.amax(x, dims, keepdim=True)`` where ``dims`` hold every dim sharded over ``comm``,
+    replicated: each rank's maxima (an empty part's are the lowest value), one all-reduce of the max; the value is
+    exactly the max, the gradient shared among ties on every rank holding one, as torch.amax shares it.
+
+    Usage: ``amax_over_ranks(unwrap(x), [2, 3], spec.comm)``"""
+    shape = [1 if d in dims else s for d, s in enumerate(local.shape)]
+    floating = local.is_floating_point()
+    lowest = -math.inf if floating else False if local.dtype == torch.bool else torch.iinfo(local.dtype).min
+    part = local.amax(dims, keepdim=True) if local.numel() else local.new_full(shape, lowest)  # an empty shard's
+    top = all_reduce_max(part, comm)
+    if not floating:  # no gradient to share among ties, and the dtype stays
+        return top
+    hit = local == top
+    ties = reduce_to_replicated(hit.to(local.dtype).sum(dims, keepdim=True), comm).detach()
+    # NOTE: where, not local * mask: a -inf beside the maximum (a masked score) times 0 is nan
+    picked = reduce_to_replicated(torch.where(hit, local, 0).sum(dims, keepdim=True), comm) / ties
+    # Value exactly the max; gradient shared among ties as torch.amax does.
+    return top + (picked - picked.detach())
+
+
+def product_over_ranks(local: torch.Tensor, dim: int | None, keepdim: bool, comm) -> torch.Tensor:
+    """The one-process ``torch.prod`` over the dim ``dim`` sharded over ``comm`` (every element when None), replicated,
+    exact forward and backward: each rank's partial product travels in its own slot of a (D, ...) stack (one
+    all-reduce; the same bits on every rank), multiplied in rank order. Backward is torch's own: the stack's product
+    hands each slot the product of the others (zeros included, no division); an empty part's partial is 1.
+
+    Usage: ``product_over_ranks(unwrap(x), None, False, spec.comm)``"""
+    part = torch.prod(local) if dim is None else torch.prod(local, dim, keepdim=True)
+    stack = torch.stack([part if q == comm.index else torch.zeros_like(part) for q in range(comm.size)])
+    whole = reduce_to_replicated(stack, comm).prod(0)
+    return whole if dim is None or keepdim else whole.squeeze(dim)
 
 
 def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
@@ -65,19 +99,7 @@ def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, c
         r = reduce_to_replicated(local.sum(dims, keepdim=True, dtype=acc), comm)
         return _finish(x, rounded(r / count if kind == "mean" else r), dims, keepdim)
     if kind == "amax":
-        shape = [1 if d in dims else s for d, s in enumerate(local.shape)]
-        floating = local.is_floating_point()
-        lowest = -math.inf if floating else False if local.dtype == torch.bool else torch.iinfo(local.dtype).min
-        part = local.amax(dims, keepdim=True) if local.numel() else local.new_full(shape, lowest)  # an empty shard's
-        top = all_reduce_max(part, comm)
-        if not floating:  # no gradient to share among ties, and the dtype stays
-            return _finish(x, top, dims, keepdim)
-        hit = local == top
-        ties = reduce_to_replicated(hit.to(local.dtype).sum(dims, keepdim=True), comm).detach()
-        # NOTE: where, not local * mask: a -inf beside the maximum (a masked score) times 0 is nan
-        picked = reduce_to_replicated(torch.where(hit, local, 0).sum(dims, keepdim=True), comm) / ties
-        # Value exactly the max; gradient shared among ties as torch.amax does.
-        return _finish(x, top + (picked - picked.detach()), dims, keepdim)
+        return _finish(x, amax_over_ranks(local, dims, comm), dims, keepdim)
     if kind in ("var", "std"):
         wide = local if acc is None else local.to(acc)
         mean = reduce_for_local_use(wide.sum(dims, keepdim=True), comm) / count
@@ -146,10 +168,8 @@ def domain_prod(x: DomainTensor, dim: int | None = None, keepdim: bool = False) 
     """``torch.prod(x)`` or ``torch.prod(x, dim, keepdim)``: the one-process product, exact forward and backward.
 
     Along another dim it is local. Along the sharded dim (or over everything) each rank multiplies its own rows, the
-    D partial products travel as one all-reduce of a (D, ...) stack holding each rank's in its own slot (the same
-    bits on every rank), and every rank multiplies them in rank order. Backward is torch's own: the stack's product
-    gives this rank's slot the product of the other ranks' partials (zeros included, no division), and its shard's
-    product spreads that over its rows; an empty shard's partial is 1.
+    D partial products are multiplied in rank order (``product_over_ranks``); backward is torch's own, exact with
+    zeros, and the shard's product spreads its slot's gradient over its rows.
     """
     local, comm = unwrap(x), x.spec.comm
     if dim is not None:
@@ -159,10 +179,7 @@ def domain_prod(x: DomainTensor, dim: int | None = None, keepdim: bool = False) 
         if dim != x.spec.dim:
             new_dim = x.spec.dim if keepdim or dim > x.spec.dim else x.spec.dim - 1
             return adopt(torch.prod(local, dim, keepdim=keepdim), x.spec.with_sizes(x.spec.sizes, dim=new_dim))
-    part = torch.prod(local) if dim is None else torch.prod(local, dim, keepdim=True)
-    stack = torch.stack([part if q == comm.index else torch.zeros_like(part) for q in range(comm.size)])
-    whole = reduce_to_replicated(stack, comm).prod(0)
-    return adopt(whole if dim is None or keepdim else whole.squeeze(dim), DomainSpec.replicated(comm))
+    return adopt(product_over_ranks(local, dim, keepdim, comm), DomainSpec.replicated(comm))
 
 
 @register(torch.prod, torch.Tensor.prod)

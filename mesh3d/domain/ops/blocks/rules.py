@@ -6,8 +6,8 @@ naming it (the dispatcher reads ``registry.BLOCK_RULES``; a rule written for sla
 
 What runs on blocks: convolutions (1-D to 3-D, any kernel, stride, dilation and zero padding on every
 sharded dim; halos with corners, every neighbour in one round), element-wise ops and activations,
-GroupNorm / BatchNorm / InstanceNorm (statistics over the whole domain), sum / mean / prod reductions and the
-MSE / L1 losses.
+GroupNorm / BatchNorm / InstanceNorm (statistics over the whole domain), sum / mean / prod / amax (max and min of
+everything; amin and logsumexp as composites) reductions and the MSE / L1 losses.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.norm import normalize, rounded_like
+from mesh3d.domain.ops.reduce import amax_over_ranks, product_over_ranks
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["CHANNEL_NORMS", "elementwise_rule", "local_reduction", "product_over_ranks", "reduction_rules",
-           "run_elementwise"]
+__all__ = ["CHANNEL_NORMS", "elementwise_rule", "local_reduction", "reduction_rules", "run_elementwise"]
 
 def _spec_of(x: DomainTensor) -> BlockSpec:
     spec = x._spec
@@ -260,26 +260,12 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
 
 # ----------------------------------------------------------------------------- reductions and losses
 def local_reduction(local: torch.Tensor, kind: str, dims: list[int], keepdim: bool, whole: bool) -> torch.Tensor:
-    """``torch.sum`` / ``mean`` / ``prod`` of this rank's part over ``dims``; ``whole``: ``prod`` was given no dim.
+    """``torch.sum`` / ``mean`` / ``amax`` / ``prod`` of this rank's part over ``dims``; ``whole``: ``prod`` was given no dim.
 
     Usage: ``local_reduction(unwrap(x), "prod", [1], keepdim=False, whole=False)``"""
     if kind == "prod":  # torch.prod takes one dim or none (reduction_rules checked)
         return torch.prod(local) if whole else torch.prod(local, dims[0], keepdim=keepdim)
-    return (torch.sum if kind == "sum" else torch.mean)(local, dims, keepdim=keepdim)
-
-
-def product_over_ranks(local: torch.Tensor, dim: int | None, keepdim: bool, comm: Any) -> torch.Tensor:
-    """The one-process ``torch.prod`` over the sharded dim ``dim`` (every element when None), replicated, exact forward
-    and backward: as ``reduce.domain_prod`` does on slabs, each rank's partial product travels in its own slot of a
-    (D, ...) stack (one all-reduce; the same bits on every rank), multiplied in rank order. Backward is torch's own:
-    the stack's product hands each slot the product of the others (zeros included, no division); an empty part's
-    partial is 1.
-
-    Usage: ``product_over_ranks(unwrap(x), None, False, spec.comm)``"""
-    part = torch.prod(local) if dim is None else torch.prod(local, dim, keepdim=True)
-    stack = torch.stack([part if q == comm.index else torch.zeros_like(part) for q in range(comm.size)])
-    whole = reduce_to_replicated(stack, comm).prod(0)
-    return whole if dim is None or keepdim else whole.squeeze(dim)
+    return {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}[kind](local, dims, keepdim=keepdim)
 
 
 def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
@@ -295,6 +281,9 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
                                   f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
     if kind == "prod":  # over every dim (one dim cannot hold all the block dims)
         return adopt(product_over_ranks(local, None, False, spec.comm), DomainSpec.replicated(spec.comm))
+    if kind == "amax":
+        top = amax_over_ranks(local, dims, spec.comm)
+        return adopt(top if keepdim else top.squeeze(dims), DomainSpec.replicated(spec.comm))
     count = math.prod([x.global_shape[d] for d in dims])
     acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc) if len(dims) < x.ndim or keepdim else
@@ -304,27 +293,43 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
 
 
 def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, Callable]:
-    """sum / mean / prod and the MSE / L1 loss rules of a layout, from its ``reducer(x, "sum" | "mean" | "prod", dim,
-    keepdim)`` (``prod``: ``dim`` one int or None, as torch takes it).
+    """sum / mean / prod / amax (and max / min of everything) and the MSE / L1 loss rules of a layout, from its
+    ``reducer(x, "sum" | "mean" | "prod" | "amax", dim, keepdim)`` (``prod``: ``dim`` one int or None, as torch takes it).
 
     Usage: ``for f, rule in reduction_rules(_reduce, "a token grid").items(): TOKEN_RULES.register(f, rule)``
     """
-    def total(input, dim=None, keepdim=False, dtype=None):
-        return reducer(input, "sum", dim, keepdim)
+    def cast(name: str, input, dtype, out):
+        """``input`` in ``dtype`` first, as torch reduces in the dtype it is given; ``out=`` refused by name."""
+        if out is not None:
+            raise NotImplementedError(f"{name}(out=...) is not supported on {layout}; use the result")
+        return input if dtype is None else redispatch(torch.Tensor.to, input, dtype)
 
-    def mean(input, dim=None, keepdim=False, dtype=None):
-        return reducer(input, "mean", dim, keepdim)
+    def total(input, dim=None, keepdim=False, dtype=None, *, out=None):
+        return reducer(cast("torch.sum", input, dtype, out), "sum", dim, keepdim)
+
+    def mean(input, dim=None, keepdim=False, dtype=None, *, out=None):
+        return reducer(cast("torch.mean", input, dtype, out), "mean", dim, keepdim)
 
     def prod(input, dim=None, keepdim=False, *, dtype=None, out=None):
-        if out is not None:
-            raise NotImplementedError(f"torch.prod(out=...) is not supported on {layout}; use the result")
         if not (dim is None or isinstance(dim, int)):
             raise TypeError(f"torch.prod: dim must be one int (torch takes one), got {dim!r}")
         if dim is not None and not -input.ndim <= dim < input.ndim:
             raise IndexError(f"torch.prod: dim={dim} is out of range for a {input.ndim}-D tensor")
-        if dtype is not None:
-            input = redispatch(torch.Tensor.to, input, dtype)
-        return reducer(input, "prod", dim, keepdim)
+        return reducer(cast("torch.prod", input, dtype, out), "prod", dim, keepdim)
+
+    def amax(input, dim=(), keepdim=False, *, out=None):
+        return reducer(cast("torch.amax", input, None, out), "amax", dim, keepdim)
+
+    def extreme(name: str, sign: int) -> Callable:
+        def rule(input, *args, **kwargs):
+            if args or kwargs:
+                raise NotImplementedError(
+                    f"{name} with dim= or a second tensor on {layout}: use torch.amax(x, dim) / torch.amin(x, dim), or "
+                    "torch.maximum(a, b) / torch.minimum(a, b); arg-indices over a sharded dim are not supported")
+            if sign > 0:
+                return reducer(input, "amax", None, False)
+            return redispatch(torch.neg, reducer(redispatch(torch.neg, input), "amax", None, False))
+        return rule
 
     def loss(name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
         def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
@@ -340,7 +345,10 @@ def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, 
         return rule
 
     return {torch.sum: total, torch.Tensor.sum: total, torch.mean: mean, torch.Tensor.mean: mean,
-            torch.prod: prod, torch.Tensor.prod: prod, F.mse_loss: loss("F.mse_loss", torch.square), F.l1_loss: loss("F.l1_loss", torch.abs)}
+            torch.prod: prod, torch.Tensor.prod: prod, torch.amax: amax, torch.Tensor.amax: amax,
+            torch.max: extreme("torch.max", 1), torch.Tensor.max: extreme("torch.max", 1),
+            torch.min: extreme("torch.min", -1), torch.Tensor.min: extreme("torch.min", -1),
+            F.mse_loss: loss("F.mse_loss", torch.square), F.l1_loss: loss("F.l1_loss", torch.abs)}
 
 
 for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_norm), ((F.instance_norm,), _instance_norm),

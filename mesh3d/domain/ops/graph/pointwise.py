@@ -83,8 +83,8 @@ def _softmax(func: Callable) -> Callable:
 
 
 def _along_features(func: Callable) -> Callable:
-    """An op reducing or mixing along ``dim`` (a vector norm, a max over features): local when ``dim`` is not the item
-    dim; over the items it is refused (a whole-graph reduction has ``sum``/``mean``)."""
+    """An op reducing or mixing along ``dim`` (a vector norm, a min over features): local when ``dim`` is not the item
+    dim; over the items it is refused (a whole-graph reduction has ``sum``/``mean``/``amax``/``prod``, ``max()``/``min()``)."""
     def rule(input, *args, **kwargs):
         dim = kwargs.get("dim", args[1] if func in _NORMS and len(args) > 1 else args[0] if args else None)
         dims = list(range(input.ndim)) if dim is None else [dim] if isinstance(dim, int) else list(dim)
@@ -248,5 +248,6 @@ for _funcs, _rule in (
         GRAPH_RULES.register(_f, _rule)
 for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
     GRAPH_RULES.register(_f, _softmax(_f))
-for _f in (*_NORMS, torch.amax, torch.Tensor.amax, torch.amin, torch.Tensor.amin):
+# NOTE: amax is graph/reduce.py's (over the items too, through reduction_rules); amin stays along the features.
+for _f in (*_NORMS, torch.amin, torch.Tensor.amin):
     GRAPH_RULES.register(_f, _along_features(_f))

@@ -13,7 +13,8 @@ from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
 from mesh3d.domain.layouts.graph_halo import reduce_sum
-from mesh3d.domain.ops.blocks.rules import local_reduction, product_over_ranks, reduction_rules
+from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules
+from mesh3d.domain.ops.reduce import amax_over_ranks, product_over_ranks
 from mesh3d.domain.ops.graph.common import graph_spec_of
 
 __all__ = ["reduce_graph"]
@@ -34,6 +35,9 @@ def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) ->
     if kind == "prod":
         return adopt(product_over_ranks(local, None if dim is None else dims[0], keepdim, spec.comm),
                      DomainSpec.replicated(spec.comm))
+    if kind == "amax":
+        top = amax_over_ranks(local, dims, spec.comm)
+        return adopt(top if keepdim else top.squeeze(dims), DomainSpec.replicated(spec.comm))
     count = math.prod([size_of(x)[d] for d in dims])
     acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
     total = reduce_sum(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)
