@@ -34,7 +34,8 @@ from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["CHANNEL_NORMS", "elementwise_rule", "local_reduction", "reduction_rules", "run_elementwise"]
+__all__ = ["CHANNEL_NORMS", "elementwise_rule", "local_reduction", "reduction_rules", "replicated_reduction",
+           "run_elementwise"]
 
 def _spec_of(x: DomainTensor) -> BlockSpec:
     spec = x._spec
@@ -265,7 +266,23 @@ def local_reduction(local: torch.Tensor, kind: str, dims: list[int], keepdim: bo
     Usage: ``local_reduction(unwrap(x), "prod", [1], keepdim=False, whole=False)``"""
     if kind == "prod":  # torch.prod takes one dim or none (reduction_rules checked)
         return torch.prod(local) if whole else torch.prod(local, dims[0], keepdim=keepdim)
-    return {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}[kind](local, dims, keepdim=keepdim)
+    return _LOCAL_REDUCTIONS[kind](local, dims, keepdim=keepdim)
+
+
+_LOCAL_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}
+
+
+def replicated_reduction(local: torch.Tensor, kind: str, dim: Any, dims: list[int], keepdim: bool,
+                         comm: Any) -> DomainTensor:
+    """``prod`` / ``amax`` over ``dims`` holding every sharded dim (``dim``: as the caller was given it; prod takes one
+    or none): the one-process value, replicated (``product_over_ranks``, ``amax_over_ranks``).
+
+    Usage: ``replicated_reduction(unwrap(x), "amax", None, [0, 1, 2], False, spec.comm)``"""
+    if kind == "prod":
+        return adopt(product_over_ranks(local, None if dim is None else dims[0], keepdim, comm),
+                     DomainSpec.replicated(comm))
+    top = amax_over_ranks(local, dims, comm)
+    return adopt(top if keepdim else top.squeeze(dims), DomainSpec.replicated(comm))
 
 
 def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
@@ -279,11 +296,8 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
     if not set(spec.dims) <= set(dims):
         raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
                                   f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
-    if kind == "prod":  # over every dim (one dim cannot hold all the block dims)
-        return adopt(product_over_ranks(local, None, False, spec.comm), DomainSpec.replicated(spec.comm))
-    if kind == "amax":
-        top = amax_over_ranks(local, dims, spec.comm)
-        return adopt(top if keepdim else top.squeeze(dims), DomainSpec.replicated(spec.comm))
+    if kind in ("prod", "amax"):  # prod: over every dim (one dim cannot hold all the block dims)
+        return replicated_reduction(local, kind, dim, dims, keepdim, spec.comm)
     count = math.prod([x.global_shape[d] for d in dims])
     acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc) if len(dims) < x.ndim or keepdim else

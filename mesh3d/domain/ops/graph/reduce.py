@@ -1,4 +1,4 @@
-"""Reductions of graph tensors: ``sum`` / ``mean`` / ``prod`` over the items (replicated, the one-process value) or over other dims
+"""Reductions of graph tensors: ``sum`` / ``mean`` / ``prod`` / ``amax`` over the items (replicated, the one-process value) or over other dims
 (local), and the MSE / L1 losses.
 
 Usage (through torch): ``loss = F.mse_loss(pred_nodes, target_nodes)``, ``pooled = h.mean(0)``, ``h.sum(-1)``
@@ -13,15 +13,14 @@ from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
 from mesh3d.domain.layouts.graph_halo import reduce_sum
-from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules
-from mesh3d.domain.ops.reduce import amax_over_ranks, product_over_ranks
+from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules, replicated_reduction
 from mesh3d.domain.ops.graph.common import graph_spec_of
 
 __all__ = ["reduce_graph"]
 
 
 def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> DomainTensor:
-    """``x.sum`` / ``x.mean`` / ``x.prod`` over ``dim`` (all when None): over the items, a replicated total; else local.
+    """``x.sum`` / ``x.mean`` / ``x.prod`` / ``x.amax`` over ``dim`` (all when None): over the items, a replicated total; else local.
 
     Usage: ``reduce_graph(h, "mean", 0)``
     """
@@ -32,12 +31,8 @@ def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) ->
         shift = 0 if keepdim else sum(d < spec.dim for d in dims)
         return adopt(local_reduction(local, kind, dims, keepdim, dim is None),
                      spec.replaced(dim=spec.dim - shift, endpoint=None))
-    if kind == "prod":
-        return adopt(product_over_ranks(local, None if dim is None else dims[0], keepdim, spec.comm),
-                     DomainSpec.replicated(spec.comm))
-    if kind == "amax":
-        top = amax_over_ranks(local, dims, spec.comm)
-        return adopt(top if keepdim else top.squeeze(dims), DomainSpec.replicated(spec.comm))
+    if kind in ("prod", "amax"):
+        return replicated_reduction(local, kind, dim, dims, keepdim, spec.comm)
     count = math.prod([size_of(x)[d] for d in dims])
     acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
     total = reduce_sum(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)

@@ -23,11 +23,12 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
-from mesh3d.domain.ops.blocks.rules import CHANNEL_NORMS, local_reduction, reduction_rules, run_elementwise
+from mesh3d.domain.ops.blocks.rules import (CHANNEL_NORMS, local_reduction, reduction_rules, replicated_reduction,
+                                            run_elementwise)
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
-from mesh3d.domain.ops.reduce import amax_over_ranks, global_softmax, product_over_ranks
+from mesh3d.domain.ops.reduce import global_softmax
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
@@ -225,12 +226,8 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
     if spec.token_dim not in dims:  # every rank reduces its own tokens
         shift = 0 if keepdim else sum(d < spec.token_dim for d in dims)
         return adopt(local_reduction(local, kind, dims, keepdim, dim is None), spec.with_token_dim(spec.token_dim - shift))
-    if kind == "prod":
-        return adopt(product_over_ranks(local, None if dim is None else dims[0], keepdim, spec.comm),
-                     DomainSpec.replicated(spec.comm))
-    if kind == "amax":
-        top = amax_over_ranks(local, dims, spec.comm)
-        return adopt(top if keepdim else top.squeeze(dims), DomainSpec.replicated(spec.comm))
+    if kind in ("prod", "amax"):
+        return replicated_reduction(local, kind, dim, dims, keepdim, spec.comm)
     count = math.prod([x.global_shape[d] for d in dims])
     acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
     total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)
