@@ -172,6 +172,12 @@ class PeerWatch:
             if self.lost:
                 self._acknowledged = True
                 return PeerLostError.naming(self.lost, self.describe, self._doing, err)
+            if closed_connection(err):
+                # NOTE: the connection closed and no peer's process ended: a peer gave up on its own (its collective
+                # timed out first, and gloo closes a pair it timed out on). What went wrong is what a timeout says:
+                # a rank that does not arrive, named by the heartbeats. The raw error named only a port.
+                self._acknowledged = True
+                return self.timeout_error(err, closed=True)
         if timed_out(err):
             self._acknowledged = True
             return self.timeout_error(err)
@@ -208,8 +214,9 @@ class PeerWatch:
             except (RuntimeError, OSError):
                 return ""
 
-    def timeout_error(self, err: BaseException) -> CollectiveTimeoutError:
-        """A timeout, with what every rank was doing and where its main thread was (from the heartbeats)."""
+    def timeout_error(self, err: BaseException, closed: bool = False) -> CollectiveTimeoutError:
+        """A timeout, with what every rank was doing and where its main thread was (from the heartbeats); ``closed``:
+        this rank saw a live peer close its connection (that peer timed out first)."""
         beats = self._read_beats([r for r in range(self.world_size) if r != self.rank])
         mine = Beat(seq=self._seq, status=self._status, doing=self._doing, where=main_thread_where()[0], waiting=True)
         beats[self.rank] = mine
@@ -220,8 +227,10 @@ class PeerWatch:
         hint = (f"Not waiting in a collective: {', '.join(self.describe(r) for r in suspects)}: the likely hang."
                 if suspects else "Every rank is waiting in a collective: they wait in different ones (a program "
                 "that diverged), or the ranks without a heartbeat here are the hang.")
+        what = "a peer gave up on a collective (it closed its connection; no rank is lost)" if closed else \
+            "a collective timed out"
         return CollectiveTimeoutError(
-            f"a collective timed out while this rank ({self.describe(self.rank)}) was {self._doing or 'between steps'}"
+            f"{what} while this rank ({self.describe(self.rank)}) was {self._doing or 'between steps'}"
             f" ({type(err).__name__}: {str(err).strip().splitlines()[0][:160]}). {hint} Where each rank was:\n{lines}\n"
             "Choose the timeout with DistributedManager.initialize(timeout=...) or MESH3D_TIMEOUT "
             "(docs/troubleshooting.md, 'A rank died or hangs').", where)
