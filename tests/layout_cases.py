@@ -88,6 +88,7 @@ RECIPES: dict[Callable, list[Callable[[Any, Any], Any]]] = {
     F.conv_transpose2d: [lambda x, y: F.conv_transpose2d(x, _w(x.shape[1], 2, 2, 2), stride=2)],
     F.unfold: [lambda x, y: F.unfold(x, 3, padding=1), lambda x, y: F.unfold(x, (2, 3), stride=(2, 1))],
     F.fold: [lambda x, y: F.fold(F.unfold(x, 3, padding=1), x.shape[-2:], 3, padding=1)],
+    F.grid_sample: [lambda x, y: F.grid_sample(x, torch.tanh(x[:, :2]).permute(0, 2, 3, 1) * 1.2, align_corners=False)],
     F.max_pool2d: [lambda x, y: F.max_pool2d(x, 2), lambda x, y: F.max_pool2d(x, 3, stride=1, padding=1)],
     F.avg_pool2d: [lambda x, y: F.avg_pool2d(x, 2, ceil_mode=True)],
     F.adaptive_avg_pool2d: [lambda x, y: F.adaptive_avg_pool2d(x, (2, 3)), lambda x, y: F.adaptive_avg_pool2d(x, 1)],

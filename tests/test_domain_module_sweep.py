@@ -100,6 +100,8 @@ MODULES = {
     "PixelShuffle": (lambda: nn.Sequential(nn.PixelShuffle(2), nn.PixelUnshuffle(2)), lambda n: (2, 4, n, 5), 2),
     "Unfold": (lambda: nn.Sequential(nn.Unfold(3, padding=1, stride=(1, 2)), _Apply(lambda c: c * 2)), lambda n: (2, 3, n, 5),
                2),
+    "grid_sample": (lambda: _Apply(lambda x: F.grid_sample(x, torch.tanh(x[:, :2]).permute(0, 2, 3, 1) * 1.2,
+                                                            padding_mode="border")), lambda n: (2, 3, n, 5), 2),
     "Fold of Unfold": (lambda: _Apply(lambda x: F.fold(F.unfold(x, (2, 3), padding=(1, 1)).tanh(), x.shape[-2:], (2, 3),
                                                        padding=(1, 1))), lambda n: (2, 3, n, 5), 2),
     "TransformerEncoderLayer": (lambda: nn.TransformerEncoderLayer(4, 2, 8, dropout=0.0, batch_first=True),

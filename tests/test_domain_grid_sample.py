@@ -1,0 +1,155 @@
+"""``F.grid_sample`` of a field sharded along a spatial dim, the grid sharded like the output, against one process
+(fp64; ``mesh3d.domain.ops.grid_sample``): bilinear and nearest, zero and border padding, both ``align_corners``, on
+grids that reach other ranks' rows and beyond the field, on identity grids (every point on an exact row: the
+gradient's side must be torch's) and a shifted one; the field sharded along its height or its width, on slabs of 2
+and 3 uneven ranks (an empty shard). Values, the field's and the grid's gradients. A whole field with a sharded grid,
+and both sharded by samples, run locally. What the rule does not take is refused by name. Then a semi-Lagrangian
+advection step, its displacement predicted by a conv, trains three SGD steps equal to one process.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from domain_cases import domain_sum, max_err, step_both
+
+TOL = 1e-10
+H, W, HO, WO = 9, 7, 6, 5
+D64 = torch.float64
+
+
+def _grids() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    eye = torch.tensor([[[1.0, 0, 0], [0, 1.0, 0]]] * 2, dtype=D64)
+    return {
+        "beyond": torch.rand(2, HO, WO, 2, dtype=D64, generator=g) * 2.6 - 1.3,  # a fifth of the points outside
+        "identity": F.affine_grid(eye, (2, 3, H, W), align_corners=False),
+        "identity_ac": F.affine_grid(eye, (2, 3, H, W), align_corners=True),
+        "shifted": F.affine_grid(eye, (2, 3, H, W), align_corners=False) + torch.tensor([0.1, 0.37], dtype=D64),
+    }
+
+
+def _uneven(n: int, world: int) -> tuple[int, ...]:
+    return tuple(n // world + (1 if r >= world - n % world else 0) for r in range(world))
+
+
+def _body(world: int, field_sizes: tuple[int, ...], field_dim: int) -> dict:
+    """Every grid x mode x padding x align_corners: the largest error of the value, the field's and the grid's grads."""
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=world)
+    x0 = torch.randn(2, 3, H, W, dtype=D64, generator=torch.Generator().manual_seed(4))
+    errors = {}
+    for gname, g0 in _grids().items():
+        for mode in ("bilinear", "nearest"):
+            for padding in ("zeros", "border"):
+                for align in (False, True):
+                    x, grid = x0.clone().requires_grad_(), g0.clone().requires_grad_()
+                    want = F.grid_sample(x, grid, mode=mode, padding_mode=padding, align_corners=align)
+                    cot = torch.randn(want.shape, dtype=D64, generator=torch.Generator().manual_seed(1))
+                    (want * cot).sum().backward()
+                    want_x, want_grid = x.grad, grid.grad
+                    x.grad = grid.grad = None
+                    xs = domain.shard(x, dim=field_dim, sizes=field_sizes)
+                    gs = domain.shard(grid, dim=1, sizes=_uneven(grid.shape[1], world))
+                    got = F.grid_sample(xs, gs, mode=mode, padding_mode=padding, align_corners=align)
+                    whole = got.full_tensor().to_local()
+                    (whole * cot).sum().backward()
+                    errors[(gname, mode, padding, align)] = max(
+                        max_err(whole, want), max_err(domain_sum(x.grad), want_x), max_err(domain_sum(grid.grad), want_grid))
+    DistributedManager.shutdown()
+    return errors
+
+
+CASES = {  # world, the field's sizes, the field's sharded dim
+    "2 ranks, height (5, 4)": (2, (5, 4), 2),
+    "3 ranks, height (4, 0, 5)": (3, (4, 0, 5), 2),
+    "3 ranks, width (3, 4, 0)": (3, (3, 4, 0), 3),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grid_sample_equals_one_process_values_and_both_gradients(ranks, case):
+    for errors in ranks.run(CASES[case][0], _body, *CASES[case]):
+        assert len(errors) == 32 and max(errors.values()) < TOL, {k: v for k, v in errors.items() if not v < TOL}
+
+
+def _local_and_refused_body() -> dict:
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=2)
+    x = torch.randn(2, 3, H, W, dtype=D64, generator=torch.Generator().manual_seed(4))
+    grid = _grids()["beyond"]
+    out = {}
+    whole_field = F.grid_sample(x, domain.shard(grid, dim=2, sizes=(2, 3)), align_corners=True)  # sharded along Wo
+    out["whole field"] = max_err(whole_field.full_tensor().to_local(), F.grid_sample(x, grid, align_corners=True))
+    by_sample = F.grid_sample(domain.shard(x, dim=0, sizes=(1, 1)), domain.shard(grid, dim=0, sizes=(1, 1)))
+    out["by samples"] = max_err(by_sample.full_tensor().to_local(), F.grid_sample(x, grid))
+    xs, gs = domain.shard(x, dim=2, sizes=(5, 4)), domain.shard(grid, dim=1, sizes=(3, 3))
+    for name, call in {"bicubic": lambda: F.grid_sample(xs, gs, mode="bicubic"),
+                       "reflection": lambda: F.grid_sample(xs, gs, padding_mode="reflection"),
+                       "whole grid": lambda: F.grid_sample(xs, grid),
+                       "grid by coordinates": lambda: F.grid_sample(xs, domain.shard(grid, dim=3, sizes=(1, 1))),
+                       "channels": lambda: F.grid_sample(domain.shard(x, dim=1, sizes=(1, 2)), gs)}.items():
+        try:
+            call()
+            out[name] = "ran"
+        except NotImplementedError as err:
+            out[name] = str(err)
+    DistributedManager.shutdown()
+    return out
+
+
+def test_a_whole_field_and_samples_run_locally_and_what_has_no_rule_is_refused_by_name(ranks):
+    for out in ranks.run(2, _local_and_refused_body):
+        assert out["whole field"] < TOL and out["by samples"] < TOL, out
+        assert "mode='bicubic'" in out["bicubic"] and "padding_mode='reflection'" in out["reflection"], out
+        assert "domain.shard(grid, dim=1" in out["whole grid"], out
+        assert "along its coordinates" in out["grid by coordinates"] and "shard a spatial dim" in out["channels"], out
+        assert all(v.startswith("torch.nn.functional.grid_sample") for k, v in out.items() if isinstance(v, str)), out
+
+
+class Advection(torch.nn.Module):
+    """One semi-Lagrangian step: a conv predicts each point's displacement, the field is sampled at the departure
+    points (bilinear, border padding), then mixed by a 1x1 conv."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.velocity = torch.nn.Conv2d(2, 2, 3, padding=1, dtype=D64)
+        self.mix = torch.nn.Conv2d(2, 2, 1, dtype=D64)
+
+    def forward(self, field, base):
+        departure = base - 0.3 * torch.tanh(self.velocity(field)).permute(0, 2, 3, 1)
+        return self.mix(F.grid_sample(field, departure, padding_mode="border", align_corners=False))
+
+
+def _train_body(world: int, sizes: tuple[int, ...], steps: int) -> float:
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=world)
+    torch.manual_seed(0)
+    ref = Advection()
+    mod = copy.deepcopy(ref)
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    base = F.affine_grid(torch.tensor([[[1.0, 0, 0], [0, 1.0, 0]]] * 2, dtype=D64), (2, 2, H, W), align_corners=False)
+    worst = 0.0
+    for step in range(steps):
+        field = torch.randn(2, 2, H, W, dtype=D64, generator=torch.Generator().manual_seed(step))
+        target = torch.roll(field, 1, 2)
+        loss_ref = (ref(field, base) - target).square().mean()
+        loss_ref.backward()
+        xs, ts = (domain.shard(t, dim=2, sizes=sizes) for t in (field, target))
+        loss = (mod(xs, domain.shard(base, dim=1, sizes=sizes)) - ts).square().mean()
+        loss.backward()
+        worst = max(worst, step_both(ref, mod, opt_ref, opt, loss_ref, loss))
+    DistributedManager.shutdown()
+    return worst
+
+
+@pytest.mark.parametrize("world, sizes", [(2, (6, 3)), (3, (4, 0, 5))])
+def test_a_semi_lagrangian_step_trains_equal_to_one_process(ranks, world, sizes):
+    assert max(ranks.run(world, _train_body, world, sizes, 3)) < TOL
