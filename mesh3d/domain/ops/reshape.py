@@ -94,10 +94,12 @@ def place_rows(virtual: tuple[int, ...], dim: int, target: list[int], sizes: tup
         if rest == 0 or target_before == 0 or before % target_before:
             continue
         outer = before // target_before
-        if outer not in merged_before:
-            continue
-        # Prefer no strided layout, then targets keeping the dims before the rows as they are.
-        priority = (outer != 1, not (candidate >= dim and list(target[:dim]) == list(virtual[:dim])))
+        # NOTE: the dims before the rows are whole, so their flattened index splits at any divisor: ``outer`` blocks
+        # need not be whole dims (Swin's shifted-window mask splits a batch of windows of several samples, sharded
+        # along each sample's window columns, back into (samples, windows per sample)). Prefer no strided layout,
+        # then blocks that are whole dims, then targets keeping the dims before the rows as they are.
+        priority = (outer != 1, outer not in merged_before,
+                    not (candidate >= dim and list(target[:dim]) == list(virtual[:dim])))
         if after % rest == 0:  # the rows stay rows, possibly merged with whole dims after (and before) them
             if after // rest in merged_after and size * rest == outer * rows * after:
                 found.append((priority, candidate, Placement(candidate, after, rest, outer)))
