@@ -1,6 +1,7 @@
 """torch.nn's Transformer layers and nn.MultiheadAttention on tokens sharded along the sequence (issue 67), against
 one process in fp64 on 2 and 3 uneven ranks (an empty shard): output, input gradient and every parameter gradient,
-masks included; the attention weights (need_weights=True) and add_zero_attn refused by name on every rank."""
+masks included (a padding mask sharded like the tokens too); the attention weights (need_weights=True) and
+add_zero_attn refused by name on every rank."""
 
 from __future__ import annotations
 
@@ -51,6 +52,23 @@ class DecoderOnMemory(torch.nn.Module):
         return self.layer(x, self.memory, tgt_is_causal=False)
 
 
+class PaddedLikeItsTokens(torch.nn.Module):
+    """An encoder layer whose key padding mask is laid out like its tokens: sharded with them on the mesh."""
+
+    def __init__(self, padding: torch.Tensor):
+        super().__init__()
+        self.inner = _layer()
+        self.register_buffer("padding", padding)
+
+    def forward(self, x):
+        from mesh3d import domain
+
+        mask = self.padding
+        if isinstance(x, domain.DomainTensor):
+            mask = domain.shard(mask, dim=1, sizes=x.spec.sizes)
+        return self.inner(x, src_key_padding_mask=mask)
+
+
 def _layers_body(sizes):
     from mesh3d import DistributedManager, domain
 
@@ -65,6 +83,7 @@ def _layers_body(sizes):
         "encoder layer": _layer,
         "norm first, gelu": lambda: _layer(norm_first=True, activation="gelu"),
         "key padding mask": _called(_layer, src_key_padding_mask=padding),
+        "key padding mask sharded like the tokens": lambda: PaddedLikeItsTokens(padding),
         "causal mask": _called(_layer, src_mask=causal, is_causal=True),
         "two layers": lambda: torch.nn.TransformerEncoder(_layer(), 2, enable_nested_tensor=False),
         "self-attention, key differs": SelfAttention,

@@ -7,8 +7,9 @@ Usage: automatic: ``nn.TransformerEncoderLayer(d, h, batch_first=True)(xs)`` on 
 The formula torch computes, each step through the dispatcher: the input projections (per token, local), heads split
 to ``(N, H, L, E/H)`` (the sequence stays the sharded dim), ``F.scaled_dot_product_attention`` over the domain (ring,
 gather or Ulysses, as ``domain.attention_mode`` says; masks by global index), the heads merged and the output
-projection. ``attn_mask`` and ``key_padding_mask`` are plain tensors of the global lengths, combined as torch combines
-them (a boolean True, or -inf, masks a key). What needs the whole score matrix on one rank or has no such formula is
+projection. ``attn_mask`` and ``key_padding_mask`` are plain tensors of the global lengths, or domain tensors (a
+padding mask sharded like the tokens), made whole first; combined as torch combines them (a boolean True, or -inf,
+masks a key). What needs the whole score matrix on one rank or has no such formula is
 refused by name before anything runs: the attention weights (``need_weights=True``, ``nn.MultiheadAttention``'s
 default: pass ``need_weights=False``), ``bias_k``/``bias_v``, ``add_zero_attn``, ``static_k``/``static_v``.
 """
@@ -29,7 +30,7 @@ _NAME = "F.multi_head_attention_forward (nn.MultiheadAttention)"
 
 
 def _refuse_unsupported(need_weights: bool, bias_k: Any, bias_v: Any, add_zero_attn: bool, static_k: Any,
-                        static_v: Any, masks: tuple[Any, ...]) -> None:
+                        static_v: Any) -> None:
     if need_weights:
         raise NotImplementedError(
             f"{_NAME} with need_weights=True on a domain tensor: the attention weights would need every query's "
@@ -38,9 +39,13 @@ def _refuse_unsupported(need_weights: bool, bias_k: Any, bias_v: Any, add_zero_a
     if add_zero_attn or any(t is not None for t in (bias_k, bias_v, static_k, static_v)):
         raise NotImplementedError(f"{_NAME} with bias_k/bias_v, add_zero_attn or static_k/static_v on a domain "
                                   "tensor is not supported: build the attention without them")
-    if any(isinstance(m, DomainTensor) for m in masks):
-        raise NotImplementedError(f"{_NAME}: attn_mask and key_padding_mask must be plain tensors of the global "
-                                  "lengths (the same on every rank), not domain tensors")
+
+
+def _whole(mask: Any) -> Any:
+    """A mask laid out on the domain (a padding mask sharded like the tokens) as the plain global mask: every rank's
+    queries read every key. NOTE: a collective, reached on every rank alike (whether a mask is a domain tensor is the
+    same everywhere); a mask is (N, S) or (L, S), small beside the activations."""
+    return mask.full_tensor().to_local() if isinstance(mask, DomainTensor) else mask
 
 
 def _as_additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
@@ -87,7 +92,8 @@ def _multi_head_attention_forward(query, key, value, embed_dim_to_check, num_hea
                                   v_proj_weight=None, static_k=None, static_v=None, average_attn_weights=True,
                                   is_causal=False):
     del average_attn_weights  # NOTE: it shapes only the attention weights, which are refused
-    _refuse_unsupported(need_weights, bias_k, bias_v, add_zero_attn, static_k, static_v, (attn_mask, key_padding_mask))
+    _refuse_unsupported(need_weights, bias_k, bias_v, add_zero_attn, static_k, static_v)
+    attn_mask, key_padding_mask = _whole(attn_mask), _whole(key_padding_mask)
     unbatched = query.dim() == 2
     if unbatched:  # (L, E): one sequence, as torch does it
         query, key, value = (call(torch.unsqueeze, t, 1) for t in (query, key, value))
