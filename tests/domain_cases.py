@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from hypothesis import example
@@ -152,6 +155,26 @@ def step_both(ref: torch.nn.Module, mod: torch.nn.Module, opt_ref, opt, loss_ref
         q.grad.copy_(domain_sum(q.grad))
     opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
     return max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
+
+
+def trained_alike(ref: torch.nn.Module, loss: Callable[[torch.nn.Module, int, bool], torch.Tensor], steps: int,
+                  lr: float) -> float:
+    """``ref`` and a copy of it trained ``steps`` SGD steps side by side: ``loss(model, step, sharded)`` is the step's
+    loss of ``ref`` in one process (``sharded`` False) and of the copy on domain tensors (True); the largest
+    difference of the losses and parameters over the steps (``step_both``).
+
+    Usage: ``trained_alike(net, lambda m, step, sharded: m(shard(x(step)) if sharded else x(step)).mean(), 3, 0.1)``
+    """
+    mod = copy.deepcopy(ref)
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=lr), torch.optim.SGD(mod.parameters(), lr=lr)
+    worst = 0.0
+    for step in range(steps):
+        loss_ref = loss(ref, step, False)
+        loss_ref.backward()
+        loss_mod = loss(mod, step, True)
+        loss_mod.backward()
+        worst = max(worst, step_both(ref, mod, opt_ref, opt, loss_ref, loss_mod))
+    return worst
 
 
 def case_error(run, x0: torch.Tensor, seed: int) -> float | str:

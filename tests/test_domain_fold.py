@@ -9,13 +9,11 @@ with them (a convolution as unfold and a matmul, a learned col2im) trains three 
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from domain_cases import assert_equal_or_refused, case_error, step_both
+from domain_cases import assert_equal_or_refused, case_error, trained_alike
 
 TOL = 1e-10
 H, W = 9, 7
@@ -128,18 +126,13 @@ def _train_body(layout: dict, steps: int) -> float:
 
     DistributedManager.initialize(batch=1, domain=layout["grid"])
     torch.manual_seed(0)
-    ref = PatchNet()
-    mod = copy.deepcopy(ref)
-    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.05), torch.optim.SGD(mod.parameters(), lr=0.05)
-    worst = 0.0
-    for step in range(steps):
+
+    def loss(model, step, sharded):
         field = torch.randn(2, 2, H, W, dtype=D64, generator=torch.Generator().manual_seed(step))
-        loss_ref = (ref(field) - field[:, :1]).square().mean()
-        loss_ref.backward()
-        xs = domain.shard(field, dim=2, sizes=layout["sizes"])
-        loss = (mod(xs) - xs[:, :1]).square().mean()
-        loss.backward()
-        worst = max(worst, step_both(ref, mod, opt_ref, opt, loss_ref, loss))
+        x = domain.shard(field, dim=2, sizes=layout["sizes"]) if sharded else field
+        return (model(x) - x[:, :1]).square().mean()
+
+    worst = trained_alike(PatchNet(), loss, steps, 0.05)
     DistributedManager.shutdown()
     return worst
 

@@ -9,13 +9,11 @@ advection step, its displacement predicted by a conv, trains three SGD steps equ
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from domain_cases import domain_sum, max_err, step_both
+from domain_cases import domain_sum, max_err, trained_alike
 
 TOL = 1e-10
 H, W, HO, WO = 9, 7, 6, 5
@@ -132,20 +130,17 @@ def _train_body(world: int, sizes: tuple[int, ...], steps: int) -> float:
 
     DistributedManager.initialize(batch=1, domain=world)
     torch.manual_seed(0)
-    ref = Advection()
-    mod = copy.deepcopy(ref)
-    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
     base = F.affine_grid(torch.tensor([[[1.0, 0, 0], [0, 1.0, 0]]] * 2, dtype=D64), (2, 2, H, W), align_corners=False)
-    worst = 0.0
-    for step in range(steps):
+
+    def loss(model, step, sharded):
         field = torch.randn(2, 2, H, W, dtype=D64, generator=torch.Generator().manual_seed(step))
         target = torch.roll(field, 1, 2)
-        loss_ref = (ref(field, base) - target).square().mean()
-        loss_ref.backward()
-        xs, ts = (domain.shard(t, dim=2, sizes=sizes) for t in (field, target))
-        loss = (mod(xs, domain.shard(base, dim=1, sizes=sizes)) - ts).square().mean()
-        loss.backward()
-        worst = max(worst, step_both(ref, mod, opt_ref, opt, loss_ref, loss))
+        if sharded:
+            field, target, grid = (domain.shard(t, dim=d, sizes=sizes) for t, d in ((field, 2), (target, 2), (base, 1)))
+            return (model(field, grid) - target).square().mean()
+        return (model(field, base) - target).square().mean()
+
+    worst = trained_alike(Advection(), loss, steps, 0.1)
     DistributedManager.shutdown()
     return worst
 

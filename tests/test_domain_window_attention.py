@@ -8,13 +8,11 @@ empty shard among them), at 2 and 3 ranks: losses, then parameters after each st
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 from torch import nn
 
-from domain_cases import step_both
+from domain_cases import trained_alike
 
 TOL = 1e-10
 D64 = torch.float64
@@ -114,17 +112,13 @@ def _train_body(world: int, kind: str, dim: int, sizes: tuple[int, ...], steps: 
     else:
         shape = (2, 4, 8, 8, 4)
         ref = nn.Sequential(EarthBlock(shape[1:4]), EarthBlock(shape[1:4], shift=True))
-    mod = copy.deepcopy(ref)
-    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
-    worst = 0.0
-    for step in range(steps):
+
+    def loss(model, step, sharded):
         x = torch.randn(shape, dtype=D64, generator=torch.Generator().manual_seed(step))
-        loss_ref = (ref(x) - x.flip(-1)).square().mean()
-        loss_ref.backward()
-        xs = domain.shard(x, dim=dim, sizes=sizes)
-        loss = (mod(xs) - xs.flip(-1)).square().mean()
-        loss.backward()
-        worst = max(worst, step_both(ref, mod, opt_ref, opt, loss_ref, loss))
+        x = domain.shard(x, dim=dim, sizes=sizes) if sharded else x
+        return (model(x) - x.flip(-1)).square().mean()
+
+    worst = trained_alike(ref, loss, steps, 0.1)
     DistributedManager.shutdown()
     return worst
 
