@@ -25,6 +25,7 @@ MESH3D_FOR="${MESH3D_FOR:-test}"
 if [ "$MESH3D_FOR" = demo ]; then
   _extras="${MESH3D_EXTRAS:-}"
   _pins=""
+  _nodeps=""
   # measured on a fresh venv from this machine's wheel cache (2 cores, load ~8): ~0.8 GB, 1-2 minutes
   _expect="about 0.8 GB on disk, 1-2 minutes from a local wheel cache (torch's CPU wheel is ~200 MB to download)"
   _check="import mesh3d, torch, safetensors, einops, numpy, xxhash"
@@ -32,7 +33,11 @@ else
   _extras="test,lightning,hf,zoo,weather,graph${MESH3D_EXTRAS:+,$MESH3D_EXTRAS}"
   _pins="$LINT_PINS"
   _expect="about 1.9 GB on disk, 5-7 minutes from a local wheel cache (more to download from PyPI)"
-  _check="import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, xdist, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, torch_geometric, pymetis, xarray, h5py, h5netcdf, matplotlib, sys; sys.version_info < (3, 11) or __import__('zarr')"
+  # NOTE: torch-harmonics without its requirements: 0.9.3 asks for torch 2.14, which would replace the pinned CPU
+  # torch (a CUDA build where unpinned); against 2.13 its Python modules load and run, DISCO included (what the
+  # domain tests need: tests/test_domain_torch_harmonics.py), and numpy, its other requirement, is already here.
+  _nodeps="torch-harmonics==0.9.3"
+  _check="import mesh3d, torch, safetensors, einops, numpy, pytest, hypothesis, xdist, lightning, transformers, monai, diffusers, neuralop, x_transformers, perceiver_pytorch, x_unet, mlp_mixer_pytorch, conformer, local_attention, vector_quantize_pytorch, torch_geometric, pymetis, xarray, h5py, h5netcdf, matplotlib, torch_harmonics, sys; sys.version_info < (3, 11) or __import__('zarr')"
 fi
 _target="$ROOT${_extras:+[$_extras]}"
 
@@ -88,6 +93,11 @@ if ! _installed "$_want" && ! { [ "$MESH3D_FOR" = demo ] && [ -z "$_extras" ] &&
     exit 1
   fi
   rm -f "$_log"
+  if [ -n "$_nodeps" ]; then
+    # shellcheck disable=SC2086  # _nodeps is a list of requirements
+    "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps $_nodeps >/dev/null \
+      || { echo "mesh3d: installing $_nodeps (without their requirements) into $VENV failed" >&2; exit 1; }
+  fi
   "$PY" -c "$_check" || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
   echo "$_want" >> "$VENV/.mesh3d-installed"
   echo "mesh3d: installed in $((SECONDS - _start)) s; $VENV takes $(du -sh "$VENV" | cut -f1)" >&2

@@ -34,7 +34,8 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import OpOverload, op_schema
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA
-from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, RuleTable, op_name, rules_for
+from mesh3d.domain.dispatch.registry import (
+    BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, RuleTable, load_shipped_rules, op_name, rules_for)
 
 __all__ = ["COMPILED_GRAPH_RUNTIME", "CompiledGraphRuntime", "OperatorPlan", "autograd_function_target", "operator_plan",
            "operator_target"]
@@ -305,7 +306,7 @@ def autograd_function_target(cls: Any) -> Callable | None:
     if cls.__module__.startswith(_TRUSTED_FUNCTIONS):
         return None
     target = cls.apply
-    if any(target in t for t in _TABLES):
+    if any(target in t for t in _TABLES) or (load_shipped_rules(cls.__module__) and any(target in t for t in _TABLES)):
         return target
     name = f"{cls.__module__}.{cls.__qualname__}.apply"
     raise NotImplementedError(

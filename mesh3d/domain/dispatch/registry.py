@@ -14,6 +14,7 @@ op raises unless ``override=True`` (a silent replacement would change results el
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import Any
 
@@ -21,8 +22,8 @@ import torch
 
 from mesh3d._torch_private import OpOverload, OpOverloadPacket, builtins_replaced_by, custom_op_overload, is_operator
 
-__all__ = ["BLOCK_RULES", "GRAPH_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "op_name", "register",
-           "rules_for", "writes_into_first"]
+__all__ = ["BLOCK_RULES", "GRAPH_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "load_shipped_rules",
+           "op_name", "register", "rules_for", "writes_into_first"]
 
 
 #: Every rule table by its name: a compiled lookup names its table (see ``_rule_index_at_trace_time``).
@@ -211,3 +212,21 @@ def writes_into_first(func: Callable) -> bool:
     return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
 
 
+#: Rules mesh3d ships for a third-party library, by the library's top-level module: the mesh3d module whose
+#: ``register_rules()`` registers them. NOTE: called when one of the library's autograd Functions meets a domain tensor
+#: with no rule (the refusal path asks here first), not at mesh3d's import: the library may be absent, importing it
+#: costs, and no import hook is installed for the process. Registering again is harmless (a harness that puts the
+#: tables back as they were removes them). By name (importlib): the rules live in the ops layer above this one.
+SHIPPED_RULES = {"torch_harmonics": "mesh3d.domain.ops.torch_harmonics"}
+
+
+def load_shipped_rules(module: str) -> bool:
+    """Register the rules mesh3d ships for the library ``module`` belongs to; whether it ships any.
+
+    Usage: ``if load_shipped_rules(cls.__module__): ...  # look the rule up again``
+    """
+    path = SHIPPED_RULES.get(module.split(".", 1)[0])
+    if path is None:
+        return False
+    importlib.import_module(path).register_rules()
+    return True

@@ -1,0 +1,80 @@
+"""torch-harmonics on latitude slabs (issue 67), unchanged, against one process: its ``RealSHT`` and
+``InverseRealSHT`` (equiangular and Legendre-Gauss grids) exact in fp64, values and the input's gradient, at 2 and 3
+uneven ranks (an empty shard); its SFNO (``torch_harmonics.examples.models.sfno``) trains three SGD steps equal to one
+process under its own precision (its spectral convolutions compute in fp32 whatever the model's dtype, so the
+tolerance is fp32's); its DISCO convolution is refused by name. The rules mesh3d ships for the library load the first
+time one of its functions meets a domain tensor (``registry.SHIPPED_RULES``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from domain_cases import assert_equal_or_refused, case_error, trained_alike
+
+NLAT, NLON = 16, 32
+D64 = torch.float64
+LAYOUTS = {"2 ranks (9, 7)": (2, (9, 7)), "3 ranks (6, 0, 10)": (3, (6, 0, 10))}
+
+
+def _transforms_body(world: int, sizes: tuple[int, ...]) -> dict:
+    import torch_harmonics as th
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=world)
+    warnings.filterwarnings("ignore", message="Default SHT truncation")
+    x0 = torch.randn(2, 3, NLAT, NLON, dtype=D64, generator=torch.Generator().manual_seed(4))
+    errors = {}
+    for i, grid in enumerate(("equiangular", "legendre-gauss")):
+        sht, isht = th.RealSHT(NLAT, NLON, grid=grid).double(), th.InverseRealSHT(NLAT, NLON, grid=grid).double()
+
+        def forward_then_back(x, sharded, sht=sht, isht=isht):  # the field filtered by a spectral factor
+            coeffs = sht(domain.shard(x, dim=2, sizes=sizes) if sharded else x)
+            return isht(coeffs * torch.linspace(1.0, 0.2, coeffs.shape[-1], dtype=D64))
+
+        errors[f"sht+isht {grid}"] = case_error(forward_then_back, x0, i)
+        errors[f"sht {grid}"] = case_error(
+            lambda x, sharded, sht=sht: torch.view_as_real(sht(domain.shard(x, dim=2, sizes=sizes) if sharded else x)),
+            x0, 10 + i)
+    disco = th.DiscreteContinuousConvS2(3, 4, (NLAT, NLON), (NLAT, NLON), kernel_shape=3).double()
+    errors["disco"] = case_error(lambda x, sharded: disco(domain.shard(x, dim=2, sizes=sizes) if sharded else x), x0, 20)
+    DistributedManager.shutdown()
+    return errors
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_spherical_harmonic_transforms_on_latitude_slabs_equal_one_process(ranks, layout):
+    world, sizes = LAYOUTS[layout]
+    for errors in ranks.run(world, _transforms_body, world, sizes):
+        assert_equal_or_refused(errors, {"disco": "torch.ops.disco_kernels"}, 1e-10)
+
+
+def _sfno_body(world: int, sizes: tuple[int, ...], steps: int) -> float:
+    from torch_harmonics.examples.models.sfno import SphericalFourierNeuralOperator
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=world)
+    warnings.filterwarnings("ignore", message="Default SHT truncation")
+    torch.manual_seed(0)
+    net = SphericalFourierNeuralOperator(img_size=(NLAT, NLON), in_chans=3, out_chans=3, embed_dim=8, num_layers=2,
+                                         scale_factor=2, normalization_layer="instance_norm").double()
+
+    def loss(model, step, sharded):
+        x = torch.randn(2, 3, NLAT, NLON, dtype=D64, generator=torch.Generator().manual_seed(step))
+        x = domain.shard(x, dim=2, sizes=sizes) if sharded else x
+        return (model(x) - x.roll(1, -1)).square().mean()
+
+    worst = trained_alike(net, loss, steps, 0.05)
+    DistributedManager.shutdown()
+    return worst
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_torch_harmonics_sfno_trains_equal_to_one_process_under_its_fp32_spectral_convolutions(ranks, layout):
+    world, sizes = LAYOUTS[layout]
+    assert max(ranks.run(world, _sfno_body, world, sizes, 3)) < 1e-5
