@@ -94,9 +94,11 @@ if ! _installed "$_want" && ! { [ "$MESH3D_FOR" = demo ] && [ -z "$_extras" ] &&
   fi
   rm -f "$_log"
   if [ -n "$_nodeps" ]; then
+    _log="$(mktemp)"
     # shellcheck disable=SC2086  # _nodeps is a list of requirements
-    "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps $_nodeps >/dev/null \
-      || { echo "mesh3d: installing $_nodeps (without their requirements) into $VENV failed" >&2; exit 1; }
+    "$PY" -m pip install --disable-pip-version-check --progress-bar off --no-deps $_nodeps >"$_log" 2>&1 \
+      || { tail -30 "$_log" >&2; rm -f "$_log"; echo "mesh3d: installing $_nodeps (without their requirements) into $VENV failed" >&2; exit 1; }
+    rm -f "$_log"
   fi
   "$PY" -c "$_check" || { echo "mesh3d: installation into $VENV failed" >&2; exit 1; }
   echo "$_want" >> "$VENV/.mesh3d-installed"
