@@ -36,9 +36,16 @@ class ZooModel:
     inputs: str = "field"
     #: relative tolerance; looser only where the library itself computes in float32 (said at the entry)
     rtol: float = 1e-9
+    #: complex weights stay as built (``Module.double``): for a library that casts its input to complex64 itself
+    keep_complex: bool = False
 
     def make_input(self) -> torch.Tensor:
         return token_ids(self.shape) if self.inputs == "ids" else torch.randn(self.shape, dtype=torch.float64)
+
+    def build_fp64(self) -> torch.nn.Module:
+        """The model in float64 (``to_fp64``; real parameters only where ``keep_complex``)."""
+        model = self.build()
+        return model.double() if self.keep_complex else to_fp64(model)
 
     def refused(self, layout: str) -> bool:
         """Whether this model must raise ``refusal`` on ``layout`` ("2", "3" or "blocks")."""
@@ -184,6 +191,16 @@ def _x_vit():
                                 attn_layers=Encoder(dim=16, depth=1, heads=2))
 
 
+def _th_sfno():
+    import warnings
+
+    from torch_harmonics.examples.models.sfno import SphericalFourierNeuralOperator
+
+    warnings.filterwarnings("ignore", message="Default SHT truncation")
+    return SphericalFourierNeuralOperator(img_size=(16, 32), in_chans=3, out_chans=3, embed_dim=8, num_layers=2,
+                                          scale_factor=2, normalization_layer="instance_norm")
+
+
 ZOO: dict[str, ZooModel] = {
     "monai.UNet": ZooModel("monai", _monai_unet, _call, (2, 2, 16, 12), 2, (8, 4, 4),
                            "2-D encoder-decoder, skips, strided residual convs, BatchNorm"),
@@ -246,6 +263,14 @@ ZOO: dict[str, ZooModel] = {
                             # blocks: its attention's einsum meets the keys in another layout than the queries
                             refusal="laid out differently over the domain grid", refused_on=frozenset({"blocks"}),
                             workaround="shard as slabs"),
+    # rtol 1e-6 and complex weights kept: its spectral convolutions cast their input to float32 (complex64 in the
+    # spectrum) whatever the model's dtype, in one process too
+    "torch_harmonics.SFNO": ZooModel("torch_harmonics", _th_sfno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
+                                     "spherical Fourier neural operator: SHT over latitude slabs, spectral blocks",
+                                     rtol=1e-6, keep_complex=True,
+                                     # blocks: its FFT along the sharded longitudes keeps the first modes (narrow)
+                                     refusal="torch.Tensor.narrow has no rule for block layouts",
+                                     refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs"),
     "neuraloperator.TFNO": ZooModel("neuraloperator", tm.neuralop_tfno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                     "Tucker-factorized Fourier neural operator"),
     "x-transformers.Decoder": ZooModel("x-transformers", tm.x_decoder, _call, (2, 16), 1, (3, 8, 5),

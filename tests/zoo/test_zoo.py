@@ -51,10 +51,8 @@ def _one(entry, world: int, blocks: bool = False) -> dict:
     from domain_cases import domain_sum
     from mesh3d import DistributedManager, domain
 
-    from zoo.models import to_fp64
-
     torch.manual_seed(0)
-    ref = to_fp64(entry.build())
+    ref = entry.build_fp64()
     mod = copy.deepcopy(ref)
     x = entry.make_input()
     if blocks:
