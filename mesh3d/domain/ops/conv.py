@@ -26,7 +26,7 @@ from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.connected import connected_zeros
 
-__all__ = ["as_tuple", "bias_rows", "kernel_padding", "pad_local", "pad_pairs", "spatial_axis"]
+__all__ = ["as_tuple", "bias_rows", "kernel_padding", "owned_rows", "pad_local", "pad_pairs", "spatial_axis"]
 
 
 def as_tuple(v, n: int) -> tuple[int, ...]:
@@ -164,6 +164,20 @@ def bias_rows(y: torch.Tensor, dim: int, before: int, after: int, bias: torch.Te
     return torch.cat([rows(before), y, rows(after)], dim)
 
 
+def owned_rows(y: torch.Tensor, dim: int, first: int, size: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``size`` output rows a rank owns, from ``y`` computed on the input rows it read, whose first row sits at
+    ``first`` among them (negative: ``y`` starts before them); owned rows no input reaches hold only the bias (zeros
+    without one). A transposed window's last step (conv_transpose, F.fold)."""
+    # NOTE: rows of y past my last output row belong to the next rank; with first > 0 (my first rows reached by no
+    # input) they start sooner, at size - first (an empty shard before me makes that happen)
+    y = y.narrow(dim, -first, min(size, y.shape[dim] + first)) if first <= 0 else \
+        y.narrow(dim, 0, min(y.shape[dim], size - first))
+    short = size - y.shape[dim] - max(first, 0)
+    if first > 0 or short > 0:
+        y = bias_rows(y, dim, max(first, 0), short, bias)
+    return y
+
+
 def _conv_transpose_rule(func, nd: int):
     name = f"torch.nn.functional.conv_transpose{nd}d"
 
@@ -189,15 +203,7 @@ def _conv_transpose_rule(func, nd: int):
             if needs[me]:
                 # NOTE: the bias inside torch's kernel, as one process adds it: one rounding in bf16/fp16, not two.
                 y = func(ext, weight, bias, stride, local_pad, local_op, groups, dilation)
-                first = starts[me] * s - p - a  # where my first output row sits in y's rows
-                # NOTE: rows of y past my last output row belong to the next rank; with first > 0 (my first rows
-                # reached by no input) they start sooner, at size - first (an empty shard before me makes that happen)
-                y = (y.narrow(2 + sp, -first, min(size, y.shape[2 + sp] + first)) if first <= 0
-                     else y.narrow(2 + sp, 0, min(y.shape[2 + sp], size - first)))
-                short = size - y.shape[2 + sp] - max(first, 0)
-                if first > 0 or short > 0:  # rows no input reaches: the bias alone
-                    y = bias_rows(y, 2 + sp, max(first, 0), short, bias)
-                return y
+                return owned_rows(y, 2 + sp, starts[me] * s - p - a, size, bias)
             else:  # no contributing input rows: only the bias (or an empty shard)
                 ref = func(ext.narrow(2 + sp, 0, 0).new_zeros([*ext.shape[:2 + sp], 1, *ext.shape[3 + sp:]]),
                            weight, None, stride, local_pad, local_op, groups, dilation)

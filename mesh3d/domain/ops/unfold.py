@@ -21,7 +21,7 @@ from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.halo.windows import Extended, Window, plan_window, window_output_length
-from mesh3d.domain.ops.conv import as_tuple, run_padded, transpose_plan
+from mesh3d.domain.ops.conv import as_tuple, owned_rows, run_padded, transpose_plan
 
 __all__: list[str] = []
 
@@ -103,12 +103,7 @@ def _col2im(input, output_size, kernel_size, dilation=1, padding=0, stride=1) ->
         count = cols.shape[-1] // across
         reach = (count - 1) * st[0] + dil[0] * (ks[0] - 1) + 1  # the rows my patches cover, from their first
         y = F.fold(cols, (reach, size[1]), ks, dil, (0, pad[1]), st)
-        first = starts[me] * st[0] - pad[0] - first_row  # where y's first row sits among my rows
-        y = y.narrow(-2, -first, min(height, reach + first)) if first <= 0 else y.narrow(-2, 0, min(reach, height - first))
-        before, after = max(first, 0), height - y.shape[-2] - max(first, 0)
-        if before or after:  # my rows no patch reaches
-            y = torch.cat([y.new_zeros([*y.shape[:-2], before, size[1]]), y, y.new_zeros([*y.shape[:-2], after, size[1]])], -2)
-        return y
+        return owned_rows(y, y.ndim - 2, starts[me] * st[0] - pad[0] - first_row, height)
 
     needs_cols = tuple((Span.rows(n[0].start * across, n[0].stop * across),) if n else () for n in needs)
     return Step(compute, (Rows(input, needs_cols),), out=spec.with_sizes(out_sizes, dim=input.ndim - 1))
