@@ -161,6 +161,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kernels", default="cuda", choices=("cuda", "cpu"),
                         help="whose kernels to model: cuda (cuDNN, cuBLAS, fused attention, the caching allocator; "
                         "default) or cpu (oneDNN, im2col)")
+    parser.add_argument("--workers", type=_positive, metavar="N", help="processes simulating the domain classes (default: "
+                        "this machine's cores, at most 4; 1 simulates in this process; the figures are the same)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     parser.add_argument("--features", type=int, default=128, help="--graph: features per node row (default 128)")
     parser.add_argument("--layers", type=int, default=16, help="--graph: message-passing layers (default 16)")

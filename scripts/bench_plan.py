@@ -41,6 +41,7 @@ from bench_common import cpu_model  # noqa: E402
 
 from mesh3d import Plan  # noqa: E402
 from mesh3d.planner import InputSpec, JobMesh, plan_job  # noqa: E402
+from mesh3d.planner.fanout import default_workers  # noqa: E402
 from mesh3d.planner.layout import ModelLayout  # noqa: E402
 from mesh3d.planner.repeat import SplicedSimulation  # noqa: E402
 from mesh3d.planner.simulate import Simulator  # noqa: E402
@@ -87,18 +88,20 @@ def _figures(job) -> dict:
     return report
 
 
-def _command_seconds(repeats: int) -> float:
-    """Median wall seconds of docs/plan.md's llama_8b command through the installed console script."""
+def _command_seconds(repeats: int) -> dict[str, float]:
+    """Median wall seconds of docs/plan.md's llama_8b command through the installed console script: as a user runs it
+    (the domain classes simulated on this machine's cores) and with ``--workers 1`` (one process), alternating."""
     command = [str(Path(sys.executable).with_name("mesh3d")), "plan", "examples/llama_decoder.py:llama_8b",
                "--world", "4096", "--batch", "32", "--domain", "16", "--model", "8", "--input", "1x131072",
                "--dtype", "int64", "--shard-dims", "1", "--plan", "examples/llama_decoder.py:PLAN",
                "--device-memory", "80GiB"]
-    walls = []
+    walls: dict[str, list[float]] = {"default": [], "one_worker": []}
     for _ in range(repeats):
-        start = time.perf_counter()
-        subprocess.run(command, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=600)
-        walls.append(time.perf_counter() - start)
-    return statistics.median(walls)
+        for key, extra in (("default", []), ("one_worker", ["--workers", "1"])):
+            start = time.perf_counter()
+            subprocess.run(command + extra, cwd=ROOT, check=True, stdout=subprocess.DEVNULL, timeout=600)
+            walls[key].append(time.perf_counter() - start)
+    return {key: statistics.median(w) for key, w in walls.items()}
 
 
 def _scaling(factory, plan_of, meshes, inputs_of) -> list[dict]:
@@ -146,8 +149,11 @@ def main() -> int:
         print(f"{name}: {statistics.median(walls):.2f} s wall, {statistics.median(cpus):.2f} s CPU, {len(job.classes)} "
               f"classes, {job.simulated_ranks} of {mesh.domain} domain ranks simulated ({job.spliced or 'every block'}); "
               f"every block: {report['jobs'][name]['every_block_s']}; every domain rank: {every:.2f} s", flush=True)
-    report["command_s"] = _command_seconds(args.repeats)
-    print(f"mesh3d plan (the documented llama_8b command, console script): {report['command_s']:.2f} s", flush=True)
+    command = _command_seconds(args.repeats)
+    report["command_s"], report["command_one_worker_s"] = command["default"], command["one_worker"]
+    report["command_workers"] = default_workers()
+    print(f"mesh3d plan (the documented llama_8b command, console script): {report['command_s']:.2f} s; "
+          f"with --workers 1: {report['command_one_worker_s']:.2f} s", flush=True)
     from llama_decoder import PLAN, llama_8b
     from volume_unet3d import unet3d_wide
 

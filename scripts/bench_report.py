@@ -269,7 +269,10 @@ def _plan(lines: list[str]) -> None:
                      + f"{without:.1f} s | {j['wall_s'] / without:.2f} |")
     if "command_s" in d:
         lines += ["", f"The documented command (`mesh3d plan examples/llama_decoder.py:llama_8b --world 4096 ...`, "
-                  f"docs/plan.md) through the console script, imports included: {d['command_s']:.1f} s."]
+                  f"docs/plan.md) through the console script, imports included: {d['command_s']:.1f} s"
+                  + (f", with its domain classes simulated in {d['command_workers']} processes; with `--workers 1` "
+                     f"(one process): {d['command_one_worker_s']:.1f} s, ratio {d['command_s'] / d['command_one_worker_s']:.2f}."
+                     if "command_one_worker_s" in d else ".")]
     lines += ["", "Scaling: bytes per rank times the shard degree, over the degree-1 figure (1.000: falls exactly as "
               "1/degree). FSDP pads dim 0 of every parameter to a multiple of its degree (at 512: the SwiGLU weights, "
               "1792 rows per model rank, and the 128256-row vocabulary); a rank's step peak on blocks also holds "

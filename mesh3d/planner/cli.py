@@ -21,6 +21,7 @@ import torch
 from mesh3d.planner.check import CheckSpec
 from mesh3d.planner.check_run import check_model, default_meshes
 from mesh3d.planner.graph_job import load_graph, plan_graph
+from mesh3d.planner.fanout import default_workers
 from mesh3d.planner.job import plan_job
 from mesh3d.commands import parse_bytes
 from mesh3d.mesh_shape import JobMesh, parse_grid
@@ -81,7 +82,8 @@ def run_plan(args: argparse.Namespace) -> int:
         job = plan_job(factory, plan, mesh, inputs, optimizer=args.optimizer, to=JobMesh.parse(args.to) if args.to else None,
                        device_memory=parse_bytes(args.device_memory) if args.device_memory else None,
                        device=args.kernels, name=args.model,
-                       margin=parse_bytes(args.margin) if args.margin else None)
+                       margin=parse_bytes(args.margin) if args.margin else None,
+                       workers=args.workers or default_workers())
     except (ValueError, TypeError, ImportError, AttributeError) as err:
         print(f"mesh3d plan: error: {err}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ Usage::
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import time
 from collections.abc import Callable, Iterable
@@ -34,6 +35,7 @@ from mesh3d.planner.ckpt_index import index_bytes
 from mesh3d.planner.ckpt_plan import CheckpointLayout
 from mesh3d.planner.classes import DomainClasses
 from mesh3d.planner.cuda_kernels import CUDA_ASSUMPTIONS
+from mesh3d.planner.fanout import Forked, run_each
 from mesh3d.planner.layout import ModelLayout, optimizer_state_keys
 from mesh3d.mesh_shape import JobMesh
 from mesh3d.planner.report import JobPlan, RankClass, human_bytes, spans
@@ -84,17 +86,19 @@ def _factors(model: nn.Module, inputs: InputSpec, dims: tuple[int, ...]) -> tupl
     return tuple(out)
 
 
-def _simulate_classes(run: Callable[[int], RankSim], mesh: JobMesh,
-                      classes: DomainClasses | None) -> tuple[dict[int, RankSim], list[int]]:
+def _simulate_classes(run: Callable[[int], RankSim], mesh: JobMesh, classes_of: Callable[[], DomainClasses | None],
+                      workers: int) -> tuple[dict[int, RankSim], list[int]]:
     """Simulate one rank per domain class, growing the neighbourhood radius until every exchange fits in it."""
+    # NOTE: domain index 0 is every radius's first representative (and the whole job's one without a domain): it runs
+    # first, alone, in this process (a spliced simulation checks its splice there, once) while the classes are keyed
+    done = {0: run(0)}
+    classes = classes_of()
     if classes is None:
-        return {0: run(0)}, [0]
-    done: dict[int, RankSim] = {}
+        return done, [0]
     radius = 1
     while True:
-        for d in classes.representatives(radius).values():
-            if d not in done:
-                done[d] = run(d)
+        todo = [d for d in classes.representatives(radius).values() if d not in done]
+        done.update(run_each(run, todo, workers))
         reach = max(s.reach for s in done.values())
         if reach <= radius or radius >= max(mesh.grid):
             return done, classes.class_of()
@@ -102,21 +106,22 @@ def _simulate_classes(run: Callable[[int], RankSim], mesh: JobMesh,
 
 
 def _simulate(meta: nn.Module, plan: Plan, layout: ModelLayout, mesh: JobMesh, inputs: InputSpec,
-              classes: DomainClasses | None, device: str,
-              loss: Callable[[Any], torch.Tensor] | None, splice_blocks: bool) -> tuple[dict[int, RankSim], list[int], str]:
+              classes: Callable[[], DomainClasses | None], device: str,
+              loss: Callable[[Any], torch.Tensor] | None, splice_blocks: bool,
+              workers: int) -> tuple[dict[int, RankSim], list[int], str]:
     """Each class's step: from a few blocks of a deep stack, spliced (``mesh3d.planner.repeat``), else the whole
     model; also what was spliced, for the report."""
     spliced = SplicedSimulation.build(meta, plan, mesh, inputs, device, loss) if splice_blocks else None
     if spliced is not None:
         try:
-            return (*_simulate_classes(spliced.run, mesh, classes), spliced.note)
+            return (*_simulate_classes(spliced.run, mesh, classes, workers), spliced.note)
         except CannotSplice:
             pass  # NOTE: not provably periodic: the whole model below gives the figures (or the step's own error)
         finally:
             spliced.close()
     sim = Simulator(meta, plan, layout, inputs, device=device, loss=loss)
     try:
-        return (*_simulate_classes(sim.run, mesh, classes), "")
+        return (*_simulate_classes(sim.run, mesh, classes, workers), "")
     finally:
         sim.close()
 
@@ -198,7 +203,7 @@ def _reshard(source: CheckpointLayout, target: CheckpointLayout, to: JobMesh) ->
 def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh: JobMesh, inputs: InputSpec, *,
              optimizer: str = "adamw", to: JobMesh | None = None, device_memory: int | None = None,
              device: str = "cuda", loss: Callable[[Any], torch.Tensor] | None = None, name: str | None = None,
-             margin: int | None = None, splice_blocks: bool = True) -> JobPlan:
+             margin: int | None = None, splice_blocks: bool = True, workers: int = 1) -> JobPlan:
     """Plan one training step of ``model`` under ``plan`` on ``mesh`` (see the module docstring).
 
     Usage: ``print(plan_job(make_model, Plan(), JobMesh.resolve(8, domain=2), InputSpec((1, 1, 64, 64))).table())``
@@ -209,7 +214,8 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     replaces its estimate); ``device="cuda"`` models CUDA kernels and the caching allocator
     (``mesh3d.planner.cuda_kernels``), ``"cpu"`` CPU kernels (``mesh3d.planner.workspace``); ``loss(output)``
     defaults to the sum of the first floating output; ``splice_blocks=False`` simulates every block of a deep stack
-    (``mesh3d.planner.repeat``: the same figures, slower).
+    (``mesh3d.planner.repeat``: the same figures, slower); ``workers`` > 1 simulates the domain classes in that many
+    forked processes (``mesh3d.planner.fanout``: the same figures, sooner on as many free cores).
     """
     start = time.perf_counter()
     plan = plan if plan is not None else Plan()
@@ -220,8 +226,21 @@ def plan_job(model: nn.Module | Callable[[], nn.Module], plan: Plan | None, mesh
     layout = ModelLayout.build(meta, plan, mesh)
     target = ModelLayout.build(meta, plan, to) if to is not None else None
     dims, sizes = inputs.layout(mesh.grid)
-    classes = DomainClasses(mesh.grid, sizes, _factors(meta, inputs, dims)) if mesh.domain > 1 else None
-    sims, class_of, spliced = _simulate(meta, plan, layout, mesh, inputs, classes, device, loss, splice_blocks)
+    # NOTE: the downsampling probe runs the whole model once; with workers it runs in a child beside the first class
+    probe = Forked(lambda: _factors(meta, inputs, dims)) if workers > 1 and mesh.domain > 1 else None
+
+    @functools.cache
+    def classes() -> DomainClasses | None:
+        if mesh.domain == 1:
+            return None
+        return DomainClasses(mesh.grid, sizes, probe.result() if probe is not None else _factors(meta, inputs, dims))
+
+    try:
+        sims, class_of, spliced = _simulate(meta, plan, layout, mesh, inputs, classes, device, loss, splice_blocks,
+                                            workers)
+    finally:
+        if probe is not None:
+            probe.cancel()
 
     fixed, held, opt = _static_memory(layout, optimizer)
     ckpt = CheckpointLayout(layout, optimizer)
