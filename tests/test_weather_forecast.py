@@ -16,7 +16,8 @@ import forecast_helpers as fh
 from mesh3d.weather import channels_array
 
 TOL = 1e-12
-INITS, MEMBERS, LEADS, SCALE = [40, 45, 50], 8, 10, 0.05
+INITS, MEMBERS, LEADS, SCALE = [40, 45, 50], 4, 6, 0.05
+SAMPLES = len(INITS) * MEMBERS  # 12: each of 2 batch ranks forecasts 6, in batches of 5 and 1
 
 
 def _run_body(case, out, grid, batch, batch_size, dtypes=(torch.float64,)):
@@ -53,12 +54,13 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
 
     case = fh.example_checkpoint(str(tmp_path))
     both = (torch.float64, torch.float32)
-    alone = _run_body(case, str(tmp_path / "one.zarr"), None, 1, 24, both)   # one process, 24 samples in one batch
-    assert (alone.written, alone.skipped) == (24 * LEADS, 0)
-    results = ranks.run(8, _run_body, case, str(tmp_path / "mesh.zarr"), (2, 2), 2, 5, both, timeout=300)  # 5, 5, 2
+    alone = _run_body(case, str(tmp_path / "one.zarr"), None, 1, SAMPLES, both)   # one process, every sample in one batch
+    assert (alone.written, alone.skipped) == (SAMPLES * LEADS, 0)
+    results = ranks.run(8, _run_body, case, str(tmp_path / "mesh.zarr"), (2, 2), 2, 5, both, timeout=300)  # 5, 1
     one, mesh = (str(tmp_path / f"{name}{torch.float64}.zarr") for name in ("one", "mesh"))
-    assert [r.samples for r in results] == [list(range(12))] * 4 + [list(range(12, 24))] * 4
-    assert [(r.written, r.skipped, r.recomputed) for r in results] == [(12 * LEADS, 0, 0)] * 8  # each its block, once
+    half = SAMPLES // 2
+    assert [r.samples for r in results] == [list(range(half))] * 4 + [list(range(half, SAMPLES))] * 4
+    assert [(r.written, r.skipped, r.recomputed) for r in results] == [(half * LEADS, 0, 0)] * 8  # each its block, once
 
     a, b = xr.open_zarr(one), xr.open_zarr(mesh)                   # open_zarr alone: consolidated CF metadata
     assert channels_array(a).dims == ("init_time", "lead_time", "member", "channel", "latitude", "longitude")
@@ -92,7 +94,7 @@ def test_ensemble_of_the_weather_example_on_a_mesh_equals_one_process_member_by_
     assert (np.abs(mesh32 - one32).max(axis=(0, 1, 2, 4, 5)) <= 2 * error(one32)).all()
 
     again = _run_body(case, str(tmp_path / "one.zarr"), None, 1, 4)    # the complete fp64 store: nothing rewritten
-    assert (again.written, again.skipped) == (0, 24 * LEADS)
+    assert (again.written, again.skipped) == (0, SAMPLES * LEADS)
 
 
 # ---------------------------------------------------------------- members that depend on their seed only
