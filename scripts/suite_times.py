@@ -25,6 +25,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "tests" / "README.md"
+#: The tests a whole run starts first (tests/conftest.py), one node id a line: those of at least ``HEAVY_SECONDS``.
+HEAVY_LIST = ROOT / "tests" / "heaviest.txt"
+HEAVY_SECONDS = 10.0
 BEGIN, END = "<!-- suite-times: begin -->", "<!-- suite-times: end -->"
 HEAVIEST = 20
 
@@ -74,6 +77,20 @@ def section(times: dict, machine: str) -> str:
     return "\n".join([*lines, "", END])
 
 
+def heavy_list(times: dict, machine: str) -> str:
+    """tests/heaviest.txt: every test of at least ``HEAVY_SECONDS`` in this run, heaviest first."""
+    heavy = [n for n, sec in sorted(times["tests"].items(), key=lambda kv: -kv[1]) if sec >= HEAVY_SECONDS]
+    head = [f"# Tests of at least {HEAVY_SECONDS:.0f} s in one whole run ({machine}), which a run starts first so that no",
+            "# worker ends on one while the other waits (tests/conftest.py); scripts/suite_times.py writes this file."]
+    return "\n".join([*head, *heavy]) + "\n"
+
+
+def listed_heavy() -> list[str]:
+    if not HEAVY_LIST.exists():
+        return []
+    return [line for line in HEAVY_LIST.read_text().splitlines() if line and not line.startswith("#")]
+
+
 def named_tests(text: str) -> list[str]:
     body = text.split(BEGIN, 1)[1].split(END, 1)[0] if BEGIN in text else ""
     return re.findall(r"^\| `(tests/[^`]+::[^`]+)` \|", body, re.M)
@@ -87,20 +104,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     text = README.read_text()
     if args.check:
-        gone = [t for t in named_tests(text) if not exists(t)]
+        gone = [t for t in dict.fromkeys(named_tests(text) + listed_heavy()) if not exists(t)]
         for t in gone:
-            print(f"tests/README.md names {t}, which no longer exists: rerun scripts/suite_times.py", file=sys.stderr)
+            print(f"tests/README.md or tests/heaviest.txt names {t}, which no longer exists: rerun "
+                  "scripts/suite_times.py", file=sys.stderr)
         return 1 if gone else 0
     if not args.json:
         parser.error("give the --durations-json file of a whole run (or --check)")
-    new = section(json.loads(Path(args.json).read_text()), args.machine)
+    times = json.loads(Path(args.json).read_text())
+    new = section(times, args.machine)
+    HEAVY_LIST.write_text(heavy_list(times, args.machine))
     if BEGIN in text:
         head, rest = text.split(BEGIN, 1)
         text = head + new + rest.split(END, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n## Where the suite's time goes\n\n" + new + "\n"
     README.write_text(text)
-    print(f"wrote tests/README.md's suite times ({len(named_tests(text))} tests named)")
+    print(f"wrote tests/README.md's suite times ({len(named_tests(text))} tests named) and tests/heaviest.txt "
+          f"({len(listed_heavy())} tests)")
     return 0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -64,18 +65,34 @@ def _shuffle_seed(config: pytest.Config) -> int | None:
 def pytest_report_header(config: pytest.Config) -> str | None:
     seed = _shuffle_seed(config)
     profile = settings.get_current_profile_name()
-    order = f"shuffled with seed {seed} (--shuffle {seed} repeats it)" if seed is not None else "as collected"
+    order = (f"shuffled with seed {seed} (--shuffle {seed} repeats it)" if seed is not None else "as collected") + \
+        ", the tests of tests/heaviest.txt first"
     drawn = config.getoption("hypothesis_seed", None)
     return (f"mesh3d: test order {order}; hypothesis profile {profile!r}, seed {drawn} "
             f"(--hypothesis-seed {drawn} or {HYPOTHESIS_SEED_ENV}={drawn} repeats its draws)")
 
 
+def _heaviest() -> frozenset[str]:
+    """The node ids of tests/heaviest.txt (``scripts/suite_times.py`` writes it from a whole run)."""
+    path = Path(__file__).with_name("heaviest.txt")
+    if not path.exists():
+        return frozenset()
+    return frozenset(line for line in path.read_text().splitlines() if line and not line.startswith("#"))
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """With a seed, shuffle every collected test (files interleaved, and tests within each file)."""
+    """With a seed, shuffle every collected test (files interleaved, and tests within each file); then the tests
+    tests/heaviest.txt names go first, in that shuffled order.
+
+    NOTE: two workers take tests from one order; a run whose last test is a 100 s example left the other worker idle
+    that long. Heavy first, the run ends on short tests. Every order is still one that any test must pass in.
+    """
     seed = _shuffle_seed(config)
     if seed is not None:
         random.Random(seed).shuffle(items)
+    heavy = _heaviest()
+    items.sort(key=lambda item: item.nodeid not in heavy)  # stable: each part keeps its order
 
 
 @pytest.fixture(scope="session")

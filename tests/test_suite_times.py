@@ -21,6 +21,9 @@ def test_the_table_names_the_heaviest_tests_with_what_each_asserts(tmp_path, mon
     readme = tmp_path / "README.md"
     readme.write_text("# Writing tests\n\nText kept.\n")
     monkeypatch.setattr(suite_times, "README", readme)
+    heavy = tmp_path / "heaviest.txt"
+    monkeypatch.setattr(suite_times, "HEAVY_LIST", heavy)
+    monkeypatch.setattr(suite_times, "HEAVY_SECONDS", 1.0)
     path = tmp_path / "times.json"
     path.write_text(json.dumps(durations))
     assert suite_times.main([str(path), "--machine", "a test"]) == 0
@@ -32,6 +35,10 @@ def test_the_table_names_the_heaviest_tests_with_what_each_asserts(tmp_path, mon
     assert rows[0].endswith("| Each test the README's table names is a test of the checkout |")
     assert rows[1].endswith("| the table names the heaviest tests with what each asserts |")
     assert suite_times.named_tests(text)[0].endswith("still_exists[x]")
+    # the tests a run starts first (tests/conftest.py): those of at least HEAVY_SECONDS, heaviest first
+    assert suite_times.listed_heavy() == [
+        "tests/test_suite_times.py::test_every_test_the_readme_names_still_exists[x]",
+        "tests/test_suite_times.py::test_the_table_names_the_heaviest_tests_with_what_each_asserts"]
     assert suite_times.main(["--check"]) == 0
     readme.write_text(text.replace("test_cli.py::test_version_and", "test_cli.py::test_no_such"))  # a renamed test
     assert suite_times.main(["--check"]) == 1
