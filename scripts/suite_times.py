@@ -11,6 +11,7 @@ Usage::
 
     scripts/test.sh --durations=20 --durations-json=times.json     # one whole run (about an hour on 2 cores)
     .venv/bin/python scripts/suite_times.py times.json --machine "2-core Intel Xeon, torch 2.13.0+cpu"
+    .venv/bin/python scripts/suite_times.py times.json older.json ...   # the heavy list from the slowest of each test
     .venv/bin/python scripts/suite_times.py --check                 # every test the table names still exists
 """
 
@@ -98,7 +99,8 @@ def named_tests(text: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("json", nargs="?", help="a run's --durations-json file")
+    parser.add_argument("json", nargs="*", help="a run's --durations-json file (the table); more runs' files widen "
+                        "tests/heaviest.txt to every test that took HEAVY_SECONDS in any of them")
     parser.add_argument("--machine", default="2 cores", help="where it ran, for the section's first line")
     parser.add_argument("--check", action="store_true", help="exit 1 if the table names a test that no longer exists")
     args = parser.parse_args(argv)
@@ -111,9 +113,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if gone else 0
     if not args.json:
         parser.error("give the --durations-json file of a whole run (or --check)")
-    times = json.loads(Path(args.json).read_text())
-    new = section(times, args.machine)
-    HEAVY_LIST.write_text(heavy_list(times, args.machine))
+    runs = [json.loads(Path(path).read_text()) for path in args.json]
+    new = section(runs[0], args.machine)
+    slowest = {name: max(run["tests"].get(name, 0.0) for run in runs) for name in runs[0]["tests"]}
+    HEAVY_LIST.write_text(heavy_list({"tests": slowest}, args.machine + (f", the slowest of {len(runs)} runs"
+                                                                           if len(runs) > 1 else "")))
     if BEGIN in text:
         head, rest = text.split(BEGIN, 1)
         text = head + new + rest.split(END, 1)[1]
