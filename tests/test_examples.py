@@ -100,10 +100,19 @@ def test_lightning_example_under_lightnings_launcher_torchrun_and_slurm(tmp_path
 
 
 def test_data_resume_example_continues_the_same_global_batches_on_another_mesh(tmp_path):
+    """Trained on (2, 2, 1), run again into its folder (it starts afresh, saying what it removed), resumed on (1, 3, 1):
+    the same global batches as the uninterrupted run."""
     root = str(tmp_path / "slabs")
     run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node"]
-    first = _run([*run, "4", "examples/data_resume.py", "train", "--root", root, "--mesh", "2,2,1", "--steps", "3"])
-    assert "mesh (2, 2, 1): MATCHES the uninterrupted run" in first, first
+    train = [*run, "4", "examples/data_resume.py", "train", "--root", root, "--mesh", "2,2,1", "--steps", "3"]
+    first = _run(train)
+    assert "starting afresh" not in first and "mesh (2, 2, 1): MATCHES the uninterrupted run" in first, first
+    # Checkpoints are never overwritten, so a second run into the folder (it carries the example's marker) removes
+    # what the first wrote and says so in one line; the rest of the folder stays.
+    (tmp_path / "slabs" / "notes.txt").write_text("the user's")
+    again = _run(train)
+    assert f"examples/data_resume.py: starting afresh in {root}: removed x.npy, y.npy, ckpt" in again, again
+    assert "MATCHES the uninterrupted run" in again and (tmp_path / "slabs" / "notes.txt").read_text() == "the user's"
     second = _run([*run, "3", "examples/data_resume.py", "resume", "--root", root, "--mesh", "1,3,1", "--steps", "4"])
     assert "resumed step 3 on mesh (1, 3, 1) at epoch 1, position 4" in second, second
     assert "mesh (1, 3, 1): MATCHES the uninterrupted run" in second, second
@@ -155,20 +164,6 @@ def test_graph_weather_example_trains_on_4_ranks_resumes_on_2_equal_to_one_proce
     halos = re.findall(r"halo rows \([\d, ]+\):\s+(\d+) bytes per step, a gather of every node\s+(\d+)", out)
     assert len(halos) == 8 and all(0 < int(h) < int(g) for h, g in halos), out
     assert "graph_weather: every check passed" in out
-
-
-def test_an_example_run_twice_into_the_same_folder_starts_afresh_and_says_what_it_removed(tmp_path):
-    """Checkpoints are never overwritten, so a second run of an example removes what its first run wrote (the folder
-    carries the example's marker) and says so in one line; the rest of the folder stays."""
-    root = tmp_path / "slabs"
-    train = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "examples/data_resume.py", "train",
-             "--root", str(root), "--mesh", "1,2,1", "--steps", "2"]
-    first = _run(train)
-    assert "starting afresh" not in first and "MATCHES the uninterrupted run" in first, first
-    (root / "notes.txt").write_text("the user's")
-    second = _run(train)
-    assert f"examples/data_resume.py: starting afresh in {root}: removed x.npy, y.npy, ckpt" in second, second
-    assert "MATCHES the uninterrupted run" in second and (root / "notes.txt").read_text() == "the user's"
 
 
 def test_an_example_leaves_a_folder_it_did_not_mark_alone(tmp_path):
