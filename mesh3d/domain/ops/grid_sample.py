@@ -6,17 +6,21 @@ Usage: automatic, through torch::
     xs = domain.shard(field, dim=2)                  # (N, C, H, W), sharded along H
     gs = domain.shard(grid, dim=1)                   # (N, Ho, Wo, 2): each rank the grid of the output rows it owns
     ys = F.grid_sample(xs, gs, align_corners=False)  # (N, C, Ho, Wo), sharded along Ho as the grid is
+    # volumes alike: (N, C, D, H, W) sharded along D, the grid (N, Do, Ho, Wo, 3) along Do
 
 Where a rank's grid points reach is data: every rank reads its grid's extent along the sharded dim (the taps its
 interpolation reads, border clipping applied), the extents go round in one small all-reduce, and the rows travel
 through the exchange (``Rows``: the backward returns their gradient to the owners). The interpolation then runs on
 the fetched rows by torch's own formulas with global indices: the unnormalization is the kernel's (the CPU kernel's
 on CPU, the CUDA kernel's on CUDA), so a grid point on an exact row (an identity warp) takes the same taps, and its
-gradient the same side, as in one process. Bilinear and nearest with zero or border padding, 4-D inputs; bicubic,
-reflection padding and volumes (5-D) are refused by name.
+gradient the same side, as in one process. Bilinear (trilinear on volumes) and nearest with zero or border padding,
+4-D and 5-D inputs sharded along any spatial dim; bicubic and reflection padding are refused by name.
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -52,17 +56,21 @@ def _fma(a: torch.Tensor, b: float, c: float) -> torch.Tensor:
     return total + (carry + err)
 
 
-def _unnormalize(coord: torch.Tensor, size: int, align_corners: bool, cuda: bool) -> torch.Tensor:
+def _unnormalize(coord: torch.Tensor, size: int, align_corners: bool, kernel: str) -> torch.Tensor:
     """A grid coordinate in [-1, 1] as a position along a dim of ``size``, rounded as torch's kernel rounds it.
 
     NOTE: the last bit decides which row a point on an exact row floors to, so which side its gradient takes (an
-    identity grid is all such points). The CPU kernel (GridSamplerKernel.cpp, vectorized) computes
-    ``fmadd(coord + 1, size / 2, -0.5)`` without align_corners (checked here point by point against torch 2.13's
-    gradients, 2 to 120 rows, float32 and float64) and ``(coord + 1) * ((size - 1) / 2)`` with it; the CUDA kernel's
-    ``((coord + 1) * size - 1) / 2`` is taken as nvcc contracts it (a fused multiply-add; not measured here)."""
+    identity grid is all such points). The vectorized 2-D CPU kernel (GridSamplerKernel.cpp) computes
+    ``fmadd(coord + 1, size / 2, -0.5)`` without align_corners and ``(coord + 1) * ((size - 1) / 2)`` with it; the
+    scalar 3-D CPU kernel ``((coord + 1) * size - 1) / 2`` and ``(coord + 1) / 2 * (size - 1)`` (both checked here
+    point by point against torch 2.13's gradients on identity grids, 2 to 120 rows, float32 and float64: float32
+    tells the formulas apart); the CUDA kernel's ``((coord + 1) * size - 1) / 2`` is taken as nvcc contracts it (a
+    fused multiply-add; not measured here)."""
     shifted = coord + 1
-    if cuda:
+    if kernel == "cuda":
         return _fma(shifted, float(size), -1.0) / 2 if not align_corners else shifted / 2 * (size - 1)
+    if kernel == "cpu3d":
+        return (shifted * size - 1) / 2 if not align_corners else shifted / 2 * (size - 1)
     return _fma(shifted, size / 2, -0.5) if not align_corners else shifted * ((size - 1) / 2)
 
 
@@ -71,52 +79,66 @@ def _border(pos: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(pos <= 0, pos.new_zeros(()), torch.where(pos >= size - 1, pos.new_full((), size - 1.0), pos))
 
 
-def _positions(grid: torch.Tensor, sizes: tuple[int, int], mode_args: tuple[str, bool, bool]):
-    """(row positions, column positions) of ``grid``'s points in the input's (H, W), padding applied."""
-    padding, align_corners, cuda = mode_args
-    rows = _unnormalize(grid[..., 1], sizes[0], align_corners, cuda)
-    cols = _unnormalize(grid[..., 0], sizes[1], align_corners, cuda)
-    if padding == "border":
-        rows, cols = _border(rows, sizes[0]), _border(cols, sizes[1])
-    return rows, cols
+def _positions(grid: torch.Tensor, shape: tuple[int, ...], mode_args: tuple[str, bool, str]) -> list[torch.Tensor]:
+    """The positions of ``grid``'s points along each of the input's spatial dims, in the input's order (the grid's
+    last dim lists them the other way round: x, the last dim, first), padding applied."""
+    padding, align_corners, kernel = mode_args
+    k = len(shape)
+    pos = [_unnormalize(grid[..., k - 1 - j], shape[j], align_corners, kernel) for j in range(k)]
+    return [_border(p, size) for p, size in zip(pos, shape)] if padding == "border" else pos
 
 
-def _taps(rows: torch.Tensor, cols: torch.Tensor, mode: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(row, column, weight) of each tap, in torch's order (nw, ne, sw, se)."""
+def _taps(pos: list[torch.Tensor], mode: str) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """(index along each spatial dim, weight) of each tap, in torch's order (2-D: nw, ne, sw, se; 3-D: tnw ... bse)."""
     if mode == "nearest":
         # round: half to even, as the kernels' nearbyint; the weight 1 keeps the grid in the graph (its gradient 0)
-        return [(torch.round(rows), torch.round(cols), rows * 0 + 1)]
-    r0, c0 = rows.floor(), cols.floor()
-    n, w = rows - r0, cols - c0  # the fractions: their gradient is the grid's
-    s, e = 1 - n, 1 - w
-    return [(r0, c0, s * e), (r0, c0 + 1, s * w), (r0 + 1, c0, n * e), (r0 + 1, c0 + 1, n * w)]
+        return [([torch.round(p) for p in pos], pos[0] * 0 + 1)]
+    low = [p.floor() for p in pos]
+    frac = [p - q for p, q in zip(pos, low)]  # the fractions: their gradient is the grid's
+    taps = []
+    for offsets in itertools.product((0, 1), repeat=len(pos)):
+        weight = None
+        for f, o in zip(reversed(frac), reversed(offsets)):  # NOTE: x's factor first, as the kernels multiply
+            factor = f if o else 1 - f
+            weight = factor if weight is None else weight * factor
+        assert weight is not None
+        taps.append(([q + o for q, o in zip(low, offsets)], weight))
+    return taps
 
 
-def _extent(rows: torch.Tensor, cols: torch.Tensor, mode: str, shape: tuple[int, int], axis: int) -> tuple[int, int]:
-    """The first and last input index along ``axis`` (0: rows, 1: columns) any in-bounds tap reads; (0, -1): none."""
+def _inside(index: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
+    inside = (index[0] >= 0) & (index[0] <= shape[0] - 1)
+    for i, size in zip(index[1:], shape[1:]):
+        inside = inside & (i >= 0) & (i <= size - 1)
+    return inside
+
+
+def _extent(pos: list[torch.Tensor], mode: str, shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+    """The first and last input index along spatial dim ``axis`` any in-bounds tap reads; (0, -1): none."""
     lo, hi = shape[axis], -1
     with torch.no_grad():
-        for r, c, _ in _taps(rows.detach(), cols.detach(), mode):
-            inside = (r >= 0) & (r <= shape[0] - 1) & (c >= 0) & (c <= shape[1] - 1)
-            along = (r, c)[axis][inside]
+        for index, _ in _taps([p.detach() for p in pos], mode):
+            along = index[axis][_inside(index, shape)]
             if along.numel():
                 lo, hi = min(lo, int(along.min())), max(hi, int(along.max()))
     return (lo, hi) if hi >= lo else (0, -1)
 
 
-def _sample(part: torch.Tensor, first: int, rows: torch.Tensor, cols: torch.Tensor, mode: str, shape: tuple[int, int],
+def _sample(part: torch.Tensor, first: int, pos: list[torch.Tensor], mode: str, shape: tuple[int, ...],
             axis: int) -> torch.Tensor:
-    """The interpolation of the input's indices [first, first + part.shape[2 + axis]) along ``axis`` held in ``part``
-    (N, C, h, W) or (N, C, H, w), at the positions (N, Ho, Wo): (N, C, Ho, Wo); taps outside the input read zero."""
+    """The interpolation of the input's indices [first, first + part.shape[2 + axis]) along spatial dim ``axis`` held
+    in ``part`` (N, C, *local sizes), at the positions (N, *output sizes): (N, C, *output sizes); taps outside the
+    input read zero."""
     n, c = part.shape[:2]
-    width = part.shape[3]
+    local = part.shape[2:]
+    strides = [math.prod(local[j + 1:]) for j in range(len(local))]
     flat = part.flatten(2)
     out = None
-    for r, col, weight in _taps(rows, cols, mode):
-        inside = (r >= 0) & (r <= shape[0] - 1) & (col >= 0) & (col <= shape[1] - 1)
-        local_r, local_c = (r - first, col) if axis == 0 else (r, col - first)
-        index = torch.where(inside, local_r * width + local_c, 0).long().view(n, 1, -1).expand(n, c, -1)
-        value = flat.gather(2, index).view(n, c, *rows.shape[1:]) * inside.unsqueeze(1).to(part.dtype)
+    for index, weight in _taps(pos, mode):
+        inside = _inside(index, shape)
+        linear = sum((i - first if j == axis else i) * stride for j, (i, stride) in enumerate(zip(index, strides)))
+        gather = torch.where(inside, linear, 0).long().view(n, 1, -1).expand(n, c, -1)
+        value = flat.gather(2, gather).view(n, c, *pos[0].shape[1:]) * inside.unsqueeze(1).to(part.dtype)
         term = value * weight.unsqueeze(1)
         out = term if out is None else out + term
     assert out is not None
@@ -124,11 +146,11 @@ def _sample(part: torch.Tensor, first: int, rows: torch.Tensor, cols: torch.Tens
 
 
 def _refuse_unless_supported(input, grid, mode: str, padding_mode: str) -> None:
-    if mode not in ("bilinear", "nearest") or padding_mode not in ("zeros", "border") or input.ndim != 4:
+    if mode not in ("bilinear", "nearest") or padding_mode not in ("zeros", "border") or input.ndim not in (4, 5):
         raise NotImplementedError(
             f"{_NAME} on a domain-sharded input: mode={mode!r}, padding_mode={padding_mode!r} on a {input.ndim}-D input "
-            "has no rule (the rule takes 4-D inputs, bilinear or nearest, zeros or border padding); call .full_tensor() "
-            "on the input first")
+            "has no rule (the rule takes 4-D and 5-D inputs, bilinear or nearest, zeros or border padding); call "
+            ".full_tensor() on the input first")
     if not isinstance(grid, DomainTensor) or grid.spec.dim is None:
         raise NotImplementedError(
             f"{_NAME}: the input is sharded along dim {input.spec.dim} and the grid is whole; shard the grid like the "
@@ -136,7 +158,7 @@ def _refuse_unless_supported(input, grid, mode: str, padding_mode: str) -> None:
             ".full_tensor() on the input first")
     if grid.spec.dim == grid.ndim - 1 or grid.spec.outer > 1 or input.spec.outer > 1:
         raise NotImplementedError(f"{_NAME}: the grid is sharded along its coordinates (dim {grid.spec.dim}) or strided; "
-                                  "shard it along an output dim (1 or 2), or call .full_tensor() first")
+                                  f"shard it along an output dim (1 to {grid.ndim - 2}), or call .full_tensor() first")
 
 
 @register(F.grid_sample)
@@ -151,15 +173,15 @@ def _grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corne
         return Step(lambda x, g: F.grid_sample(x, g, *args), (input, grid), out=input.spec)
     if input.spec.dim < 2:
         raise NotImplementedError(
-            f"{_NAME}: the input is sharded along dim {input.spec.dim}; shard a spatial dim (2 or 3), or the batch "
+            f"{_NAME}: the input is sharded along dim {input.spec.dim}; shard a spatial dim (2 and up), or the batch "
             "of both the input and the grid alike")
     _refuse_unless_supported(input, grid, mode, padding_mode)
     spec, axis = input.spec, input.spec.dim - 2
-    shape = (input.shape[2], input.shape[3])  # global sizes
+    shape = tuple(input.shape[2:])  # global sizes
     local_grid = unwrap(grid)
-    cuda = local_grid.device.type == "cuda"
-    rows, cols = _positions(local_grid, shape, (padding_mode, align, cuda))
-    lo, hi = _extent(rows, cols, mode, shape, axis)
+    kernel = "cuda" if local_grid.device.type == "cuda" else "cpu3d" if input.ndim == 5 else "cpu2d"
+    pos = _positions(local_grid, shape, (padding_mode, align, kernel))
+    lo, hi = _extent(pos, mode, shape, axis)
     # NOTE: one all-reduce of every rank's extent (a rank with no points adds (0, -1)); each then knows what its peers
     # read from it. Every rank reaches here: the checks above read metadata only.
     extents = torch.zeros(spec.comm.size, 2, dtype=torch.int64)
@@ -169,9 +191,8 @@ def _grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corne
 
     def compute(part: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if not needs[spec.comm.index]:  # no point reads a row of the input: zeros that still reach both in backward
-            return connected_zeros(part, [part.shape[0], part.shape[1], *g.shape[1:3]], part, g)
-        r, c = _positions(g, shape, (padding_mode, align, cuda))
-        return _sample(part, lo, r, c, mode, shape, axis)
+            return connected_zeros(part, [part.shape[0], part.shape[1], *g.shape[1:-1]], part, g)
+        return _sample(part, lo, _positions(g, shape, (padding_mode, align, kernel)), mode, shape, axis)
 
     return Step(compute, (Rows(input, needs), grid), out=_output_spec(grid))
 
