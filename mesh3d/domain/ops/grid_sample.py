@@ -13,8 +13,8 @@ interpolation reads, border clipping applied), the extents go round in one small
 through the exchange (``Rows``: the backward returns their gradient to the owners). The interpolation then runs on
 the fetched rows by torch's own formulas with global indices: the unnormalization is the kernel's (the CPU kernel's
 on CPU, the CUDA kernel's on CUDA), so a grid point on an exact row (an identity warp) takes the same taps, and its
-gradient the same side, as in one process. Bilinear (trilinear on volumes) and nearest with zero or border padding,
-4-D and 5-D inputs sharded along any spatial dim; bicubic and reflection padding are refused by name.
+gradient the same side, as in one process. Bilinear (trilinear on volumes) and nearest with zero, border or
+reflection padding, 4-D and 5-D inputs sharded along any spatial dim; bicubic is refused by name.
 """
 
 from __future__ import annotations
@@ -79,13 +79,29 @@ def _border(pos: torch.Tensor, size: int) -> torch.Tensor:
     return torch.where(pos <= 0, pos.new_zeros(()), torch.where(pos >= size - 1, pos.new_full((), size - 1.0), pos))
 
 
+def _reflect(pos: torch.Tensor, size: int, align_corners: bool) -> torch.Tensor:
+    """Reflected into the input, as torch's ``reflect_coordinates``: about the end rows' centres with
+    ``align_corners``, about their outer edges without; the gradient's sign flips with each reflection."""
+    low, high = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+    if low == high:  # one row, corners aligned: every point is that row
+        return pos * 0
+    least, span = low / 2, (high - low) / 2
+    distance = (pos - least).abs()
+    extra = torch.fmod(distance, span)
+    flips = torch.floor(distance / span)
+    return torch.where(flips % 2 == 0, extra + least, span - extra + least)
+
+
 def _positions(grid: torch.Tensor, shape: tuple[int, ...], mode_args: tuple[str, bool, str]) -> list[torch.Tensor]:
     """The positions of ``grid``'s points along each of the input's spatial dims, in the input's order (the grid's
-    last dim lists them the other way round: x, the last dim, first), padding applied."""
+    last dim lists them the other way round: x, the last dim, first), padding applied (reflection, then the clip
+    torch applies after it)."""
     padding, align_corners, kernel = mode_args
     k = len(shape)
     pos = [_unnormalize(grid[..., k - 1 - j], shape[j], align_corners, kernel) for j in range(k)]
-    return [_border(p, size) for p, size in zip(pos, shape)] if padding == "border" else pos
+    if padding == "reflection":
+        pos = [_reflect(p, size, align_corners) for p, size in zip(pos, shape)]
+    return [_border(p, size) for p, size in zip(pos, shape)] if padding in ("border", "reflection") else pos
 
 
 def _taps(pos: list[torch.Tensor], mode: str) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
@@ -146,10 +162,11 @@ def _sample(part: torch.Tensor, first: int, pos: list[torch.Tensor], mode: str, 
 
 
 def _refuse_unless_supported(input, grid, mode: str, padding_mode: str) -> None:
-    if mode not in ("bilinear", "nearest") or padding_mode not in ("zeros", "border") or input.ndim not in (4, 5):
+    if mode not in ("bilinear", "nearest") or padding_mode not in ("zeros", "border", "reflection") \
+            or input.ndim not in (4, 5):
         raise NotImplementedError(
             f"{_NAME} on a domain-sharded input: mode={mode!r}, padding_mode={padding_mode!r} on a {input.ndim}-D input "
-            "has no rule (the rule takes 4-D and 5-D inputs, bilinear or nearest, zeros or border padding); call "
+            "has no rule (the rule takes 4-D and 5-D inputs, bilinear or nearest, zeros, border or reflection padding); call "
             ".full_tensor() on the input first")
     if not isinstance(grid, DomainTensor) or grid.spec.dim is None:
         raise NotImplementedError(
