@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from zoo import hand_models as hm
 from zoo import more_models as mm
 from zoo import transformer_models as tm
 from zoo.transformer_models import token_ids
@@ -317,6 +318,20 @@ ZOO: dict[str, ZooModel] = {
                    "call .full_tensor()"),
     "transformers.ConvNextV2": ZooModel("transformers", mm.hf_convnextv2, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
                                         "ConvNeXt V2: global response normalization (a norm over the spatial dims)"),
+    # 3 ranks along the height: 2 rows of windows over 3 ranks leave the keys' window rows strided where the queries'
+    # are not (found by this entry; along the width, and at 2 ranks, they run: tests/test_domain_window_attention.py)
+    "hand-written.SwinWindows": ZooModel("hand-written", hm.swin_windows, _call, (1, 8, 8, 4), 1, (1, 0, 7),
+                                         "Swin's shifted windows by view/permute/roll, cut across shards, a mask per window",
+                                         refusal="the right operand is sharded along a dim other than its columns | "
+                                         "would mix the blocks' rows", refused_on=frozenset({"3", "blocks"}),
+                                         workaround="shard the width at 3 ranks; slabs, not blocks"),
+    "hand-written.EarthWindows": ZooModel("hand-written", hm.earth_windows, _call, (1, 4, 8, 8, 4), 2, (2, 5, 1),
+                                          "Pangu-style 3-D (2, 4, 4) windows on a volume, shifted by half",
+                                          refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
+                                          workaround="shard as slabs"),
+    "hand-written.DiffusionLoss": ZooModel("hand-written", hm.diffusion_loss, _call, (2, 2, 12, 8), 2, (5, 0, 7),
+                                           "a DDPM loss: timesteps and noise drawn per call, the noisy field, a time "
+                                           "embedding per channel, the squared error per point"),
 }
 
 
