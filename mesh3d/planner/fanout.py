@@ -12,6 +12,8 @@ Usage: ``sims = run_each(sim.run, [3, 5, 7, 9], workers=2)``; ``later = Forked(f
 from __future__ import annotations
 
 import os
+# NOTE: pickle carries values only between this process and the child it forked, through a pipe only the two hold:
+# never a file, never a checkpoint (those stay pickle-free).
 import pickle
 import signal
 import sys
