@@ -126,6 +126,7 @@ def _train_body(world: int, kind: str, dim: int, sizes: tuple[int, ...], steps: 
 CASES = [  # world, model, sharded dim, sizes (windows of 4 rows, 2 levels cut across ranks)
     (2, "swin", 1, (3, 5)),
     (3, "swin", 2, (1, 0, 7)),
+    (3, "swin", 1, (1, 0, 7)),  # 2 rows of windows over 3 ranks (at batch 1: the zoo entry hand-written.SwinWindows)
     (2, "earth", 1, (3, 1)),
     (3, "earth", 2, (2, 5, 1)),
     (2, "earth", 3, (6, 2)),

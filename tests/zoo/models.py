@@ -318,13 +318,10 @@ ZOO: dict[str, ZooModel] = {
                    "call .full_tensor()"),
     "transformers.ConvNextV2": ZooModel("transformers", mm.hf_convnextv2, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
                                         "ConvNeXt V2: global response normalization (a norm over the spatial dims)"),
-    # 3 ranks along the height: 2 rows of windows over 3 ranks leave the keys' window rows strided where the queries'
-    # are not (found by this entry; along the width, and at 2 ranks, they run: tests/test_domain_window_attention.py)
     "hand-written.SwinWindows": ZooModel("hand-written", hm.swin_windows, _call, (1, 8, 8, 4), 1, (1, 0, 7),
                                          "Swin's shifted windows by view/permute/roll, cut across shards, a mask per window",
-                                         refusal="the right operand is sharded along a dim other than its columns | "
-                                         "would mix the blocks' rows", refused_on=frozenset({"3", "blocks"}),
-                                         workaround="shard the width at 3 ranks; slabs, not blocks"),
+                                         refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
+                                         workaround="shard as slabs"),
     "hand-written.EarthWindows": ZooModel("hand-written", hm.earth_windows, _call, (1, 4, 8, 8, 4), 2, (2, 5, 1),
                                           "Pangu-style 3-D (2, 4, 4) windows on a volume, shifted by half",
                                           refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),

@@ -98,7 +98,10 @@ def place_rows(virtual: tuple[int, ...], dim: int, target: list[int], sizes: tup
         # need not be whole dims (Swin's shifted-window mask splits a batch of windows of several samples, sharded
         # along each sample's window columns, back into (samples, windows per sample)). Prefer no strided layout,
         # then blocks that are whole dims, then targets keeping the dims before the rows as they are.
-        priority = (outer != 1, outer not in merged_before,
+        # NOTE: and rows that stay rows over a dim of size 1 (``view(1, n, ...)`` of n sharded rows) only when nothing
+        # else takes them: a sharded dim of size 1 is gathered whole (Swin's shifted-window mask, ``view(n // per, per,
+        # ...)`` with one sample, left its windows replicated and the next ``attn @ v`` refused).
+        priority = (outer != 1, size == 1 < rows, outer not in merged_before,
                     not (candidate >= dim and list(target[:dim]) == list(virtual[:dim])))
         if after % rest == 0:  # the rows stay rows, possibly merged with whole dims after (and before) them
             if after // rest in merged_after and size * rest == outer * rows * after:
