@@ -158,14 +158,17 @@ def step_both(ref: torch.nn.Module, mod: torch.nn.Module, opt_ref, opt, loss_ref
 
 
 def trained_alike(ref: torch.nn.Module, loss: Callable[[torch.nn.Module, int, bool], torch.Tensor], steps: int,
-                  lr: float) -> float:
+                  lr: float, twin: torch.nn.Module | None = None) -> float:
     """``ref`` and a copy of it trained ``steps`` SGD steps side by side: ``loss(model, step, sharded)`` is the step's
     loss of ``ref`` in one process (``sharded`` False) and of the copy on domain tensors (True); the largest
     difference of the losses and parameters over the steps (``step_both``).
 
+    ``twin``: the copy, built alike, for a module ``copy.deepcopy`` cannot copy (torch-harmonics' attention holds a
+    ``torch.ops`` namespace).
+
     Usage: ``trained_alike(net, lambda m, step, sharded: m(shard(x(step)) if sharded else x(step)).mean(), 3, 0.1)``
     """
-    mod = copy.deepcopy(ref)
+    mod = copy.deepcopy(ref) if twin is None else twin
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=lr), torch.optim.SGD(mod.parameters(), lr=lr)
     worst = 0.0
     for step in range(steps):

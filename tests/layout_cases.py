@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from operator_cases import SKIP_NAMES, calls as schema_calls
+from sphere_cases import sphere_recipes
 
 LAYOUTS = ("slab", "replicated", "strided", "blocks2", "blocks3", "tokens", "graph")
 
@@ -127,6 +128,7 @@ RECIPES: dict[Callable, list[Callable[[Any, Any], Any]]] = {
     torch.fft.rfftn: [lambda x, y: torch.fft.rfftn(x, dim=(-2, -1)), lambda x, y: torch.fft.rfft(x)],
     torch.cumsum: [lambda x, y: torch.cumsum(x, -2), lambda x, y: torch.cumsum(x, 0)],
 }
+RECIPES.update(sphere_recipes())  # torch-harmonics' kernels: the rules mesh3d ships for it (the sweep loads them)
 
 
 def calls(func: Callable, x: torch.Tensor, y: torch.Tensor, sharded_dim: int) -> Iterator[Callable[[Any, Any], Any]]:

@@ -86,6 +86,16 @@ def _setitem(x):
     return y
 
 
+def _poles_written_in_place(x):
+    """torch-harmonics' resampling: one row per pole padded on, each written with the mean of its neighbouring ring
+    (an int index along the sharded dim; the value broadcasts over the dim it drops)."""
+    north, south = x[..., 0, :].mean(dim=-1, keepdim=True), x[..., -1, :].mean(dim=-1, keepdim=True)
+    y = F.pad(x, (0, 0, 1, 1))
+    y[..., 0, :] = north
+    y[..., -1, :] = south * torch.ones(x.shape[1], 1, dtype=x.dtype)
+    return y
+
+
 def _write_domain_into_plain(x):
     out = torch.zeros(x.shape[0], x.shape[1], x.shape[2] + 2, x.shape[3], dtype=x.dtype)
     out[:, :, 1:-1] = x
@@ -133,6 +143,7 @@ VALUES = [
     ("split", "field", _split),
     ("chunk", "field", _chunk),
     ("unbind", "field", _unbind),
+    ("rows written at the poles", "field", _poles_written_in_place),
     ("narrow", "field", lambda x: x.narrow(2, 3, 7).sum(2) + torch.narrow(x, 2, -4, 4).mean(2)),
     ("select", "field", lambda x: x.select(2, -1) + x.select(2, 4)),
     ("positions from the shape", "field", _positions),

@@ -51,8 +51,10 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     from layout_cases import calls, make, plain
 
     from mesh3d.domain.comm.divergence import DomainDivergenceError
-    from mesh3d.domain.dispatch.registry import BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name
+    from mesh3d.domain.dispatch.registry import (
+        BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES, load_shipped_rules, op_name)
 
+    load_shipped_rules("torch_harmonics")  # NOTE: loaded on first use otherwise: the sweep covers them too
     DistributedManager.initialize(batch=1, domain=grid)
     g = torch.Generator().manual_seed(5)
     x0 = torch.randn(shape, dtype=D64, generator=g)

@@ -17,6 +17,7 @@ import torch
 
 from zoo import hand_models as hm
 from zoo import more_models as mm
+from zoo import sphere_models as sm
 from zoo import transformer_models as tm
 from zoo.transformer_models import token_ids
 
@@ -39,13 +40,19 @@ class ZooModel:
     rtol: float = 1e-9
     #: complex weights stay as built (``Module.double``): for a library that casts its input to complex64 itself
     keep_complex: bool = False
+    #: float32 input and parameters, in one process and on the domain alike: for a library that computes in float32
+    #: whatever it is given (torch-harmonics' attention kernels, its DISCO quadrature buffers)
+    fp32: bool = False
 
     def make_input(self) -> torch.Tensor:
-        return token_ids(self.shape) if self.inputs == "ids" else torch.randn(self.shape, dtype=torch.float64)
+        dtype = torch.float32 if self.fp32 else torch.float64
+        return token_ids(self.shape) if self.inputs == "ids" else torch.randn(self.shape, dtype=dtype)
 
     def build_fp64(self) -> torch.nn.Module:
-        """The model in float64 (``to_fp64``; real parameters only where ``keep_complex``)."""
+        """The model in float64 (``to_fp64``; real parameters only where ``keep_complex``; as built where ``fp32``)."""
         model = self.build()
+        if self.fp32:
+            return model
         return model.double() if self.keep_complex else to_fp64(model)
 
     def refused(self, layout: str) -> bool:
@@ -59,6 +66,9 @@ class ZooModel:
 
 #: The refusal of a model that reshapes blocks into windows or patches (both block dims split): slabs run it.
 _SPLITS_BLOCKS = dict(refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}), workaround="shard as slabs")
+#: torch-harmonics' models on the sphere: float32 (they compute in it), refused on blocks by the first kernel met
+_SPHERE = dict(fp32=True, rtol=1e-5, refusal="has no rule for block layouts", refused_on=frozenset({"blocks"}),
+               workaround="shard the latitudes as slabs")
 
 
 def _call(model, x):
@@ -273,6 +283,25 @@ ZOO: dict[str, ZooModel] = {
                                      # blocks: its FFT along the sharded longitudes keeps the first modes (narrow)
                                      refusal="torch.Tensor.narrow has no rule for block layouts",
                                      refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs"),
+    # ----- issue 67: torch-harmonics' DISCO convolutions and neighbourhood attention on latitude slabs. fp32 (see
+    # sphere_models), rtol 1e-5: float32 rounding of sums taken in another order (gradients summed over ranks).
+    # Blocks: a DISCO kernel reads latitudes and longitudes around each point; its rule takes latitude slabs.
+    "torch_harmonics.LSNO": ZooModel("torch_harmonics", sm.lsno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
+                                     "local spherical neural operator: DISCO encoder, DISCO and SHT blocks, "
+                                     "bilinear resampling with its poles written in place", **_SPHERE),
+    "torch_harmonics.S2UNet": ZooModel("torch_harmonics", sm.s2unet, _call, (1, 3, 16, 32), 2, (6, 0, 10),
+                                       "spherical U-Net: strided DISCO convolutions down, resampling up", **_SPHERE),
+    "torch_harmonics.S2Transformer": ZooModel("torch_harmonics", lambda: sm.s2transformer("neighborhood"), _call,
+                                              (1, 3, 16, 32), 2, (6, 0, 10),
+                                              "spherical transformer: neighbourhood attention on the sphere",
+                                              **_SPHERE),
+    "torch_harmonics.S2TransformerGlobal": ZooModel("torch_harmonics", lambda: sm.s2transformer("global"), _call,
+                                                    (1, 3, 16, 32), 2, (6, 0, 10),
+                                                    "spherical transformer: global attention with quadrature weights",
+                                                    **_SPHERE),
+    "torch_harmonics.S2Segformer": ZooModel("torch_harmonics", sm.s2segformer, _call, (1, 3, 16, 32), 2, (6, 0, 10),
+                                            "spherical Segformer: DISCO patch merging, neighbourhood attention, "
+                                            "upsampling decoder", **_SPHERE),
     "neuraloperator.TFNO": ZooModel("neuraloperator", tm.neuralop_tfno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                     "Tucker-factorized Fourier neural operator"),
     "x-transformers.Decoder": ZooModel("x-transformers", tm.x_decoder, _call, (2, 16), 1, (3, 8, 5),

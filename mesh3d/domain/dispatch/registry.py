@@ -188,6 +188,9 @@ def op_name(func: Callable) -> str:
     if is_operator(func):  # torch.ops.ns.op[.overload]: the name it is called by
         first = func if isinstance(func, OpOverload) else getattr(func, func.overloads()[0])  # type: ignore[attr-defined]
         return f"torch.ops.{first.namespace}.{func.__name__}"
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):  # MyFunction.apply: the class's name
+        return f"{owner.__module__}.{owner.__qualname__}.apply"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if "<locals>" in name:  # a wrapper made by a factory (F.max_pool2d is boolean_dispatch's fn): its own name
         name = getattr(func, "__name__", name)
@@ -217,7 +220,10 @@ def writes_into_first(func: Callable) -> bool:
 #: with no rule (the refusal path asks here first), not at mesh3d's import: the library may be absent, importing it
 #: costs, and no import hook is installed for the process. Registering again is harmless (a harness that puts the
 #: tables back as they were removes them). By name (importlib): the rules live in the ops layer above this one.
-SHIPPED_RULES = {"torch_harmonics": "mesh3d.domain.ops.torch_harmonics"}
+#: A library's custom-op namespaces are keys too (a ``torch.ops.<namespace>`` op with no rule asks here first).
+SHIPPED_RULES = {"torch_harmonics": "mesh3d.domain.ops.torch_harmonics",
+                 "disco_kernels": "mesh3d.domain.ops.torch_harmonics",
+                 "attention_kernels": "mesh3d.domain.ops.torch_harmonics"}
 
 
 def load_shipped_rules(module: str) -> bool:

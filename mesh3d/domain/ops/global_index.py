@@ -255,6 +255,10 @@ def _setitem(target, index, value):
             rows = rows.narrow(aligned, region_offset, count)
     else:
         rows = unwrap(value)
+    if out_dim is None and not isinstance(item, slice):  # an int index: the owner writes its row, the dim dropped
+        if not count:
+            return None
+        items[at] = lo
     unwrap(target)[tuple(items)] = rows
     return None
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.dispatch.registry import op_name, register
 from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.dispatch.step import Entering, Rows, Step
 from mesh3d.domain.core.tensor import DomainTensor
@@ -36,7 +36,7 @@ def matmul_rule(func):
         if a_sharded:
             if input.ndim < 2 or input.spec.dim == input.ndim - 1:
                 raise NotImplementedError(
-                    f"{func.__qualname__}: the left operand is sharded along its contraction dim {input.spec.dim}; "
+                    f"{op_name(func)}: the left operand is sharded along its contraction dim {input.spec.dim}; "
                     "shard its rows (dim -2) or a batch dim, or call .full_tensor() first"
                 )
             out_ndim = max(input.ndim, getattr(other, "ndim", 2))
@@ -50,7 +50,7 @@ def matmul_rule(func):
             return Step(func, (Entering(input) if isinstance(input, DomainTensor) else input, other),
                         out=other.spec.with_sizes(other.spec.sizes, dim=out_ndim - 1))
         raise NotImplementedError(
-            f"{func.__qualname__}: the right operand is sharded along a dim other than its columns while the left "
+            f"{op_name(func)}: the right operand is sharded along a dim other than its columns while the left "
             "is not sharded; call .full_tensor() first"
         )
 

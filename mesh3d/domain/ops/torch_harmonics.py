@@ -1,25 +1,63 @@
-"""Rules for torch-harmonics (the spherical transforms weather models are built from), registered on first use
-(``registry.SHIPPED_RULES``): its ``RealSHT`` and ``InverseRealSHT`` then run on latitude slabs as in one process.
+"""Rules for torch-harmonics (the spherical transforms and convolutions weather models are built from), registered on
+first use (``registry.SHIPPED_RULES``): its ``RealSHT`` and ``InverseRealSHT`` then run on latitude slabs as in one
+process, and so do its DISCO convolutions (``DiscreteContinuousConvS2`` and ``DiscreteContinuousConvTransposeS2``).
 
 Usage: automatic: ``torch_harmonics.RealSHT(nlat, nlon)(xs)`` of ``xs = domain.shard(x, dim=-2)`` (latitudes sharded,
 longitudes whole) gives the one-process coefficients, replicated on every rank; ``InverseRealSHT`` of them gives the
-field back. Both are einsums over the latitudes and FFTs over the longitudes, which the dispatcher already rules; what
+field back; ``DiscreteContinuousConvS2(...)(xs)`` gives the output sharded along latitudes (``ops/disco.py``).
+The transforms are einsums over the latitudes and FFTs over the longitudes, which the dispatcher already rules; what
 stopped them is the library's ``_EnsureContiguous`` autograd Function around each FFT, an identity on values and
 gradients (a copy to contiguous memory), so each element of its output is its input's: element-wise.
-Its DISCO convolution (``torch.ops.disco_kernels``) and S2 attention (``torch.ops.attention_kernels``) stay refused by
-name: their kernels read neighbourhoods on the sphere that no rule here describes yet.
+So does its neighbourhood attention (``NeighborhoodAttentionS2``, ``ops/s2_attention.py``) but for upsampling. The
+DISCO kernels of CUDA's half-precision paths (``_DiscoKpacked*``) stay refused by name: no rule here reads their
+packed pattern.
 """
 
 from __future__ import annotations
 
+import torch
+from torch_harmonics.disco.optimized.disco_optimized import _DiscoSaveXConvFn
 from torch_harmonics.utils import _EnsureContiguous
 
+from mesh3d.domain.dispatch.registry import op_name, register
 from mesh3d.domain.ops.custom import elementwise
-from mesh3d.domain.dispatch.registry import register
+from mesh3d.domain.ops.disco import contraction_rule, transpose_rule
+from mesh3d.domain.ops.s2_attention import attention_rule, permute_rule
 
 __all__ = ["register_rules"]
+
+
+def _disco_rules() -> dict:
+    """The DISCO kernels and their rules, made once (each rule owns the cache of its local psi)."""
+    kernels = torch.ops.disco_kernels
+    # NOTE: the library defines its DISCO custom ops only where its compiled kernels load; without them its modules
+    # take the pure-PyTorch path (sparse matrices), which stays refused by name
+    if not hasattr(kernels, "_disco_s2_contraction_optimized"):
+        return {}
+    forward, fused = kernels._disco_s2_contraction_optimized, kernels._disco_s2_fused_conv_optimized
+    transpose, save_x = kernels._disco_s2_transpose_contraction_optimized, _DiscoSaveXConvFn.apply
+    return {forward: contraction_rule(forward, op_name(forward), with_weight=False),
+            fused: contraction_rule(fused, op_name(fused), with_weight=True),
+            transpose: transpose_rule(transpose, op_name(transpose)),
+            save_x: contraction_rule(save_x, op_name(save_x), with_weight=True)}
+
+
+def _attention_rules() -> dict:
+    """The neighbourhood attention kernel and the channels-last copies around it, with their rules."""
+    kernels = torch.ops.attention_kernels
+    if not hasattr(kernels, "_neighborhood_s2_attention_optimized"):  # NOTE: as for DISCO: its compiled kernels only
+        return {}
+    attention = kernels._neighborhood_s2_attention_optimized
+    return {attention: attention_rule(attention),
+            kernels.permute_to_nhwc: permute_rule(kernels.permute_to_nhwc, (0, 2, 3, 1)),
+            kernels.permute_to_nchw: permute_rule(kernels.permute_to_nchw, (0, 3, 1, 2))}
+
+
+_RULES = {**_disco_rules(), **_attention_rules()}
 
 
 def register_rules() -> None:
     """Register (again: idempotent) the rules for torch-harmonics; ``registry.load_shipped_rules`` calls it."""
     register(_EnsureContiguous.apply, rule=elementwise(), override=True)
+    for func, rule in _RULES.items():
+        register(func, rule=rule, override=True)

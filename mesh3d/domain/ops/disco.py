@@ -1,0 +1,200 @@
+"""torch-harmonics' DISCO convolutions (``DiscreteContinuousConvS2`` and its transpose) on latitude slabs: each rank
+computes the output latitudes it owns from the input latitudes their filters reach, fetched from their owners.
+
+Usage: automatic, through torch-harmonics (the rules load the first time one of its kernels meets a domain tensor)::
+
+    conv = torch_harmonics.DiscreteContinuousConvS2(c_in, c_out, (nlat, nlon), (nlat_out, nlon_out), kernel_shape=3)
+    ys = conv(domain.shard(x, dim=2))   # (B, C_out, nlat_out, nlon_out), sharded along latitudes
+
+The convolution is a sparse contraction with a precomputed tensor psi: output latitude ``ho`` (for basis function
+``k``) sums ``vals[z] * x[hi, (wi + pscale * wo) % nlon_in]`` over its entries ``z`` (``col = hi * nlon_in + wi``).
+Longitudes are whole on a latitude slab, so their periodicity is the kernel's own; along latitudes the rule reads psi
+(metadata: the module's buffers, never the field) to know which input rows each rank's output rows read, fetches them
+(``Rows``: their gradient goes back to their owners), and calls the same kernel on the part of psi whose rows this
+rank owns, its row and column indices shifted to the fetched rows. Each output is the same sum, term by term in the
+same order, as in one process; the gradient sums across ranks. The transpose reads psi the other way (its columns are
+the output's latitudes). Output latitudes follow the input's sizes where the grids have as many; otherwise each goes
+to the rank holding the input row at the same fraction of the sphere.
+
+Refused by name: a slab along longitudes (the kernel shifts longitudes; shard latitudes, dim 2), strided layouts,
+the pure-PyTorch path (``optimized_kernel=False``: sparse matrices mesh3d has no rules for).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+# NOTE: torch-harmonics' own builder of the kernel-split CSR its fused and save-x kernels take (private to it, and
+# pinned by the version its rules are tested against): the local psi needs it built as the module builds it
+from torch_harmonics.disco.optimized.disco_optimized import _build_kernel_split_csr, _split_csr_python_offsets
+
+from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.core.connected import connected_zeros
+from mesh3d.domain.core.split import offsets_of
+from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.dispatch.step import Rows, Step
+from mesh3d.domain.halo.windows import sizes_by_first_index
+
+__all__ = ["LocalPsi", "PsiCuts", "contraction_rule", "transpose_rule"]
+
+
+class LocalPsi(NamedTuple):
+    """The part of psi one rank computes with (CSR row offsets, then the entries, indices shifted to its rows; for
+    the fused and save-x kernels also their kernel-split CSR), and every rank's fetched input rows."""
+
+    needs: tuple
+    psi: tuple[torch.Tensor, ...]
+    split: tuple
+    rows_in: int    # how many input rows this rank fetches
+    rows_out: int   # how many output rows it owns
+
+
+def _reads_per_rank(out_of: torch.Tensor, in_of: torch.Tensor, out_sizes: tuple[int, ...]) -> list[tuple[int, int]]:
+    """(first, last) input row the entries of each rank's output rows read; (0, -1) for none."""
+    offsets = offsets_of(out_sizes)
+    owner = torch.bucketize(out_of, torch.tensor(offsets[1:], dtype=out_of.dtype), right=True)
+    n = len(out_sizes)
+    big = torch.iinfo(in_of.dtype).max
+    first = torch.full((n,), big, dtype=in_of.dtype).scatter_reduce(0, owner, in_of, "amin")
+    last = torch.full((n,), -1, dtype=in_of.dtype).scatter_reduce(0, owner, in_of, "amax")
+    return [(int(a), int(b)) if b >= 0 and c > 0 else (0, -1) for a, b, c in zip(first, last, out_sizes)]
+
+
+def _local(psi: tuple[torch.Tensor, ...], out_of: torch.Tensor, in_of: torch.Tensor, out_sizes: tuple[int, ...],
+           me: int, shifts: Callable[[int, int], tuple[int, int]], kernel_size: int, split: bool) -> LocalPsi:
+    """This rank's part of psi: the entries whose output row it owns, in psi's order, grouped as in psi (a CSR group
+    keeps what is left of it), the row and column indices shifted by ``shifts(first input row, first output row)``."""
+    roff, ker, row, col, vals = psi
+    reads = _reads_per_rank(out_of, in_of, out_sizes)
+    needs = tuple((Span.rows(a, b + 1),) if b >= a else () for a, b in reads)
+    start, count = offsets_of(out_sizes)[me], out_sizes[me]
+    first_in, last_in = reads[me]
+    keep = (out_of >= start) & (out_of < start + count)
+    lengths = roff[1:] - roff[:-1]
+    group = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    counts = torch.bincount(group[keep], minlength=lengths.numel())
+    counts = counts[counts > 0]
+    row_shift, col_shift = shifts(first_in, start)
+    local = (torch.cat([roff.new_zeros(1), torch.cumsum(counts, 0)]), ker[keep].contiguous(),
+             (row[keep] - row_shift).contiguous(), (col[keep] - col_shift).contiguous(), vals[keep].contiguous())
+    made = ()
+    if split and last_in >= first_in:
+        parts = _build_kernel_split_csr(*local, kernel_size, count)
+        made = (*parts, *_split_csr_python_offsets(parts[1]))
+    return LocalPsi(needs, local, made, max(0, last_in - first_in + 1), count)
+
+
+class PsiCuts:
+    """Per call signature (psi's buffers as they are now, the layouts, this rank): its ``LocalPsi``. A small bounded
+    cache owned by the rules: psi is a module's buffers, so the same few recur every step."""
+
+    def __init__(self, maxsize: int = 32) -> None:
+        self._cache: OrderedDict[tuple, LocalPsi] = OrderedDict()
+        self._maxsize = maxsize
+
+    def get(self, psi: tuple[torch.Tensor, ...], rest: tuple, make: Callable[[], LocalPsi]) -> LocalPsi:
+        key = (*((t.data_ptr(), t._version, t.numel(), t.device.type) for t in psi), *rest)
+        hit = self._cache.get(key)
+        if hit is None:
+            hit = self._cache[key] = make()
+            if len(self._cache) > self._maxsize:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(key)
+        return hit
+
+
+def _out_sizes(in_sizes: tuple[int, ...], n_in: int, n_out: int) -> tuple[int, ...]:
+    """Output latitudes per rank: the input's sizes on as many latitudes; else output ``o`` goes to the rank holding
+    input row ``floor(o * n_in / n_out)`` (the row at the same fraction of the sphere)."""
+    if n_in == n_out:
+        return in_sizes
+    return sizes_by_first_index(in_sizes, n_out, lambda row: -(-(row * n_out) // n_in))
+
+
+def _refuse_unless_latitudes(name: str, inp: DomainTensor, lat_dim: int, *, channels: bool) -> None:
+    spec = inp.spec
+    fine = (None, 0, lat_dim, 1) if channels else (None, 0, lat_dim)
+    if spec.outer > 1 or spec.dim not in fine:
+        raise NotImplementedError(
+            f"{name} (torch-harmonics' DISCO convolution) on a domain tensor sharded along dim {spec.dim}"
+            f"{' (strided)' if spec.outer > 1 else ''}: its rule takes latitudes sharded (dim {lat_dim}) with "
+            f"longitudes whole, or samples{' or channels' if channels else ''}; shard with "
+            f"domain.shard(x, dim={lat_dim}), or call .full_tensor() first")
+
+
+def contraction_rule(op: Callable[..., torch.Tensor], name: str, *, with_weight: bool) -> Callable[..., Step]:
+    """The rule for a forward contraction ``op(inp, [weight,] roff, ker, row, col, vals, [kernel-split CSR x 6,] K,
+    nlat_out, nlon_out, [groups, groupsize, split offsets x 2])`` of ``inp`` (B, C, nlat_in, nlon_in). ``with_weight``:
+    the fused and save-x variants, which also contract the channels with the weight (B, C_out, nlat_out, nlon_out)."""
+    cuts = PsiCuts()
+
+    def rule(inp, *args: Any) -> Step:
+        _refuse_unless_latitudes(name, inp, 2, channels=not with_weight)
+        head = 1 if with_weight else 0
+        psi = tuple(args[head:head + 5])
+        tail = args[head + 5 + (6 if with_weight else 0):]
+        kernel_size, nlat_out, nlon_out = tail[0], tail[1], tail[2]
+        out_dim = 2 if with_weight else 3
+        spec = inp.spec
+        if spec.dim != 2:  # samples, channels or whole: every rank its own, as it is
+            return Step(lambda x, *rest: op(x, *rest), (inp, *args), out=spec)
+        nlat_in, nlon_in = inp.shape[2], inp.shape[3]
+        out_sizes = _out_sizes(spec.sizes, nlat_in, nlat_out)
+        me = spec.comm.index
+
+        def make() -> LocalPsi:
+            _, _, row, col, _ = psi
+            return _local(psi, row, torch.div(col, nlon_in, rounding_mode="floor"), out_sizes, me,
+                          lambda first_in, first_out: (first_out, first_in * nlon_in), kernel_size, with_weight)
+
+        local = cuts.get(psi, (nlat_in, nlon_in, nlat_out, out_sizes, me), make)
+
+        def compute(part: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
+            if not local.rows_in:  # no entry reads a row here (or no output rows): zeros, connected for backward
+                channels = [tail[3] * weight[0].shape[1]] if with_weight else [part.shape[1], kernel_size]
+                return connected_zeros(part, [part.shape[0], *channels, local.rows_out, nlon_out], part, *weight)
+            if with_weight:
+                return op(part, weight[0], *local.psi, *local.split[:6], kernel_size, local.rows_out, nlon_out,
+                          *tail[3:5], *local.split[6:])
+            return op(part, *local.psi, kernel_size, local.rows_out, nlon_out)
+
+        reads = Rows(inp, local.needs)
+        return Step(compute, (reads, args[0]) if with_weight else (reads,), out=spec.with_sizes(out_sizes, dim=out_dim))
+
+    return rule
+
+
+def transpose_rule(op: Callable[..., torch.Tensor], name: str) -> Callable[..., Step]:
+    """The rule for the transpose contraction ``op(inp, roff, ker, row, col, vals, K, nlat_out, nlon_out)`` of ``inp``
+    (B, C, K, nlat_in, nlon_in), latitudes along dim 3; psi's rows are the input's latitudes, its columns the
+    output's (``col = ho * nlon_out + wo``): (B, C, nlat_out, nlon_out)."""
+    cuts = PsiCuts()
+
+    def rule(inp, roff, ker, row, col, vals, kernel_size, nlat_out, nlon_out) -> Step:
+        _refuse_unless_latitudes(name, inp, 3, channels=True)
+        psi = (roff, ker, row, col, vals)
+        spec = inp.spec
+        if spec.dim != 3:
+            return Step(lambda x, *rest: op(x, *rest), (inp, *psi, kernel_size, nlat_out, nlon_out), out=spec)
+        nlat_in = inp.shape[3]
+        out_sizes = _out_sizes(spec.sizes, nlat_in, nlat_out)
+        me = spec.comm.index
+
+        def make() -> LocalPsi:
+            return _local(psi, torch.div(col, nlon_out, rounding_mode="floor"), row, out_sizes, me,
+                          lambda first_in, first_out: (first_in, first_out * nlon_out), kernel_size, False)
+
+        local = cuts.get(psi, (nlat_in, nlat_out, nlon_out, out_sizes, me), make)
+
+        def compute(part: torch.Tensor) -> torch.Tensor:
+            if not local.rows_in:
+                return connected_zeros(part, [part.shape[0], part.shape[1], local.rows_out, nlon_out], part)
+            return op(part, *local.psi, kernel_size, local.rows_out, nlon_out)
+
+        return Step(compute, (Rows(inp, local.needs),), out=spec.with_sizes(out_sizes, dim=2))
+
+    return rule
