@@ -1,5 +1,5 @@
 """``F.grid_sample`` of a field sharded along a spatial dim, the grid sharded like the output, against one process
-(fp64; ``mesh3d.domain.ops.grid_sample``): bilinear and nearest, zero, border and reflection padding, both
+(fp64; ``mesh3d.domain.ops.grid_sample``): bilinear, nearest and bicubic, zero, border and reflection padding, both
 ``align_corners``, on grids that reach other ranks' rows and beyond the field (reflected up to twice), on identity
 grids (every point on an exact row: the gradient's side must be torch's) and a shifted one; the field sharded along
 its height or its width, on slabs of 2 and 3 uneven ranks (an empty shard); volumes (5-D, trilinear) sharded along
@@ -40,15 +40,14 @@ def _uneven(n: int, world: int) -> tuple[int, ...]:
 
 
 def _errors(x0: torch.Tensor, grids: dict[str, torch.Tensor], world: int, field: tuple[int, tuple[int, ...]],
-            grid_dim: int) -> dict:
+            grid_dim: int, modes: tuple[str, ...] = ("bilinear", "nearest")) -> dict:
     """Every grid x mode x padding x align_corners: the largest error of the value, the field's and the grid's grads,
     the field sharded as ``field`` (dim, sizes) and the grid unevenly along ``grid_dim``."""
     from mesh3d import domain
 
     errors = {}
     for gname, g0 in grids.items():
-        for mode, padding, align in itertools.product(("bilinear", "nearest"), ("zeros", "border", "reflection"),
-                                                      (False, True)):
+        for mode, padding, align in itertools.product(modes, ("zeros", "border", "reflection"), (False, True)):
             x, grid = x0.clone().requires_grad_(), g0.clone().requires_grad_()
             want = F.grid_sample(x, grid, mode=mode, padding_mode=padding, align_corners=align)
             cot = torch.randn(want.shape, dtype=D64, generator=torch.Generator().manual_seed(1))
@@ -71,7 +70,7 @@ def _body(world: int, field_sizes: tuple[int, ...], field_dim: int) -> dict:
 
     DistributedManager.initialize(batch=1, domain=world)
     x0 = torch.randn(2, 3, H, W, dtype=D64, generator=torch.Generator().manual_seed(4))
-    errors = _errors(x0, _grids(), world, (field_dim, field_sizes), 1)
+    errors = _errors(x0, _grids(), world, (field_dim, field_sizes), 1, ("bilinear", "nearest", "bicubic"))
     DistributedManager.shutdown()
     return errors
 
@@ -86,7 +85,7 @@ CASES = {  # world, the field's sizes, the field's sharded dim
 @pytest.mark.parametrize("case", list(CASES))
 def test_grid_sample_equals_one_process_values_and_both_gradients(ranks, case):
     for errors in ranks.run(CASES[case][0], _body, *CASES[case]):
-        assert len(errors) == 60 and max(errors.values()) < TOL, {k: v for k, v in errors.items() if not v < TOL}
+        assert len(errors) == 90 and max(errors.values()) < TOL, {k: v for k, v in errors.items() if not v < TOL}
 
 
 DV, HV, WV, DO = 7, 4, 3, 5  # a volume (N, C, D, H, W) and its grid's output depth
@@ -170,7 +169,9 @@ def _local_and_refused_body() -> dict:
     by_sample = F.grid_sample(domain.shard(x, dim=0, sizes=(1, 1)), domain.shard(grid, dim=0, sizes=(1, 1)))
     out["by samples"] = max_err(by_sample.full_tensor().to_local(), F.grid_sample(x, grid))
     xs, gs = domain.shard(x, dim=2, sizes=(5, 4)), domain.shard(grid, dim=1, sizes=(3, 3))
-    for name, call in {"bicubic": lambda: F.grid_sample(xs, gs, mode="bicubic"),
+    vs = domain.shard(torch.randn(2, 3, 4, H, W, dtype=D64), dim=3, sizes=(5, 4))
+    vgrid = domain.shard(torch.rand(2, 3, 4, 5, 3, dtype=D64) * 2 - 1, dim=1, sizes=(1, 2))
+    for name, call in {"bicubic volume": lambda: F.grid_sample(vs, vgrid, mode="bicubic"),
                        "whole grid": lambda: F.grid_sample(xs, grid),
                        "grid by coordinates": lambda: F.grid_sample(xs, domain.shard(grid, dim=3, sizes=(1, 1))),
                        "channels": lambda: F.grid_sample(domain.shard(x, dim=1, sizes=(1, 2)), gs)}.items():
@@ -186,7 +187,7 @@ def _local_and_refused_body() -> dict:
 def test_a_whole_field_and_samples_run_locally_and_what_has_no_rule_is_refused_by_name(ranks):
     for out in ranks.run(2, _local_and_refused_body):
         assert out["whole field"] < TOL and out["by samples"] < TOL, out
-        assert "mode='bicubic'" in out["bicubic"], out
+        assert "mode='bicubic'" in out["bicubic volume"] and "bicubic on 4-D ones" in out["bicubic volume"], out
         assert "domain.shard(grid, dim=1" in out["whole grid"], out
         assert "along its coordinates" in out["grid by coordinates"] and "shard a spatial dim" in out["channels"], out
         assert all(v.startswith("torch.nn.functional.grid_sample") for k, v in out.items() if isinstance(v, str)), out

@@ -14,7 +14,8 @@ through the exchange (``Rows``: the backward returns their gradient to the owner
 the fetched rows by torch's own formulas with global indices: the unnormalization is the kernel's (the CPU kernel's
 on CPU, the CUDA kernel's on CUDA), so a grid point on an exact row (an identity warp) takes the same taps, and its
 gradient the same side, as in one process. Bilinear (trilinear on volumes) and nearest with zero, border or
-reflection padding, 4-D and 5-D inputs sharded along any spatial dim; bicubic is refused by name.
+reflection padding, 4-D and 5-D inputs sharded along any spatial dim; bicubic on 4-D inputs (16 taps from one row
+before the point's to two after, each tap's index padded on its own as torch pads it).
 """
 
 from __future__ import annotations
@@ -92,20 +93,58 @@ def _reflect(pos: torch.Tensor, size: int, align_corners: bool) -> torch.Tensor:
     return torch.where(flips % 2 == 0, extra + least, span - extra + least)
 
 
-def _positions(grid: torch.Tensor, shape: tuple[int, ...], mode_args: tuple[str, bool, str]) -> list[torch.Tensor]:
+def _positions(grid: torch.Tensor, shape: tuple[int, ...], mode_args: tuple[str, bool, str],
+               mode: str = "bilinear") -> list[torch.Tensor]:
     """The positions of ``grid``'s points along each of the input's spatial dims, in the input's order (the grid's
     last dim lists them the other way round: x, the last dim, first), padding applied (reflection, then the clip
-    torch applies after it)."""
+    torch applies after it); bicubic pads each tap instead (``_bicubic_taps``)."""
     padding, align_corners, kernel = mode_args
     k = len(shape)
     pos = [_unnormalize(grid[..., k - 1 - j], shape[j], align_corners, kernel) for j in range(k)]
+    if mode == "bicubic":
+        return pos
     if padding == "reflection":
         pos = [_reflect(p, size, align_corners) for p, size in zip(pos, shape)]
     return [_border(p, size) for p, size in zip(pos, shape)] if padding in ("border", "reflection") else pos
 
 
-def _taps(pos: list[torch.Tensor], mode: str) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
-    """(index along each spatial dim, weight) of each tap, in torch's order (2-D: nw, ne, sw, se; 3-D: tnw ... bse)."""
+_A = -0.75  # the cubic convolution's parameter in torch's bicubic kernels
+
+
+def _cubic_weights(t: torch.Tensor) -> list[torch.Tensor]:
+    """The weights of the taps at -1, 0, 1, 2 from the floor, at fraction ``t`` (torch's ``get_cubic_upsample_coefficients``)."""
+    def near(x: torch.Tensor) -> torch.Tensor:  # |x| <= 1
+        return ((_A + 2) * x - (_A + 3)) * x * x + 1
+
+    def far(x: torch.Tensor) -> torch.Tensor:  # 1 < |x| < 2
+        return ((_A * x - 5 * _A) * x + 8 * _A) * x - 4 * _A
+
+    return [far(t + 1), near(t), near(1 - t), far(2 - t)]
+
+
+def _bicubic_taps(pos: list[torch.Tensor], shape: tuple[int, ...], padding: str,
+                  align_corners: bool) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """The 16 taps of bicubic sampling at unpadded positions: each tap's index padded on its own (border clips it,
+    reflection reflects then clips it), as torch's ``get_value_bounded``; its weight the product of the two cubic
+    weights (the gradient reaches the grid through the fractions)."""
+    low = [p.floor() for p in pos]
+    weights = [_cubic_weights(p - q) for p, q in zip(pos, low)]
+    taps = []
+    for i, j in itertools.product(range(4), repeat=2):  # rows (y, the first spatial dim), then columns
+        index = [low[0] + (i - 1), low[1] + (j - 1)]
+        if padding == "reflection":
+            index = [_reflect(k, size, align_corners) for k, size in zip(index, shape)]
+        if padding in ("border", "reflection"):
+            index = [_border(k, size) for k, size in zip(index, shape)]
+        taps.append((index, weights[0][i] * weights[1][j]))
+    return taps
+
+
+def _taps(pos: list[torch.Tensor], mode: str, cubic: tuple = ()) -> list[tuple[list[torch.Tensor], torch.Tensor]]:
+    """(index along each spatial dim, weight) of each tap, in torch's order (2-D: nw, ne, sw, se; 3-D: tnw ... bse);
+    bicubic: ``cubic`` is (shape, padding, align_corners)."""
+    if mode == "bicubic":
+        return _bicubic_taps(pos, *cubic)
     if mode == "nearest":
         # round: half to even, as the kernels' nearbyint; the weight 1 keeps the grid in the graph (its gradient 0)
         return [([torch.round(p) for p in pos], pos[0] * 0 + 1)]
@@ -129,11 +168,11 @@ def _inside(index: list[torch.Tensor], shape: tuple[int, ...]) -> torch.Tensor:
     return inside
 
 
-def _extent(pos: list[torch.Tensor], mode: str, shape: tuple[int, ...], axis: int) -> tuple[int, int]:
+def _extent(pos: list[torch.Tensor], mode: str, shape: tuple[int, ...], axis: int, cubic: tuple = ()) -> tuple[int, int]:
     """The first and last input index along spatial dim ``axis`` any in-bounds tap reads; (0, -1): none."""
     lo, hi = shape[axis], -1
     with torch.no_grad():
-        for index, _ in _taps([p.detach() for p in pos], mode):
+        for index, _ in _taps([p.detach() for p in pos], mode, cubic):
             along = index[axis][_inside(index, shape)]
             if along.numel():
                 lo, hi = min(lo, int(along.min())), max(hi, int(along.max()))
@@ -141,7 +180,7 @@ def _extent(pos: list[torch.Tensor], mode: str, shape: tuple[int, ...], axis: in
 
 
 def _sample(part: torch.Tensor, first: int, pos: list[torch.Tensor], mode: str, shape: tuple[int, ...],
-            axis: int) -> torch.Tensor:
+            axis: int, cubic: tuple = ()) -> torch.Tensor:
     """The interpolation of the input's indices [first, first + part.shape[2 + axis]) along spatial dim ``axis`` held
     in ``part`` (N, C, *local sizes), at the positions (N, *output sizes): (N, C, *output sizes); taps outside the
     input read zero."""
@@ -150,7 +189,7 @@ def _sample(part: torch.Tensor, first: int, pos: list[torch.Tensor], mode: str, 
     strides = [math.prod(local[j + 1:]) for j in range(len(local))]
     flat = part.flatten(2)
     out = None
-    for index, weight in _taps(pos, mode):
+    for index, weight in _taps(pos, mode, cubic):
         inside = _inside(index, shape)
         linear = sum((i - first if j == axis else i) * stride for j, (i, stride) in enumerate(zip(index, strides)))
         gather = torch.where(inside, linear, 0).long().view(n, 1, -1).expand(n, c, -1)
@@ -162,12 +201,12 @@ def _sample(part: torch.Tensor, first: int, pos: list[torch.Tensor], mode: str, 
 
 
 def _refuse_unless_supported(input, grid, mode: str, padding_mode: str) -> None:
-    if mode not in ("bilinear", "nearest") or padding_mode not in ("zeros", "border", "reflection") \
-            or input.ndim not in (4, 5):
+    if mode not in ("bilinear", "nearest", "bicubic") or padding_mode not in ("zeros", "border", "reflection") \
+            or input.ndim not in (4, 5) or (mode == "bicubic" and input.ndim != 4):
         raise NotImplementedError(
             f"{_NAME} on a domain-sharded input: mode={mode!r}, padding_mode={padding_mode!r} on a {input.ndim}-D input "
-            "has no rule (the rule takes 4-D and 5-D inputs, bilinear or nearest, zeros, border or reflection padding); call "
-            ".full_tensor() on the input first")
+            "has no rule (the rule takes 4-D and 5-D inputs, bilinear or nearest, bicubic on 4-D ones, zeros, border or "
+            "reflection padding); call .full_tensor() on the input first")
     if not isinstance(grid, DomainTensor) or grid.spec.dim is None:
         raise NotImplementedError(
             f"{_NAME}: the input is sharded along dim {input.spec.dim} and the grid is whole; shard the grid like the "
@@ -197,8 +236,9 @@ def _grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corne
     shape = tuple(input.shape[2:])  # global sizes
     local_grid = unwrap(grid)
     kernel = "cuda" if local_grid.device.type == "cuda" else "cpu3d" if input.ndim == 5 else "cpu2d"
-    pos = _positions(local_grid, shape, (padding_mode, align, kernel))
-    lo, hi = _extent(pos, mode, shape, axis)
+    cubic = (shape, padding_mode, align) if mode == "bicubic" else ()
+    pos = _positions(local_grid, shape, (padding_mode, align, kernel), mode)
+    lo, hi = _extent(pos, mode, shape, axis, cubic)
     # NOTE: one all-reduce of every rank's extent (a rank with no points adds (0, -1)); each then knows what its peers
     # read from it. Every rank reaches here: the checks above read metadata only.
     extents = torch.zeros(spec.comm.size, 2, dtype=torch.int64)
@@ -209,7 +249,7 @@ def _grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corne
     def compute(part: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
         if not needs[spec.comm.index]:  # no point reads a row of the input: zeros that still reach both in backward
             return connected_zeros(part, [part.shape[0], part.shape[1], *g.shape[1:-1]], part, g)
-        return _sample(part, lo, _positions(g, shape, (padding_mode, align, kernel)), mode, shape, axis)
+        return _sample(part, lo, _positions(g, shape, (padding_mode, align, kernel), mode), mode, shape, axis, cubic)
 
     return Step(compute, (Rows(input, needs), grid), out=_output_spec(grid))
 
