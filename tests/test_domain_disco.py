@@ -1,8 +1,9 @@
 """torch-harmonics' DISCO convolutions and neighbourhood attention on latitude slabs (issue 67), unchanged, against one
 process at 2 and 3 uneven ranks (an empty shard): values and the input's gradient of every kernel path the modules
 take on CPU (the plain contraction, the save-x and fused variants, the transpose), on equiangular and Legendre-Gauss
-grids, same-size, downsampling and upsampling; a small DISCO network trained three SGD steps (fp64, weights' gradients
-summed over the domain); and the refusals by name: longitudes sharded, the pure-PyTorch path, upsampling attention.
+grids, same-size, downsampling and upsampling; the same on 2x2 lat x lon blocks (an empty block among them); a small
+DISCO network trained three SGD steps (fp64, weights' gradients summed over the domain); and the refusals by name:
+longitudes sharded as slabs, the pure-PyTorch path, upsampling attention.
 """
 
 from __future__ import annotations
@@ -20,12 +21,18 @@ D64 = torch.float64
 LAYOUTS = {"2 ranks (9, 7)": (2, (9, 7), (5, 3)), "3 ranks (6, 0, 10)": (3, (6, 0, 10), (3, 0, 5))}
 
 
-def _disco_cases_body(world: int, sizes: tuple[int, ...], coarse: tuple[int, ...]) -> dict:
+def _disco_cases_body(world: int | tuple[int, int], sizes: tuple, coarse: tuple) -> dict:
+    """Every case on slabs of ``world`` ranks, or on blocks of a ``world`` grid (``sizes``: per block dim)."""
     import torch_harmonics as th
 
     from mesh3d import DistributedManager, domain
 
     DistributedManager.initialize(batch=1, domain=world)
+    blocks = isinstance(world, tuple)
+
+    def shard(x, dim, sizes):
+        return domain.shard(x, dims=(2, 3), sizes=sizes) if blocks else domain.shard(x, dim=dim, sizes=sizes)
+
     g = torch.Generator().manual_seed(4)
     x0, x8 = torch.randn(2, 6, NLAT, NLON, dtype=D64, generator=g), torch.randn(2, 6, 8, 16, dtype=D64, generator=g)
     fine, small = (NLAT, NLON), (8, 16)
@@ -52,29 +59,36 @@ def _disco_cases_body(world: int, sizes: tuple[int, ...], coarse: tuple[int, ...
         conv.double()
         dim = 3 if name == "longitudes sharded" else 2
         errors[name] = case_error(
-            lambda x, sharded, conv=conv, dim=dim: conv(domain.shard(x, dim=dim, sizes=sizes if dim == 2 else None)
+            lambda x, sharded, conv=conv, dim=dim: conv(shard(x, dim, sizes if dim == 2 else None)
                                                         if sharded else x), x0, i)
     errors["transpose upsampling"] = case_error(
-        lambda x, sharded: upsampling(domain.shard(x, dim=2, sizes=coarse) if sharded else x), x8, 20)
+        lambda x, sharded: upsampling(shard(x, 2, coarse) if sharded else x), x8, 20)
     DistributedManager.shutdown()
     return errors
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_disco_convolutions_on_latitude_slabs_equal_one_process_or_are_refused_by_name(ranks, layout):
-    world, sizes, coarse = LAYOUTS[layout]
-    refusals = {"longitudes sharded": "torch.ops.disco_kernels._disco_s2_contraction_optimized (torch-harmonics' DISCO",
-                "pure-PyTorch path": "torch.bmm"}
-    for errors in ranks.run(world, _disco_cases_body, world, sizes, coarse):
+#: 2x2 lat x lon blocks: (the 16 x 32 grid's sizes, the 8 x 16 grid's), an empty block among them
+BLOCKS = {"2x2 (9, 7) x (20, 12)": (((9, 7), (20, 12)), ((5, 3), (10, 6))),
+          "2x2 (16, 0) x (5, 27)": (((16, 0), (5, 27)), ((8, 0), (3, 13)))}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(BLOCKS))
+def test_disco_convolutions_equal_one_process_or_are_refused_by_name(ranks, layout):
+    world, sizes, coarse = LAYOUTS[layout] if layout in LAYOUTS else ((2, 2), *BLOCKS[layout])
+    refusals = {"pure-PyTorch path": "torch.bmm"}
+    if layout in LAYOUTS:  # as slabs along longitudes: the kernel shifts them
+        refusals["longitudes sharded"] = "torch.ops.disco_kernels._disco_s2_contraction_optimized (torch-harmonics' DISCO"
+    for errors in ranks.run(4 if layout in BLOCKS else world, _disco_cases_body, world, sizes, coarse):
         assert_equal_or_refused(errors, refusals, 1e-12)
 
 
-def _attention_cases_body(world: int, sizes: tuple[int, ...], coarse: tuple[int, ...]) -> dict:
+def _attention_cases_body(world: int | tuple[int, int], sizes: tuple, coarse: tuple) -> dict:
     import torch_harmonics as th
 
     from mesh3d import DistributedManager, domain
 
     DistributedManager.initialize(batch=1, domain=world)
+    blocks = isinstance(world, tuple)
     g = torch.Generator().manual_seed(5)
     x0, q8 = torch.randn(2, 4, NLAT, NLON, generator=g), torch.randn(2, 4, 8, 16, generator=g)
     torch.manual_seed(0)
@@ -83,7 +97,9 @@ def _attention_cases_body(world: int, sizes: tuple[int, ...], coarse: tuple[int,
         self_attention = th.NeighborhoodAttentionS2(4, (NLAT, NLON), (NLAT, NLON), num_heads=2)
         downsampling = th.NeighborhoodAttentionS2(4, (NLAT, NLON), (8, 16), num_heads=2)
         upsampling = th.NeighborhoodAttentionS2(4, (8, 16), (NLAT, NLON), num_heads=1)
-    shard = domain.shard
+    def shard(x, dim, sizes):
+        return domain.shard(x, dims=(2, 3), sizes=sizes) if blocks else domain.shard(x, dim=dim, sizes=sizes)
+
     errors = {
         "self-attention": case_error(lambda x, s: self_attention(shard(x, dim=2, sizes=sizes) if s else x), x0, 1),
         # queries on the coarse grid, keys and values on the fine one (cross-attention between resolutions)
@@ -98,17 +114,17 @@ def _attention_cases_body(world: int, sizes: tuple[int, ...], coarse: tuple[int,
     return errors
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_neighbourhood_attention_on_latitude_slabs_equals_one_process_or_is_refused_by_name(ranks, layout):
+@pytest.mark.parametrize("layout", list(LAYOUTS) + list(BLOCKS))
+def test_neighbourhood_attention_equals_one_process_or_is_refused_by_name(ranks, layout):
     """float32 (the library's CPU kernels compute in it): the forward is the same sum in the same order; the keys' and
     values' gradients are summed over the ranks whose queries reach them."""
-    world, sizes, coarse = LAYOUTS[layout]
-    for errors in ranks.run(world, _attention_cases_body, world, sizes, coarse):
+    world, sizes, coarse = LAYOUTS[layout] if layout in LAYOUTS else ((2, 2), *BLOCKS[layout])
+    for errors in ranks.run(4 if layout in BLOCKS else world, _attention_cases_body, world, sizes, coarse):
         assert_equal_or_refused(errors, {"upsampling": "torch.ops.attention_kernels._neighborhood_s2_attention"},
                                 2e-6)
 
 
-def _disco_net_body(world: int, sizes: tuple[int, ...]) -> float:
+def _disco_net_body(world: int | tuple[int, int], sizes: tuple) -> float:
     import torch_harmonics as th
 
     from mesh3d import DistributedManager, domain
@@ -125,14 +141,16 @@ def _disco_net_body(world: int, sizes: tuple[int, ...]) -> float:
 
     def loss(model, step, sharded):
         x = torch.randn(2, 3, NLAT, NLON, dtype=D64, generator=torch.Generator().manual_seed(step))
-        return (model(domain.shard(x, dim=2, sizes=sizes) if sharded else x) - x.roll(1, -1)).square().mean()
+        if sharded:
+            x = domain.shard(x, dims=(2, 3), sizes=sizes) if isinstance(world, tuple) else domain.shard(x, dim=2, sizes=sizes)
+        return (model(x) - x.roll(1, -1)).square().mean()
 
     worst = trained_alike(net, loss, 3, 0.1)
     DistributedManager.shutdown()
     return worst
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", [*LAYOUTS, "2x2 (9, 7) x (20, 12)"])
 def test_a_disco_network_trains_equal_to_one_process(ranks, layout):
-    world, sizes, _ = LAYOUTS[layout]
-    assert max(ranks.run(world, _disco_net_body, world, sizes)) < 1e-12
+    world, sizes = (LAYOUTS[layout][:2]) if layout in LAYOUTS else ((2, 2), BLOCKS[layout][0])
+    assert max(ranks.run(4 if layout in BLOCKS else world, _disco_net_body, world, sizes)) < 1e-12

@@ -66,9 +66,11 @@ class ZooModel:
 
 #: The refusal of a model that reshapes blocks into windows or patches (both block dims split): slabs run it.
 _SPLITS_BLOCKS = dict(refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}), workaround="shard as slabs")
-#: torch-harmonics' models on the sphere: float32 (they compute in it), refused on blocks by the first kernel met
-_SPHERE = dict(fp32=True, rtol=1e-5, refusal="has no rule for block layouts", refused_on=frozenset({"blocks"}),
-               workaround="shard the latitudes as slabs")
+#: torch-harmonics' models on the sphere: float32 (they compute in it); on blocks, those refused there name what
+#: (the SHT's FFT along the sharded longitudes keeps the first modes: narrow; resampling reads a pole's row by an int)
+_SPHERE = dict(fp32=True, rtol=1e-5)
+_SPHERE_SLABS = dict(_SPHERE, refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs")
+_POLE_ROW = "torch.Tensor.__getitem__ with 0 on the block dim 2"
 
 
 def _call(model, x):
@@ -285,23 +287,23 @@ ZOO: dict[str, ZooModel] = {
                                      refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs"),
     # ----- issue 67: torch-harmonics' DISCO convolutions and neighbourhood attention on latitude slabs. fp32 (see
     # sphere_models), rtol 1e-5: float32 rounding of sums taken in another order (gradients summed over ranks).
-    # Blocks: a DISCO kernel reads latitudes and longitudes around each point; its rule takes latitude slabs.
     "torch_harmonics.LSNO": ZooModel("torch_harmonics", sm.lsno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                      "local spherical neural operator: DISCO encoder, DISCO and SHT blocks, "
-                                     "bilinear resampling with its poles written in place", **_SPHERE),
+                                     "bilinear resampling with its poles written in place",
+                                     refusal="torch.Tensor.narrow has no rule for block layouts", **_SPHERE_SLABS),
     "torch_harmonics.S2UNet": ZooModel("torch_harmonics", sm.s2unet, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                        "spherical U-Net: strided DISCO convolutions down, resampling up", **_SPHERE),
     "torch_harmonics.S2Transformer": ZooModel("torch_harmonics", lambda: sm.s2transformer("neighborhood"), _call,
                                               (1, 3, 16, 32), 2, (6, 0, 10),
                                               "spherical transformer: neighbourhood attention on the sphere",
-                                              **_SPHERE),
+                                              refusal=_POLE_ROW, **_SPHERE_SLABS),
     "torch_harmonics.S2TransformerGlobal": ZooModel("torch_harmonics", lambda: sm.s2transformer("global"), _call,
                                                     (1, 3, 16, 32), 2, (6, 0, 10),
                                                     "spherical transformer: global attention with quadrature weights",
-                                                    **_SPHERE),
+                                                    refusal=_POLE_ROW, **_SPHERE_SLABS),
     "torch_harmonics.S2Segformer": ZooModel("torch_harmonics", sm.s2segformer, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                             "spherical Segformer: DISCO patch merging, neighbourhood attention, "
-                                            "upsampling decoder", **_SPHERE),
+                                            "upsampling decoder", refusal=_POLE_ROW, **_SPHERE_SLABS),
     "neuraloperator.TFNO": ZooModel("neuraloperator", tm.neuralop_tfno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                     "Tucker-factorized Fourier neural operator"),
     "x-transformers.Decoder": ZooModel("x-transformers", tm.x_decoder, _call, (2, 16), 1, (3, 8, 5),

@@ -38,7 +38,7 @@ from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.halo.windows import sizes_by_first_index
 
-__all__ = ["LocalPsi", "PsiCuts", "contraction_rule", "transpose_rule"]
+__all__ = ["LocalPsi", "PsiCuts", "contract_local", "contraction_rule", "local_psi", "out_sizes_for", "transpose_rule"]
 
 
 class LocalPsi(NamedTuple):
@@ -63,7 +63,7 @@ def _reads_per_rank(out_of: torch.Tensor, in_of: torch.Tensor, out_sizes: tuple[
     return [(int(a), int(b)) if b >= 0 and c > 0 else (0, -1) for a, b, c in zip(first, last, out_sizes)]
 
 
-def _local(psi: tuple[torch.Tensor, ...], out_of: torch.Tensor, in_of: torch.Tensor, out_sizes: tuple[int, ...],
+def local_psi(psi: tuple[torch.Tensor, ...], out_of: torch.Tensor, in_of: torch.Tensor, out_sizes: tuple[int, ...],
            me: int, shifts: Callable[[int, int], tuple[int, int]], kernel_size: int, split: bool) -> LocalPsi:
     """This rank's part of psi: the entries whose output row it owns, in psi's order, grouped as in psi (a CSR group
     keeps what is left of it), the row and column indices shifted by ``shifts(first input row, first output row)``."""
@@ -107,7 +107,7 @@ class PsiCuts:
         return hit
 
 
-def _out_sizes(in_sizes: tuple[int, ...], n_in: int, n_out: int) -> tuple[int, ...]:
+def out_sizes_for(in_sizes: tuple[int, ...], n_in: int, n_out: int) -> tuple[int, ...]:
     """Output latitudes per rank: the input's sizes on as many latitudes; else output ``o`` goes to the rank holding
     input row ``floor(o * n_in / n_out)`` (the row at the same fraction of the sphere)."""
     if n_in == n_out:
@@ -137,35 +137,43 @@ def contraction_rule(op: Callable[..., torch.Tensor], name: str, *, with_weight:
         head = 1 if with_weight else 0
         psi = tuple(args[head:head + 5])
         tail = args[head + 5 + (6 if with_weight else 0):]
-        kernel_size, nlat_out, nlon_out = tail[0], tail[1], tail[2]
+        kernel_size, nlat_out = tail[0], tail[1]
         out_dim = 2 if with_weight else 3
         spec = inp.spec
         if spec.dim != 2:  # samples, channels or whole: every rank its own, as it is
             return Step(lambda x, *rest: op(x, *rest), (inp, *args), out=spec)
         nlat_in, nlon_in = inp.shape[2], inp.shape[3]
-        out_sizes = _out_sizes(spec.sizes, nlat_in, nlat_out)
+        out_sizes = out_sizes_for(spec.sizes, nlat_in, nlat_out)
         me = spec.comm.index
 
         def make() -> LocalPsi:
             _, _, row, col, _ = psi
-            return _local(psi, row, torch.div(col, nlon_in, rounding_mode="floor"), out_sizes, me,
+            return local_psi(psi, row, torch.div(col, nlon_in, rounding_mode="floor"), out_sizes, me,
                           lambda first_in, first_out: (first_out, first_in * nlon_in), kernel_size, with_weight)
 
         local = cuts.get(psi, (nlat_in, nlon_in, nlat_out, out_sizes, me), make)
 
         def compute(part: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
-            if not local.rows_in:  # no entry reads a row here (or no output rows): zeros, connected for backward
-                channels = [tail[3] * weight[0].shape[1]] if with_weight else [part.shape[1], kernel_size]
-                return connected_zeros(part, [part.shape[0], *channels, local.rows_out, nlon_out], part, *weight)
-            if with_weight:
-                return op(part, weight[0], *local.psi, *local.split[:6], kernel_size, local.rows_out, nlon_out,
-                          *tail[3:5], *local.split[6:])
-            return op(part, *local.psi, kernel_size, local.rows_out, nlon_out)
+            return contract_local(op, part, weight, local, tail)
 
         reads = Rows(inp, local.needs)
         return Step(compute, (reads, args[0]) if with_weight else (reads,), out=spec.with_sizes(out_sizes, dim=out_dim))
 
     return rule
+
+
+def contract_local(op: Callable[..., torch.Tensor], part: torch.Tensor, weight: tuple, local: LocalPsi,
+                   tail: tuple) -> torch.Tensor:
+    """The forward contraction of the fetched input rows ``part`` with this rank's psi, for every output longitude
+    (``weight``: the fused and save-x variants' weight, or empty; ``tail``: the op's arguments after the CSR)."""
+    kernel_size, nlon_out = tail[0], tail[2]
+    if not local.rows_in:  # no entry reads a row here (or no output rows): zeros, connected for backward
+        channels = [tail[3] * weight[0].shape[1]] if weight else [part.shape[1], kernel_size]
+        return connected_zeros(part, [part.shape[0], *channels, local.rows_out, nlon_out], part, *weight)
+    if weight:
+        return op(part, weight[0], *local.psi, *local.split[:6], kernel_size, local.rows_out, nlon_out, *tail[3:5],
+                  *local.split[6:])
+    return op(part, *local.psi, kernel_size, local.rows_out, nlon_out)
 
 
 def transpose_rule(op: Callable[..., torch.Tensor], name: str) -> Callable[..., Step]:
@@ -181,11 +189,11 @@ def transpose_rule(op: Callable[..., torch.Tensor], name: str) -> Callable[..., 
         if spec.dim != 3:
             return Step(lambda x, *rest: op(x, *rest), (inp, *psi, kernel_size, nlat_out, nlon_out), out=spec)
         nlat_in = inp.shape[3]
-        out_sizes = _out_sizes(spec.sizes, nlat_in, nlat_out)
+        out_sizes = out_sizes_for(spec.sizes, nlat_in, nlat_out)
         me = spec.comm.index
 
         def make() -> LocalPsi:
-            return _local(psi, torch.div(col, nlon_out, rounding_mode="floor"), row, out_sizes, me,
+            return local_psi(psi, torch.div(col, nlon_out, rounding_mode="floor"), row, out_sizes, me,
                           lambda first_in, first_out: (first_in, first_out * nlon_out), kernel_size, False)
 
         local = cuts.get(psi, (nlat_in, nlat_out, nlon_out, out_sizes, me), make)

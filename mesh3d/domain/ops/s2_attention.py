@@ -34,7 +34,7 @@ from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.ops.disco import LocalPsi, PsiCuts
 
-__all__ = ["attention_rule", "permute_rule"]
+__all__ = ["attention_psi", "attention_rule", "permute_rule"]
 
 
 def permute_rule(op: Callable[..., torch.Tensor], dims: tuple[int, ...]) -> Callable[..., Step]:
@@ -56,7 +56,7 @@ def _name(op: Any) -> str:
     return f"torch.ops.attention_kernels.{getattr(op, '__name__', op)}"
 
 
-def _local(col: torch.Tensor, roff: torch.Tensor, quad: torch.Tensor, out_sizes: tuple[int, ...], me: int,
+def attention_psi(col: torch.Tensor, roff: torch.Tensor, quad: torch.Tensor, out_sizes: tuple[int, ...], me: int,
            nlon_in: int) -> LocalPsi:
     """Every rank's key rows (the span its query rows' neighbourhoods reach) and this rank's pattern: its rows of
     ``roff`` from 0, its entries' columns from its first key row, that row's quadrature weight first, the arcs."""
@@ -100,7 +100,7 @@ def attention_rule(op: Callable[..., torch.Tensor]) -> Callable[..., Step]:
         out_sizes, me = qw.spec.sizes, qw.spec.comm.index
         psi = (quad_weights, col_idx, row_off)
         local = cuts.get(psi, (nlat_in, nlon_in, nlat_out, nlon_out, out_sizes, me),
-                         lambda: _local(col_idx, row_off, quad_weights, out_sizes, me, nlon_in))
+                         lambda: attention_psi(col_idx, row_off, quad_weights, out_sizes, me, nlon_in))
 
         def compute(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
             if not local.rows_in:  # no query rows here: nothing attends, zeros connected for backward

@@ -15,16 +15,32 @@ packed pattern.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 from torch_harmonics.disco.optimized.disco_optimized import _DiscoSaveXConvFn
 from torch_harmonics.utils import _EnsureContiguous
 
 from mesh3d.domain.dispatch.registry import op_name, register
-from mesh3d.domain.ops.custom import elementwise
+from mesh3d.domain.ops.custom import CustomRule, elementwise
 from mesh3d.domain.ops.disco import contraction_rule, transpose_rule
 from mesh3d.domain.ops.s2_attention import attention_rule, permute_rule
+from mesh3d.domain.ops.sphere_blocks import (
+    attention_block_rule, contraction_block_rule, permute_block_rule, transpose_block_rule)
 
 __all__ = ["register_rules"]
+
+
+@dataclass(frozen=True)
+class _OnSlabsAndBlocks(CustomRule):
+    """A kernel's rule on latitude slabs and on lat x lon blocks (``domain.register`` files each in its table)."""
+
+    slabs: Callable
+    blocks: Callable
+
+    def rules(self, func: Callable) -> dict[str, Callable]:
+        return {"RULES": self.slabs, "BLOCK_RULES": self.blocks}
 
 
 def _disco_rules() -> dict:
@@ -36,10 +52,13 @@ def _disco_rules() -> dict:
         return {}
     forward, fused = kernels._disco_s2_contraction_optimized, kernels._disco_s2_fused_conv_optimized
     transpose, save_x = kernels._disco_s2_transpose_contraction_optimized, _DiscoSaveXConvFn.apply
-    return {forward: contraction_rule(forward, op_name(forward), with_weight=False),
-            fused: contraction_rule(fused, op_name(fused), with_weight=True),
-            transpose: transpose_rule(transpose, op_name(transpose)),
-            save_x: contraction_rule(save_x, op_name(save_x), with_weight=True)}
+    made = {}
+    for func, with_weight in ((forward, False), (fused, True), (save_x, True)):
+        made[func] = _OnSlabsAndBlocks(contraction_rule(func, op_name(func), with_weight=with_weight),
+                                       contraction_block_rule(func, op_name(func), with_weight=with_weight))
+    made[transpose] = _OnSlabsAndBlocks(transpose_rule(transpose, op_name(transpose)),
+                                        transpose_block_rule(transpose, op_name(transpose)))
+    return made
 
 
 def _attention_rules() -> dict:
@@ -48,9 +67,10 @@ def _attention_rules() -> dict:
     if not hasattr(kernels, "_neighborhood_s2_attention_optimized"):  # NOTE: as for DISCO: its compiled kernels only
         return {}
     attention = kernels._neighborhood_s2_attention_optimized
-    return {attention: attention_rule(attention),
-            kernels.permute_to_nhwc: permute_rule(kernels.permute_to_nhwc, (0, 2, 3, 1)),
-            kernels.permute_to_nchw: permute_rule(kernels.permute_to_nchw, (0, 3, 1, 2))}
+    made = {attention: _OnSlabsAndBlocks(attention_rule(attention), attention_block_rule(attention, op_name(attention)))}
+    for copy, dims in ((kernels.permute_to_nhwc, (0, 2, 3, 1)), (kernels.permute_to_nchw, (0, 3, 1, 2))):
+        made[copy] = _OnSlabsAndBlocks(permute_rule(copy, dims), permute_block_rule(copy, dims))
+    return made
 
 
 _RULES = {**_disco_rules(), **_attention_rules()}
