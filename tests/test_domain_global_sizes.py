@@ -144,6 +144,8 @@ VALUES = [
     ("chunk", "field", _chunk),
     ("unbind", "field", _unbind),
     ("rows written at the poles", "field", _poles_written_in_place),
+    ("a halo turned by rot90 beside the rows (cube-sphere faces)", "field",
+     lambda x: torch.cat([torch.rot90(x[:, :, :5], 1, (2, 3))[:, :, -1:], x[:, :, :5] * 2], 2)),
     ("narrow", "field", lambda x: x.narrow(2, 3, 7).sum(2) + torch.narrow(x, 2, -4, 4).mean(2)),
     ("select", "field", lambda x: x.select(2, -1) + x.select(2, 4)),
     ("positions from the shape", "field", _positions),

@@ -360,6 +360,12 @@ ZOO: dict[str, ZooModel] = {
     "hand-written.DiffusionLoss": ZooModel("hand-written", hm.diffusion_loss, _call, (2, 2, 12, 8), 2, (5, 0, 7),
                                            "a DDPM loss: timesteps and noise drawn per call, the noisy field, a time "
                                            "embedding per channel, the squared error per point"),
+    "hand-written.CubeSphere": ZooModel("hand-written", hm.cube_sphere, _call, (1, 6, 2, 8, 8), 3, (3, 0, 5),
+                                        "cube-sphere convolutions: each face padded with its neighbours' edges turned "
+                                        "by torch.rot90 (rows beside columns), one conv over the faces",
+                                        # blocks: rot90 flips a block dim, and a flip on blocks has no rule
+                                        refusal="torch.flip has no rule for block layouts",
+                                        refused_on=frozenset({"blocks"}), workaround="shard the faces' rows as slabs"),
 }
 
 

@@ -194,7 +194,14 @@ def _linear(input, weight, bias=None) -> Step:
 def _cat(tensors, dim=0) -> Step:
     # torch.cat skips 1-D empty tensors next to higher-dim ones (a legacy rule that KV caches start from)
     tensors = [t for t in tensors if not (isinstance(t, torch.Tensor) and t.ndim == 1 and t.numel() == 0)] or tensors
-    first = _sharded(tensors)[0]
+    sharded = _sharded(tensors)
+    along = [t for t in sharded if _norm_dim(dim, t.ndim) == t.spec.dim]
+    first = along[0] if along else sharded[0]
+    if any(t.ndim - t.spec.dim != first.ndim - first.spec.dim for t in sharded):
+        # NOTE: pieces sharded along another dim than the first piece sharded along the cat dim (or, if none is, than
+        # the first sharded piece) come whole: a halo turned by rot90 (cube-sphere faces) beside a face's rows
+        tensors = [t.full_tensor() if isinstance(t, DomainTensor) and t.spec.dim is not None
+                   and t.ndim - t.spec.dim != first.ndim - first.spec.dim else t for t in tensors]
     if _norm_dim(dim, first.ndim) == first.spec.dim:  # pieces of any lengths along the sharded dim
         return cat_along_sharded(tensors, first.spec.dim, first)
     ref = _check_same_sharding(torch.cat, _sharded(tensors))
