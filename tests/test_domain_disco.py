@@ -154,3 +154,24 @@ def _disco_net_body(world: int | tuple[int, int], sizes: tuple) -> float:
 def test_a_disco_network_trains_equal_to_one_process(ranks, layout):
     world, sizes = (LAYOUTS[layout][:2]) if layout in LAYOUTS else ((2, 2), BLOCKS[layout][0])
     assert max(ranks.run(4 if layout in BLOCKS else world, _disco_net_body, world, sizes)) < 1e-12
+
+
+def test_a_local_pattern_is_kept_with_the_buffers_it_was_cut_from():
+    """The rules' cache of local patterns: found again for the same buffers, made again after an in-place write, never
+    found for other buffers (equal values or not, wherever they were allocated), dropped with its buffers."""
+    import gc
+
+    from mesh3d.domain.ops.disco import PsiCuts
+
+    cuts = PsiCuts()
+    psi = tuple(torch.arange(6) * k for k in range(5))
+    assert cuts.get(psi, ("layout",), lambda: "cut") == "cut"
+    assert cuts.get(psi, ("layout",), lambda: "again") == "cut"
+    assert cuts.get(psi, ("other layout",), lambda: "second") == "second"
+    psi[3].add_(1)  # a module's buffer written in place
+    assert cuts.get(psi, ("layout",), lambda: "after the write") == "after the write"
+    twin = tuple(t.clone() for t in psi)
+    assert cuts.get(twin, ("layout",), lambda: "the twin's") == "the twin's"
+    del twin
+    gc.collect()
+    assert len(cuts._cache) == 1

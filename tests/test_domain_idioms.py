@@ -190,6 +190,17 @@ class OrderStats(torch.nn.Module):
         return ordered + top * mid + picked + counted + scans
 
 
+class MixedCats(torch.nn.Module):
+    """torch.cat of pieces sharded along different dims: a square crop turned by rot90 joined to the rows (a
+    cube-sphere face's halo), and the crop beside its own transpose along the channels."""
+
+    def forward(self, x):                                          # (B, 3, H, 6)
+        square = x[:, :, :6]
+        rows = torch.cat([x, torch.rot90(square, 1, (2, 3)) * 2], 2)
+        channels = torch.cat([square, square.transpose(2, 3)], 1)
+        return rows + channels.mean(1, keepdim=True).sum(2, keepdim=True)
+
+
 def _idioms_body(sizes):
     from mesh3d import DistributedManager
 
@@ -208,6 +219,7 @@ def _idioms_body(sizes):
         "scans": (Scans, grid, 2),
         "products": (Products, grid, 2),
         "order_stats": (OrderStats, grid, 2),
+        "mixed_cats": (MixedCats, grid, 2),
     }
     errors = {}
     for i, (name, (make, x, dim)) in enumerate(cases.items()):
@@ -236,7 +248,6 @@ def _idiom_refusals_body():
     x = torch.randn(2, 3, 4, 5, dtype=D64)
     xs = domain.shard(x, dim=2)
     attempts = {
-        "cat_two_sharded": lambda: torch.cat([xs, domain.shard(x, dim=3)], 2),  # a piece sharded along another dim
         "fft_all_dims": lambda: torch.fft.fftn(xs),
         "tensor_index_sharded": lambda: xs[:, :, torch.tensor([[0, 1]])],  # 1-D index tensors run (ops/pieces.py)
         "embedding_max_norm": lambda: F.embedding(domain.shard(torch.zeros(2, 4, dtype=torch.long), dim=1),
@@ -256,8 +267,6 @@ def _idiom_refusals_body():
 
 #: What every rank's refusal must say: the op it refuses, and what to do instead.
 IDIOM_REFUSALS = {
-    "cat_two_sharded": ["torch.cat along the sharded dim: every sharded piece must be a slab sharded along that dim "
-                        "(dim 2)", "domain.redistribute(t, dim=2)", "reshape strided pieces back first"],
     "fft_all_dims": ["torch.fft.fftn over every dim", "keep the batch or channel dim out of dim="],
     "tensor_index_sharded": ["an index tensor along the sharded dim 2 must be a 1-D integer tensor",
                              "flatten it and reshape the result"],

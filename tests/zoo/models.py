@@ -67,7 +67,8 @@ class ZooModel:
 #: The refusal of a model that reshapes blocks into windows or patches (both block dims split): slabs run it.
 _SPLITS_BLOCKS = dict(refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}), workaround="shard as slabs")
 #: torch-harmonics' models on the sphere: float32 (they compute in it); on blocks, those refused there name what
-#: (the SHT's FFT along the sharded longitudes keeps the first modes: narrow; resampling reads a pole's row by an int)
+#: (the SHT's Legendre einsum over the sharded latitudes leaves its modes on blocks over (m, lat) out of order, whose
+#: real part has no block rule; resampling reads a pole's row by an int)
 _SPHERE = dict(fp32=True, rtol=1e-5)
 _SPHERE_SLABS = dict(_SPHERE, refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs")
 _POLE_ROW = "torch.Tensor.__getitem__ with 0 on the block dim 2"
@@ -282,15 +283,15 @@ ZOO: dict[str, ZooModel] = {
     "torch_harmonics.SFNO": ZooModel("torch_harmonics", _th_sfno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                      "spherical Fourier neural operator: SHT over latitude slabs, spectral blocks",
                                      rtol=1e-6, keep_complex=True,
-                                     # blocks: its FFT along the sharded longitudes keeps the first modes (narrow)
-                                     refusal="torch.Tensor.narrow has no rule for block layouts",
+                                     # blocks: after the SHT's einsum the modes are blocks over (m, lat), out of order
+                                     refusal="torch.Tensor.real has no rule for block layouts",
                                      refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs"),
     # ----- issue 67: torch-harmonics' DISCO convolutions and neighbourhood attention on latitude slabs. fp32 (see
     # sphere_models), rtol 1e-5: float32 rounding of sums taken in another order (gradients summed over ranks).
     "torch_harmonics.LSNO": ZooModel("torch_harmonics", sm.lsno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                      "local spherical neural operator: DISCO encoder, DISCO and SHT blocks, "
                                      "bilinear resampling with its poles written in place",
-                                     refusal="torch.Tensor.narrow has no rule for block layouts", **_SPHERE_SLABS),
+                                     refusal="torch.Tensor.real has no rule for block layouts", **_SPHERE_SLABS),
     "torch_harmonics.S2UNet": ZooModel("torch_harmonics", sm.s2unet, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                        "spherical U-Net: strided DISCO convolutions down, resampling up", **_SPHERE),
     "torch_harmonics.S2Transformer": ZooModel("torch_harmonics", lambda: sm.s2transformer("neighborhood"), _call,

@@ -15,6 +15,7 @@ op raises unless ``override=True`` (a silent replacement would change results el
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -191,6 +192,8 @@ def op_name(func: Callable) -> str:
     owner = getattr(func, "__self__", None)
     if isinstance(owner, type) and issubclass(owner, torch.autograd.Function):  # MyFunction.apply: the class's name
         return f"{owner.__module__}.{owner.__qualname__}.apply"
+    if isinstance(owner, types.GetSetDescriptorType):  # x.real, x.imag read through the property's __get__
+        return f"torch.Tensor.{owner.__name__}"
     name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None) or repr(func)
     if "<locals>" in name:  # a wrapper made by a factory (F.max_pool2d is boolean_dispatch's fn): its own name
         name = getattr(func, "__name__", name)

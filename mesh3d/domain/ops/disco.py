@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch.utils.weak import WeakTensorKeyDictionary
 # NOTE: torch-harmonics' own builder of the kernel-split CSR its fused and save-x kernels take (private to it, and
 # pinned by the version its rules are tested against): the local psi needs it built as the module builds it
 from torch_harmonics.disco.optimized.disco_optimized import _build_kernel_split_csr, _split_csr_python_offsets
@@ -88,22 +89,26 @@ def local_psi(psi: tuple[torch.Tensor, ...], out_of: torch.Tensor, in_of: torch.
 
 
 class PsiCuts:
-    """Per call signature (psi's buffers as they are now, the layouts, this rank): its ``LocalPsi``. A small bounded
-    cache owned by the rules: psi is a module's buffers, so the same few recur every step."""
+    """Per call signature (psi's tensors and their versions, the layouts, this rank): its ``LocalPsi``. Owned by a
+    rule; keyed by psi's first tensor itself, weakly: an entry goes with the module's buffers, so a module built where
+    a freed one's buffers were (same addresses, same sizes) never finds the freed one's cut."""
 
-    def __init__(self, maxsize: int = 32) -> None:
-        self._cache: OrderedDict[tuple, LocalPsi] = OrderedDict()
+    def __init__(self, maxsize: int = 8) -> None:
+        self._cache: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self._maxsize = maxsize
 
     def get(self, psi: tuple[torch.Tensor, ...], rest: tuple, make: Callable[[], LocalPsi]) -> LocalPsi:
-        key = (*((t.data_ptr(), t._version, t.numel(), t.device.type) for t in psi), *rest)
-        hit = self._cache.get(key)
+        per_psi = self._cache.get(psi[0])
+        if per_psi is None:
+            per_psi = self._cache[psi[0]] = OrderedDict()
+        key = (*((id(t), t._version) for t in psi), *rest)
+        hit = per_psi.get(key)
         if hit is None:
-            hit = self._cache[key] = make()
-            if len(self._cache) > self._maxsize:
-                self._cache.popitem(last=False)
+            hit = per_psi[key] = make()
+            if len(per_psi) > self._maxsize:  # layouts seen with these buffers: the oldest goes
+                per_psi.popitem(last=False)
         else:
-            self._cache.move_to_end(key)
+            per_psi.move_to_end(key)
         return hit
 
 

@@ -25,6 +25,7 @@ from mesh3d.domain.dispatch.registry import (
 from mesh3d.domain.dispatch.short_path import short_elementwise, short_view
 from mesh3d.domain.dispatch.step import Entering, Resplit, Step
 from mesh3d.domain.core.tensor import DomainTensor, detach_in_place, size_of
+from mesh3d.domain.layouts.transpose import move_sharding
 
 __all__ = ["elementwise", "elementwise_rule", "elementwise_step", "refuse_other_forms"]
 
@@ -198,9 +199,12 @@ def _cat(tensors, dim=0) -> Step:
     along = [t for t in sharded if _norm_dim(dim, t.ndim) == t.spec.dim]
     first = along[0] if along else sharded[0]
     if any(t.ndim - t.spec.dim != first.ndim - first.spec.dim for t in sharded):
-        # NOTE: pieces sharded along another dim than the first piece sharded along the cat dim (or, if none is, than
-        # the first sharded piece) come whole: a halo turned by rot90 (cube-sphere faces) beside a face's rows
-        tensors = [t.full_tensor() if isinstance(t, DomainTensor) and t.spec.dim is not None
+        # NOTE: a piece sharded along another dim than the first piece sharded along the cat dim (or, if none is, than
+        # the first sharded piece) moves its sharding there (an all-to-all: a halo turned by rot90 beside a face's
+        # rows, cube-sphere style), at the first piece's sizes unless the pieces join along that dim
+        joined = _norm_dim(dim, first.ndim) == first.spec.dim
+        tensors = [move_sharding(t, t.ndim - (first.ndim - first.spec.dim), None if joined else first.spec.sizes)
+                   if isinstance(t, DomainTensor) and t.spec.dim is not None
                    and t.ndim - t.spec.dim != first.ndim - first.spec.dim else t for t in tensors]
     if _norm_dim(dim, first.ndim) == first.spec.dim:  # pieces of any lengths along the sharded dim
         return cat_along_sharded(tensors, first.spec.dim, first)

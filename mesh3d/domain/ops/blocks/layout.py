@@ -148,8 +148,16 @@ def _getitem(x: DomainTensor, index):
     return adopt(unwrap(x)[tuple(items)], out_spec)
 
 
+def _narrow(input, dim, start, length):
+    """``narrow`` is a slice (the first modes of an FFT along a block dim: torch-harmonics' SHT keeps them so)."""
+    d = dim % input.ndim
+    first = int(start) + (input.shape[d] if int(start) < 0 else 0)
+    return _getitem(input, (slice(None),) * d + (slice(first, first + int(length)),))
+
+
 for _funcs, _rule in (
     ((torch.Tensor.__getitem__,), _getitem),
+    ((torch.narrow, torch.Tensor.narrow), _narrow),
     ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
     ((torch.permute, torch.Tensor.permute), _permute),
     ((F.linear,), _linear),
