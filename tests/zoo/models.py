@@ -67,8 +67,7 @@ class ZooModel:
 #: The refusal of a model that reshapes blocks into windows or patches (both block dims split): slabs run it.
 _SPLITS_BLOCKS = dict(refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}), workaround="shard as slabs")
 #: torch-harmonics' models on the sphere: float32 (they compute in it); on blocks, those refused there name what
-#: (the SHT's Legendre einsum over the sharded latitudes leaves its modes on blocks over (m, lat) out of order, whose
-#: real part has no block rule; resampling reads a pole's row by an int)
+#: (their resampling reads a pole's row by an int index)
 _SPHERE = dict(fp32=True, rtol=1e-5)
 _SPHERE_SLABS = dict(_SPHERE, refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs")
 _POLE_ROW = "torch.Tensor.__getitem__ with 0 on the block dim 2"
@@ -281,17 +280,12 @@ ZOO: dict[str, ZooModel] = {
     # rtol 1e-6 and complex weights kept: its spectral convolutions cast their input to float32 (complex64 in the
     # spectrum) whatever the model's dtype, in one process too
     "torch_harmonics.SFNO": ZooModel("torch_harmonics", _th_sfno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
-                                     "spherical Fourier neural operator: SHT over latitude slabs, spectral blocks",
-                                     rtol=1e-6, keep_complex=True,
-                                     # blocks: after the SHT's einsum the modes are blocks over (m, lat), out of order
-                                     refusal="torch.Tensor.real has no rule for block layouts",
-                                     refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs"),
-    # ----- issue 67: torch-harmonics' DISCO convolutions and neighbourhood attention on latitude slabs. fp32 (see
-    # sphere_models), rtol 1e-5: float32 rounding of sums taken in another order (gradients summed over ranks).
+                                     "spherical Fourier neural operator: SHT over latitude slabs (on blocks: the "
+                                     "coefficients on pencils), spectral blocks", rtol=1e-6, keep_complex=True),
     "torch_harmonics.LSNO": ZooModel("torch_harmonics", sm.lsno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                      "local spherical neural operator: DISCO encoder, DISCO and SHT blocks, "
                                      "bilinear resampling with its poles written in place",
-                                     refusal="torch.Tensor.real has no rule for block layouts", **_SPHERE_SLABS),
+                                     refusal=_POLE_ROW, **_SPHERE_SLABS),
     "torch_harmonics.S2UNet": ZooModel("torch_harmonics", sm.s2unet, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                        "spherical U-Net: strided DISCO convolutions down, resampling up", **_SPHERE),
     "torch_harmonics.S2Transformer": ZooModel("torch_harmonics", lambda: sm.s2transformer("neighborhood"), _call,

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
+from mesh3d.domain.comm.collectives import reduce_for_local_use, reduce_to_replicated, sum_grad
+from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.layouts.tokens import token_rows
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, TOKEN_RULES, register
 from mesh3d.domain.comm.rows import Span
@@ -134,7 +135,8 @@ def _tensordot(a, b, dims=2, out=None, einsum=None):
 
 # ----------------------------------------------------------------------------- blocks and token grids
 def _grid_einsum(equation, *operands):
-    """``einsum`` on blocks (every block letter kept, or every one contracted: one all-reduce) and on token grids
+    """``einsum`` on blocks (every block letter kept, or every one contracted: one all-reduce, or some of each: pencils,
+    ``_pencil``) and on token grids
     (the token letter kept, or the two products of attention, ``q k^T`` and ``scores v``, which the token grid's
     matmul rule runs with the keys gathered in order)."""
     operands = tuple(operands[0]) if len(operands) == 1 and isinstance(operands[0], (list, tuple)) else operands
@@ -152,7 +154,8 @@ def _grid_einsum(equation, *operands):
         raise NotImplementedError(f"torch.einsum({equation!r}) on operands laid out differently over the domain grid; "
                                   "bring them to one layout (domain.redistribute) or call .full_tensor() first")
     kept = letters <= set(output)
-    if not kept and letters & set(output):
+    pencil = not kept and bool(letters & set(output))
+    if pencil and spec.layout is not Layout.BLOCKS:
         raise NotImplementedError(f"torch.einsum({equation!r}) contracts some of the grid's sharded letters and keeps "
                                   "others; call .full_tensor() first")
     ref_term = next(t for o, t in grids if o is grids[0][0])
@@ -166,11 +169,40 @@ def _grid_einsum(equation, *operands):
         else:
             local.append(o)
     out = torch.einsum(",".join(terms) + "->" + output, *local)
+    if pencil:
+        return _pencil(equation, out, output, spec, [ref_term[d] for d in spec.dims])
     if not kept:
         return adopt(reduce_to_replicated(out, spec.comm), DomainSpec.replicated(spec.comm))
     if spec.layout is Layout.TOKENS:
         return adopt(out, spec.with_token_dim(output.index(ref_term[spec.token_dim])))
     return adopt(out, BlockSpec(tuple(output.index(ref_term[d]) for d in spec.dims), spec.sizes, spec.lines, spec.comm))
+
+
+def _pencil(equation: str, out: torch.Tensor, output: str, spec: BlockSpec, axes: list[str]) -> DomainTensor:
+    """Blocks whose einsum contracts some grid letters and keeps others (a Legendre transform: latitudes summed,
+    longitude modes kept): each contracted grid line sums its partial products and splits a new letter of the output
+    among its ranks (a reduce-scatter: the longest letter the operands do not shard, the last of equals), as Makani's
+    distributed SHT moves to pencils. The backward gathers the gradient along that letter (the all-reduce's adjoint
+    of the padded slices)."""
+    free = [c for c in output if c not in axes]
+    dims, sizes = [], []
+    for k, letter in enumerate(axes):
+        if letter in output:
+            dims.append(output.index(letter))
+            sizes.append(spec.sizes[k])
+            continue
+        if not free:
+            raise NotImplementedError(f"torch.einsum({equation!r}) contracts the grid letter {letter!r} and keeps "
+                                      "others, and its output has no other letter to split over that grid line; "
+                                      "call .full_tensor() first")
+        carry = max(reversed(free), key=lambda c: out.shape[output.index(c)])
+        free.remove(carry)
+        d, line = output.index(carry), spec.lines[k]
+        shares = split_sizes(out.shape[d], line.size)
+        out = reduce_for_local_use(out, line).narrow(d, offsets_of(shares)[line.index], shares[line.index])
+        dims.append(d)
+        sizes.append(shares)
+    return adopt(out, BlockSpec(tuple(dims), tuple(sizes), spec.lines, spec.comm))
 
 
 def _layout(spec) -> tuple:

@@ -322,7 +322,7 @@ short_view(torch.unflatten)
 short_view(torch.Tensor.unflatten)
 
 
-_COMPLEX_PARTS = (getattr(torch.Tensor, "real").__get__, getattr(torch.Tensor, "imag").__get__, torch.real, torch.imag, torch.conj,
+COMPLEX_PARTS = (getattr(torch.Tensor, "real").__get__, getattr(torch.Tensor, "imag").__get__, torch.real, torch.imag, torch.conj,
                   torch.Tensor.conj, torch.angle, torch.Tensor.angle, torch.view_as_real, torch.view_as_complex)
 
 
@@ -331,5 +331,5 @@ def _complex_rule(func):
     return lambda input: Step(func, (input,), out=input.spec)
 
 
-for _f in _COMPLEX_PARTS:
+for _f in COMPLEX_PARTS:
     register(_f)(_complex_rule(_f))

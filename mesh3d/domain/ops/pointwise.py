@@ -36,7 +36,7 @@ _NAMES = (
     "isposinf isneginf signbit xlogy logaddexp logaddexp2 isclose "
     "isfinite nan_to_num masked_fill zeros_like ones_like full_like empty_like detach clone contiguous to float "
     "double half bfloat16 long int short bool byte char type type_as cpu cuda zero_ fill_ copy_ sub_ add_ "
-    "mul_ div_ relu_ clamp_ "
+    "mul_ div_ relu_ clamp_ complex polar "
     "sigmoid_ tanh_ neg_ pow_ abs_ exp_ masked_fill_ float_power"
 ).split()
 _DUNDER = (

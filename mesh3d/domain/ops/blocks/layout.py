@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
-from mesh3d.domain.ops.idioms import expand_index, slice_sizes
+from mesh3d.domain.ops.idioms import COMPLEX_PARTS, expand_index, slice_sizes
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
@@ -153,6 +153,23 @@ def _narrow(input, dim, start, length):
     d = dim % input.ndim
     first = int(start) + (input.shape[d] if int(start) < 0 else 0)
     return _getitem(input, (slice(None),) * d + (slice(first, first + int(length)),))
+
+
+def _complex_part(func):
+    """Real and imaginary parts, conjugate, angle, ``view_as_real``: element by element (``view_as_real`` adds a last
+    dim, ``view_as_complex`` takes one away: not a block dim)."""
+    def rule(input):
+        spec = _spec(input)
+        if func is torch.view_as_complex and input.ndim - 1 in spec.dims:
+            raise NotImplementedError("torch.view_as_complex of blocks split along their last dim (the (real, imag) "
+                                      "pairs); call .full_tensor() first")
+        return adopt(func(unwrap(input)), spec)
+
+    return rule
+
+
+for _f in COMPLEX_PARTS:
+    BLOCK_RULES.register(_f, _complex_part(_f))
 
 
 for _funcs, _rule in (
