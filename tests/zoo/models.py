@@ -66,11 +66,8 @@ class ZooModel:
 
 #: The refusal of a model that reshapes blocks into windows or patches (both block dims split): slabs run it.
 _SPLITS_BLOCKS = dict(refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}), workaround="shard as slabs")
-#: torch-harmonics' models on the sphere: float32 (they compute in it); on blocks, those refused there name what
-#: (their resampling reads a pole's row by an int index)
+#: torch-harmonics' models on the sphere: float32 (they compute in it), on slabs and on lat x lon blocks
 _SPHERE = dict(fp32=True, rtol=1e-5)
-_SPHERE_SLABS = dict(_SPHERE, refused_on=frozenset({"blocks"}), workaround="shard the latitudes as slabs")
-_POLE_ROW = "torch.Tensor.__getitem__ with 0 on the block dim 2"
 
 
 def _call(model, x):
@@ -285,20 +282,20 @@ ZOO: dict[str, ZooModel] = {
     "torch_harmonics.LSNO": ZooModel("torch_harmonics", sm.lsno, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                      "local spherical neural operator: DISCO encoder, DISCO and SHT blocks, "
                                      "bilinear resampling with its poles written in place",
-                                     refusal=_POLE_ROW, **_SPHERE_SLABS),
+                                     **_SPHERE),
     "torch_harmonics.S2UNet": ZooModel("torch_harmonics", sm.s2unet, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                        "spherical U-Net: strided DISCO convolutions down, resampling up", **_SPHERE),
     "torch_harmonics.S2Transformer": ZooModel("torch_harmonics", lambda: sm.s2transformer("neighborhood"), _call,
                                               (1, 3, 16, 32), 2, (6, 0, 10),
                                               "spherical transformer: neighbourhood attention on the sphere",
-                                              refusal=_POLE_ROW, **_SPHERE_SLABS),
+                                              **_SPHERE),
     "torch_harmonics.S2TransformerGlobal": ZooModel("torch_harmonics", lambda: sm.s2transformer("global"), _call,
                                                     (1, 3, 16, 32), 2, (6, 0, 10),
                                                     "spherical transformer: global attention with quadrature weights",
-                                                    refusal=_POLE_ROW, **_SPHERE_SLABS),
+                                                    **_SPHERE),
     "torch_harmonics.S2Segformer": ZooModel("torch_harmonics", sm.s2segformer, _call, (1, 3, 16, 32), 2, (6, 0, 10),
                                             "spherical Segformer: DISCO patch merging, neighbourhood attention, "
-                                            "upsampling decoder", refusal=_POLE_ROW, **_SPHERE_SLABS),
+                                            "upsampling decoder", **_SPHERE),
     "neuraloperator.TFNO": ZooModel("neuraloperator", tm.neuralop_tfno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                     "Tucker-factorized Fourier neural operator"),
     "x-transformers.Decoder": ZooModel("x-transformers", tm.x_decoder, _call, (2, 16), 1, (3, 8, 5),

@@ -25,7 +25,7 @@ from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 
-__all__ = ["piece", "rolled_rows"]
+__all__ = ["piece", "rolled_rows", "setitem"]
 
 
 def _dims(dims, ndim: int) -> list[int]:
@@ -204,7 +204,7 @@ def _new_tensor(input, data, **kwargs):
 
 # ----------------------------------------------------------------------------- writes
 @register(torch.Tensor.__setitem__)
-def _setitem(target, index, value):
+def setitem(target, index, value):
     """``target[index] = value`` with global indices: each rank writes the rows it owns.
 
     Writing a domain value into a plain tensor gathers the value whole first (the plain tensor is whole on every
@@ -264,8 +264,8 @@ def _setitem(target, index, value):
 
 
 # A domain value written into a plain tensor: the same on blocks and token grids (a block-sharded target refuses).
-BLOCK_RULES.register(torch.Tensor.__setitem__, _setitem)
-TOKEN_RULES.register(torch.Tensor.__setitem__, _setitem)
+BLOCK_RULES.register(torch.Tensor.__setitem__, setitem)  # a block-sharded target: ops/blocks/writes.py
+TOKEN_RULES.register(torch.Tensor.__setitem__, setitem)
 
 
 def _expand(target: DomainTensor, index) -> tuple[list, int, int]:

@@ -117,12 +117,53 @@ def _unbind(input, dim=0):
 
 def _getitem(x: DomainTensor, index):
     """Indexing of blocks: anything on the other dims, and slices with a positive step on block dims (each grid line
-    keeps its own rows of the slice: the spectrum's modes of an FNO, a crop); an int on a block dim is refused."""
+    keeps its own rows of the slice: the spectrum's modes of an FNO, a crop); an int on a block dim reads that row
+    (or plane) whole on every rank, replicated (a pole's ring on a lat x lon grid: one row, gathered)."""
     spec = _spec(x)
     moved = untouched_index(index, x.ndim, spec.dims)
     if moved is not None:
         return adopt(unwrap(x)[index], _moved(spec, tuple(moved(d) for d in spec.dims)))
     items = expand_index(index, x.ndim)
+    picked = _ints_on_block_dims(items, spec)
+    if picked:
+        for i, at in picked.items():  # the row as a slice of one: blocks, the row on the grid line that owns it
+            items[i] = slice(at, at + 1)
+        rows = _getitem(x, tuple(items))
+        whole = rows.full_tensor()
+        for d in sorted((rows._spec.dims[k] for k in _block_axes(items, spec, picked)), reverse=True):
+            whole = whole.select(d, 0)
+        return whole
+    return _slices(x, spec, items)
+
+
+def _ints_on_block_dims(items: list, spec: BlockSpec) -> dict[int, int]:
+    """{position in ``items``: its non-negative row} of the ints that index a block dim."""
+    out, seen = {}, -1
+    for i, item in enumerate(items):
+        if item is None:
+            continue
+        seen += 1
+        if seen in spec.dims and isinstance(item, int):
+            n = sum(spec.sizes[spec.dims.index(seen)])
+            if not -n <= item < n:
+                raise IndexError(f"index {item} is out of range for the block dim {seen} of length {n}")
+            out[i] = item + n if item < 0 else item
+    return out
+
+
+def _block_axes(items: list, spec: BlockSpec, picked: dict[int, int]) -> list[int]:
+    """The grid axes of the block dims ``picked`` indexes."""
+    axes, seen = [], -1
+    for i, item in enumerate(items):
+        if item is None:
+            continue
+        seen += 1
+        if i in picked:
+            axes.append(spec.dims.index(seen))
+    return axes
+
+
+def _slices(x: DomainTensor, spec: BlockSpec, items: list) -> DomainTensor:
     sizes, seen, out, new_dims = list(spec.sizes), -1, 0, {}
     for i, item in enumerate(items):
         if item is None:
