@@ -7,6 +7,7 @@ Usage: ``RECIPES.update(sphere_recipes())`` (empty where torch-harmonics' compil
 from __future__ import annotations
 
 import functools
+import importlib.util
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -41,7 +42,9 @@ def _through(kind: str) -> Callable[[Any, Any], Any]:
 
 
 def sphere_recipes() -> dict[Callable, list[Callable[[Any, Any], Any]]]:
-    """The kernels mesh3d ships rules for, each with the calls that reach it."""
+    """The kernels mesh3d ships rules for, each with the calls that reach it (none without the library)."""
+    if importlib.util.find_spec("torch_harmonics") is None:
+        return {}
     from torch_harmonics.disco.optimized.disco_optimized import _DiscoSaveXConvFn
 
     disco, attention = torch.ops.disco_kernels, torch.ops.attention_kernels
