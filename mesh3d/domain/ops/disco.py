@@ -39,7 +39,8 @@ from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.halo.windows import sizes_by_first_index
 
-__all__ = ["LocalPsi", "PsiCuts", "contract_local", "contraction_rule", "local_psi", "out_sizes_for", "transpose_rule"]
+__all__ = ["LocalPsi", "PsiCuts", "contract_local", "contraction_args", "contraction_rule", "forward_cut", "local_psi",
+           "out_sizes_for", "transpose_cut", "transpose_local", "transpose_rule"]
 
 
 class LocalPsi(NamedTuple):
@@ -131,6 +132,34 @@ def _refuse_unless_latitudes(name: str, inp: DomainTensor, lat_dim: int, *, chan
             f"domain.shard(x, dim={lat_dim}), or call .full_tensor() first")
 
 
+def contraction_args(args: tuple, with_weight: bool) -> tuple[tuple[torch.Tensor, ...], tuple]:
+    """psi (its five tensors) and the arguments after the CSR, of a forward contraction's arguments after ``inp``."""
+    head = 1 if with_weight else 0
+    return tuple(args[head:head + 5]), tuple(args[head + 5 + (6 if with_weight else 0):])
+
+
+def forward_cut(cuts: PsiCuts, psi: tuple[torch.Tensor, ...], shape: tuple[int, int], tail: tuple,
+                out_sizes: tuple[int, ...], me: int, with_weight: bool) -> LocalPsi:
+    """This rank's part of a forward contraction's psi (cached in ``cuts``): output rows are psi's rows, input rows
+    its columns' latitudes; ``shape``: the input's (nlat, nlon)."""
+    nlat_in, nlon_in = shape
+    _, _, row, col, _ = psi
+    return cuts.get(psi, (nlat_in, nlon_in, tail[1], out_sizes, me), lambda: local_psi(
+        psi, row, torch.div(col, nlon_in, rounding_mode="floor"), out_sizes, me,
+        lambda first_in, first_out: (first_out, first_in * nlon_in), tail[0], with_weight))
+
+
+def transpose_cut(cuts: PsiCuts, psi: tuple[torch.Tensor, ...], nlat_in: int, tail: tuple, out_sizes: tuple[int, ...],
+                  me: int) -> LocalPsi:
+    """This rank's part of a transpose contraction's psi (cached in ``cuts``): output rows are its columns'
+    latitudes, input rows psi's rows; ``tail``: (K, nlat_out, nlon_out)."""
+    _, _, row, col, _ = psi
+    nlon_out = tail[2]
+    return cuts.get(psi, (nlat_in, tail[1], nlon_out, out_sizes, me), lambda: local_psi(
+        psi, torch.div(col, nlon_out, rounding_mode="floor"), row, out_sizes, me,
+        lambda first_in, first_out: (first_in, first_out * nlon_out), tail[0], False))
+
+
 def contraction_rule(op: Callable[..., torch.Tensor], name: str, *, with_weight: bool) -> Callable[..., Step]:
     """The rule for a forward contraction ``op(inp, [weight,] roff, ker, row, col, vals, [kernel-split CSR x 6,] K,
     nlat_out, nlon_out, [groups, groupsize, split offsets x 2])`` of ``inp`` (B, C, nlat_in, nlon_in). ``with_weight``:
@@ -139,30 +168,19 @@ def contraction_rule(op: Callable[..., torch.Tensor], name: str, *, with_weight:
 
     def rule(inp, *args: Any) -> Step:
         _refuse_unless_latitudes(name, inp, 2, channels=not with_weight)
-        head = 1 if with_weight else 0
-        psi = tuple(args[head:head + 5])
-        tail = args[head + 5 + (6 if with_weight else 0):]
-        kernel_size, nlat_out = tail[0], tail[1]
-        out_dim = 2 if with_weight else 3
         spec = inp.spec
         if spec.dim != 2:  # samples, channels or whole: every rank its own, as it is
-            return Step(lambda x, *rest: op(x, *rest), (inp, *args), out=spec)
-        nlat_in, nlon_in = inp.shape[2], inp.shape[3]
-        out_sizes = out_sizes_for(spec.sizes, nlat_in, nlat_out)
-        me = spec.comm.index
-
-        def make() -> LocalPsi:
-            _, _, row, col, _ = psi
-            return local_psi(psi, row, torch.div(col, nlon_in, rounding_mode="floor"), out_sizes, me,
-                          lambda first_in, first_out: (first_out, first_in * nlon_in), kernel_size, with_weight)
-
-        local = cuts.get(psi, (nlat_in, nlon_in, nlat_out, out_sizes, me), make)
+            return Step(op, (inp, *args), out=spec)
+        psi, tail = contraction_args(args, with_weight)
+        out_sizes = out_sizes_for(spec.sizes, inp.shape[2], tail[1])
+        local = forward_cut(cuts, psi, (inp.shape[2], inp.shape[3]), tail, out_sizes, spec.comm.index, with_weight)
 
         def compute(part: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
             return contract_local(op, part, weight, local, tail)
 
         reads = Rows(inp, local.needs)
-        return Step(compute, (reads, args[0]) if with_weight else (reads,), out=spec.with_sizes(out_sizes, dim=out_dim))
+        return Step(compute, (reads, args[0]) if with_weight else (reads,),
+                    out=spec.with_sizes(out_sizes, dim=2 if with_weight else 3))
 
     return rule
 
@@ -181,6 +199,13 @@ def contract_local(op: Callable[..., torch.Tensor], part: torch.Tensor, weight: 
     return op(part, *local.psi, kernel_size, local.rows_out, nlon_out)
 
 
+def transpose_local(op: Callable[..., torch.Tensor], part: torch.Tensor, local: LocalPsi, tail: tuple) -> torch.Tensor:
+    """The transpose contraction of the fetched input rows ``part`` with this rank's psi, every output longitude."""
+    if not local.rows_in:
+        return connected_zeros(part, [part.shape[0], part.shape[1], local.rows_out, tail[2]], part)
+    return op(part, *local.psi, tail[0], local.rows_out, tail[2])
+
+
 def transpose_rule(op: Callable[..., torch.Tensor], name: str) -> Callable[..., Step]:
     """The rule for the transpose contraction ``op(inp, roff, ker, row, col, vals, K, nlat_out, nlon_out)`` of ``inp``
     (B, C, K, nlat_in, nlon_in), latitudes along dim 3; psi's rows are the input's latitudes, its columns the
@@ -189,25 +214,12 @@ def transpose_rule(op: Callable[..., torch.Tensor], name: str) -> Callable[..., 
 
     def rule(inp, roff, ker, row, col, vals, kernel_size, nlat_out, nlon_out) -> Step:
         _refuse_unless_latitudes(name, inp, 3, channels=True)
-        psi = (roff, ker, row, col, vals)
-        spec = inp.spec
+        psi, tail, spec = (roff, ker, row, col, vals), (kernel_size, nlat_out, nlon_out), inp.spec
         if spec.dim != 3:
-            return Step(lambda x, *rest: op(x, *rest), (inp, *psi, kernel_size, nlat_out, nlon_out), out=spec)
-        nlat_in = inp.shape[3]
-        out_sizes = out_sizes_for(spec.sizes, nlat_in, nlat_out)
-        me = spec.comm.index
-
-        def make() -> LocalPsi:
-            return local_psi(psi, torch.div(col, nlon_out, rounding_mode="floor"), row, out_sizes, me,
-                          lambda first_in, first_out: (first_in, first_out * nlon_out), kernel_size, False)
-
-        local = cuts.get(psi, (nlat_in, nlat_out, nlon_out, out_sizes, me), make)
-
-        def compute(part: torch.Tensor) -> torch.Tensor:
-            if not local.rows_in:
-                return connected_zeros(part, [part.shape[0], part.shape[1], local.rows_out, nlon_out], part)
-            return op(part, *local.psi, kernel_size, local.rows_out, nlon_out)
-
-        return Step(compute, (Rows(inp, local.needs),), out=spec.with_sizes(out_sizes, dim=2))
+            return Step(op, (inp, *psi, *tail), out=spec)
+        out_sizes = out_sizes_for(spec.sizes, inp.shape[3], nlat_out)
+        local = transpose_cut(cuts, psi, inp.shape[3], tail, out_sizes, spec.comm.index)
+        return Step(lambda part: transpose_local(op, part, local, tail), (Rows(inp, local.needs),),
+                    out=spec.with_sizes(out_sizes, dim=2))
 
     return rule

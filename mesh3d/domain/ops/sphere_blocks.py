@@ -29,7 +29,8 @@ from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.layouts.blocks import gather_boxes
-from mesh3d.domain.ops.disco import PsiCuts, contract_local, local_psi, out_sizes_for
+from mesh3d.domain.ops.disco import (
+    PsiCuts, contract_local, contraction_args, forward_cut, out_sizes_for, transpose_cut, transpose_local)
 from mesh3d.domain.ops.s2_attention import attention_psi
 
 __all__ = ["attention_block_rule", "contraction_block_rule", "permute_block_rule", "transpose_block_rule"]
@@ -62,21 +63,13 @@ def contraction_block_rule(op: Callable[..., torch.Tensor], name: str, *, with_w
 
     def rule(inp, *args: Any) -> DomainTensor:
         spec = _lat_lon(name, inp, 2)
-        head = 1 if with_weight else 0
-        psi = tuple(args[head:head + 5])
-        tail = args[head + 5 + (6 if with_weight else 0):]
-        kernel_size, nlat_out, nlon_out = tail[0], tail[1], tail[2]
+        psi, tail = contraction_args(args, with_weight)
         nlat_in, nlon_in = inp.shape[2], inp.shape[3]
-        out_lat = out_sizes_for(spec.sizes[0], nlat_in, nlat_out)
-        out_lon = out_sizes_for(spec.sizes[1], nlon_in, nlon_out)
-        me = spec.lines[0].index
-        _, _, row, col, _ = psi
-        local = cuts.get(psi, (nlat_in, nlon_in, nlat_out, out_lat, me), lambda: local_psi(
-            psi, row, torch.div(col, nlon_in, rounding_mode="floor"), out_lat, me,
-            lambda first_in, first_out: (first_out, first_in * nlon_in), kernel_size, with_weight))
+        out_lat = out_sizes_for(spec.sizes[0], nlat_in, tail[1])
+        out_lon = out_sizes_for(spec.sizes[1], nlon_in, tail[2])
+        local = forward_cut(cuts, psi, (nlat_in, nlon_in), tail, out_lat, spec.lines[0].index, with_weight)
         part = gather_boxes(unwrap(inp), spec, (local.needs, _ring(spec.sizes[1], nlon_in)))
-        weight = (args[0],) if with_weight else ()
-        y = contract_local(op, part, weight, local, tail)
+        y = contract_local(op, part, (args[0],) if with_weight else (), local, tail)
         out_dim = 2 if with_weight else 3
         y = _keep_columns(y, out_dim + 1, out_lon, spec)
         return adopt(y, BlockSpec((out_dim, out_dim + 1), (out_lat, out_lon), spec.lines, spec.comm))
@@ -90,20 +83,13 @@ def transpose_block_rule(op: Callable[..., torch.Tensor], name: str) -> Callable
 
     def rule(inp, roff, ker, row, col, vals, kernel_size, nlat_out, nlon_out) -> DomainTensor:
         spec = _lat_lon(name, inp, 3)
-        psi = (roff, ker, row, col, vals)
+        tail = (kernel_size, nlat_out, nlon_out)
         nlat_in, nlon_in = inp.shape[3], inp.shape[4]
         out_lat = out_sizes_for(spec.sizes[0], nlat_in, nlat_out)
         out_lon = out_sizes_for(spec.sizes[1], nlon_in, nlon_out)
-        me = spec.lines[0].index
-        local = cuts.get(psi, (nlat_in, nlat_out, nlon_out, out_lat, me), lambda: local_psi(
-            psi, torch.div(col, nlon_out, rounding_mode="floor"), row, out_lat, me,
-            lambda first_in, first_out: (first_in, first_out * nlon_out), kernel_size, False))
+        local = transpose_cut(cuts, (roff, ker, row, col, vals), nlat_in, tail, out_lat, spec.lines[0].index)
         part = gather_boxes(unwrap(inp), spec, (local.needs, _ring(spec.sizes[1], nlon_in)))
-        if local.rows_in:
-            y = op(part, *local.psi, kernel_size, local.rows_out, nlon_out)
-        else:
-            y = connected_zeros(part, [part.shape[0], part.shape[1], local.rows_out, nlon_out], part)
-        y = _keep_columns(y, 3, out_lon, spec)
+        y = _keep_columns(transpose_local(op, part, local, tail), 3, out_lon, spec)
         return adopt(y, BlockSpec((2, 3), (out_lat, out_lon), spec.lines, spec.comm))
 
     return rule

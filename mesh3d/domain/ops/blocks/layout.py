@@ -126,41 +126,30 @@ def _getitem(x: DomainTensor, index):
     items = expand_index(index, x.ndim)
     picked = _ints_on_block_dims(items, spec)
     if picked:
-        for i, at in picked.items():  # the row as a slice of one: blocks, the row on the grid line that owns it
-            items[i] = slice(at, at + 1)
+        for i, (row, _) in picked.items():  # the row as a slice of one: blocks, the row on the grid line that owns it
+            items[i] = slice(row, row + 1)
         rows = _getitem(x, tuple(items))
         whole = rows.full_tensor()
-        for d in sorted((rows._spec.dims[k] for k in _block_axes(items, spec, picked)), reverse=True):
+        for d in sorted((rows._spec.dims[axis] for _, axis in picked.values()), reverse=True):
             whole = whole.select(d, 0)
         return whole
     return _slices(x, spec, items)
 
 
-def _ints_on_block_dims(items: list, spec: BlockSpec) -> dict[int, int]:
-    """{position in ``items``: its non-negative row} of the ints that index a block dim."""
+def _ints_on_block_dims(items: list, spec: BlockSpec) -> dict[int, tuple[int, int]]:
+    """{position in ``items``: (its non-negative row, the grid axis of its dim)} of the ints that index a block dim."""
     out, seen = {}, -1
     for i, item in enumerate(items):
         if item is None:
             continue
         seen += 1
         if seen in spec.dims and isinstance(item, int):
-            n = sum(spec.sizes[spec.dims.index(seen)])
+            axis = spec.dims.index(seen)
+            n = sum(spec.sizes[axis])
             if not -n <= item < n:
                 raise IndexError(f"index {item} is out of range for the block dim {seen} of length {n}")
-            out[i] = item + n if item < 0 else item
+            out[i] = (item + n if item < 0 else item, axis)
     return out
-
-
-def _block_axes(items: list, spec: BlockSpec, picked: dict[int, int]) -> list[int]:
-    """The grid axes of the block dims ``picked`` indexes."""
-    axes, seen = [], -1
-    for i, item in enumerate(items):
-        if item is None:
-            continue
-        seen += 1
-        if i in picked:
-            axes.append(spec.dims.index(seen))
-    return axes
 
 
 def _slices(x: DomainTensor, spec: BlockSpec, items: list) -> DomainTensor:
