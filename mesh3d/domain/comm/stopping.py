@@ -24,10 +24,22 @@ from mesh3d.domain.comm.peer_lost import lost_peers
 from mesh3d.domain.comm.traffic import dry_run_observer
 from mesh3d.domain.core.group import domain_groups
 from mesh3d.faults.beat import WAITING
+from mesh3d.faults.watch import closed_connection
 
-__all__ = ["abort", "finish_matched", "leave", "matched_peers", "post", "swap_journals", "tell_other_groups"]
+__all__ = ["ClosedWork", "abort", "finish_matched", "leave", "matched_peers", "post", "swap_journals", "tell_other_groups"]
 
 WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat says so: mesh3d/faults/beat.py)
+
+
+class ClosedWork:
+    """The work of a message whose post failed at once because its peer's connection had already closed: its
+    ``wait`` raises that error, so the waiter names the peer as gone as it does for a connection that closes later."""
+
+    def __init__(self, err: RuntimeError) -> None:
+        self._err = err
+
+    def wait(self, timeout: Any = None) -> bool:
+        raise RuntimeError(str(self._err))
 
 
 def post(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
@@ -38,7 +50,21 @@ def post(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
     group = comm.group
     ops = [dist.P2POp(dist.isend, buf, comm.ranks[peer], group) for peer, buf in outgoing]
     ops += [dist.P2POp(dist.irecv, buf, comm.ranks[peer], group) for peer, buf in incoming]
-    return dist.batch_isend_irecv(ops) if ops else []
+    if not ops:
+        return []
+    if any(op.tensor.is_cuda for op in ops):  # NOTE: NCCL coalesces the batch into one work
+        return dist.batch_isend_irecv(ops)
+    # NOTE: gloo posts each message on its own (batch_isend_irecv loops too) and raises at the post itself when the
+    # peer's connection closed before it: that message becomes a failed work, and the others are still posted.
+    works: list = []
+    for op in ops:
+        try:
+            works.append(op.op(op.tensor, op.peer, op.group, op.tag))
+        except RuntimeError as err:
+            if not closed_connection(err):
+                raise
+            works.append(ClosedWork(err))
+    return works
 
 
 def matched_peers(theirs: dict[int, torch.Tensor], fingerprint: int, to_peer: dict[int, int], from_peer: dict[int, int],
