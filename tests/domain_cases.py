@@ -206,6 +206,16 @@ def case_error(run, x0: torch.Tensor, seed: int) -> float | str:
     return max(max_err(whole, want.detach()), max_err(domain_sum(x.grad), want_grad))
 
 
+def on_blocks(fn, sizes, dims: tuple[int, ...] = (2, 3)):
+    """``fn`` as ``case_error``'s ``run``: on ``x`` in one process, on its blocks over ``dims`` (``sizes``) sharded.
+
+    Usage: ``case_error(on_blocks(lambda x: x.flip(2), ((5, 3), (2, 6))), x0, 0)``
+    """
+    from mesh3d import domain
+
+    return lambda x, sharded: fn(domain.shard(x, dims=dims, sizes=sizes) if sharded else x)
+
+
 def assert_equal_or_refused(errors: dict, refusals: dict, tol: float) -> None:
     """Every case of ``errors`` (``case_error``'s answers) within ``tol``, but those of ``refusals`` (name -> the
     refusal's first words), which must be refused so and only those."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from domain_cases import assert_equal_or_refused, case_error
+from domain_cases import assert_equal_or_refused, case_error, on_blocks
 
 D64 = torch.float64
 B, C, H, W = 2, 3, 7, 6
@@ -42,9 +42,6 @@ def _cases_body(sizes) -> dict:
     DistributedManager.initialize(batch=1, domain=(2, 2))
     x0 = torch.randn(B, C, H, W, dtype=D64, generator=torch.Generator().manual_seed(7))
 
-    def on(fn):
-        return lambda x, sharded: fn(domain.shard(x, dims=(2, 3), sizes=sizes) if sharded else x)
-
     cases = {
         "row": lambda x: x[..., 0, :] * 2 + x[..., -1, :],
         "column": lambda x: x[:, :, 3] * 2 + x[..., 2].sum(-1, keepdim=True),
@@ -54,7 +51,7 @@ def _cases_body(sizes) -> dict:
         "a value along a sliced block dim": lambda x: x.clone().__setitem__((0, 0, slice(None), 1), x[1, 1, :, 1]),
         "a tensor index": lambda x: x.clone().__setitem__((0, 0, torch.tensor([1, 2])), 1.0),
     }
-    errors = {name: case_error(on(fn), x0, i) if "value along" not in name and "tensor index" not in name
+    errors = {name: case_error(on_blocks(fn, sizes), x0, i) if "value along" not in name and "tensor index" not in name
               else _refused(fn, domain.shard(x0.clone(), dims=(2, 3), sizes=sizes)) for i, (name, fn) in enumerate(cases.items())}
     DistributedManager.shutdown()
     return errors

@@ -64,8 +64,6 @@ class ZooModel:
         return layout != "blocks" or (self.inputs == "field" and len(self.shape) >= 4)
 
 
-#: The refusal of a model that reshapes blocks into windows or patches (both block dims split): slabs run it.
-_SPLITS_BLOCKS = dict(refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}), workaround="shard as slabs")
 #: torch-harmonics' models on the sphere: float32 (they compute in it), on slabs and on lat x lon blocks
 _SPHERE = dict(fp32=True, rtol=1e-5)
 
@@ -224,10 +222,7 @@ ZOO: dict[str, ZooModel] = {
     "monai.AttentionUnet": ZooModel("monai", _monai_attention_unet, _call, (1, 1, 16, 8), 2, (8, 4, 4),
                                     "2-D U-Net with attention gates (sigmoid gating of skips)"),
     "monai.SwinUNETR": ZooModel("monai", _monai_swin_unetr, _call, (1, 1, 64, 64), 2, (32, 16, 16),
-                                "2-D shifted-window transformer encoder, conv decoder",
-                                # blocks: the window partition splits both block dims
-                                refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
-                                workaround="shard as slabs (windows are moved to whole windows per rank there)"),
+                                "2-D shifted-window transformer encoder, conv decoder"),
     "diffusers.UNet2DModel": ZooModel("diffusers", _diffusers_unet2d, _sample, (1, 2, 16, 16), 2, (8, 4, 4),
                                       "2-D diffusion U-Net, timestep embedding, self-attention blocks, GroupNorm"),
     "diffusers.AutoencoderKL": ZooModel("diffusers", _diffusers_autoencoder, _autoencoder_forward, (1, 2, 16, 16), 2,
@@ -244,15 +239,12 @@ ZOO: dict[str, ZooModel] = {
     "transformers.ViT": ZooModel("transformers", _hf_vit, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
                                  "2-D vision transformer, class token, position embedding"),
     "transformers.Swin": ZooModel("transformers", _hf_swin, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
-                                  "2-D shifted-window transformer classifier", **_SPLITS_BLOCKS),
+                                  "2-D shifted-window transformer classifier"),
     "neuraloperator.FNO": ZooModel("neuraloperator", _neuralop_fno, _call, (1, 2, 16, 12), 2, (7, 5, 4),
                                    "2-D Fourier neural operator (spectral convolutions into a plain spectrum buffer)"),
     "x-transformers.ViTransformerWrapper": ZooModel(
         "x-transformers", _x_vit, _call, (2, 2, 16, 16), 2, (8, 4, 4),
-        "2-D vision transformer via einops patches, position embedding",
-        # blocks: einops' (h p1) (w p2) patching splits both block dims
-        refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
-        workaround="patch with a strided conv (the Conv2d patch embedding runs on blocks)"),
+        "2-D vision transformer via einops patches, position embedding"),
     # ----- issue 27: transformers and neural operators
     "transformers.GPT2": ZooModel("transformers", tm.hf_gpt2, tm.lm_logits, (2, 16), 1, (8, 5, 3),
                                   "decoder on a sharded sequence: causal attention, learned positions", inputs="ids"),
@@ -308,16 +300,14 @@ ZOO: dict[str, ZooModel] = {
         "2-D conditional U-Net: cross-attention of the sharded pixels to a plain text conditioning"),
     "transformers.MobileViT": ZooModel("transformers", mm.mobilevit, _logits, (2, 2, 32, 32), 2, (16, 8, 8),
                                        "patches unfolded across ranks (whole patches merged into the batch), attention "
-                                       "over them, folded back", **_SPLITS_BLOCKS),
+                                       "over them, folded back"),
     "neuraloperator.UNO": ZooModel("neuraloperator", mm.neuralop_uno, _call, (1, 2, 16, 12), 2, (8, 4, 4),
                                    "U-shaped neural operator: spectral layers that resample, horizontal skips"),
     "x-unet.XUnet": ZooModel("x-unet", mm.x_unet, _call, (1, 2, 16, 16), 2, (8, 4, 4),
-                             "2-D U-Net with attention, l2-normalized queries and keys (F.normalize)",
-                             **_SPLITS_BLOCKS),  # its downsampling rearranges (h p1) (w p2) -> (c p1 p2)
+                             "2-D U-Net with attention, l2-normalized queries and keys (F.normalize)"),
     "mlp-mixer-pytorch.MLPMixer": ZooModel(
         "mlp-mixer-pytorch", mm.mlp_mixer, _call, (2, 2, 16, 16), 2, (8, 4, 4),
-        "token mixing: a 1x1 conv over the sharded patches as channels (a contraction: one all-reduce)",
-        **_SPLITS_BLOCKS),  # its einops patching (h p1) (w p2)
+        "token mixing: a 1x1 conv over the sharded patches as channels (a contraction: one all-reduce)"),
     "conformer.ConformerBlock": ZooModel("conformer", mm.conformer_block, _call, (2, 12, 16), 1, (5, 3, 4),
                                          "sequence: depthwise conv along it, BatchNorm1d, attention with Shaw's "
                                          "relative positions (a plain table converted by .to(q))"),
@@ -331,8 +321,7 @@ ZOO: dict[str, ZooModel] = {
                                   "VQ autoencoder: torch.cdist of strided rows (blocks: a token grid) to the "
                                   "codebook, argmin, embedding"),
     "transformers.Swinv2": ZooModel("transformers", mm.hf_swinv2, _logits, (1, 2, 16, 16), 2, (8, 4, 4),
-                                    "Swin V2: cosine attention, log-spaced continuous position bias (plain tables)",
-                                    **_SPLITS_BLOCKS),
+                                    "Swin V2: cosine attention, log-spaced continuous position bias (plain tables)"),
     "vector-quantize-pytorch.VectorQuantize": ZooModel(
         "vector-quantize-pytorch", mm.vector_quantize, mm.vq_forward, (2, 12, 8), 1, (5, 0, 7),
         "codebook lookup of sharded tokens with an EMA codebook: einops pack, its own cdist by einsum",
@@ -342,22 +331,15 @@ ZOO: dict[str, ZooModel] = {
     "transformers.ConvNextV2": ZooModel("transformers", mm.hf_convnextv2, _logits, (2, 2, 16, 16), 2, (8, 4, 4),
                                         "ConvNeXt V2: global response normalization (a norm over the spatial dims)"),
     "hand-written.SwinWindows": ZooModel("hand-written", hm.swin_windows, _call, (1, 8, 8, 4), 1, (1, 0, 7),
-                                         "Swin's shifted windows by view/permute/roll, cut across shards, a mask per window",
-                                         refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
-                                         workaround="shard as slabs"),
+                                         "Swin's shifted windows by view/permute/roll, cut across shards, a mask per window"),
     "hand-written.EarthWindows": ZooModel("hand-written", hm.earth_windows, _call, (1, 4, 8, 8, 4), 2, (2, 5, 1),
-                                          "Pangu-style 3-D (2, 4, 4) windows on a volume, shifted by half",
-                                          refusal="would mix the blocks' rows", refused_on=frozenset({"blocks"}),
-                                          workaround="shard as slabs"),
+                                          "Pangu-style 3-D (2, 4, 4) windows on a volume, shifted by half"),
     "hand-written.DiffusionLoss": ZooModel("hand-written", hm.diffusion_loss, _call, (2, 2, 12, 8), 2, (5, 0, 7),
                                            "a DDPM loss: timesteps and noise drawn per call, the noisy field, a time "
                                            "embedding per channel, the squared error per point"),
     "hand-written.CubeSphere": ZooModel("hand-written", hm.cube_sphere, _call, (1, 6, 2, 8, 8), 3, (3, 0, 5),
                                         "cube-sphere convolutions: each face padded with its neighbours' edges turned "
-                                        "by torch.rot90 (rows beside columns), one conv over the faces",
-                                        # blocks: rot90 flips a block dim, and a flip on blocks has no rule
-                                        refusal="torch.flip has no rule for block layouts",
-                                        refused_on=frozenset({"blocks"}), workaround="shard the faces' rows as slabs"),
+                                        "by torch.rot90 (rows beside columns), one conv over the faces"),
 }
 
 

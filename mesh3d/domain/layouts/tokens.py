@@ -34,7 +34,7 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.comm.collectives import sum_grad
 
-__all__ = ["blocks_to_tokens", "gather_all_tokens", "token_full_tensor", "token_rows", "tokens_to_blocks"]
+__all__ = ["blocks_to_tokens", "gather_all_tokens", "slab_as_tokens", "token_full_tensor", "token_rows", "tokens_to_blocks"]
 
 
 def blocks_to_tokens(local: torch.Tensor, spec: BlockSpec) -> tuple[torch.Tensor, TokenSpec]:
@@ -98,6 +98,28 @@ class _TokenFullTensor(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         spec = ctx.spec  # with create_graph=True recorded too: its own gradient is the gather
         return linear_map(lambda g: _own_tokens(g, spec), lambda g: _whole_tokens(g, spec), grad), None
+
+
+def _runs(index: torch.Tensor) -> tuple[Span, ...]:
+    """Global token indices (in a rank's local order) as runs of consecutive rows."""
+    values = index.tolist()
+    runs, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[i - 1] + 1:
+            runs.append(Span.rows(values[start], values[i - 1] + 1))
+            start = i
+    return tuple(runs)
+
+
+def slab_as_tokens(o: DomainTensor, spec: TokenSpec) -> torch.Tensor:
+    """This rank's tokens of ``o``, a slab along the token dim in global (row-major) order: each rank fetches the runs
+    of its block's rows from their owners (differentiable: gradients go back to them).
+
+    Usage: ``local = slab_as_tokens(window_output, t.spec)  # a Swin's windows ran on slabs; its shortcut is tokens``
+    """
+    ospec = o._spec
+    needs = tuple(_runs(spec.global_index_of(r)) for r in range(spec.comm.size))
+    return gather_rows(unwrap(o), ospec.dim, plan_exchange(ospec.sizes, needs, spec.comm.index), spec.comm)
 
 
 def token_full_tensor(x: DomainTensor) -> DomainTensor:

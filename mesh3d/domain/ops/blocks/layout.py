@@ -9,7 +9,7 @@ Usage (through torch)::
 
 A reshape keeps the block dims' local rows as they are (other dims split and merge freely) or merges
 exactly the block dims, consecutive and ascending, into one token dim: ``mesh3d.domain.layouts.tokens``. Anything
-else (a reshape mixing block rows with other dims) raises naming the op.
+else (a reshape splitting the block dims: windows, patches) runs on slabs, the blocks moved there first.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from mesh3d.domain.ops.idioms import COMPLEX_PARTS, expand_index, slice_sizes
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
+from mesh3d.domain.layouts.relayout import blocks_to_slabs
 
 __all__: list[str] = []
 
@@ -73,11 +74,24 @@ def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     if placed is not None:
         at, full = placed
         return adopt(reshape(full), TokenSpec(at, spec.sizes, spec.lines, spec.comm))
-    raise NotImplementedError(
-        f"{op}{tuple(target)} of a block tensor of shape {tuple(whole)} (block dims {spec.dims}) would mix the "
-        "blocks' rows with other dims. On blocks a reshape may split and merge the other dims, or merge exactly the "
-        "block dims (consecutive, in order) into one token dim, as flatten(2) does; call .full_tensor() first "
-        "otherwise")
+    # NOTE: a window partition or a patching splits the block dims themselves, which no block can do alone: the
+    # blocks move to slabs along the first block dim (over the whole grid), where a slab or a strided slab runs it
+    if view:
+        _check_viewable(local, whole, target)
+    slabs = blocks_to_slabs(x, first)
+    slabs = adopt(unwrap(slabs).contiguous(), slabs._spec)  # NOTE: one process views a contiguous tensor here
+    return slabs.view(target) if view else slabs.reshape(target)
+
+
+def _check_viewable(local: torch.Tensor, whole: list[int], target: list[int]) -> None:
+    """Raise torch's own error where the one-process tensor could not be viewed as ``target``: its strides are taken
+    in the order of the block's (a block is laid out in memory as the whole tensor is: the same ops made both)."""
+    order = sorted(range(local.ndim), key=lambda d: (local.stride(d), -d))  # innermost first
+    strides, step = [0] * local.ndim, 1
+    for d in order:
+        strides[d] = step
+        step *= max(whole[d], 1)
+    torch.empty_strided(whole, strides, device="meta").view(target)
 
 
 def _local_unless_block(op: str, x: DomainTensor, dims: list[int]) -> BlockSpec:

@@ -1,9 +1,10 @@
-"""Rows moved along a block dim: ``roll``, ``cat`` of several pieces along it (periodic padding of longitude),
+"""Rows moved along a block dim: ``roll``, ``flip``, ``cat`` of several pieces along it (periodic padding of longitude),
 index tensors along it, ``repeat``/``tile``/``expand``; on blocks of a domain grid.
 
 Usage: automatic, through torch::
 
     xs.roll(3, dims=-1)                                     # longitude rolled on a lat x lon grid of blocks
+    xs.flip(-2); torch.rot90(xs, 1, (-2, -1))               # a face turned (rot90 is a flip and a transpose)
     torch.cat([xs[..., -p:], xs, xs[..., :p]], dim=-1)      # periodic padding along a block dim
     xs[..., lat_idx, :]; xs.index_select(2, lat_idx)        # rows picked by a plain index tensor
     xs.repeat(1, 2, 1, 1); xs.expand(3, -1, -1, -1)         # copies of other dims (of a block dim: a cat)
@@ -17,12 +18,13 @@ from __future__ import annotations
 import torch
 
 from mesh3d.domain.comm.collectives import sum_grad
-from mesh3d.domain.comm.rows import block_needs
+from mesh3d.domain.comm.rows import Span, block_needs
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.layouts.blocks import gather_along
+from mesh3d.domain.layouts.relayout import blocks_to_blocks
 from mesh3d.domain.ops.blocks import layout, resample  # noqa: F401  (their rules, wrapped here, registered first)
 from mesh3d.domain.ops.global_index import rolled_rows
 from mesh3d.domain.ops.idioms import expand_index
@@ -65,6 +67,15 @@ def _on_other_axes(t: DomainTensor, ref: BlockSpec, axis: int) -> torch.Tensor:
     return local
 
 
+def _turned_back(t: DomainTensor, spec: BlockSpec, axis: int) -> DomainTensor:
+    """``t`` over ``spec``'s block dims. NOTE: a piece turned by rot90 (a cube-sphere face's halo) has its grid axes on
+    swapped dims: it moves to ``spec``'s (an all-to-all through slabs), its length along ``axis`` split evenly."""
+    have = _spec(t)
+    if have.dims == spec.dims or sorted(have.dims) != sorted(spec.dims):
+        return t
+    return blocks_to_blocks(t, spec.dims, [None if k == axis else s for k, s in enumerate(spec.sizes)])
+
+
 def cat_along_block_dim(tensors: list, dim: int, ref: DomainTensor) -> DomainTensor:
     """``torch.cat`` along the block dim ``dim`` of block pieces (and plain or replicated ones of global lengths).
 
@@ -74,7 +85,8 @@ def cat_along_block_dim(tensors: list, dim: int, ref: DomainTensor) -> DomainTen
     axis = spec.dims.index(dim)
     line = spec.lines[axis]
     lengths = [size_of(t)[dim] for t in tensors]
-    blocks = [t if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec) else None for t in tensors]
+    blocks = [_turned_back(t, spec, axis) if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec) else None
+              for t in tensors]
     sizes = joined_sizes(lengths, [None if b is None else _spec(b).sizes[axis] for b in blocks], line.size)
     parts, at = [], 0
     for t, b, n in zip(tensors, blocks, lengths):
@@ -182,6 +194,30 @@ def _expand(input, *sizes):
                                                          spec.comm))
 
 
+def _flip(input, *dims, **kwargs):
+    """A flip along block dims: each rank fetches the mirror image of its rows along each flipped line, then flips
+    locally; the sizes stay (a cube-sphere face turned by ``rot90``)."""
+    dims = kwargs.pop("dims", dims)  # torch.flip(x, dims=...) or x.flip(2, 3) or x.flip([2, 3])
+    dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+    flipped = sorted({d % input.ndim for d in ((dims,) if isinstance(dims, int) else dims)})
+    spec, local = _spec(input), unwrap(input)
+    for axis, d in enumerate(spec.dims):
+        if d in flipped:
+            n = sum(spec.sizes[axis])
+            needs = tuple((Span.rows(n - o - c, n - o),) if c else ()
+                          for o, c in zip(offsets_of(spec.sizes[axis]), spec.sizes[axis]))
+            local = gather_along(local, spec, axis, needs)
+    return adopt(torch.flip(local, flipped), spec)
+
+
+def _stack(tensors, dim=0, *, out=None):
+    """``torch.stack`` as torch defines it: each piece unsqueezed at ``dim``, then joined there (the block rules)."""
+    if out is not None:
+        raise NotImplementedError("torch.stack(out=) on blocks: assign the result instead")
+    d = dim % (tensors[0].ndim + 1)
+    return torch.cat([t.unsqueeze(d) for t in tensors], d)
+
+
 def _unsqueeze(input, dim):
     spec = _spec(input)
     d = dim % (input.ndim + 1)
@@ -203,7 +239,11 @@ for _funcs, _rule in (
     ((torch.unsqueeze, torch.Tensor.unsqueeze), _unsqueeze),
     ((torch.squeeze, torch.Tensor.squeeze), _squeeze),
     ((torch.roll, torch.Tensor.roll), _roll),
+    ((torch.flip, torch.Tensor.flip), _flip),
+    ((torch.fliplr, torch.Tensor.fliplr), lambda input: _flip(input, [1])),
+    ((torch.flipud, torch.Tensor.flipud), lambda input: _flip(input, [0])),
     ((torch.cat, torch.concat), _cat),
+    ((torch.stack,), _stack),
     ((torch.Tensor.__getitem__,), _getitem),
     ((torch.index_select, torch.Tensor.index_select), _index_select),
     ((torch.Tensor.repeat,), _repeat),

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import PAD_BUILTIN
 from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.layouts.relayout import blocks_to_blocks, slab_in_blocks
 from mesh3d.domain.layouts.blocks import (
     extend_windows, gather_along, gather_boxes, in_layout, replicate_blocks_if_singleton)
 from mesh3d.domain.comm.collectives import sum_dtype, sum_grad
@@ -228,7 +229,12 @@ def _cat(tensors, dim=0):
 
     def local(t):
         if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec):
+            if t._spec.dims != spec.dims and sorted(t._spec.dims) == sorted(spec.dims):
+                t = blocks_to_blocks(t, spec.dims, spec.sizes)  # a face turned by rot90: its grid axes swapped
             return in_layout(t, spec)
+        moved = slab_in_blocks(t, spec) if isinstance(t, DomainTensor) and t.ndim == len(whole) else None
+        if moved is not None:  # a window attention's output (its windows ran on slabs) joining a skip on blocks
+            return moved
         if isinstance(t, DomainTensor) and sharded_dims(t._spec) or t.ndim != len(whole):
             raise NotImplementedError(f"{op_name(torch.cat)} on blocks: every input must be a block tensor laid out "
                                       f"alike, or a plain one of the global shape (dims {spec.dims})")

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import extend_windows, in_layout
+from mesh3d.domain.layouts.relayout import blocks_to_blocks, slab_in_blocks
 from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
@@ -59,11 +60,15 @@ def elementwise_rule(func: Callable) -> Callable:
             if not isinstance(o, torch.Tensor):
                 return o
             if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches)
-                return unwrap(o) if _spec_of(o).sizes == spec.sizes else in_layout(o, spec)
+                have = _spec_of(o)
+                if have.dims != spec.dims and sorted(have.dims) == sorted(spec.dims):
+                    # NOTE: transposed (x + x.mT, a face turned by rot90): its grid axes shard swapped dims, so its
+                    # block is another part of the field even where the sizes agree; moved over ref's dims
+                    return unwrap(blocks_to_blocks(o, spec.dims, spec.sizes))
+                return unwrap(o) if have.dims == spec.dims and have.sizes == spec.sizes else in_layout(o, spec)
             if isinstance(o, DomainTensor):  # a replicated value entering the blocks
                 if o._spec.dim is not None:
-                    raise ValueError(f"{op_name(func)}: a slab-sharded tensor meets a block-sharded one; "
-                                     "shard both as blocks")
+                    return _slab_in_layout(func, o, ref, spec)
                 plain = unwrap(o)
                 plain = sum_grad(plain, spec.comm) if plain.requires_grad else plain
             else:
@@ -83,6 +88,16 @@ def elementwise_rule(func: Callable) -> Callable:
 
         return run_elementwise(func, args, kwargs, local, ref, "blocks")
     return rule
+
+
+def _slab_in_layout(func: Callable, o: DomainTensor, ref: DomainTensor, spec: BlockSpec) -> torch.Tensor:
+    """This block of a slab operand: a window attention's output (its windows ran on slabs: ``layout``'s
+    ``reshape_blocks``) meeting its shortcut."""
+    local = slab_in_blocks(o, spec) if o.ndim == ref.ndim else None
+    if local is None:
+        raise ValueError(f"{op_name(func)}: a tensor sharded as {o._spec.layout.name.lower()} along dim {o._spec.dim} "
+                         f"meets blocks over dims {spec.dims}; shard both as blocks")
+    return local
 
 
 def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[Any], Any], ref: DomainTensor,

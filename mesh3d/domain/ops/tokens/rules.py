@@ -30,11 +30,12 @@ from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.ops.reduce import global_softmax
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
-from mesh3d.domain.core.specs import DomainSpec, sharded_dims
+from mesh3d.domain.core.connected import connected_zeros
+from mesh3d.domain.core.specs import DomainSpec, Layout, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.tokens import gather_all_tokens, tokens_to_blocks
-from mesh3d.domain.layouts.tokens import token_rows
+from mesh3d.domain.layouts.tokens import slab_as_tokens, token_rows
 
 __all__ = ["elementwise_rule"]
 
@@ -70,6 +71,9 @@ def elementwise_rule(func: Callable) -> Callable:
         def local(o):
             if not isinstance(o, torch.Tensor) or _is_grid(o):
                 return unwrap(o)
+            if isinstance(o, DomainTensor) and o._spec.layout is Layout.SLAB and o.ndim == ref.ndim \
+                    and o._spec.dim == spec.token_dim and spec.keys is None and o._spec.comm == spec.comm:
+                return slab_as_tokens(o, spec)  # a Swin's window output (its windows ran on slabs) meets its shortcut
             if isinstance(o, DomainTensor) and sharded_dims(o._spec):
                 raise ValueError(f"{op_name(func)}: a token grid meets a tensor sharded otherwise ({o._spec}); "
                                  "reshape the tokens back to the grid, or flatten the other one too")
@@ -235,6 +239,22 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
     return adopt(total if acc is None else total.to(local.dtype), DomainSpec.replicated(spec.comm))
 
 
+def _adaptive_avg_pool1d(input, output_size):
+    """A pooler over the tokens (Hugging Face Swin's ``AdaptiveAvgPool1d(1)`` on (B, C, N)): their mean; over another
+    dim, local. Other output sizes along the tokens would pool runs of the global token order: refused."""
+    spec, local = _spec(input), unwrap(input)
+    size = output_size[0] if isinstance(output_size, (tuple, list)) else output_size
+    if spec.token_dim != input.ndim - 1:
+        if local.numel() == 0:  # NOTE: torch's backward refuses an empty batch-like dim (an empty block's tokens)
+            return adopt(connected_zeros(local, [*local.shape[:-1], size], local), spec)
+        return adopt(F.adaptive_avg_pool1d(local, output_size), spec)
+    if size != 1:
+        raise NotImplementedError(
+            f"torch.adaptive_avg_pool1d to {size} outputs along the tokens of a token grid: each output would pool a "
+            "run of the global token order; pool to 1 (the mean of every token), or call .full_tensor() first")
+    return _reduce(input, "mean", -1, keepdim=True)
+
+
 for _f in ELEMENTWISE:
     TOKEN_RULES.register(_f, elementwise_rule(_f))
 for _funcs, _rule in (
@@ -248,6 +268,7 @@ for _funcs, _rule in (
     ((F.linear,), _linear),
     ((F.layer_norm,), _layer_norm),
     ((F.conv1d,), _pointwise_conv1d),
+    ((F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d), _adaptive_avg_pool1d),
 ):
     for _f in _funcs:
         TOKEN_RULES.register(_f, _rule)
