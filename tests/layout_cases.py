@@ -96,6 +96,9 @@ RECIPES: dict[Callable, list[Callable[[Any, Any], Any]]] = {
     F.avg_pool2d: [lambda x, y: F.avg_pool2d(x, 2, ceil_mode=True)],
     F.adaptive_avg_pool2d: [lambda x, y: F.adaptive_avg_pool2d(x, (2, 3)), lambda x, y: F.adaptive_avg_pool2d(x, 1)],
     F.adaptive_max_pool2d: [lambda x, y: F.adaptive_max_pool2d(x, (3, 2))],
+    F.adaptive_avg_pool1d: [lambda x, y: F.adaptive_avg_pool1d(x.flatten(2), 1), lambda x, y: F.adaptive_avg_pool1d(
+        x.flatten(2).transpose(1, 2), 2), lambda x, y: F.adaptive_avg_pool1d(x.flatten(2), 3)],
+    torch.flip: [lambda x, y: torch.flip(x, (2,)), lambda x, y: x.flip(-1, -2)],
     F.group_norm: [lambda x, y: F.group_norm(x, 3 if x.ndim == 4 else 1, _w(x.shape[1]), _w(x.shape[1]))],
     F.layer_norm: [lambda x, y: F.layer_norm(x, x.shape[-1:]), lambda x, y: F.layer_norm(x, x.shape[-2:])],
     F.batch_norm: [lambda x, y: F.batch_norm(x, None, None, training=True)],

@@ -67,6 +67,8 @@ def _cases_body(sizes) -> dict:
         "rot90 k=1, 2, 3": lambda x: torch.rot90(x, 1, (2, 3)) * 3 + torch.rot90(x, 2, (2, 3)) - torch.rot90(x, 3, (2, 3)),
         "pixel shuffle": lambda x: F.pixel_shuffle(x.repeat(1, 4, 1, 1) * 1.5, 2),
         "pixel unshuffle": lambda x: F.pixel_unshuffle(x, 2),
+        "back from (channels, lon) blocks": lambda x: (domain.redistribute(x, dims=(1, 3)) if hasattr(x, "spec") else x)
+        * 2 + x,
         "x + x.mT": lambda x: x + x.transpose(2, 3) * 2,
         "stack": lambda x: torch.stack([x, x * 2, torch.rot90(x, 1, (2, 3))], 1),
         "cube halo": _cube_halo,

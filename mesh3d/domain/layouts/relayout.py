@@ -26,7 +26,7 @@ from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
-from mesh3d.domain.layouts.transpose import move_sharding
+from mesh3d.domain.layouts.transpose import move_rows, move_sharding
 
 __all__ = ["blocks_to_blocks", "blocks_to_slabs", "relayout", "slab_in_blocks", "slabs_to_blocks"]
 
@@ -105,8 +105,9 @@ def blocks_to_blocks(x: DomainTensor, dims: Sequence[int], sizes=None) -> Domain
 
     Usage: ``bs = blocks_to_blocks(bs, (2, 3), ((6, 2), (4, 4)))``; ``bs = blocks_to_blocks(bs, (3, 4))``
 
-    Same dims: each grid line moves the rows whose owner changes. Other dims: through slabs along a dim
-    both layouts split (or an all-to-all between slab dims when they share none).
+    Same dims: each grid line moves the rows whose owner changes. A grid axis moving to a dim no axis shards: an
+    all-to-all within its grid lines. Other dims (axes swapped): through slabs along a dim both layouts split (or an
+    all-to-all between slab dims when they share none).
     """
     spec = x._spec
     assert isinstance(spec, BlockSpec)
@@ -117,11 +118,30 @@ def blocks_to_blocks(x: DomainTensor, dims: Sequence[int], sizes=None) -> Domain
         per_dim = list(sizes) if sizes is not None else [None] * len(dims)
         target = spec.with_sizes(tuple(split_sizes(sum(s), len(s), want) for s, want in zip(spec.sizes, per_dim)))
         return x if target is spec else adopt(in_layout(x, target), target)
+    if all(d == o or d not in spec.dims for d, o in zip(dims, spec.dims)):
+        return _move_along_lines(x, spec, dims, sizes)
     common = [d for d in spec.dims if d in dims]
     slabs = blocks_to_slabs(x, common[0] if common else spec.dims[0])
     if not common:
         slabs = move_sharding(slabs, dims[0], None)
     return slabs_to_blocks(slabs, dims, sizes)
+
+
+def _move_along_lines(x: DomainTensor, spec: BlockSpec, dims: tuple[int, ...], sizes) -> DomainTensor:
+    """Each grid axis whose dim changes to one no axis shards (an inverse SHT's output over (channels, lon) back to
+    (lat, lon)) swaps it within its own grid lines: an all-to-all of the line, no rank outside it involved."""
+    whole = x.global_shape
+    per_dim = list(sizes) if sizes is not None else [None] * len(dims)
+    target = BlockSpec(dims, tuple(split_sizes(whole[d], len(s), want) for d, s, want in zip(dims, spec.sizes, per_dim)),
+                       spec.lines, spec.comm)
+    local = unwrap(x)
+    for k, (d, o) in enumerate(zip(dims, spec.dims)):
+        if d != o:
+            local = move_rows(local, spec.lines[k], o, spec.sizes[k], d, target.sizes[k])
+    moved = BlockSpec(dims, tuple(t if d != o else s for d, o, s, t in zip(dims, spec.dims, spec.sizes, target.sizes)),
+                      spec.lines, spec.comm)
+    out = adopt(local, moved)
+    return out if moved == target else adopt(in_layout(out, target), target)
 
 
 def relayout(x: DomainTensor, dim: int | None, dims: Sequence[int] | None, sizes) -> DomainTensor | None:

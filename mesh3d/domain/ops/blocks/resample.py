@@ -229,8 +229,8 @@ def _cat(tensors, dim=0):
 
     def local(t):
         if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec):
-            if t._spec.dims != spec.dims and sorted(t._spec.dims) == sorted(spec.dims):
-                t = blocks_to_blocks(t, spec.dims, spec.sizes)  # a face turned by rot90: its grid axes swapped
+            if t._spec.dims != spec.dims and len(t._spec.dims) == len(spec.dims) and t.ndim == len(whole):
+                t = blocks_to_blocks(t, spec.dims, spec.sizes)  # a face turned by rot90: its grid axes on other dims
             return in_layout(t, spec)
         moved = slab_in_blocks(t, spec) if isinstance(t, DomainTensor) and t.ndim == len(whole) else None
         if moved is not None:  # a window attention's output (its windows ran on slabs) joining a skip on blocks

@@ -61,9 +61,10 @@ def elementwise_rule(func: Callable) -> Callable:
                 return o
             if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches)
                 have = _spec_of(o)
-                if have.dims != spec.dims and sorted(have.dims) == sorted(spec.dims):
-                    # NOTE: transposed (x + x.mT, a face turned by rot90): its grid axes shard swapped dims, so its
-                    # block is another part of the field even where the sizes agree; moved over ref's dims
+                if have.dims != spec.dims and len(have.dims) == len(spec.dims) and o.shape == ref.shape:
+                    # NOTE: transposed (x + x.mT, a face turned by rot90), or back from pencils (an inverse SHT's
+                    # output over (channels, lon)): its grid axes shard other dims, so its block is another part of the
+                    # field even where the sizes agree; moved over ref's dims
                     return unwrap(blocks_to_blocks(o, spec.dims, spec.sizes))
                 return unwrap(o) if have.dims == spec.dims and have.sizes == spec.sizes else in_layout(o, spec)
             if isinstance(o, DomainTensor):  # a replicated value entering the blocks
