@@ -13,7 +13,7 @@ or phase by phase::
     torchrun --nproc-per-node 4 examples/weather.py resume --out runs/weather   # batch 1 x domain 4 (lat slabs)
     python examples/weather.py plot --out runs/weather                                       # forecast.png
 
-``data`` writes a 32 x 64 (5.625 degree) store of 4 channels (z500, t850, t2m, u10) every 6 hours: zonal bands, two
+``data`` writes a 33 x 64 (5.625 degree, both poles) store of 4 channels (z500, t850, t2m, u10) every 6 hours: zonal bands, two
 eastward-moving waves, noise. ``train`` reads each rank's (lat, lon) block with ``WeatherDataset``, trains
 ``SFNO`` (below) on 2-step rollouts (output fed back, each step under activation checkpointing) with the
 latitude-weighted MSE, and rank 0 trains the same weights in one process: every step's loss must match.
@@ -37,14 +37,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch_harmonics import InverseRealSHT, RealSHT
 
-from mesh3d import DistributedManager, Plan, checkpoint, domain, parallelize
+from mesh3d import DistributedManager, Plan, checkpoint, parallelize
 from mesh3d.data import MeshDataLoader, MeshSampler, WeatherDataset
 from mesh3d.weather import (LatLonGrid, SphereConv2d, channels_array, forecast, forecast_ensemble, rmse, rollout_loss,
                             score_forecast, weather_extra, weighted_mse)
 from mesh3d.weather.figures import forecast_maps
 
-NLAT, NLON, TIMES, TEST_TIMES = 32, 64, 64, 12
+NLAT, NLON, TIMES, TEST_TIMES = 33, 64, 64, 12
 VARIABLES = {"z": [500], "t": [850], "t2m": None, "u10": None}
 GLOBAL_BATCH, ROLLOUT, LR, SEED = 4, 2, 2e-3, 0
 TRAIN_STEPS, RESUME_STEPS, FORECAST_STEPS = 4, 3, 8
@@ -53,80 +54,27 @@ RTOL = 1e-4
 
 
 # ---------------------------------------------------------------------------------------------- the model
-def legendre(lmax: int, mmax: int, colat: np.ndarray) -> np.ndarray:
-    """Orthonormal associated Legendre functions P[m, l, k] at colatitudes (l >= m, zero elsewhere), by recurrence."""
-    x, s = np.cos(colat), np.sin(colat)
-    p = np.zeros((mmax, lmax, colat.size))
-    pmm = np.full_like(x, np.sqrt(1 / (4 * np.pi)))
-    for m in range(mmax):
-        if m > 0:
-            pmm = -np.sqrt((2 * m + 1) / (2 * m)) * s * pmm
-        if m < lmax:
-            p[m, m] = pmm
-        if m + 1 < lmax:
-            p[m, m + 1] = np.sqrt(2 * m + 3) * x * pmm
-        for deg in range(m + 2, lmax):
-            a = np.sqrt((4 * deg * deg - 1) / (deg * deg - m * m))
-            b = np.sqrt(((deg - 1) ** 2 - m * m) / (4 * (deg - 1) ** 2 - 1))
-            p[m, deg] = a * (x * p[m, deg - 1] - b * p[m, deg - 2])
-    return p
-
-
-_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def sht_tables(nlat: int, nlon: int, lmax: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The forward (quadrature-weighted) and inverse Legendre tables, (m, l, lat), made once per grid and device."""
-    key = (nlat, nlon, lmax, str(torch.get_default_device()))
-    if key not in _TABLES:
-        lat = np.linspace(90 - 90 / nlat, -90 + 90 / nlat, nlat)
-        quad = LatLonGrid(lat, np.arange(nlon) * 360 / nlon).weights[:, 0].numpy() * 4 * np.pi / nlat
-        p = legendre(lmax, lmax, np.radians(90 - lat))
-        _TABLES[key] = (torch.as_tensor(p * quad * 2 * np.pi, dtype=torch.float32), torch.as_tensor(p, dtype=torch.float32))
-    return _TABLES[key]
-
-
 class SphericalConv(nn.Module):
-    """A spectral convolution on the sphere: SHT (rfft over longitude, Legendre over latitude), a complex weight per
-    degree l, inverse SHT. On the domain axis the Legendre sums contract latitude, so the coefficients move to (lat
-    whole, m split) pencils for them and back (torch-harmonics' distributed SHT does the same transposes)."""
+    """A spectral convolution on the sphere: torch-harmonics' SHT, one complex weight per degree l, its inverse SHT.
+    Nothing here knows the mesh: on lat x lon blocks mesh3d runs the SHT's FFT over the sharded longitudes and its
+    Legendre sums over the sharded latitudes as pencils, as Makani's distributed SHT does (docs/domain.md, Ops)."""
 
-    def __init__(self, channels: int, nlat: int, nlon: int, lmax: int) -> None:
+    def __init__(self, channels: int, sht: RealSHT, isht: InverseRealSHT) -> None:
         super().__init__()
-        fwd, inv = sht_tables(nlat, nlon, lmax)                # shared by every layer (not saved: derived)
-        self.register_buffer("fwd", fwd, persistent=False)
-        self.register_buffer("inv", inv, persistent=False)
+        self.sht, self.isht = sht, isht                        # shared by every layer (their tables are not saved)
         scale = 1 / channels
-        self.weight = nn.Parameter(scale * torch.randn(channels, channels, lmax, 2))
-        self.lmax = lmax
+        self.weight = nn.Parameter(scale * torch.randn(channels, channels, sht.lmax, 2))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        coeffs = torch.fft.rfft(x, dim=-1, norm="forward")[..., : self.lmax]       # (B, C, lat, m)
-        coeffs = _pencils(coeffs)                                                   # latitude whole, m split
-        spec = torch.einsum("bckm,mlk->bclm", coeffs, self.fwd.to(coeffs.dtype))    # (B, C, l, m)
+        spec = self.sht(x)                                                          # (B, C, l, m), complex
         spec = torch.einsum("bilm,iol->bolm", spec, torch.view_as_complex(self.weight))
-        grid = torch.einsum("bclm,mlk->bckm", spec, self.inv.to(spec.dtype))       # back to latitude
-        grid = _like(grid, x, dims_only=True)
-        return _like(torch.fft.irfft(grid, n=x.shape[-1], dim=-1, norm="forward"), x)
-
-
-def _pencils(x: torch.Tensor) -> torch.Tensor:
-    return domain.redistribute(x, dim=3) if isinstance(x, domain.DomainTensor) else x
-
-
-def _like(y: torch.Tensor, x: torch.Tensor, dims_only: bool = False) -> torch.Tensor:
-    """``y`` in ``x``'s layout (blocks or slabs; with ``dims_only``, over the same dims at torch.chunk's sizes)."""
-    if not isinstance(y, domain.DomainTensor):
-        return y
-    if hasattr(x.spec, "dims"):
-        return domain.redistribute(y, dims=x.spec.dims, sizes=None if dims_only else x.spec.sizes)
-    return domain.redistribute(y, dim=x.spec.dim, sizes=None if dims_only else x.spec.sizes)
+        return self.isht(spec)
 
 
 class Block(nn.Module):
-    def __init__(self, width: int, nlat: int, nlon: int, lmax: int) -> None:
+    def __init__(self, width: int, sht: RealSHT, isht: InverseRealSHT) -> None:
         super().__init__()
-        self.spectral = SphericalConv(width, nlat, nlon, lmax)
+        self.spectral = SphericalConv(width, sht, isht)
         self.local = SphereConv2d(width, width, 3)            # longitude circular across the seam, latitude not
         self.mlp = nn.Sequential(nn.Conv2d(width, 2 * width, 1), nn.GELU(), nn.Conv2d(2 * width, width, 1))
 
@@ -142,7 +90,10 @@ class SFNO(nn.Module):
                  lmax: int = 12) -> None:
         super().__init__()
         self.lift = nn.Conv2d(channels, width, 1)
-        self.blocks = nn.ModuleList(Block(width, nlat, nlon, lmax) for _ in range(depth))
+        # NOTE: the equiangular grid with both poles (ERA5's): torch-harmonics' Clenshaw-Curtis quadrature
+        sht = RealSHT(nlat, nlon, lmax=lmax, mmax=lmax, grid="equiangular")
+        isht = InverseRealSHT(nlat, nlon, lmax=lmax, mmax=lmax, grid="equiangular")
+        self.blocks = nn.ModuleList(Block(width, sht, isht) for _ in range(depth))
         self.head = nn.Conv2d(width, channels, 1)
         nn.init.zeros_(self.head.weight)          # NOTE: starts as persistence (x -> x); training adds the dynamics
         nn.init.zeros_(self.head.bias)
@@ -171,7 +122,7 @@ def write_store(path: str) -> None:
     import xarray as xr
 
     g = np.random.default_rng(0)
-    lat = np.linspace(90 - 90 / NLAT, -90 + 90 / NLAT, NLAT)
+    lat = np.linspace(90, -90, NLAT)                                 # both poles, as ERA5's grid
     lon = np.arange(NLON) * 360.0 / NLON
     t = np.arange(TIMES)[:, None, None] * 0.25                      # days
     phi, lam = np.radians(lat)[None, :, None], np.radians(lon)[None, None, :]

@@ -29,6 +29,11 @@ if [ "$MESH3D_FOR" = demo ]; then
   # measured on a fresh venv from this machine's wheel cache (2 cores, load ~8): ~0.8 GB, 1-2 minutes
   _expect="about 0.8 GB on disk, 1-2 minutes from a local wheel cache (torch's CPU wheel is ~200 MB to download)"
   _check="import mesh3d, torch, safetensors, einops, numpy, xxhash"
+  case ",$_extras," in
+    *,weather,*)  # NOTE: examples/weather.py's SFNO is torch-harmonics' SHT (installed as for the tests, below)
+      _nodeps="torch-harmonics==0.9.3"
+      _check="$_check, torch_harmonics" ;;
+  esac
 else
   _extras="test,lightning,hf,zoo,weather,graph${MESH3D_EXTRAS:+,$MESH3D_EXTRAS}"
   _pins="$LINT_PINS"

@@ -108,8 +108,8 @@ _WEATHER = str(Path(__file__).resolve().parents[1] / "examples" / "weather.py") 
 
 
 def test_a_check_that_exercises_nothing_is_degenerate_and_fails_until_the_zero_head_is_perturbed(ranks):
-    # on the example's own 2x2 (lat x lon) layout: its pencil moves (slabs back to blocks) plan and run
-    spec = CheckSpec(_WEATHER, None, InputSpec((1, 4, 32, 64)))
+    # on the example's own 2x2 (lat x lon) layout: its SHT's pencils (and the move back to blocks) plan and run
+    spec = CheckSpec(_WEATHER, None, InputSpec((1, 4, 33, 64)))
     report = check_model(spec, [JobMesh(1, (2, 2), 1)], runner=_pool(ranks))
     print(report.table())
     assert report.equal and report.degenerate and not report.passed
@@ -125,7 +125,7 @@ def test_a_check_that_exercises_nothing_is_degenerate_and_fails_until_the_zero_h
     assert accepted.degenerate and accepted.passed
     assert "equal (accepted degenerate)" in accepted.table()
 
-    perturbed = check_model(CheckSpec(_WEATHER, None, InputSpec((1, 4, 32, 64)), perturb_zero_init=True),
+    perturbed = check_model(CheckSpec(_WEATHER, None, InputSpec((1, 4, 33, 64)), perturb_zero_init=True),
                             [JobMesh(1, (2,), 1)], runner=_pool(ranks))
     print(perturbed.table())
     assert perturbed.passed and not perturbed.degenerate
@@ -134,7 +134,7 @@ def test_a_check_that_exercises_nothing_is_degenerate_and_fails_until_the_zero_h
 
 
 def test_the_weather_example_plans_on_its_own_2x2_layout():
-    job = plan_job(load_spec(_WEATHER), Plan(batch="fsdp"), JobMesh.resolve(8, 2, (2, 2), 1), InputSpec((1, 4, 32, 64)))
+    job = plan_job(load_spec(_WEATHER), Plan(batch="fsdp"), JobMesh.resolve(8, 2, (2, 2), 1), InputSpec((1, 4, 33, 64)))
     assert not job.refused and job.classes
 
 
