@@ -42,6 +42,7 @@ from mesh3d.domain.comm.rows import plan_exchange
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.halo.windows import Extended, Window
 from mesh3d.domain.core.specs import DomainSpec, Layout
+from mesh3d.domain.core.copied_views import has_copy_marks, refuse_write_through_copy
 from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, is_wrapper, unwrap, wrap
 from mesh3d.domain.dispatch.writes import record_views, written_into_wrapper
 from mesh3d.domain.dispatch.queries import global_size_answer
@@ -168,6 +169,9 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """
     if torch.compiler.is_dynamo_compiling():  # NOTE: wrapper tensors refuse compile (``core.wrapped``)
         return _dispatch(func, types, args, kwargs)
+    if args and isinstance(args[0], DomainTensor) and has_copy_marks(args[0]) and writes_into_first(func) and \
+            not is_metadata(func) and func not in _DETACHING:
+        refuse_write_through_copy(args[0], op_name(func))
     if args and isinstance(args[0], DomainTensor) and args[0]._wraps and writes_into_first(func) and \
             not is_metadata(func) and func not in _DETACHING:
         return written_into_wrapper(_dispatch, func, types, args, kwargs)

@@ -34,11 +34,12 @@ import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass as _Disabled
 from mesh3d.domain.comm.divergence import JOURNAL
+from mesh3d.domain.core.copied_views import has_copy_marks
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, wrap
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
-from mesh3d.domain.dispatch.registry import RULES, op_name
+from mesh3d.domain.dispatch.registry import RULES, op_name, writes_into_first
 from mesh3d.domain.dispatch.step import Step
 
 __all__ = ["SHORT", "VIEW_STEPS", "ViewSteps", "journal_layout_change", "reclassed", "rule_unchanged",
@@ -122,7 +123,14 @@ def short_elementwise(func: Callable) -> None:
 
     Usage: ``short_elementwise(torch.relu)``
     """
-    take_short_path(func, _elementwise)
+    take_short_path(func, _elementwise_writing if writes_into_first(func) else _elementwise)
+
+
+def _elementwise_writing(func: Callable, args: tuple, kwargs: dict | None) -> Any:
+    """An in-place element-wise op: the dispatcher's unless its target is a copied view or has one (it refuses)."""
+    if args and type(args[0]) is DomainTensor and has_copy_marks(args[0]):
+        return NotImplemented
+    return _elementwise(func, args, kwargs)
 
 
 def _elementwise(func: Callable, args: tuple, kwargs: dict | None) -> Any:

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mesh3d.domain.core.copied_views import mark_copied_view
+from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.short_path import short_view
 from mesh3d.domain.dispatch.step import Resplit, Step
@@ -202,7 +204,11 @@ def _reshape_rule(op_name: str, view: bool):
     def rule(x: DomainTensor, *shape) -> Step:
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise NotImplementedError(f"{op_name}(dtype) on a domain-sharded tensor is not supported; call .to_local()")
-        return reshaped(x, target_shape(shape, math.prod(size_of(x))), op_name, view)
+        step = reshaped(x, target_shape(shape, math.prod(size_of(x))), op_name, view)
+        if view and any(isinstance(a, Resplit) for a in step.args):
+            # NOTE: rows moved to whole windows first: the result is a copy, not an alias of x (writes refused)
+            return mark_copied_view(run_step(step), x, op_name)
+        return step
 
     return rule
 
