@@ -56,7 +56,7 @@ def refuse_write_through_copy(target: Any, op: str) -> None:
             "tensor before taking the view")
     copies = d.get(_COPIES)
     if copies and any(r() is not None for r in copies):
-        names = {r()._mesh3d_copy_of[1] for r in copies if r() is not None}  # type: ignore[union-attr]
+        names = {r()._mesh3d_copy_of[1] for r in copies if r() is not None}
         raise NotImplementedError(
             f"{op} into a domain tensor whose {', '.join(sorted(names))} result is alive as a copy (its rows had to "
             "move between ranks: windows cut across ranks, or a window partition or patching on blocks), not a view: "
