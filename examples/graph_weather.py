@@ -4,7 +4,7 @@ process, checkpointed (its node-partitioned mesh embedding too) and resumed on 2
 
 Usage::
 
-    python examples/graph_weather.py --out runs/graph_weather    # data, train on 4 ranks, resume on 2: 26 s (docs/example_times.json)
+    python examples/graph_weather.py --out runs/graph_weather    # data, train on 4 ranks, resume on 2: 32 s (docs/example_times.json)
 
 or phase by phase::
 

@@ -4,7 +4,7 @@ forecast written block by block into a CF-style store and scored on the mesh, an
 
 Usage::
 
-    python examples/weather.py --out runs/weather     # all phases (8 CPU ranks, then 4): 48 s (docs/example_times.json)
+    python examples/weather.py --out runs/weather     # all phases (8 CPU ranks, then 4): 60 s (docs/example_times.json)
 
 or phase by phase::
 
