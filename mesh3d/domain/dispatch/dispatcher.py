@@ -169,12 +169,12 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
     """
     if torch.compiler.is_dynamo_compiling():  # NOTE: wrapper tensors refuse compile (``core.wrapped``)
         return _dispatch(func, types, args, kwargs)
-    if args and isinstance(args[0], DomainTensor) and has_copy_marks(args[0]) and writes_into_first(func) and \
+    first = args[0] if args else None
+    if isinstance(first, DomainTensor) and (first._wraps or has_copy_marks(first)) and writes_into_first(func) and \
             not is_metadata(func) and func not in _DETACHING:
-        refuse_write_through_copy(args[0], op_name(func))
-    if args and isinstance(args[0], DomainTensor) and args[0]._wraps and writes_into_first(func) and \
-            not is_metadata(func) and func not in _DETACHING:
-        return written_into_wrapper(_dispatch, func, types, args, kwargs)
+        refuse_write_through_copy(first, op_name(func))  # NOTE: a view made as a copy, or a tensor that has one
+        if first._wraps:
+            return written_into_wrapper(_dispatch, func, types, args, kwargs)
     out = _dispatch(func, types, args, kwargs)
     return record_views(out, func, args, kwargs) if SETTINGS.value.wrapper else out
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
+
 from mesh3d.domain.core.specs import BlockSpec, Layout, grid_coords
 from mesh3d.domain.layouts.blocks import gather_along, grid_comms, in_layout
 from mesh3d.domain.comm.rows import block_needs
@@ -28,7 +30,7 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.transpose import move_rows, move_sharding
 
-__all__ = ["blocks_to_blocks", "blocks_to_slabs", "relayout", "slab_in_blocks", "slabs_to_blocks"]
+__all__ = ["blocks_in_layout", "blocks_to_blocks", "blocks_to_slabs", "relayout", "slab_in_blocks", "slabs_to_blocks"]
 
 
 def slabs_to_blocks(x: DomainTensor, dims: Sequence[int], sizes: Sequence[Sequence[int] | None] | None = None
@@ -71,6 +73,23 @@ def slab_in_blocks(o: DomainTensor, spec: BlockSpec):
     if ospec.layout is not Layout.SLAB or ospec.dim not in spec.dims or ospec.comm != spec.comm:
         return None
     return unwrap(slabs_to_blocks(o, spec.dims, spec.sizes))
+
+
+def blocks_in_layout(t: DomainTensor, spec: BlockSpec) -> torch.Tensor:
+    """``t``'s local block laid out as ``spec`` (the same global lengths along ``spec``'s dims).
+
+    NOTE: where ``t``'s grid axes shard other dims (``x.mT``, a face turned by rot90, an inverse SHT's output over
+    (channels, lon)), its block is another part of the field even where the sizes agree: it moves over ``spec``'s dims
+    first (``blocks_to_blocks``); then each grid line moves the rows whose owner differs (``in_layout``).
+
+    Usage: ``local = blocks_in_layout(skip, ref.spec)``
+    """
+    have = t._spec
+    assert isinstance(have, BlockSpec)
+    if have.dims != spec.dims and len(have.dims) == len(spec.dims) and max(spec.dims) < t.ndim \
+            and all(t.shape[d] == sum(s) for d, s in zip(spec.dims, spec.sizes)):
+        return unwrap(blocks_to_blocks(t, spec.dims, spec.sizes))
+    return unwrap(t) if have.dims == spec.dims and have.sizes == spec.sizes else in_layout(t, spec)
 
 
 def blocks_to_slabs(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None) -> DomainTensor:

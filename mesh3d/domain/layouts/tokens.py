@@ -27,7 +27,7 @@ import torch
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import block_full_tensor
 from mesh3d.domain.comm.exchange import gather_rows
-from mesh3d.domain.comm.rows import Span, plan_exchange
+from mesh3d.domain.comm.rows import Span, plan_exchange, runs_from_indices
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
@@ -100,17 +100,6 @@ class _TokenFullTensor(torch.autograd.Function):
         return linear_map(lambda g: _own_tokens(g, spec), lambda g: _whole_tokens(g, spec), grad), None
 
 
-def _runs(index: torch.Tensor) -> tuple[Span, ...]:
-    """Global token indices (in a rank's local order) as runs of consecutive rows."""
-    values = index.tolist()
-    runs, start = [], 0
-    for i in range(1, len(values) + 1):
-        if i == len(values) or values[i] != values[i - 1] + 1:
-            runs.append(Span.rows(values[start], values[i - 1] + 1))
-            start = i
-    return tuple(runs)
-
-
 def slab_as_tokens(o: DomainTensor, spec: TokenSpec) -> torch.Tensor:
     """This rank's tokens of ``o``, a slab along the token dim in global (row-major) order: each rank fetches the runs
     of its block's rows from their owners (differentiable: gradients go back to them).
@@ -118,7 +107,7 @@ def slab_as_tokens(o: DomainTensor, spec: TokenSpec) -> torch.Tensor:
     Usage: ``local = slab_as_tokens(window_output, t.spec)  # a Swin's windows ran on slabs; its shortcut is tokens``
     """
     ospec = o._spec
-    needs = tuple(_runs(spec.global_index_of(r)) for r in range(spec.comm.size))
+    needs = tuple(runs_from_indices(spec.global_index_of(r).tolist()) for r in range(spec.comm.size))
     return gather_rows(unwrap(o), ospec.dim, plan_exchange(ospec.sizes, needs, spec.comm.index), spec.comm)
 
 

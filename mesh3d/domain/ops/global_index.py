@@ -25,7 +25,7 @@ from mesh3d.domain.dispatch.step import Rows, Step
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 
-__all__ = ["piece", "rolled_rows", "setitem"]
+__all__ = ["flipped_dims", "mirrored_rows", "piece", "rolled_rows", "setitem"]
 
 
 def _dims(dims, ndim: int) -> list[int]:
@@ -65,16 +65,24 @@ def _roll(input, shifts, dims=None) -> Step:
     return Step(roll_others, (Rows(input, needs),), out=spec)
 
 
+def flipped_dims(dims: tuple, kwargs: dict, ndim: int) -> list[int]:
+    """The dims of ``torch.flip(x, dims=...)``, ``x.flip(2, 3)`` or ``x.flip([2, 3])``, non-negative."""
+    dims = kwargs.pop("dims", dims)
+    return _dims(dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims, ndim)
+
+
+def mirrored_rows(sizes: tuple[int, ...]) -> tuple[tuple[Span, ...], ...]:
+    """Each rank's global source rows of a flip along a dim laid out as ``sizes`` (the mirror image of its own)."""
+    n = sum(sizes)
+    return tuple((Span.rows(n - o - c, n - o),) if c else () for o, c in zip(offsets_of(sizes), sizes))
+
+
 def _flip(input, *dims, **kwargs) -> Step:
-    dims = kwargs.pop("dims", dims)  # torch.flip(x, dims=...) or x.flip(2, 3) or x.flip([2, 3])
-    dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
-    flipped = _dims(dims, input.ndim)
+    flipped = flipped_dims(dims, kwargs, input.ndim)
     spec = input.spec
     if spec.dim not in flipped:
         return Step(lambda t: torch.flip(t, flipped), (input,), out=spec)
-    n = sum(spec.sizes)
-    needs = tuple((Span.rows(n - o - c, n - o),) if c else () for o, c in zip(offsets_of(spec.sizes), spec.sizes))
-    return Step(lambda t: torch.flip(t, flipped), (Rows(input, needs),), out=spec)
+    return Step(lambda t: torch.flip(t, flipped), (Rows(input, mirrored_rows(spec.sizes)),), out=spec)
 
 
 for _f in (torch.roll, torch.Tensor.roll):

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from mesh3d.domain.comm.collectives import sum_grad
-from mesh3d.domain.comm.rows import Span, block_needs
+from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
@@ -26,7 +26,7 @@ from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.layouts.blocks import gather_along
 from mesh3d.domain.layouts.relayout import blocks_to_blocks
 from mesh3d.domain.ops.blocks import layout, resample  # noqa: F401  (their rules, wrapped here, registered first)
-from mesh3d.domain.ops.global_index import rolled_rows
+from mesh3d.domain.ops.global_index import flipped_dims, mirrored_rows, rolled_rows
 from mesh3d.domain.ops.idioms import expand_index
 from mesh3d.domain.ops.pieces import global_rows, index_plan, joined_sizes, piece_needs
 
@@ -197,16 +197,11 @@ def _expand(input, *sizes):
 def _flip(input, *dims, **kwargs):
     """A flip along block dims: each rank fetches the mirror image of its rows along each flipped line, then flips
     locally; the sizes stay (a cube-sphere face turned by ``rot90``)."""
-    dims = kwargs.pop("dims", dims)  # torch.flip(x, dims=...) or x.flip(2, 3) or x.flip([2, 3])
-    dims = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
-    flipped = sorted({d % input.ndim for d in ((dims,) if isinstance(dims, int) else dims)})
+    flipped = flipped_dims(dims, kwargs, input.ndim)
     spec, local = _spec(input), unwrap(input)
     for axis, d in enumerate(spec.dims):
         if d in flipped:
-            n = sum(spec.sizes[axis])
-            needs = tuple((Span.rows(n - o - c, n - o),) if c else ()
-                          for o, c in zip(offsets_of(spec.sizes[axis]), spec.sizes[axis]))
-            local = gather_along(local, spec, axis, needs)
+            local = gather_along(local, spec, axis, mirrored_rows(spec.sizes[axis]))
     return adopt(torch.flip(local, flipped), spec)
 
 

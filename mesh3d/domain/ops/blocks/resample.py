@@ -22,9 +22,9 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import PAD_BUILTIN
 from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.layouts.relayout import blocks_to_blocks, slab_in_blocks
+from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
 from mesh3d.domain.layouts.blocks import (
-    extend_windows, gather_along, gather_boxes, in_layout, replicate_blocks_if_singleton)
+    extend_windows, gather_along, gather_boxes, replicate_blocks_if_singleton)
 from mesh3d.domain.comm.collectives import sum_dtype, sum_grad
 from mesh3d.domain.halo.windows import sizes_by_first_index
 from mesh3d.domain.ops.conv import padded_rows, as_tuple, bias_rows, pad_local, transpose_plan
@@ -229,9 +229,7 @@ def _cat(tensors, dim=0):
 
     def local(t):
         if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec):
-            if t._spec.dims != spec.dims and len(t._spec.dims) == len(spec.dims) and t.ndim == len(whole):
-                t = blocks_to_blocks(t, spec.dims, spec.sizes)  # a face turned by rot90: its grid axes on other dims
-            return in_layout(t, spec)
+            return blocks_in_layout(t, spec)  # a face turned by rot90 too: its grid axes on other dims
         moved = slab_in_blocks(t, spec) if isinstance(t, DomainTensor) and t.ndim == len(whole) else None
         if moved is not None:  # a window attention's output (its windows ran on slabs) joining a skip on blocks
             return moved

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.layouts.blocks import extend_windows, in_layout
-from mesh3d.domain.layouts.relayout import blocks_to_blocks, slab_in_blocks
+from mesh3d.domain.layouts.blocks import extend_windows
+from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
 from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
@@ -59,14 +59,8 @@ def elementwise_rule(func: Callable) -> Callable:
         def local(o):
             if not isinstance(o, torch.Tensor):
                 return o
-            if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches)
-                have = _spec_of(o)
-                if have.dims != spec.dims and len(have.dims) == len(spec.dims) and o.shape == ref.shape:
-                    # NOTE: transposed (x + x.mT, a face turned by rot90), or back from pencils (an inverse SHT's
-                    # output over (channels, lon)): its grid axes shard other dims, so its block is another part of the
-                    # field even where the sizes agree; moved over ref's dims
-                    return unwrap(blocks_to_blocks(o, spec.dims, spec.sizes))
-                return unwrap(o) if have.dims == spec.dims and have.sizes == spec.sizes else in_layout(o, spec)
+            if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches, x.mT)
+                return blocks_in_layout(o, spec)
             if isinstance(o, DomainTensor):  # a replicated value entering the blocks
                 if o._spec.dim is not None:
                     return _slab_in_layout(func, o, ref, spec)
