@@ -167,20 +167,21 @@ def test_ops_escaping_the_rules_are_refused_by_name_never_run_on_the_shard(ranks
         assert found["untyped_storage"].startswith("RuntimeError") and "not allocated" in found["untyped_storage"], found
 
 
-def _view_writes_body():
+def _view_writes_body(sizes, sharded_in_body):
     """In-place writes into views of a domain tensor (a row of channels, a transposed view, a chain of two views, a
     narrowed slice) and reads of views taken before a write, against one process: the written tensor and every view of it
-    carry the write's gradient, as torch's views do."""
+    carry the write's gradient, as torch's views do. ``sharded_in_body``: the written tensor is the one
+    ``domain.shard`` made (whose shard views the plain tensor sharded, on a rank with an empty shard or all rows)."""
     from mesh3d import DistributedManager, domain
     from mesh3d.domain.core.wrapped import wrapper_tensors
 
-    DistributedManager.initialize(batch=1, domain=2)
+    DistributedManager.initialize(batch=1, domain=len(sizes))
     torch.manual_seed(2)
     x = torch.randn(2, 3, 5, dtype=D64)
     w = torch.randn(5, dtype=D64)
 
     def body(t, shard):
-        h = shard(t) * 2
+        h = shard(t * w) if sharded_in_body else shard(t) * 2
         early = h[:, 1]  # a view read after the writes below: remade from h
         h[:, 0].add_(h[:, 2] * 3)
         h[1].select(0, 2).mul_(0.5)  # a view of a view
@@ -189,18 +190,30 @@ def _view_writes_body():
         return (h ** 2).sum() + (early * early.sum()).sum()
 
     xr = x.clone().requires_grad_()
-    loss_ref = body(xr, lambda t: t * w)
+    loss_ref = body(xr, (lambda t: t) if sharded_in_body else (lambda t: t * w))
     loss_ref.backward()
     with wrapper_tensors():
-        xs = domain.shard(x, dim=2, sizes=(3, 2)).requires_grad_()
-        loss = body(xs, lambda t: t * w)
-        loss.backward()
-    return max(max_err(loss.to_local(), loss_ref), max_err(xs.grad.full_tensor().to_local(), xr.grad))
+        if sharded_in_body:
+            xp = x.clone().requires_grad_()
+            loss = body(xp, lambda t: domain.shard(t, dim=2, sizes=sizes))
+            loss.backward()
+            grad = xp.grad  # NOTE: this rank's part of the gradient of the plain tensor every rank holds whole
+        else:
+            xs = domain.shard(x, dim=2, sizes=sizes).requires_grad_()
+            loss = body(xs, lambda t: t * w)
+            loss.backward()
+            grad = xs.grad.full_tensor().to_local()
+    return max_err(loss.to_local(), loss_ref), grad, xr.grad
 
 
-def test_in_place_writes_into_views_equal_one_process(ranks):
-    for err in ranks.run(2, _view_writes_body):
-        assert err < 1e-12, err
+@pytest.mark.parametrize("sizes, sharded_in_body", [((3, 2), False), ((3, 2), True), ((5, 0), True),
+                                                    ((2, 0, 3), True)])
+def test_in_place_writes_into_views_equal_one_process(ranks, sizes, sharded_in_body):
+    found = ranks.run(len(sizes), _view_writes_body, sizes, sharded_in_body)
+    grads = [grad for _, grad, _ in found]
+    for loss_err, grad, grad_ref in found:
+        assert loss_err < 1e-12, loss_err
+        assert max_err(sum(grads) if sharded_in_body else grad, grad_ref) < 1e-12
 
 
 @pytest.mark.parametrize("case", ["slabs with an empty shard", "fsdp on 2x2 blocks", "tensor parallel"])

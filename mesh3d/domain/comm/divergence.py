@@ -32,6 +32,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field
 from types import CodeType
+from typing import Any
 
 import torch
 import xxhash
@@ -127,8 +128,9 @@ def describe_divergence(me: int, peer: int, mine, theirs: list | None, detail: s
     """The error message: where the two ranks' journals first differ, the likely cause and what to do."""
     lines = [f"domain ranks {me} and {peer} ran different domain ops ({detail})."]
     if theirs is not None:
-        a = {n: (n, op, tuple(summary), where) for n, op, summary, where in mine}
-        b = {n: (n, op, tuple(summary), where) for n, op, summary, where in theirs}
+        # NOTE: the peer's entries came through JSON, which turns tuples inside a summary into lists
+        a = {n: (n, op, _tupled(summary), where) for n, op, summary, where in mine}
+        b = {n: (n, op, _tupled(summary), where) for n, op, summary, where in theirs}
         common = sorted(set(a) | set(b))
         at = next((n for n in common if a.get(n, (None,) * 3)[1:3] != b.get(n, (None,) * 3)[1:3]), None)
         if at is not None:
@@ -137,6 +139,10 @@ def describe_divergence(me: int, peer: int, mine, theirs: list | None, detail: s
                       f"    rank {peer}: {_format(b.get(at))}"]
     lines.append(LIKELY_CAUSE)
     return "\n".join(lines)
+
+
+def _tupled(value: Any) -> Any:
+    return tuple(_tupled(v) for v in value) if isinstance(value, (list, tuple)) else value
 
 
 def peer_stopped_error(me: int, peer: int, kind: int, same: bool, told: str, who: str = "") -> DomainDivergenceError:

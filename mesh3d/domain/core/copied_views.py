@@ -15,11 +15,30 @@ from typing import Any
 
 import torch
 
-__all__ = ["has_copy_marks", "mark_copied_view", "refuse_write_through_copy"]
+__all__ = ["has_copy_marks", "is_made_as_copy", "made_as_copy", "mark_copied_view", "refuse_write_through_copy"]
 
 #: On a copy: (a weak reference to the tensor it views, the view op's name). On that tensor: weak references to its
 #: live copies. NOTE: plain instance attributes (the tensors' ``__dict__``), read only by a write.
 _OF, _COPIES = "_mesh3d_copy_of", "_mesh3d_copies"
+#: On the result of a call that may answer with a view in torch (``reshape``, ``flatten``) where its rows moved: a copy
+_MADE_AS_COPY = "_mesh3d_made_as_copy"
+
+
+def made_as_copy(out: Any) -> Any:
+    """Record that ``out``, the result of a call torch may answer with a view (``reshape``), is a copy on every rank
+    (its rows moved): it is written as a tensor of its own. Returns it.
+
+    Usage: ``return made_as_copy(run_step(step))``
+    """
+    if isinstance(out, torch.Tensor) and not torch.compiler.is_compiling():
+        setattr(out, _MADE_AS_COPY, True)
+    return out
+
+
+def is_made_as_copy(t: Any) -> bool:
+    """Whether ``t`` is a copy made by a view function's rule (``made_as_copy``, ``mark_copied_view``)."""
+    d = getattr(t, "__dict__", None)
+    return bool(d) and (_MADE_AS_COPY in d or _OF in d)
 
 
 def mark_copied_view(out: Any, base: torch.Tensor, op: str) -> Any:

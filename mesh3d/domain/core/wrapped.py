@@ -257,6 +257,14 @@ class WrappedDomainTensor(DomainTensor):
             alias = self._alias = run_autograd_function(_ToLocal, (self,), {})  # NOTE: as in rebase
         return alias
 
+    def own_memory(self) -> None:
+        """Give this tensor a shard of its own, a copy of the one it has (which views another tensor's here): a result
+        torch makes as a copy, whose shard only happens to alias on this rank (``dispatch.writes.record_views``)."""
+        local = self._local.clone()
+        local._shard_alias = True  # type: ignore[attr-defined]  # as __new__
+        local._owner = weakref.ref(self)  # type: ignore[attr-defined]
+        self._local, self._alias, self._views_domain, self._seen_version = local, None, False, local._version
+
     def _remade(self) -> None:
         """This tensor's history made anew from the tensor it views, written into since (by another view of it or
         itself): autograd's answer to a read of a view after a write into its base. A tensor with a history that views

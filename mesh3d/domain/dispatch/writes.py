@@ -19,8 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from mesh3d.domain.core.copied_views import is_made_as_copy
 from mesh3d.domain.core.tensor import DomainTensor, storage_view, unwrap
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper, rebase, wrapper_tensors
+from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process_views
 
 __all__ = ["record_views", "written_into_wrapper"]
 
@@ -29,15 +31,39 @@ Run = Callable[[Callable, tuple, tuple, dict], Any]
 
 def record_views(out: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
     """Remember how each wrapper view in ``out`` (a rule's result) was made from the tensor it views: ``(func, args,
-    kwargs, index)``, ``index`` its place in a tuple result (``unbind``, ``split``) or None."""
+    kwargs, index)``, ``index`` its place in a tuple result (``unbind``, ``split``) or None.
+
+    NOTE: for the functions torch may answer with a view, which results view their input is torch's answer for the
+    whole tensors (``view_semantics``), not whether this rank's shard happens to alias: an empty shard, or one of a
+    single row, aliases where its peers' shards do not, and a write into a view journals its replay on every rank
+    alike. A result torch makes as a copy but whose shard aliases here is given memory of its own, and every other
+    function's results are such copies."""
+    views = one_process_views(func, args, kwargs) if func in VIEW_FUNCTIONS else _NEW_MEMORY
     if isinstance(out, WrappedDomainTensor):
-        if out._views_domain:
-            out._replay = (func, args, kwargs, None)
+        _record(out, func, args, kwargs, None, views[0] if views else None)
     elif isinstance(out, (tuple, list)):
         for i, o in enumerate(out):
-            if isinstance(o, WrappedDomainTensor) and o._views_domain:
-                o._replay = (func, args, kwargs, i)
+            if isinstance(o, WrappedDomainTensor):
+                _record(o, func, args, kwargs, i, views[i] if views and i < len(views) else None)
     return out
+
+
+#: What every function outside ``VIEW_FUNCTIONS`` answers in torch: memory of its own (F.pad on a rank it pads
+#: nothing may hand back a narrowed view of its input's shard)
+_NEW_MEMORY = (False,) * 64
+
+
+def _record(o: WrappedDomainTensor, func: Callable, args: tuple, kwargs: dict, index: int | None,
+            views: bool | None) -> None:
+    if not any(o is a for a in args):  # NOTE: an input handed back (x.contiguous()) stays itself
+        if views is None and o._views_domain and o._local.numel() == 0:
+            views = False  # NOTE: an empty shard that views its input's (F.pad's on a rank without rows) holds nothing
+        if views and not is_made_as_copy(o):  # NOTE: a rule that moved rows made a copy, on every rank
+            o._views_domain = True
+        elif views is False and o._views_domain:
+            o.own_memory()
+    if o._views_domain:
+        o._replay = (func, args, kwargs, index)
 
 
 def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mesh3d.domain.core.copied_views import mark_copied_view
+from mesh3d.domain.core.copied_views import made_as_copy, mark_copied_view
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.short_path import short_view
@@ -205,9 +205,10 @@ def _reshape_rule(op_name: str, view: bool):
         if len(shape) == 1 and isinstance(shape[0], torch.dtype):
             raise NotImplementedError(f"{op_name}(dtype) on a domain-sharded tensor is not supported; call .to_local()")
         step = reshaped(x, target_shape(shape, math.prod(size_of(x))), op_name, view)
-        if view and any(isinstance(a, Resplit) for a in step.args):
-            # NOTE: rows moved to whole windows first: the result is a copy, not an alias of x (writes refused)
-            return mark_copied_view(run_step(step), x, op_name)
+        if any(isinstance(a, Resplit) for a in step.args):
+            # NOTE: rows moved to whole windows first: the result is a copy, not an alias of x (a view's writes are
+            # refused; a reshape's result is a tensor of its own, as torch's reshape may copy)
+            return mark_copied_view(run_step(step), x, op_name) if view else made_as_copy(run_step(step))
         return step
 
     return rule

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d._torch_private import linear_not_a_view
-from mesh3d.domain.core.copied_views import mark_copied_view
+from mesh3d.domain.core.copied_views import made_as_copy, mark_copied_view
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
 from mesh3d.domain.ops.idioms import COMPLEX_PARTS, expand_index, slice_sizes
@@ -81,7 +81,7 @@ def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> D
         _check_viewable(local, whole, target)
     slabs = blocks_to_slabs(x, first)
     slabs = adopt(unwrap(slabs).contiguous(), slabs._spec)  # NOTE: one process views a contiguous tensor here
-    return mark_copied_view(slabs.view(target), x, op) if view else slabs.reshape(target)  # a copy, not an alias
+    return mark_copied_view(slabs.view(target), x, op) if view else made_as_copy(slabs.reshape(target))  # copies
 
 
 def _check_viewable(local: torch.Tensor, whole: list[int], target: list[int]) -> None:
