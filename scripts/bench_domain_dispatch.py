@@ -7,9 +7,10 @@ Usage (bench_domain.py calls it)::
 Each op of ``dispatch_ops`` runs ``args.dispatch_calls`` times in a loop on a 1x2x4x4 tensor, one thread: plain torch,
 a domain tensor at domain=1 (``domain_us``; ``overhead_us`` is its cost over plain torch), the same domain tensor with
 the short path off so every call takes the dispatcher's walk (``full_dispatcher_us``: what each op cost before the
-short path, issue 50), and a DTensor sharded the same way on a one-rank gloo mesh (``dtensor_us``; None where DTensor
-refuses the op). The contenders take turns, round by round (``args.dispatch_rounds``), and each keeps its best round's
-median: the machine may be shared, and the best round is the least disturbed one.
+short path, issue 50), a DTensor sharded the same way on a one-rank gloo mesh (``dtensor_us``; None where DTensor
+refuses the op), and the wrapper-subclass domain tensor (issue 64's switch, ``wrapper_us``). The contenders take
+turns, round by round (``args.dispatch_rounds``), and each keeps its best round's median: the machine may be shared,
+and the best round is the least disturbed one.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch.nn.functional as F
 from mesh3d import domain
 from mesh3d.domain.comm.divergence import OpJournal
 from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.core.wrapped import wrapper_tensors
 
 __all__ = ["dispatch_ops", "part_dispatch", "plot_dispatch"]
 
@@ -89,18 +91,23 @@ def part_dispatch(args, device) -> dict:
     w = torch.randn(2, 2, 3, 3, device=device)
     gn = (torch.randn(2, device=device), torch.randn(2, device=device))
     xs = domain.shard(x, dim=2)
+    with wrapper_tensors():
+        xw = domain.shard(x, dim=2)
     ops = dispatch_ops(w, *gn)
     dt = _dtensor_contender(x, w, gn)
     n, rounds = args.dispatch_calls, getattr(args, "dispatch_rounds", 5)
     out = {}
     try:
         for name, fn in ops.items():
-            best = {"plain": float("inf"), "domain": float("inf"), "full": float("inf"), "dtensor": float("inf")}
+            best = {"plain": float("inf"), "domain": float("inf"), "full": float("inf"), "dtensor": float("inf"),
+                    "wrapper": float("inf")}
             for _ in range(rounds):
                 best["plain"] = min(best["plain"], _per_call(fn, x, n))
                 best["domain"] = min(best["domain"], _per_call(fn, xs, n))
                 with _ShortPathOff():
                     best["full"] = min(best["full"], _per_call(fn, xs, n))
+                with wrapper_tensors():
+                    best["wrapper"] = min(best["wrapper"], _per_call(fn, xw, n))
                 if dt is not None and best["dtensor"] is not None:
                     try:
                         best["dtensor"] = min(best["dtensor"], _per_call(dt[0][name], dt[1], n))
@@ -108,11 +115,11 @@ def part_dispatch(args, device) -> dict:
                         best["dtensor"] = None
             us = {k: None if v is None or v == float("inf") else v * 1e6 for k, v in best.items()}
             out[name] = {"plain_us": us["plain"], "domain_us": us["domain"], "overhead_us": us["domain"] - us["plain"],
-                         "full_dispatcher_us": us["full"], "dtensor_us": us["dtensor"]}
+                         "full_dispatcher_us": us["full"], "dtensor_us": us["dtensor"], "wrapper_us": us["wrapper"]}
             dtensor = "-" if us["dtensor"] is None else f"{us['dtensor']:.1f}"
             print(f"  {name:20s} plain {us['plain']:5.1f} us, domain {us['domain']:5.1f} us "
-                  f"(+{us['domain'] - us['plain']:.1f}; the dispatcher's walk {us['full']:.1f}), DTensor {dtensor} us",
-                  flush=True)
+                  f"(+{us['domain'] - us['plain']:.1f}; the dispatcher's walk {us['full']:.1f}), DTensor {dtensor} us, "
+                  f"wrapper {us['wrapper']:.1f} us", flush=True)
     finally:
         if dt is not None:
             dist.destroy_process_group()

@@ -14,12 +14,21 @@ from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, unwrap, wrap
+from mesh3d.domain.core.wrapped import WrappedDomainTensor, wrapper_tensors
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.registry import RULES
 from mesh3d.domain.dispatch.short_path import take_short_path
 
 THREE = DomainComm(None, (0, 1, 2), 1)  # this rank holds the middle shard
 SPEC = DomainSpec(2, (3, 2, 4), THREE)  # (B, C, H, W) sharded along H; this rank's 2 rows
+
+
+@pytest.fixture(autouse=True)
+def _storage_tensors():
+    """The storage subclass's short path, even where MESH3D_DOMAIN_WRAPPER=1 is set (a test asking for wrapper tensors
+    says so itself)."""
+    with wrapper_tensors(False):
+        yield
 
 
 def _local(seed: int, requires_grad: bool = False) -> torch.Tensor:
@@ -71,18 +80,23 @@ def _relu_slice(z):
 
 def _full_path(monkeypatch) -> None:
     monkeypatch.setattr(DomainTensor, "_short", {})
+    monkeypatch.setattr(WrappedDomainTensor, "_short", {})
 
 
+@pytest.mark.parametrize("kind", ["storage", "wrapper"])
 @pytest.mark.parametrize("name", OPS)
-def test_the_short_path_gives_what_the_dispatcher_gives(name, monkeypatch):
-    """Values, class, spec and input gradients of each element-wise op, short path against the dispatcher's walk."""
+def test_the_short_path_gives_what_the_dispatcher_gives(name, kind, monkeypatch):
+    """Values, class, spec and input gradients of each element-wise op, short path against the dispatcher's walk, for
+    both kinds of domain tensor (a wrapper's element-wise ops run below autograd: ``core.alike_ops``)."""
     results = []
+    cls = WrappedDomainTensor if kind == "wrapper" else DomainTensor
     for short in (True, False):
         if not short:
             _full_path(monkeypatch)
         lx, ly = _local(0, requires_grad=True), _local(1, requires_grad=True)
-        out = OPS[name](wrap(lx, SPEC), wrap(ly, SPEC))
-        assert type(out) is DomainTensor and out.spec == SPEC, (name, short)
+        with wrapper_tensors(kind == "wrapper"):
+            out = OPS[name](wrap(lx, SPEC), wrap(ly, SPEC))
+        assert type(out) is cls and out.spec == SPEC, (name, short)
         local = unwrap(out).detach().clone()
         grads = None
         if out.requires_grad:

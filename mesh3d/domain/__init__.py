@@ -31,7 +31,7 @@ from mesh3d.domain.dispatch.compile_guards import guard_filter
 from mesh3d.domain.dispatch.dispatcher import dispatch as _dispatch
 from mesh3d.domain.dispatch.dispatcher import dispatch_autograd_function
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.short_path import SHORT
+from mesh3d.domain.dispatch.short_path import SHORT, WRAPPED_SHORT
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.graph import edge_index, nodes_from_local, nodes_from_tokens, shard_edges, shard_nodes, tokens_from_nodes
 from mesh3d.domain.halo.overlap import window_overlap
@@ -47,6 +47,7 @@ from mesh3d.domain.attention.modes import attention, attention_mode
 
 DomainTensor._dispatcher = staticmethod(_dispatch)
 DomainTensor._short = SHORT
+wrapped.WrappedDomainTensor._short = WRAPPED_SHORT
 DomainTensor._gather_whole = staticmethod(full_tensor)
 # NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
 DistributedManager.on_shutdown(JOURNAL.reset)

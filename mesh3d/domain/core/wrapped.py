@@ -22,8 +22,9 @@ of each op, then AOTAutograd's trace), on fake shards, and emit their exchanges 
 function's rule registered for it too (``F.pad``'s: ``_torch_private.PAD_BUILTIN``).
 
 NOTE (the steps): landed so far: the type, its two autograd edges, the floor, in-place writes rebased onto the
-written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``), compile. Not yet: the short path's
-speed; dropout inside a checkpointed region compiled by Inductor draws other numbers than one process
+written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``), compile, a short path for
+metadata, sizes and element-wise ops (these run below autograd: ``alike_ops``). Not yet: views', convolutions' and
+reductions' speed; dropout inside a checkpointed region compiled by Inductor draws other numbers than one process
 (``test_random_axes``' compiled case fails under the switch; ``aot_eager`` is exact); graph ops under compile (refused
 at trace time, so Dynamo breaks the graph at each: equal to eager, but more frames than the storage subclass compiles).
 The suite runs on the storage subclass until the switch is the default; under it (843 tests, 2026-12-03), every test
@@ -45,6 +46,8 @@ import torch
 
 from mesh3d._torch_private import (
     disable_torch_function_subclass, make_wrapper_tensor, run_autograd_function, tree_flatten, tree_map)
+from mesh3d.domain.core.alike_ops import (
+    NotLaidOutAlike, alike_result, answering_alike, elementwise_aten, laid_out_alike)
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
@@ -210,6 +213,9 @@ class WrappedDomainTensor(DomainTensor):
     """
 
     _local: torch.Tensor
+    #: The whole tensor's sizes and strides, as made (what an element-wise result of the same shard shape reuses)
+    _whole: torch.Size
+    _strides: tuple[int, ...]
     _wraps = True
     #: Whether the shard is a view of another wrapper tensor's shard (the result of a view rule)
     _views_domain = False
@@ -219,13 +225,19 @@ class WrappedDomainTensor(DomainTensor):
     _replay: tuple | None = None
     #: The shard's version when this tensor's history was last set: a later one means a write through another tensor
     _seen_version: int
-    #: NOTE: no short path: its handlers make storage tensors (``short_path.reclassed``)
+    #: Its short path (``dispatch.short_path.WRAPPED_SHORT``, installed by ``mesh3d.domain``)
     _short: Any = {}
 
     @staticmethod
-    def __new__(cls, local: torch.Tensor, spec: AnySpec, requires_grad: bool = False) -> WrappedDomainTensor:
-        whole = global_shape_for(local.shape, spec)
-        out = make_wrapper_tensor(cls, whole, global_strides_for(local, whole), local, requires_grad)
+    def __new__(cls, local: torch.Tensor, spec: AnySpec, requires_grad: bool = False,
+                like: WrappedDomainTensor | None = None) -> WrappedDomainTensor:
+        if like is not None and local.shape == like._local.shape and local.stride() == like._local.stride():
+            whole, strides = like._whole, like._strides  # NOTE: an element-wise result: the sizes of its operand
+        else:
+            whole = global_shape_for(local.shape, spec)
+            strides = global_strides_for(local, whole)
+        out = make_wrapper_tensor(cls, whole, strides, local, requires_grad)
+        out._whole, out._strides = whole, strides
         if torch.compiler.is_compiling():
             out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
             return out
@@ -301,12 +313,31 @@ class WrappedDomainTensor(DomainTensor):
 
         NOTE: what arrives here was not called through Python's torch functions (those take the rules): the autograd
         engine summing gradients, or C++ code (an extension, TorchScript, torch.func's transforms) that would run on
-        the shard as if it were the whole tensor. Only ENGINE_OPS on tensors laid out alike run; all else is refused.
+        the shard as if it were the whole tensor. Only ENGINE_OPS and element-wise ops (``alike_ops``: the short
+        path's element-wise calls, their gradients, C++ callers of them) on tensors laid out alike run; all else is
+        refused by name.
         """
+        alike = elementwise_aten(func)
+        if alike and not kwargs:
+            like = laid_out_alike(args, WrappedDomainTensor)
+            if like is not None and (alike == 1 or args[0] is like):  # NOTE: the common case, nothing nested
+                out = func(*[a._local if type(a) is WrappedDomainTensor else a for a in args])
+                if alike == 2:  # NOTE: autograd recorded the write on the wrapper: its history is the tensor's own
+                    like._seen_version = like._local._version
+                    return like
+                return alike_result(WrappedDomainTensor, func, out, like)
         kwargs = kwargs or {}
         flat, _ = tree_flatten((args, kwargs))
         wrapped = [a for a in flat if isinstance(a, WrappedDomainTensor)]
         plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, WrappedDomainTensor)]
+        if wrapped and func not in ENGINE_OPS and alike == 1 and _same_layout(wrapped) and \
+                not any(p.ndim for p in plain):
+            # NOTE: an element-wise op of tensors laid out alike (and 0-d values, the same on every rank) is the
+            # whole answer's shards, whoever calls it: the fast path's forward, autograd's backward of it, C++ code
+            out = func(*tree_map(_shard_of, args), **tree_map(_shard_of, kwargs))
+            return alike_result(WrappedDomainTensor, func, out, wrapped[0])
+        if answering_alike() and func not in ENGINE_OPS:
+            raise NotLaidOutAlike(f"{func} is not answered on shards")
         if func not in ENGINE_OPS or plain or not _same_layout(wrapped):
             message = (
                 f"{func} reached a domain tensor below mesh3d's rules (called from C++: an extension, TorchScript, "

@@ -15,6 +15,10 @@
   result spec serve every later call; a rule whose step moves rows (a reshape into whole windows) is not kept. On a
   multi-rank domain a view that changes the layout is journaled, as the dispatcher journals it.
 
+Wrapper tensors (issue 64's switch) have a table of their own, ``WRAPPED_SHORT``: metadata, sizes, and element-wise
+ops of one slab layout and one shard shape, which run below autograd (``core.alike_ops.alike_on_shards``: autograd
+records torch's own node on the wrappers, the floor runs the ATen ops on the shards).
+
 Each is exactly what the dispatcher's own branch does for such a call, without its walk: on tiny tensors the walk
 was most of the 15-25 us a domain op cost on the CPU (scripts/bench_domain.py, docs/benchmarks.md). While Dynamo
 traces, every call takes the dispatcher (the short path switches a result's class, which Dynamo cannot trace).
@@ -37,12 +41,14 @@ from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.copied_views import has_copy_marks
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, wrap
+from mesh3d.domain.core.alike_ops import alike_on_shards
+from mesh3d.domain.core.wrapped import WrappedDomainTensor
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
 from mesh3d.domain.dispatch.registry import RULES, op_name, writes_into_first
 from mesh3d.domain.dispatch.step import Step
 
-__all__ = ["SHORT", "VIEW_STEPS", "ViewSteps", "journal_layout_change", "reclassed", "rule_unchanged",
+__all__ = ["SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "journal_layout_change", "reclassed", "rule_unchanged",
            "short_elementwise", "short_view", "take_short_path"]
 
 _Tensor = torch.Tensor
@@ -50,6 +56,8 @@ _Tensor = torch.Tensor
 
 #: Function -> its short handler (``DomainTensor._short``).
 SHORT: dict[Callable, Callable[[Callable, tuple, dict | None], Any]] = {}
+#: The same for wrapper tensors (``WrappedDomainTensor._short``): metadata, sizes and element-wise ops.
+WRAPPED_SHORT: dict[Callable, Callable[[Callable, tuple, dict | None], Any]] = {}
 
 
 def _metadata(func: Callable, args: tuple, kwargs: dict | None) -> Any:
@@ -124,6 +132,41 @@ def short_elementwise(func: Callable) -> None:
     Usage: ``short_elementwise(torch.relu)``
     """
     take_short_path(func, _elementwise_writing if writes_into_first(func) else _elementwise)
+    if not writes_into_first(func):  # NOTE: a write into a wrapper tensor takes the dispatcher (``dispatch.writes``)
+        WRAPPED_SHORT[func] = _elementwise_wrapped
+
+
+def _elementwise_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
+    """An element-wise op on wrapper tensors of one slab layout and one shard shape: recorded by autograd on the
+    wrappers and run on the shards by the floor (``wrapped.alike_on_shards``), as DTensor runs an op."""
+    if RULES.get(func) is not _RULED[func]:
+        return NotImplemented
+    spec = shape = None
+    for a in args:
+        if isinstance(a, _Tensor):
+            if type(a) is not WrappedDomainTensor:
+                return NotImplemented
+            if spec is None:
+                spec, shape = a._spec, a._local.shape
+            elif (a._spec is not spec and a._spec != spec) or a._local.shape != shape:
+                return NotImplemented
+    if spec is None:
+        return NotImplemented
+    if kwargs:
+        for v in kwargs.values():
+            if isinstance(v, _Tensor):
+                return NotImplemented
+    if spec is not _LastSpec.spec:
+        if not _slab(spec):
+            return NotImplemented
+        _LastSpec.spec = spec
+    return alike_on_shards(func, args, kwargs)
+
+
+def _global_size_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
+    if not args or type(args[0]) is not WrappedDomainTensor or torch.compiler.is_compiling():
+        return NotImplemented
+    return global_size_answer(func, args[0], args[1:], kwargs or {})
 
 
 def _elementwise_writing(func: Callable, args: tuple, kwargs: dict | None) -> Any:
@@ -262,3 +305,6 @@ def _view(func: Callable, args: tuple, kwargs: dict | None) -> Any:
 # NOTE: ``.grad`` is a metadata query the dispatcher answers first, laid out as the whole tensor (``dispatch.grads``)
 SHORT.update({f: _metadata for f in METADATA if f not in GRADIENT_CALLS})
 SHORT.update({f: _global_size for f in GLOBAL_SIZES})
+# NOTE: a wrapper's data_ptr() raises, by the dispatcher, naming what to call instead
+WRAPPED_SHORT.update({f: _metadata for f in METADATA if f not in GRADIENT_CALLS and f is not torch.Tensor.data_ptr})
+WRAPPED_SHORT.update({f: _global_size_wrapped for f in GLOBAL_SIZES})

@@ -1,0 +1,122 @@
+"""Element-wise ATen ops on wrapper domain tensors laid out alike: the floor answers them on the shards.
+
+Usage (``mesh3d.domain.core.wrapped``'s floor, and the short path of element-wise functions)::
+
+    if elementwise_aten(torch.ops.aten.mul.Tensor): ...     # 1: element-wise, writing nothing
+    out = alike_on_shards(torch.relu, (xs,), None)          # autograd records relu on xs; the floor runs it on shards
+
+Why it is right whoever calls: an element-wise op of tensors laid out alike (the same spec, the same shard shapes) and
+of 0-d values (the same on every rank) is, shard by shard, the whole answer's shards. So the autograd engine's
+backward formulas, a C++ extension's ``at::mul`` and TorchScript get the one-process answer here; everything else
+reaching the floor is refused by name. ``alike_on_shards`` is how the short path runs an element-wise function of
+wrapper tensors as DTensor runs an op: below autograd, which records torch's own node on the wrappers (no Python
+autograd Function per op); an op inside it the floor cannot answer sends the call back to the dispatcher.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from mesh3d._torch_private import disable_torch_function_subclass
+
+__all__ = ["NotLaidOutAlike", "alike_on_shards", "alike_result", "answering_alike", "elementwise_aten",
+           "laid_out_alike"]
+
+
+_aten = torch.ops.aten
+#: Element-wise ATen ops torch does not tag pointwise: gradients of activations, and dtype conversions.
+_ELEMENTWISE_UNTAGGED = frozenset({
+    _aten.hardtanh_backward.default, _aten.leaky_relu_backward.default, _aten.elu_backward.default,
+    _aten.softplus_backward.default, _aten.mish_backward.default, _aten.hardswish_backward.default,
+    _aten.hardsigmoid_backward.default, _aten.softshrink_backward.default, _aten.hardshrink_backward.default,
+    _aten.log_sigmoid_backward.default, _aten._to_copy.default, _aten.hardswish.default, _aten.fill.Scalar,
+})
+
+
+class NotLaidOutAlike(NotImplementedError):
+    """Raised by the floor inside ``alike_on_shards``: an op the fast path cannot answer on shards (it goes back to
+    the dispatcher)."""
+
+
+class _AlikeState:
+    """Whether an element-wise call is being answered by the floor on shards (``alike_on_shards``)."""
+
+    depth = 0
+
+
+_ALIKE = _AlikeState()
+
+
+def answering_alike() -> bool:
+    """Whether the floor runs inside ``alike_on_shards`` (an op it cannot answer on shards then sends the call back to
+    the dispatcher: ``NotLaidOutAlike``)."""
+    return _ALIKE.depth > 0
+
+
+def elementwise_aten(func: Any) -> int:
+    """An ATen op whose answer on shards laid out alike is the whole answer's shards: element-wise, writing nothing
+    (1) or writing into its first argument only (2, ``logical_and_``, which autograd's formulas run on temporaries);
+    0 for any other op."""
+    known = _ELEMENTWISE_KNOWN.get(func)
+    if known is None:
+        schema = func._schema
+        written = [i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+        alike = _alike_tagged(func)
+        if not alike and written == [0] and schema.name.endswith("_"):  # NOTE: torch tags the functional form only
+            packet = getattr(_aten, schema.name.split("::")[-1][:-1], None)
+            functional = getattr(packet, schema.overload_name or "default", None) if packet is not None else None
+            alike = functional is not None and _alike_tagged(functional)
+        known = _ELEMENTWISE_KNOWN[func] = 0 if not alike else 1 if not written else 2 if written == [0] else 0
+    return known
+
+
+_ELEMENTWISE_KNOWN: dict[Any, int] = {}
+
+
+def _alike_tagged(func: Any) -> bool:
+    return torch.Tag.pointwise in func.tags or func in _ELEMENTWISE_UNTAGGED
+
+
+def alike_on_shards(func: Any, args: tuple, kwargs: dict | None) -> Any:
+    """``func(*args, **kwargs)`` (an element-wise torch function of wrapper tensors laid out alike) run below autograd:
+    autograd records it on the wrappers, as for any tensor, and the floor runs its ATen ops (element-wise ones only)
+    on the shards; NotImplemented where the floor meets another op (the dispatcher then answers the call).
+
+    Usage: ``out = alike_on_shards(torch.relu, (xs,), None)`` (``dispatch.short_path``)
+    """
+    _ALIKE.depth += 1
+    try:
+        with disable_torch_function_subclass():
+            return func(*args, **(kwargs or {}))
+    except NotLaidOutAlike:
+        return NotImplemented
+    finally:
+        _ALIKE.depth -= 1
+
+
+def alike_result(cls: type, func: Any, out: Any, like: Any) -> Any:
+    """An element-wise op's result on the shards as wrapper tensors (of type ``cls``) laid out as ``like`` (each of a
+    tuple's)."""
+    if isinstance(out, torch.Tensor):
+        return cls(out, like._spec, like=like)
+    if isinstance(out, tuple) and all(isinstance(o, torch.Tensor) and o.shape == like._local.shape for o in out):
+        return tuple(cls(o, like._spec, like=like) for o in out)
+    raise NotImplementedError(f"{func} answered an element-wise op on domain tensors with something other than "
+                              "tensors of their shards' shape: mesh3d refuses it; call it on x.full_tensor()")
+
+
+def laid_out_alike(args: tuple, cls: Any) -> Any:
+    """The first wrapper tensor (of type ``cls``) of ``args`` where every tensor among them is a wrapper laid out as it
+    is or a 0-d value, and nothing is nested; else None."""
+    like: Any = None
+    for a in args:
+        if type(a) is cls:
+            if like is None:
+                like = a
+            elif (a._spec is not like._spec and a._spec != like._spec) or a._local.shape != like._local.shape:
+                return None
+        elif isinstance(a, (torch.Tensor, list, tuple, dict)) and not (isinstance(a, torch.Tensor) and a.ndim == 0):
+            return None
+    return like
