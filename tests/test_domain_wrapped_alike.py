@@ -37,7 +37,17 @@ CALLS = {
     "maximum": lambda a, b: torch.maximum(a, b),
     "lerp": lambda a, b: torch.lerp(a, b, 0.3),
     "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
+    # NOTE: a write (the dispatcher's), then element-wise ops reading the tensor written
+    "relu(inplace=True) of a product, then a sum": lambda a, b: F.relu(a * b, inplace=True) + a,
+    "silu(x, True)": lambda a, b: F.silu(a - b, True) * b,
+    "read, relu(inplace=True), read again": lambda a, b: _read_write_read(a * b),
 }
+
+
+def _read_write_read(h):
+    first = h.sum(dim=-1, keepdim=True)  # a rule reads h before the write
+    F.relu(h, inplace=True)
+    return h.mean(dim=-1, keepdim=True) + first * 0.5 + h
 
 
 def _body(sizes):
@@ -99,4 +109,5 @@ def test_element_wise_ops_of_wrappers_run_below_autograd_equal_to_one_process(ra
             assert got["kind"] == "WrappedDomainTensor", (name, got)
             assert got["value"] < 1e-13 and got["grad"] < 1e-11 and got["second"] < 1e-10, (name, got)
             # NOTE: torch's own node: the call was recorded on the wrappers, not run on shards behind mesh3d's edge
-            assert not got["node"].startswith("_FromLocal"), (name, got)
+            # (the last op of the read-write-read case broadcasts: the dispatcher's)
+            assert not got["node"].startswith("_FromLocal") or name.startswith("read,"), (name, got)

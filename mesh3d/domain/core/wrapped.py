@@ -322,8 +322,9 @@ class WrappedDomainTensor(DomainTensor):
             like = laid_out_alike(args, WrappedDomainTensor)
             if like is not None and (alike == 1 or args[0] is like):  # NOTE: the common case, nothing nested
                 out = func(*[a._local if type(a) is WrappedDomainTensor else a for a in args])
-                if alike == 2:  # NOTE: autograd recorded the write on the wrapper: its history is the tensor's own
-                    like._seen_version = like._local._version
+                if alike == 2:  # NOTE: autograd recorded the write on the wrapper: its history is the tensor's own,
+                    # and a rule reading it next needs an alias of the shard on that history
+                    like._seen_version, like._alias = like._local._version, None
                     return like
                 return alike_result(WrappedDomainTensor, func, out, like)
         kwargs = kwargs or {}

@@ -31,6 +31,7 @@ Usage (``mesh3d.domain`` installs it; the element-wise rules give their function
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -134,12 +135,34 @@ def short_elementwise(func: Callable) -> None:
     take_short_path(func, _elementwise_writing if writes_into_first(func) else _elementwise)
     if not writes_into_first(func):  # NOTE: a write into a wrapper tensor takes the dispatcher (``dispatch.writes``)
         WRAPPED_SHORT[func] = _elementwise_wrapped
+        _INPLACE_AT[func] = _inplace_position(func)
+
+
+#: Element-wise function -> the position of its ``inplace`` parameter (``F.relu(x, inplace=True)``), or None.
+_INPLACE_AT: dict[Callable, int | None] = {}
+
+
+def _inplace_position(func: Callable) -> int | None:
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: no inplace parameter
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def _writes_in_place(func: Callable, args: tuple, kwargs: dict | None) -> bool:
+    at = _INPLACE_AT.get(func)
+    if at is None:
+        return False
+    return bool(kwargs.get("inplace")) if kwargs and "inplace" in kwargs else len(args) > at and bool(args[at])
 
 
 def _elementwise_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     """An element-wise op on wrapper tensors of one slab layout and one shard shape: recorded by autograd on the
     wrappers and run on the shards by the floor (``wrapped.alike_on_shards``), as DTensor runs an op."""
-    if RULES.get(func) is not _RULED[func]:
+    if RULES.get(func) is not _RULED[func] or torch.compiler.is_compiling() or _writes_in_place(func, args, kwargs):
+        # NOTE: AOTAutograd's trace runs the rules on fake shards (``core.wrapped``); a write (F.relu(x, inplace=True))
+        # takes the dispatcher, which rebases the tensor written
         return NotImplemented
     spec = shape = None
     for a in args:
