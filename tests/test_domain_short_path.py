@@ -189,25 +189,30 @@ VIEWS = {
 }
 
 
+@pytest.mark.parametrize("kind", ["storage", "wrapper"])
 @pytest.mark.parametrize("name", VIEWS)
-def test_a_view_from_its_kept_step_is_the_dispatcher_s(name, monkeypatch):
-    """Each view twice (the second from the kept step) against the dispatcher's walk: values, spec, gradients; on the
-    3-rank domain a view that changes the layout is journaled alike."""
+def test_a_view_from_its_kept_step_is_the_dispatcher_s(name, kind, monkeypatch):
+    """Each view twice (the second from the kept step) against the dispatcher's walk: values, spec, gradients, and for
+    wrapper tensors whether the result views its input (writes into it replay the view); on the 3-rank domain a view
+    that changes the layout is journaled alike."""
     results = []
+    cls = WrappedDomainTensor if kind == "wrapper" else DomainTensor
     for short in (True, True, False):
         if not short:
             _full_path(monkeypatch)
         lx = _local(0, requires_grad=True)
         before = JOURNAL.count
-        out = VIEWS[name](wrap(lx, SPEC))
-        assert type(out) is DomainTensor, name
+        with wrapper_tensors(kind == "wrapper"):
+            out = VIEWS[name](wrap(lx, SPEC))
+        assert type(out) is cls, name
         entries = [e[1:3] for e in list(JOURNAL.entries)[before - JOURNAL.count:]] if JOURNAL.count > before else []
         (grad,) = torch.autograd.grad((unwrap(out) * torch.arange(unwrap(out).numel()).view_as(unwrap(out))).sum(), lx)
-        results.append((unwrap(out).detach().clone(), out.spec, grad, JOURNAL.count - before, entries))
+        results.append((unwrap(out).detach().clone(), out.spec, grad, JOURNAL.count - before, entries,
+                        getattr(out, "_views_domain", None), getattr(out, "_replay", None) is not None))
     for got in results[:2]:
         want = results[2]
         assert torch.equal(got[0], want[0]) and got[1] == want[1] and torch.equal(got[2], want[2])
-        assert got[3] == want[3] and got[4] == want[4]
+        assert got[3:] == want[3:], (got[3:], want[3:])
 
 
 def test_a_convolution_whose_rows_stay_goes_straight_to_torch(monkeypatch):

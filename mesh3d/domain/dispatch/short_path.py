@@ -48,6 +48,7 @@ from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
 from mesh3d.domain.dispatch.registry import RULES, op_name, writes_into_first
 from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.writes import record_views
 
 __all__ = ["SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "journal_layout_change", "reclassed", "rule_unchanged",
            "short_elementwise", "short_view", "take_short_path"]
@@ -289,6 +290,7 @@ def short_view(func: Callable) -> None:
     Usage: ``short_view(torch.Tensor.transpose)``
     """
     take_short_path(func, _view)
+    WRAPPED_SHORT[func] = _view_wrapped
 
 
 def _view(func: Callable, args: tuple, kwargs: dict | None) -> Any:
@@ -323,6 +325,42 @@ def _view(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     if changes_layout and spec.comm.size > 1:
         journal_layout_change(func, out_spec)
     return reclassed(out, out_spec)
+
+
+def _view_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
+    """A view of a wrapper tensor's slab from its kept step (``ViewSteps``, as ``_view``): the compute on the shard's
+    differentiable alias, the result a wrapper tensor whose views are recorded as the dispatcher records them."""
+    x = args[0] if args else None
+    if type(x) is not WrappedDomainTensor or torch.compiler.is_compiling():
+        return NotImplemented
+    spec = x._spec
+    rule = RULES.get(func)
+    if rule is not _RULED[func] or type(spec) is not DomainSpec or spec.dim is None or spec.outer != 1 or \
+            has_copy_marks(x):
+        return NotImplemented
+    for a in args[1:]:
+        if isinstance(a, _Tensor):
+            return NotImplemented
+    shape = x._local.shape
+    try:
+        hit = VIEW_STEPS.find(func, rule, args, kwargs,
+                              (WrappedDomainTensor, func, id(spec), shape, args[1:],
+                               tuple(kwargs.items()) if kwargs else ()))
+    except TypeError:
+        return NotImplemented
+    if not hit:
+        return NotImplemented
+    _, compute, extra, extra_kwargs, out_spec, out_ndim, changes_layout = hit
+    with _Disabled():
+        try:
+            out = compute(x._differentiable_local(), *extra, **extra_kwargs)
+        except Exception:  # noqa: BLE001 - the dispatcher runs it again and raises it everywhere
+            return NotImplemented
+        if type(out) is not _Tensor or (out_ndim is not None and out.ndim != out_ndim):
+            return NotImplemented
+    if changes_layout and spec.comm.size > 1:
+        journal_layout_change(func, out_spec)
+    return record_views(DomainTensor._from_local(out, out_spec), func, args, kwargs or {})
 
 
 # NOTE: ``.grad`` is a metadata query the dispatcher answers first, laid out as the whole tensor (``dispatch.grads``)
