@@ -76,7 +76,9 @@ _ELEMENTWISE_KNOWN: dict[Any, int] = {}
 
 
 def _alike_tagged(func: Any) -> bool:
-    return torch.Tag.pointwise in func.tags or func in _ELEMENTWISE_UNTAGGED
+    # NOTE: never a random draw: each rank would draw its own numbers, not its part of the one-process draw
+    tags = func.tags
+    return (torch.Tag.pointwise in tags or func in _ELEMENTWISE_UNTAGGED) and torch.Tag.nondeterministic_seeded not in tags
 
 
 def alike_on_shards(func: Any, args: tuple, kwargs: dict | None) -> Any:
