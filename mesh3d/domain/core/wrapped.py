@@ -65,16 +65,16 @@ def wrapper_tensors(on: bool = True) -> Iterator[None]:
         yield
 
 
+# NOTE (both edges): forward(ctx, ...) without a separate setup_context: torch 2.13's Function.apply binds the
+# arguments of a Function that has one with inspect.signature on every call (about 25 us each, a third of a wrapper
+# op's host cost); torch.func's transforms, which would need setup_context, are refused by the floor anyway.
 class _FromLocal(torch.autograd.Function):
     """A plain shard -> the wrapper tensor it is this rank's part of; backward hands the wrapper gradient's shard on."""
 
     @staticmethod
-    def forward(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
-        return _made_from(local, spec)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
+    def forward(ctx: Any, local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
         ctx.set_materialize_grads(False)
+        return _made_from(local, spec)
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> tuple[Any, None]:
@@ -91,7 +91,9 @@ class _ToLocal(torch.autograd.Function):
     """The wrapper tensor -> its shard (a plain tensor sharing its memory); backward wraps the shard's gradient."""
 
     @staticmethod
-    def forward(wrapped: WrappedDomainTensor) -> torch.Tensor:
+    def forward(ctx: Any, wrapped: WrappedDomainTensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        ctx.spec = wrapped._spec
         if torch.compiler.is_compiling():
             return wrapped._local.detach()  # NOTE: traced: no marks (Dynamo cannot make weakrefs)
         # NOTE: detach(), not a view: the output is a fresh autograd tensor sharing the shard's memory and version
@@ -101,11 +103,6 @@ class _ToLocal(torch.autograd.Function):
         alias._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
         alias._owner = weakref.ref(wrapped)  # type: ignore[attr-defined]  # read by _wrapped_or_owner
         return alias
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple, output: Any) -> None:
-        ctx.set_materialize_grads(False)
-        ctx.spec = inputs[0]._spec
 
     @staticmethod
     def backward(ctx: Any, grad: Any) -> Any:
