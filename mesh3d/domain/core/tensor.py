@@ -134,8 +134,13 @@ def global_strides_for(local: torch.Tensor, whole: torch.Size) -> tuple[int, ...
     Dims the shard expands (stride 0, length > 1) keep stride 0. A zero stride on a dim of an empty shard is only
     the product with its zero length: such dims are outermost, as they are in the shard's peers.
     """
-    with disable_torch_function_subclass():
+    if type(local) is torch.Tensor:  # NOTE: a plain shard (the common case): no subclass dispatch to turn off
+        if local.is_contiguous() and local.numel():  # NOTE: row-major (an empty shard's order is the one below)
+            return _contiguous_strides(whole)
         strides_here, sizes = local.stride(), local.shape
+    else:
+        with disable_torch_function_subclass():
+            strides_here, sizes = local.stride(), local.shape
     expanded = {d for d in range(len(whole)) if strides_here[d] == 0 and sizes[d] > 1} if 0 not in sizes else set()
     # Outermost first, as in memory. torch computes an empty tensor's strides with each length clamped to 1, so
     # an empty dim ties with the dim just outside it: in a tie the empty dim is the inner one.
@@ -143,6 +148,14 @@ def global_strides_for(local: torch.Tensor, whole: torch.Size) -> tuple[int, ...
                    key=lambda d: (strides_here[d] != 0, -strides_here[d], sizes[d] == 0, d))
     strides, step = [0] * len(whole), 1
     for d in reversed(order):
+        strides[d] = step
+        step *= max(whole[d], 1)
+    return tuple(strides)
+
+
+def _contiguous_strides(whole: torch.Size) -> tuple[int, ...]:
+    strides, step = [0] * len(whole), 1
+    for d in range(len(whole) - 1, -1, -1):
         strides[d] = step
         step *= max(whole[d], 1)
     return tuple(strides)
