@@ -325,14 +325,15 @@ class WrappedDomainTensor(DomainTensor):
                     return like
                 return alike_result(WrappedDomainTensor, func, out, like)
         kwargs = kwargs or {}
-        flat, _ = tree_flatten((args, kwargs))
+        nested = kwargs or any(isinstance(a, (list, tuple, dict)) for a in args)
+        flat = tree_flatten((args, kwargs))[0] if nested else args  # NOTE: pytree costs tens of us a call
         wrapped = [a for a in flat if isinstance(a, WrappedDomainTensor)]
         plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, WrappedDomainTensor)]
         if wrapped and func not in ENGINE_OPS and alike == 1 and _same_layout(wrapped) and \
                 not any(p.ndim for p in plain):
             # NOTE: an element-wise op of tensors laid out alike (and 0-d values, the same on every rank) is the
             # whole answer's shards, whoever calls it: the fast path's forward, autograd's backward of it, C++ code
-            out = func(*tree_map(_shard_of, args), **tree_map(_shard_of, kwargs))
+            out = func(*_shards_of(args, nested), **tree_map(_shard_of, kwargs))
             return alike_result(WrappedDomainTensor, func, out, wrapped[0])
         if answering_alike() and func not in ENGINE_OPS:
             raise NotLaidOutAlike(f"{func} is not answered on shards")
@@ -351,11 +352,15 @@ class WrappedDomainTensor(DomainTensor):
             # NOTE: AccumulateGrad's layout contract: a gradient strided otherwise than its leaf is copied into a new
             # tensor of the leaf's (global) sizes and strides; the shard of that is a shard-sized one
             return WrappedDomainTensor(torch.empty_like(args[0]._local), spec)
-        out = func(*tree_map(_shard_of, args), **tree_map(_shard_of, kwargs))
+        out = func(*_shards_of(args, nested), **tree_map(_shard_of, kwargs))
         if func.overloadpacket in (torch.ops.aten.add_, torch.ops.aten.copy_, torch.ops.aten.zero_,
                                    torch.ops.aten.detach_):
             return args[0]
         return WrappedDomainTensor(out, spec)
+
+
+def _shards_of(args: tuple, nested: Any) -> Any:
+    return tree_map(_shard_of, args) if nested else [_shard_of(a) for a in args]
 
 
 def _shard_of(a: Any) -> Any:
