@@ -144,10 +144,11 @@ def plot_dispatch(ax, dispatch: dict) -> None:
     ops = {k: v for k, v in dispatch.items() if "full_dispatcher_us" in v}
     names = list(ops)
     kinds = (("plain_us", "plain torch"), ("domain_us", "domain, short path"),
-             ("full_dispatcher_us", "domain, dispatcher's walk"), ("dtensor_us", "DTensor"))
+             ("full_dispatcher_us", "domain, dispatcher's walk"), ("dtensor_us", "DTensor"),
+             ("wrapper_us", "wrapper domain tensor (issue 64)"))
     for i, (key, label) in enumerate(kinds):
-        ax.barh([j + (i - 1.5) * 0.2 for j in range(len(names))], [ops[n][key] or 0.0 for n in names], height=0.2,
-                label=label)
+        ax.barh([j + (i - 2) * 0.16 for j in range(len(names))], [ops[n].get(key) or 0.0 for n in names],
+                height=0.16, label=label)
     ax.set_yticks(range(len(names)), names)
     ax.axvline(8, color="red", linestyle="--", label="goal 8 us over plain (element-wise, view; bars: the whole call)")
     ax.axvline(12, color="purple", linestyle=":", label="goal 12 us over plain (conv)")
