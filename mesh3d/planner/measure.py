@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from mesh3d.manager import DistributedManager
-from mesh3d._torch_private import TorchDispatchMode, storage_key
+from mesh3d._torch_private import TorchDispatchMode, disable_torch_function_subclass, storage_key
 
 __all__ = ["CollectiveCounter", "PeakRss", "local_tensors", "storage_bytes"]
 
@@ -107,7 +107,10 @@ class CollectiveCounter(TorchDispatchMode):
             elif functional and kind == "reduce_scatter":
                 result = sent // int(args[2])
             self.rows.append((self._axis(group), kind, self.phase, sent, result))
-        return func(*args, **kwargs)
+        # NOTE: below the Python torch functions: an op on a wrapper domain tensor (a backward's gelu_backward) goes on
+        # to its __torch_dispatch__, not back up to the rules, which answer torch functions, not ATen's backward ops
+        with disable_torch_function_subclass():
+            return func(*args, **kwargs)
 
 
 #: glibc's mallopt parameter number, and the allocation size from which PeakRss gives each its own mapping
