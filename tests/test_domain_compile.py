@@ -119,7 +119,14 @@ def test_sharded_unet_compiles_whole_and_trains_as_one_process(ranks, world, siz
     _check(ranks.run(world, _train_compiled_body, "unet", sizes, backend, True, None, True, timeout=300))
 
 
-def _guard_filter_body():
+def _guard_filter_body(wrapper=False):
+    from mesh3d.domain.core.wrapped import wrapper_tensors
+
+    with wrapper_tensors(wrapper):
+        return _guard_filter_run()
+
+
+def _guard_filter_run():
     DistributedManager.initialize(batch=1, domain=-1)
     torch.manual_seed(0)
     model = TinyUNet().double()
@@ -146,7 +153,7 @@ def test_guard_filter_drops_only_guards_on_mesh3d_code(ranks):
     objects, builtins) and on the torch internals tracing it reads (Dynamo's polyfills); guards on the input, its
     spec, tensors, global state and mesh3d's settings stay: toggling ``window_overlap`` still recompiles, and the
     results equal eager."""
-    (decided, frames, results, eager), = ranks.run(1, _guard_filter_body, timeout=300)
+    (decided, frames, results, eager), = ranks.run(1, _guard_filter_body, False, timeout=300)
     dropped = [(name, kind) for name, kind, _, keep in decided if not keep]
     kept = [(name, kind) for name, kind, _, keep in decided if keep]
     assert len(dropped) > 200, (len(dropped), len(kept))  # two graphs' worth of guards on mesh3d's own code
@@ -160,6 +167,21 @@ def test_guard_filter_drops_only_guards_on_mesh3d_code(ranks):
     assert not any(kind in ("TENSOR_MATCH", "GLOBAL_STATE", "GRAD_MODE", "SHAPE_ENV") for _, kind in dropped)
     assert any(name.endswith("SETTINGS.value.overlap.enabled") for name, _ in kept), kept
     assert any("_spec.sizes" in name for name, _ in kept) and any(name.endswith("_spec.dim") for name, _ in kept)
+    assert frames == 2  # the toggled setting recompiled once; toggling back reused the first graph
+    assert max(abs(r - eager) for r in results) < 1e-12
+
+
+def test_wrapper_tensors_recompile_when_a_setting_changes_and_the_guard_filter_keeps_their_guards(ranks):
+    """Wrapper domain tensors (issue 64's switch): Dynamo records the model's ops without tracing mesh3d's code, so
+    the rules read the settings where nothing guards them; the wrapper's flattened context carries them, so toggling
+    ``window_overlap`` recompiles once and toggling back reuses the first graph, as on the storage subclass. The
+    filter drops no guard on the input, its layout, tensors or the global state; results equal eager."""
+    (decided, frames, results, eager), = ranks.run(1, _guard_filter_body, True, timeout=300)
+    dropped = [(name, kind) for name, kind, _, keep in decided if not keep]
+    kept = [(name, kind) for name, kind, _, keep in decided if keep]
+    assert not any(kind in ("TENSOR_MATCH", "GLOBAL_STATE", "GRAD_MODE", "SHAPE_ENV", "TENSOR_SUBCLASS_METADATA_MATCH")
+                   for _, kind in dropped), dropped
+    assert any(kind == "TENSOR_SUBCLASS_METADATA_MATCH" for _, kind in kept), kept
     assert frames == 2  # the toggled setting recompiled once; toggling back reused the first graph
     assert max(abs(r - eager) for r in results) < 1e-12
 

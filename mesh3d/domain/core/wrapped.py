@@ -290,15 +290,21 @@ class WrappedDomainTensor(DomainTensor):
             made = DomainTensor._dispatcher(func, (), args, kwargs)
         rebase(self, made if index is None else made[index], check=False)
 
-    def __tensor_flatten__(self) -> tuple[list[str], AnySpec]:
-        """What ``torch.compile`` sees of a wrapper tensor: its shard, and its spec as a constant of the graph."""
-        return ["_local"], self._spec
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[AnySpec, Any]]:
+        """What ``torch.compile`` sees of a wrapper tensor: its shard, and as constants of the graph its spec and the
+        domain settings in force.
+
+        NOTE: the settings too, because the rules read them while the graph is traced, where Dynamo guards nothing
+        they read: with the spec alone, a graph compiled with ``domain.window_overlap`` on kept running with it after
+        it was turned off (and so would an attention mode's). Dynamo guards this context on every call, so a change
+        recompiles."""
+        return ["_local"], (self._spec, SETTINGS.value)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], spec: AnySpec, _outer_size: Any,
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple[AnySpec, Any], _outer_size: Any,
                              _outer_stride: Any) -> WrappedDomainTensor:
         """The wrapper tensor ``__tensor_flatten__`` took apart (a compiled graph's input or output)."""
-        return WrappedDomainTensor(inner["_local"], spec)
+        return WrappedDomainTensor(inner["_local"], context[0])
 
     def __deepcopy__(self, memo: dict) -> WrappedDomainTensor:
         """A copy with the same spec; a leaf keeps ``requires_grad`` as torch's deep copy of a leaf does."""
