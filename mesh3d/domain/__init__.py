@@ -30,6 +30,7 @@ from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.compile_guards import guard_filter
 from mesh3d.domain.dispatch.dispatcher import dispatch as _dispatch
 from mesh3d.domain.dispatch.dispatcher import dispatch_autograd_function
+from mesh3d.domain.dispatch.one_rank import ONE_RANK
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.short_path import SHORT, WRAPPED_SHORT
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
@@ -48,6 +49,7 @@ from mesh3d.domain.attention.modes import attention, attention_mode
 DomainTensor._dispatcher = staticmethod(_dispatch)
 DomainTensor._short = SHORT
 wrapped.WrappedDomainTensor._short = WRAPPED_SHORT
+wrapped.WrappedDomainTensor._dispatcher = staticmethod(ONE_RANK.dispatch)
 DomainTensor._gather_whole = staticmethod(full_tensor)
 # NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
 DistributedManager.on_shutdown(JOURNAL.reset)
