@@ -23,14 +23,15 @@ function's rule registered for it too (``F.pad``'s: ``_torch_private.PAD_BUILTIN
 
 NOTE (the steps): landed so far: the type, its two autograd edges, the floor, in-place writes rebased onto the
 written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``), compile, a short path for
-metadata, sizes, views of slabs and element-wise ops (these run below autograd: ``alike_ops``). Not yet: the speed of
-convolutions, norms, pooling and reductions (the dispatcher's walk and an autograd edge each); dropout inside a
-checkpointed region compiled by Inductor draws other numbers than one process (``test_random_axes``' compiled case
-fails under the switch; ``aot_eager`` is exact); graph ops under compile (refused at trace time, so Dynamo breaks the
-graph at each: equal to eager, but more frames than the storage subclass compiles). The suite runs on the storage
-subclass until the switch is the default; under it (every ``tests/test_domain_*.py`` and ``test_random_axes``, 403
-tests, 2026-12-05), every test passes but that Inductor case and the guard filter's count of guards on mesh3d's code
-(which Dynamo no longer traces).
+metadata, sizes, views of slabs and element-wise ops (these run below autograd: ``alike_ops``), and on a one-rank
+domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Not yet: the
+speed of an op's two autograd edges (convolutions, norms, pooling, reductions); dropout inside a checkpointed region
+compiled by Inductor draws other numbers than one process where the region holds two random draws
+(``test_random_axes``' compiled case fails under the switch; ``aot_eager`` is exact); graph ops under compile (refused
+at trace time, so Dynamo breaks the graph at each: equal to eager, but more frames than the storage subclass
+compiles). The suite runs on the storage subclass until the switch is the default; under it (the whole suite, 986
+tests, 2026-12-05, then fixed: the planner's memory and collective counts, recompiling on a changed setting), every
+test passes but that Inductor case.
 """
 
 from __future__ import annotations
