@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,6 +27,7 @@ __all__ = [
     "keep_in_program_order",
     "let_compiled_graphs_take_function_subclasses",
     "never_compiled_alone",
+    "random_draws_saved_under_traced_checkpoints",
     "run_compiled_graphs_without_subclass_dispatch",
     "saved_under_traced_checkpoints",
 ]
@@ -161,3 +163,34 @@ def saved_under_traced_checkpoints() -> Iterator[None]:
     for node in itertools.islice(reversed(graph.nodes), len(graph.nodes) - before):
         if node.meta.get("recompute") is not None:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+
+
+#: Per traced graph, the last node ``random_draws_saved_under_traced_checkpoints`` has looked at.
+_RANDOM_SCANNED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def random_draws_saved_under_traced_checkpoints() -> None:
+    """Every random draw traced so far inside an activation checkpoint of the graph being traced is saved for
+    backward, never recomputed: the draws of the region (mesh3d's domain masks and the user's own ``torch.rand``).
+
+    Why private: as ``saved_under_traced_checkpoints`` (no public API sets a traced op's checkpoint policy from inside
+    the region). Why at all: torch 2.13 recomputes a checkpointed region's random ops through
+    ``run_and_save_rng_state``/``run_with_rng_state``, and Inductor schedules those in another order than the program's,
+    so two draws in one region (dropout2d's mask and a drop-path ``torch.rand``) take each other's numbers: measured in
+    one process with plain tensors, Inductor with ``fallback_random=True`` differs from eager from the third of six
+    steps, and equals it when a selective checkpoint policy saves the random ops. A domain tensor's compiled step is
+    held to eager's draws, so mesh3d saves them; nodes outside checkpoints, and Dynamo's own tracing, are left alone.
+    """
+    proxy = get_proxy_mode() if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling() else None
+    if proxy is None:
+        return
+    graph = proxy.tracer.graph
+    seen = _RANDOM_SCANNED.get(graph)
+    for node in reversed(graph.nodes):
+        if node is seen:
+            break
+        if node.meta.get("recompute") is not None and \
+                torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()):
+            node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
+    if len(graph.nodes):
+        _RANDOM_SCANNED[graph] = next(iter(reversed(graph.nodes)))

@@ -25,13 +25,11 @@ NOTE (the steps): landed so far: the type, its two autograd edges, the floor, in
 written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``), compile, a short path for
 metadata, sizes, views of slabs and element-wise ops (these run below autograd: ``alike_ops``), and on a one-rank
 domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Not yet: the
-speed of an op's two autograd edges (convolutions, norms, pooling, reductions); dropout inside a checkpointed region
-compiled by Inductor draws other numbers than one process where the region holds two random draws
-(``test_random_axes``' compiled case fails under the switch; ``aot_eager`` is exact); graph ops under compile (refused
-at trace time, so Dynamo breaks the graph at each: equal to eager, but more frames than the storage subclass
-compiles). The suite runs on the storage subclass until the switch is the default; under it (the whole suite, 986
-tests, 2026-12-05, then fixed: the planner's memory and collective counts, recompiling on a changed setting), every
-test passes but that Inductor case.
+speed of an op's two autograd edges (convolutions, norms, pooling, reductions); graph ops under compile (refused at
+trace time, so Dynamo breaks the graph at each: equal to eager, but more frames than the storage subclass compiles).
+The suite runs on the storage subclass until the switch is the default; under it, the whole suite's failures of
+2026-12-05 (the planner's memory and collective counts, a changed setting not recompiling, Inductor's order of the
+random draws in a checkpointed region) are fixed.
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import (
-    disable_torch_function_subclass, is_operator, run_autograd_function, running_compiled_backward)
+    disable_torch_function_subclass, is_operator, random_draws_saved_under_traced_checkpoints, run_autograd_function,
+    running_compiled_backward)
 from mesh3d.domain.comm.collectives import scale_grad, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.core.group import DomainComm
@@ -176,6 +177,8 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         if first._wraps:
             return written_into_wrapper(_dispatch, func, types, args, kwargs)
     out = _dispatch(func, types, args, kwargs)
+    if torch.compiler.is_compiling():  # NOTE: AOTAutograd tracing wrapper tensors' rules: a checkpointed region's
+        random_draws_saved_under_traced_checkpoints()  # random draws keep eager's numbers (the function says how)
     return record_views(out, func, args, kwargs) if SETTINGS.value.wrapper else out
 
 
