@@ -39,7 +39,10 @@ class SavedBytes:
 
     def __enter__(self):
         def pack(t):
-            self.total += t.numel() * t.element_size()
+            # NOTE: a domain tensor saved whole (a wrapper's element-wise op runs below autograd, which saves the
+            # wrapper) holds this rank's shard: its numel() is the whole tensor's
+            local = t.to_local() if isinstance(t, domain.DomainTensor) else t
+            self.total += local.numel() * local.element_size()
             return t
 
         self._ctx = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
