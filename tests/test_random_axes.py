@@ -233,3 +233,38 @@ def test_dropout_under_torch_compile_equals_one_process(ranks):
     blocks = [{"sizes": ((5, 7), (10, 0)), "compile": "aot_eager", "tokens": True}]
     for per_rank in ranks.run(4, _domain_body, "blocks", blocks, timeout=300):
         assert max(per_rank[0].values()) < TOL, per_rank
+
+
+def _saved_mask_body(layout):
+    """The largest storage a saved tensor keeps alive through a dropout's forward, against the whole field's and this
+    rank's part's bytes."""
+    from mesh3d import DistributedManager, domain
+
+    dm = DistributedManager.initialize(batch=1, domain=2)
+    dm.manual_seed(0)
+    x = torch.randn(2, 3, 10, 8, dtype=D64)
+    xs = domain.shard(x, dim=2, sizes=(6, 4))
+    part = xs.to_local().numel() * 8
+    if layout == "strided":
+        xs = xs.view(-1, 8)  # the sharded dim merged under the dims before it
+    xs.requires_grad_()
+    kept = []
+
+    def pack(t):
+        local = t.to_local() if isinstance(t, domain.DomainTensor) else t
+        kept.append(local.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = F.dropout(xs * 2.0, 0.3, True) + F.dropout2d(xs.view_as(xs) * 1.0, 0.2, True) if layout == "slab" else \
+            F.dropout(xs * 2.0, 0.3, True)
+    (y.view(2, 3, 10, 8) if layout == "strided" else y).sum().backward()
+    return max(kept), part, x.numel() * 8
+
+
+@pytest.mark.parametrize("layout", ["slab", "strided"])
+def test_a_dropout_keeps_only_this_ranks_part_of_the_whole_mask_for_backward(ranks, layout):
+    """Every rank draws the whole tensor's mask (the one-process draw); what backward keeps is its own part: a narrowed
+    view of the mask, saved by the product, held the whole field's bytes on every rank until backward."""
+    for most, part, whole in ranks.run(2, _saved_mask_body, layout, timeout=120):
+        assert most <= part < whole, (most, part, whole)

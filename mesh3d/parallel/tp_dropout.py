@@ -140,6 +140,8 @@ def _dropout(func, shard: ColumnShard, input, p=0.5, training=True, inplace=Fals
         else:
             ones = torch.ones((*input.shape[:-1], shard.full), dtype=input.dtype, device=input.device)
         mask = func(ones, p, True).narrow(-1, shard.offset, shard.local)
+        if shard.local < shard.full:
+            mask = mask.clone()  # NOTE: a narrowed view, saved for backward, kept the whole width's mask alive
     return input.mul_(mask) if inplace else input * mask
 
 

@@ -22,7 +22,7 @@ from mesh3d.domain.ops import global_index, idioms, pointwise, reshape  # noqa: 
 from mesh3d.domain.ops.attention import sdpa_rule
 from mesh3d.domain.ops.idioms import strided_rows
 from mesh3d.domain.ops.matmul import matmul_rule
-from mesh3d.domain.ops.random_ops import dropout_mask
+from mesh3d.domain.ops.random_ops import dropout_mask, own_part
 from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES, op_name
 from mesh3d.domain.dispatch.step import Entering, Step
 from mesh3d.domain.core.tensor import DomainTensor
@@ -115,7 +115,11 @@ def _dropout(func):
         if not training or p == 0:
             return input
         spec, dim = input.spec, input.spec.dim
-        return Step(lambda t: t * strided_rows(dropout_mask(func, input.shape, t, p), dim, spec), (input,), out=spec)
+        def compute(t):
+            mask = dropout_mask(func, input.shape, t, p)
+            return t * own_part(strided_rows(mask, dim, spec), mask)
+
+        return Step(compute, (input,), out=spec)
 
     return rule
 
