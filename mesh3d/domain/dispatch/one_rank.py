@@ -27,7 +27,6 @@ Usage (``mesh3d.domain`` installs it for wrapper tensors)::
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,7 +39,8 @@ from mesh3d.domain.core.wrapped import WrappedDomainTensor
 from mesh3d.domain.dispatch.dispatcher import dispatch
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import DATA_QUERIES, is_global_size, is_metadata
-from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES, RuleTable, writes_into_first
+from mesh3d.domain.dispatch.registry import (
+    RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS
 from mesh3d.domain.dispatch.writes import record_views
 from mesh3d.domain.halo.windows import WindowProbe
@@ -102,7 +102,7 @@ class OneRankCalls:
         inplace_at = self._eligible.get(func, True)
         if inplace_at is True:
             inplace_at = self._eligible[func] = _eligibility(func)
-        if inplace_at is False or (inplace_at is not None and _writes(args, kwargs, inplace_at)):
+        if inplace_at is False or (inplace_at is not None and writes_inplace(args, kwargs, inplace_at)):
             return dispatch(func, types, args, kwargs)
         try:
             with disable_torch_function_subclass():  # NOTE: requires_grad of a wrapper would take the walk
@@ -136,15 +136,7 @@ def _eligibility(func: Callable) -> int | None | bool:
         where = getattr(rule, "__module__", None) or ""
         if rule is not None and (not where.startswith("mesh3d.domain.") or where.rsplit(".", 1)[-1] in _NOT_TORCH_ON_THE_SHARD):
             return False  # NOTE: a rule of the user's own (``domain.register``) always runs
-    try:
-        names = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature: no inplace argument
-        return None
-    return names.index("inplace") if "inplace" in names else None
-
-
-def _writes(args: tuple, kwargs: dict, at: int) -> bool:
-    return bool(kwargs.get("inplace")) if kwargs and "inplace" in kwargs else len(args) > at and bool(args[at])
+    return inplace_position(func)
 
 
 def _signature(values: Any) -> tuple:

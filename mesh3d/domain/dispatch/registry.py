@@ -15,6 +15,7 @@ op raises unless ``override=True`` (a silent replacement would change results el
 from __future__ import annotations
 
 import importlib
+import inspect
 import types
 from collections.abc import Callable
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from mesh3d._torch_private import OpOverload, OpOverloadPacket, builtins_replaced_by, custom_op_overload, is_operator
 
 __all__ = ["BLOCK_RULES", "GRAPH_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "load_shipped_rules",
-           "op_name", "register", "rules_for", "writes_into_first"]
+           "inplace_position", "op_name", "register", "rules_for", "writes_inplace", "writes_into_first"]
 
 
 #: Every rule table by its name: a compiled lookup names its table (see ``_rule_index_at_trace_time``).
@@ -216,6 +217,28 @@ def writes_into_first(func: Callable) -> bool:
     """
     name = getattr(func, "__name__", "")
     return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
+
+
+def inplace_position(func: Callable) -> int | None:
+    """Where ``func`` takes an ``inplace`` argument (``F.relu(x, inplace=True)``), or None where it has none.
+
+    Usage: ``at = inplace_position(F.relu)  # 1``
+    """
+    try:
+        names = list(inspect.signature(func).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature: no inplace parameter
+        return None
+    return names.index("inplace") if "inplace" in names else None
+
+
+def writes_inplace(args: tuple, kwargs: dict | None, at: int | None) -> bool:
+    """Whether a call passes a true ``inplace`` (by name, or at position ``at``: ``inplace_position``'s answer).
+
+    Usage: ``if writes_inplace(args, kwargs, inplace_position(func)): ...``
+    """
+    if kwargs and "inplace" in kwargs:
+        return bool(kwargs["inplace"])
+    return at is not None and len(args) > at and bool(args[at])
 
 
 #: Rules mesh3d ships for a third-party library, by the library's top-level module: the mesh3d module whose

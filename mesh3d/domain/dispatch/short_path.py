@@ -31,7 +31,6 @@ Usage (``mesh3d.domain`` installs it; the element-wise rules give their function
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -46,7 +45,7 @@ from mesh3d.domain.core.alike_ops import alike_on_shards
 from mesh3d.domain.core.wrapped import WrappedDomainTensor
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
-from mesh3d.domain.dispatch.registry import RULES, op_name, writes_into_first
+from mesh3d.domain.dispatch.registry import RULES, inplace_position, op_name, writes_inplace, writes_into_first
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.writes import record_views
 
@@ -136,26 +135,16 @@ def short_elementwise(func: Callable) -> None:
     take_short_path(func, _elementwise_writing if writes_into_first(func) else _elementwise)
     if not writes_into_first(func):  # NOTE: a write into a wrapper tensor takes the dispatcher (``dispatch.writes``)
         WRAPPED_SHORT[func] = _elementwise_wrapped
-        _INPLACE_AT[func] = _inplace_position(func)
+        _INPLACE_AT[func] = inplace_position(func)
 
 
 #: Element-wise function -> the position of its ``inplace`` parameter (``F.relu(x, inplace=True)``), or None.
 _INPLACE_AT: dict[Callable, int | None] = {}
 
 
-def _inplace_position(func: Callable) -> int | None:
-    try:
-        names = list(inspect.signature(func).parameters)
-    except (TypeError, ValueError):  # a builtin without a signature: no inplace parameter
-        return None
-    return names.index("inplace") if "inplace" in names else None
-
-
 def _writes_in_place(func: Callable, args: tuple, kwargs: dict | None) -> bool:
     at = _INPLACE_AT.get(func)
-    if at is None:
-        return False
-    return bool(kwargs.get("inplace")) if kwargs and "inplace" in kwargs else len(args) > at and bool(args[at])
+    return at is not None and writes_inplace(args, kwargs, at)
 
 
 def _elementwise_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
