@@ -12,7 +12,8 @@ import torch
 from torch.distributed._composable import checkpoint
 
 __all__ = ["checkpoint_module", "disable_torch_function_subclass", "linear_not_a_view", "own_output",
-           "patch_checkpoint_recomputation", "route_autograd_function_calls", "run_autograd_function", "run_backward_from"]
+           "patch_checkpoint_recomputation", "route_autograd_function_calls", "run_autograd_function", "run_backward_from",
+           "unpatch_checkpoint_recomputation", "unroute_autograd_function_calls"]
 
 
 def checkpoint_module(module: object, context_fn: object | None = None) -> None:
@@ -121,7 +122,22 @@ def patch_checkpoint_recomputation(input_metadata: Callable[[torch.Tensor], Any]
         return [arg if meta is None else rebuild_input(arg, meta) for arg, meta in zip(inputs, kept)]
 
     save._mesh3d_wrapped = True  # type: ignore[attr-defined]
+    save._mesh3d_originals = (save_inputs, get_inputs)  # type: ignore[attr-defined]
     frame.save_inputs, frame.get_inputs = save, get
+    return True
+
+
+def unpatch_checkpoint_recomputation() -> bool:
+    """Undo ``patch_checkpoint_recomputation``: torch's own frame methods back. Returns whether it was patched.
+
+    Why private: as above (the same frame methods). A region whose inputs were saved under the patch keeps its
+    recompute function; its ``get_inputs`` is torch's from now on.
+    """
+    frame = getattr(torch.utils.checkpoint, "_CheckpointFrame", None)
+    originals = getattr(getattr(frame, "save_inputs", None), "_mesh3d_originals", None)
+    if originals is None:
+        return False
+    frame.save_inputs, frame.get_inputs = originals
     return True
 
 
@@ -161,6 +177,18 @@ def route_autograd_function_calls(tensor_types: tuple[type, ...], handler: Calla
     apply._mesh3d_routed = True  # type: ignore[attr-defined]
     apply._mesh3d_original = original  # type: ignore[attr-defined]
     base.apply = classmethod(apply)
+    return True
+
+
+def unroute_autograd_function_calls() -> bool:
+    """Undo ``route_autograd_function_calls``: torch's own ``Function.apply`` back. Returns whether it was routed.
+
+    Why private: as above (the wrapped original of ``Function.apply``).
+    """
+    original = getattr(torch.autograd.Function.apply, "_mesh3d_original", None)
+    if original is None:
+        return False
+    torch.autograd.Function.apply = classmethod(original)  # torch's own, as it was
     return True
 
 

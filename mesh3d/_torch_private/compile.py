@@ -39,7 +39,7 @@ __all__ = [
 PAD_BUILTIN = torch._C._nn.pad
 
 
-def let_compiled_graphs_take_function_subclasses() -> None:
+def let_compiled_graphs_take_function_subclasses(take: bool = True) -> bool:
     """Skip AOTAutograd's first-call aliasing check of custom ops, which refuses ``__torch_function__`` subclasses.
 
     Why private: a compiled graph called with a ``DomainTensor`` runs its ops on the real input, a
@@ -47,8 +47,11 @@ def let_compiled_graphs_take_function_subclasses() -> None:
     (``_AnalyzeCustomOpInputOutputMode``) that returns ``NotImplemented`` for any tensor type other than
     ``torch.Tensor``, so the call fails (torch 2.13). ``torch._functorch.config.check_custom_op_aliasing``
     turns that debug check off; mesh3d's one custom op (``mesh3d::exchange_rows``) returns fresh buffers only.
+    ``take=False`` turns it back on. Returns whether it was off before.
     """
-    torch._functorch.config.check_custom_op_aliasing = False
+    before = not torch._functorch.config.check_custom_op_aliasing
+    torch._functorch.config.check_custom_op_aliasing = not take
+    return before
 
 
 def keep_in_program_order(op: Any) -> None:

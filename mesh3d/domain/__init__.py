@@ -15,24 +15,23 @@ The layers under this package, each importing only those below it (docs/architec
 See docs/domain.md.
 """
 
-from mesh3d._torch_private import let_compiled_graphs_take_function_subclasses, route_autograd_function_calls
 from mesh3d.domain import ops  # noqa: F401  (registers the op rules)
-from mesh3d.domain import recompute
 from mesh3d.domain.api import domain_comm, from_local, full_tensor, redistribute, scatter, shard
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.comm.exchange import NOTICES, count_traffic
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.core.connected import connected_zeros
+from mesh3d.domain.core.group import LIVE_COMMS
+from mesh3d.domain.core.plan_cache import PLAN_CACHES
 from mesh3d.domain.core.specs import BlockSpec, DomainSpec, GraphSpec, Layout, TokenSpec
 from mesh3d.domain.core.split import aligned_sizes, balanced_sizes, split_sizes
 from mesh3d.domain.core import wrapped  # noqa: F401  (the private wrapper switch's maker, issue 64)
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.compile_guards import guard_filter
 from mesh3d.domain.dispatch.dispatcher import dispatch as _dispatch
-from mesh3d.domain.dispatch.dispatcher import dispatch_autograd_function
 from mesh3d.domain.dispatch.one_rank import ONE_RANK
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.short_path import SHORT, WRAPPED_SHORT
+from mesh3d.domain.dispatch.short_path import SHORT, WRAPPED_SHORT, forget_last_spec
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.graph import edge_index, nodes_from_local, nodes_from_tokens, shard_edges, shard_nodes, tokens_from_nodes
 from mesh3d.domain.halo.overlap import window_overlap
@@ -42,6 +41,7 @@ from mesh3d.domain.ops.custom import CustomRule, elementwise, local, whole_dim, 
 from mesh3d.domain.ops.idioms import positions
 from mesh3d.domain.ops.tokens.attention import neighbourhood_attention
 from mesh3d.domain.probe import downsampling_factor
+from mesh3d.domain.process_hooks import PROCESS_HOOKS
 from mesh3d.manager import DistributedManager
 # NOTE: last, so ``domain.attention`` is the function: importing the ``attention`` sub-package above bound its name.
 from mesh3d.domain.attention.modes import attention, attention_mode
@@ -53,14 +53,15 @@ wrapped.WrappedDomainTensor._dispatcher = staticmethod(ONE_RANK.dispatch)
 DomainTensor._gather_whole = staticmethod(full_tensor)
 # NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
 DistributedManager.on_shutdown(JOURNAL.reset)
+# Plans made for a mesh go with it (they hold its specs and comms).
+DistributedManager.on_shutdown(PLAN_CACHES.clear)
+DistributedManager.on_shutdown(forget_last_spec)
+DistributedManager.on_shutdown(ONE_RANK.forget)
 # Notices to peers still in flight are given their chance to land before the groups go.
 DistributedManager.on_teardown(NOTICES.settle)
-# torch.compile of models called with domain tensors (docs/domain.md, "torch.compile").
-let_compiled_graphs_take_function_subclasses()
-# A torch.autograd.Function called with a domain tensor: ruled, torch's or mesh3d's own, or refused (no back door).
-route_autograd_function_calls((DomainTensor, wrapped.WrappedDomainTensor), dispatch_autograd_function)
-# Activation checkpointing recomputes a region as its forward ran (inputs, attention mode, overlap).
-recompute.install()
+# torch changed for the process (Function.apply routed, compiled graphs taking domain tensors, checkpoints recomputed as
+# their forward ran) only while a domain tensor can exist: from the first DomainComm to the last (process_hooks.py).
+LIVE_COMMS.watch(on_first=PROCESS_HOOKS.install, on_none=PROCESS_HOOKS.remove)
 
 __all__ = [
     "BlockSpec",

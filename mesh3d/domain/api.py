@@ -58,8 +58,13 @@ class _CommOfMesh:
             self.comm = DomainComm("domain", tuple(dm.axis_ranks("domain")), dm.axis_rank("domain"), dm.epoch)
         return self.comm
 
+    def forget(self) -> None:
+        """Let the comm go with its mesh (``DistributedManager.on_shutdown``)."""
+        self.comm = None
+
 
 _COMM_OF_MESH = _CommOfMesh()
+DistributedManager.on_shutdown(_COMM_OF_MESH.forget)
 
 
 def domain_comm() -> DomainComm:

@@ -5,13 +5,56 @@ Usage: ``comm = DomainComm("domain", (0, 2), 1, epoch); comm.size, comm.group``
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from mesh3d.manager import DistributedManager
 
-__all__ = ["DomainComm", "domain_groups"]
+__all__ = ["LIVE_COMMS", "DomainComm", "LiveComms", "domain_groups"]
+
+
+class LiveComms:
+    """How many ``DomainComm`` objects this process holds, and what to do when the first is made and the last goes.
+
+    Every domain tensor's spec holds a comm, so while none is alive no domain tensor is either: ``mesh3d.domain``
+    installs its process hooks (``process_hooks.py``) on the first and removes them after the last.
+
+    Usage: ``LIVE_COMMS.watch(on_first=hooks.install, on_none=hooks.remove); LIVE_COMMS.count``
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._on_first: Callable[[], Any] | None = None
+        self._on_none: Callable[[], Any] | None = None
+        # NOTE: re-entrant: a comm's __del__ may run from the garbage collector while this thread holds the lock
+        self._lock = threading.RLock()
+
+    def watch(self, on_first: Callable[[], Any], on_none: Callable[[], Any]) -> None:
+        """Call ``on_first()`` now if a comm is alive and whenever the count leaves 0, ``on_none()`` when it reaches 0."""
+        with self._lock:
+            self._on_first, self._on_none = on_first, on_none
+            if self.count:
+                on_first()
+
+    def born(self) -> None:
+        with self._lock:
+            self.count += 1
+            if self.count == 1 and self._on_first is not None:
+                self._on_first()
+
+    def died(self) -> None:
+        with self._lock:
+            self.count -= 1
+            if self.count == 0 and self._on_none is not None:
+                self._on_none()
+
+
+LIVE_COMMS = LiveComms()
 
 
 @dataclass(frozen=True)
@@ -27,6 +70,27 @@ class DomainComm:
     ranks: tuple[int, ...]
     index: int
     mesh_epoch: int = 0
+
+    def __post_init__(self) -> None:
+        # NOTE: a comm made while Dynamo traces is symbolic; the one the graph's caller gets is made again at run time
+        if not torch.compiler.is_dynamo_compiling():
+            object.__setattr__(self, "_alive", True)  # frozen: past the dataclass's own __setattr__
+            LIVE_COMMS.born()
+
+    def __del__(self) -> None:
+        if self.__dict__.get("_alive") and LIVE_COMMS is not None:  # NOTE: None while the interpreter shuts down
+            LIVE_COMMS.died()
+
+    # NOTE: plain immutable data: a copy is the comm itself, and unpickling makes one through __init__, so every comm
+    # alive is counted once (a copy made field by field would skip __post_init__ and be counted out but never in)
+    def __copy__(self) -> DomainComm:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> DomainComm:
+        return self
+
+    def __reduce__(self) -> tuple:
+        return DomainComm, (self.axis, self.ranks, self.index, self.mesh_epoch)
 
     @property
     def size(self) -> int:

@@ -26,9 +26,31 @@ import torch
 
 from mesh3d._torch_private import outside_dispatch_modes
 
-__all__ = ["plan_cache"]
+__all__ = ["PLAN_CACHES", "PlanCaches", "plan_cache"]
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+class PlanCaches:
+    """Every ``plan_cache``'s memo, to empty when the mesh goes (``DistributedManager.on_shutdown``): plans hold the
+    specs and comms of their mesh, which would otherwise live for the process (``process_hooks.py`` waits for the last
+    comm to go).
+
+    Usage: ``PLAN_CACHES.clear()``
+    """
+
+    def __init__(self) -> None:
+        self._clears: list[Callable[[], None]] = []
+
+    def add(self, clear: Callable[[], None]) -> None:
+        self._clears.append(clear)
+
+    def clear(self) -> None:
+        for clear in self._clears:
+            clear()
+
+
+PLAN_CACHES = PlanCaches()
 
 
 def plan_cache(maxsize: int, *, run_at_trace_time: bool = False) -> Callable[[F], F]:
@@ -54,6 +76,7 @@ def plan_cache(maxsize: int, *, run_at_trace_time: bool = False) -> Callable[[F]
                     return cached(*args, **kwargs)
             return cached(*args, **kwargs)
 
+        PLAN_CACHES.add(cached.cache_clear)
         planned.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
         planned.cache_info = cached.cache_info  # type: ignore[attr-defined]
         if run_at_trace_time:

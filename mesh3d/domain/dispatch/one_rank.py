@@ -90,6 +90,10 @@ class OneRankCalls:
         finally:
             self.enabled = before
 
+    def forget(self) -> None:
+        """Let the kept layouts go with their mesh (``DistributedManager.on_shutdown``): they hold its specs."""
+        self._layouts.clear()
+
     def dispatch(self, func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` on wrapper tensors: from a kept layout where one applies, else the dispatcher."""
         if not self.enabled or WindowProbe.active or torch.compiler.is_compiling():

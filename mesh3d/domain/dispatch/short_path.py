@@ -49,7 +49,7 @@ from mesh3d.domain.dispatch.registry import RULES, inplace_position, op_name, wr
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.writes import record_views
 
-__all__ = ["SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "journal_layout_change", "reclassed", "rule_unchanged",
+__all__ = ["forget_last_spec", "SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "journal_layout_change", "reclassed", "rule_unchanged",
            "short_elementwise", "short_view", "take_short_path"]
 
 _Tensor = torch.Tensor
@@ -81,6 +81,14 @@ class _LastSpec:
     """The last spec found to be a slab: element-wise chains keep one spec object, so one identity check serves."""
 
     spec: Any = None
+
+    @classmethod
+    def forget(cls) -> None:
+        """Let the spec go with its mesh (``DistributedManager.on_shutdown``)."""
+        cls.spec = None
+
+
+forget_last_spec = _LastSpec.forget
 
 
 def take_short_path(func: Callable, handler: Callable[[Callable, tuple, dict | None], Any]) -> None:
