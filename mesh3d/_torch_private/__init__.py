@@ -10,7 +10,7 @@ from mesh3d._torch_private.distributed import (
     local_shape_and_global_offset, post_barrier, python_group_private_names, unflatten_mesh, wait_async_collective)
 from mesh3d._torch_private.autograd import (
     checkpoint_module, disable_torch_function_subclass, linear_not_a_view, own_output, patch_checkpoint_recomputation,
-    route_autograd_function_calls, run_autograd_function, run_backward_from, unpatch_checkpoint_recomputation,
+    route_autograd_function_calls, run_autograd_function, run_backward_from, run_grad_from, unpatch_checkpoint_recomputation,
     unroute_autograd_function_calls)
 from mesh3d._torch_private.compile import (
     PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
@@ -73,6 +73,7 @@ __all__ = [
     "run_autograd_function",
     "running_compiled_backward",
     "run_backward_from",
+    "run_grad_from",
     "run_compiled_graphs_without_subclass_dispatch",
     "random_draws_saved_under_traced_checkpoints",
     "saved_under_traced_checkpoints",

@@ -13,6 +13,7 @@ from torch.distributed._composable import checkpoint
 
 __all__ = ["checkpoint_module", "disable_torch_function_subclass", "linear_not_a_view", "own_output",
            "patch_checkpoint_recomputation", "route_autograd_function_calls", "run_autograd_function", "run_backward_from",
+           "run_grad_from",
            "unpatch_checkpoint_recomputation", "unroute_autograd_function_calls"]
 
 
@@ -153,6 +154,19 @@ def run_backward_from(tensors: tuple[torch.Tensor, ...], grads: tuple[torch.Tens
     """
     torch.autograd.Variable._execution_engine.run_backward(
         tensors, grads, retain_graph, create_graph, inputs, allow_unreachable=True, accumulate_grad=True)
+
+
+def run_grad_from(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...], retain_graph: bool,
+                  create_graph: bool, inputs: tuple[torch.Tensor, ...], allow_unused: bool) -> tuple:
+    """The autograd engine's gradients of ``outputs`` (with ``grads``) with respect to ``inputs``, as
+    ``torch.autograd.grad`` ends by calling it; None where an input was unused (``allow_unused``).
+
+    Why private: as ``run_backward_from``. Calling ``torch.autograd.grad`` itself on domain tensors would come back to
+    their ``__torch_function__``; calling it with that switched off would run every hook and backward function the
+    engine meets with it switched off too, so a gradient hook's ops on a domain tensor would miss their rules.
+    """
+    return torch.autograd.Variable._execution_engine.run_backward(
+        outputs, grads, retain_graph, create_graph, inputs, allow_unreachable=allow_unused, accumulate_grad=False)
 
 
 def route_autograd_function_calls(tensor_types: tuple[type, ...], handler: Callable[[type, tuple, dict], Any]) -> bool:

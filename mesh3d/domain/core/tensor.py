@@ -275,8 +275,9 @@ class DomainTensor(torch.Tensor):
             inputs = (inputs,)
         if inputs is not None and len(inputs) == 0:
             raise RuntimeError("backward(): inputs= cannot be empty; pass the tensors to accumulate into, or None")
-        if is_wrapper(self) and gradient is not None and not isinstance(gradient, DomainTensor):
-            # a plain gradient for a wrapper tensor: laid out like it by the dispatcher's torch.autograd.backward
+        if is_wrapper(self) and ((gradient is not None and not isinstance(gradient, DomainTensor)) or inputs is not None):
+            # a plain gradient for a wrapper tensor: laid out like it by the dispatcher's torch.autograd.backward (which
+            # also asks for an intermediate input's gradient where its readers' gradients meet)
             return torch.autograd.backward(self, gradient, retain_graph, create_graph, inputs=inputs)
         if gradient is None:
             with disable_torch_function_subclass():

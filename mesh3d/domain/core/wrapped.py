@@ -52,7 +52,7 @@ from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
 
-__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "fresh_wrapper", "rebase", "wrapper_tensors"]
+__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "fresh_wrapper", "rebase", "shortcut_alias", "wrapper_tensors"]
 
 
 @contextlib.contextmanager
@@ -172,8 +172,29 @@ def fresh_wrapper(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
     Usage: ``rebase(root, fresh_wrapper(alias, root.spec))`` (a written shard's new history)
     """
     if local.requires_grad and torch.is_grad_enabled():
-        return _FromLocal.apply(local, spec)
-    return _made_from(local, spec)  # NOTE: no history to connect: the Function's cost (about 10 us) is not paid
+        out = run_autograd_function(_FromLocal, (local, spec), {})
+        if not out._views_domain and getattr(local, "_owner", None) is None and not torch.compiler.is_compiling():
+            # NOTE: a fresh result: rules read ``local`` itself, not an alias through the new tensor's own edge (that
+            # cost each op two Python autograd edges, and a wrapper gradient made and unmade in backward). Every
+            # gradient of the tensor still meets at ``local``: hooks, retain_grad and autograd.grad's inputs are
+            # asked there (``shortcut_alias``), while the tensor's history is this edge (``_differentiable_local``)
+            local._shard_alias, local._owner = True, weakref.ref(out)  # type: ignore[attr-defined]  # as __new__
+            with disable_torch_function_subclass():
+                out._alias_node = out.grad_fn
+            out._alias = local
+        return out
+    return _made_from(local, spec)
+
+
+def shortcut_alias(t: Any) -> torch.Tensor | None:
+    """What rules read in place of ``t`` (made by ``fresh_wrapper``), where its whole gradient meets; else None.
+
+    Usage: ``alias = shortcut_alias(h); (alias if alias is not None else h).register_hook(...)``
+    """
+    if type(t) is not WrappedDomainTensor or t._alias is None or t._alias_node is None:
+        return None
+    with disable_torch_function_subclass():
+        return t._alias if t.grad_fn is t._alias_node else None  # NOTE: no history to connect: the Function's cost (about 10 us) is not paid
 
 
 def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
@@ -218,6 +239,7 @@ class WrappedDomainTensor(DomainTensor):
     _views_domain = False
     #: The shard's differentiable alias (``_differentiable_local``), once made
     _alias: torch.Tensor | None
+    _alias_node: Any = None
     #: How a view was made from the tensor it views, ``(func, args, kwargs, index)`` (``dispatch.writes``)
     _replay: tuple | None = None
     #: The shard's version when this tensor's history was last set: a later one means a write through another tensor
@@ -259,11 +281,13 @@ class WrappedDomainTensor(DomainTensor):
             if not self.requires_grad:
                 return self._local
             stale = self._local._version != self._seen_version and self.grad_fn is not None
+            moved = self._alias_node is not None and self.grad_fn is not self._alias_node  # a new history (dirty)
         if stale:
             self._remade()
-        alias = self._alias
+        alias = None if moved else self._alias
         if alias is None:
             alias = self._alias = run_autograd_function(_ToLocal, (self,), {})  # NOTE: as in rebase
+            self._alias_node = None
         return alias
 
     def own_memory(self) -> None:

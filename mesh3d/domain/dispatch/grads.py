@@ -21,12 +21,12 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import disable_torch_function_subclass
+from mesh3d._torch_private import disable_torch_function_subclass, run_backward_from, run_grad_from
 from mesh3d.domain.core.specs import BlockSpec, TokenSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, is_wrapper, unwrap, wrap
-from mesh3d.domain.core.wrapped import fresh_wrapper
+from mesh3d.domain.core.wrapped import fresh_wrapper, shortcut_alias
 
-__all__ = ["GRADIENT_CALLS", "autograd_backward", "autograd_grad", "domain_grad"]
+__all__ = ["GRADIENT_CALLS", "autograd_backward", "autograd_grad", "domain_grad", "register_hook", "retain_grad"]
 
 GRAD_GET = torch.Tensor.grad.__get__
 
@@ -36,11 +36,52 @@ def domain_grad(x: DomainTensor) -> DomainTensor | None:
 
     Usage: ``domain_grad(xs).shape == xs.shape``
     """
+    alias = shortcut_alias(x)
     with disable_torch_function_subclass():
-        g = x.grad
+        g = x.grad if alias is None else alias.grad  # NOTE: a retained gradient is kept where it meets (the alias)
     if g is None or isinstance(g, DomainTensor):
         return g
     return wrap(g, x._spec)
+
+
+def register_hook(t: torch.Tensor, hook: Callable) -> Any:
+    """``t.register_hook(hook)``: ``hook`` sees ``t``'s whole gradient (a wrapper tensor's, as a domain tensor laid out
+    like it) and may return another.
+
+    Usage: ``h.register_hook(lambda g: g / g.norm())``
+    """
+    alias = shortcut_alias(t)
+    if alias is None:
+        with disable_torch_function_subclass():
+            return torch.Tensor.register_hook(t, hook)
+    spec = t._spec  # type: ignore[attr-defined]  # a wrapper tensor's
+
+    def on_shard(g: torch.Tensor) -> torch.Tensor | None:
+        new = hook(fresh_wrapper(g, spec))
+        if new is None or not isinstance(new, DomainTensor):
+            if new is not None:
+                raise TypeError(f"a gradient hook on a domain tensor returned a {type(new).__name__}: return a domain "
+                                "tensor laid out like its gradient (g / g.norm()), or None")
+            return None
+        return unwrap(new)
+
+    with disable_torch_function_subclass():
+        return alias.register_hook(on_shard)
+
+
+def retain_grad(t: torch.Tensor) -> None:
+    """``t.retain_grad()``: ``t.grad`` is then its whole gradient after backward.
+
+    Usage: ``h.retain_grad(); loss.backward(); h.grad``
+    """
+    alias = shortcut_alias(t)
+    with disable_torch_function_subclass():
+        (t if alias is None else alias).retain_grad()
+
+
+def _where_gradients_meet(inputs: tuple) -> tuple:
+    """Each input as the engine must be asked for its whole gradient (a wrapper tensor read through its alias: there)."""
+    return tuple(t if (a := shortcut_alias(t)) is None else a for t in inputs)
 
 
 def _as_tuple(t: Any) -> tuple:
@@ -98,6 +139,17 @@ def _for_output(local: torch.Tensor, output: Any) -> torch.Tensor:
     return fresh_wrapper(local, output._spec) if is_wrapper(output) else local
 
 
+def _engine_grads(outputs: tuple, grads: tuple) -> tuple:
+    """Each output's gradient as the engine takes it, the implicit 1 of a scalar output made here."""
+    made = []
+    for o, g in zip(outputs, grads):
+        if g is None:
+            with disable_torch_function_subclass():  # NOTE: a wrapper's ones are made by the floor, a shard's as torch
+                g = torch.ones_like(o, memory_format=torch.preserve_format)
+        made.append(g)
+    return tuple(made)
+
+
 def _laid_out(grads: Sequence, inputs: tuple) -> tuple:
     return tuple(wrap(g, t._spec) if isinstance(t, DomainTensor) and g is not None and not isinstance(g, DomainTensor)
                  else g for g, t in zip(grads, inputs))
@@ -110,14 +162,24 @@ def autograd_grad(outputs, inputs, grad_outputs=None, retain_graph=None, create_
     Usage: ``(g,) = torch.autograd.grad(u.sum(), xs, create_graph=True)  # g: a domain tensor like xs``
     """
     op = "torch.autograd.grad"
+    del only_inputs  # NOTE: deprecated; torch ignores it too
     if is_grads_batched:
         raise NotImplementedError(f"{op}(is_grads_batched=True) on domain tensors is not supported: call it once per "
                                   "batch of grad_outputs")
     outs, ins = _as_tuple(outputs), _as_tuple(inputs)
-    grads = _local_grad_outputs(outs, _as_tuple(grad_outputs), op)
-    with disable_torch_function_subclass():
-        result = torch.autograd.grad(outs, ins, grads, retain_graph, create_graph, only_inputs, allow_unused,
-                                     materialize_grads=materialize_grads)
+    if not ins:
+        raise RuntimeError(f"{op} requires non-empty inputs")
+    if allow_unused is None:
+        allow_unused = materialize_grads
+    if materialize_grads and not allow_unused:
+        raise ValueError(f"{op}: materialize_grads=True needs allow_unused=True (or None)")
+    grads = _engine_grads(outs, _local_grad_outputs(outs, _as_tuple(grad_outputs), op))
+    # NOTE: straight into the engine (only_inputs is deprecated and ignored, as by torch): hooks and backward
+    # functions then run with domain tensors' rules on, as under loss.backward()
+    result = run_grad_from(outs, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                           _where_gradients_meet(ins), allow_unused)
+    if materialize_grads:
+        result = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(result, ins))
     return _laid_out(result, ins)
 
 
@@ -127,11 +189,16 @@ def autograd_backward(tensors, grad_tensors=None, retain_graph=None, create_grap
 
     Usage: ``torch.autograd.backward([loss_a, loss_b])``
     """
+    op = "torch.autograd.backward"
     outs = _as_tuple(tensors)
-    grads = _local_grad_outputs(outs, _as_tuple(grad_tensors if grad_tensors is not None else grad_variables),
-                                "torch.autograd.backward")
-    with disable_torch_function_subclass():
-        torch.autograd.backward(outs, grads, retain_graph, create_graph, inputs=inputs)
+    grads = _engine_grads(outs, _local_grad_outputs(outs, _as_tuple(grad_tensors if grad_tensors is not None
+                                                                     else grad_variables), op))
+    if inputs is not None:
+        inputs = _where_gradients_meet(_as_tuple(inputs))
+        if not inputs:
+            raise RuntimeError(f"{op}: inputs= cannot be empty; pass the tensors to accumulate into, or None")
+    run_backward_from(outs, grads, create_graph if retain_graph is None else retain_graph, create_graph,
+                      inputs if inputs is not None else ())
 
 
 #: Calls the dispatcher answers here before any rule table: they concern gradients of every layout alike.
@@ -139,4 +206,6 @@ GRADIENT_CALLS: dict[Callable, Callable] = {
     GRAD_GET: domain_grad,
     torch.autograd.grad: autograd_grad,
     torch.autograd.backward: autograd_backward,
+    torch.Tensor.register_hook: register_hook,
+    torch.Tensor.retain_grad: retain_grad,
 }
