@@ -1,7 +1,7 @@
 """What ``mesh3d.domain`` changes in torch for the process (issue 66, item 4): nothing on import; ``Function.apply``
 routed, AOTAutograd's custom-op aliasing check off and checkpoint recomputation patched from the first domain comm
-made to the last one collected; and no cache of mesh3d keeps a mesh's comms once its manager is shut down (so the
-last one does go).
+made to the last one collected, a Function's rule found however often that happened; and no cache of mesh3d keeps a
+mesh's comms once its manager is shut down (so the last one does go).
 
 The process-wide state is read from torch itself, in a fresh interpreter (this one has made domain tensors already),
 on both kinds of domain tensor; the multi-rank part runs in the rank pool.
@@ -54,6 +54,13 @@ class Cube(torch.autograd.Function):
         return 3 * x * x * g
 
 
+class Ruled(Cube):  # ruled before any domain tensor exists (torch unchanged then), used in both lives below
+    pass
+
+
+domain.register(Ruled, rule=domain.elementwise())
+
+
 def cube_grad_error():
     x = torch.linspace(-1, 1, 7, dtype=torch.float64, requires_grad=True)
     Cube.apply(x).sum().backward()
@@ -79,6 +86,7 @@ for life in range(2):
     xs = domain.shard(x, dim=2)
     out[f"alive{life}"] = unchanged(torch_own)
     out[f"refused{life}"] = refusal(xs)
+    out[f"ruled{life}"] = float((Ruled.apply(xs).full_tensor().to_local() - x ** 3).abs().max())
     # checkpoint recomputation, nested: the inner region's input is rebuilt as a domain tensor
     inner = lambda t: checkpoint(net, t, use_reentrant=False)
     got = F.mse_loss(checkpoint(inner, xs, use_reentrant=False), domain.shard(x[:, :1].expand(2, 4, 8, 8), dim=2))
@@ -106,7 +114,7 @@ def test_torch_is_changed_only_while_a_domain_tensor_can_exist(kind):
     for life in range(2):  # made, used, gone; then made again
         assert out[f"alive{life}"] == [False] * 4, (life, out)
         assert "Cube.apply (a torch.autograd.Function) has no domain rule" in out[f"refused{life}"], out
-        assert out[f"loss{life}"] < 1e-12, out
+        assert out[f"loss{life}"] < 1e-12 and out[f"ruled{life}"] < 1e-12, out
         assert out[f"gone{life}"] == everything, (life, out)
     assert out["comms"] == [0, 0, 0], out
 

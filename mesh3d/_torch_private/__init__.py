@@ -9,7 +9,8 @@ from mesh3d._torch_private.distributed import (
     clear_dtensor_caches, default_store, flatten_mesh, gloo_backend, group_options, live_process_groups,
     local_shape_and_global_offset, post_barrier, python_group_private_names, unflatten_mesh, wait_async_collective)
 from mesh3d._torch_private.autograd import (
-    checkpoint_module, disable_torch_function_subclass, linear_not_a_view, own_output, patch_checkpoint_recomputation,
+    checkpoint_module, disable_torch_function_subclass, function_apply_key, linear_not_a_view, own_output,
+    patch_checkpoint_recomputation,
     route_autograd_function_calls, run_autograd_function, run_backward_from, run_grad_from, unpatch_checkpoint_recomputation,
     unroute_autograd_function_calls)
 from mesh3d._torch_private.compile import (
@@ -51,6 +52,7 @@ __all__ = [
     "custom_op_overload",
     "default_store",
     "disable_torch_function_subclass",
+    "function_apply_key",
     "efficient_lse_rows",
     "flatten_mesh",
     "gloo_backend",

@@ -5,13 +5,14 @@ Each function says which private name it touches and why no public API serves.
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any, ContextManager
 
 import torch
 from torch.distributed._composable import checkpoint
 
-__all__ = ["checkpoint_module", "disable_torch_function_subclass", "linear_not_a_view", "own_output",
+__all__ = ["checkpoint_module", "disable_torch_function_subclass", "function_apply_key", "linear_not_a_view", "own_output",
            "patch_checkpoint_recomputation", "route_autograd_function_calls", "run_autograd_function", "run_backward_from",
            "run_grad_from",
            "unpatch_checkpoint_recomputation", "unroute_autograd_function_calls"]
@@ -167,6 +168,19 @@ def run_grad_from(outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, 
     """
     return torch.autograd.Variable._execution_engine.run_backward(
         outputs, grads, retain_graph, create_graph, inputs, allow_unreachable=allow_unused, accumulate_grad=False)
+
+
+#: torch's own ``Function.apply`` (a classmethod's function), read before anything replaces it.
+_TORCH_FUNCTION_APPLY = torch.autograd.Function.__dict__["apply"].__func__
+
+
+def function_apply_key(cls: type) -> Callable:
+    """``cls.apply`` bound to torch's own ``Function.apply``: the same key however ``Function.apply`` is routed now
+    (``route_autograd_function_calls`` installs its own while a domain tensor can exist, and removes it after).
+
+    Why private: reads torch's ``Function.apply`` from the class's ``__dict__``, past the routing.
+    """
+    return types.MethodType(_TORCH_FUNCTION_APPLY, cls)
 
 
 def route_autograd_function_calls(tensor_types: tuple[type, ...], handler: Callable[[type, tuple, dict], Any]) -> bool:

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mesh3d._torch_private import OpOverload, op_schema
+from mesh3d._torch_private import OpOverload, function_apply_key, op_schema
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA
 from mesh3d.domain.dispatch.registry import (
     BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, RuleTable, load_shipped_rules, op_name, rules_for)
@@ -307,7 +307,7 @@ def autograd_function_target(cls: Any) -> Callable | None:
         raise ValueError(refusal)
     if cls.__module__.startswith(_TRUSTED_FUNCTIONS):
         return None
-    target = cls.apply
+    target = function_apply_key(cls)
     if any(target in t for t in _TABLES) or (load_shipped_rules(cls.__module__) and any(target in t for t in _TABLES)):
         return target
     name = f"{cls.__module__}.{cls.__qualname__}.apply"

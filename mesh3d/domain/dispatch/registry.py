@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import OpOverload, OpOverloadPacket, builtins_replaced_by, custom_op_overload, is_operator
+from mesh3d._torch_private import (
+    OpOverload, OpOverloadPacket, builtins_replaced_by, custom_op_overload, function_apply_key, is_operator)
 
 __all__ = ["BLOCK_RULES", "GRAPH_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "load_shipped_rules",
            "inplace_position", "op_name", "register", "rules_for", "writes_inplace", "writes_into_first"]
@@ -129,7 +130,12 @@ def _keys(func: Any) -> list:
     if overload is not None:
         return [overload]
     if isinstance(func, type) and issubclass(func, torch.autograd.Function):
-        return [func.apply]  # NOTE: a bound method: each access makes a new one, equal and with the same hash
+        return [function_apply_key(func)]
+    owner = getattr(func, "__self__", None)
+    if isinstance(owner, type) and issubclass(owner, torch.autograd.Function) and getattr(func, "__name__", "") == "apply":
+        # NOTE: MyFunction.apply is a new bound method at each access, equal while Function.apply is the same function;
+        # mesh3d routes Function.apply only while a domain tensor can exist, so the key binds torch's own
+        return [function_apply_key(owner)]
     if isinstance(func, OpOverloadPacket):
         return [func, *(getattr(func, name) for name in func.overloads())]
     return [func]
