@@ -120,7 +120,6 @@ def test_torch_is_changed_only_while_a_domain_tensor_can_exist(kind):
 
 
 def _mesh_let_go_body(seed):
-    import copy
     import gc
 
     import torch.distributed as dist
@@ -150,7 +149,7 @@ def _mesh_let_go_body(seed):
                  domain.edge_index(gr))
     (h.sum() + F.mse_loss(e, e.detach() * 0)).backward()
     alive_before = sum(isinstance(o, DomainComm) and o.mesh_epoch == epoch for o in gc.get_objects())
-    del y, h, e, gr, block, net, copy
+    del y, h, e, gr, block, net
     DistributedManager.shutdown()
     gc.collect()
     left = [o for o in gc.get_objects() if isinstance(o, DomainComm) and o.mesh_epoch == epoch]

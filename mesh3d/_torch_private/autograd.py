@@ -12,10 +12,9 @@ from typing import Any, ContextManager
 import torch
 from torch.distributed._composable import checkpoint
 
-__all__ = ["checkpoint_module", "disable_torch_function_subclass", "function_apply_key", "linear_not_a_view", "own_output",
-           "patch_checkpoint_recomputation", "route_autograd_function_calls", "run_autograd_function", "run_backward_from",
-           "run_grad_from",
-           "unpatch_checkpoint_recomputation", "unroute_autograd_function_calls"]
+__all__ = ["checkpoint_module", "disable_torch_function_subclass", "function_apply_key", "linear_not_a_view",
+           "own_output", "patch_checkpoint_recomputation", "route_autograd_function_calls", "run_autograd_function",
+           "run_backward_from", "run_grad_from", "unpatch_checkpoint_recomputation", "unroute_autograd_function_calls"]
 
 
 def checkpoint_module(module: object, context_fn: object | None = None) -> None:

@@ -58,11 +58,11 @@ def register_hook(t: torch.Tensor, hook: Callable) -> Any:
 
     def on_shard(g: torch.Tensor) -> torch.Tensor | None:
         new = hook(fresh_wrapper(g, spec))
-        if new is None or not isinstance(new, DomainTensor):
-            if new is not None:
-                raise TypeError(f"a gradient hook on a domain tensor returned a {type(new).__name__}: return a domain "
-                                "tensor laid out like its gradient (g / g.norm()), or None")
+        if new is None:
             return None
+        if not isinstance(new, DomainTensor):
+            raise TypeError(f"a gradient hook on a domain tensor returned a {type(new).__name__}: return a domain "
+                            "tensor laid out like its gradient (g / g.norm()), or None")
         return unwrap(new)
 
     with disable_torch_function_subclass():

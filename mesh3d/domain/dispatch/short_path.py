@@ -49,8 +49,8 @@ from mesh3d.domain.dispatch.registry import RULES, inplace_position, op_name, wr
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.writes import record_views
 
-__all__ = ["forget_last_spec", "SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "journal_layout_change", "reclassed", "rule_unchanged",
-           "short_elementwise", "short_view", "take_short_path"]
+__all__ = ["SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "forget_last_spec", "journal_layout_change", "reclassed",
+           "rule_unchanged", "short_elementwise", "short_view", "take_short_path"]
 
 _Tensor = torch.Tensor
 
