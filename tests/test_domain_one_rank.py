@@ -132,7 +132,9 @@ def test_a_unet_trains_equal_to_one_process_with_layouts_kept(ranks):
     (result,) = ranks.run(1, _training_body, timeout=300)
     worst, hits = result
     assert max(worst.values()) < 1e-12, worst
-    assert hits > 15, hits  # the path answered the model's convolutions, norms, pooling and interpolation
+    # the path answered the model's norms, pooling, interpolation and transposed convolution (its convolutions take
+    # the convolutions' own short path, ``ops.conv_short``, which needs no rank count)
+    assert hits > 10, hits
 
 
 def _edges_body():
@@ -150,7 +152,7 @@ def _edges_body():
         xs = domain.shard(x, dim=2)
         # torch's result of another length along the sharded dim than the rule's (a data-dependent size): refused
         spec = xs.spec
-        out["size"] = _on_shards(lambda t: t[:, :, :5], (xs,), {}, (spec,)) is NotImplemented
+        out["size"] = _on_shards(lambda t: t[:, :, :5], (xs,), {}, (spec,))[0] is NotImplemented
         # a write takes the dispatcher every time
         hits = ONE_RANK.hits
         for _ in range(2):

@@ -1,16 +1,13 @@
 """Element-wise ATen ops on wrapper domain tensors laid out alike: the floor answers them on the shards.
 
-Usage (``mesh3d.domain.core.wrapped``'s floor, and the short path of element-wise functions)::
+Usage (``mesh3d.domain.core.wrapped``'s floor)::
 
     if elementwise_aten(torch.ops.aten.mul.Tensor): ...     # 1: element-wise, writing nothing
-    out = alike_on_shards(torch.relu, (xs,), None)          # autograd records relu on xs; the floor runs it on shards
 
 Why it is right whoever calls: an element-wise op of tensors laid out alike (the same spec, the same shard shapes) and
 of 0-d values (the same on every rank) is, shard by shard, the whole answer's shards. So the autograd engine's
-backward formulas, a C++ extension's ``at::mul`` and TorchScript get the one-process answer here; everything else
-reaching the floor is refused by name. ``alike_on_shards`` is how the short path runs an element-wise function of
-wrapper tensors as DTensor runs an op: below autograd, which records torch's own node on the wrappers (no Python
-autograd Function per op); an op inside it the floor cannot answer sends the call back to the dispatcher.
+backward formulas (of an op recorded on wrappers: ``torch.func``, checkpointed regions), a C++ extension's ``at::mul``
+and TorchScript get the one-process answer here; everything else reaching the floor is refused by name.
 """
 
 from __future__ import annotations
@@ -19,10 +16,8 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import disable_torch_function_subclass
 
-__all__ = ["NotLaidOutAlike", "alike_on_shards", "alike_result", "answering_alike", "elementwise_aten",
-           "laid_out_alike"]
+__all__ = ["alike_result", "elementwise_aten", "laid_out_alike"]
 
 
 _aten = torch.ops.aten
@@ -33,26 +28,6 @@ _ELEMENTWISE_UNTAGGED = frozenset({
     _aten.hardsigmoid_backward.default, _aten.softshrink_backward.default, _aten.hardshrink_backward.default,
     _aten.log_sigmoid_backward.default, _aten._to_copy.default, _aten.hardswish.default, _aten.fill.Scalar,
 })
-
-
-class NotLaidOutAlike(NotImplementedError):
-    """Raised by the floor inside ``alike_on_shards``: an op the fast path cannot answer on shards (it goes back to
-    the dispatcher)."""
-
-
-class _AlikeState:
-    """Whether an element-wise call is being answered by the floor on shards (``alike_on_shards``)."""
-
-    depth = 0
-
-
-_ALIKE = _AlikeState()
-
-
-def answering_alike() -> bool:
-    """Whether the floor runs inside ``alike_on_shards`` (an op it cannot answer on shards then sends the call back to
-    the dispatcher: ``NotLaidOutAlike``)."""
-    return _ALIKE.depth > 0
 
 
 def elementwise_aten(func: Any) -> int:
@@ -79,23 +54,6 @@ def _alike_tagged(func: Any) -> bool:
     # NOTE: never a random draw: each rank would draw its own numbers, not its part of the one-process draw
     tags = func.tags
     return (torch.Tag.pointwise in tags or func in _ELEMENTWISE_UNTAGGED) and torch.Tag.nondeterministic_seeded not in tags
-
-
-def alike_on_shards(func: Any, args: tuple, kwargs: dict | None) -> Any:
-    """``func(*args, **kwargs)`` (an element-wise torch function of wrapper tensors laid out alike) run below autograd:
-    autograd records it on the wrappers, as for any tensor, and the floor runs its ATen ops (element-wise ones only)
-    on the shards; NotImplemented where the floor meets another op (the dispatcher then answers the call).
-
-    Usage: ``out = alike_on_shards(torch.relu, (xs,), None)`` (``dispatch.short_path``)
-    """
-    _ALIKE.depth += 1
-    try:
-        with disable_torch_function_subclass():
-            return func(*args, **(kwargs or {}))
-    except NotLaidOutAlike:
-        return NotImplemented
-    finally:
-        _ALIKE.depth -= 1
 
 
 def alike_result(cls: type, func: Any, out: Any, like: Any) -> Any:

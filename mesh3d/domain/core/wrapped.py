@@ -21,15 +21,12 @@ of each op, then AOTAutograd's trace), on fake shards, and emit their exchanges 
 (``core.settings.traced``). A builtin that Dynamo records in place of a Python function of torch needs that
 function's rule registered for it too (``F.pad``'s: ``_torch_private.PAD_BUILTIN``).
 
-NOTE (the steps): landed so far: the type, its two autograd edges, the floor, in-place writes rebased onto the
-written tensor (``rebase``), writes into views (``mesh3d.domain.dispatch.writes``), compile, a short path for
-metadata, sizes, views of slabs and element-wise ops (these run below autograd: ``alike_ops``), and on a one-rank
-domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Not yet: the
-speed of an op's two autograd edges (convolutions, norms, pooling, reductions); graph ops under compile (refused at
-trace time, so Dynamo breaks the graph at each: equal to eager, but more frames than the storage subclass compiles).
-The suite runs on the storage subclass until the switch is the default; under it, the whole suite's failures of
-2026-12-05 (the planner's memory and collective counts, a changed setting not recompiling, Inductor's order of the
-random draws in a checkpointed region) are fixed.
+NOTE (the steps): landed so far: the type, its two autograd edges (one per op where a rule's result is read next:
+``fresh_wrapper``), the floor, in-place writes rebased onto the written tensor (``rebase``), writes into views
+(``dispatch.writes``), compile, a short path for metadata, sizes, views and element-wise ops of slabs, and on a
+one-rank domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Not
+yet: graph ops under compile (refused at trace time, so Dynamo breaks the graph at each). The suite runs on the
+storage subclass until the switch is the default (the whole suite passes under it, 2026-12-05).
 """
 
 from __future__ import annotations
@@ -46,10 +43,9 @@ import torch
 
 from mesh3d._torch_private import (
     disable_torch_function_subclass, make_wrapper_tensor, run_autograd_function, tree_flatten, tree_map)
-from mesh3d.domain.core.alike_ops import (
-    NotLaidOutAlike, alike_result, answering_alike, elementwise_aten, laid_out_alike)
+from mesh3d.domain.core.alike_ops import alike_result, elementwise_aten, laid_out_alike
 from mesh3d.domain.core.settings import SETTINGS
-from mesh3d.domain.core.specs import AnySpec
+from mesh3d.domain.core.specs import AnySpec, DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
 
 __all__ = ["ENGINE_OPS", "WrappedDomainTensor", "fresh_wrapper", "rebase", "shortcut_alias", "wrapper_tensors"]
@@ -100,8 +96,7 @@ class _ToLocal(torch.autograd.Function):
         # counter, so a rule may write into it in place (a view made inside a Function may not be) and autograd
         # still sees every saved shard's version change
         alias = wrapped._local.detach()
-        alias._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
-        alias._owner = weakref.ref(wrapped)  # type: ignore[attr-defined]  # read by _wrapped_or_owner
+        alias._owner = weakref.ref(wrapped)  # type: ignore[attr-defined]  # read by _wrapped_or_owner, _made_from
         return alias
 
     @staticmethod
@@ -173,12 +168,13 @@ def fresh_wrapper(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
     """
     if local.requires_grad and torch.is_grad_enabled():
         out = run_autograd_function(_FromLocal, (local, spec), {})
-        if not out._views_domain and getattr(local, "_owner", None) is None and not torch.compiler.is_compiling():
+        owner = getattr(local, "_owner", None)
+        if not out._views_domain and (owner is None or owner() is None) and not torch.compiler.is_compiling():
             # NOTE: a fresh result: rules read ``local`` itself, not an alias through the new tensor's own edge (that
             # cost each op two Python autograd edges, and a wrapper gradient made and unmade in backward). Every
             # gradient of the tensor still meets at ``local``: hooks, retain_grad and autograd.grad's inputs are
             # asked there (``shortcut_alias``), while the tensor's history is this edge (``_differentiable_local``)
-            local._shard_alias, local._owner = True, weakref.ref(out)  # type: ignore[attr-defined]  # as __new__
+            local._owner = weakref.ref(out)  # type: ignore[attr-defined]  # as __new__
             with disable_torch_function_subclass():
                 out._alias_node = out.grad_fn
             out._alias = local
@@ -200,12 +196,19 @@ def shortcut_alias(t: Any) -> torch.Tensor | None:
 def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
     if torch.compiler.is_compiling():
         return WrappedDomainTensor(local, spec)  # NOTE: traced: in-place writes into views are not replayed there
-    # NOTE: a view rule's result: its shard is a view of another wrapper's shard (each wrapper's shard and its
-    # differentiable aliases are marked; read before this one's shard is)
-    views = getattr(local._base, "_shard_alias", False) or getattr(local, "_shard_alias", False)
+    # NOTE: a view rule's result: its shard is a view of a live wrapper's shard (each wrapper's shard and its
+    # differentiable aliases are marked with their owner; read before this one's shard is). A mark whose owner is
+    # gone says nothing: the user's own tensor, wrapped whole on one rank step after step, is no view
+    views = _owned(local._base) or _owned(local)
     out = WrappedDomainTensor(local.detach() if local.requires_grad else local, spec)
     out._views_domain = views
     return out
+
+
+def _owned(local: torch.Tensor | None) -> bool:
+    """Whether ``local`` is the shard (or a differentiable alias of it) of a wrapper tensor alive now."""
+    owner = getattr(local, "_owner", None)
+    return owner is not None and owner() is not None
 
 
 def _same_layout(wrapped: list[WrappedDomainTensor]) -> bool:
@@ -252,6 +255,8 @@ class WrappedDomainTensor(DomainTensor):
                 like: WrappedDomainTensor | None = None) -> WrappedDomainTensor:
         if like is not None and local.shape == like._local.shape and local.stride() == like._local.stride():
             whole, strides = like._whole, like._strides  # NOTE: an element-wise result: the sizes of its operand
+        elif type(spec) is DomainSpec and spec.comm.size == 1 and local.is_contiguous() and local.numel():
+            whole, strides = local.shape, local.stride()  # NOTE: one rank's shard is the whole, row-major as it is
         else:
             whole = global_shape_for(local.shape, spec)
             strides = global_strides_for(local, whole)
@@ -260,13 +265,9 @@ class WrappedDomainTensor(DomainTensor):
         if torch.compiler.is_compiling():
             out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
             return out
-        local._shard_alias = True  # type: ignore[attr-defined]  # a mark read by _made_from
-        local._owner = weakref.ref(out)  # type: ignore[attr-defined]  # read by _wrapped_or_owner
+        local._owner = weakref.ref(out)  # type: ignore[attr-defined]  # read by _wrapped_or_owner, _made_from
         out._local, out._spec, out._alias, out._seen_version = local, spec, None, local._version
         return out
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:  # noqa: D107  (everything is set in __new__)
-        super().__init__()
 
     def _differentiable_local(self) -> torch.Tensor:
         """The shard, connected to this tensor's autograd history where it has one (made once per tensor).
@@ -294,8 +295,7 @@ class WrappedDomainTensor(DomainTensor):
         """Give this tensor a shard of its own, a copy of the one it has (which views another tensor's here): a result
         torch makes as a copy, whose shard only happens to alias on this rank (``dispatch.writes.record_views``)."""
         local = self._local.clone()
-        local._shard_alias = True  # type: ignore[attr-defined]  # as __new__
-        local._owner = weakref.ref(self)  # type: ignore[attr-defined]
+        local._owner = weakref.ref(self)  # type: ignore[attr-defined]  # as __new__
         self._local, self._alias, self._views_domain, self._seen_version = local, None, False, local._version
 
     def _remade(self) -> None:
@@ -340,9 +340,8 @@ class WrappedDomainTensor(DomainTensor):
 
         NOTE: what arrives here was not called through Python's torch functions (those take the rules): the autograd
         engine summing gradients, or C++ code (an extension, TorchScript, torch.func's transforms) that would run on
-        the shard as if it were the whole tensor. Only ENGINE_OPS and element-wise ops (``alike_ops``: the short
-        path's element-wise calls, their gradients, C++ callers of them) on tensors laid out alike run; all else is
-        refused by name.
+        the shard as if it were the whole tensor. Only ENGINE_OPS and element-wise ops (``alike_ops``) on tensors laid
+        out alike run; all else is refused by name.
         """
         alike = elementwise_aten(func)
         if alike and not kwargs:
@@ -355,18 +354,19 @@ class WrappedDomainTensor(DomainTensor):
                     return like
                 return alike_result(WrappedDomainTensor, func, out, like)
         kwargs = kwargs or {}
-        nested = kwargs or any(isinstance(a, (list, tuple, dict)) for a in args)
-        flat = tree_flatten((args, kwargs))[0] if nested else args  # NOTE: pytree costs tens of us a call
+        # NOTE: pytree costs tens of us a call: only for nested arguments or tensors among the keywords
+        # (``ones_like``'s are dtype, layout, device and memory format)
+        nested = any(isinstance(a, (list, tuple, dict)) for a in args) or \
+            any(isinstance(v, (list, tuple, dict, torch.Tensor)) for v in kwargs.values())
+        flat = tree_flatten((args, kwargs))[0] if nested else args
         wrapped = [a for a in flat if isinstance(a, WrappedDomainTensor)]
         plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, WrappedDomainTensor)]
         if wrapped and func not in ENGINE_OPS and alike == 1 and _same_layout(wrapped) and \
                 not any(p.ndim for p in plain):
             # NOTE: an element-wise op of tensors laid out alike (and 0-d values, the same on every rank) is the
             # whole answer's shards, whoever calls it: the fast path's forward, autograd's backward of it, C++ code
-            out = func(*_shards_of(args, nested), **tree_map(_shard_of, kwargs))
+            out = func(*_shards_of(args, nested), **(tree_map(_shard_of, kwargs) if nested else kwargs))
             return alike_result(WrappedDomainTensor, func, out, wrapped[0])
-        if answering_alike() and func not in ENGINE_OPS:
-            raise NotLaidOutAlike(f"{func} is not answered on shards")
         if func not in ENGINE_OPS or plain or not _same_layout(wrapped):
             message = (
                 f"{func} reached a domain tensor below mesh3d's rules (called from C++: an extension, TorchScript, "
@@ -382,7 +382,7 @@ class WrappedDomainTensor(DomainTensor):
             # NOTE: AccumulateGrad's layout contract: a gradient strided otherwise than its leaf is copied into a new
             # tensor of the leaf's (global) sizes and strides; the shard of that is a shard-sized one
             return WrappedDomainTensor(torch.empty_like(args[0]._local), spec)
-        out = func(*_shards_of(args, nested), **tree_map(_shard_of, kwargs))
+        out = func(*_shards_of(args, nested), **(tree_map(_shard_of, kwargs) if nested else kwargs))
         if func.overloadpacket in (torch.ops.aten.add_, torch.ops.aten.copy_, torch.ops.aten.zero_,
                                    torch.ops.aten.detach_):
             return args[0]

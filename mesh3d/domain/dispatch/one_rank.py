@@ -35,7 +35,7 @@ import torch
 from mesh3d._torch_private import disable_torch_function_subclass, is_operator
 from mesh3d.domain.core.specs import DomainSpec, Layout
 from mesh3d.domain.core.tensor import DomainTensor
-from mesh3d.domain.core.wrapped import WrappedDomainTensor
+from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.dispatcher import dispatch
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import DATA_QUERIES, is_global_size, is_metadata
@@ -122,12 +122,12 @@ class OneRankCalls:
             return out
         if layout is _DISPATCHER:
             return dispatch(func, types, args, kwargs)
-        out = _on_shards(func, args, kwargs, layout)
+        out, fresh = _on_shards(func, args, kwargs, layout)
         if out is NotImplemented:  # NOTE: torch's result is not what the rule's was (a data-dependent size)
             self._layouts[key] = _DISPATCHER
             return dispatch(func, types, args, kwargs)
         self.hits += 1
-        return record_views(out, func, args, kwargs)
+        return out if fresh else record_views(out, func, args, kwargs)
 
 
 def _eligibility(func: Callable) -> int | None | bool:
@@ -195,25 +195,29 @@ def _layout_of(out: Any) -> Any:
     return tuple(layout)
 
 
-def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple) -> Any:
+def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple) -> tuple[Any, bool]:
+    """(torch's call on the shards laid out as kept, or NotImplemented; whether every result is fresh memory)."""
     local = [_shard(a) for a in args]
     try:
         out = func(*local, **{k: _shard(v) for k, v in kwargs.items()}) if kwargs else func(*local)
     except Exception:  # noqa: BLE001 - torch refuses what the rule answered (torch.all of floats): the rule's answer
-        return NotImplemented
+        return NotImplemented, False
     leaves = _leaves(out)
     if leaves is None or len(leaves) != len(layout):
-        return NotImplemented
-    made = []
+        return NotImplemented, False
+    made, fresh = [], True
     for o, spec in zip(leaves, layout):
         if spec is not None:
             if spec.dim is not None and (o.ndim <= spec.dim or o.shape[spec.dim] != spec.sizes[0]):
-                return NotImplemented
-            o = DomainTensor._from_local(o, spec)
+                return NotImplemented, False
+            if o._base is None and not hasattr(o, "_owner"):
+                o = fresh_wrapper(o, spec)  # NOTE: memory of its own: no input to hand back, no view to record
+            else:
+                o, fresh = DomainTensor._from_local(o, spec), False
         made.append(o)
     if isinstance(out, torch.Tensor):
-        return made[0]
-    return type(out)(made)
+        return made[0], fresh
+    return type(out)(made), fresh
 
 
 def _shard(a: Any) -> Any:

@@ -16,8 +16,8 @@
   multi-rank domain a view that changes the layout is journaled, as the dispatcher journals it.
 
 Wrapper tensors (issue 64's switch) have a table of their own, ``WRAPPED_SHORT``: metadata, sizes, and element-wise
-ops of one slab layout and one shard shape, which run below autograd (``core.alike_ops.alike_on_shards``: autograd
-records torch's own node on the wrappers, the floor runs the ATen ops on the shards).
+ops of one slab layout and one shard shape, run on the shards (behind the result's one autograd edge where a gradient
+is wanted, ``core.wrapped.fresh_wrapper``).
 
 Each is exactly what the dispatcher's own branch does for such a call, without its walk: on tiny tensors the walk
 was most of the 15-25 us a domain op cost on the CPU (scripts/bench_domain.py, docs/benchmarks.md). While Dynamo
@@ -41,8 +41,7 @@ from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.copied_views import has_copy_marks
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, wrap
-from mesh3d.domain.core.alike_ops import alike_on_shards
-from mesh3d.domain.core.wrapped import WrappedDomainTensor
+from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
 from mesh3d.domain.dispatch.registry import RULES, inplace_position, op_name, writes_inplace, writes_into_first
@@ -156,32 +155,52 @@ def _writes_in_place(func: Callable, args: tuple, kwargs: dict | None) -> bool:
 
 
 def _elementwise_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
-    """An element-wise op on wrapper tensors of one slab layout and one shard shape: recorded by autograd on the
-    wrappers and run on the shards by the floor (``wrapped.alike_on_shards``), as DTensor runs an op."""
+    """An element-wise op on wrapper tensors of one slab layout and one shard shape: torch's op on the shards, the
+    result laid out as its operands."""
     if RULES.get(func) is not _RULED[func] or torch.compiler.is_compiling() or _writes_in_place(func, args, kwargs):
         # NOTE: AOTAutograd's trace runs the rules on fake shards (``core.wrapped``); a write (F.relu(x, inplace=True))
         # takes the dispatcher, which rebases the tensor written
         return NotImplemented
-    spec = shape = None
+    like = None
+    recorded = False  # whether autograd records the call (a wrapper argument requires grad, grad mode on)
+    grad_on = torch.is_grad_enabled()
     for a in args:
         if isinstance(a, _Tensor):
             if type(a) is not WrappedDomainTensor:
                 return NotImplemented
-            if spec is None:
-                spec, shape = a._spec, a._local.shape
-            elif (a._spec is not spec and a._spec != spec) or a._local.shape != shape:
+            if like is None:
+                like = a
+            elif (a._spec is not like._spec and a._spec != like._spec) or a._local.shape != like._local.shape:
                 return NotImplemented
-    if spec is None:
+            if grad_on and not recorded:
+                with _Disabled():  # NOTE: a wrapper's flag read through the dispatcher costs a whole walk
+                    recorded = a.requires_grad
+    if like is None:
         return NotImplemented
     if kwargs:
         for v in kwargs.values():
             if isinstance(v, _Tensor):
                 return NotImplemented
+    spec = like._spec
     if spec is not _LastSpec.spec:
         if not _slab(spec):
             return NotImplemented
         _LastSpec.spec = spec
-    return alike_on_shards(func, args, kwargs)
+    # NOTE: torch's op on the shards: recorded (a gradient wanted), on their differentiable aliases behind the result's
+    # one edge, as a rule's step is (``fresh_wrapper``), so its backward runs on plain shards; else without any edge.
+    # Recorded on the wrappers instead, below autograd, each op cost a round trip through the floor forward and one per
+    # backward formula (12-15 us each on the CPU), and a boundary edge to every rule-answered op next to it
+    try:
+        if recorded:
+            out = func(*[a._differentiable_local() if type(a) is WrappedDomainTensor else a for a in args],
+                       **(kwargs or {}))
+        else:
+            out = func(*[a._local if type(a) is WrappedDomainTensor else a for a in args], **(kwargs or {}))
+    except Exception:  # noqa: BLE001 - NOTE: the dispatcher runs it again, raising the error and telling the peers
+        return NotImplemented
+    if type(out) is not _Tensor or out.shape != like._local.shape or hasattr(out, "_owner"):
+        return NotImplemented  # NOTE: not a fresh result (``x.float()`` of a float x is x): the dispatcher's
+    return fresh_wrapper(out, spec) if recorded else WrappedDomainTensor(out, spec, like=like)
 
 
 def _global_size_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:

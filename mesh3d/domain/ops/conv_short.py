@@ -6,7 +6,8 @@ own) and the padding left to the kernel is symmetric, the rule's step is torch's
 padding: the short path calls it directly, from a plan kept per signature (spec, input dims, kernel, stride, padding,
 dilation), with the current weight and bias, journaled on a multi-rank domain as the rule's window is. Everything
 else (halos to fetch, an empty output shard, asymmetric padding, the batch or a channel dim sharded, weights that
-are domain tensors or DTensors) takes the rule.
+are domain tensors or DTensors) takes the rule. Wrapper tensors take it too (on their shard's differentiable alias, the
+result behind one edge, ``core.wrapped.fresh_wrapper``), except while AOTAutograd traces them.
 
 Usage: importing registers it for ``F.conv1d``, ``F.conv2d`` and ``F.conv3d``.
 """
@@ -23,7 +24,9 @@ from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.core.plan_cache import plan_cache
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
-from mesh3d.domain.dispatch.short_path import journal_layout_change, reclassed, rule_unchanged, take_short_path
+from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
+from mesh3d.domain.dispatch.short_path import (
+    SHORT, WRAPPED_SHORT, journal_layout_change, reclassed, rule_unchanged, take_short_path)
 from mesh3d.domain.halo.windows import Extended, plan_window, window_exchange
 from mesh3d.domain.ops.conv import as_tuple, kernel_padding, pad_pairs
 
@@ -65,7 +68,10 @@ def _short_conv(nd: int) -> Callable[[Callable, tuple, dict | None], Any]:
             x, weight, bias, stride, padding, dilation, groups = _arguments(*args, **(kwargs or {}))
         except TypeError:  # not F.conv's signature: the rule raises what torch would
             return NotImplemented
-        if type(x) is not DomainTensor or type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
+        kind = type(x)
+        if kind is not DomainTensor and (kind is not WrappedDomainTensor or torch.compiler.is_compiling()):
+            return NotImplemented  # NOTE: AOTAutograd's trace of wrapper tensors runs the rules on fake shards
+        if type(weight) not in _PLAIN or (bias is not None and type(bias) not in _PLAIN):
             return NotImplemented
         spec = x._spec
         if type(spec) is not DomainSpec or spec.dim is None or spec.outer != 1:
@@ -77,16 +83,19 @@ def _short_conv(nd: int) -> Callable[[Callable, tuple, dict | None], Any]:
                 return NotImplemented
             if plan is None:
                 return NotImplemented
+            # NOTE: the shard's alias, as ``unwrap`` (a wrapper's: the one its rules read, ``_differentiable_local``)
+            local = x.as_subclass(torch.Tensor) if kind is DomainTensor else x._differentiable_local()
             try:
-                out = func(x.as_subclass(torch.Tensor), weight, bias, stride, plan[0], dilation, groups)  # as ``unwrap``
+                out = func(local, weight, bias, stride, plan[0], dilation, groups)
             except Exception:  # noqa: BLE001 - the rule runs it again and tells the peers (a multi-rank domain)
                 return NotImplemented
         if spec.comm.size > 1:  # NOTE: the rule's step declares a window: the dispatcher journals it on every rank
             journal_layout_change(func, plan[1])
-        return reclassed(out, plan[1])
+        return reclassed(out, plan[1]) if kind is DomainTensor else fresh_wrapper(out, plan[1])
 
     return short
 
 
 for _nd, _f in ((1, F.conv1d), (2, F.conv2d), (3, F.conv3d)):
     take_short_path(_f, _short_conv(_nd))
+    WRAPPED_SHORT[_f] = SHORT[_f]
