@@ -5,10 +5,10 @@ Usage (bench_domain.py calls it)::
     report["dispatch"] = part_dispatch(args, torch.device("cpu"))
 
 Each op of ``dispatch_ops`` runs ``args.dispatch_calls`` times in a loop on a 1x2x4x4 tensor, one thread: plain torch,
-a domain tensor at domain=1 (``domain_us``; ``overhead_us`` is its cost over plain torch), the same domain tensor with
-the short path off so every call takes the dispatcher's walk (``full_dispatcher_us``: what each op cost before the
+a storage-subclass domain tensor at domain=1 (``domain_us``; ``overhead_us`` is its cost over plain torch), the same
+tensor with the short path off so every call takes the dispatcher's walk (``full_dispatcher_us``: what each op cost before the
 short path, issue 50), a DTensor sharded the same way on a one-rank gloo mesh (``dtensor_us``; None where DTensor
-refuses the op), and the wrapper-subclass domain tensor (issue 64's switch, ``wrapper_us``). The contenders take
+refuses the op), and the wrapper-subclass domain tensor (the default kind since issue 64, ``wrapper_us``). The contenders take
 turns, round by round (``args.dispatch_rounds``), and each keeps its best round's median: the machine may be shared,
 and the best round is the least disturbed one.
 """
@@ -90,7 +90,8 @@ def part_dispatch(args, device) -> dict:
     x = torch.randn(1, 2, 4, 4, device=device)
     w = torch.randn(2, 2, 3, 3, device=device)
     gn = (torch.randn(2, device=device), torch.randn(2, device=device))
-    xs = domain.shard(x, dim=2)
+    with wrapper_tensors(False):  # NOTE: the storage subclass, whichever kind is the default
+        xs = domain.shard(x, dim=2)
     with wrapper_tensors():
         xw = domain.shard(x, dim=2)
     ops = dispatch_ops(w, *gn)
@@ -103,9 +104,10 @@ def part_dispatch(args, device) -> dict:
                     "wrapper": float("inf")}
             for _ in range(rounds):
                 best["plain"] = min(best["plain"], _per_call(fn, x, n))
-                best["domain"] = min(best["domain"], _per_call(fn, xs, n))
-                with _ShortPathOff():
-                    best["full"] = min(best["full"], _per_call(fn, xs, n))
+                with wrapper_tensors(False):
+                    best["domain"] = min(best["domain"], _per_call(fn, xs, n))
+                    with _ShortPathOff():
+                        best["full"] = min(best["full"], _per_call(fn, xs, n))
                 with wrapper_tensors():
                     best["wrapper"] = min(best["wrapper"], _per_call(fn, xw, n))
                 if dt is not None and best["dtensor"] is not None:

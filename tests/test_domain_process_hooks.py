@@ -1,7 +1,8 @@
 """What ``mesh3d.domain`` changes in torch for the process (issue 66, item 4): nothing on import; ``Function.apply``
 routed, AOTAutograd's custom-op aliasing check off and checkpoint recomputation patched from the first domain comm
 made to the last one collected, a Function's rule found however often that happened; and no cache of mesh3d keeps a
-mesh's comms once its manager is shut down (so the last one does go).
+mesh's comms once its manager is shut down (so the last one does go). Also: the kind of domain tensor a process makes,
+read from its environment (the wrapper by default).
 
 The process-wide state is read from torch itself, in a fresh interpreter (this one has made domain tensors already),
 on both kinds of domain tensor; the multi-rank part runs in the rank pool.
@@ -117,6 +118,28 @@ def test_torch_is_changed_only_while_a_domain_tensor_can_exist(kind):
         assert out[f"loss{life}"] < 1e-12 and out[f"ruled{life}"] < 1e-12, out
         assert out[f"gone{life}"] == everything, (life, out)
     assert out["comms"] == [0, 0, 0], out
+
+
+_KIND = r"""
+import torch
+from mesh3d import domain
+print(type(domain.shard(torch.zeros(1, 2, 4, 4), dim=2)).__name__)
+"""
+
+
+@pytest.mark.parametrize(("value", "made"), [(None, "WrappedDomainTensor"), ("1", "WrappedDomainTensor"),
+                                              ("0", "DomainTensor"), ("yes", None)])
+def test_the_kind_of_domain_tensor_a_process_makes_is_read_from_its_environment(value, made):
+    env = clean_env() if value is None else clean_env(MESH3D_DOMAIN_WRAPPER=value)
+    if value is None:  # NOTE: the default, whatever the run around this test sets
+        env.pop("MESH3D_DOMAIN_WRAPPER", None)
+    proc = subprocess.run([sys.executable, "-c", _KIND], env=env, capture_output=True, text=True, timeout=120)
+    if made is None:  # NOTE: refused on import, naming what it read and the two values it takes
+        assert proc.returncode != 0 and "MESH3D_DOMAIN_WRAPPER must be 1" in proc.stderr, proc.stderr[-2000:]
+        assert "or 0 (the storage subclass), not 'yes'" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.split() == [made], proc.stdout
 
 
 def _mesh_let_go_body(seed):

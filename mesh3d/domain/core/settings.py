@@ -67,17 +67,27 @@ class OverlapSettings:
     blocks: bool = False
 
 
+def _wrapper_from_environment() -> bool:
+    """Whether this process makes wrapper domain tensors (``DomainSettings.wrapper``), from ``MESH3D_DOMAIN_WRAPPER``."""
+    value = os.environ.get("MESH3D_DOMAIN_WRAPPER", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"MESH3D_DOMAIN_WRAPPER must be 1 (wrapper domain tensors, the default) or 0 (the storage "
+                         f"subclass), not {value!r}")
+    return value == "1"
+
+
 @dataclass(frozen=True)
 class DomainSettings:
     """Every setting the domain rules read, one frozen value.
 
-    ``wrapper`` is private while it lands (issue 64): domain tensors are made as the wrapper subclass of
-    ``mesh3d.domain.core.wrapped`` (``MESH3D_DOMAIN_WRAPPER=1`` sets it for a process).
+    ``wrapper``: domain tensors are made as the wrapper subclass of ``mesh3d.domain.core.wrapped`` (the default since
+    issue 64), or as the storage subclass of ``mesh3d.domain.core.tensor`` where ``MESH3D_DOMAIN_WRAPPER=0`` is set for
+    the process (private: the way back while the wrapper is new, e.g. on a GPU it has not been measured on).
     """
 
     attention: AttentionSettings = AttentionSettings()
     overlap: OverlapSettings = OverlapSettings()
-    wrapper: bool = field(default_factory=lambda: os.environ.get("MESH3D_DOMAIN_WRAPPER") == "1")
+    wrapper: bool = field(default_factory=_wrapper_from_environment)
 
 
 class ValueSlot(Generic[T]):

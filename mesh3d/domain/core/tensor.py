@@ -45,7 +45,7 @@ __all__ = ["DomainTensor", "adopt", "detach_in_place", "global_shape_for", "glob
 def wrap(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
     """View ``local`` (a plain tensor, autograd history kept) as a DomainTensor with ``spec``.
 
-    Under the private switch (``mesh3d.domain.core.wrapped``), a wrapper tensor whose autograd edge leads to ``local``.
+    By default (``mesh3d.domain.core.wrapped``) a wrapper tensor whose autograd edge leads to ``local``.
     """
     if SETTINGS.value.wrapper:
         return DomainTensor._from_local(local, spec)
@@ -84,7 +84,7 @@ def adopt(fresh: torch.Tensor, spec: AnySpec, keep: tuple = ()) -> DomainTensor:
 
 
 def is_wrapper(t: Any) -> bool:
-    """Whether ``t`` is a wrapper domain tensor (``mesh3d.domain.core.wrapped``, behind issue 64's private switch).
+    """Whether ``t`` is a wrapper domain tensor (``mesh3d.domain.core.wrapped``, the default kind).
 
     Usage: ``if is_wrapper(x): ...``
 

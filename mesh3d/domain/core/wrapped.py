@@ -1,11 +1,10 @@
-"""The wrapper-subclass domain tensor (issue 64), landing in steps behind a private switch, off by default.
+"""The wrapper-subclass domain tensor (issue 64): what ``domain.shard`` and every rule make, by default.
 
-Usage (private, while it lands)::
+Usage::
 
-    from mesh3d.domain.core.wrapped import wrapper_tensors
-    with wrapper_tensors():                   # or MESH3D_DOMAIN_WRAPPER=1 in the environment
-        xs = domain.shard(x, dim=2)           # a WrappedDomainTensor: no storage of its own, the shard inside
-        loss = model(xs).sum(); loss.backward()
+    xs = domain.shard(x, dim=2)               # a WrappedDomainTensor: no storage of its own, the shard inside
+    loss = model(xs).sum(); loss.backward()
+    with wrapper_tensors(False): ...          # the storage subclass inside (private; MESH3D_DOMAIN_WRAPPER=0: all)
 
 What changes against the storage subclass (``mesh3d.domain.core.tensor``): the tensor's own metadata is the whole
 tensor's, and it has no storage, so nothing below the rules can take this rank's shard for the whole tensor: C++ code
@@ -25,8 +24,8 @@ NOTE (the steps): landed so far: the type, its two autograd edges (one per op wh
 ``fresh_wrapper``), the floor, in-place writes rebased onto the written tensor (``rebase``), writes into views
 (``dispatch.writes``), compile, a short path for metadata, sizes, views and element-wise ops of slabs, and on a
 one-rank domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Not
-yet: graph ops under compile (refused at trace time, so Dynamo breaks the graph at each). The suite runs on the
-storage subclass until the switch is the default (the whole suite passes under it, 2026-12-05).
+yet: graph ops under compile (refused at trace time, so Dynamo breaks the graph at each). The default since
+2026-12-05; the storage subclass stays behind ``MESH3D_DOMAIN_WRAPPER=0`` until the wrapper is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ __all__ = ["ENGINE_OPS", "WrappedDomainTensor", "fresh_wrapper", "rebase", "shor
 
 @contextlib.contextmanager
 def wrapper_tensors(on: bool = True) -> Iterator[None]:
-    """Domain tensors made inside the block are wrapper tensors (``on``) or storage tensors (private switch).
+    """Domain tensors made inside the block are wrapper tensors (``on``, the default) or storage tensors (private).
 
     Usage: ``with wrapper_tensors(): xs = domain.shard(x, dim=2)``
     """
