@@ -6,8 +6,9 @@ Usage::
 
 The extension calls ``at::sum(x)`` and loops over ``x.data_ptr<double>()``: C++ that mesh3d's Python rules never
 see. On 2 domain ranks, the storage subclass hands it this rank's shard (the shard's sum, silently); the wrapper
-tensor (``MESH3D_DOMAIN_WRAPPER=1``'s kind) has no storage and sends ``at::sum`` to its ``__torch_dispatch__`` floor,
-which refuses it by name, and the ``data_ptr`` loop raises. Not a test: the build alone would cost the suite 30 s.
+tensor (the default kind; ``MESH3D_DOMAIN_WRAPPER=0`` gives the storage subclass) has no storage and sends
+``at::sum`` to its ``__torch_dispatch__`` floor, which refuses it by name, and the ``data_ptr`` loop raises. Not a
+test: the build alone would cost the suite 30 s.
 """
 
 from __future__ import annotations

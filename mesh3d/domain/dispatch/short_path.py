@@ -46,6 +46,7 @@ from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
 from mesh3d.domain.dispatch.registry import RULES, inplace_position, op_name, writes_inplace, writes_into_first
 from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process_views
 from mesh3d.domain.dispatch.writes import record_views
 
 __all__ = ["SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "forget_last_spec", "journal_layout_change", "reclassed",
@@ -358,10 +359,9 @@ def _view_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
         if isinstance(a, _Tensor):
             return NotImplemented
     shape = x._local.shape
+    rest = tuple(kwargs.items()) if kwargs else ()
     try:
-        hit = VIEW_STEPS.find(func, rule, args, kwargs,
-                              (WrappedDomainTensor, func, id(spec), shape, args[1:],
-                               tuple(kwargs.items()) if kwargs else ()))
+        hit = VIEW_STEPS.find(func, rule, args, kwargs, (WrappedDomainTensor, func, id(spec), shape, args[1:], rest))
     except TypeError:
         return NotImplemented
     if not hit:
@@ -376,7 +376,18 @@ def _view_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
             return NotImplemented
     if changes_layout and spec.comm.size > 1:
         journal_layout_change(func, out_spec)
-    return record_views(DomainTensor._from_local(out, out_spec), func, args, kwargs or {})
+    # NOTE: which results torch makes as views depends on the whole tensor's sizes and strides and the arguments only
+    key = (func, x._whole, x._strides, x._local.dtype, args[1:], rest)
+    views = _VIEWS_OF.get(key)
+    if views is None and func in VIEW_FUNCTIONS:
+        if len(_VIEWS_OF) >= VIEW_STEPS.maxsize:
+            _VIEWS_OF.clear()
+        views = _VIEWS_OF[key] = one_process_views(func, args, kwargs or {}) or (None,)
+    return record_views(DomainTensor._from_local(out, out_spec), func, args, kwargs or {}, views)
+
+
+#: ``one_process_views``'s answer per view signature of a wrapper tensor (``_view_wrapped``)
+_VIEWS_OF: dict[tuple, Any] = {}
 
 
 # NOTE: ``.grad`` is a metadata query the dispatcher answers first, laid out as the whole tensor (``dispatch.grads``)

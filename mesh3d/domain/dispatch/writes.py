@@ -29,7 +29,7 @@ __all__ = ["record_views", "written_into_wrapper"]
 Run = Callable[[Callable, tuple, tuple, dict], Any]
 
 
-def record_views(out: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
+def record_views(out: Any, func: Callable, args: tuple, kwargs: dict, views: Any = None) -> Any:
     """Remember how each wrapper view in ``out`` (a rule's result) was made from the tensor it views: ``(func, args,
     kwargs, index)``, ``index`` its place in a tuple result (``unbind``, ``split``) or None.
 
@@ -37,8 +37,9 @@ def record_views(out: Any, func: Callable, args: tuple, kwargs: dict) -> Any:
     whole tensors (``view_semantics``), not whether this rank's shard happens to alias: an empty shard, or one of a
     single row, aliases where its peers' shards do not, and a write into a view journals its replay on every rank
     alike. A result torch makes as a copy but whose shard aliases here is given memory of its own, and every other
-    function's results are such copies."""
-    views = one_process_views(func, args, kwargs) if func in VIEW_FUNCTIONS else _NEW_MEMORY
+    function's results are such copies. ``views``: ``one_process_views``'s answer, where the caller kept it."""
+    if views is None:
+        views = one_process_views(func, args, kwargs) if func in VIEW_FUNCTIONS else _NEW_MEMORY
     if isinstance(out, WrappedDomainTensor):
         _record(out, func, args, kwargs, None, views[0] if views else None)
     elif isinstance(out, (tuple, list)):
