@@ -1,8 +1,9 @@
-"""The wrapper-subclass domain tensor behind its private switch (issue 64's first steps), against one process in fp64:
+"""The wrapper-subclass domain tensor (issue 64; the default kind), against one process in fp64:
 a model with halos, a norm, pooling and in-place writes trains equal to one process with gradients that are domain
 tensors of the global shape; a normalising gradient hook and module backward hooks see the whole gradient's norm;
 writes into views carry their gradient to the tensor viewed; ops that escape the rules (TorchScript, torch.func, C++)
-are refused by name, never run on the shard (a compiled extension: scripts/check_cpp_escape.py)."""
+are refused by name, never run on the shard (a compiled extension: scripts/check_cpp_escape.py); the user's plain
+tensors a wrapper tensor held or handed out save, load and copy as plain tensors."""
 
 from __future__ import annotations
 
@@ -251,3 +252,34 @@ def test_the_planner_simulates_wrapper_tensors_with_the_storage_subclass_s_figur
         on_wrappers = figures()
     assert made  # the simulated step made wrapper tensors
     assert on_wrappers == storage
+
+
+def _plain_tensors_body(sizes):
+    """The user's plain tensors that wrapper tensors held or handed out, saved, loaded and copied as plain tensors."""
+    import io
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    x = torch.randn(2, 3, sum(sizes), 4, dtype=D64, generator=torch.Generator().manual_seed(7))
+    xs = domain.shard(x, dim=2, sizes=sizes)  # NOTE: on one rank it holds x itself
+    mine = x.narrow(2, xs.spec.offset, sizes[xs.spec.comm.index]).clone()
+    ys = domain.from_local(mine, dim=2, sizes=sizes)
+    loss = (xs * ys).sum() + (ys * 2.0).mean()  # the tensors are read by rules, as in a model
+    found = {"loss": abs(float(loss) - float((x * x).sum() + (x * 2.0).mean()))}
+    for name, t in (("x", x), ("to_local", xs.to_local()), ("from_local's", mine)):
+        buf = io.BytesIO()
+        torch.save({"t": t}, buf)  # NOTE: a weak reference among its attributes would not pickle
+        buf.seek(0)
+        back = torch.load(buf, weights_only=True)["t"]
+        found[name] = (type(back).__name__, bool(torch.equal(back, t)), sorted(vars(copy.deepcopy(t))))
+    DistributedManager.shutdown()
+    return found
+
+
+@pytest.mark.parametrize("sizes", [(5,), (3, 2)])
+def test_plain_tensors_held_by_wrapper_tensors_save_load_and_copy_as_plain_tensors(ranks, sizes):
+    for found in ranks.run(len(sizes), _plain_tensors_body, sizes):
+        assert found.pop("loss") < 1e-9
+        for name, got in found.items():
+            assert got == ("Tensor", True, []), (name, got)

@@ -34,7 +34,6 @@ import contextlib
 import copy
 import dataclasses
 import warnings
-import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -44,6 +43,7 @@ from mesh3d._torch_private import (
     disable_torch_function_subclass, make_wrapper_tensor, run_autograd_function, tree_flatten, tree_map)
 from mesh3d.domain.core.alike_ops import alike_result, elementwise_aten, laid_out_alike
 from mesh3d.domain.core.settings import SETTINGS
+from mesh3d.domain.core.shard_owners import SHARD_OWNERS
 from mesh3d.domain.core.specs import AnySpec, DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
 
@@ -95,7 +95,7 @@ class _ToLocal(torch.autograd.Function):
         # counter, so a rule may write into it in place (a view made inside a Function may not be) and autograd
         # still sees every saved shard's version change
         alias = wrapped._local.detach()
-        alias._owner = weakref.ref(wrapped)  # type: ignore[attr-defined]  # read by _wrapped_or_owner, _made_from
+        SHARD_OWNERS.mark(alias, wrapped)  # NOTE: read by _wrapped_or_owner, _made_from
         return alias
 
     @staticmethod
@@ -146,17 +146,15 @@ def _wrapped_or_owner(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor
     the other), else a new one (``fresh_wrapper``)."""
     if torch.compiler.is_compiling():
         return fresh_wrapper(local, spec)
-    owner_ref = getattr(local, "_owner", None)
-    if owner_ref is not None:
-        owner = owner_ref()
-        if owner is not None and (local is owner._local or local is owner._alias) and \
-                (owner._spec is spec or owner._spec == spec):
-            if local._version != owner._seen_version:  # the rule wrote into it (F.relu(x, inplace=True) returns x)
-                if local is owner._alias:
-                    rebase(owner, fresh_wrapper(local, spec), check=False)
-                else:
-                    owner._seen_version = local._version  # no history to rebase: the write was not recorded
-            return owner
+    owner = SHARD_OWNERS.owner(local)
+    if owner is not None and (local is owner._local or local is owner._alias) and \
+            (owner._spec is spec or owner._spec == spec):
+        if local._version != owner._seen_version:  # the rule wrote into it (F.relu(x, inplace=True) returns x)
+            if local is owner._alias:
+                rebase(owner, fresh_wrapper(local, spec), check=False)
+            else:
+                owner._seen_version = local._version  # no history to rebase: the write was not recorded
+        return owner
     return fresh_wrapper(local, spec)
 
 
@@ -167,13 +165,12 @@ def fresh_wrapper(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
     """
     if local.requires_grad and torch.is_grad_enabled():
         out = run_autograd_function(_FromLocal, (local, spec), {})
-        owner = getattr(local, "_owner", None)
-        if not out._views_domain and (owner is None or owner() is None) and not torch.compiler.is_compiling():
+        if not out._views_domain and not torch.compiler.is_compiling() and SHARD_OWNERS.owner(local) is None:
             # NOTE: a fresh result: rules read ``local`` itself, not an alias through the new tensor's own edge (that
             # cost each op two Python autograd edges, and a wrapper gradient made and unmade in backward). Every
             # gradient of the tensor still meets at ``local``: hooks, retain_grad and autograd.grad's inputs are
             # asked there (``shortcut_alias``), while the tensor's history is this edge (``_differentiable_local``)
-            local._owner = weakref.ref(out)  # type: ignore[attr-defined]  # as __new__
+            SHARD_OWNERS.mark(local, out)  # NOTE: as __new__
             with disable_torch_function_subclass():
                 out._alias_node = out.grad_fn
             out._alias = local
@@ -206,8 +203,7 @@ def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
 
 def _owned(local: torch.Tensor | None) -> bool:
     """Whether ``local`` is the shard (or a differentiable alias of it) of a wrapper tensor alive now."""
-    owner = getattr(local, "_owner", None)
-    return owner is not None and owner() is not None
+    return local is not None and SHARD_OWNERS.owner(local) is not None
 
 
 def _same_layout(wrapped: list[WrappedDomainTensor]) -> bool:
@@ -264,7 +260,7 @@ class WrappedDomainTensor(DomainTensor):
         if torch.compiler.is_compiling():
             out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
             return out
-        local._owner = weakref.ref(out)  # type: ignore[attr-defined]  # read by _wrapped_or_owner, _made_from
+        SHARD_OWNERS.mark(local, out)  # NOTE: read by _wrapped_or_owner, _made_from
         out._local, out._spec, out._alias, out._seen_version = local, spec, None, local._version
         return out
 
@@ -294,7 +290,7 @@ class WrappedDomainTensor(DomainTensor):
         """Give this tensor a shard of its own, a copy of the one it has (which views another tensor's here): a result
         torch makes as a copy, whose shard only happens to alias on this rank (``dispatch.writes.record_views``)."""
         local = self._local.clone()
-        local._owner = weakref.ref(self)  # type: ignore[attr-defined]  # as __new__
+        SHARD_OWNERS.mark(local, self)  # NOTE: as __new__
         self._local, self._alias, self._views_domain, self._seen_version = local, None, False, local._version
 
     def _remade(self) -> None:

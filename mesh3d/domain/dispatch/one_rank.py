@@ -34,6 +34,7 @@ import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass, is_operator
 from mesh3d.domain.core.specs import DomainSpec, Layout
+from mesh3d.domain.core.shard_owners import SHARD_OWNERS
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.dispatcher import dispatch
@@ -210,7 +211,7 @@ def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple) -> tupl
         if spec is not None:
             if spec.dim is not None and (o.ndim <= spec.dim or o.shape[spec.dim] != spec.sizes[0]):
                 return NotImplemented, False
-            if o._base is None and not hasattr(o, "_owner"):
+            if o._base is None and not SHARD_OWNERS.marked(o):
                 o = fresh_wrapper(o, spec)  # NOTE: memory of its own: no input to hand back, no view to record
             else:
                 o, fresh = DomainTensor._from_local(o, spec), False

@@ -40,6 +40,7 @@ from mesh3d._torch_private import disable_torch_function_subclass as _Disabled
 from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.copied_views import has_copy_marks
 from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.shard_owners import SHARD_OWNERS
 from mesh3d.domain.core.tensor import DomainTensor, wrap
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
@@ -199,7 +200,7 @@ def _elementwise_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> An
             out = func(*[a._local if type(a) is WrappedDomainTensor else a for a in args], **(kwargs or {}))
     except Exception:  # noqa: BLE001 - NOTE: the dispatcher runs it again, raising the error and telling the peers
         return NotImplemented
-    if type(out) is not _Tensor or out.shape != like._local.shape or hasattr(out, "_owner"):
+    if type(out) is not _Tensor or out.shape != like._local.shape or SHARD_OWNERS.marked(out):
         return NotImplemented  # NOTE: not a fresh result (``x.float()`` of a float x is x): the dispatcher's
     return fresh_wrapper(out, spec) if recorded else WrappedDomainTensor(out, spec, like=like)
 

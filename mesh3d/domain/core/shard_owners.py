@@ -1,0 +1,64 @@
+"""Which wrapper domain tensor a plain shard belongs to, while both live: the marks ``core.wrapped`` reads.
+
+Usage::
+
+    SHARD_OWNERS.mark(local, wrapper)     # local is the wrapper's shard, or a differentiable alias of it
+    SHARD_OWNERS.owner(local)             # that wrapper while it lives, else None
+    SHARD_OWNERS.marked(local)            # whether local was ever marked (then it is no fresh result)
+
+NOTE: kept beside the tensors, never among their attributes: a shard may be the user's own tensor (wrapped whole on
+one rank, ``domain.from_local``'s, what ``to_local()`` answers), and a weak reference in its ``__dict__`` made
+``torch.save`` of it fail (weak references do not pickle) and was carried into its deep copies. A mark goes with
+its tensor (a weak reference's callback); a mark whose owner is gone answers None.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+__all__ = ["SHARD_OWNERS", "ShardOwners"]
+
+
+class _Mark(weakref.ref):
+    """A weak reference to a marked shard, carrying its key and a weak reference to its owner."""
+
+    __slots__ = ("key", "owner")
+    key: int
+    owner: weakref.ref
+
+
+class ShardOwners:
+    """The marks of the shards of live wrapper tensors, by the shard's identity (module docstring).
+
+    Usage: ``SHARD_OWNERS.mark(local, out); SHARD_OWNERS.owner(local) is out``
+    """
+
+    def __init__(self) -> None:
+        self._marks: dict[int, _Mark] = {}
+
+    def mark(self, local: torch.Tensor, owner: Any) -> None:
+        """``local`` belongs to ``owner`` (replacing any earlier mark of it)."""
+        mark = _Mark(local, self._forget)
+        mark.key, mark.owner = id(local), weakref.ref(owner)
+        self._marks[mark.key] = mark
+
+    def owner(self, local: Any) -> Any:
+        """The live wrapper tensor ``local`` was marked for, else None."""
+        mark = self._marks.get(id(local))
+        return None if mark is None or mark() is not local else mark.owner()
+
+    def marked(self, local: Any) -> bool:
+        """Whether ``local`` was marked, whether or not its owner still lives."""
+        mark = self._marks.get(id(local))
+        return mark is not None and mark() is local
+
+    def _forget(self, mark: _Mark) -> None:
+        if self._marks.get(mark.key) is mark:  # NOTE: not a later tensor's mark that took the same id
+            del self._marks[mark.key]
+
+
+#: The marks of this process's wrapper tensors.
+SHARD_OWNERS = ShardOwners()
