@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from mesh3d._torch_private import never_compiled_alone
+
 __all__ = ["SHARD_OWNERS", "ShardOwners"]
 
 
@@ -59,6 +61,10 @@ class ShardOwners:
         if self._marks.get(mark.key) is mark:  # NOTE: not a later tensor's mark that took the same id
             del self._marks[mark.key]
 
+
+# NOTE: a weak reference's callback runs wherever the shard's last reference goes, a frame Dynamo evaluates included:
+# it would compile ``_forget`` as a frame of its own (tests/test_domain_graph_autograd.py counts the frames compiled)
+never_compiled_alone(ShardOwners._forget)
 
 #: The marks of this process's wrapper tensors.
 SHARD_OWNERS = ShardOwners()
