@@ -57,6 +57,15 @@ class ShardOwners:
         mark = self._marks.get(id(local))
         return mark is not None and mark() is local
 
+    def fresh(self, local: Any) -> bool:
+        """Whether ``local``, a plain result of torch's call on shards, is memory of its own: no view, and no shard
+        a wrapper was made of (``x.float()`` of a float shard is the shard). A fresh result becomes a new wrapper with
+        nothing to hand back or record as a view (``core.wrapped.fresh_wrapper``).
+
+        Usage: ``out = fresh_wrapper(o, spec) if SHARD_OWNERS.fresh(o) else DomainTensor._from_local(o, spec)``
+        """
+        return local._base is None and not self.marked(local)
+
     def _forget(self, mark: _Mark) -> None:
         if self._marks.get(mark.key) is mark:  # NOTE: not a later tensor's mark that took the same id
             del self._marks[mark.key]

@@ -211,7 +211,7 @@ def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple) -> tupl
         if spec is not None:
             if spec.dim is not None and (o.ndim <= spec.dim or o.shape[spec.dim] != spec.sizes[0]):
                 return NotImplemented, False
-            if o._base is None and not SHARD_OWNERS.marked(o):
+            if SHARD_OWNERS.fresh(o):
                 o = fresh_wrapper(o, spec)  # NOTE: memory of its own: no input to hand back, no view to record
             else:
                 o, fresh = DomainTensor._from_local(o, spec), False

@@ -200,7 +200,7 @@ def _elementwise_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> An
             out = func(*[a._local if type(a) is WrappedDomainTensor else a for a in args], **(kwargs or {}))
     except Exception:  # noqa: BLE001 - NOTE: the dispatcher runs it again, raising the error and telling the peers
         return NotImplemented
-    if type(out) is not _Tensor or out.shape != like._local.shape or SHARD_OWNERS.marked(out):
+    if type(out) is not _Tensor or out.shape != like._local.shape or not SHARD_OWNERS.fresh(out):
         return NotImplemented  # NOTE: not a fresh result (``x.float()`` of a float x is x): the dispatcher's
     return fresh_wrapper(out, spec) if recorded else WrappedDomainTensor(out, spec, like=like)
 
@@ -378,17 +378,9 @@ def _view_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     if changes_layout and spec.comm.size > 1:
         journal_layout_change(func, out_spec)
     # NOTE: which results torch makes as views depends on the whole tensor's sizes and strides and the arguments only
-    key = (func, x._whole, x._strides, x._local.dtype, args[1:], rest)
-    views = _VIEWS_OF.get(key)
-    if views is None and func in VIEW_FUNCTIONS:
-        if len(_VIEWS_OF) >= VIEW_STEPS.maxsize:
-            _VIEWS_OF.clear()
-        views = _VIEWS_OF[key] = one_process_views(func, args, kwargs or {}) or (None,)
+    views = one_process_views(func, args, kwargs or {}, (x._whole, x._strides, x._local.dtype, args[1:], rest)) \
+        or (None,) if func in VIEW_FUNCTIONS else None
     return record_views(DomainTensor._from_local(out, out_spec), func, args, kwargs or {}, views)
-
-
-#: ``one_process_views``'s answer per view signature of a wrapper tensor (``_view_wrapped``)
-_VIEWS_OF: dict[tuple, Any] = {}
 
 
 # NOTE: ``.grad`` is a metadata query the dispatcher answers first, laid out as the whole tensor (``dispatch.grads``)

@@ -58,19 +58,32 @@ VIEW_FUNCTIONS = _functions()
 
 _CACHE: dict[tuple, tuple[bool | None, ...] | None] = {}
 _CACHE_SIZE = 4096
+_MISSING = object()
 
 
-def one_process_views(func: Callable, args: tuple, kwargs: dict) -> tuple[bool | None, ...] | None:
+def one_process_views(func: Callable, args: tuple, kwargs: dict,
+                      key: tuple | None = None) -> tuple[bool | None, ...] | None:
     """For ``func`` in ``VIEW_FUNCTIONS``: whether each tensor of its result is a view in one process (a tuple, one
     per tensor of a tuple result, or one for a tensor result; None for one that shares its input's memory without
     being a view, as ``detach()``); None where no meta run answers (a data-dependent call, such as a boolean mask's
-    index: never a view in torch)."""
-    key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else ())
+    index: never a view in torch).
+
+    ``key``: the call's signature where the caller holds it cheaper than the walk of the arguments here (a wrapper
+    tensor's whole sizes, strides and dtype, and the other arguments: ``short_path``); it must decide the answer.
+    """
+    if key is None:
+        try:
+            key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else ())
+            hash(key)
+        except TypeError:  # an argument that does not hash (a list): answered without the cache
+            return _answer(func, args, kwargs)
+    else:
+        key = ("given", func, key)  # NOTE: never equal to a walked key, whose second item is a tuple
     try:
-        hit = _CACHE.get(key)
-    except TypeError:  # an argument that does not hash (a list): answered without the cache
+        hit = _CACHE.get(key, _MISSING)
+    except TypeError:  # a given key holding a list
         return _answer(func, args, kwargs)
-    if hit is None:
+    if hit is _MISSING:
         hit = _answer(func, args, kwargs)
         if len(_CACHE) >= _CACHE_SIZE:
             _CACHE.clear()
