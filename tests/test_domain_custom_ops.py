@@ -33,6 +33,17 @@ def _compare(call, inputs: list[torch.Tensor], shard) -> float:
     return max(errs)
 
 
+def test_element_wise_and_local_custom_rules_rule_every_registered_layout():
+    """``domain.elementwise()`` and ``domain.local(...)`` register a rule in every registered layout's table: a new
+    layout (``dispatch.layout_registry``) that they miss fails here."""
+    from mesh3d.domain.dispatch.layout_registry import LAYOUTS
+
+    tables = {entry.rules.name for entry in LAYOUTS}
+    assert len(tables) == len(LAYOUTS) >= 5
+    assert set(domain.elementwise().rules(torch.ops.aten.relu.default)) == tables
+    assert set(domain.local(dims=(1,)).rules(torch.ops.aten.relu.default)) == tables
+
+
 def _stencil_cases():
     """(stride, dilation, pad, periodic, kernel): same-size, strided, dilated, asymmetric reach, wrapped."""
     return [(1, 1, 1, False, 3), (1, 1, 2, True, 5), (2, 1, 1, False, 3), (1, 2, 2, True, 3), (2, 2, 3, True, 4),

@@ -51,8 +51,8 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     from layout_cases import calls, make, plain
 
     from mesh3d.domain.comm.divergence import DomainDivergenceError
-    from mesh3d.domain.dispatch.registry import (
-        BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES, load_shipped_rules, op_name)
+    from mesh3d.domain.dispatch.layout_registry import LAYOUTS
+    from mesh3d.domain.dispatch.registry import load_shipped_rules, op_name
 
     load_shipped_rules("torch_harmonics")  # NOTE: loaded on first use otherwise: the sweep covers them too
     DistributedManager.initialize(batch=1, domain=grid)
@@ -61,7 +61,7 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     y0 = torch.randn(shape, dtype=D64, generator=g).abs() + 0.5
     xp, yp = plain(layout, x0), plain(layout, y0)
     sharded = {"strided": 0, "tokens": 1}.get(layout, 2)
-    funcs = sorted({f for t in (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES, GRAPH_RULES) for f in t}, key=op_name)
+    funcs = sorted({f for t in LAYOUTS.tables() for f in t}, key=op_name)  # NOTE: every registered layout's rules
     outcome: dict[str, str] = {}
     for func in funcs:
         for i, call in enumerate(calls(func, xp, yp, sharded)):
@@ -116,6 +116,14 @@ CASES = [
     ("tokens", 4, (2, 2), (2, 3, 6, 4), ((5, 1), (2, 2))),
     ("graph", 3, (3,), (2, 3, 7, 4), (4, 0, 3)),
 ]
+
+
+def test_the_sweep_feeds_every_registered_layout():
+    """A layout registered (``dispatch.layout_registry``) without a case here fails: its rules would go unswept."""
+    from mesh3d.domain.dispatch.layout_registry import LAYOUTS
+
+    swept = {domain.Layout(name.rstrip("0123456789")) for name, *_ in CASES}
+    assert {entry.layout for entry in LAYOUTS} <= swept, swept
 
 
 @pytest.mark.parametrize("layout, world, grid, shape, sizes", CASES, ids=[c[0] for c in CASES])

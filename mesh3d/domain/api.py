@@ -22,15 +22,11 @@ from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.layouts.slabs import redistribute_local
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import gather_rows
-from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.layouts.blocks import block_full_tensor, shard_blocks
+from mesh3d.domain.layouts.blocks import shard_blocks
 from mesh3d.domain.layouts.blocks_local import blocks_from_local
-from mesh3d.domain.core.specs import GraphSpec, TokenSpec
-from mesh3d.domain.layouts.graph import graph_full_tensor
-from mesh3d.domain.layouts.tokens import token_full_tensor
-from mesh3d.domain.layouts.slabs import full_tensor as slab_full_tensor
 from mesh3d.domain.comm.rows import plan_exchange
 from mesh3d.domain.core.plan_cache import plan_cache
+from mesh3d.domain.dispatch.layout_registry import LAYOUTS
 from mesh3d.domain.layouts.relayout import relayout
 from mesh3d.domain.core.split import aligned_sizes, split_sizes
 from mesh3d.domain.layouts.transpose import move_sharding
@@ -189,17 +185,12 @@ def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[
 
 
 def full_tensor(x: DomainTensor) -> DomainTensor:
-    """The whole tensor on every domain rank (differentiable), as a *replicated* domain tensor; slabs or blocks.
+    """The whole tensor on every domain rank (differentiable), as a *replicated* domain tensor; any layout.
 
     Usage: ``whole = domain.full_tensor(ys)  # or ys.full_tensor()``
     """
-    if isinstance(x._spec, BlockSpec):
-        return block_full_tensor(x)
-    if isinstance(x._spec, TokenSpec):
-        return token_full_tensor(x)
-    if isinstance(x._spec, GraphSpec):
-        return graph_full_tensor(x)
-    return slab_full_tensor(x)
+    entry = LAYOUTS.of(x._spec.layout)
+    return x if entry is None else entry.full_tensor(x)  # NOTE: None: replicated, whole already
 
 
 def redistribute(x: DomainTensor, sizes: Sequence | None = None, dim: int | None = None, *,

@@ -36,13 +36,13 @@ from mesh3d.domain.halo.windows import WindowProbe, window_exchange
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.dispatch.operators import COMPILED_GRAPH_RUNTIME, autograd_function_target, operator_target
-from mesh3d.domain.dispatch.registry import (
-    BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, writes_into_first)
+from mesh3d.domain.dispatch.layout_registry import LAYOUTS, RegisteredLayout
+from mesh3d.domain.dispatch.registry import op_name, writes_into_first
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.comm.rows import plan_exchange
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.halo.windows import Extended, Window
-from mesh3d.domain.core.specs import DomainSpec, Layout
+from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.copied_views import has_copy_marks, refuse_write_through_copy
 from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, is_wrapper, unwrap, wrap
 from mesh3d.domain.dispatch.writes import record_views, written_into_wrapper
@@ -65,54 +65,38 @@ def _replicated_dtensor_to_local(o: Any) -> Any:
     return o
 
 
-def _dispatch_grid(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
-    """An op with block-sharded inputs (``mesh3d.domain.layouts.blocks``) or token grids
-    (``mesh3d.domain.layouts.tokens``): its rule for that layout, or a refusal naming it."""
-    tokens = spec.layout is Layout.TOKENS
-    rule = _TABLES[spec.layout].get(func)
+def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTensor, entry: RegisteredLayout) -> Any:
+    """An op whose leading input is laid out as ``entry`` says: its rule in that layout's table, or a refusal naming it
+    on every rank (before any exchange)."""
+    spec = lead._spec
+    if not entry.traceable:
+        if torch.compiler.is_dynamo_compiling():
+            # NOTE: e.g. graph rules check node ids against the partition and plan halos in numpy, which Dynamo cannot
+            # trace: under torch.compile each such op is a graph break, run eagerly (docs/domain.md, "Graphs and meshes")
+            return _eager(func, args, kwargs, lead, entry)
+        if traced():
+            # NOTE: wrapper tensors are traced by AOTAutograd, where no graph break can be made
+            raise NotImplementedError(
+                f"{op_name(func)} on a wrapper domain tensor laid out as {entry.name} under torch.compile: such ops run "
+                "eagerly (docs/domain.md, 'Graphs and meshes'), which a wrapper tensor's trace cannot do yet; compile "
+                "the layers around them (the message passing), or wrap them in torch.compiler.disable")
+    rule = entry.rules.get(func)
     if rule is None:
-        layout = "token grids (blocks flattened into tokens" if tokens else "block layouts (a domain tensor"
-        raise NotImplementedError(
-            f"{op_name(func)} has no rule for {layout} sharded over dims {spec.dims} on a domain grid): mesh3d will "
-            "not run it, because the local answer could differ from the one-process answer. The ops supported are "
-            "listed in docs/domain.md, 'Blocks' and 'Token grids'. Call .full_tensor() first, or move to slabs with "
-            "domain.redistribute(x, dim=...)")
-    if spec.comm.size == 1 or traced():  # NOTE: see dispatch() on compiled graphs
-        return rule(*args, **kwargs)
-    JOURNAL.record(_op_label(func), (spec.dims, tuple(sum(s) for s in spec.sizes)))
-    return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
-
-
-def _dispatch_graph(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
-    """An op with a graph-laid-out input (``mesh3d.domain.ops.graph``): its rule, or a refusal naming it on every rank
-    (before any exchange)."""
-    if torch.compiler.is_dynamo_compiling():
-        # NOTE: graph rules check node ids against the partition and plan halos in numpy, which Dynamo cannot trace:
-        # under torch.compile each graph op is a graph break, run eagerly (docs/domain.md, "Graphs and meshes").
-        return _graph_eager(func, args, kwargs, spec)
-    if traced():
-        # NOTE: wrapper tensors (issue 64's switch) are traced by AOTAutograd, where no graph break can be made, and
-        # the graph rules' numpy halo plans cannot run on fake tensors
-        raise NotImplementedError(
-            f"{op_name(func)} on a graph-laid-out wrapper domain tensor under torch.compile: graph ops run eagerly "
-            "(docs/domain.md, 'Graphs and meshes'), which a wrapper tensor's trace cannot do yet; compile the layers "
-            "around the message passing, or wrap it in torch.compiler.disable")
-    rule = GRAPH_RULES.get(func)
-    if rule is None:
-        raise NotImplementedError(
-            f"{op_name(func)} has no rule for graph layouts (nodes or edges split by a partition, along dim "
-            f"{spec.dim}): mesh3d will not run it, because the local answer could differ from the one-process answer. "
-            "The ops supported are listed in docs/domain.md, 'Graphs and meshes'. Call .full_tensor() first, or "
-            "register a rule with mesh3d.domain.register")
+        raise NotImplementedError(entry.refusal(op_name(func), spec))
+    # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
+    # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
     if spec.comm.size == 1 or traced():
-        return rule(*args, **kwargs)
-    JOURNAL.record(_op_label(func), ((spec.dim,), (spec.items.n,)))
-    return _telling_peers_of_failure(spec.comm, func, lambda: rule(*args, **kwargs))
+        result = rule(*args, **kwargs)
+        return run_step(result) if isinstance(result, Step) else result
+    if entry.journal is not None:
+        JOURNAL.record(_op_label(func), entry.journal(spec))
+    return _telling_peers_of_failure(spec.comm, func,
+                                     lambda: _run_rule_checked(func, rule, lead, args, kwargs, entry.journal is None))
 
 
-@torch.compiler.disable(reason="mesh3d: an op on a graph tensor runs eagerly")
-def _graph_eager(func: Callable, args: tuple, kwargs: dict, spec: Any) -> Any:
-    return _dispatch_graph(func, args, kwargs, spec)
+@torch.compiler.disable(reason="mesh3d: an op on a domain tensor whose rules do not trace runs eagerly")
+def _eager(func: Callable, args: tuple, kwargs: dict, lead: DomainTensor, entry: RegisteredLayout) -> Any:
+    return _dispatch_ruled(func, args, kwargs, lead, entry)
 
 
 def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
@@ -132,17 +116,10 @@ def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[]
         raise reported from err
 
 
-#: Layouts whose rules see a grid (blocks, or token grids flattened from them).
-_GRID_LAYOUTS = (Layout.BLOCKS, Layout.TOKENS)
-#: The rule table of each sharded layout.
-_TABLES = {Layout.SLAB: RULES, Layout.STRIDED: STRIDED_RULES, Layout.BLOCKS: BLOCK_RULES, Layout.TOKENS: TOKEN_RULES,
-           Layout.GRAPH: GRAPH_RULES}
-
-
 def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], DomainTensor | None, bool]:
     """Domain tensors among the arguments (and inside one level of lists); the one whose layout picks the rule table
-    (the first graph, else the first grid, else the first strided slab, else the first slab; None when every one is
-    replicated); whether any argument is a DTensor."""
+    (the first of the highest ``RegisteredLayout.priority``: a graph, else a grid, else a strided slab, else a slab;
+    None when every one is replicated); whether any argument is a DTensor."""
     found: list[DomainTensor] = []
     dtensor = False
     for group in (args, kwargs.values()):
@@ -154,10 +131,9 @@ def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], DomainTensor |
                 elif isinstance(t, DTensor):
                     dtensor = True
     lead, rank = None, 0
+    priority = LAYOUTS.priority
     for t in found:
-        kind = t._spec.layout
-        at = 4 if kind is Layout.GRAPH else 3 if kind in _GRID_LAYOUTS else 2 if kind is Layout.STRIDED else \
-            1 if kind is Layout.SLAB else 0
+        at = priority[t._spec.layout]
         if at > rank:
             lead, rank = t, at
     return found, lead, dtensor
@@ -216,31 +192,7 @@ def _dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         args, kwargs = tree_map(_replicated_dtensor_to_local, args), tree_map(_replicated_dtensor_to_local, kwargs)
     if lead is None:
         return _run_replicated(func, found[0]._spec, args, kwargs)
-    layout = lead._spec.layout
-    if layout is Layout.GRAPH:
-        return _dispatch_graph(func, args, kwargs, lead._spec)
-    if layout in _GRID_LAYOUTS:
-        return _dispatch_grid(func, args, kwargs, lead._spec)
-    rule = _TABLES[layout].get(func)
-    if rule is None and layout is Layout.STRIDED:
-        raise NotImplementedError(
-            f"{op_name(func)} has no rule for a strided layout (a sharded dim merged under the dims before it, "
-            "as x.view(-1, c) of a (B, T, c) tensor sharded along T makes): reshape it back to the unstrided "
-            "shape first (x.view(B, T, c)), or call .full_tensor()")
-    if rule is None:
-        raise NotImplementedError(
-            f"{op_name(func)} has no domain rule: mesh3d will not run it on a domain-sharded tensor "
-            f"(sharded dim {lead._spec.dim}) because the local answer could differ from the one-process answer. "
-            "Call .full_tensor() first, or register a rule with mesh3d.domain.register "
-            "(docs/domain.md, 'Adding an op rule')"
-        )
-    comm = lead._spec.comm
-    # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
-    # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
-    if comm.size == 1 or traced():
-        result = rule(*args, **kwargs)
-        return run_step(result) if isinstance(result, Step) else result
-    return _telling_peers_of_failure(comm, func, lambda: _run_rule_checked(func, rule, lead, args, kwargs))
+    return _dispatch_ruled(func, args, kwargs, lead, LAYOUTS.of(lead._spec.layout))
 
 
 def dispatch_autograd_function(cls: type, args: tuple, kwargs: dict) -> Any:
@@ -265,9 +217,12 @@ def redispatch(func: Callable, *args: Any, **kwargs: Any) -> Any:
     return dispatch(func, (), args, kwargs)
 
 
-def _run_rule_checked(func: Callable, rule: Callable, lead: DomainTensor, args: tuple, kwargs: dict) -> Any:
-    """Run a rule on a multi-rank domain, recording what it ran in the op journal its peers check."""
+def _run_rule_checked(func: Callable, rule: Callable, lead: DomainTensor, args: tuple, kwargs: dict,
+                      journal: bool) -> Any:
+    """Run a rule on a multi-rank domain; with ``journal``, record what it ran in the op journal its peers check."""
     result = rule(*args, **kwargs)
+    if not journal:  # NOTE: the layout's own journal entry was made before the rule ran
+        return run_step(result) if isinstance(result, Step) else result
     if isinstance(result, Step):
         if _changes_layout(result, lead):  # what this rank ran, in global terms
             out = result.out

@@ -34,13 +34,12 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import OpOverload, function_apply_key, op_schema
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA
-from mesh3d.domain.dispatch.registry import (
-    BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, RuleTable, load_shipped_rules, op_name, rules_for)
+from mesh3d.domain.dispatch.layout_registry import LAYOUTS
+from mesh3d.domain.dispatch.registry import RuleTable, load_shipped_rules, op_name, rules_for
 
 __all__ = ["COMPILED_GRAPH_RUNTIME", "CompiledGraphRuntime", "OperatorPlan", "autograd_function_target", "operator_plan",
            "operator_target"]
 
-_TABLES = (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES)
 #: Where an ATen operator's torch function may live, by the operator's name prefix (a plan names the place, so a
 #: compiled graph finds the function with a constant ``getattr``).
 _WHERE = {"fft": torch.fft, "special": torch.special, "linalg": torch.linalg, "Tensor": torch.Tensor, "torch": torch,
@@ -73,7 +72,12 @@ COMPILED_GRAPH_RUNTIME = CompiledGraphRuntime()
 
 def _answered(func: Callable) -> bool:
     """A torch function the dispatcher can run on domain tensors: ruled in some layout, or a query it answers."""
-    return any(func in t for t in _TABLES) or func in METADATA or func in GLOBAL_SIZES
+    return _ruled(func) or func in METADATA or func in GLOBAL_SIZES
+
+
+def _ruled(func: Callable) -> bool:
+    """Whether some registered layout (``dispatch.layout_registry``) has a rule for ``func``."""
+    return any(func in t for t in LAYOUTS.tables())
 
 
 def _named_function(name: str, method: bool) -> tuple[tuple[str, str] | None, Callable | None]:
@@ -173,12 +177,12 @@ def _signature_mismatch(target: Callable, positional: list) -> str:
 
 
 def _make_plan(func: Any) -> OperatorPlan:
-    if any(func in t for t in _TABLES):
+    if _ruled(func):
         return ("ruled", "", "", (), (), (), "")
     packet = func.overloadpacket if isinstance(func, OpOverload) else func
     namespace = func.namespace if isinstance(func, OpOverload) else getattr(func, func.overloads()[0]).namespace
     if namespace != "aten":
-        if load_shipped_rules(namespace) and any(func in t for t in _TABLES):  # a library's ops mesh3d ships rules for
+        if load_shipped_rules(namespace) and _ruled(func):  # a library's ops mesh3d ships rules for
             return ("ruled", "", "", (), (), (), "")
         return _refused(func, "is a custom op with no domain rule")
     name = packet.__name__
@@ -308,7 +312,7 @@ def autograd_function_target(cls: Any) -> Callable | None:
     if cls.__module__.startswith(_TRUSTED_FUNCTIONS):
         return None
     target = function_apply_key(cls)
-    if any(target in t for t in _TABLES) or (load_shipped_rules(cls.__module__) and any(target in t for t in _TABLES)):
+    if _ruled(target) or (load_shipped_rules(cls.__module__) and _ruled(target)):
         return target
     name = f"{cls.__module__}.{cls.__qualname__}.apply"
     raise NotImplementedError(

@@ -44,6 +44,7 @@ from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import BlockSpec, DomainSpec, Layout
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.dispatch.layout_registry import LAYOUTS
 from mesh3d.domain.dispatch.registry import op_name
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.ops import pointwise, strided
@@ -191,7 +192,7 @@ class _Local(CustomRule):
             # NOTE: on a graph the output's values are new: an edge-list row's endpoint (what keeps x[src] local) goes.
             spec = graph_spec_of(ref).replaced(endpoint=None) if ref._spec.layout is Layout.GRAPH else ref._spec
             return _wrap_outputs(func, _call(func, local_args, local_kwargs, ref.ndim), ref, spec, _keep(args, kwargs))
-        return {"RULES": rule, "STRIDED_RULES": rule, "BLOCK_RULES": rule, "TOKEN_RULES": rule, "GRAPH_RULES": rule}
+        return {table.name: rule for table in LAYOUTS.tables()}  # NOTE: one rule reads every layout's spec
 
 
 def local(dims: Sequence[int]) -> CustomRule:
