@@ -283,3 +283,44 @@ def test_plain_tensors_held_by_wrapper_tensors_save_load_and_copy_as_plain_tenso
         assert found.pop("loss") < 1e-9
         for name, got in found.items():
             assert got == ("Tensor", True, []), (name, got)
+
+
+def _pickled_body(sizes):
+    """torch.save of domain tensors: a sharded one refused by name on every rank (nothing else in the file), a
+    replicated one (a loss, a full_tensor) saved and loaded as the plain tensor one process holds; copy.copy kept."""
+    import io
+
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    x = torch.randn(2, 3, sum(sizes), 4, dtype=D64, generator=torch.Generator().manual_seed(8)).requires_grad_()
+    xs = domain.shard(x.detach(), dim=2, sizes=sizes).requires_grad_()
+    found = {}
+    try:
+        torch.save({"step": 3, "pred": [xs * 2.0]}, io.BytesIO())
+        found["sharded"] = "saved"
+    except TypeError as e:
+        found["sharded"] = str(e)
+    loss, whole = (xs * xs).mean(), (xs + 1.0).full_tensor()
+    buf = io.BytesIO()
+    torch.save({"loss": loss, "whole": whole}, buf)
+    buf.seek(0)
+    back = torch.load(buf, weights_only=True)
+    found["loss"] = (type(back["loss"]).__name__, abs(float(back["loss"]) - float((x * x).mean())))
+    found["whole"] = (type(back["whole"]).__name__, bool(torch.equal(back["whole"], (x + 1.0).detach())))
+    copied = copy.copy(xs)
+    found["copy"] = (type(copied).__name__, copied.requires_grad, copied.is_leaf,
+                     bool(torch.equal(copied.full_tensor().to_local(), x.detach())))
+    DistributedManager.shutdown()
+    return found
+
+
+@pytest.mark.parametrize("sizes", [(5,), (3, 0, 2)])
+def test_torch_save_refuses_sharded_domain_tensors_and_saves_replicated_ones_as_plain_tensors(ranks, sizes):
+    for found in ranks.run(len(sizes), _pickled_body, sizes):
+        assert found["sharded"].startswith("cannot pickle a sharded domain tensor (torch.save, pickle) of shape "
+                                           f"(2, 3, {sum(sizes)}, 4)"), found
+        assert "x.full_tensor().to_local()" in found["sharded"], found
+        assert found["loss"][0] == "Tensor" and found["loss"][1] < 1e-12, found
+        assert found["whole"] == ("Tensor", True), found
+        assert found["copy"] == ("WrappedDomainTensor", True, True, True), found

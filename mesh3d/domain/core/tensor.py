@@ -306,6 +306,23 @@ class DomainTensor(torch.Tensor):
         copied._spec = self._spec
         return copied
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``torch.save``/``pickle``: a replicated domain tensor as the plain tensor it equals on every rank (what one
+        process would save); a sharded one refused, since it would keep this rank's shard with its layout on this
+        mesh, which no other process or mesh reads as the tensor it is (``torch.load(weights_only=True)`` refused it
+        with an unpickling error). ``copy.copy`` and ``copy.deepcopy`` have methods of their own."""
+        if not sharded_dims(self._spec):
+            return unwrap(self).__reduce_ex__(protocol)
+        raise TypeError(
+            f"cannot pickle a sharded domain tensor (torch.save, pickle) of shape {tuple(global_shape_of(self))}: it "
+            "holds this rank's shard laid out on this mesh. Save x.full_tensor().to_local() for the whole tensor "
+            "(every domain rank calls full_tensor), x.to_local() for this rank's shard, or a model's state with "
+            "mesh3d.checkpoint")
+
+    def __copy__(self) -> DomainTensor:
+        """``copy.copy``: as a plain tensor's, a new leaf sharing the data (``detach()``) with ``requires_grad`` kept."""
+        return self.detach().requires_grad_(self.requires_grad)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # noqa: D105
         local = unwrap(self)
         spec = self._spec
