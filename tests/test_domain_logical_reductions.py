@@ -1,7 +1,7 @@
 """Truth tests, NaN-aware reductions, one-hot encodings, broadcasting, matrix transposes and gathers along an unsharded
 dim on domain tensors against
 one process (fp64): ``any``/``all``/``count_nonzero`` (whole and along dims), ``allclose``/``isclose``,
-``nansum``/``nanmean`` (values and gradients, NaNs on one shard only), ``F.one_hot``, ``torch.broadcast_tensors`` (and
+``equal``, ``nansum``/``nanmean`` (values and gradients, NaNs on one shard only), ``F.one_hot``, ``torch.broadcast_tensors`` (and
 ``torch.distributions.Normal(xs, s).log_prob``, which calls it), ``.mT`` and ``.mH``, on slabs of 2 and 3 uneven ranks
 (an empty shard) and 2x2 uneven blocks. A one-hot index out of range raises on every rank.
 """
@@ -74,6 +74,15 @@ def _body(layout: dict) -> dict:
         errors[name] = 0.0 if got.dtype == want.dtype and torch.equal(got, want) else float("inf")
     errors["allclose"] = 0.0 if (torch.allclose(shard(x0), shard(x0 + 1e-9)), torch.allclose(shard(x0), shard(x0 + 1e-3))) \
         == (True, False) else float("inf")
+    # torch.equal: one element changed on one rank's rows only, NaNs, a plain operand, other sizes, promoted dtypes
+    changed, nans = x0.clone(), x0.clone()
+    changed[1, 2, H - 1, W - 1] += 1.0
+    nans[0, 0, 0, 0] = float("nan")
+    pairs = ((x0, x0.clone()), (x0, changed), (nans, nans), (x0.round(), x0.round().long()))
+    want = [torch.equal(a, b) for a, b in pairs] + [True, False]
+    got = [torch.equal(shard(a), shard(b)) for a, b in pairs] + [shard(x0).equal(x0.clone()),
+                                                                 torch.equal(shard(x0), shard(x0)[:, :2])]
+    errors["equal"] = 0.0 if got == want == [True, False, False, True, True, False] else float("inf")
     for i, (name, fn) in enumerate(_grads().items()):
         errors[name] = case_error(lambda x, sharded, fn=fn: fn(shard(x) if sharded else x), x0, i)
     try:  # along the sharded dim the indices would be other ranks' rows: refused by name

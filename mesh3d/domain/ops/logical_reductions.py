@@ -1,8 +1,9 @@
 """Truth tests and NaN-aware reductions over domain tensors: ``any``, ``all``, ``count_nonzero``, ``allclose``,
-``nansum``, ``nanmean``.
+``equal``, ``nansum``, ``nanmean``.
 
-Usage: on a domain tensor ``(xs > 2).any()``, ``torch.count_nonzero(mask, dim=2)``, ``torch.allclose(ys, zs)`` and
-``torch.nansum(xs)`` give the one-process answer on every rank (``allclose`` a Python bool, as torch).
+Usage: on a domain tensor ``(xs > 2).any()``, ``torch.count_nonzero(mask, dim=2)``, ``torch.allclose(ys, zs)``,
+``torch.equal(ys, zs)`` and ``torch.nansum(xs)`` give the one-process answer on every rank (``allclose`` and
+``equal`` a Python bool, as torch).
 
 Each is a count or a sum of the element-wise test (``composite.call``: one all-reduce where a sharded dim is reduced),
 so every layout whose sums are ruled answers, and no rank decides alone.
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from mesh3d._torch_private import TRUTH_REDUCTIONS
-from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.core.tensor import DomainTensor, size_of
 from mesh3d.domain.ops.composite import call, count_true, register_composite
 
 __all__: list[str] = []
@@ -42,6 +43,15 @@ def _count_nonzero(input, dim=None):
 def _allclose(input, other, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
     close = _all(call(torch.isclose, input, other, rtol=rtol, atol=atol, equal_nan=equal_nan))
     return bool(close.to_local() if isinstance(close, DomainTensor) else close)
+
+
+@register_composite(torch.equal, torch.Tensor.equal)
+def _equal(input, other) -> bool:
+    """The same (whole) sizes and every element equal, NaN unequal to itself, dtypes promoted: torch's answer."""
+    if tuple(size_of(input)) != tuple(size_of(other)):  # NOTE: the same on every rank: no rank waits alone
+        return False
+    same = _all(call(torch.eq, input, other))
+    return bool(same.to_local() if isinstance(same, DomainTensor) else same)
 
 
 def _zero_nans(input):
