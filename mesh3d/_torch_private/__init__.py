@@ -21,11 +21,13 @@ from mesh3d._torch_private.kernels import (
     cuda_efficient_attention, cuda_efficient_backward, cuda_efficient_forward, cuda_flash_attention, cuda_flash_backward,
     cuda_flash_forward, cuda_sdpa_choice, efficient_lse_rows)
 from mesh3d._torch_private.dispatch import (
-    OpOverload, OpOverloadPacket, TRUTH_REDUCTIONS, TorchDispatchMode, builtins_replaced_by, custom_op_overload, is_operator,
-    make_wrapper_tensor, op_schema,
-    outside_dispatch_modes, running_compiled_backward, storage_key, tree_flatten, tree_map, view_base)
+    ARGUMENTS_TORCH_DROPS, OpOverload, OpOverloadPacket, TRUTH_REDUCTIONS, TorchDispatchMode, argument_torch_dropped,
+    builtins_replaced_by, custom_op_overload, is_operator, make_wrapper_tensor, op_schema, outside_dispatch_modes,
+    running_compiled_backward, storage_key, tree_flatten, tree_map, view_base)
 
 __all__ = [
+    "ARGUMENTS_TORCH_DROPS",
+    "argument_torch_dropped",
     "PAD_BUILTIN",
     "OpOverload",
     "OpOverloadPacket",

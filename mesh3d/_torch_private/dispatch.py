@@ -5,17 +5,44 @@ Each function says which private name it touches and why no public API serves.
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import Any
 
-import types
-
 import torch
+import torch.nn.functional as F
 from torch.utils import _python_dispatch, _pytree
 
-__all__ = ["OpOverload", "OpOverloadPacket", "TRUTH_REDUCTIONS", "TorchDispatchMode", "builtins_replaced_by", "custom_op_overload",
-           "is_operator", "make_wrapper_tensor", "op_schema", "outside_dispatch_modes", "running_compiled_backward", "storage_key",
-           "tree_flatten", "tree_map", "view_base"]
+__all__ = ["ARGUMENTS_TORCH_DROPS", "OpOverload", "OpOverloadPacket", "TRUTH_REDUCTIONS", "TorchDispatchMode",
+           "argument_torch_dropped", "builtins_replaced_by", "custom_op_overload", "is_operator", "make_wrapper_tensor",
+           "op_schema", "outside_dispatch_modes", "running_compiled_backward", "storage_key", "tree_flatten", "tree_map",
+           "view_base"]
 
+
+
+#: Functions whose Python body, in torch 2.13, drops an argument on its way to ``__torch_function__``: ``F.l1_loss``
+#: hands ``handle_torch_function`` no ``weight`` (pytorch/pytorch#193003 fixes it), so a subclass sees the call
+#: without it and would answer the unweighted loss.
+ARGUMENTS_TORCH_DROPS: dict[Any, tuple[str, ...]] = {F.l1_loss: ("weight",)}
+
+
+def argument_torch_dropped(func: Any, name: str) -> Any:
+    """The ``name`` argument of the innermost ``func`` call on the stack (one of ``ARGUMENTS_TORCH_DROPS``), read
+    from ``func``'s own frame; None where no such frame runs (Dynamo tracing inlines it).
+
+    Usage: ``weight = argument_torch_dropped(F.l1_loss, "weight")`` in ``F.l1_loss``'s rule
+
+    Why private: ``sys._getframe`` and a frame's locals; no public API gives an argument torch did not pass on.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return None
+    code = getattr(func, "__code__", None)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return frame.f_locals.get(name)
+        frame = frame.f_back
+    return None
 
 
 #: The class of ATen operators (``torch.ops.aten.add.Tensor``), for type hints and ``isinstance``.

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import disable_torch_function_subclass, is_operator
+from mesh3d._torch_private import ARGUMENTS_TORCH_DROPS, disable_torch_function_subclass, is_operator
 from mesh3d.domain.core.specs import DomainSpec, Layout
 from mesh3d.domain.core.shard_owners import SHARD_OWNERS
 from mesh3d.domain.core.tensor import DomainTensor
@@ -134,7 +134,9 @@ class OneRankCalls:
 def _eligibility(func: Callable) -> int | None | bool:
     """False: never kept; else where ``func`` takes ``inplace`` positionally (None: it has no such argument)."""
     if is_operator(func) or func in GRADIENT_CALLS or func in VIEW_FUNCTIONS or func in DATA_QUERIES or \
-            is_metadata(func) or is_global_size(func) or writes_into_first(func):
+            is_metadata(func) or is_global_size(func) or writes_into_first(func) or func in ARGUMENTS_TORCH_DROPS:
+        # NOTE: torch's call on the shard would miss what torch dropped on its way to __torch_function__; the rule
+        # reads it back
         return False
     for table in (RULES, STRIDED_RULES):
         rule = table.get(func)

@@ -24,7 +24,7 @@ from mesh3d.domain.core.tensor import DomainTensor, size_of
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, RULES, TOKEN_RULES
 
-__all__ = ["call", "count_true", "register_composite"]
+__all__ = ["call", "count_true", "loss_reduction", "register_composite"]
 
 #: The layouts every composite serves (graphs have their own reductions over items, strided slabs their own views).
 _TABLES = (RULES, BLOCK_RULES, TOKEN_RULES)
@@ -156,9 +156,13 @@ def _cosine_similarity(x1, x2, dim=1, eps=1e-8):
 
 
 # ---------------------------------------------------------------------------------------------- losses
-def _reduction(name: str, size_average: Any, reduce: Any, reduction: str, allowed=("none", "mean", "sum")) -> str:
+def loss_reduction(name: str, size_average: Any, reduce: Any, reduction: Any,
+                   allowed: tuple[str, ...] = ("none", "mean", "sum")) -> str:
     """torch's legacy ``size_average``/``reduce`` read as torch reads them, then the reduction checked; ATen's integer
-    reduction (0, 1, 2: an ``aten.*_loss`` operator called with a domain tensor) is the name it stands for."""
+    reduction (0, 1, 2: an ``aten.*_loss`` operator called with a domain tensor) is the name it stands for.
+
+    Usage: ``reduction = loss_reduction("F.mse_loss", size_average, reduce, reduction)`` first in a loss rule (a rule
+    gets the legacy arguments as the user passed them: torch reads them after ``__torch_function__``)"""
     if isinstance(reduction, int) and not isinstance(reduction, bool):
         reduction = {0: "none", 1: "mean", 2: "sum"}.get(reduction, reduction)
     if size_average is not None or reduce is not None:
@@ -181,7 +185,7 @@ def _weighted(loss, weight):
 
 @register_composite(F.smooth_l1_loss)
 def _smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="mean", beta=1.0):
-    reduction = _reduction("F.smooth_l1_loss", size_average, reduce, reduction)
+    reduction = loss_reduction("F.smooth_l1_loss", size_average, reduce, reduction)
     if beta < 0:
         raise ValueError(f"F.smooth_l1_loss: beta={beta} must not be negative")
     distance = call(torch.abs, call(torch.sub, input, target))
@@ -194,7 +198,7 @@ def _smooth_l1_loss(input, target, size_average=None, reduce=None, reduction="me
 
 @register_composite(F.huber_loss)
 def _huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
-    reduction = _reduction("F.huber_loss", None, None, reduction)
+    reduction = loss_reduction("F.huber_loss", None, None, reduction)
     if delta <= 0:
         raise ValueError(f"F.huber_loss: delta={delta} must be positive")
     if weight is not None and size_of(weight) != size_of(input):
@@ -209,7 +213,7 @@ def _huber_loss(input, target, reduction="mean", delta=1.0, weight=None):
 @register_composite(F.binary_cross_entropy_with_logits)
 def _bce_with_logits(input, target, weight=None, size_average=None, reduce=None, reduction="mean", pos_weight=None):
     """``(1 - t) x + w_t (log1p(exp(-|x|)) + max(-x, 0))``, ``w_t = 1 + (pos_weight - 1) t``: torch's stable form."""
-    reduction = _reduction("F.binary_cross_entropy_with_logits", size_average, reduce, reduction)
+    reduction = loss_reduction("F.binary_cross_entropy_with_logits", size_average, reduce, reduction)
     softplus = call(torch.add, call(torch.log1p, call(torch.exp, call(torch.neg, call(torch.abs, input)))),
                   call(torch.clamp_min, call(torch.neg, input), 0))
     if pos_weight is not None:
@@ -221,7 +225,7 @@ def _bce_with_logits(input, target, weight=None, size_average=None, reduce=None,
 @register_composite(F.binary_cross_entropy)
 def _binary_cross_entropy(input, target, weight=None, size_average=None, reduce=None, reduction="mean"):
     """``-(t log x + (1 - t) log(1 - x))`` with each log clamped at -100, as torch's kernel."""
-    reduction = _reduction("F.binary_cross_entropy", size_average, reduce, reduction)
+    reduction = loss_reduction("F.binary_cross_entropy", size_average, reduce, reduction)
     if _checking() and _any(call(torch.logical_or, call(torch.lt, input, 0), call(torch.gt, input, 1))):
         raise ValueError("F.binary_cross_entropy: every input must lie in [0, 1] (probabilities); for logits use "
                          "F.binary_cross_entropy_with_logits")
@@ -233,7 +237,7 @@ def _binary_cross_entropy(input, target, weight=None, size_average=None, reduce=
 
 @register_composite(F.kl_div)
 def _kl_div(input, target, size_average=None, reduce=None, reduction="mean", log_target=False):
-    reduction = _reduction("F.kl_div", size_average, reduce, reduction, ("none", "mean", "sum", "batchmean"))
+    reduction = loss_reduction("F.kl_div", size_average, reduce, reduction, ("none", "mean", "sum", "batchmean"))
     if log_target:
         loss = call(torch.mul, call(torch.exp, target), call(torch.sub, target, input))
     else:
@@ -248,7 +252,7 @@ def _kl_div(input, target, size_average=None, reduce=None, reduction="mean", log
 def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean"):
     """``0.5 (log v + (x - t)^2 / v)``, ``v`` clamped to ``eps`` without changing its gradient (torch's no_grad
     clamp), its shape read as torch reads it (the input's, or one dim fewer, or a trailing 1)."""
-    reduction = _reduction("F.gaussian_nll_loss", None, None, reduction)
+    reduction = loss_reduction("F.gaussian_nll_loss", None, None, reduction)
     if isinstance(var, (int, float)):
         if var < 0:
             raise ValueError("F.gaussian_nll_loss: var has negative entry/entries")
@@ -276,7 +280,7 @@ def _gaussian_nll_loss(input, target, var, full=False, eps=1e-6, reduction="mean
 def _nll_loss(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None, reduction="mean"):
     """``-w[t] x[n, t]`` picked by comparing the target with the class ids (the class dim, 1, is never split); a mean
     divides by the summed weights of the targets not ignored, as torch."""
-    reduction = _reduction("F.nll_loss", size_average, reduce, reduction)
+    reduction = loss_reduction("F.nll_loss", size_average, reduce, reduction)
     if input.ndim < 2:
         raise NotImplementedError("F.nll_loss of a 1-d input on a domain tensor: give (N, C, ...) scores")
     classes = size_of(input)[1]

@@ -18,12 +18,14 @@ import math
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import ARGUMENTS_TORCH_DROPS, argument_torch_dropped
 from mesh3d.domain.comm.collectives import sum_dtype, all_reduce_max, reduce_for_local_use, reduce_to_replicated
+from mesh3d.domain.ops.composite import call, loss_reduction
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.dispatch.registry import op_name, register
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.core.specs import DomainSpec
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
 __all__ = ["amax_over_ranks", "domain_prod", "domain_reduce", "global_softmax", "product_over_ranks", "reduction_rule"]
 
@@ -231,19 +233,35 @@ def _loss(elementwise_loss: torch.Tensor, reduction: str) -> torch.Tensor:
     return domain_reduce(elementwise_loss, "mean" if reduction == "mean" else "sum")
 
 
-@register(F.mse_loss)
-def _mse(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
-    return _loss(elementwise(F.mse_loss, input, target, reduction="none"), reduction)
+def _pointwise_loss(func, name: str):
+    """``F.mse_loss``/``F.l1_loss`` as torch computes them: the legacy ``size_average``/``reduce`` read, and a
+    ``weight`` of the input's shape scaling each element (its mean divides by the weights' sum)."""
+    def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+        reduction = loss_reduction(name, size_average, reduce, reduction)
+        if weight is None and func in ARGUMENTS_TORCH_DROPS:  # NOTE: F.l1_loss's weight never reaches a subclass
+            weight = argument_torch_dropped(func, "weight")
+        losses = elementwise(func, input, target, reduction="none")
+        if weight is None:
+            return _loss(losses, reduction)
+        if tuple(size_of(weight)) != tuple(size_of(input)):
+            raise ValueError(f"{name}: weight of shape {tuple(size_of(weight))} must have the input's shape "
+                             f"{tuple(size_of(input))} (as torch asks)")
+        weighted = call(torch.mul, losses, weight)
+        if reduction == "none":
+            return weighted
+        total = call(torch.sum, weighted)
+        return total if reduction == "sum" else call(torch.div, total, call(torch.sum, weight))
+    return rule
 
 
-@register(F.l1_loss)
-def _l1(input, target, size_average=None, reduce=None, reduction="mean"):
-    return _loss(elementwise(F.l1_loss, input, target, reduction="none"), reduction)
+register(F.mse_loss)(_pointwise_loss(F.mse_loss, "F.mse_loss"))
+register(F.l1_loss)(_pointwise_loss(F.l1_loss, "F.l1_loss"))
 
 
 @register(F.cross_entropy)
 def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-100, reduce=None,
                    reduction="mean", label_smoothing=0.0):
+    reduction = loss_reduction("F.cross_entropy", size_average, reduce, reduction)
     if input.spec.dim is None or input.spec.dim < 2:
         raise NotImplementedError("F.cross_entropy: shard a spatial dim (>= 2) of the (N, C, ...) input, not N or C")
     probabilities = target.is_floating_point()

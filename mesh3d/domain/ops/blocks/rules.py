@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import argument_torch_dropped
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import extend_windows
 from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
@@ -28,6 +29,7 @@ from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.norm import normalize, rounded_like
+from mesh3d.domain.ops.composite import loss_reduction
 from mesh3d.domain.ops.reduce import amax_over_ranks, product_over_ranks
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
@@ -357,10 +359,12 @@ def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, 
 
     def loss(name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
         def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
+            reduction = loss_reduction(name, size_average, reduce, reduction)
+            if weight is None and name == "F.l1_loss":  # NOTE: torch drops it on the way here (ARGUMENTS_TORCH_DROPS)
+                weight = argument_torch_dropped(F.l1_loss, "weight")
             if weight is not None:
-                raise NotImplementedError(f"{name} with weight= on {layout}")
-            if reduction not in ("mean", "sum", "none"):
-                raise ValueError(f"{name}: reduction={reduction!r} must be 'mean', 'sum' or 'none'")
+                raise NotImplementedError(f"{name} with weight= on {layout}: multiply the reduction='none' loss by "
+                                          "the weights and reduce that")
             difference = redispatch(torch.Tensor.sub, input, target)  # the element-wise rule checks the layouts
             # NOTE: the pointwise op on the domain tensor (its own rule), not adopted from the shard: a compiled
             # graph cannot read the spec of a tensor a rule wrapped itself before a __torch_function__ returns it.
