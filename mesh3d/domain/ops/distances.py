@@ -16,6 +16,7 @@ from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES, op_name
 from mesh3d.domain.ops import idioms  # noqa: F401  (F.embedding's rule, shared with strided layouts)
 from mesh3d.domain.dispatch.step import Entering, Rows, Step
+from mesh3d.domain.ops.reduce import domain_reduce
 
 __all__: list[str] = []
 
@@ -59,9 +60,12 @@ for _table in (RULES, STRIDED_RULES):
 
 def _strided_reduction(func):
     """``sum``/``mean`` of a strided layout over dims other than the strided one (einops' ``reduce`` of the feature
-    dim of ``(b n) d`` rows): local; over the strided dim it is refused (reshape back first)."""
+    dim of ``(b n) d`` rows): local; over every dim (a loss's mean of per-row losses): one sum over the domain, as
+    on slabs; over the strided dim and not all others it is refused (reshape back first)."""
     def rule(input, dim=None, keepdim=False, *, dtype=None):
         dims = range(input.ndim) if dim is None else [d % input.ndim for d in ((dim,) if isinstance(dim, int) else dim)]
+        if len(set(dims)) == input.ndim and not keepdim and dtype is None:  # NOTE: the rows' order does not matter
+            return domain_reduce(input, "mean" if func is torch.mean else "sum")
         if input.spec.dim in dims:
             raise NotImplementedError(f"{func.__name__} over the strided sharded dim {input.spec.dim}: reshape to the "
                                       "unstrided shape first")
