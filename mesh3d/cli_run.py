@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 
-import torch
 
 from mesh3d.parallel.explain import explain_table
 from mesh3d.parallel.plan import Plan
 from mesh3d.planner.spec import load_spec
+from mesh3d.meta_builds import built_on_meta
 
 __all__ = ["run_explain"]
 
@@ -23,7 +23,7 @@ def run_explain(args: argparse.Namespace) -> int:
     factory = load_spec(args.model)
     if not callable(factory):
         raise TypeError(f"{args.model} must name a function returning an nn.Module, got {type(factory).__name__}")
-    with torch.device("meta"):
+    with built_on_meta():
         model = factory()
     plan = load_spec(args.plan)
     if not isinstance(plan, Plan) and callable(plan):

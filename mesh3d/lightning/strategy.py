@@ -56,6 +56,7 @@ from mesh3d.mesh_shape import resolve_mesh_shape
 from mesh3d.parallel.apply import parallelize
 from mesh3d.parallel.plan import Plan
 from mesh3d.parallel.validate import already_parallel
+from mesh3d.meta_builds import built_on_meta
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -276,7 +277,7 @@ class MeshStrategy(ParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         # empty_init: parameters on meta; parallelize() materializes each shard where it lives.
-        with torch.device("meta") if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
+        with built_on_meta() if empty_init else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
     # ------------------------------------------------------------------ steps

@@ -8,8 +8,8 @@ Memory: one module's own full parameters on the CPU at a time (e.g. the largest 
 
 Usage::
 
-    with torch.device("meta"):
-        model = Transformer(cfg)
+    with torch.device("meta"):                             # or mesh3d.meta_builds.built_on_meta(), which also
+        model = Transformer(cfg)                          # forgets torch-harmonics' device-blind caches after
     model = parallelize(model, plan, seed=1234)            # module.reset_parameters() per module
     model = parallelize(model, plan, seed=1234, init_fn=lambda m: my_init(m))
 """

@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
 
 from mesh3d.domain.probe import downsampling_factor
 from mesh3d.planner.check import CheckSpec, check_on_rank
@@ -35,6 +34,7 @@ from mesh3d.planner.launch import LocalRanks
 from mesh3d.mesh_shape import JobMesh
 from mesh3d.planner.simulate import InputSpec
 from mesh3d.planner.spec import load_model_factory, load_plan
+from mesh3d.meta_builds import built_on_meta
 
 __all__ = ["CheckReport", "check_model", "default_meshes", "uneven_sizes"]
 
@@ -199,7 +199,7 @@ def _sizes(spec: CheckSpec, mesh: JobMesh) -> tuple[tuple[int, ...], ...]:
     if spec.graph is not None:  # nodes: uneven, no alignment
         return (uneven_sizes(spec.inputs.shape[spec.node_dim()], mesh.domain, 1),)
     dims = spec.inputs.dims if spec.inputs.dims is not None else tuple(range(2, 2 + len(mesh.grid)))
-    with torch.device("meta"):
+    with built_on_meta():
         model = load_model_factory(spec.model)()
     out = []
     for d, g in zip(dims, mesh.grid):

@@ -43,6 +43,7 @@ from mesh3d.planner.repeat import CannotSplice, SplicedSimulation
 from mesh3d.planner.simulate import InputSpec, RankSim, Simulator
 from mesh3d.planner.verdict import communicators_used, judge
 from mesh3d.planner.workspace import cpu_kernels_fitted
+from mesh3d.meta_builds import built_on_meta
 
 __all__ = ["collective_table", "plan_job"]
 
@@ -68,7 +69,7 @@ def _cpu_assumptions() -> tuple[str, ...]:
 def _meta_model(model: nn.Module | Callable[[], nn.Module]) -> nn.Module:
     if isinstance(model, nn.Module):
         return model if all(t.is_meta for t in model.parameters()) else copy.deepcopy(model).to("meta")
-    with torch.device("meta"):
+    with built_on_meta():
         built = model()
     if not isinstance(built, nn.Module):
         raise TypeError(f"the model factory returned {type(built).__name__}, not an nn.Module")

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mesh3d import DistributedManager
+from mesh3d.meta_builds import forget_device_blind_caches
 from mesh3d._torch_private import clear_dtensor_caches
 from mesh3d.checkpoint.agree import AgreedPlans
 from mesh3d.checkpoint.inflight import IN_FLIGHT
@@ -147,6 +148,7 @@ def _finish_mesh3d(rules: dict[str, dict]) -> list[str]:
     for name, table in _RULE_TABLES.items():
         table.restore(rules.get(name, {}))
     clear_dtensor_caches()
+    forget_device_blind_caches()  # NOTE: a test that built a torch-harmonics model under torch.device("meta")
     return problems
 
 
