@@ -27,14 +27,15 @@ ARGUMENTS_TORCH_DROPS: dict[Any, tuple[str, ...]] = {F.l1_loss: ("weight",)}
 
 
 def argument_torch_dropped(func: Any, name: str) -> Any:
-    """The ``name`` argument of the innermost ``func`` call on the stack (one of ``ARGUMENTS_TORCH_DROPS``), read
-    from ``func``'s own frame; None where no such frame runs (Dynamo tracing inlines it).
+    """The ``name`` argument of the innermost ``func`` call on the stack, read from ``func``'s own frame, where
+    ``ARGUMENTS_TORCH_DROPS`` says torch drops it; None for any other argument, or where no such frame runs (Dynamo
+    tracing inlines it).
 
-    Usage: ``weight = argument_torch_dropped(F.l1_loss, "weight")`` in ``F.l1_loss``'s rule
+    Usage: ``weight = weight if weight is not None else argument_torch_dropped(func, "weight")`` in a loss rule
 
     Why private: ``sys._getframe`` and a frame's locals; no public API gives an argument torch did not pass on.
     """
-    if torch.compiler.is_dynamo_compiling():
+    if name not in ARGUMENTS_TORCH_DROPS.get(func, ()) or torch.compiler.is_dynamo_compiling():
         return None
     code = getattr(func, "__code__", None)
     frame = sys._getframe(1)

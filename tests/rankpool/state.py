@@ -39,7 +39,7 @@ from mesh3d.checkpoint.agree import AgreedPlans
 from mesh3d.checkpoint.inflight import IN_FLIGHT
 from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.comm.exchange import TrafficCounter
-from mesh3d.domain.dispatch.registry import BLOCK_RULES, GRAPH_RULES, RULES, STRIDED_RULES, TOKEN_RULES
+from mesh3d.domain.dispatch.layout_registry import LAYOUTS
 
 __all__ = ["ProcessState"]
 
@@ -127,8 +127,7 @@ class ProcessState:
 
 
 #: The op rule tables; a test may register (or override) a rule.
-_RULE_TABLES = {"RULES": RULES, "BLOCK_RULES": BLOCK_RULES, "TOKEN_RULES": TOKEN_RULES, "STRIDED_RULES": STRIDED_RULES,
-                "GRAPH_RULES": GRAPH_RULES}
+_RULE_TABLES = {table.name: table for table in LAYOUTS.tables()}
 
 
 def _finish_mesh3d(rules: dict[str, dict]) -> list[str]:

@@ -61,6 +61,7 @@ class LayoutRegistry:
 
     def __init__(self) -> None:
         self._by_layout: dict[Layout, RegisteredLayout] = {}
+        self._tables: tuple[RuleTable, ...] = ()
         self.priority: dict[Layout, int] = {Layout.REPLICATED: 0}  # NOTE: read per argument by the dispatcher's scan
 
     def register(self, entry: RegisteredLayout) -> None:
@@ -71,13 +72,14 @@ class LayoutRegistry:
                              "tensor's, which never picks the rules)")
         self._by_layout[entry.layout] = entry
         self.priority[entry.layout] = entry.priority
+        self._tables = tuple(e.rules for e in self._by_layout.values())
 
     def of(self, layout: Layout) -> RegisteredLayout | None:
         return self._by_layout.get(layout)
 
     def tables(self) -> tuple[RuleTable, ...]:
         """Every registered layout's rule table, slabs first."""
-        return tuple(e.rules for e in self._by_layout.values())
+        return self._tables
 
     def __iter__(self) -> Iterator[RegisteredLayout]:
         return iter(tuple(self._by_layout.values()))

@@ -71,17 +71,11 @@ def one_process_views(func: Callable, args: tuple, kwargs: dict,
     ``key``: the call's signature where the caller holds it cheaper than the walk of the arguments here (a wrapper
     tensor's whole sizes, strides and dtype, and the other arguments: ``short_path``); it must decide the answer.
     """
-    if key is None:
-        try:
-            key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else ())
-            hash(key)
-        except TypeError:  # an argument that does not hash (a list): answered without the cache
-            return _answer(func, args, kwargs)
-    else:
-        key = ("given", func, key)  # NOTE: never equal to a walked key, whose second item is a tuple
+    key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else ()) if key is None else \
+        ("given", func, key)  # NOTE: a given key is never equal to a walked one, whose second item is a tuple
     try:
         hit = _CACHE.get(key, _MISSING)
-    except TypeError:  # a given key holding a list
+    except TypeError:  # an argument that does not hash (a list): answered without the cache
         return _answer(func, args, kwargs)
     if hit is _MISSING:
         hit = _answer(func, args, kwargs)

@@ -18,7 +18,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d._torch_private import ARGUMENTS_TORCH_DROPS, argument_torch_dropped
+from mesh3d._torch_private import argument_torch_dropped
 from mesh3d.domain.comm.collectives import sum_dtype, all_reduce_max, reduce_for_local_use, reduce_to_replicated
 from mesh3d.domain.ops.composite import call, loss_reduction
 from mesh3d.domain.ops.pointwise import elementwise
@@ -238,7 +238,7 @@ def _pointwise_loss(func, name: str):
     ``weight`` of the input's shape scaling each element (its mean divides by the weights' sum)."""
     def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
         reduction = loss_reduction(name, size_average, reduce, reduction)
-        if weight is None and func in ARGUMENTS_TORCH_DROPS:  # NOTE: F.l1_loss's weight never reaches a subclass
+        if weight is None:  # NOTE: F.l1_loss's weight never reaches a subclass (ARGUMENTS_TORCH_DROPS)
             weight = argument_torch_dropped(func, "weight")
         losses = elementwise(func, input, target, reduction="none")
         if weight is None:

@@ -357,11 +357,11 @@ def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, 
             return redispatch(torch.neg, reducer(redispatch(torch.neg, input), "amax", None, False))
         return rule
 
-    def loss(name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
+    def loss(func: Callable, name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
         def rule(input, target, size_average=None, reduce=None, reduction="mean", weight=None):
             reduction = loss_reduction(name, size_average, reduce, reduction)
-            if weight is None and name == "F.l1_loss":  # NOTE: torch drops it on the way here (ARGUMENTS_TORCH_DROPS)
-                weight = argument_torch_dropped(F.l1_loss, "weight")
+            if weight is None:  # NOTE: F.l1_loss's weight never reaches a subclass (ARGUMENTS_TORCH_DROPS)
+                weight = argument_torch_dropped(func, "weight")
             if weight is not None:
                 raise NotImplementedError(f"{name} with weight= on {layout}: multiply the reduction='none' loss by "
                                           "the weights and reduce that")
@@ -376,7 +376,8 @@ def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, 
             torch.prod: prod, torch.Tensor.prod: prod, torch.amax: amax, torch.Tensor.amax: amax,
             torch.max: extreme("torch.max", 1), torch.Tensor.max: extreme("torch.max", 1),
             torch.min: extreme("torch.min", -1), torch.Tensor.min: extreme("torch.min", -1),
-            F.mse_loss: loss("F.mse_loss", torch.square), F.l1_loss: loss("F.l1_loss", torch.abs)}
+            F.mse_loss: loss(F.mse_loss, "F.mse_loss", torch.square),
+            F.l1_loss: loss(F.l1_loss, "F.l1_loss", torch.abs)}
 
 
 for _funcs, _rule in (((F.group_norm,), _group_norm), ((F.batch_norm,), _batch_norm), ((F.instance_norm,), _instance_norm),
