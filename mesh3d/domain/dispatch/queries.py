@@ -34,6 +34,7 @@ _LOCAL_METADATA_NAMES = (
     # introspection by torch.compile, FSDP and the autograd engine: must never raise (compile_anchors.md)
     "_is_view", "is_inference", "is_shared", "is_pinned", "is_conj", "is_neg", "_is_zerotensor", "itemsize",
     "is_mps", "is_xpu", "is_mkldnn", "is_vulkan", "is_ipu", "is_sparse_csr", "has_names", "_python_dispatch",
+    "grad_dtype",  # the dtype .grad takes (torch 2.13; Dynamo reads it for an input that requires grad)
 )
 METADATA: set = set()
 for _name in _LOCAL_METADATA_NAMES:

@@ -16,10 +16,12 @@ are remade from it when next read (``WrappedDomainTensor._differentiable_local``
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 from mesh3d.domain.core.copied_views import is_made_as_copy
+from mesh3d.domain.core.settings import traced
 from mesh3d.domain.core.tensor import DomainTensor, storage_view, unwrap
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper, rebase, wrapper_tensors
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process_views
@@ -74,13 +76,25 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
     chain, root = _views_up_to_root(target)
     alias = unwrap(root)
     before = alias._version
-    with wrapper_tensors(False):
-        stand_in = storage_view(alias, root._spec)
+    # NOTE: traced, the shard is a fake tensor, which cannot be re-classed: the stand-in is a wrapper of the alias, and
+    # only a rule that answers with a new tensor is followed (the target is rebased onto it); one that writes into the
+    # stand-in's shard would leave the write out of the target's history: refused there, so Dynamo breaks the graph
+    # and the op runs eagerly. A write through a view is refused outright: the graph before such a break returns the
+    # view, which AOTAutograd cannot rebuild for a wrapper tensor ("Node ... was invalid, but is output")
+    tracing = traced()
+    if tracing and chain:
+        raise RuntimeError(f"{getattr(func, '__name__', func)} into a view of a domain tensor under torch.compile: not "
+                           "supported yet; write out of place (y = torch.cat([...]) or torch.where), or run that code "
+                           "under torch.compiler.disable")
+    with contextlib.nullcontext() if tracing else wrapper_tensors(False):
+        stand_in = fresh_wrapper(alias, root._spec) if tracing else storage_view(alias, root._spec)
         for func_i, args_i, kwargs_i, index in reversed(chain):
             made = run(func_i, (), _replaced(args_i, _base_of(args_i), stand_in), kwargs_i)
             stand_in = made if index is None else made[index]
         out = run(func, types, (stand_in, *args[1:]), kwargs)
     written = out if isinstance(out, DomainTensor) and out is not stand_in else stand_in
+    if tracing and written is stand_in:
+        _refuse_traced_write(func)
     if chain:
         if alias._version == before:
             raise NotImplementedError(
@@ -91,6 +105,11 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
     else:
         rebase(target, fresh_wrapper(alias, root._spec) if written is stand_in else _as_wrapper(written))
     return target if isinstance(out, DomainTensor) else out
+
+
+def _refuse_traced_write(func: Callable) -> None:
+    raise NotImplementedError(f"{getattr(func, '__name__', func)} writes into a domain tensor's shard under torch.compile, "
+                              "which a trace of wrapper tensors cannot follow: it runs eagerly (a graph break)")
 
 
 def _as_wrapper(t: DomainTensor) -> DomainTensor:
