@@ -44,8 +44,12 @@ class MGN(nn.Module):
         return self.dec(x)
 
 
-def _rank(rank: int, world: int, port: int, args, queue) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+def mgn_step(rank: int, world: int, args, plain: bool) -> tuple[MGN, tuple, torch.Tensor]:
+    """A spawned rank's model, inputs and target: the whole channel in one process (``plain``), else this rank's part of
+    it on a domain of ``world`` ranks (a Hilbert partition; the manager started, the halo planned).
+
+    Usage: ``model, inputs, target = mgn_step(rank, world, args, plain=False)  # args: side, hidden, blocks``
+    """
     torch.set_num_threads(1)
     mesh = graphs.channel_mesh(args.side, args.side)
     edges = torch.from_numpy(mesh.edges)
@@ -53,15 +57,19 @@ def _rank(rank: int, world: int, port: int, args, queue) -> None:
     model = MGN(args.hidden, args.blocks)
     x, e = torch.randn(mesh.num_nodes, 3), torch.randn(edges.shape[1], 3)
     target = torch.randn(mesh.num_nodes, 2)
-    if args.plain:
-        inputs, t = (x, e, edges), target
-    else:
-        DistributedManager.initialize(batch=1, domain=world)
-        part = graphs.sfc_partition(mesh.points, world)
-        g = graphs.Graph(mesh.edges, part)
-        g.halo(part, rank)  # planned once, before the step (as a training loop does)
-        inputs, t = (domain.shard_nodes(x, part), domain.shard_edges(e, g), domain.edge_index(g)), domain.shard_nodes(target, part)
-    del mesh, x, e, target
+    if plain:
+        return model, (x, e, edges), target
+    DistributedManager.initialize(batch=1, domain=world)
+    part = graphs.sfc_partition(mesh.points, world)
+    g = graphs.Graph(mesh.edges, part)
+    g.halo(part, rank)  # planned once, before the step (as a training loop does)
+    return model, (domain.shard_nodes(x, part), domain.shard_edges(e, g), domain.edge_index(g)), \
+        domain.shard_nodes(target, part)
+
+
+def _rank(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    model, inputs, t = mgn_step(rank, world, args, args.plain)
     before = rss_kb()
     reset_peak_rss()
     loss = F.mse_loss(model(*inputs), t)

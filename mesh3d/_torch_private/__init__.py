@@ -13,7 +13,7 @@ from mesh3d._torch_private.autograd import (
     patch_checkpoint_recomputation, route_autograd_function_calls, run_autograd_function, run_backward_from,
     run_grad_from, unpatch_checkpoint_recomputation, unroute_autograd_function_calls)
 from mesh3d._torch_private.compile import (
-    PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
+    DATA_DEPENDENT_ERRORS, PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
     let_compiled_graphs_take_function_subclasses, never_compiled_alone, random_draws_saved_under_traced_checkpoints,
     run_compiled_graphs_without_subclass_dispatch, saved_under_traced_checkpoints)
 from mesh3d._torch_private.kernels import (
@@ -27,6 +27,7 @@ from mesh3d._torch_private.dispatch import (
 
 __all__ = [
     "ARGUMENTS_TORCH_DROPS",
+    "DATA_DEPENDENT_ERRORS",
     "argument_torch_dropped",
     "PAD_BUILTIN",
     "OpOverload",

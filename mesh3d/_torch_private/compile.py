@@ -17,7 +17,9 @@ from torch._dynamo.eval_frame import set_code_exec_strategy
 from torch._dynamo.output_graph import OutputGraph
 from torch._dynamo.types import FrameAction, FrameExecStrategy
 from torch._library.effects import EffectType
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.utils.checkpoint import CheckpointPolicy
 
 __all__ = [
@@ -63,6 +65,11 @@ def keep_in_program_order(op: Any) -> None:
     """
     op.register_effect(EffectType.ORDERED)
 
+
+#: What fake tensors raise where an op needs its inputs' values (``int(t.max())``, a ``bool`` of a comparison) or has
+#: an output whose size depends on them (``nonzero``, ``bincount``), while ``torch.compile`` traces on them.
+#: Why private: the exception types of ``torch._subclasses.fake_tensor``; torch has no public name for them.
+DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
 def never_compiled_alone(fn: Any) -> Any:
     """Make Dynamo run ``fn``'s frame eagerly when ``fn`` is entered from eager code (the functions it calls are treated

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from mesh3d._torch_private import outside_dispatch_modes
 from mesh3d.graphs.partition import Partition
 
 __all__ = ["Graph", "HaloPlan"]
@@ -139,6 +140,13 @@ class Graph:
         plan = self._plans.get(key)
         if plan is not None:
             return plan
+        # NOTE: kept for the process's life: its tensors are real even when first asked for while torch.compile
+        # traces on fake tensors (a fake one kept would poison every later call)
+        with outside_dispatch_modes():
+            plan = self._plans[key] = self._plan_halo(nodes, me)
+        return plan
+
+    def _plan_halo(self, nodes: Partition, me: int) -> HaloPlan:
         readers, holders, ids = self._all_halos(nodes)
         mine = readers == me
         halo_ids, from_whom = ids[mine], holders[mine]
@@ -153,5 +161,4 @@ class Graph:
         ext = np.full(nodes.n, -1, dtype=np.int64)
         ext[nodes.items(me)] = np.arange(own)
         ext[halo_ids] = own + np.arange(len(halo_ids))
-        plan = self._plans[key] = HaloPlan(me, own, recv, tuple(send), halo_ids, torch.from_numpy(ext))
-        return plan
+        return HaloPlan(me, own, recv, tuple(send), halo_ids, torch.from_numpy(ext))

@@ -24,6 +24,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from mesh3d._torch_private import outside_dispatch_modes
+from mesh3d.graphs.compiled_tables import table
+
 __all__ = ["Partition", "bfs_order", "grid_block_partition", "latlon_block_partition", "metis_available",
            "metis_partition", "sfc_keys", "sfc_partition", "split_order"]
 
@@ -119,8 +122,9 @@ class Partition:
         hit = self._tensors.get(key)
         if hit is None:
             array = self.items(rank) if what == "items" else self.owner if what == "owner" else self.local_index
-            hit = self._tensors[key] = torch.from_numpy(np.array(array, dtype=np.int64))
-        return hit
+            with outside_dispatch_modes():  # NOTE: real even when first asked for while torch.compile traces
+                hit = self._tensors[key] = torch.from_numpy(np.array(array, dtype=np.int64))
+        return table(hit)
 
     def take(self, keep: np.ndarray) -> Partition:
         """The partition of the items where ``keep`` (a global bool mask) is true, in their order.

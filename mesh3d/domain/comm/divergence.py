@@ -74,7 +74,7 @@ class OpJournal:
     entries: deque = field(default_factory=lambda: deque(maxlen=256))
     fingerprint: int = 0
     count: int = 0
-    _internal: dict[CodeType, bool] = field(default_factory=dict)
+    _internal: dict[int, tuple[CodeType, bool]] = field(default_factory=dict)
 
     def record(self, op: str, summary: tuple) -> None:
         """Add one op (its name and rank-independent summary) and where the user's code called it."""
@@ -93,11 +93,13 @@ class OpJournal:
         frame = sys._getframe(2)
         while frame is not None:
             code = frame.f_code
-            inside = self._internal.get(code)
-            if inside is None:
-                inside = self._internal[code] = code.co_filename.startswith(_INTERNAL_DIRS) or \
+            # NOTE: by id, the code kept beside it: a code object hashes its constants, and the frames Dynamo makes to
+            # resume after a graph break hold slices among them (unhashable on Python 3.11)
+            hit = self._internal.get(id(code))
+            if hit is None or hit[0] is not code:
+                hit = self._internal[id(code)] = code, code.co_filename.startswith(_INTERNAL_DIRS) or \
                     code.co_filename.startswith("<")
-            if not inside:
+            if not hit[1]:
                 return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
             frame = frame.f_back
         return "unknown"

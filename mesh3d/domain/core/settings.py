@@ -26,7 +26,7 @@ from typing import Generic, TypeVar
 import torch
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_MODES", "AttentionSettings", "DomainSettings", "OverlapSettings", "SETTINGS",
-           "SettingsSlot", "ValueSlot", "traced"]
+           "SettingsSlot", "ValueSlot", "refuse_while_traced", "traced"]
 
 T = TypeVar("T")
 
@@ -136,3 +136,15 @@ def traced() -> bool:
     there, ``is_compiling()`` True).
     """
     return torch.compiler.is_dynamo_compiling() or (SETTINGS.value.wrapper and torch.compiler.is_compiling())
+
+
+def refuse_while_traced(op: str, why: str) -> None:
+    """Raise ``NotImplementedError`` while ``torch.compile`` traces a rule that must read its tensors' values (a
+    mask's new layout, counts whose length depends on the ids): Dynamo then breaks the graph before the op and runs
+    it eagerly.
+
+    Usage: ``refuse_while_traced("torch.bincount", "its length depends on the ids")``
+    """
+    if traced():
+        raise NotImplementedError(f"{op} under torch.compile: {why}, which a trace on fake shards cannot read; "
+                                  "Dynamo runs it eagerly (a graph break)")

@@ -23,9 +23,10 @@ function's rule registered for it too (``F.pad``'s: ``_torch_private.PAD_BUILTIN
 NOTE (the steps): landed so far: the type, its two autograd edges (one per op where a rule's result is read next:
 ``fresh_wrapper``), the floor, in-place writes rebased onto the written tensor (``rebase``), writes into views
 (``dispatch.writes``), compile, a short path for metadata, sizes, views and element-wise ops of slabs, and on a
-one-rank domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Not
-yet: graph ops under compile (refused at trace time, so Dynamo breaks the graph at each). The default since
-2026-12-05; the storage subclass stays behind ``MESH3D_DOMAIN_WRAPPER=0`` until the wrapper is measured on a GPU.
+one-rank domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Graph
+ops under compile trace too (their index tables as ``mesh3d::graph_table``); those that read ids' values break the
+graph. The default since 2026-12-05; the storage subclass stays behind ``MESH3D_DOMAIN_WRAPPER=0`` until the wrapper
+is measured on a GPU.
 """
 
 from __future__ import annotations

@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import (
-    disable_torch_function_subclass, is_operator, random_draws_saved_under_traced_checkpoints, run_autograd_function,
-    running_compiled_backward)
+    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, is_operator, random_draws_saved_under_traced_checkpoints,
+    run_autograd_function, running_compiled_backward)
 from mesh3d.domain.comm.collectives import scale_grad, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.core.group import DomainComm
@@ -69,22 +69,18 @@ def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTenso
     """An op whose leading input is laid out as ``entry`` says: its rule in that layout's table, or a refusal naming it
     on every rank (before any exchange)."""
     spec = lead._spec
-    if not entry.traceable:
-        if torch.compiler.is_dynamo_compiling():
-            # NOTE: e.g. graph rules check node ids against the partition and plan halos in numpy, which Dynamo cannot
-            # trace: under torch.compile each such op is a graph break, run eagerly (docs/domain.md, "Graphs and meshes")
-            return _eager(func, args, kwargs, lead, entry)
-        if traced():
-            # NOTE: wrapper tensors are traced by AOTAutograd, where no graph break can be made
-            raise NotImplementedError(
-                f"{op_name(func)} on a wrapper domain tensor laid out as {entry.name} under torch.compile: such ops run "
-                "eagerly (docs/domain.md, 'Graphs and meshes'), which a wrapper tensor's trace cannot do yet; compile "
-                "the layers around them (the message passing), or wrap them in torch.compiler.disable")
+    if not entry.traceable and torch.compiler.is_dynamo_compiling():
+        # NOTE: the storage subclass, whose rules Dynamo inlines: graph rules plan halos in numpy, which Dynamo cannot
+        # trace, so each such op is a graph break, run eagerly. Wrapper tensors' rules run on fake shards instead
+        # (docs/domain.md, "Graphs and meshes"); one that must read values refuses there, and Dynamo breaks the graph.
+        return _eager(func, args, kwargs, lead, entry)
     rule = entry.rules.get(func)
     if rule is None:
         raise NotImplementedError(entry.refusal(op_name(func), spec))
     # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
     # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
+    if traced() and not entry.traceable:
+        return _run_on_fake_shards(func, rule, args, kwargs)
     if spec.comm.size == 1 or traced():
         result = rule(*args, **kwargs)
         return run_step(result) if isinstance(result, Step) else result
@@ -92,6 +88,17 @@ def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTenso
         JOURNAL.record(_op_label(func), entry.journal(spec))
     return _telling_peers_of_failure(spec.comm, func,
                                      lambda: _run_rule_checked(func, rule, lead, args, kwargs, entry.journal is None))
+
+
+def _run_on_fake_shards(func: Callable, rule: Callable, args: tuple, kwargs: dict) -> Any:
+    """A rule of a layout Dynamo cannot inline, run on a wrapper tensor's fake shards; where it reads a value that a
+    fake shard does not hold, a ``NotImplementedError`` (Dynamo breaks the graph and runs the op eagerly)."""
+    try:
+        result = rule(*args, **kwargs)
+    except DATA_DEPENDENT_ERRORS as e:
+        raise NotImplementedError(f"{op_name(func)} under torch.compile reads values of its tensors, which a trace on "
+                                  "fake shards cannot: it runs eagerly (a graph break)") from e
+    return run_step(result) if isinstance(result, Step) else result
 
 
 @torch.compiler.disable(reason="mesh3d: an op on a domain tensor whose rules do not trace runs eagerly")

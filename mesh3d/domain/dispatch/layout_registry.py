@@ -39,8 +39,9 @@ class RegisteredLayout:
     ``journal``: what the op journal records of a call before its rule runs (the spec's global facts), or None to
     record only a step that moves rows or changes the layout, after it ran (slabs: most ops move nothing).
     ``refusal``: the message for an op without a rule, from its name and the spec.
-    ``traceable``: whether the rules can run while Dynamo or AOTAutograd traces (a graph's check ids and plan halos
-    in numpy: each op is a graph break, and a wrapper tensor's trace refuses it by name).
+    ``traceable``: whether Dynamo can inline the rules (the storage subclass's compile). A graph's rules plan halos in
+    numpy: there each op is a graph break. Wrapper tensors' rules run on fake shards, graphs' too; one that must read
+    values raises ``NotImplementedError`` there, and Dynamo breaks the graph before it.
     """
 
     layout: Layout

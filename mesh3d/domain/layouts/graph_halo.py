@@ -28,15 +28,17 @@ from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
 from mesh3d.domain.comm.exchange import exchange_all, exchange_point, gather_rows, swap
 from mesh3d.domain.comm.rows import Span, plan_exchange
 from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.core.settings import refuse_while_traced
 from mesh3d.domain.core.linear import linear_map
 from mesh3d.graphs import HaloPlan, Partition
+from mesh3d.graphs.compiled_tables import table
 
 __all__ = ["entering", "gather_all", "gather_halo", "gather_varying", "global_mask", "reduce_sum", "scatter_halo",
            "shared_mask"]
 
 
 def _gather(local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) -> torch.Tensor:
-    outgoing = [(peer, local.index_select(dim, rows.to(local.device))) for peer, rows in plan.send]
+    outgoing = [(peer, local.index_select(dim, table(rows).to(local.device))) for peer, rows in plan.send]
     received = swap(comm, outgoing, local, (dim,), [(q, (n,)) for q, n in plan.recv], exchange_point(comm))
     return torch.cat([local, *(received[q] for q, _ in plan.recv)], dim)
 
@@ -50,7 +52,7 @@ def _scatter(ext: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) -> t
     received = swap(comm, outgoing, ext, (dim,), counts, exchange_point(comm))
     own = ext.narrow(dim, 0, plan.own).clone()
     for peer, rows in plan.send:
-        own.index_add_(dim, rows.to(own.device), received[peer])
+        own.index_add_(dim, table(rows).to(own.device), received[peer])
     return own
 
 
@@ -135,6 +137,7 @@ def global_mask(mask: torch.Tensor, items: Partition, comm: DomainComm) -> np.nd
 
     Usage: ``kept = items.take(global_mask(unwrap(m), items, comm))``
     """
+    refuse_while_traced("a boolean mask over a graph's items", "the kept items make a new layout")
     mine = mask.detach().cpu().numpy().astype(bool).ravel()
     width = max(1, max(math.ceil(c / 8) for c in items.counts))
     bits = np.zeros(width, dtype=np.uint8)
@@ -153,6 +156,7 @@ def shared_mask(mask: torch.Tensor, comm: DomainComm) -> np.ndarray | None:
 
     Usage: ``keep = shared_mask(plain_mask, comm)  # None: drawn from streams that differ``
     """
+    refuse_while_traced("a plain boolean mask over a graph's items", "the kept items make a new layout")
     keep = mask.detach().cpu().numpy().astype(bool).ravel()
     if comm.size == 1:
         return keep
@@ -167,6 +171,7 @@ def gather_varying(values: torch.Tensor, comm: DomainComm) -> list[torch.Tensor]
 
     Usage: ``uniques = torch.cat(gather_varying(torch.unique(local), comm))``
     """
+    refuse_while_traced("gathering every rank's values", "their lengths are values")
     values = values.detach().contiguous().reshape(-1)
     if comm.size == 1:
         return [values]

@@ -1,6 +1,6 @@
 """What the graph rules share: reading a graph spec, another operand's rows for this rank, index lookups.
 
-Usage: ``spec = graph_spec_of(x); rows = rows_for(o, dim, spec, "torch.add"); pos = own_rows(idx, nodes, comm)``
+Usage: ``spec = graph_spec_of(x); rows = rows_for(o, dim, spec, "torch.add"); pos = own_rows(idx, nodes, comm, op)``
 """
 
 from __future__ import annotations
@@ -9,10 +9,15 @@ from typing import Any
 
 import torch
 
+from mesh3d.domain.comm.compiled_exchange import COMMS, comm_key
+from mesh3d.domain.comm.exchange import report_failure
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.core.settings import traced
 from mesh3d.domain.core.specs import GraphSpec, Layout
 from mesh3d.domain.core.tensor import DomainTensor, unwrap
 from mesh3d.domain.layouts.graph_halo import entering
 from mesh3d.graphs import HaloPlan, Partition
+from mesh3d.graphs.compiled_tables import table as compiled_table
 
 __all__ = ["VALUE_KEEPING", "graph_spec_of", "is_graph", "lookup", "own_rows", "rows_for", "sharded_at"]
 
@@ -69,33 +74,70 @@ _NOT_OWN = ("an index of the destinations names a node another rank owns; the ed
             "their destination's rank (build the edge list with domain.edge_index)")
 
 
-def own_rows(idx: torch.Tensor, nodes: Partition, me: int, op: str, not_own: str = _NOT_OWN) -> torch.Tensor:
+def own_rows(idx: torch.Tensor, nodes: Partition, comm: DomainComm, op: str, not_own: str = _NOT_OWN) -> torch.Tensor:
     """This rank's rows of the nodes ``idx`` names (global ids it owns); raises ``not_own`` (after the op's name)
     where it names another rank's node.
 
-    Usage: ``pos = own_rows(unwrap(dst), x.spec.items, comm.index, "torch.Tensor.index_add_")``
+    Usage: ``pos = own_rows(unwrap(dst), x.spec.items, comm, "torch.Tensor.index_add_")``
     """
     ids = _index_values(idx, op)
-    if ids.numel():
-        if int(ids.min()) < 0 or int(ids.max()) >= nodes.n:
-            raise IndexError(f"{op}: node ids {int(ids.min())}..{int(ids.max())} outside 0..{nodes.n - 1}")
-        if bool((nodes.tensor("owner").to(ids.device)[ids] != me).any()):
-            raise ValueError(f"{op}: {not_own}")
-    return nodes.tensor("local_index").to(ids.device)[ids]
+    owner, local = nodes.tensor("owner").to(ids.device), nodes.tensor("local_index").to(ids.device)
+    return _checked_rows(ids, local, owner, comm, op, not_own)
 
 
-def lookup(idx: torch.Tensor, plan: HaloPlan, op: str) -> torch.Tensor:
+_NOT_HALO = ("the index names a node that is neither this rank's nor in its halo (the sources of its edges): index with "
+             "the graph's own edge list (domain.edge_index), or gather the tensor first (.full_tensor())")
+
+
+def lookup(idx: torch.Tensor, plan: HaloPlan, comm: DomainComm, op: str) -> torch.Tensor:
     """Rows of ``[own; halo]`` for the node ids ``idx``; raises where one is neither this rank's nor in its halo.
 
-    Usage: ``ext.index_select(0, lookup(unwrap(src), plan, "torch.Tensor.index_select"))``
+    Usage: ``ext.index_select(0, lookup(unwrap(src), plan, comm, "torch.Tensor.index_select"))``
     """
     ids = _index_values(idx, op)
-    table = plan.ext_index.to(ids.device)
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= len(table)):
-        raise IndexError(f"{op}: node ids {int(ids.min())}..{int(ids.max())} outside 0..{len(table) - 1}")
+    return _checked_rows(ids, compiled_table(plan.ext_index).to(ids.device), None, comm, op, _NOT_HALO)
+
+
+def _checked_rows(ids: torch.Tensor, table: torch.Tensor, owner: torch.Tensor | None, comm: DomainComm, op: str,
+                  refusal: str) -> torch.Tensor:
+    if traced():  # NOTE: the ids are values, known only when the graph runs: checked there, by the op looking them up
+        return graph_rows(ids, table, owner, op, refusal, comm_key(comm.axis, comm.ranks, comm.index, comm.mesh_epoch))
+    return _rows(ids, table, owner, comm.index, op, refusal)
+
+
+def _rows(ids: torch.Tensor, table: torch.Tensor, owner: torch.Tensor | None, me: int, op: str,
+          refusal: str) -> torch.Tensor:
+    """``table[ids]``, raising where an id is out of range, or (with ``owner``) owned by another rank than ``me``, or
+    (without) looks up a negative row (not held here)."""
+    if ids.numel():
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= len(table):
+            raise IndexError(f"{op}: node ids {low}..{high} outside 0..{len(table) - 1}")
+        if owner is not None and bool((owner[ids] != me).any()):
+            raise ValueError(f"{op}: {refusal}")
     pos = table[ids]
-    if pos.numel() and int(pos.min()) < 0:
-        raise ValueError(f"{op}: the index names a node that is neither this rank's nor in its halo (the sources of "
-                         "its edges): index with the graph's own edge list (domain.edge_index), or gather the tensor "
-                         "first (.full_tensor())")
+    if owner is None and pos.numel() and int(pos.min()) < 0:
+        raise ValueError(f"{op}: {refusal}")
     return pos
+
+
+@torch.library.custom_op("mesh3d::graph_rows", mutates_args=())
+def graph_rows(ids: torch.Tensor, table: torch.Tensor, owner: torch.Tensor | None, op: str, refusal: str,
+               comm_id: int) -> torch.Tensor:
+    """``_rows`` as one op of a compiled graph: node ids are values, known (and checked) only when the graph runs. A
+    rank whose ids fail tells its domain peers before raising, as the dispatcher does in eager code."""
+    comm = DomainComm(*COMMS[comm_id])
+    try:
+        return _rows(ids, table, owner, comm.index, op, refusal).clone()
+    except (IndexError, ValueError) as err:
+        if comm.size == 1:
+            raise
+        reported = report_failure(comm, op, err)
+        if reported is err:
+            raise
+        raise reported from err
+
+
+@graph_rows.register_fake
+def _(ids, table, owner, op, refusal, comm_id):
+    return ids.new_empty(ids.shape, dtype=torch.int64)

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mesh3d.domain.core.settings import refuse_while_traced
 from mesh3d.domain.core.specs import DomainSpec, GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.comm.collectives import all_reduce_max
@@ -81,6 +82,7 @@ def bincount(input: Any, weights: Any = None, minlength: int = 0) -> DomainTenso
     if input.ndim != 1 or local.dtype.is_floating_point or local.dtype.is_complex or local.dtype == torch.bool:
         raise RuntimeError(f"{op}: bincount only supports 1-d non-negative integral inputs (got a {input.ndim}-D "
                            f"{local.dtype} graph tensor)")
+    refuse_while_traced(op, "its length and its check read the ids")
     if local.numel() and int(local.min()) < 0:
         raise RuntimeError(f"{op}: bincount only supports 1-d non-negative integral inputs (found {int(local.min())})")
     w = _weights_rows(weights, spec, op)
@@ -98,9 +100,9 @@ def bincount(input: Any, weights: Any = None, minlength: int = 0) -> DomainTenso
     assert graph is not None
     out = GraphSpec(0, nodes, comm)
     if spec.endpoint == 1 and nodes == graph.dst:  # the destinations: this rank's own nodes, nothing travels
-        return adopt(_counts(own_rows(local, nodes, me, op), w, nodes.counts[me], dtype), out)
+        return adopt(_counts(own_rows(local, nodes, comm, op), w, nodes.counts[me], dtype), out)
     plan = graph.halo(nodes, me)  # the sources: counts of halo nodes are partial, sent home and added (index_add's)
-    ext = _counts(lookup(local, plan, op), w, plan.own + plan.halo_rows, dtype)
+    ext = _counts(lookup(local, plan, comm, op), w, plan.own + plan.halo_rows, dtype)
     return adopt(scatter_halo(ext, 0, plan, comm), out)
 
 
@@ -120,6 +122,7 @@ def unique(input: DomainTensor, sorted: bool = True, return_inverse: bool = Fals
     Usage: ``ids, inv = unique(ei[0], return_inverse=True)``
     """
     op = "torch.unique"
+    refuse_while_traced(op, "its length is the number of distinct values")
     spec = graph_spec_of(input)
     if dim is not None:
         raise NotImplementedError(f"{op}(dim={dim}) of a graph tensor: unique slices compare whole rows across the "

@@ -46,11 +46,11 @@ def gather_nodes(x: DomainTensor, dim: int, index: DomainTensor, op: str) -> Dom
         raise ValueError(f"{op}: the index names nodes of {graph!r}, but the tensor is laid out by {spec.items}: "
                          "neither the graph's source nor its destination partition")
     if ispec.endpoint == 1 and spec.items == graph.dst:  # destinations: this rank's own nodes
-        rows = unwrap(x).index_select(spec.dim, own_rows(unwrap(index), spec.items, comm.index, op))
+        rows = unwrap(x).index_select(spec.dim, own_rows(unwrap(index), spec.items, comm, op))
     else:
         plan = graph.halo(spec.items, comm.index)
         ext = gather_halo(unwrap(x), spec.dim, plan, comm)
-        rows = ext.index_select(spec.dim, lookup(unwrap(index), plan, op))
+        rows = ext.index_select(spec.dim, lookup(unwrap(index), plan, comm, op))
     return adopt(rows, spec.replaced(items=ispec.items, graph=graph, endpoint=None))
 
 
@@ -66,7 +66,7 @@ def take_own(x: DomainTensor, dim: int, index: DomainTensor, op: str) -> DomainT
     Usage: ``kept_attr = take_own(edge_attr, 0, torch.where(keep)[0], "torch.Tensor.__getitem__")``
     """
     spec, ispec = graph_spec_of(x), graph_spec_of(index)
-    rows = own_rows(unwrap(index), spec.items, spec.comm.index, op, _NOT_OWN)
+    rows = own_rows(unwrap(index), spec.items, spec.comm, op, _NOT_OWN)
     return adopt(unwrap(x).index_select(dim, rows), spec.replaced(items=ispec.items))
 
 

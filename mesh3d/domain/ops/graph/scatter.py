@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass, view_base
+from mesh3d.domain.core.settings import traced
 from mesh3d.domain.core.specs import GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
@@ -84,6 +85,10 @@ def aggregate(op: str, apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     comm, graph = ispec.comm, ispec.graph
     spec = GraphSpec(d, nodes, comm)
     plain = not isinstance(target, DomainTensor)
+    if inplace and not plain and traced():
+        # NOTE: traced, each read of a wrapper's shard is an alias of its own, and a write into one would not carry
+        # its history to the target: the result is made out of place, and the dispatcher rebases the target onto it
+        inplace = False
     rows = rows_for(target, d, spec, op) if plain else unwrap(target)
     src_rows = unwrap(src) if is_graph(src) else rows_for(src, d, ispec, op)
     if is_graph(src) and graph_spec_of(src).items != ispec.items:
@@ -91,7 +96,7 @@ def aggregate(op: str, apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     idx, shape = _compact(unwrap(index), d)
     local = ispec.endpoint == 1 and nodes == graph.dst  # destinations: this rank's own nodes
     if local or sum(graph.halo_counts(nodes)) == 0:
-        pos = own_rows(idx, nodes, comm.index, op)
+        pos = own_rows(idx, nodes, comm, op)
         pos = pos if shape is None else pos.view([-1 if k == d else 1 for k in range(len(shape))]).expand(shape)
         if plain:
             out = apply(rows.clone() if rows is target else rows, pos, src_rows)
@@ -105,7 +110,7 @@ def aggregate(op: str, apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
                                   "is not the destinations of the edge list): only sums travel home; aggregate at the "
                                   "destinations, or reverse the edges")
     plan = graph.halo(nodes, comm.index)
-    pos = lookup(idx, plan, op)
+    pos = lookup(idx, plan, comm, op)
     pos = pos if shape is None else pos.view([-1 if k == d else 1 for k in range(len(shape))]).expand(shape)
     ext_shape = list(rows.shape)
     ext_shape[d] = plan.own + plan.halo_rows
