@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass, view_base
-from mesh3d.domain.core.settings import traced
+from mesh3d.domain.core.settings import refuse_while_traced, traced
 from mesh3d.domain.core.specs import GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
@@ -85,6 +85,8 @@ def aggregate(op: str, apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     comm, graph = ispec.comm, ispec.graph
     spec = GraphSpec(d, nodes, comm)
     plain = not isinstance(target, DomainTensor)
+    if inplace and plain:  # NOTE: traced, a fake tensor cannot become a node tensor (Dynamo's internal assert)
+        refuse_while_traced(op, "a plain tensor written in place by a graph index turns into a node tensor")
     if inplace and not plain and traced():
         # NOTE: traced, each read of a wrapper's shard is an alias of its own, and a write into one would not carry
         # its history to the target: the result is made out of place, and the dispatcher rebases the target onto it
