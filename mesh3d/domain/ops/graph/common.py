@@ -128,7 +128,7 @@ def graph_rows(ids: torch.Tensor, table: torch.Tensor, owner: torch.Tensor | Non
     rank whose ids fail tells its domain peers before raising, as the dispatcher does in eager code."""
     comm = DomainComm(*COMMS[comm_id])
     try:
-        return _rows(ids, table, owner, comm.index, op, refusal).clone()
+        return _rows(ids, table, owner, comm.index, op, refusal)  # NOTE: table[ids] is a new tensor: no alias
     except (IndexError, ValueError) as err:
         if comm.size == 1:
             raise
