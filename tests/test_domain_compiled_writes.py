@@ -84,3 +84,79 @@ def test_in_place_writes_compile_on_inputs_that_require_grad_as_one_process(rank
                     assert (graphs, breaks) == (1, 0), (sizes, rank, name, graphs, breaks)
                 else:
                     assert breaks > 0, (sizes, rank, name, graphs, breaks)
+
+
+def _break_then_mask(t):
+    """A tensor without history made before a graph break is the next graph's input, written in place there (PyG's
+    ``gcn_norm``: ``deg_inv_sqrt.masked_fill_(deg_inv_sqrt == inf, 0)`` after a break)."""
+    d = t.detach() * 2 - 1
+    torch._dynamo.graph_break()
+    d.pow_(-2).masked_fill_(d > 3, 0)
+    return t * d
+
+
+def _break_then_mask_with_history(t):
+    """As above, the written input with a history: AOTAutograd returns the write as an extra output, and Inductor's
+    backward failed on its gradient's strides; it runs eagerly now (a graph break)."""
+    y = t * 2 - 1
+    torch._dynamo.graph_break()
+    y.masked_fill_(y > 1, 0)
+    return y * t
+
+
+def _gcn_norm_like(x, ei, ones):
+    """Degrees, ``pow_`` and ``masked_fill_`` in place after a break, then the edges weighted by both ends."""
+    row, col = ei[0], ei[1]
+    deg = torch.zeros(x.shape[0], dtype=x.dtype).index_add_(0, col, ones)
+    torch._dynamo.graph_break()
+    d = deg.pow_(-0.5)
+    d.masked_fill_(d == float("inf"), 0)
+    w = d[row] * d[col]
+    return torch.zeros_like(x).index_add_(0, col, x[row] * w[:, None])
+
+
+def _inputs_written_body(world):
+    import torch._dynamo
+
+    from graph_models import channel_graph
+    from mesh3d import DistributedManager, domain
+
+    def compare(f, ref_args, dom_args, backend="aot_eager"):
+        torch._dynamo.reset()
+        ref = ref_args[0].clone().requires_grad_()
+        want = f(ref, *ref_args[1:])
+        (want ** 2).sum().backward()
+        xs = dom_args[0].requires_grad_()
+        y = torch.compile(f, backend=backend)(xs, *dom_args[1:])
+        (y ** 2).sum().backward()
+        return max(max_err(y.full_tensor().to_local(), want), max_err(xs.grad.full_tensor().to_local(), ref.grad))
+
+    out = {}
+    with channel_graph(17 + world) as c:  # node tensors; the last part empty from 3 ranks
+        x = torch.randn(c.n, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+        ones = torch.ones(c.edges.shape[1], dtype=x.dtype)
+        out["graph: gcn_norm"] = compare(_gcn_norm_like, (x, c.edges, ones),
+                                         (domain.shard_nodes(x, c.part), c.ei, torch.ones_like(c.ei[0], dtype=x.dtype)))
+        out["graph: mask"] = compare(lambda t: _break_then_mask(t), (x,), (domain.shard_nodes(x, c.part),))
+    sizes = (4, 5) if world == 2 else (3, 0, 6)
+    DistributedManager.initialize(batch=1, domain=world)
+    try:
+        x = torch.randn(2, 3, sum(sizes), 5, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+        out["slab: mask"] = compare(_break_then_mask, (x,), (domain.shard(x, dim=2, sizes=sizes),))
+        out["slab: with history"] = compare(_break_then_mask_with_history, (x,),
+                                            (domain.shard(x, dim=2, sizes=sizes),), "inductor")
+    finally:
+        DistributedManager.shutdown()
+    torch._dynamo.reset()
+    return out
+
+
+def test_a_compiled_graphs_input_written_in_place_is_one_process(ranks):
+    """Writes into a graph's input: AOTAutograd puts them in the graph as ``input.copy_(updated)`` on the wrapper
+    tensor, which must write into the input's shard itself (it wrote into an alias of it, and AOTAutograd failed:
+    "n=copy_, n.args[0]=detach_...", graph tensors, so PyG's GCNConv did not compile); one with a history runs eagerly
+    (Inductor failed in backward)."""
+    for world in (2, 3):
+        for rank, out in enumerate(ranks.run(world, _inputs_written_body, world, timeout=300)):
+            for name, err in out.items():
+                assert err < 1e-12, (world, rank, name, err)

@@ -15,7 +15,8 @@ from mesh3d._torch_private.autograd import (
 from mesh3d._torch_private.compile import (
     DATA_DEPENDENT_ERRORS, PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
     let_compiled_graphs_take_function_subclasses, never_compiled_alone, random_draws_saved_under_traced_checkpoints,
-    run_compiled_graphs_without_subclass_dispatch, saved_under_traced_checkpoints)
+    run_compiled_graphs_without_subclass_dispatch, saved_under_traced_checkpoints,
+    traced_graph_input_with_history)
 from mesh3d._torch_private.kernels import (
     cpu_flash_attention, cpu_flash_attention_backward, cuda_attention_ops, cuda_cudnn_backward, cuda_cudnn_forward,
     cuda_efficient_attention, cuda_efficient_backward, cuda_efficient_forward, cuda_flash_attention, cuda_flash_backward,
@@ -83,6 +84,7 @@ __all__ = [
     "saved_under_traced_checkpoints",
     "storage_key",
     "tree_flatten",
+    "traced_graph_input_with_history",
     "tree_map",
     "unflatten_mesh",
     "unpatch_checkpoint_recomputation",

@@ -71,6 +71,17 @@ def keep_in_program_order(op: Any) -> None:
 #: Why private: the exception types of ``torch._subclasses.fake_tensor``; torch has no public name for them.
 DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
 
+def traced_graph_input_with_history(t: torch.Tensor) -> bool:
+    """Whether ``t``, met while Dynamo traces, is its fake of a graph input that is not a leaf: one with a gradient
+    history in eager code, which the trace does not see.
+
+    Why private: Dynamo fakes such an input as a tensor whose ``grad_fn`` is ``torch._C._functions.DelayedError``'s
+    node (``meta_utils._backward_error``), so that it is not a leaf; no public API tells an input from the trace's own
+    tensors (which have real histories)."""
+    node = t.grad_fn
+    return node is not None and type(node).__name__ == "Error"
+
+
 def never_compiled_alone(fn: Any) -> Any:
     """Make Dynamo run ``fn``'s frame eagerly when ``fn`` is entered from eager code (the functions it calls are treated
     as usual); traced inside a compiled frame it is still inlined as before. Returns ``fn``.

@@ -20,6 +20,9 @@ import contextlib
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
+from mesh3d._torch_private import traced_graph_input_with_history
 from mesh3d.domain.core.copied_views import is_made_as_copy
 from mesh3d.domain.core.settings import traced
 from mesh3d.domain.core.tensor import DomainTensor, storage_view, unwrap
@@ -86,6 +89,14 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
         raise RuntimeError(f"{getattr(func, '__name__', func)} into a view of a domain tensor under torch.compile: not "
                            "supported yet; write out of place (y = torch.cat([...]) or torch.where), or run that code "
                            "under torch.compiler.disable")
+    if tracing and _copied_shard_to_shard(func, args, kwargs):
+        return target
+    if tracing and torch.is_grad_enabled() and traced_graph_input_with_history(target):
+        # NOTE: AOTAutograd returns a write into a graph input that has a history as an extra output, applied when the
+        # graph has run, and Inductor's backward expected that output's gradient with the shard's strides and the
+        # whole tensor's sizes ("expected size 2==2, stride 135==60"): the write runs eagerly (a graph break), exact
+        raise NotImplementedError(f"{getattr(func, '__name__', func)} into a compiled graph's input that requires grad "
+                                  "runs eagerly (a graph break)")
     with contextlib.nullcontext() if tracing else wrapper_tensors(False):
         stand_in = fresh_wrapper(alias, root._spec) if tracing else storage_view(alias, root._spec)
         for func_i, args_i, kwargs_i, index in reversed(chain):
@@ -105,6 +116,30 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
     else:
         rebase(target, fresh_wrapper(alias, root._spec) if written is stand_in else _as_wrapper(written))
     return target if isinstance(out, DomainTensor) else out
+
+
+def _copied_shard_to_shard(func: Callable, args: tuple, kwargs: dict) -> bool:
+    """Traced, ``target.copy_(source)`` of a wrapper laid out as the target, without history to record: the source's
+    shard copied into the target's, as torch's copy between the whole tensors is (True), else nothing done (False).
+
+    NOTE: the copy AOTAutograd makes to put a compiled graph's input mutation into the graph (``apply_in_graph_mutations``:
+    ``input.copy_(updated)``, with the graph's inputs as wrapper tensors) must write into the input's shard itself, the
+    graph's placeholder: through the stand-in it wrote into an alias of it, which AOTAutograd refuses ("n=copy_,
+    n.args[0]=detach_...")."""
+    target, source = args[0], args[1] if len(args) > 1 else None
+    if func not in _COPIES or len(args) != 2 or kwargs or not isinstance(source, WrappedDomainTensor):
+        return False
+    if source._views_domain or (torch.is_grad_enabled() and (target.requires_grad or source.requires_grad)):
+        return False
+    mine, theirs = target._local, source._local
+    if target._spec != source._spec or mine.shape != theirs.shape or mine.dtype != theirs.dtype:
+        return False
+    with torch.no_grad():
+        mine.copy_(theirs)
+    return True
+
+
+_COPIES = (torch.Tensor.copy_, torch.ops.aten.copy_.default)
 
 
 def _refuse_traced_write(func: Callable) -> None:
