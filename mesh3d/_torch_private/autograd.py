@@ -226,3 +226,12 @@ def run_autograd_function(cls: Any, args: tuple, kwargs: dict) -> Any:
     """
     original = getattr(torch.autograd.Function.apply, "_mesh3d_original", None)
     return original(cls, *args, **kwargs) if original is not None else cls.apply(*args, **kwargs)
+
+
+def functorch_transform_active() -> bool:
+    """Whether a ``torch.func`` transform (grad, vjp, jacrev, vmap, ...) is running around this call.
+
+    Why private: ``torch._C._are_functorch_transforms_active`` is what ``torch.autograd.Function.apply`` itself asks;
+    torch has no public question for it.
+    """
+    return torch._C._are_functorch_transforms_active()

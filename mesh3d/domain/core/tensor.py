@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import (
-    call_without_compiling, disable_torch_function_subclass, never_compiled_alone, run_backward_from, view_base)
+    call_without_compiling, disable_torch_function_subclass, functorch_transform_active, never_compiled_alone,
+    run_backward_from, view_base)
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout, sharded_dims
 
@@ -350,12 +351,25 @@ class DomainTensor(torch.Tensor):
 
 
 def _eager_torch_function(cls: type[DomainTensor], func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
-    short = cls._short.get(func)
-    if short is not None:
-        out = short(func, args, kwargs)
-        if out is not NotImplemented:
-            return out
-    return cls._dispatcher(func, types, args, kwargs or {})
+    try:
+        short = cls._short.get(func)
+        if short is not None:
+            out = short(func, args, kwargs)
+            if out is not NotImplemented:
+                return out
+        return cls._dispatcher(func, types, args, kwargs or {})
+    except RuntimeError as err:
+        if functorch_transform_active():  # NOTE: asked only once a rule failed: nothing on the way of every op
+            raise NotImplementedError(_UNDER_TORCH_FUNC.format(op=getattr(func, "__name__", func))) from err
+        raise
+
+
+#: torch.func's transforms run a rule's autograd Functions only in their ``setup_context`` form, and an input passed
+#: to the transform reaches the rules' floor as ATen ops (refused there by name)
+_UNDER_TORCH_FUNC = ("{op} on a domain tensor under a torch.func transform (grad, vjp, jacrev, vmap of more than "
+                     "element-wise ops): mesh3d's rules cannot run inside it yet. Take gradients with "
+                     "torch.autograd.grad(loss, params) or loss.backward() (torch.func.functional_call works outside "
+                     "the transforms)")
 
 
 # NOTE: the same for this frame, entered from eager code (traced, it is inlined as before)
