@@ -117,12 +117,17 @@ def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.
     replies = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in others}
     works = post(comm, [(q, notice) for q in others], list(replies.items()))
     deadline = time.monotonic() + wait_s
+    landed = 0
     for work in works:  # NOTE: gloo's p2p works report completion only through wait(), which takes a timeout
         try:
             work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
             break
-    NOTICES.keep(works)
+        landed += 1
+    # NOTE: only the works not seen to land are held: gloo's wait on a send or receive that has completed waits for a
+    # next one, so the teardown's settle timed out on each, and gloo closed the pair ("Application timeout caused
+    # pair closure"): every shutdown after ranks refused an op together warned that peers missed its barrier
+    NOTICES.keep(works[landed:])
     tell_other_groups(comm, notice)
     differ = [q for q, h in replies.items() if int(h[0]) == divergence.MAGIC and int(h[2]) != fingerprint]
     if not differ:

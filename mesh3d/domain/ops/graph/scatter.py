@@ -33,11 +33,17 @@ from mesh3d.graphs import Partition
 __all__ = ["aggregate"]
 
 
+def _refuse_index(op: str) -> None:
+    raise NotImplementedError(
+        f"{op}: the index of an aggregation over a graph must be a row of its edge list (domain.edge_index(graph)[1]), "
+        "so each rank knows where its sums go. A graph-level readout (PyG's global_*_pool with a batch vector of one "
+        "graph) is a reduction over the nodes: h.sum(0), h.mean(0) or h.amax(0), or the pool with batch=None")
+
+
 def _target_nodes(target: torch.Tensor, dim: int, ispec: GraphSpec, op: str) -> Partition:
     graph = ispec.graph
     if graph is None:
-        raise NotImplementedError(f"{op}: the index of an aggregation over a graph must be a row of its edge list "
-                                  "(domain.edge_index(graph)[1]), so each rank knows where its sums go")
+        _refuse_index(op)
     if is_graph(target):
         tspec = graph_spec_of(target)
         if tspec.dim != dim or not graph.endpoints_in(tspec.items):
@@ -49,7 +55,9 @@ def _target_nodes(target: torch.Tensor, dim: int, ispec: GraphSpec, op: str) -> 
         nodes = graph.dst if k == 1 else graph.src
         if nodes.n == n:
             return nodes
-    raise ValueError(f"{op}: a plain target of {n} rows along dim {dim} is not one row per node of {graph!r}")
+    raise ValueError(f"{op}: a plain target of {n} rows along dim {dim} is not one row per node of {graph!r}; give it "
+                     "one row per node (PyG's utilities: pass num_nodes=, or dim_size=), or write into a node tensor "
+                     "(x.new_zeros(...))")
 
 
 def _compact(index: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Size | None]:
@@ -79,6 +87,8 @@ def aggregate(op: str, apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor
     Usage: ``aggregate("torch.Tensor.index_add_", lambda t, i, s: t.index_add_(0, i, s), out, 0, dst, msg, True, True)``
     ``sums``: the reduction is a sum (partial sums of another rank's nodes may travel home).
     """
+    if not is_graph(index):  # NOTE: a plain index (the edge list itself, a batch vector) names no rank's rows
+        _refuse_index(op)
     ispec = graph_spec_of(index)
     d = dim % (target.ndim if isinstance(target, torch.Tensor) else index.ndim)
     nodes = _target_nodes(target, d, ispec, op)
