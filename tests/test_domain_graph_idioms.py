@@ -366,6 +366,8 @@ def _refusal_body():
         "index_add_ by a plain index": lambda: torch.zeros_like(x).index_add_(0, torch.from_numpy(edges[1]), msg),
         "scatter_add_ by a plain batch": lambda: x.new_zeros(1, f).scatter_add_(
             0, torch.zeros(n, 1, dtype=torch.long).expand(n, f), x),
+        "argsort(dst) for CSR": lambda: torch.argsort(dst),
+        "index_reduce_ mean": lambda: x.new_zeros(x.shape).index_reduce_(0, dst, msg, "mean"),
     }
     messages = {}
     for key, call in calls.items():
@@ -403,6 +405,9 @@ def test_loops_over_items_and_other_reductions_into_the_sources_are_refused_by_n
                     ("amax into sources", "torch.scatter_reduce(reduce='amax')"),
                     ("prod into plain sources", "torch.Tensor.scatter_reduce_(reduce='prod')")):
         assert m[key].startswith(f"{op} with a reduction other than a sum into nodes of other ranks"), m[key]
+    assert "aggregate at the destinations with index_add_ or scatter_reduce" in m["argsort(dst) for CSR"]
+    assert m["index_reduce_ mean"].startswith("torch.Tensor.index_reduce_ has no rule for graph layouts") and \
+        "scatter_reduce_" in m["index_reduce_ mean"]
     for key, op in (("index_add_ by a plain index", "torch.Tensor.index_add_"),
                     ("scatter_add_ by a plain batch", "torch.Tensor.scatter_add_")):
         assert m[key].startswith(f"{op}: the index of an aggregation over a graph must be a row of its edge list") \

@@ -114,10 +114,22 @@ def _grid_refusal(what: str) -> Callable[[str, Any], str]:
 
 
 def _graph_refusal(name: str, spec: Any) -> str:
+    hint = _GRAPH_HINTS.get(name.rsplit(".", 1)[-1], "")
     return (f"{name} has no rule for graph layouts (nodes or edges split by a partition, along dim {spec.dim}): "
-            "mesh3d will not run it, because the local answer could differ from the one-process answer. The ops "
-            "supported are listed in docs/domain.md, 'Graphs and meshes'. Call .full_tensor() first, or register a "
+            f"mesh3d will not run it, because the local answer could differ from the one-process answer.{hint} The "
+            "ops supported are listed in docs/domain.md, 'Graphs and meshes'. Call .full_tensor() first, or register a "
             "rule with mesh3d.domain.register")
+
+
+_CSR = (" Each rank holds the edges into its own nodes already: aggregate at the destinations with index_add_ or "
+        "scatter_reduce (exact, no sorting) instead of building CSR.")
+#: What graph code reaches for instead, by the refused op's name (an outside hunt's refusals, issue 65)
+_GRAPH_HINTS = {
+    "argsort": _CSR, "sort": _CSR,
+    "flip": " To reverse the edges, take the rows by name: src, dst = edge_index, then use dst where src was.",
+    "index_reduce_": " scatter_reduce_ (with the index expanded to the values' shape) has rules for every reduction at the destinations.",
+    "index_reduce": " scatter_reduce (with the index expanded to the values' shape) has rules for every reduction at the destinations.",
+}
 
 
 def _grid_journal(spec: Any) -> tuple:
