@@ -182,9 +182,12 @@ def _swap(comm: DomainComm, tensors: list[torch.Tensor], rows: list[tuple[int, .
 
 class _SwapHeadsRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, comm: DomainComm, rows: list[tuple[int, ...]], to_heads: bool, *tensors):
-        ctx.comm, ctx.rows, ctx.to_heads = comm, rows, to_heads
+    def forward(comm: DomainComm, rows: list[tuple[int, ...]], to_heads: bool, *tensors):
         return tuple(_swap(comm, list(tensors), rows, to_heads))
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.comm, ctx.rows, ctx.to_heads = inputs[:3]
 
     @staticmethod
     def backward(ctx, *grads):

@@ -59,9 +59,12 @@ def _all_reduce(t: torch.Tensor, comm: DomainComm, op=dist.ReduceOp.SUM) -> torc
 
 class _ReduceToReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, comm):
-        ctx.comm = comm
+    def forward(t, comm):
         return _all_reduce(t, comm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
+        ctx.comm = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -74,9 +77,12 @@ class _ReduceToReplicated(torch.autograd.Function):
 
 class _ReduceForLocalUse(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, comm):
-        ctx.comm = comm
+    def forward(t, comm):
         return _all_reduce(t, comm)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
+        ctx.comm = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -87,9 +93,12 @@ class _ReduceForLocalUse(torch.autograd.Function):
 
 class _SumGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, comm):
-        ctx.comm = comm
+    def forward(t, comm):
         return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
+        ctx.comm = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):
@@ -131,9 +140,12 @@ def all_reduce_max(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
 
 class _ScaleGrad(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, t, factor):
-        ctx.factor = factor
+    def forward(t, factor):
         return t.view_as(t)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
+        ctx.factor = inputs[1]
 
     @staticmethod
     def backward(ctx, grad):

@@ -308,9 +308,13 @@ def _scatter(grad: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm,
 
 class _GatherRows(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, fingerprint):
-        ctx.dim, ctx.plan, ctx.comm, ctx.local_shape = dim, plan, comm, local.shape
+    def forward(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, fingerprint):
         return _gather(local, dim, plan, comm, fill, fingerprint)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # NOTE: the form torch.func's transforms run
+        local, ctx.dim, ctx.plan, ctx.comm = inputs[:4]
+        ctx.local_shape = local.shape
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

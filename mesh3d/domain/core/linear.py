@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from mesh3d._torch_private import functorch_transform_active
+
 __all__ = ["linear_map", "recordable"]
 
 
@@ -29,12 +31,15 @@ def _tuple(out: Any) -> tuple:
 
 class _LinearMap(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, apply: Callable, adjoint: Callable, *tensors: torch.Tensor):
-        ctx.maps = (apply, adjoint)
+    def forward(apply: Callable, adjoint: Callable, *tensors: torch.Tensor):
         with torch.no_grad():
             out = apply(*tensors)
         outs = tuple(o.view_as(o) if any(o is t for t in tensors) else o for o in _tuple(out))
         return outs if isinstance(out, (tuple, list)) else outs[0]
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: torch.func's transforms run only this form
+        ctx.maps = inputs[:2]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
@@ -52,7 +57,9 @@ def recordable(t: torch.Tensor) -> torch.Tensor:
     rule is global: with ``create_graph=True`` every rank records every exchange; a constant's own gradient then
     accumulates into a leaf nobody reads.
     """
-    return t if t.requires_grad else t.detach().requires_grad_()
+    if t.requires_grad or functorch_transform_active():  # NOTE: there the transform records every op itself
+        return t
+    return t.detach().requires_grad_()
 
 
 def linear_map(apply: Callable[..., Any], adjoint: Callable[..., Any], *tensors: torch.Tensor) -> Any:

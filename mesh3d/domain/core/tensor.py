@@ -359,17 +359,19 @@ def _eager_torch_function(cls: type[DomainTensor], func: Any, types: Any, args: 
                 return out
         return cls._dispatcher(func, types, args, kwargs or {})
     except RuntimeError as err:
-        if functorch_transform_active():  # NOTE: asked only once a rule failed: nothing on the way of every op
+        # NOTE: asked only once a rule failed: nothing on the way of every op. torch's own error about a rule's
+        # Function (no setup_context, no jvp), not a refusal of mesh3d's (a NotImplementedError too) that says better
+        if "autograd.Function" in str(err) and functorch_transform_active():
             raise NotImplementedError(_UNDER_TORCH_FUNC.format(op=getattr(func, "__name__", func))) from err
         raise
 
 
 #: torch.func's transforms run a rule's autograd Functions only in their ``setup_context`` form, and an input passed
 #: to the transform reaches the rules' floor as ATen ops (refused there by name)
-_UNDER_TORCH_FUNC = ("{op} on a domain tensor under a torch.func transform (grad, vjp, jacrev, vmap of more than "
-                     "element-wise ops): mesh3d's rules cannot run inside it yet. Take gradients with "
-                     "torch.autograd.grad(loss, params) or loss.backward() (torch.func.functional_call works outside "
-                     "the transforms)")
+_UNDER_TORCH_FUNC = ("{op} on a domain tensor under a torch.func transform: mesh3d's rules run inside grad and vjp of "
+                     "a function that captures the domain tensor (reverse mode), not yet inside forward mode (jvp, "
+                     "jacfwd), vmap of more than element-wise ops, or this op's. Take gradients with "
+                     "torch.func.grad over a closure, torch.autograd.grad(loss, params) or loss.backward()")
 
 
 # NOTE: the same for this frame, entered from eager code (traced, it is inlined as before)

@@ -20,13 +20,11 @@ of each op, then AOTAutograd's trace), on fake shards, and emit their exchanges 
 (``core.settings.traced``). A builtin that Dynamo records in place of a Python function of torch needs that
 function's rule registered for it too (``F.pad``'s: ``_torch_private.PAD_BUILTIN``).
 
-NOTE (the steps): landed so far: the type, its two autograd edges (one per op where a rule's result is read next:
-``fresh_wrapper``), the floor, in-place writes rebased onto the written tensor (``rebase``), writes into views
-(``dispatch.writes``), compile, a short path for metadata, sizes, views and element-wise ops of slabs, and on a
-one-rank domain torch's op on the shard for every other ruled call of a signature seen (``dispatch.one_rank``). Graph
-ops under compile trace too (their index tables as ``mesh3d::graph_table``); those that read ids' values break the
-graph. The default since 2026-12-05; the storage subclass stays behind ``MESH3D_DOMAIN_WRAPPER=0`` until the wrapper
-is measured on a GPU.
+Inside ``torch.func``'s transforms (``grad``, ``vjp`` of a function that captures the domain tensor) the shards carry
+the history, as the transform's own wrappers of them, and a wrapper tensor is a holder with none (``fresh_wrapper``,
+``rebase``); a replicated result is its shard, so a loss reaches the transform as the tensor it tracks. A domain tensor
+passed to the transform is wrapped by it and meets the floor. The default since 2026-12-05; the storage subclass stays
+behind ``MESH3D_DOMAIN_WRAPPER=0`` until the wrapper is measured on a GPU.
 """
 
 from __future__ import annotations
@@ -41,11 +39,12 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import (
-    disable_torch_function_subclass, make_wrapper_tensor, run_autograd_function, tree_flatten, tree_map)
+    disable_torch_function_subclass, functorch_transform_active as under_torch_func, make_wrapper_tensor,
+    run_autograd_function, tree_flatten, tree_map)
 from mesh3d.domain.core.alike_ops import alike_result, elementwise_aten, laid_out_alike
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.shard_owners import SHARD_OWNERS
-from mesh3d.domain.core.specs import AnySpec, DomainSpec
+from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
 
 __all__ = ["ENGINE_OPS", "WrappedDomainTensor", "fresh_wrapper", "rebase", "shortcut_alias", "wrapper_tensors"]
@@ -137,6 +136,9 @@ def rebase(target: WrappedDomainTensor, written: Any, check: bool = True) -> Wra
         before, after = tuple(target.shape), tuple(written.shape)
     if after != before:
         raise RuntimeError(f"an in-place op would change a domain tensor's shape from {before} to {after}")
+    if under_torch_func():  # NOTE: the shards carry the histories there (module docstring)
+        target._local, target._spec, target._alias = written._local, written._spec, None
+        return target
     # NOTE: past route_autograd_function_calls, which would only find this Function mesh3d's own and run it
     return run_autograd_function(_Rebase, (target, written), {})
 
@@ -165,12 +167,13 @@ def fresh_wrapper(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
     Usage: ``rebase(root, fresh_wrapper(alias, root.spec))`` (a written shard's new history)
     """
     if local.requires_grad and torch.is_grad_enabled():
+        if under_torch_func():  # NOTE: no edge: the transform would wrap it (module docstring)
+            return local if spec.layout is Layout.REPLICATED else _made_from(local, spec)
         out = run_autograd_function(_FromLocal, (local, spec), {})
         if not out._views_domain and not torch.compiler.is_compiling() and SHARD_OWNERS.owner(local) is None:
-            # NOTE: a fresh result: rules read ``local`` itself, not an alias through the new tensor's own edge (that
-            # cost each op two Python autograd edges, and a wrapper gradient made and unmade in backward). Every
-            # gradient of the tensor still meets at ``local``: hooks, retain_grad and autograd.grad's inputs are
-            # asked there (``shortcut_alias``), while the tensor's history is this edge (``_differentiable_local``)
+            # NOTE: a fresh result: rules read ``local`` itself, not an alias through the new tensor's own edge (two
+            # Python autograd edges per op, a wrapper gradient made and unmade in backward). Every gradient still meets
+            # at ``local`` (hooks, retain_grad: ``shortcut_alias``); the history is this edge (_differentiable_local)
             SHARD_OWNERS.mark(local, out)  # NOTE: as __new__
             with disable_torch_function_subclass():
                 out._alias_node = out.grad_fn
@@ -197,7 +200,7 @@ def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
     # differentiable aliases are marked with their owner; read before this one's shard is). A mark whose owner is
     # gone says nothing: the user's own tensor, wrapped whole on one rank step after step, is no view
     views = _owned(local._base) or _owned(local)
-    out = WrappedDomainTensor(local.detach() if local.requires_grad else local, spec)
+    out = WrappedDomainTensor(local.detach() if local.requires_grad and not under_torch_func() else local, spec)
     out._views_domain = views
     return out
 
@@ -272,7 +275,7 @@ class WrappedDomainTensor(DomainTensor):
         ``_ToLocal`` per read cost about 10 us per op. An in-place write makes a new one (``_Rebase``)."""
         if torch.compiler.is_compiling():
             return _ToLocal.apply(self) if torch.is_grad_enabled() else self._local
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or under_torch_func():
             return self._local
         with disable_torch_function_subclass():  # NOTE: read through the dispatcher, the flag cost a whole walk
             if not self.requires_grad:
@@ -368,7 +371,8 @@ class WrappedDomainTensor(DomainTensor):
                 f"{func} reached a domain tensor below mesh3d's rules (called from C++: an extension, TorchScript, "
                 "torch.func or another dispatch-level caller), where it would see only this rank's shard as the whole "
                 "tensor: mesh3d refuses it. Call it through Python torch functions, or on x.full_tensor() (the whole "
-                "tensor) or x.to_local() (this rank's shard) explicitly")
+                "tensor) or x.to_local() (this rank's shard) explicitly. Under torch.func.grad/vjp, capture the domain "
+                "tensor in the function instead of passing it to the transform")
             # NOTE: TorchScript's interpreter re-raises an op's Python error with its message dropped (torch 2.13:
             # "RuntimeError: " and nothing after): the warning is what names the op there
             warnings.warn(message, RuntimeWarning, stacklevel=2)

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import (
-    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, is_operator, random_draws_saved_under_traced_checkpoints,
+    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, functorch_transform_active, is_operator, random_draws_saved_under_traced_checkpoints,
     run_autograd_function, running_compiled_backward)
 from mesh3d.domain.comm.collectives import scale_grad, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
@@ -313,6 +313,8 @@ def _overlapped(step: Step) -> torch.Tensor | None:
     """The step's result computed with its halo exchange in flight (``mesh3d.domain.halo.overlap``), or None
     where that does not apply: overlap off or not declared, nothing received, or no interior rows."""
     if not SETTINGS.value.overlap.enabled or len(step.args) != 1 or step.kwargs or traced():
+        return None
+    if functorch_transform_active():  # NOTE: its two autograd Functions share a state torch.func cannot carry
         return None
     req = step.args[0]
     if not isinstance(req, Window) or req.overlap is None or req.x._spec.comm.size == 1:

@@ -168,10 +168,14 @@ def _scatter_box(grad: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm:
 
 class _GatherBox(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
+    def forward(local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
                 fingerprint):
-        ctx.dims, ctx.plan, ctx.comm, ctx.local_shape = dims, plan, comm, local.shape
         return _gather_box(local, dims, plan, comm, fill, fingerprint)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # NOTE: the form torch.func's transforms run
+        local, ctx.dims, ctx.plan, ctx.comm = inputs[:4]
+        ctx.local_shape = local.shape
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

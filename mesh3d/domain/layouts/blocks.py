@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
+from typing import Any
+
 import torch
 
 from mesh3d.domain.halo.boxes import gather_box
@@ -123,11 +125,14 @@ def gather_whole(local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
 
 class _BlockFullTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
-        ctx.spec = spec
+    def forward(local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
         with torch.no_grad():
             whole = gather_whole(local, spec)
         return whole.view_as(whole) if whole is local else whole
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.spec = inputs[1]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -22,6 +22,8 @@ import math
 import zlib
 
 import numpy as np
+from typing import Any
+
 import torch
 
 from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_grad
@@ -58,9 +60,12 @@ def _scatter(ext: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) -> t
 
 class _HaloMove(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm, gather: bool):
-        ctx.args = (dim, plan, comm, gather)
+    def forward(local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm, gather: bool):
         return (_gather if gather else _scatter)(local, dim, plan, comm)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.args = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -110,10 +115,13 @@ def _whole(local: torch.Tensor, dim: int, items: Partition, comm: DomainComm) ->
 
 class _GatherAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, dim: int, items: Partition, comm: DomainComm):
-        ctx.args = (dim, items, comm)
+    def forward(local: torch.Tensor, dim: int, items: Partition, comm: DomainComm):
         with torch.no_grad():
             return _whole(local, dim, items, comm)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.args = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

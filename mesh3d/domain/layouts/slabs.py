@@ -14,6 +14,8 @@ value, on which any op runs as is. Backward follows ``full_tensor``: every rank 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mesh3d.domain.comm.exchange import gather_rows
@@ -28,11 +30,14 @@ __all__ = ["full_tensor", "replicate_if_singleton"]
 
 class _FullTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, spec: DomainSpec, plan):
-        ctx.spec, ctx.plan = spec, plan
+    def forward(local, spec: DomainSpec, plan):
         with torch.no_grad():
             whole = gather_rows(local, spec.dim, plan, spec.comm)
         return whole.view_as(whole) if whole is local else whole
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.spec, ctx.plan = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad):

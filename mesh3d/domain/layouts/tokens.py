@@ -22,6 +22,8 @@ from __future__ import annotations
 
 
 
+from typing import Any
+
 import torch
 
 from mesh3d.domain.core.specs import BlockSpec
@@ -89,10 +91,13 @@ def _own_tokens(grad: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
 
 class _TokenFullTensor(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
-        ctx.spec = spec
+    def forward(local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
         with torch.no_grad():
             return _whole_tokens(local, spec)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.spec = inputs[1]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from typing import Any
+
 import torch
 
 from mesh3d.domain.core.group import DomainComm
@@ -65,9 +67,12 @@ def move_local(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: S
 
 class _Move(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, comm, src_dim, src_sizes, dst_dim, dst_sizes):
-        ctx.args = (comm, src_dim, src_sizes, dst_dim, dst_sizes)
+    def forward(local, comm, src_dim, src_sizes, dst_dim, dst_sizes):
         return move_local(local, comm, src_dim, src_sizes, dst_dim, dst_sizes)
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.args = inputs[1:]
 
     @staticmethod
     def backward(ctx, grad):

@@ -36,17 +36,21 @@ class _Normalize(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, local, dims, count, eps, comm, save_output):
+    def forward(local, dims, count, eps, comm, save_output):
         mean = all_reduce_sum(local.sum(dims, keepdim=True), comm) / count
         centred = local - mean
         var = all_reduce_sum((centred * centred).sum(dims, keepdim=True), comm) / count
         rstd = torch.rsqrt(var + eps)
         normalized = centred.mul_(rstd)
-        ctx.save_for_backward(normalized if save_output else local, mean, rstd)
-        ctx.dims, ctx.count, ctx.comm, ctx.save_output = dims, count, comm, save_output
+        return normalized, mean, var, rstd
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # NOTE: the form torch.func's transforms run
+        local, ctx.dims, ctx.count, _, ctx.comm, ctx.save_output = inputs
+        normalized, mean, var, rstd = output
+        ctx.save_for_backward(normalized if ctx.save_output else local, mean, rstd)
         ctx.mark_non_differentiable(var)
         ctx.set_materialize_grads(False)
-        return normalized, mean, var, rstd
 
     @staticmethod
     def backward(ctx, grad, grad_mean, _grad_var, grad_rstd):

@@ -12,6 +12,8 @@ order is the prefix, then the grid row-major, so ``pos_embedding`` of shape ``(1
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mesh3d.domain.core.linear import linear_map
@@ -61,11 +63,15 @@ class _TakeRows(torch.autograd.Function):
     """Global tokens ``[start, stop)`` (prefix tokens, on rank 0) on every rank; backward keeps rank 0's share."""
 
     @staticmethod
-    def forward(ctx, local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
-        ctx.spec, ctx.start, ctx.stop, ctx.shape = spec, start, stop, local.shape
+    def forward(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
         with torch.no_grad():
             out = _take(local, spec, start, stop)
         return out.clone() if out is local else out
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.spec, ctx.start, ctx.stop = inputs[1:]
+        ctx.shape = inputs[0].shape
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
