@@ -102,6 +102,18 @@ def max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return 0.0 if a.numel() == 0 else float((a.detach() - b.detach()).abs().max())
 
 
+def refusals(calls: dict[str, Callable[[], object]]) -> dict[str, str]:
+    """Each call's ``NotImplementedError`` message, or ``"ran"`` where it raised none (what tests of refusals read)."""
+    found = {}
+    for name, call in calls.items():
+        try:
+            call()
+            found[name] = "ran"
+        except NotImplementedError as err:
+            found[name] = str(err)
+    return found
+
+
 def grads_err(model_ref: torch.nn.Module, model: torch.nn.Module) -> float:
     """Largest difference of one-process grads vs domain-summed grads of the same parameters (a parameter the model did
     not use has no grad on either side: 0; on one side only: inf)."""

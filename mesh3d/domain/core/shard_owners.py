@@ -21,7 +21,7 @@ import torch
 
 from mesh3d._torch_private import never_compiled_alone
 
-__all__ = ["SHARD_OWNERS", "ShardOwners"]
+__all__ = ["SHARD_OWNERS", "ShardOwners", "version_of"]
 
 
 class _Mark(weakref.ref):
@@ -77,3 +77,14 @@ never_compiled_alone(ShardOwners._forget)
 
 #: The marks of this process's wrapper tensors.
 SHARD_OWNERS = ShardOwners()
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t._version``, or 0 for an inference tensor (made under ``torch.inference_mode``): it keeps no version counter.
+
+    Usage: ``out._seen_version = version_of(local)``
+    """
+    try:
+        return t._version
+    except RuntimeError:  # NOTE: "Inference tensors do not track version counter": wrapping one crashed every op
+        return 0

@@ -43,7 +43,7 @@ from mesh3d._torch_private import (
     run_autograd_function, tree_flatten, tree_map)
 from mesh3d.domain.core.alike_ops import alike_result, elementwise_aten, laid_out_alike
 from mesh3d.domain.core.settings import SETTINGS
-from mesh3d.domain.core.shard_owners import SHARD_OWNERS
+from mesh3d.domain.core.shard_owners import SHARD_OWNERS, version_of
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
 
@@ -110,7 +110,7 @@ class _Rebase(torch.autograd.Function):
     def forward(ctx: Any, target: WrappedDomainTensor, written: WrappedDomainTensor) -> WrappedDomainTensor:
         ctx.set_materialize_grads(False)
         target._local, target._spec, target._alias = written._local, written._spec, None
-        target._seen_version = written._local._version
+        target._seen_version = version_of(written._local)
         ctx.mark_dirty(target)
         return target
 
@@ -152,11 +152,11 @@ def _wrapped_or_owner(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor
     owner = SHARD_OWNERS.owner(local)
     if owner is not None and (local is owner._local or local is owner._alias) and \
             (owner._spec is spec or owner._spec == spec):
-        if local._version != owner._seen_version:  # the rule wrote into it (F.relu(x, inplace=True) returns x)
+        if version_of(local) != owner._seen_version:  # the rule wrote into it (F.relu(x, inplace=True) returns x)
             if local is owner._alias:
                 rebase(owner, fresh_wrapper(local, spec), check=False)
             else:
-                owner._seen_version = local._version  # no history to rebase: the write was not recorded
+                owner._seen_version = version_of(local)  # no history to rebase: the write was not recorded
         return owner
     return fresh_wrapper(local, spec)
 
@@ -265,7 +265,7 @@ class WrappedDomainTensor(DomainTensor):
             out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
             return out
         SHARD_OWNERS.mark(local, out)  # NOTE: read by _wrapped_or_owner, _made_from
-        out._local, out._spec, out._alias, out._seen_version = local, spec, None, local._version
+        out._local, out._spec, out._alias, out._seen_version = local, spec, None, version_of(local)
         return out
 
     def _differentiable_local(self) -> torch.Tensor:
@@ -280,7 +280,7 @@ class WrappedDomainTensor(DomainTensor):
         with disable_torch_function_subclass():  # NOTE: read through the dispatcher, the flag cost a whole walk
             if not self.requires_grad:
                 return self._local
-            stale = self._local._version != self._seen_version and self.grad_fn is not None
+            stale = version_of(self._local) != self._seen_version and self.grad_fn is not None
             moved = self._alias_node is not None and self.grad_fn is not self._alias_node  # a new history (dirty)
         if stale:
             self._remade()
@@ -295,7 +295,7 @@ class WrappedDomainTensor(DomainTensor):
         torch makes as a copy, whose shard only happens to alias on this rank (``dispatch.writes.record_views``)."""
         local = self._local.clone()
         SHARD_OWNERS.mark(local, self)  # NOTE: as __new__
-        self._local, self._alias, self._views_domain, self._seen_version = local, None, False, local._version
+        self._local, self._alias, self._views_domain, self._seen_version = local, None, False, version_of(local)
 
     def _remade(self) -> None:
         """This tensor's history made anew from the tensor it views, written into since (by another view of it or
@@ -349,7 +349,7 @@ class WrappedDomainTensor(DomainTensor):
                 out = func(*[a._local if type(a) is WrappedDomainTensor else a for a in args])
                 if alike == 2:  # NOTE: autograd recorded the write on the wrapper: its history is the tensor's own,
                     # and a rule reading it next needs an alias of the shard on that history
-                    like._seen_version, like._alias = like._local._version, None
+                    like._seen_version, like._alias = version_of(like._local), None
                     return like
                 return alike_result(WrappedDomainTensor, func, out, like)
         kwargs = kwargs or {}

@@ -25,6 +25,7 @@ import torch
 from mesh3d._torch_private import traced_graph_input_with_history
 from mesh3d.domain.core.copied_views import is_made_as_copy
 from mesh3d.domain.core.settings import traced
+from mesh3d.domain.core.shard_owners import version_of
 from mesh3d.domain.core.tensor import DomainTensor, storage_view, unwrap
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper, rebase, wrapper_tensors
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process_views
@@ -78,7 +79,7 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
     target = args[0]
     chain, root = _views_up_to_root(target)
     alias = unwrap(root)
-    before = alias._version
+    before = version_of(alias)
     # NOTE: traced, the shard is a fake tensor, which cannot be re-classed: the stand-in is a wrapper of the alias, and
     # only a rule that answers with a new tensor is followed (the target is rebased onto it); one that writes into the
     # stand-in's shard would leave the write out of the target's history: refused there, so Dynamo breaks the graph
@@ -107,7 +108,7 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
     if tracing and written is stand_in:
         _refuse_traced_write(func)
     if chain:
-        if alias._version == before:
+        if version_of(alias) == before:
             raise NotImplementedError(
                 f"{getattr(func, '__name__', func)} into a view of a domain tensor: its rule answered without writing "
                 "into the view's memory, so the tensor viewed would not change as torch's does; write out of place")

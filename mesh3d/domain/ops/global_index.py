@@ -13,6 +13,8 @@ move travel through the exchange (``Rows``), so the backward is the exact adjoin
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from mesh3d.domain.dispatch.dispatcher import redispatch
@@ -219,8 +221,14 @@ def setitem(target, index, value):
     rank, so a rank writing only its rows would leave the others' rows stale: never a partial write), and the
     tensor becomes a replicated domain tensor.
     """
+    if isinstance(index, DomainTensor) and index.dtype == torch.bool:
+        return _masked_write(target, index, value)
+    if any(isinstance(i, DomainTensor) for i in (index if isinstance(index, tuple) else (index,))):
+        raise NotImplementedError(
+            f"{op_name(torch.Tensor.__setitem__)} with a domain tensor inside the index: index a domain tensor by ints, "
+            "slices and plain tensors, or by one boolean domain tensor laid out like it (x[x > 1] = 1.0)")
+    sharded = isinstance(value, DomainTensor) and bool(sharded_dims(value._spec))
     if not isinstance(target, DomainTensor):
-        sharded = isinstance(value, DomainTensor) and bool(sharded_dims(value._spec))
         whole = value.full_tensor() if sharded else value  # slabs, blocks and token grids alike
         unwrap(target)[index] = unwrap(whole)
         # NOTE: the target now holds values computed from the domain tensor: it becomes a replicated domain tensor
@@ -232,7 +240,10 @@ def setitem(target, index, value):
         target._spec = DomainSpec.replicated(value._spec.comm)
         return None
     if target.spec.dim is None:
-        unwrap(target)[index] = unwrap(value)
+        # NOTE: a replicated target (a plain buffer after its first write of a domain value: a rollout's, an FNO's
+        # out_ft written twice) is whole on every rank too: a sharded value is gathered whole first. Its shard went
+        # into the whole slice before: torch's broadcast error, or where a shard had one row, a silent broadcast
+        unwrap(target)[index] = unwrap(value.full_tensor() if sharded else value)
         return None
     spec = target.spec
     items, at, out_dim = _expand(target, index)
@@ -274,6 +285,19 @@ def setitem(target, index, value):
 # A domain value written into a plain tensor: the same on blocks and token grids (a block-sharded target refuses).
 BLOCK_RULES.register(torch.Tensor.__setitem__, setitem)  # a block-sharded target: ops/blocks/writes.py
 TOKEN_RULES.register(torch.Tensor.__setitem__, setitem)
+
+
+def _masked_write(target: Any, mask: DomainTensor, value: Any) -> None:
+    """``target[mask] = value``, ``mask`` a boolean domain tensor laid out like ``target`` (``h[h > 1] = 1.0``,
+    ``h[torch.isnan(h)] = 0``): each rank writes its own elements, as ``masked_fill_``."""
+    op = op_name(torch.Tensor.__setitem__)
+    if not isinstance(target, DomainTensor) or tuple(target.shape) != tuple(mask.shape) or target._spec != mask._spec:
+        raise NotImplementedError(f"{op} with a boolean domain tensor as the index: the mask must be laid out like the "
+                                  "tensor written (x[x > 1] = v on a domain tensor x); else torch.where(mask, v, x)")
+    if isinstance(value, torch.Tensor) and value.ndim:  # NOTE: values in the mask's order: one process's layout
+        raise NotImplementedError(f"{op} of a tensor of values through a boolean mask: write x = torch.where(mask, "
+                                  "values, x), with values laid out like x, or a scalar (x[mask] = 0.0)")
+    unwrap(target)[unwrap(mask)] = unwrap(value) if isinstance(value, DomainTensor) else value
 
 
 def _expand(target: DomainTensor, index) -> tuple[list, int, int]:

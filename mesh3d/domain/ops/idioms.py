@@ -122,7 +122,9 @@ def _getitem(x: DomainTensor, index):
             if sum(not isinstance(j, (int, slice)) and j is not None for j in items) > 1 or (
                     isinstance(item, torch.Tensor) and item.dtype == torch.bool and item.ndim != 1):
                 raise NotImplementedError(
-                    "torch.Tensor.__getitem__ on a domain tensor supports one 1-D tensor/list index on a non-sharded dim")
+                    "torch.Tensor.__getitem__ on a domain tensor supports one 1-D tensor/list index on a non-sharded dim;"
+                    " for a boolean mask over the tensor (x[mask]) use torch.where(mask, x, 0), or for a masked loss "
+                    "((x - y) ** 2 * mask).sum() / mask.sum()")
         in_dim += 1
         if not isinstance(item, int):
             out_dim += 1
