@@ -22,8 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import (
-    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, functorch_transform_active, is_operator, random_draws_saved_under_traced_checkpoints,
-    run_autograd_function, running_compiled_backward)
+    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, functorch_transform_active, is_operator,
+    random_draws_saved_under_traced_checkpoints, run_autograd_function, running_compiled_backward)
 from mesh3d.domain.comm.collectives import scale_grad, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.core.group import DomainComm
