@@ -10,8 +10,8 @@ from mesh3d._torch_private.distributed import (
     local_shape_and_global_offset, post_barrier, python_group_private_names, unflatten_mesh, wait_async_collective)
 from mesh3d._torch_private.autograd import (
     checkpoint_module, disable_torch_function_subclass, function_apply_key, functorch_transform_active,
-    linear_not_a_view, own_output, patch_checkpoint_recomputation, route_autograd_function_calls, run_autograd_function,
-    run_backward_from, run_grad_from, unpatch_checkpoint_recomputation, unroute_autograd_function_calls)
+    linear_not_a_view, outside_transforms, own_output, patch_checkpoint_recomputation, route_autograd_function_calls,
+    run_autograd_function, run_backward_from, run_grad_from, unpatch_checkpoint_recomputation, unroute_autograd_function_calls)
 from mesh3d._torch_private.compile import (
     DATA_DEPENDENT_ERRORS, PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
     let_compiled_graphs_take_function_subclasses, never_compiled_alone, random_draws_saved_under_traced_checkpoints,
@@ -66,6 +66,7 @@ __all__ = [
     "let_compiled_graphs_take_function_subclasses",
     "linear_not_a_view",
     "never_compiled_alone",
+    "outside_transforms",
     "live_process_groups",
     "make_wrapper_tensor",
     "local_shape_and_global_offset",

@@ -232,3 +232,9 @@ def run_autograd_function(cls: Any, args: tuple, kwargs: dict) -> Any:
 #: call. Why private: ``torch._C._are_functorch_transforms_active`` is what ``torch.autograd.Function.apply`` itself
 #: asks; torch has no public question for it. The C function itself (30 ns), as the wrappers ask it on every op.
 functorch_transform_active = torch._C._are_functorch_transforms_active
+
+#: ``with outside_transforms(): ...``: the ``torch.func`` transforms around the call set aside, so plain tensors made
+#: inside stay plain (a question about metadata on meta tensors, ``domain.dispatch.view_semantics``; inside ``grad``
+#: an op's meta result came back as the transform's wrapper, which has no storage to ask about). Why private:
+#: ``torch._C._DisableFuncTorch`` is how torch's own code steps outside the transforms; torch has no public one.
+outside_transforms = torch._C._DisableFuncTorch

@@ -31,7 +31,7 @@ from mesh3d.domain.layouts.relayout import relayout
 from mesh3d.domain.core.split import aligned_sizes, split_sizes
 from mesh3d.domain.layouts.transpose import move_sharding
 from mesh3d.domain.core.specs import DomainSpec
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap, wrap_anew
 from mesh3d.launcher import refuse_if_launched_uninitialized
 from mesh3d.manager import DistributedManager
 
@@ -121,7 +121,7 @@ def shard(x: torch.Tensor, dim: int = 2, sizes: Sequence | None = None, *,
         spec = DomainSpec(dim, _layout(x.shape[dim], comm.size, sizes, multiple_of), comm)
     sizes = spec.sizes
     if sizes[comm.index] == x.shape[dim]:  # the whole dim (one rank): no slice, so no slice backward (a full copy)
-        return wrap(x, spec)
+        return wrap_anew(x, spec)
     # NOTE: a contiguous shard, as the whole tensor is: its metadata (is_contiguous, views) then answers alike.
     return adopt(x.narrow(dim, spec.offset, sizes[comm.index]).contiguous(), spec)
 
@@ -145,7 +145,7 @@ def from_local(local: torch.Tensor, dim: int | None = None, sizes: Sequence | No
             f"domain.from_local: this rank's slab has {local.shape[dim]} rows along dim {dim} but "
             f"sizes[{comm.index}]={sizes[comm.index]}"
         )
-    return wrap(local, DomainSpec(dim, sizes, comm))
+    return wrap_anew(local, DomainSpec(dim, sizes, comm))
 
 
 def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[int] | None = None, *,

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 
-__all__ = ["alike_result", "elementwise_aten", "laid_out_alike"]
+__all__ = ["ENGINE_OPS", "alike_result", "elementwise_aten", "laid_out_alike", "same_layout"]
 
 
 _aten = torch.ops.aten
@@ -80,3 +80,20 @@ def laid_out_alike(args: tuple, cls: Any) -> Any:
         elif isinstance(a, (torch.Tensor, list, tuple, dict)) and not (isinstance(a, torch.Tensor) and a.ndim == 0):
             return None
     return like
+
+
+#: ATen ops the floor runs on the shards, for wrapper tensors laid out alike and nothing else: what the autograd
+#: engine and ``.grad`` accumulation run on gradients (sums of two, copies, detaching, tensors like one).
+ENGINE_OPS = frozenset({
+    torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor, torch.ops.aten.detach.default,
+    torch.ops.aten.detach_.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
+    torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
+    torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.new_empty_strided.default,
+})
+
+
+def same_layout(wrapped: list[Any]) -> bool:
+    """Whether the wrapper tensors ``wrapped`` share one spec and one shard shape. Usage: ``same_layout([a, b])``"""
+    first = wrapped[0]
+    return all(w._spec is first._spec or w._spec == first._spec for w in wrapped[1:]) and \
+        all(w._local.shape == first._local.shape for w in wrapped[1:])

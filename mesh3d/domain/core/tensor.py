@@ -39,8 +39,8 @@ from mesh3d._torch_private import (
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout, sharded_dims
 
-__all__ = ["DomainTensor", "adopt", "detach_in_place", "global_shape_for", "global_shape_of", "global_strides_for",
-           "is_wrapper", "local_shape", "size_of", "storage_view", "unwrap", "wrap"]
+__all__ = ["DomainTensor", "adopt", "dense_strides", "detach_in_place", "global_shape_for", "global_shape_of",
+           "global_strides_for", "is_wrapper", "local_shape", "size_of", "storage_view", "unwrap", "wrap", "wrap_anew"]
 
 
 def wrap(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
@@ -51,6 +51,14 @@ def wrap(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
     if SETTINGS.value.wrapper:
         return DomainTensor._from_local(local, spec)
     return storage_view(local, spec)
+
+
+def wrap_anew(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
+    """``wrap``, always a new domain tensor: ``domain.shard``'s and ``from_local``'s of a tensor held whole (one rank).
+
+    NOTE: ``wrap`` hands back the live wrapper whose shard ``local`` is (a rule's ``x.contiguous()`` is ``x``): there,
+    sharding one tensor twice gave one tensor, whose gradients the two uses then summed (``ys.grad`` held ``xs``'s)."""
+    return wrap(local.view_as(local) if local.requires_grad else local.detach(), spec)
 
 
 def storage_view(local: torch.Tensor, spec: AnySpec) -> DomainTensor:
@@ -152,6 +160,19 @@ def global_strides_for(local: torch.Tensor, whole: torch.Size) -> tuple[int, ...
         strides[d] = step
         step *= max(whole[d], 1)
     return tuple(strides)
+
+
+def dense_strides(sizes: tuple[int, ...], strides: tuple[int, ...]) -> bool:
+    """Whether ``strides`` cover a tensor of ``sizes`` without gaps or overlaps, in some order of the dims (torch's
+    ``is_non_overlapping_and_dense``). Usage: ``dense_strides((2, 3), (1, 2))  # True``"""
+    if 0 in sizes:
+        return True
+    step = 1
+    for stride, size in sorted((s, n) for n, s in zip(sizes, strides) if n != 1):
+        if stride != step:
+            return False
+        step *= size
+    return True
 
 
 def _contiguous_strides(whole: torch.Size) -> tuple[int, ...]:

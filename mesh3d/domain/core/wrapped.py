@@ -41,13 +41,13 @@ import torch
 from mesh3d._torch_private import (
     disable_torch_function_subclass, functorch_transform_active as under_torch_func, make_wrapper_tensor,
     run_autograd_function, tree_flatten, tree_map)
-from mesh3d.domain.core.alike_ops import alike_result, elementwise_aten, laid_out_alike
+from mesh3d.domain.core.alike_ops import ENGINE_OPS, alike_result, elementwise_aten, laid_out_alike, same_layout
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.shard_owners import SHARD_OWNERS, version_of
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout
-from mesh3d.domain.core.tensor import DomainTensor, global_shape_for, global_strides_for
+from mesh3d.domain.core.tensor import DomainTensor, dense_strides, global_shape_for, global_strides_for
 
-__all__ = ["ENGINE_OPS", "WrappedDomainTensor", "fresh_wrapper", "rebase", "shortcut_alias", "wrapper_tensors"]
+__all__ = ["WrappedDomainTensor", "fresh_wrapper", "rebase", "shortcut_alias", "wrapper_tensors"]
 
 
 @contextlib.contextmanager
@@ -210,22 +210,6 @@ def _owned(local: torch.Tensor | None) -> bool:
     return local is not None and SHARD_OWNERS.owner(local) is not None
 
 
-def _same_layout(wrapped: list[WrappedDomainTensor]) -> bool:
-    first = wrapped[0]
-    return all(w._spec is first._spec or w._spec == first._spec for w in wrapped[1:]) and \
-        all(w._local.shape == first._local.shape for w in wrapped[1:])
-
-
-#: ATen ops the floor runs on the shards, for wrapper tensors laid out alike and nothing else: what the autograd
-#: engine and ``.grad`` accumulation run on gradients (sums of two, copies, detaching, tensors like one).
-ENGINE_OPS = frozenset({
-    torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor, torch.ops.aten.detach.default,
-    torch.ops.aten.detach_.default, torch.ops.aten.alias.default, torch.ops.aten.clone.default,
-    torch.ops.aten.zeros_like.default, torch.ops.aten.ones_like.default, torch.ops.aten.empty_like.default,
-    torch.ops.aten.copy_.default, torch.ops.aten.zero_.default, torch.ops.aten.new_empty_strided.default,
-})
-
-
 class WrappedDomainTensor(DomainTensor):
     """A domain tensor with the whole tensor's metadata and no storage; its shard is ``to_local()`` (module docstring).
 
@@ -236,6 +220,9 @@ class WrappedDomainTensor(DomainTensor):
     #: The whole tensor's sizes and strides, as made (what an element-wise result of the same shard shape reuses)
     _whole: torch.Size
     _strides: tuple[int, ...]
+    #: Its storage offset, and whether its strides are dense (all but a view's, ``dispatch.relayout``)
+    _offset: int = 0
+    _dense = True
     _wraps = True
     #: Whether the shard is a view of another wrapper tensor's shard (the result of a view rule)
     _views_domain = False
@@ -251,16 +238,22 @@ class WrappedDomainTensor(DomainTensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: AnySpec, requires_grad: bool = False,
-                like: WrappedDomainTensor | None = None) -> WrappedDomainTensor:
-        if like is not None and local.shape == like._local.shape and local.stride() == like._local.stride():
+                like: WrappedDomainTensor | None = None, layout: tuple | None = None) -> WrappedDomainTensor:
+        offset = 0
+        if layout is not None:  # NOTE: (strides, storage offset): a view's, as one process has it (core.relayout)
+            whole, (strides, offset) = global_shape_for(local.shape, spec), layout
+        elif like is not None and like._dense and local.shape == like._local.shape and \
+                local.stride() == like._local.stride():
             whole, strides = like._whole, like._strides  # NOTE: an element-wise result: the sizes of its operand
-        elif type(spec) is DomainSpec and spec.comm.size == 1 and local.is_contiguous() and local.numel():
-            whole, strides = local.shape, local.stride()  # NOTE: one rank's shard is the whole, row-major as it is
+        elif type(spec) is DomainSpec and spec.comm.size == 1:  # NOTE: one rank's shard is the whole, laid out as it is
+            whole, strides, offset = local.shape, local.stride(), local.storage_offset()
         else:
             whole = global_shape_for(local.shape, spec)
             strides = global_strides_for(local, whole)
-        out = make_wrapper_tensor(cls, whole, strides, local, requires_grad)
+        out = make_wrapper_tensor(cls, whole, strides, local, requires_grad, offset)
         out._whole, out._strides = whole, strides
+        if offset or layout is not None:  # NOTE: else the class's (0, dense): an attribute set costs 50 ns a tensor
+            out._offset, out._dense = offset, dense_strides(whole, strides)
         if torch.compiler.is_compiling():
             out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
             return out
@@ -312,21 +305,27 @@ class WrappedDomainTensor(DomainTensor):
             made = DomainTensor._dispatcher(func, (), args, kwargs)
         rebase(self, made if index is None else made[index], check=False)
 
-    def __tensor_flatten__(self) -> tuple[list[str], tuple[AnySpec, Any]]:
-        """What ``torch.compile`` sees of a wrapper tensor: its shard, and as constants of the graph its spec and the
-        domain settings in force.
+    def __tensor_flatten__(self) -> tuple[list[str], tuple[AnySpec, Any, int]]:
+        """What ``torch.compile`` sees of a wrapper tensor: its shard, and as constants of the graph its spec, the
+        domain settings in force and its storage offset (a view's, ``core.relayout``; its strides are the outer ones).
 
         NOTE: the settings too, because the rules read them while the graph is traced, where Dynamo guards nothing
         they read: with the spec alone, a graph compiled with ``domain.window_overlap`` on kept running with it after
         it was turned off (and so would an attention mode's). Dynamo guards this context on every call, so a change
         recompiles."""
-        return ["_local"], (self._spec, SETTINGS.value)
+        return ["_local"], (self._spec, SETTINGS.value, self._offset)
 
     @staticmethod
-    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple[AnySpec, Any], _outer_size: Any,
-                             _outer_stride: Any) -> WrappedDomainTensor:
-        """The wrapper tensor ``__tensor_flatten__`` took apart (a compiled graph's input or output)."""
-        return WrappedDomainTensor(inner["_local"], context[0])
+    def __tensor_unflatten__(inner: dict[str, torch.Tensor], context: tuple[AnySpec, Any, int], _outer_size: Any,
+                             outer_stride: Any) -> WrappedDomainTensor:
+        """The wrapper tensor ``__tensor_flatten__`` took apart (a compiled graph's input or output), laid out as it
+        was (a view's strides and offset are the one-process view's, ``core.relayout``)."""
+        out = WrappedDomainTensor(inner["_local"], context[0])
+        if outer_stride is None or any(type(s) is not int for s in outer_stride):
+            return out
+        if tuple(outer_stride) == out._strides and context[2] == out._offset:
+            return out
+        return WrappedDomainTensor(inner["_local"], context[0], layout=(tuple(outer_stride), context[2]))
 
     def __deepcopy__(self, memo: dict) -> WrappedDomainTensor:
         """A copy with the same spec; a leaf keeps ``requires_grad`` as torch's deep copy of a leaf does."""
@@ -360,13 +359,13 @@ class WrappedDomainTensor(DomainTensor):
         flat = tree_flatten((args, kwargs))[0] if nested else args
         wrapped = [a for a in flat if isinstance(a, WrappedDomainTensor)]
         plain = [a for a in flat if isinstance(a, torch.Tensor) and not isinstance(a, WrappedDomainTensor)]
-        if wrapped and func not in ENGINE_OPS and alike == 1 and _same_layout(wrapped) and \
+        if wrapped and func not in ENGINE_OPS and alike == 1 and same_layout(wrapped) and \
                 not any(p.ndim for p in plain):
             # NOTE: an element-wise op of tensors laid out alike (and 0-d values, the same on every rank) is the
             # whole answer's shards, whoever calls it: the fast path's forward, autograd's backward of it, C++ code
             out = func(*_shards_of(args, nested), **(tree_map(_shard_of, kwargs) if nested else kwargs))
             return alike_result(WrappedDomainTensor, func, out, wrapped[0])
-        if func not in ENGINE_OPS or plain or not _same_layout(wrapped):
+        if func not in ENGINE_OPS or plain or not same_layout(wrapped):
             message = (
                 f"{func} reached a domain tensor below mesh3d's rules (called from C++: an extension, TorchScript, "
                 "torch.func or another dispatch-level caller), where it would see only this rank's shard as the whole "

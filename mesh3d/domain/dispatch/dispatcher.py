@@ -45,6 +45,7 @@ from mesh3d.domain.halo.windows import Extended, Window
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.copied_views import has_copy_marks, refuse_write_through_copy
 from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, is_wrapper, unwrap, wrap
+from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process
 from mesh3d.domain.dispatch.writes import record_views, written_into_wrapper
 from mesh3d.domain.dispatch.queries import global_size_answer
 from mesh3d.domain.layouts.slabs import redistribute_local
@@ -159,10 +160,15 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         refuse_write_through_copy(first, op_name(func))  # NOTE: a view made as a copy, or a tensor that has one
         if first._wraps:
             return written_into_wrapper(_dispatch, func, types, args, kwargs)
+    answer: Any = False  # NOTE: False: not asked (``record_views`` asks); None: no one-process answer
+    if func in VIEW_FUNCTIONS and SETTINGS.value.wrapper:
+        answer = one_process(func, args, kwargs)
+        if answer is not None and answer.error is not None:  # NOTE: on every rank, before the rule: a rank whose
+            raise RuntimeError(answer.error)  # shard's strides allow the view would run it where its peers raise
     out = _dispatch(func, types, args, kwargs)
     if torch.compiler.is_compiling():  # NOTE: AOTAutograd tracing wrapper tensors' rules: a checkpointed region's
         random_draws_saved_under_traced_checkpoints()  # random draws keep eager's numbers (the function says how)
-    return record_views(out, func, args, kwargs) if SETTINGS.value.wrapper else out
+    return record_views(out, func, args, kwargs, answer) if SETTINGS.value.wrapper else out
 
 
 _DATA_PTR = torch.Tensor.data_ptr

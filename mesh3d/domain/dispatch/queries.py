@@ -127,5 +127,8 @@ def global_size_answer(func: Callable, x: DomainTensor, rest: tuple, kwargs: dic
 
 
 def global_strides(x: DomainTensor, whole: torch.Size) -> tuple[int, ...]:
-    """Strides of the whole tensor laid out in the shard's memory order (``tensor.global_strides_for``)."""
-    return global_strides_for(x._local if is_wrapper(x) else x, whole)  # type: ignore[attr-defined]  # a wrapper's shard
+    """Strides of the whole tensor: a wrapper tensor's own (a view's are the one-process view's, ``core.relayout``),
+    else laid out in the shard's memory order (``tensor.global_strides_for``)."""
+    if is_wrapper(x):
+        return x._strides  # type: ignore[attr-defined]  # a wrapper's own
+    return global_strides_for(x, whole)

@@ -47,8 +47,8 @@ from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA, global_size_answer
 from mesh3d.domain.dispatch.registry import RULES, inplace_position, op_name, writes_inplace, writes_into_first
 from mesh3d.domain.dispatch.step import Step
-from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process_views
-from mesh3d.domain.dispatch.writes import record_views
+from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process
+from mesh3d.domain.dispatch.writes import fresh_layout, record_views
 
 __all__ = ["SHORT", "VIEW_STEPS", "WRAPPED_SHORT", "ViewSteps", "forget_last_spec", "journal_layout_change", "reclassed",
            "rule_unchanged", "short_elementwise", "short_view", "take_short_path"]
@@ -202,7 +202,13 @@ def _elementwise_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> An
         return NotImplemented
     if type(out) is not _Tensor or out.shape != like._local.shape or not SHARD_OWNERS.fresh(out):
         return NotImplemented  # NOTE: not a fresh result (``x.float()`` of a float x is x): the dispatcher's
-    return fresh_wrapper(out, spec) if recorded else WrappedDomainTensor(out, spec, like=like)
+    if not recorded:
+        made = WrappedDomainTensor(out, spec, like=like)
+        if made._strides is like._strides:  # NOTE: laid out as its operand (the one-process layout of an element-wise
+            return made  # result of a dense one): nothing left open
+    else:
+        made = fresh_wrapper(out, spec)
+    return made if made._local.shape == made._whole else fresh_layout(made, func, args, kwargs)
 
 
 def _global_size_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
@@ -368,6 +374,12 @@ def _view_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
     if not hit:
         return NotImplemented
     _, compute, extra, extra_kwargs, out_spec, out_ndim, changes_layout = hit
+    # NOTE: which results torch makes as views, and their strides, depend on the whole tensor's sizes, strides and
+    # storage offset and the arguments only; a view one process raises on is the dispatcher's to raise on every rank
+    answer = one_process(func, args, kwargs or {}, (x._whole, x._strides, x._offset, x._local.dtype, args[1:], rest)) \
+        if func in VIEW_FUNCTIONS else None
+    if answer is not None and answer.error is not None:
+        return NotImplemented
     with _Disabled():
         try:
             out = compute(x._differentiable_local(), *extra, **extra_kwargs)
@@ -377,10 +389,7 @@ def _view_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
             return NotImplemented
     if changes_layout and spec.comm.size > 1:
         journal_layout_change(func, out_spec)
-    # NOTE: which results torch makes as views depends on the whole tensor's sizes and strides and the arguments only
-    views = one_process_views(func, args, kwargs or {}, (x._whole, x._strides, x._local.dtype, args[1:], rest)) \
-        or (None,) if func in VIEW_FUNCTIONS else None
-    return record_views(DomainTensor._from_local(out, out_spec), func, args, kwargs or {}, views)
+    return record_views(DomainTensor._from_local(out, out_spec), func, args, kwargs or {}, answer)
 
 
 # NOTE: ``.grad`` is a metadata query the dispatcher answers first, laid out as the whole tensor (``dispatch.grads``)

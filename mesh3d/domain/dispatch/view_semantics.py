@@ -14,14 +14,15 @@ rank, cached per call signature.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from mesh3d._torch_private import disable_torch_function_subclass, outside_dispatch_modes
+from mesh3d._torch_private import disable_torch_function_subclass, outside_dispatch_modes, outside_transforms
 
-__all__ = ["VIEW_FUNCTIONS", "one_process_views"]
+__all__ = ["VIEW_FUNCTIONS", "OneProcess", "one_process", "one_process_views"]
 
 #: What may return a view of (or the same tensor as) its first argument in torch: views, and the calls torch answers
 #: with a view or ``self`` where the strides allow (``reshape``, ``contiguous``, ``to``, ``flatten`` ...).
@@ -56,20 +57,37 @@ def _functions() -> frozenset:
 #: The functions whose results' view-ness is decided here; every other call keeps what its shard says.
 VIEW_FUNCTIONS = _functions()
 
-_CACHE: dict[tuple, tuple[bool | None, ...] | None] = {}
+#: The view functions whose success depends on the strides: one process raises where the whole tensor's strides do not
+#: allow the call, whatever a rank's shard allows (a shard of one row is contiguous where its peers' are not)
+_RAISING = frozenset({torch.Tensor.view, torch.Tensor.view_as})
+
+
+class OneProcess(NamedTuple):
+    """What torch's call on the whole tensors answers (meta tensors of their sizes, strides and storage offsets)."""
+
+    #: Per tensor of the result: a view of an input (True), memory of its own (False), the input itself or its memory
+    #: shared without being a view (None: ``detach()``)
+    views: tuple[bool | None, ...]
+    #: Per tensor of the result: its strides and storage offset in one process (None: not a tensor)
+    layouts: tuple[tuple[tuple[int, ...], int] | None, ...]
+    #: What one process raises (``view`` of strides that do not allow it: torch's message), else None
+    error: str | None = None
+
+
+_CACHE: dict[tuple, OneProcess | None] = {}
 _CACHE_SIZE = 4096
 _MISSING = object()
 
 
-def one_process_views(func: Callable, args: tuple, kwargs: dict,
-                      key: tuple | None = None) -> tuple[bool | None, ...] | None:
-    """For ``func`` in ``VIEW_FUNCTIONS``: whether each tensor of its result is a view in one process (a tuple, one
-    per tensor of a tuple result, or one for a tensor result; None for one that shares its input's memory without
-    being a view, as ``detach()``); None where no meta run answers (a data-dependent call, such as a boolean mask's
-    index: never a view in torch).
+def one_process(func: Callable, args: tuple, kwargs: dict, key: tuple | None = None) -> OneProcess | None:
+    """For ``func`` in ``VIEW_FUNCTIONS``: torch's answer on the whole tensors (``OneProcess``); None where no meta run
+    answers (a data-dependent call, such as a boolean mask's index: never a view in torch).
+
+    Usage: ``answer = one_process(torch.Tensor.permute, (xs, 0, 3, 1, 2), {})   # answer.views == (True,)``
 
     ``key``: the call's signature where the caller holds it cheaper than the walk of the arguments here (a wrapper
-    tensor's whole sizes, strides and dtype, and the other arguments: ``short_path``); it must decide the answer.
+    tensor's whole sizes, strides, storage offset and dtype, and the other arguments: ``short_path``); it must decide
+    the answer.
     """
     key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else ()) if key is None else \
         ("given", func, key)  # NOTE: a given key is never equal to a walked one, whose second item is a tuple
@@ -85,25 +103,40 @@ def one_process_views(func: Callable, args: tuple, kwargs: dict,
     return hit
 
 
+def one_process_views(func: Callable, args: tuple, kwargs: dict) -> tuple[bool | None, ...] | None:
+    """``one_process(...).views``: whether each tensor of ``func``'s result is a view in one process, or None.
+
+    Usage: ``one_process_views(torch.Tensor.permute, (xs, 0, 3, 1, 2), {})   # (True,)``
+    """
+    answer = one_process(func, args, kwargs)
+    return None if answer is None else answer.views
+
+
 def _signature(values: tuple) -> tuple:
     out = []
     for v in values:
         if isinstance(v, torch.Tensor):
             with disable_torch_function_subclass():  # NOTE: a wrapper's own sizes and strides are the whole tensor's
-                out.append(("tensor", tuple(v.shape), v.stride(), v.dtype))
+                out.append(("tensor", tuple(v.shape), v.stride(), v.storage_offset(), v.dtype))
         elif isinstance(v, tuple):
             out.append(_signature(v))
+        elif type(v) is slice:  # NOTE: a slice does not hash before Python 3.12: x[:, 1] was a meta run per call
+            out.append((slice, v.start, v.stop, v.step))
         else:
             out.append(v)
     return tuple(out)
 
 
 def _meta(v: Any, device: torch.device) -> Any:
-    """``v`` with tensors as meta tensors of their own (whole) sizes and strides, and the tensors' device as meta's (a
-    move to another device stays one: a copy, as torch's)."""
+    """``v`` with tensors as meta tensors of their own (whole) sizes, strides and storage offsets, and the tensors'
+    device as meta's (a move to another device stays one: a copy, as torch's)."""
     if isinstance(v, torch.Tensor):
         with disable_torch_function_subclass():
-            return torch.empty_strided(tuple(v.shape), v.stride(), dtype=v.dtype, device="meta")
+            shape, strides, offset = tuple(v.shape), v.stride(), v.storage_offset()
+            if not offset:
+                return torch.empty_strided(shape, strides, dtype=v.dtype, device="meta")
+            extent = 1 + sum((n - 1) * s for n, s in zip(shape, strides)) if 0 not in shape else 0
+            return torch.empty(offset + extent, dtype=v.dtype, device="meta").as_strided(shape, strides, offset)
     if isinstance(v, (tuple, list)):
         return type(v)(_meta(i, device) for i in v)
     if isinstance(v, (str, torch.device)):
@@ -114,22 +147,30 @@ def _meta(v: Any, device: torch.device) -> Any:
     return v
 
 
-def _answer(func: Callable, args: tuple, kwargs: dict) -> tuple[bool | None, ...] | None:
+def _answer(func: Callable, args: tuple, kwargs: dict) -> OneProcess | None:
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     device = first.device if first is not None else torch.device("cpu")
     # NOTE: outside the dispatch modes in force: a question about metadata, not part of the step (mesh3d plan's memory
     # tracker counted these whole-sized meta tensors as the first simulated rank's activations: 98 GiB of a 5 GiB step)
-    with outside_dispatch_modes():
+    with outside_dispatch_modes(), outside_transforms():
         metas = _meta(args, device)
         kw = {k: _meta(v, device) for k, v in kwargs.items()}
         try:
-            with disable_torch_function_subclass():
+            with disable_torch_function_subclass(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # NOTE: the call's own warnings are the rule's to give (padding='same')
                 out = func(*metas, **kw)
+        except RuntimeError as error:
+            # NOTE: a view the whole tensor's strides do not allow: torch's error, raised on every rank before the rule
+            return OneProcess((), (), str(error)) if func in _RAISING else None
         except Exception:  # noqa: BLE001 - a call meta tensors cannot answer: no view decided here
             return None
     inputs = [m for m in metas if isinstance(m, torch.Tensor)]
     items = out if isinstance(out, (tuple, list)) else (out,)
-    return tuple(_viewing(o, inputs) for o in items)
+    return OneProcess(tuple(_viewing(o, inputs) for o in items), tuple(_layout(o) for o in items))
+
+
+def _layout(out: Any) -> tuple[tuple[int, ...], int] | None:
+    return (out.stride(), out.storage_offset()) if isinstance(out, torch.Tensor) else None
 
 
 def _viewing(out: Any, inputs: list) -> bool | None:
@@ -137,9 +178,9 @@ def _viewing(out: Any, inputs: list) -> bool | None:
     a view (``detach()``): left to what the shard says."""
     if not isinstance(out, torch.Tensor):
         return False
+    if any(out is m for m in inputs):  # NOTE: first: an input with a storage offset is itself a view here (``_meta``)
+        return None
     if out._base is not None:
         return True
     storage = out.untyped_storage()._cdata
-    if any(out is m or m.untyped_storage()._cdata == storage for m in inputs):
-        return None
-    return False
+    return None if any(m.untyped_storage()._cdata == storage for m in inputs) else False

@@ -24,34 +24,40 @@ import torch
 
 from mesh3d._torch_private import traced_graph_input_with_history
 from mesh3d.domain.core.copied_views import is_made_as_copy
+from mesh3d.domain.core.relayout import relayout
 from mesh3d.domain.core.settings import traced
 from mesh3d.domain.core.shard_owners import version_of
 from mesh3d.domain.core.tensor import DomainTensor, storage_view, unwrap
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper, rebase, wrapper_tensors
-from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process_views
+from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, OneProcess, one_process
 
-__all__ = ["record_views", "written_into_wrapper"]
+__all__ = ["fresh_layout", "record_views", "written_into_wrapper"]
 
 Run = Callable[[Callable, tuple, tuple, dict], Any]
 
 
-def record_views(out: Any, func: Callable, args: tuple, kwargs: dict, views: Any = None) -> Any:
-    """Remember how each wrapper view in ``out`` (a rule's result) was made from the tensor it views: ``(func, args,
-    kwargs, index)``, ``index`` its place in a tuple result (``unbind``, ``split``) or None.
+def record_views(out: Any, func: Callable, args: tuple, kwargs: dict, answer: OneProcess | None | bool = False) -> Any:
+    """``out`` (a rule's result) as torch's call on the whole tensors answers it: each wrapper view in it remembers how
+    it was made from the tensor it views, ``(func, args, kwargs, index)`` (``index`` its place in a tuple result:
+    ``unbind``, ``split``; else None), and takes the one-process view's strides and storage offset.
 
     NOTE: for the functions torch may answer with a view, which results view their input is torch's answer for the
     whole tensors (``view_semantics``), not whether this rank's shard happens to alias: an empty shard, or one of a
     single row, aliases where its peers' shards do not, and a write into a view journals its replay on every rank
     alike. A result torch makes as a copy but whose shard aliases here is given memory of its own, and every other
-    function's results are such copies. ``views``: ``one_process_views``'s answer, where the caller kept it."""
-    if views is None:
-        views = one_process_views(func, args, kwargs) if func in VIEW_FUNCTIONS else _NEW_MEMORY
+    function's results are such copies. ``answer``: ``view_semantics.one_process``'s, where the caller kept it."""
+    if answer is False:
+        answer = one_process(func, args, kwargs) if func in VIEW_FUNCTIONS else None
+    views, layouts = (answer.views, answer.layouts) if answer is not None else (_NEW_MEMORY if func not in
+                                                                                 VIEW_FUNCTIONS else (), ())
     if isinstance(out, WrappedDomainTensor):
-        _record(out, func, args, kwargs, None, views[0] if views else None)
-    elif isinstance(out, (tuple, list)):
-        for i, o in enumerate(out):
-            if isinstance(o, WrappedDomainTensor):
-                _record(o, func, args, kwargs, i, views[i] if views and i < len(views) else None)
+        return _record(out, func, args, kwargs, None, views[0] if views else None, layouts[0] if layouts else None)
+    if isinstance(out, (tuple, list)) and any(isinstance(o, WrappedDomainTensor) for o in out):
+        made = [_record(o, func, args, kwargs, i, views[i] if i < len(views) else None,
+                        layouts[i] if i < len(layouts) else None) if isinstance(o, WrappedDomainTensor) else o
+                for i, o in enumerate(out)]
+        if any(m is not o for m, o in zip(made, out)):  # NOTE: a named tuple (torch.return_types) stays one
+            return type(out)(*made) if hasattr(type(out), "_fields") else type(out)(made)
     return out
 
 
@@ -61,16 +67,54 @@ _NEW_MEMORY = (False,) * 64
 
 
 def _record(o: WrappedDomainTensor, func: Callable, args: tuple, kwargs: dict, index: int | None,
-            views: bool | None) -> None:
-    if not any(o is a for a in args):  # NOTE: an input handed back (x.contiguous()) stays itself
+            views: bool | None, layout: tuple | None) -> WrappedDomainTensor:
+    handed_back = any(o is a for a in args)
+    if handed_back and views is False and layout is not None:
+        # NOTE: an input handed back where torch makes a copy (``x[:, :, 1:].contiguous()`` on a rank whose shard of
+        # the slice is contiguous): a new tensor, as in one process, or a write into it would write into ``x``
+        # the shard's own copy, not the dispatcher's clone: ranks whose rule made a copy journal no second op
+        o = fresh_wrapper(o._differentiable_local().clone(), o._spec)
+        handed_back = False
+    if not handed_back:
         if views is None and o._views_domain and o._local.numel() == 0:
             views = False  # NOTE: an empty shard that views its input's (F.pad's on a rank without rows) holds nothing
         if views and not is_made_as_copy(o):  # NOTE: a rule that moved rows made a copy, on every rank
             o._views_domain = True
         elif views is False and o._views_domain:
             o.own_memory()
+        if layout is None and views is False:
+            return fresh_layout(o, func, args, kwargs, index)
+        if layout is not None and (o._strides != layout[0] or o._offset != layout[1]):
+            o = relayout(o, *layout)
     if o._views_domain:
         o._replay = (func, args, kwargs, index)
+    return o
+
+
+def fresh_layout(o: WrappedDomainTensor, func: Callable, args: tuple, kwargs: dict | None,
+                 index: int | None = None) -> WrappedDomainTensor:
+    """``o``, a fresh result of ``func`` (its ``index``-th in a tuple), with the strides one process gives it where its
+    shard leaves them open (``_ambiguous``: torch's answer on meta tensors of the whole tensors, cached per signature).
+
+    Usage: ``return fresh_layout(WrappedDomainTensor(out, spec), func, args, kwargs)``
+    """
+    if not _ambiguous(o):
+        return o
+    answer = one_process(func, args, kwargs or {})
+    at = index or 0
+    if answer is None or len(answer.layouts) <= at or answer.layouts[at] is None:
+        return o
+    strides, offset = answer.layouts[at]
+    return o if (o._strides, o._offset) == (strides, offset) else relayout(o, strides, offset)
+
+
+def _ambiguous(o: WrappedDomainTensor) -> bool:
+    """Whether ``o``'s shard leaves the whole tensor's memory order open: a dim of one row or none where the whole has
+    more, whose stride torch sets freely (a transposed tensor's shard of one row is contiguous; its peers' are not)."""
+    shape = o._local.shape
+    if shape == o._whole or (1 not in shape and 0 not in shape):  # NOTE: the common cases first (a whole tensor: D=1)
+        return False
+    return any(n <= 1 < w for n, w in zip(shape, o._whole))
 
 
 def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:

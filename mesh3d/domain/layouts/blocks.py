@@ -37,7 +37,7 @@ from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.linear import linear_map
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap_anew
 from mesh3d.manager import DistributedManager
 from mesh3d.domain.core.plan_cache import plan_cache
 from mesh3d.domain.core.specs import BlockSpec
@@ -108,7 +108,7 @@ def shard_blocks(x: torch.Tensor, dims: Sequence[int], sizes: Sequence[Sequence[
     for d, start, count in zip(dims, spec.offsets, spec.local_sizes):
         if count != x.shape[d]:
             local = local.narrow(d, start, count)
-    return wrap(local, spec) if local is x else adopt(local.contiguous(), spec)  # contiguous, as the whole tensor
+    return wrap_anew(local, spec) if local is x else adopt(local.contiguous(), spec)  # contiguous, as the whole tensor
 
 
 def _bad_dim(dim: object, ndim: int) -> int:

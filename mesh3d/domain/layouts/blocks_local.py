@@ -19,7 +19,7 @@ import torch
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.split import split_sizes
-from mesh3d.domain.core.tensor import DomainTensor, wrap
+from mesh3d.domain.core.tensor import DomainTensor, wrap_anew
 from mesh3d.domain.layouts.blocks import grid_comms
 
 __all__ = ["blocks_from_local"]
@@ -43,4 +43,4 @@ def blocks_from_local(local: torch.Tensor, dims: Sequence[int], sizes: Sequence[
         if local.shape[d] != want:
             raise ValueError(f"domain.from_local: this rank's block has {local.shape[d]} rows along dim {d} but its "
                              f"grid coordinate's size is {want} (sizes={layout})")
-    return wrap(local, spec)
+    return wrap_anew(local, spec)

@@ -21,7 +21,7 @@ import torch
 
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec, GraphSpec, TokenSpec
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap, wrap_anew
 from mesh3d.domain.layouts.graph_halo import gather_all
 from mesh3d.graphs import Graph, Partition, grid_block_partition
 
@@ -78,7 +78,7 @@ def nodes_from_local(local: torch.Tensor, items: Partition, comm: DomainComm, di
     if local.shape[dim] != items.counts[comm.index]:
         raise ValueError(f"domain.nodes_from_local: this rank holds {local.shape[dim]} rows along dim {dim} but the "
                          f"partition gives it {items.counts[comm.index]} (its items, in ascending global order)")
-    return wrap(local, GraphSpec(dim, items, comm, graph))
+    return wrap_anew(local, GraphSpec(dim, items, comm, graph))
 
 
 def edge_index(graph: Graph, comm: DomainComm) -> DomainTensor:
