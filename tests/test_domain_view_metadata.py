@@ -131,3 +131,67 @@ def test_views_answer_metadata_and_view_as_one_process(ranks):
             assert found["compiled"] < 1e-9, (sizes, rank, found["compiled"])
             for how in ("shard", "from_local"):
                 assert found[f"{how} twice"] == (False, 0.0, 0.0), (sizes, rank, how, found[f"{how} twice"])
+
+
+LAID_OUT = {
+    "gradient after a transpose": lambda t: t.transpose(2, 3) * torch.arange(9.0, dtype=D64),
+    "softmax of a transpose": lambda t: t.transpose(2, 3).softmax(-1),
+    "max pool of channels-last": lambda t: torch.nn.functional.max_pool2d(
+        t.contiguous(memory_format=torch.channels_last), 2, ceil_mode=True),
+}
+WRITES = {  # into an expanded tensor: torch refuses some writes (its elements share memory) and allows others
+    "add_": lambda t: t[:, :1].expand(2, 3, 9, 6).add_(1),
+    "+=": lambda t: t[:, :1].expand(2, 3, 9, 6).__iadd__(1),
+    "x[...] = 1": lambda t: t[:, :1].expand(2, 3, 9, 6).__setitem__(Ellipsis, 1.0),
+    "zero_": lambda t: t[:, :1].expand(2, 3, 9, 6).zero_(),
+    "x[:, 0] = 1": lambda t: t[:, :1].expand(2, 3, 9, 6).__setitem__((slice(None), 0), 1.0),
+}
+
+
+def _outcome(f, t):
+    try:
+        f(t)
+        return "ran"
+    except RuntimeError as err:
+        return f"RuntimeError: {err}"
+
+
+def _fresh_body(sizes):
+    from mesh3d import DistributedManager, domain
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    try:
+        x = torch.randn(2, 3, 9, 6, dtype=D64, generator=torch.Generator().manual_seed(4))
+        found = {}
+        for name, f in LAID_OUT.items():
+            ref = x.clone().requires_grad_()
+            xs = domain.shard(x, dim=2, sizes=sizes).requires_grad_()
+            want, got = f(ref), f(xs)
+            (want * want).sum().backward()
+            (got * got).sum().backward()
+            found[name] = ((_metadata(got), _metadata(xs.grad)), (_metadata(want), _metadata(ref.grad)),
+                           max(max_err(got.full_tensor().to_local(), want),
+                               max_err(xs.grad.full_tensor().to_local(), ref.grad)))
+        for name, f in WRITES.items():
+            ref, xs = x.clone(), domain.shard(x, dim=2, sizes=sizes)
+            outcomes = (_outcome(f, xs), _outcome(f, ref))
+            found[name] = (outcomes, max_err(xs.full_tensor().to_local(), ref))
+        return found
+    finally:
+        DistributedManager.shutdown()
+
+
+def test_fresh_results_gradients_and_writes_into_shared_memory_answer_as_one_process(ranks):
+    """A rule's result and a leaf's ``.grad`` are laid out as one process lays them out (a shard's own layout differed
+    between ranks: softmax of a transpose, channels-last pooling, ``.grad`` after a transposed use); a write torch
+    refuses into an expanded tensor is refused on every rank (a rank with an empty shard wrote nothing and ran on,
+    and its peers then hung in the next exchange)."""
+    for sizes in ((9,), (1, 8), (4, 0, 5)):
+        for rank, found in enumerate(ranks.run(len(sizes), _fresh_body, sizes, timeout=120)):
+            for name in LAID_OUT:
+                got, want, err = found[name]
+                assert got == want and err < 1e-12, (sizes, rank, name, found[name])
+            for name in WRITES:
+                (got, want), err = found[name]
+                assert got == want and err < 1e-12, (sizes, rank, name, found[name])
+            assert found["add_"][0][1].startswith("RuntimeError") and found["zero_"][0][1] == "ran", found

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 
-__all__ = ["ENGINE_OPS", "alike_result", "elementwise_aten", "laid_out_alike", "same_layout"]
+__all__ = ["ENGINE_OPS", "alike_result", "elementwise_aten", "empty_in_order", "laid_out_alike", "same_layout"]
 
 
 _aten = torch.ops.aten
@@ -97,3 +97,17 @@ def same_layout(wrapped: list[Any]) -> bool:
     first = wrapped[0]
     return all(w._spec is first._spec or w._spec == first._spec for w in wrapped[1:]) and \
         all(w._local.shape == first._local.shape for w in wrapped[1:])
+
+
+def empty_in_order(shape: torch.Size, strides: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    """An empty tensor of ``shape`` laid out in the memory order of ``strides`` (a whole tensor's): the shard of a new
+    tensor laid out as one process lays it out (AccumulateGrad's ``new_empty_strided`` of a leaf's layout).
+
+    Usage: ``local = empty_in_order(grad._local.shape, leaf_strides, grad._local)``
+    """
+    order = sorted(range(len(shape)), key=lambda d: -strides[d])  # NOTE: outermost first; ties keep the dims' order
+    local, step = [0] * len(shape), 1
+    for d in reversed(order):
+        local[d] = step
+        step *= max(shape[d], 1)
+    return torch.empty_strided(tuple(shape), tuple(local), dtype=like.dtype, device=like.device)

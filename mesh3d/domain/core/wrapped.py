@@ -41,7 +41,8 @@ import torch
 from mesh3d._torch_private import (
     disable_torch_function_subclass, functorch_transform_active as under_torch_func, make_wrapper_tensor,
     run_autograd_function, tree_flatten, tree_map)
-from mesh3d.domain.core.alike_ops import ENGINE_OPS, alike_result, elementwise_aten, laid_out_alike, same_layout
+from mesh3d.domain.core.alike_ops import (
+    ENGINE_OPS, alike_result, elementwise_aten, empty_in_order, laid_out_alike, same_layout)
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.shard_owners import SHARD_OWNERS, version_of
 from mesh3d.domain.core.specs import AnySpec, DomainSpec, Layout
@@ -321,9 +322,8 @@ class WrappedDomainTensor(DomainTensor):
         """The wrapper tensor ``__tensor_flatten__`` took apart (a compiled graph's input or output), laid out as it
         was (a view's strides and offset are the one-process view's, ``core.relayout``)."""
         out = WrappedDomainTensor(inner["_local"], context[0])
-        if outer_stride is None or any(type(s) is not int for s in outer_stride):
-            return out
-        if tuple(outer_stride) == out._strides and context[2] == out._offset:
+        if outer_stride is None or any(type(s) is not int for s in outer_stride) or \
+                (tuple(outer_stride) == out._strides and context[2] == out._offset):
             return out
         return WrappedDomainTensor(inner["_local"], context[0], layout=(tuple(outer_stride), context[2]))
 
@@ -379,8 +379,9 @@ class WrappedDomainTensor(DomainTensor):
         spec = wrapped[0]._spec
         if func is torch.ops.aten.new_empty_strided.default:
             # NOTE: AccumulateGrad's layout contract: a gradient strided otherwise than its leaf is copied into a new
-            # tensor of the leaf's (global) sizes and strides; the shard of that is a shard-sized one
-            return WrappedDomainTensor(torch.empty_like(args[0]._local), spec)
+            # tensor of the leaf's (global) sizes and strides; the shard of that is a shard-sized one in their order
+            return WrappedDomainTensor(empty_in_order(args[0]._local.shape, args[2], args[0]._local), spec,
+                                       layout=(tuple(args[2]), 0))
         out = func(*_shards_of(args, nested), **(tree_map(_shard_of, kwargs) if nested else kwargs))
         if func.overloadpacket in (torch.ops.aten.add_, torch.ops.aten.copy_, torch.ops.aten.zero_,
                                    torch.ops.aten.detach_):

@@ -72,6 +72,8 @@ class OneProcess(NamedTuple):
     layouts: tuple[tuple[tuple[int, ...], int] | None, ...]
     #: What one process raises (``view`` of strides that do not allow it: torch's message), else None
     error: str | None = None
+    #: Per tensor of the result: its sizes (None: not a tensor)
+    shapes: tuple[tuple[int, ...] | None, ...] = ()
 
 
 _CACHE: dict[tuple, OneProcess | None] = {}
@@ -166,7 +168,8 @@ def _answer(func: Callable, args: tuple, kwargs: dict) -> OneProcess | None:
             return None
     inputs = [m for m in metas if isinstance(m, torch.Tensor)]
     items = out if isinstance(out, (tuple, list)) else (out,)
-    return OneProcess(tuple(_viewing(o, inputs) for o in items), tuple(_layout(o) for o in items))
+    return OneProcess(tuple(_viewing(o, inputs) for o in items), tuple(_layout(o) for o in items), None,
+                      tuple(tuple(o.shape) if isinstance(o, torch.Tensor) else None for o in items))
 
 
 def _layout(out: Any) -> tuple[tuple[int, ...], int] | None:

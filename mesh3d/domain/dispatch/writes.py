@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import traced_graph_input_with_history
+from mesh3d._torch_private import disable_torch_function_subclass, traced_graph_input_with_history
 from mesh3d.domain.core.copied_views import is_made_as_copy
 from mesh3d.domain.core.relayout import relayout
 from mesh3d.domain.core.settings import traced
@@ -93,12 +93,14 @@ def _record(o: WrappedDomainTensor, func: Callable, args: tuple, kwargs: dict, i
 
 def fresh_layout(o: WrappedDomainTensor, func: Callable, args: tuple, kwargs: dict | None,
                  index: int | None = None) -> WrappedDomainTensor:
-    """``o``, a fresh result of ``func`` (its ``index``-th in a tuple), with the strides one process gives it where its
-    shard leaves them open (``_ambiguous``: torch's answer on meta tensors of the whole tensors, cached per signature).
+    """``o``, a fresh result of ``func`` (its ``index``-th in a tuple), with the strides one process gives it (torch's
+    answer on meta tensors of the whole tensors, cached per signature), where they may differ from its shard's: its
+    shard leaves them open (``_ambiguous``), or it or an input is not row-major (a rule may compute in another layout
+    than torch's: a halo convolution of a channels-last input, a softmax of a transpose).
 
     Usage: ``return fresh_layout(WrappedDomainTensor(out, spec), func, args, kwargs)``
     """
-    if not _ambiguous(o):
+    if o._local.shape == o._whole or (not _ambiguous(o) and _row_major(o, args)):
         return o
     answer = one_process(func, args, kwargs or {})
     at = index or 0
@@ -106,6 +108,20 @@ def fresh_layout(o: WrappedDomainTensor, func: Callable, args: tuple, kwargs: di
         return o
     strides, offset = answer.layouts[at]
     return o if (o._strides, o._offset) == (strides, offset) else relayout(o, strides, offset)
+
+
+def _row_major(o: WrappedDomainTensor, args: tuple) -> bool:
+    """Whether ``o`` and every domain tensor among ``args`` (and in a list or tuple there) is contiguous."""
+    with disable_torch_function_subclass():  # NOTE: the wrappers' own flags, not a question through the dispatcher
+        if not o.is_contiguous():
+            return False
+        for a in args:
+            if isinstance(a, DomainTensor):
+                if not a.is_contiguous():
+                    return False
+            elif isinstance(a, (list, tuple)) and not all(t.is_contiguous() for t in a if isinstance(t, DomainTensor)):
+                return False
+    return True
 
 
 def _ambiguous(o: WrappedDomainTensor) -> bool:
@@ -121,6 +137,7 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
     """``func(*args, **kwargs)`` writing into ``args[0]``, a wrapper tensor (module docstring); ``run`` is the
     dispatcher's walk for one call."""
     target = args[0]
+    _refuse_overlapping_write(func, target, args)
     chain, root = _views_up_to_root(target)
     alias = unwrap(root)
     before = version_of(alias)
@@ -161,6 +178,38 @@ def written_into_wrapper(run: Run, func: Callable, types: tuple, args: tuple, kw
     else:
         rebase(target, fresh_wrapper(alias, root._spec) if written is stand_in else _as_wrapper(written))
     return target if isinstance(out, DomainTensor) else out
+
+
+#: In-place by name without torch's refusal of a write into shared memory: fills (torch 2.13 warns, deprecated), and
+#: those changing metadata or bookkeeping, not values (torch checks the indexed part of ``x[i] = v`` itself)
+_OVERLAP_ALLOWED = frozenset({
+    "fill_", "zero_", "index_fill_", "index_put_", "masked_fill_", "__setitem__", "squeeze_", "unsqueeze_", "t_",
+    "transpose_", "swapdims_", "swapaxes_", "as_strided_", "resize_", "resize_as_", "set_", "share_memory_",
+    "requires_grad_", "detach_", "rename_"})
+
+
+def _refuse_overlapping_write(func: Callable, target: WrappedDomainTensor, args: tuple) -> None:
+    """torch's refusal of a write into a tensor whose elements share memory (an ``expand``: a dim of stride 0), raised
+    on every rank before the rule: a rank whose shard is empty has no element to share and wrote nothing, where its
+    peers raised. (Meta tensors do not check this: the ops that do not were found on CPU tensors, torch 2.13.)"""
+    name = getattr(func, "__name__", "")
+    if not any(stride == 0 and size > 1 for size, stride in zip(target._whole, target._strides)):
+        return
+    if name == "__setitem__" and len(args) > 1 and not _advanced(args[1]):  # the part written: a view of the target
+        part = one_process(torch.Tensor.__getitem__, (target, args[1]), {})
+        shares = part is not None and part.shapes and part.layouts and part.shapes[0] is not None and any(
+            stride == 0 and size > 1 for size, stride in zip(part.shapes[0], part.layouts[0][0]))
+    else:
+        shares = name not in _OVERLAP_ALLOWED
+    if shares:
+        raise RuntimeError("unsupported operation: more than one element of the written-to tensor refers to a single "
+                           "memory location. Please clone() the tensor before performing the operation.")
+
+
+def _advanced(index: Any) -> bool:
+    """Whether an index holds tensors or lists (advanced indexing: torch writes with ``index_put_``)."""
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(i, (torch.Tensor, list)) for i in items)
 
 
 def _copied_shard_to_shard(func: Callable, args: tuple, kwargs: dict) -> bool:

@@ -27,6 +27,7 @@ from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.short_path import (
     SHORT, WRAPPED_SHORT, journal_layout_change, reclassed, rule_unchanged, take_short_path)
+from mesh3d.domain.dispatch.writes import fresh_layout
 from mesh3d.domain.halo.windows import Extended, plan_window, window_exchange
 from mesh3d.domain.ops.conv import as_tuple, kernel_padding, pad_pairs
 
@@ -91,7 +92,9 @@ def _short_conv(nd: int) -> Callable[[Callable, tuple, dict | None], Any]:
                 return NotImplemented
         if spec.comm.size > 1:  # NOTE: the rule's step declares a window: the dispatcher journals it on every rank
             journal_layout_change(func, plan[1])
-        return reclassed(out, plan[1]) if kind is DomainTensor else fresh_wrapper(out, plan[1])
+        if kind is DomainTensor:
+            return reclassed(out, plan[1])
+        return fresh_layout(fresh_wrapper(out, plan[1]), func, args, kwargs)  # NOTE: a channels-last input's layout
 
     return short
 
