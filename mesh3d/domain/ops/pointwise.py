@@ -37,7 +37,8 @@ _NAMES = (
     "isfinite nan_to_num masked_fill zeros_like ones_like full_like empty_like detach clone contiguous to float "
     "double half bfloat16 long int short bool byte char type type_as cpu cuda zero_ fill_ copy_ sub_ add_ "
     "mul_ div_ relu_ clamp_ complex polar "
-    "sigmoid_ tanh_ neg_ pow_ abs_ exp_ masked_fill_ float_power"
+    "sigmoid_ tanh_ neg_ pow_ abs_ exp_ masked_fill_ float_power lerp_ addcmul_ addcdiv_ sqrt_ clamp_min_ clamp_max_ "
+    "maximum_ minimum_ square_ reciprocal_ sign_"
 ).split()
 _DUNDER = (
     "__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ __truediv__ __rtruediv__ "
