@@ -2,7 +2,7 @@
 
 Usage (the dispatcher, on each wrapper result; ``mesh3d.domain.dispatch.writes.record_views``)::
 
-    views = one_process_views(torch.Tensor.permute, (xs, 0, 3, 1, 2), {})   # (True,): a view of xs
+    answer = one_process(torch.Tensor.permute, (xs, 0, 3, 1, 2), {})   # answer.views == (True,): a view of xs
 
 Why: a wrapper domain tensor that views another one replays its view ops when written into
 (``mesh3d.domain.dispatch.writes``), and a write into it then journals ops its peers must journal alike. Whether the
@@ -22,7 +22,7 @@ import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass, outside_dispatch_modes, outside_transforms
 
-__all__ = ["VIEW_FUNCTIONS", "OneProcess", "one_process", "one_process_views"]
+__all__ = ["VIEW_FUNCTIONS", "OneProcess", "one_process"]
 
 #: What may return a view of (or the same tensor as) its first argument in torch: views, and the calls torch answers
 #: with a view or ``self`` where the strides allow (``reshape``, ``contiguous``, ``to``, ``flatten`` ...).
@@ -103,15 +103,6 @@ def one_process(func: Callable, args: tuple, kwargs: dict, key: tuple | None = N
             _CACHE.clear()
         _CACHE[key] = hit
     return hit
-
-
-def one_process_views(func: Callable, args: tuple, kwargs: dict) -> tuple[bool | None, ...] | None:
-    """``one_process(...).views``: whether each tensor of ``func``'s result is a view in one process, or None.
-
-    Usage: ``one_process_views(torch.Tensor.permute, (xs, 0, 3, 1, 2), {})   # (True,)``
-    """
-    answer = one_process(func, args, kwargs)
-    return None if answer is None else answer.views
 
 
 def _signature(values: tuple) -> tuple:

@@ -71,8 +71,8 @@ def _record(o: WrappedDomainTensor, func: Callable, args: tuple, kwargs: dict, i
     handed_back = any(o is a for a in args)
     if handed_back and views is False and layout is not None:
         # NOTE: an input handed back where torch makes a copy (``x[:, :, 1:].contiguous()`` on a rank whose shard of
-        # the slice is contiguous): a new tensor, as in one process, or a write into it would write into ``x``
-        # the shard's own copy, not the dispatcher's clone: ranks whose rule made a copy journal no second op
+        # the slice is contiguous): a new tensor, as in one process, or a write into it would write into ``x``; the
+        # shard's own copy, not the dispatcher's clone, so that ranks whose rule made a copy journal no second op
         o = fresh_wrapper(o._differentiable_local().clone(), o._spec)
         handed_back = False
     if not handed_back:
@@ -128,7 +128,7 @@ def _ambiguous(o: WrappedDomainTensor) -> bool:
     """Whether ``o``'s shard leaves the whole tensor's memory order open: a dim of one row or none where the whole has
     more, whose stride torch sets freely (a transposed tensor's shard of one row is contiguous; its peers' are not)."""
     shape = o._local.shape
-    if shape == o._whole or (1 not in shape and 0 not in shape):  # NOTE: the common cases first (a whole tensor: D=1)
+    if 1 not in shape and 0 not in shape:  # NOTE: the common case first
         return False
     return any(n <= 1 < w for n, w in zip(shape, o._whole))
 
