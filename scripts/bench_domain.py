@@ -12,7 +12,7 @@ Parts (each against plain torch on the same inputs, in the same run):
    over the plain module: the "tax" of the wrapper when nothing moves (goal: U-Net step <= 1.05).
 2. ``dispatch`` (``bench_domain_dispatch.py``): the Python cost per op on tiny tensors, in microseconds (goals: <= 8 us
    for element-wise and view ops, <= 12 us for a convolution: issue 50), against plain torch, the dispatcher's walk
-   (the short path off) and a DTensor, and the Python time of ``full_tensor`` on 10^6 rows (goal < 5 ms).
+   (kept answers off) and a DTensor, and the Python time of ``full_tensor`` on 10^6 rows (goal < 5 ms).
 3. ``scaling``: a conv stack on one large field over D = 1, 2, 4 processes, one thread each: step
    time (goal: D=2 at least 1.8x faster than D=1), bytes sent vs the minimum halo bytes, time spent
    inside exchanges (the most that overlapping them with compute could hide), activation bytes and

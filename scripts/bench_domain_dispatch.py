@@ -5,12 +5,13 @@ Usage (bench_domain.py calls it)::
     report["dispatch"] = part_dispatch(args, torch.device("cpu"))
 
 Each op of ``dispatch_ops`` runs ``args.dispatch_calls`` times in a loop on a 1x2x4x4 tensor, one thread: plain torch,
-a storage-subclass domain tensor at domain=1 (``domain_us``; ``overhead_us`` is its cost over plain torch), the same
-tensor with the short path off so every call takes the dispatcher's walk (``full_dispatcher_us``: what each op cost before the
-short path, issue 50), a DTensor sharded the same way on a one-rank gloo mesh (``dtensor_us``; None where DTensor
-refuses the op), and the wrapper-subclass domain tensor (the default kind since issue 64, ``wrapper_us``). The contenders take
-turns, round by round (``args.dispatch_rounds``), and each keeps its best round's median: the machine may be shared,
-and the best round is the least disturbed one.
+the wrapper-subclass domain tensor at domain=1 as it runs (the default kind since issue 64; ``wrapper_us``: calls whose
+signature was seen answered from what was kept, ``dispatch.kept``), the same tensor with kept answers off so every
+call takes the dispatcher's walk and its rule (``full_dispatcher_us``), the storage-subclass domain tensor (private,
+``MESH3D_DOMAIN_WRAPPER=0``; ``domain_us``, ``overhead_us`` its cost over plain torch: the walk on every call since issue
+66 took its short path away), and a DTensor sharded the same way on a one-rank gloo mesh (``dtensor_us``; None where
+DTensor refuses the op). The contenders take turns, round by round (``args.dispatch_rounds``), and each keeps its best
+round's median: the machine may be shared, and the best round is the least disturbed one.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch.nn.functional as F
 
 from mesh3d import domain
 from mesh3d.domain.comm.divergence import OpJournal
-from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.wrapped import wrapper_tensors
+from mesh3d.domain.dispatch.kept import KEPT
 
 __all__ = ["dispatch_ops", "part_dispatch", "plot_dispatch"]
 
@@ -58,16 +59,6 @@ def _per_call(fn: Callable, t: torch.Tensor, n: int) -> float:
         loop()
         times.append(time.perf_counter() - start)
     return statistics.median(times) / n
-
-
-class _ShortPathOff:
-    """Every call on a domain tensor takes the dispatcher's walk while inside (as before the short path)."""
-
-    def __enter__(self) -> None:
-        self.table, DomainTensor._short = DomainTensor._short, {}
-
-    def __exit__(self, *exc: object) -> None:
-        DomainTensor._short = self.table
 
 
 def _dtensor_contender(x: torch.Tensor, w: torch.Tensor, gn: tuple[torch.Tensor, torch.Tensor]):
@@ -106,10 +97,10 @@ def part_dispatch(args, device) -> dict:
                 best["plain"] = min(best["plain"], _per_call(fn, x, n))
                 with wrapper_tensors(False):
                     best["domain"] = min(best["domain"], _per_call(fn, xs, n))
-                    with _ShortPathOff():
-                        best["full"] = min(best["full"], _per_call(fn, xs, n))
                 with wrapper_tensors():
                     best["wrapper"] = min(best["wrapper"], _per_call(fn, xw, n))
+                    with KEPT.off():
+                        best["full"] = min(best["full"], _per_call(fn, xw, n))
                 if dt is not None and best["dtensor"] is not None:
                     try:
                         best["dtensor"] = min(best["dtensor"], _per_call(dt[0][name], dt[1], n))
@@ -119,9 +110,8 @@ def part_dispatch(args, device) -> dict:
             out[name] = {"plain_us": us["plain"], "domain_us": us["domain"], "overhead_us": us["domain"] - us["plain"],
                          "full_dispatcher_us": us["full"], "dtensor_us": us["dtensor"], "wrapper_us": us["wrapper"]}
             dtensor = "-" if us["dtensor"] is None else f"{us['dtensor']:.1f}"
-            print(f"  {name:20s} plain {us['plain']:5.1f} us, domain {us['domain']:5.1f} us "
-                  f"(+{us['domain'] - us['plain']:.1f}; the dispatcher's walk {us['full']:.1f}), DTensor {dtensor} us, "
-                  f"wrapper {us['wrapper']:.1f} us", flush=True)
+            print(f"  {name:20s} plain {us['plain']:5.1f} us, wrapper {us['wrapper']:5.1f} us (kept answers off: "
+                  f"{us['full']:.1f}), storage subclass {us['domain']:.1f} us, DTensor {dtensor} us", flush=True)
     finally:
         if dt is not None:
             dist.destroy_process_group()
@@ -145,9 +135,9 @@ def plot_dispatch(ax, dispatch: dict) -> None:
     """Bars of each op's host cost per contender on ``ax`` (a matplotlib axis), with the goals as lines."""
     ops = {k: v for k, v in dispatch.items() if "full_dispatcher_us" in v}
     names = list(ops)
-    kinds = (("plain_us", "plain torch"), ("domain_us", "domain, short path"),
-             ("full_dispatcher_us", "domain, dispatcher's walk"), ("dtensor_us", "DTensor"),
-             ("wrapper_us", "wrapper domain tensor (issue 64)"))
+    kinds = (("plain_us", "plain torch"), ("wrapper_us", "domain tensor (kept answers)"),
+             ("full_dispatcher_us", "domain tensor, every call its rule"), ("dtensor_us", "DTensor"),
+             ("domain_us", "storage subclass (private)"))
     for i, (key, label) in enumerate(kinds):
         ax.barh([j + (i - 2) * 0.16 for j in range(len(names))], [ops[n].get(key) or 0.0 for n in names],
                 height=0.16, label=label)

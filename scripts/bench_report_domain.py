@@ -98,17 +98,20 @@ def _dispatch(lines: list[str], d: dict, c: dict) -> None:
     ratio = lambda a, b: "-" if a is None or b is None else f"{a / b:.2f}"  # noqa: E731
     lines += [f"Host cost per op on a 1x2x4x4 tensor ({c.get('cpu', 'cpu')}, torch {c.get('torch', '?')}, one thread), "
               f"{c['dispatch_calls']} calls a loop, the best of "
-              f"{c.get('dispatch_rounds', 3)} rounds taken in turns ({goals}). *Short path*: a domain tensor at domain=1 "
-              "as it runs now (same-layout element-wise ops, views and convolutions whose rows stay answered before "
-              "the dispatcher's walk); *walk*: the same with the short path off, every call through the dispatcher's "
-              "walk as before issue 50; DTensor: sharded the same way on a one-rank gloo mesh (- where it has no rule "
-              "for the op's arguments). Norms, pooling and reductions have no short form: they take the walk either way.", "",
-              "| op | plain torch | short path | over plain | walk | over plain | DTensor | short path / DTensor |",
-              "|---|---|---|---|---|---|---|---|"]
+              f"{c.get('dispatch_rounds', 3)} rounds taken in turns ({goals}). *Kept*: a domain tensor at domain=1 as "
+              "it runs (the wrapper subclass; a call whose signature was seen answered from what its first call's rule "
+              "gave, element-wise ops of one layout from their operands' metadata); *walk*: the same with kept answers "
+              "off, every call through the dispatcher's walk and its rule; DTensor: sharded the same way on a one-rank "
+              "gloo mesh (- where it has no rule for the op's arguments); the storage subclass (private) takes the "
+              "walk on every call.", "",
+              "| op | plain torch | kept | over plain | walk | over plain | DTensor | kept / DTensor | storage subclass |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for name, v in ops.items():
-        lines.append(f"| {name} | {us(v['plain_us'])} | {us(v['domain_us'])} | {us(v['overhead_us'])} | "
+        wrapper = v.get("wrapper_us")
+        lines.append(f"| {name} | {us(v['plain_us'])} | {us(wrapper)} | "
+                     f"{us(None if wrapper is None else wrapper - v['plain_us'])} | "
                      f"{us(v['full_dispatcher_us'])} | {us(v['full_dispatcher_us'] - v['plain_us'])} | "
-                     f"{us(v['dtensor_us'])} | {ratio(v['domain_us'], v['dtensor_us'])} |")
+                     f"{us(v['dtensor_us'])} | {ratio(wrapper, v['dtensor_us'])} | {us(v['domain_us'])} |")
     lines += ["", tail.strip(), ""]
 
 

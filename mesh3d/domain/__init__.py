@@ -29,9 +29,10 @@ from mesh3d.domain.core import wrapped  # noqa: F401  (the private wrapper switc
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.compile_guards import guard_filter
 from mesh3d.domain.dispatch.dispatcher import dispatch as _dispatch
-from mesh3d.domain.dispatch.one_rank import ONE_RANK
+from mesh3d.domain.dispatch.elementwise_plan import ELEMENTWISE_PLANS
+from mesh3d.domain.dispatch.kept import KEPT
+from mesh3d.domain.dispatch.query_answers import QUERIES, WRAPPED_QUERIES
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.short_path import SHORT, WRAPPED_SHORT, forget_last_spec
 from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
 from mesh3d.domain.graph import edge_index, nodes_from_local, nodes_from_tokens, shard_edges, shard_nodes, tokens_from_nodes
 from mesh3d.domain.halo.overlap import window_overlap
@@ -47,16 +48,16 @@ from mesh3d.manager import DistributedManager
 from mesh3d.domain.attention.modes import attention, attention_mode
 
 DomainTensor._dispatcher = staticmethod(_dispatch)
-DomainTensor._short = SHORT
-wrapped.WrappedDomainTensor._short = WRAPPED_SHORT
-wrapped.WrappedDomainTensor._dispatcher = staticmethod(ONE_RANK.dispatch)
+DomainTensor._queries = QUERIES
+wrapped.WrappedDomainTensor._queries = WRAPPED_QUERIES
+wrapped.WrappedDomainTensor._dispatcher = staticmethod(KEPT.dispatch)
 DomainTensor._gather_whole = staticmethod(full_tensor)
 # NOTE: the op journal's running fingerprint belongs to one mesh; a new mesh starts a new history.
 DistributedManager.on_shutdown(JOURNAL.reset)
 # Plans made for a mesh go with it (they hold its specs and comms).
 DistributedManager.on_shutdown(PLAN_CACHES.clear)
-DistributedManager.on_shutdown(forget_last_spec)
-DistributedManager.on_shutdown(ONE_RANK.forget)
+DistributedManager.on_shutdown(ELEMENTWISE_PLANS.forget)
+DistributedManager.on_shutdown(KEPT.forget)
 # Notices to peers still in flight are given their chance to land before the groups go.
 DistributedManager.on_teardown(NOTICES.settle)
 # torch changed for the process (Function.apply routed, compiled graphs taking domain tensors, checkpoints recomputed as

@@ -356,16 +356,16 @@ class DomainTensor(torch.Tensor):
     #: NOTE: a class attribute rather than an import, so this module (the type) does not depend on
     #: the dispatcher and its rules, which all depend on the type.
     _dispatcher: Any = None
-    #: Calls answered before the dispatcher (``mesh3d.domain.dispatch.short_path.SHORT``): function -> handler,
+    #: Calls answered before the dispatcher (``mesh3d.domain.dispatch.query_answers.QUERIES``): function -> handler,
     #: returning ``NotImplemented`` where the dispatcher must run. Installed with the dispatcher.
-    _short: Any = {}
+    _queries: Any = {}
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # NOTE: traced, every call takes the dispatcher (torch 2.11's Dynamo cannot hash a method-wrapper key)
         if not torch.compiler.is_dynamo_compiling():
             # NOTE: eager code never compiles a frame of its own: an op re-run where a compiled trace broke (at an op
-            # on a graph tensor, say) would compile the short path, the dispatcher and the rules as frames, once per
+            # on a graph tensor, say) would compile the query answers, the dispatcher and the rules as frames, once per
             # op signature, up to Dynamo's recompile limit, for nothing
             return call_without_compiling(_eager_torch_function, cls, func, types, args, kwargs)
         return cls._dispatcher(func, types, args, kwargs or {})
@@ -373,9 +373,9 @@ class DomainTensor(torch.Tensor):
 
 def _eager_torch_function(cls: type[DomainTensor], func: Any, types: Any, args: tuple, kwargs: dict | None) -> Any:
     try:
-        short = cls._short.get(func)
-        if short is not None:
-            out = short(func, args, kwargs)
+        query = cls._queries.get(func)
+        if query is not None:
+            out = query(func, args, kwargs)
             if out is not NotImplemented:
                 return out
         return cls._dispatcher(func, types, args, kwargs or {})

@@ -234,8 +234,8 @@ class WrappedDomainTensor(DomainTensor):
     _replay: tuple | None = None
     #: The shard's version when this tensor's history was last set: a later one means a write through another tensor
     _seen_version: int
-    #: Its short path (``dispatch.short_path.WRAPPED_SHORT``, installed by ``mesh3d.domain``)
-    _short: Any = {}
+    #: Its query answers (``dispatch.query_answers.WRAPPED_QUERIES``, installed by ``mesh3d.domain``)
+    _queries: Any = {}
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, spec: AnySpec, requires_grad: bool = False,

@@ -22,34 +22,25 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import (
-    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, functorch_transform_active, is_operator,
-    random_draws_saved_under_traced_checkpoints, run_autograd_function, running_compiled_backward)
-from mesh3d.domain.comm.collectives import scale_grad, sum_grad
-from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
-from mesh3d.domain.core.group import DomainComm
-from mesh3d.domain.comm.exchange import gather_rows, report_failure
-from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
-from mesh3d.domain.dispatch.queries import (
-    DATA_GET, is_global_size, is_metadata)
-from mesh3d.domain.layouts.slabs import replicate_if_singleton
-from mesh3d.domain.halo.windows import WindowProbe, window_exchange
-from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
-from mesh3d.domain.comm.peer_lost import DomainPeerLostError
-from mesh3d.domain.dispatch.operators import COMPILED_GRAPH_RUNTIME, autograd_function_target, operator_target
-from mesh3d.domain.dispatch.layout_registry import LAYOUTS, RegisteredLayout
-from mesh3d.domain.dispatch.registry import op_name, writes_into_first
-from mesh3d.domain.core.trees import tree_map
-from mesh3d.domain.comm.rows import plan_exchange
-from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
-from mesh3d.domain.halo.windows import Extended, Window
-from mesh3d.domain.core.specs import DomainSpec
+    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, is_operator, random_draws_saved_under_traced_checkpoints,
+    run_autograd_function, running_compiled_backward)
+from mesh3d.domain.comm.collectives import scale_grad
+from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.copied_views import has_copy_marks, refuse_write_through_copy
+from mesh3d.domain.core.settings import SETTINGS, traced
+from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, detach_in_place, is_wrapper, unwrap, wrap
+from mesh3d.domain.core.trees import tree_map
+from mesh3d.domain.dispatch.executor import (
+    STEP_TAP, changes_layout, op_label, run_step, telling_peers_of_failure)
+from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
+from mesh3d.domain.dispatch.layout_registry import LAYOUTS, RegisteredLayout
+from mesh3d.domain.dispatch.operators import COMPILED_GRAPH_RUNTIME, autograd_function_target, operator_target
+from mesh3d.domain.dispatch.queries import DATA_GET, global_size_answer, is_global_size, is_metadata
+from mesh3d.domain.dispatch.registry import op_name, writes_into_first
+from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process
 from mesh3d.domain.dispatch.writes import record_views, written_into_wrapper
-from mesh3d.domain.dispatch.queries import global_size_answer
-from mesh3d.domain.layouts.slabs import redistribute_local
-from mesh3d.domain.core.settings import SETTINGS, traced
 
 __all__ = ["dispatch", "dispatch_autograd_function", "redispatch", "run_step"]
 
@@ -78,6 +69,8 @@ def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTenso
     rule = entry.rules.get(func)
     if rule is None:
         raise NotImplementedError(entry.refusal(op_name(func), spec))
+    if STEP_TAP.args is args:  # NOTE: ``dispatch.kept`` asked for this call's step, to keep it
+        rule = STEP_TAP.tapped(rule, lead, entry.journal is None)
     # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
     # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
     if traced() and not entry.traceable:
@@ -86,8 +79,8 @@ def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTenso
         result = rule(*args, **kwargs)
         return run_step(result) if isinstance(result, Step) else result
     if entry.journal is not None:
-        JOURNAL.record(_op_label(func), entry.journal(spec))
-    return _telling_peers_of_failure(spec.comm, func,
+        JOURNAL.record(op_label(func), entry.journal(spec))
+    return telling_peers_of_failure(spec.comm, func,
                                      lambda: _run_rule_checked(func, rule, lead, args, kwargs, entry.journal is None))
 
 
@@ -105,23 +98,6 @@ def _run_on_fake_shards(func: Callable, rule: Callable, args: tuple, kwargs: dic
 @torch.compiler.disable(reason="mesh3d: an op on a domain tensor whose rules do not trace runs eagerly")
 def _eager(func: Callable, args: tuple, kwargs: dict, lead: DomainTensor, entry: RegisteredLayout) -> Any:
     return _dispatch_ruled(func, args, kwargs, lead, entry)
-
-
-def _telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
-    """``run()``; if it fails on this rank, tell every domain peer before raising.
-
-    NOTE: a rank that fails alone would leave its peers waiting in their next exchange: tell them, and
-    learn whether the failure is a symptom of the ranks taking different paths (then that error is raised).
-    """
-    try:
-        return run()
-    except (DomainDivergenceError, DomainPeerLostError):  # its peers were told already
-        raise
-    except Exception as err:
-        reported = report_failure(comm, _op_label(func), err)
-        if reported is err:
-            raise
-        raise reported from err
 
 
 def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], DomainTensor | None, bool]:
@@ -237,32 +213,12 @@ def _run_rule_checked(func: Callable, rule: Callable, lead: DomainTensor, args: 
     if not journal:  # NOTE: the layout's own journal entry was made before the rule ran
         return run_step(result) if isinstance(result, Step) else result
     if isinstance(result, Step):
-        if _changes_layout(result, lead):  # what this rank ran, in global terms
+        if changes_layout(result, lead):  # what this rank ran, in global terms
             out = result.out
-            JOURNAL.record(_op_label(func), (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0))
+            JOURNAL.record(op_label(func), (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0))
         return run_step(result)
-    JOURNAL.record(_op_label(func), (lead._spec.dim, sum(lead._spec.sizes)))  # a composite rule (reductions, losses)
+    JOURNAL.record(op_label(func), (lead._spec.dim, sum(lead._spec.sizes)))  # a composite rule (reductions, losses)
     return result
-
-
-_MOVES = (Window, Rows, Resplit)
-
-
-def _changes_layout(step: Step, lead: DomainTensor) -> bool:
-    """A step that moves rows or changes the layout (the ones whose divergence would desynchronize exchanges)."""
-    if any(isinstance(a, _MOVES) for a in step.args):
-        return True
-    return step.out is not lead._spec and step.out != lead._spec
-
-
-_NAMES: dict[Callable, str] = {}
-
-
-def _op_label(func: Callable) -> str:
-    name = _NAMES.get(func)
-    if name is None:
-        name = _NAMES[func] = op_name(func)
-    return name
 
 
 def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict) -> Any:
@@ -291,73 +247,3 @@ def _run_replicated(func: Callable, spec: DomainSpec, args: tuple, kwargs: dict)
         return target if out is target else out
     plain = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and not isinstance(t, DomainTensor))
     return tree_map(lambda o: adopt(o, spec, plain) if isinstance(o, torch.Tensor) else o, out)
-
-
-# ----------------------------------------------------------------------------- requirements
-def _resolve(req: Any) -> Any:
-    if isinstance(req, DomainTensor):
-        return unwrap(req)
-    if isinstance(req, Window):
-        spec = req.x._spec
-        xplan, pad = window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
-        if WindowProbe.active:
-            WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
-        return Extended(gather_rows(unwrap(req.x), spec.dim, xplan, spec.comm, req.fill), pad)
-    if isinstance(req, Rows):
-        spec = req.x._spec
-        return gather_rows(unwrap(req.x), spec.dim, plan_exchange(spec.sizes, req.needs, spec.comm.index),
-                           spec.comm, req.fill)
-    if isinstance(req, Resplit):
-        return redistribute_local(req.x, req.sizes)
-    if isinstance(req, Entering):
-        plain = unwrap(req.x)
-        return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
-    return req
-
-
-def _overlapped(step: Step) -> torch.Tensor | None:
-    """The step's result computed with its halo exchange in flight (``mesh3d.domain.halo.overlap``), or None
-    where that does not apply: overlap off or not declared, nothing received, or no interior rows."""
-    if not SETTINGS.value.overlap.enabled or len(step.args) != 1 or step.kwargs or traced():
-        return None
-    if functorch_transform_active():  # NOTE: its two autograd Functions share a state torch.func cannot carry
-        return None
-    req = step.args[0]
-    if not isinstance(req, Window) or req.overlap is None or req.x._spec.comm.size == 1:
-        return None
-    spec = req.x._spec
-    xplan, pad = window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads)
-    if not xplan.recv:
-        return None
-    split = split_window(xplan, pad, *req.overlap, req.plan.out_sizes[spec.comm.index])
-    if split is None:
-        return None
-    if WindowProbe.active:
-        WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
-    OVERLAP_STATS.calls += 1
-    return run_overlapped(step.compute, unwrap(req.x), spec.dim, xplan, split, spec.comm, req.fill)
-
-
-def run_step(step: Step) -> Any:
-    """Resolve a rule's requirements, call its local function and wrap the results.
-
-    Usage: ``run_step(Step(torch.relu, (xs,), out=xs.spec))``
-    """
-    overlapped = _overlapped(step)
-    if overlapped is not None:
-        out = overlapped
-    else:
-        args = [_resolve(a) for a in step.args]
-        kwargs = {k: _resolve(v) for k, v in step.kwargs.items()} if step.kwargs else {}
-        out = step.compute(*args, **kwargs)
-    spec = step.out
-    if spec is None:
-        return out
-    # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).
-    if isinstance(out, torch.Tensor):
-        if step.out_ndim is None or out.ndim == step.out_ndim:
-            return replicate_if_singleton(adopt(out, spec, step.keep))
-        return out
-    ndim = step.out_ndim
-    return tree_map(lambda o: replicate_if_singleton(adopt(o, spec, step.keep)) if isinstance(o, torch.Tensor)
-                    and (ndim is None or o.ndim == ndim) else o, out)

@@ -81,18 +81,13 @@ _CACHE_SIZE = 4096
 _MISSING = object()
 
 
-def one_process(func: Callable, args: tuple, kwargs: dict, key: tuple | None = None) -> OneProcess | None:
+def one_process(func: Callable, args: tuple, kwargs: dict) -> OneProcess | None:
     """For ``func`` in ``VIEW_FUNCTIONS``: torch's answer on the whole tensors (``OneProcess``); None where no meta run
     answers (a data-dependent call, such as a boolean mask's index: never a view in torch).
 
     Usage: ``answer = one_process(torch.Tensor.permute, (xs, 0, 3, 1, 2), {})   # answer.views == (True,)``
-
-    ``key``: the call's signature where the caller holds it cheaper than the walk of the arguments here (a wrapper
-    tensor's whole sizes, strides, storage offset and dtype, and the other arguments: ``short_path``); it must decide
-    the answer.
     """
-    key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else ()) if key is None else \
-        ("given", func, key)  # NOTE: a given key is never equal to a walked one, whose second item is a tuple
+    key = (func, _signature(args), _signature(tuple(kwargs.items())) if kwargs else ())
     try:
         hit = _CACHE.get(key, _MISSING)
     except TypeError:  # an argument that does not hash (a list): answered without the cache

@@ -41,6 +41,15 @@ class WindowPlan:
     out_sizes: tuple[int, ...]
     needs: tuple[RowMap, ...]
 
+    def __hash__(self) -> int:
+        """Hashed once: a plan is looked up on every call of its op (``window_exchange``'s cache), and its rows are
+        tuples of runs per rank."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash((self.out_sizes, self.needs))
+            object.__setattr__(self, "_hash", h)  # NOTE: frozen: past the dataclass's own __setattr__
+        return h
+
 
 def window_output_length(length: int, kernel: int, stride: int, dilation: int, pad_left: int, pad_right: int) -> int:
     return (length + pad_left + pad_right - dilation * (kernel - 1) - 1) // stride + 1

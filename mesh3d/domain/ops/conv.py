@@ -120,7 +120,9 @@ def _conv_rule(func, nd: int):
         plan = plan_window(input.spec.sizes, ks[sp], stride[sp], dilation[sp], *pads[sp])
         mine = plan.out_sizes[input.spec.comm.index]
 
-        def compute(ext: Extended):
+        # NOTE: the weight and bias are the step's arguments, not values its function closes over: the step holds
+        # nothing but the call's tensors, so a later call of the signature binds its own (``dispatch.kept_steps``)
+        def compute(ext: Extended, weight: torch.Tensor, bias: torch.Tensor | None):
             if mine == 0:
                 shape = [ext.tensor.shape[0], weight.shape[0]]
                 for i in range(nd):
@@ -131,7 +133,8 @@ def _conv_rule(func, nd: int):
 
         # The kernel may run on row strips (the padding of the sharded dim is then in the strips' rows).
         overlap = (dilation[sp] * (ks[sp] - 1) + 1, stride[sp])
-        return Step(compute, (Window(input, plan, overlap=overlap),), out=input.spec.with_sizes(plan.out_sizes))
+        return Step(compute, (Window(input, plan, overlap=overlap), weight, bias),
+                    out=input.spec.with_sizes(plan.out_sizes))
 
     return rule
 
@@ -199,7 +202,7 @@ def _conv_transpose_rule(func, nd: int):
         local_pad = tuple(0 if i == sp else padding[i] for i in range(nd))
         local_op = tuple(0 if i == sp else output_padding[i] for i in range(nd))
 
-        def compute(ext):
+        def compute(ext: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):  # NOTE: as conv's (above)
             if needs[me]:
                 # NOTE: the bias inside torch's kernel, as one process adds it: one rounding in bf16/fp16, not two.
                 y = func(ext, weight, bias, stride, local_pad, local_op, groups, dilation)
@@ -214,7 +217,7 @@ def _conv_transpose_rule(func, nd: int):
                 y = y + bias.view(1, -1, *([1] * nd))
             return y
 
-        return Step(compute, (Rows(input, tuple(needs)),), out=input.spec.with_sizes(out_sizes))
+        return Step(compute, (Rows(input, tuple(needs)), weight, bias), out=input.spec.with_sizes(out_sizes))
 
     return rule
 

@@ -19,6 +19,7 @@ import os
 import traceback
 import warnings
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -28,7 +29,7 @@ from mesh3d.domain.dispatch.dispatcher import redispatch, run_step
 from mesh3d.domain.ops.pieces import cat_pieces, index_rows
 from mesh3d.domain.ops.reshape import reshaped, target_shape
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.short_path import short_view
+from mesh3d.domain.dispatch.kept_steps import metadata_rule
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.dispatch.step import Entering, Step
 from mesh3d.domain.core.specs import DomainSpec
@@ -79,7 +80,14 @@ def expand_index(index, ndim: int) -> list:
     return items + [slice(None)] * (ndim - sum(1 for i in items if i is not None))
 
 
+def _index_without_tensors(x: Any, index: Any) -> bool:
+    """Whether an index reads no tensor's values (ints, slices, None, Ellipsis): its rule plans from metadata."""
+    items = index if isinstance(index, tuple) else (index,)
+    return not any(isinstance(i, (torch.Tensor, list)) for i in items)
+
+
 @register(torch.Tensor.__getitem__)
+@metadata_rule(when=_index_without_tensors)
 def _getitem(x: DomainTensor, index):
     if not isinstance(x, DomainTensor) or x.spec.dim is None:
         raise NotImplementedError(
@@ -258,6 +266,7 @@ def _shifted(x: DomainTensor, new_ndim: int) -> DomainSpec:
 
 
 @register(torch.unsqueeze, torch.Tensor.unsqueeze)
+@metadata_rule()
 def _unsqueeze(input, dim) -> Step:
     d = dim % (input.ndim + 1)
     new = input.spec.dim + 1 if d <= input.spec.dim else input.spec.dim
@@ -265,6 +274,7 @@ def _unsqueeze(input, dim) -> Step:
 
 
 @register(torch.squeeze, torch.Tensor.squeeze)
+@metadata_rule()
 def _squeeze(input, dim=None) -> Step:
     local_shape = unwrap(input).shape
     dims = range(input.ndim) if dim is None else ([dim] if isinstance(dim, int) else list(dim))
@@ -275,6 +285,7 @@ def _squeeze(input, dim=None) -> Step:
 
 
 @register(torch.Tensor.expand)
+@metadata_rule()
 def _expand(input, *sizes) -> Step:
     sizes = tuple(sizes[0]) if len(sizes) == 1 and isinstance(sizes[0], (tuple, list, torch.Size)) else sizes
     spec = _shifted(input, len(sizes))
@@ -288,11 +299,8 @@ def _expand(input, *sizes) -> Step:
     return Step(lambda t: t.expand(local), (input,), out=spec)
 
 
-for _f in (torch.unsqueeze, torch.Tensor.unsqueeze, torch.squeeze, torch.Tensor.squeeze, torch.Tensor.expand):
-    short_view(_f)
-
-
 @register(torch.Tensor.expand_as)
+@metadata_rule()
 def _expand_as(input, other) -> Step:
     if isinstance(input, DomainTensor) and input.spec.dim is not None:
         return _expand(input, *size_of(other))
@@ -313,15 +321,12 @@ def _expand_as(input, other) -> Step:
 
 
 @register(torch.unflatten, torch.Tensor.unflatten)
+@metadata_rule()
 def _unflatten(input, dim, sizes):
     shape = list(input.shape)
     d = dim % len(shape)
     inner = target_shape((tuple(sizes),), shape[d])
     return reshaped(input, [*shape[:d], *inner, *shape[d + 1:]], "torch.unflatten ->", view=False)
-
-
-short_view(torch.unflatten)
-short_view(torch.Tensor.unflatten)
 
 
 COMPLEX_PARTS = (getattr(torch.Tensor, "real").__get__, getattr(torch.Tensor, "imag").__get__, torch.real, torch.imag, torch.conj,

@@ -10,13 +10,14 @@ bf16/fp16 inputs are normalized in float32, the affine included, and rounded onc
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.comm.collectives import all_reduce_sum, reduce_for_local_use, sum_dtype
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.step import Entering, Step
 from mesh3d.domain.core.linear import recordable
 from mesh3d.domain.core.tensor import DomainTensor
 
@@ -117,6 +118,16 @@ def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
     return y
 
 
+def _entering(op: str, *params: Any) -> tuple:
+    """A norm's weight, bias or running statistics as its step's arguments: a plain tensor as it is; a replicated domain
+    tensor entering every rank's shard (its gradient summed over the domain, ``Entering``)."""
+    for p in params:
+        if isinstance(p, DomainTensor) and p.spec.dim is not None:
+            raise NotImplementedError(f"{op}: a weight, bias or running statistic sharded over the domain; pass a plain "
+                                      "tensor (the module's parameter), or x.full_tensor() of it")
+    return tuple(Entering(p) if isinstance(p, DomainTensor) else p for p in params)
+
+
 def _check(op: str, x: DomainTensor) -> None:
     if x.spec.dim is None or x.spec.dim < 2:
         raise NotImplementedError(f"{op}: shard a spatial dim (>= 2) of the (N, C, ...) input, not N or C")
@@ -125,7 +136,7 @@ def _check(op: str, x: DomainTensor) -> None:
 def _whole(x: DomainTensor, func, *args) -> Step | None:
     """One domain rank holds the whole dim: torch's fused kernel is the one-process op."""
     if x.spec.comm.size == 1:
-        return Step(lambda t: func(t, *args), (x,), out=x.spec)
+        return Step(func, (x, *args), out=x.spec)
     return None
 
 
@@ -136,14 +147,17 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Step:
     if whole:
         return whole
     count_rest = math.prod(input.global_shape[2:])
+    comm = input.spec.comm
 
-    def compute(local):
+    # NOTE: the weight and bias are the step's arguments, never values its function closes over (nor the input): the
+    # step holds the call's tensors only where they were passed, so a later call binds its own (``dispatch.kept``)
+    def compute(local, weight, bias):
         n, c = local.shape[:2]
         grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
-        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, input.spec.comm, affine=(weight, bias))
+        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, comm, affine=(weight, bias))
         return rounded_like(_affine(y.reshape(local.shape), weight, bias, local.ndim), local)
 
-    return Step(compute, (input,), out=input.spec)
+    return Step(compute, (input, *_entering("F.group_norm", weight, bias)), out=input.spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -157,17 +171,19 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
                 eps=1e-5) -> Step:
     _check("F.batch_norm", input)
     if not training or input.spec.comm.size == 1:
-        return Step(lambda t: F.batch_norm(t, running_mean, running_var, weight, bias, training, momentum, eps),
-                    (input,), out=input.spec)
+        return Step(F.batch_norm, (input, running_mean, running_var, weight, bias, training, momentum, eps),
+                    out=input.spec)
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
+    comm = input.spec.comm
 
-    def compute(local):
-        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, input.spec.comm, affine=(weight, bias))
+    def compute(local, running_mean, running_var, weight, bias):  # NOTE: as group_norm's
+        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, comm, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
         return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
-    return Step(compute, (input,), out=input.spec)
+    return Step(compute, (input, *_entering("F.batch_norm", running_mean, running_var, weight, bias)),
+                out=input.spec)
 
 
 @register(F.instance_norm)
@@ -175,30 +191,33 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
                    momentum=0.1, eps=1e-5) -> Step:
     _check("F.instance_norm", input)
     if not use_input_stats or input.spec.comm.size == 1:
-        return Step(lambda t: F.instance_norm(t, running_mean, running_var, weight, bias, use_input_stats, momentum,
-                                              eps), (input,), out=input.spec)
+        return Step(F.instance_norm, (input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps),
+                    out=input.spec)
     count = math.prod(input.global_shape[2:])
+    comm = input.spec.comm
 
-    def compute(local):
-        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, input.spec.comm, affine=(weight, bias))
+    def compute(local, running_mean, running_var, weight, bias):  # NOTE: as group_norm's
+        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, comm, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
         _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
         return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
-    return Step(compute, (input,), out=input.spec)
+    return Step(compute, (input, *_entering("F.instance_norm", running_mean, running_var, weight, bias)),
+                out=input.spec)
 
 
 @register(F.layer_norm)
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> Step:
     first = input.ndim - len(normalized_shape)
     if input.spec.dim < first or input.spec.comm.size == 1:
-        return Step(lambda t: F.layer_norm(t, normalized_shape, weight, bias, eps), (input,), out=input.spec)
+        return Step(F.layer_norm, (input, normalized_shape, weight, bias, eps), out=input.spec)
     count = math.prod(input.global_shape[first:])
     at = input.spec.dim - first
     offset, rows = input.offset, input.spec.sizes[input.spec.comm.index]
+    comm = input.spec.comm
 
-    def compute(local):
-        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, input.spec.comm, affine=(weight, bias))
+    def compute(local, weight, bias):  # NOTE: as group_norm's
+        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm, affine=(weight, bias))
         # The affine parameters vary along the sharded dim: use this rank's slice of them.
         if weight is not None:
             y = y * weight.narrow(at, offset, rows)
@@ -206,4 +225,4 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
             y = y + bias.narrow(at, offset, rows)
         return rounded_like(y, local)
 
-    return Step(compute, (input,), out=input.spec)
+    return Step(compute, (input, *_entering("F.layer_norm", weight, bias)), out=input.spec)

@@ -22,7 +22,7 @@ from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
 from mesh3d.domain.dispatch.registry import (
     BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, register, writes_into_first)
-from mesh3d.domain.dispatch.short_path import short_elementwise, short_view
+from mesh3d.domain.dispatch.elementwise_plan import plan_elementwise
 from mesh3d.domain.dispatch.step import Entering, Resplit, Step
 from mesh3d.domain.core.tensor import DomainTensor, detach_in_place, size_of
 from mesh3d.domain.layouts.transpose import move_sharding
@@ -163,11 +163,13 @@ for _table in (RULES, STRIDED_RULES, BLOCK_RULES, TOKEN_RULES):
         _table.register(_f, detach_in_place)
 
 
-#: Element-wise functions whose calls on one slab layout take the short path (``dispatch.short_path``): all but those
-#: that may return no tensor of the operands' shape (``type()``, ``where(cond)``; ``detach_`` has a rule of its own).
-_NOT_SHORT = {torch.Tensor.type, torch.where, torch.Tensor.where}
-for _f in ELEMENTWISE - _NOT_SHORT:
-    short_elementwise(_f)
+#: Element-wise functions whose calls on one slab layout are answered from their operands' metadata
+#: (``dispatch.elementwise_plan``): all but the writes and those that may return no tensor of the operands' shape
+#: (``type()``, ``where(cond)``; ``detach_`` has a rule of its own).
+_NO_PLAN = {torch.Tensor.type, torch.where, torch.Tensor.where}
+for _f in ELEMENTWISE - _NO_PLAN:
+    if not writes_into_first(_f):
+        plan_elementwise(_f)
 
 
 def _norm_dim(dim: int, ndim: int) -> int:
@@ -245,11 +247,6 @@ def _permute(input, *dims) -> Step:
     dims = tuple(_norm_dim(d, input.ndim) for d in dims)
     return Step(lambda t: t.permute(dims), (input,),
                 out=input.spec.with_sizes(input.spec.sizes, dim=dims.index(input.spec.dim)))
-
-
-for _f in (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes, torch.permute,
-           torch.Tensor.permute):
-    short_view(_f)
 
 
 @register(torch.Tensor.view_as)

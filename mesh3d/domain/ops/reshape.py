@@ -23,7 +23,6 @@ import torch
 from mesh3d.domain.core.copied_views import made_as_copy, mark_copied_view
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.short_path import short_view
 from mesh3d.domain.dispatch.step import Resplit, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, size_of
@@ -228,6 +227,3 @@ def _flatten(x: DomainTensor, start_dim: int = 0, end_dim: int = -1) -> Step | D
     target = [*shape[:start], math.prod(shape[start:end + 1]), *shape[end + 1:]]
     return reshaped(x, target, f"torch.flatten(start_dim={start_dim}, end_dim={end_dim}) ->", view=False)
 
-
-for _f in (torch.Tensor.view, torch.reshape, torch.Tensor.reshape, torch.flatten, torch.Tensor.flatten):
-    short_view(_f)

@@ -1,0 +1,208 @@
+"""The one executor of rules' steps: resolves a step's requirements (halo rows, row maps, layouts, replicated values
+entering), calls its local function on plain tensors and wraps the results; a failure on one rank is told to its peers.
+
+Usage (``dispatch.dispatcher`` runs every rule's step here; a rule that composes others calls ``run_step`` too)::
+
+    out = run_step(Step(torch.relu, (xs,), out=xs.spec))
+    out = run_kept(F.conv2d, kept.bind(args, kwargs), spec.comm, journal)    # a kept step (``dispatch.kept``)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from mesh3d._torch_private import functorch_transform_active
+from mesh3d.domain.comm.collectives import sum_grad
+from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
+from mesh3d.domain.comm.exchange import gather_rows, report_failure
+from mesh3d.domain.comm.peer_lost import DomainPeerLostError
+from mesh3d.domain.comm.rows import ExchangePlan, plan_exchange
+from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.core.settings import SETTINGS, traced
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.dispatch.registry import op_name
+from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
+from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
+from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
+from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton
+from mesh3d.domain.core.trees import tree_map
+from mesh3d.domain.core.wrapped import WrappedDomainTensor
+
+__all__ = ["STEP_TAP", "StepTap", "changes_layout", "op_label", "run_kept", "run_parts", "run_step",
+           "telling_peers_of_failure"]
+
+
+def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
+    """``run()``; if it fails on this rank, tell every domain peer before raising.
+
+    NOTE: a rank that fails alone would leave its peers waiting in their next exchange: tell them, and
+    learn whether the failure is a symptom of the ranks taking different paths (then that error is raised).
+    """
+    try:
+        return run()
+    except (DomainDivergenceError, DomainPeerLostError):  # its peers were told already
+        raise
+    except Exception as err:
+        reported = report_failure(comm, op_label(func), err)
+        if reported is err:
+            raise
+        raise reported from err
+
+
+_MOVES = (Window, Rows, Resplit)
+
+
+def changes_layout(step: Step, lead: DomainTensor) -> bool:
+    """A step that moves rows or changes the layout (the ones whose divergence would desynchronize exchanges)."""
+    if any(isinstance(a, _MOVES) for a in step.args):
+        return True
+    return step.out is not lead._spec and step.out != lead._spec
+
+
+_NAMES: dict[Callable, str] = {}
+
+
+def op_label(func: Callable) -> str:
+    name = _NAMES.get(func)
+    if name is None:
+        name = _NAMES[func] = op_name(func)
+    return name
+
+
+class StepTap:
+    """The step a rule returned for one call, for ``dispatch.kept`` to keep: armed with the call's ``args`` (by
+    identity), it records ``(rule, step, journal entry or None)`` of that call's rule and disarms.
+
+    Usage: ``STEP_TAP.args = args; out = dispatch(...); rule, step, journal = STEP_TAP.take()``
+    """
+
+    def __init__(self) -> None:
+        self.args: tuple | None = None
+        self.taken: tuple | None = None
+
+    def tapped(self, rule: Callable, lead: DomainTensor, journaled_by_step: bool) -> Callable:
+        """``rule``, recording what it returns, and the journal entry the dispatcher records for it where
+        ``journaled_by_step`` (a layout whose own entry is made before the rule runs: none here)."""
+        self.args = None
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            step = rule(*args, **kwargs)
+            journal = None
+            if isinstance(step, Step) and journaled_by_step and changes_layout(step, lead):
+                out = step.out
+                journal = (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0)
+            self.taken = (rule, step, journal, journaled_by_step)
+            return step
+        return run
+
+    def take(self) -> tuple | None:
+        """What was recorded since armed (None: no rule ran for that call), and disarm."""
+        taken, self.taken, self.args = self.taken, None, None
+        return taken
+
+
+#: The one step tap of this process (``dispatch.kept``)
+STEP_TAP = StepTap()
+
+
+def run_kept(func: Callable, parts: tuple, comm: DomainComm, journal: tuple | None) -> Any:
+    """A kept step of a multi-rank call (``dispatch.kept``: ``run_parts``'s arguments) run as its rule's step runs:
+    journaled as its rule's call was, its peers told if it fails here.
+
+    Usage: ``run_kept(F.conv2d, kept.bind(args, kwargs), spec.comm, journal)``
+    """
+    if journal is not None:
+        JOURNAL.record(op_label(func), journal)
+    return telling_peers_of_failure(comm, func, lambda: run_parts(*parts))
+
+
+def _resolve(req: Any) -> Any:
+    if isinstance(req, DomainTensor):
+        return unwrap(req)
+    if isinstance(req, Window):
+        spec = req.x._spec
+        return _window_rows(req, *window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads))
+    if isinstance(req, Rows):
+        spec = req.x._spec
+        return gather_rows(unwrap(req.x), spec.dim, plan_exchange(spec.sizes, req.needs, spec.comm.index),
+                           spec.comm, req.fill)
+    if isinstance(req, Resplit):
+        return redistribute_local(req.x, req.sizes)
+    if isinstance(req, Entering):
+        plain = unwrap(req.x)
+        return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
+    return req
+
+
+def _window_rows(req: Window, xplan: ExchangePlan, pad: int) -> Extended:
+    """A window's input rows (its exchange ``xplan``, ``window_exchange``'s), and the padding left to the kernel."""
+    spec = req.x._spec
+    if WindowProbe.active:
+        WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
+    return Extended(gather_rows(unwrap(req.x), spec.dim, xplan, spec.comm, req.fill), pad)
+
+
+def _overlapped(compute: Callable, req: Window, xplan: ExchangePlan, pad: int, rest: tuple,
+                kwargs: dict) -> torch.Tensor | None:
+    """The step's result computed with its halo exchange in flight (``mesh3d.domain.halo.overlap``), or None
+    where that does not apply: overlap off or not declared, nothing received, or no interior rows. The window is the
+    step's first argument; the others (a weight, a bias) are passed to each strip's call as they are."""
+    # NOTE: the setting read first, as before any other check: a compiled graph guards on it (a change recompiles)
+    if not SETTINGS.value.overlap.enabled or traced() or req.overlap is None or req.x._spec.comm.size == 1 or \
+            not xplan.recv or functorch_transform_active():
+        return None  # NOTE: under torch.func, its two autograd Functions share a state the transform cannot carry
+    if any(isinstance(a, _MOVES) for a in rest) or any(isinstance(v, _MOVES) for v in kwargs.values()):
+        return None
+    spec = req.x._spec
+    split = split_window(xplan, pad, *req.overlap, req.plan.out_sizes[spec.comm.index])
+    if split is None:
+        return None
+    if WindowProbe.active:
+        WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
+    OVERLAP_STATS.calls += 1
+    if rest or kwargs:
+        rest = tuple(_resolve(a) for a in rest)
+        kwargs = {k: _resolve(v) for k, v in kwargs.items()}
+        strip_compute = compute
+
+        def compute(ext: Extended) -> Any:
+            return strip_compute(ext, *rest, **kwargs)
+    return run_overlapped(compute, unwrap(req.x), spec.dim, xplan, split, spec.comm, req.fill)
+
+
+def run_step(step: Step) -> Any:
+    """Resolve a rule's requirements, call its local function and wrap the results.
+
+    Usage: ``run_step(Step(torch.relu, (xs,), out=xs.spec))``
+    """
+    return run_parts(step.compute, step.args, step.kwargs, step.out, step.out_ndim, step.keep)
+
+
+def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim: int | None, keep: tuple) -> Any:
+    """``run_step`` of a step given as its fields (a kept step's, ``dispatch.kept``: no ``Step`` made per call).
+
+    Usage: ``run_parts(torch.relu, (xs,), {}, xs.spec, None, ())``
+    """
+    first = args[0] if args else None
+    kwargs = {k: _resolve(v) for k, v in kwargs.items()} if kwargs else {}
+    if type(first) is Window:  # NOTE: its exchange planned once, whether the interior overlaps it or not
+        x_spec = first.x._spec
+        xplan, pad = window_exchange(x_spec.sizes, first.plan, x_spec.comm.index, first.kernel_pads)
+        out = _overlapped(compute, first, xplan, pad, args[1:], kwargs)
+        if out is None:
+            out = compute(_window_rows(first, xplan, pad), *[_resolve(a) for a in args[1:]], **kwargs)
+    else:
+        out = compute(*[a._differentiable_local() if type(a) is WrappedDomainTensor else _resolve(a) for a in args],
+                      **kwargs)
+    if spec is None:
+        return out
+    # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).
+    if isinstance(out, torch.Tensor):
+        if out_ndim is None or out.ndim == out_ndim:
+            return replicate_if_singleton(adopt(out, spec, keep))
+        return out
+    return tree_map(lambda o: replicate_if_singleton(adopt(o, spec, keep)) if isinstance(o, torch.Tensor)
+                    and (out_ndim is None or o.ndim == out_ndim) else o, out)

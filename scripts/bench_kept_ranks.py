@@ -1,0 +1,92 @@
+"""Host cost of one op on domain tensors of a multi-rank domain: answered from its kept step against the dispatcher's
+walk (every call planned by its rule), with torch's op on the shard alone as the floor.
+
+Usage (2 gloo ranks on this machine; the table goes to rank 0's stdout, and ``--json`` writes it)::
+
+    python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_kept_ranks.py --json out.json
+
+Each op of ``OPS`` runs ``--calls`` times in a loop on a 1x4x16x16 field sharded along dim 2 (8 rows a rank), one
+thread a rank, the ranks in step (a barrier before each loop); the contenders take turns, round by round, and each
+keeps its best round's median (the machine may be shared). A halo exchange's own cost (messages between the ranks) is
+in both; what differs is the walk and the rule's planning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mesh3d import DistributedManager, domain
+from mesh3d.domain.dispatch.kept import KEPT
+
+
+def ops(w1: torch.Tensor, w3: torch.Tensor, gn: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    return {
+        "add": lambda t: t + 1.0,
+        "relu": torch.relu,
+        "conv2d 1x1": lambda t: F.conv2d(t, w1),
+        "conv2d 3x3 (halo)": lambda t: F.conv2d(t, w3, padding=1),
+        "group_norm": lambda t: F.group_norm(t, 2, *gn),
+        "max_pool2d": lambda t: F.max_pool2d(t, 2),
+        "interpolate": lambda t: F.interpolate(t, scale_factor=2, mode="bilinear", align_corners=False),
+        "reshape": lambda t: t.reshape(1, 4, -1),
+        "transpose": lambda t: t.transpose(2, 3),
+        "slice": lambda t: t[:, :, 1:],
+    }
+
+
+def per_call(fn, t: torch.Tensor, n: int) -> float:
+    for _ in range(n // 4):
+        fn(t)
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            fn(t)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dm = DistributedManager.initialize(batch=1, domain=-1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 4, 16, 16, generator=g)
+    w1, w3 = torch.randn(4, 4, 1, 1, generator=g), torch.randn(4, 4, 3, 3, generator=g)
+    gn = (torch.randn(4, generator=g), torch.randn(4, generator=g))
+    xs = domain.shard(x, dim=2)
+    local = xs.to_local()
+    table = {}
+    for name, fn in ops(w1, w3, gn).items():
+        best = {"shard": float("inf"), "kept": float("inf"), "walk": float("inf")}
+        for _ in range(args.rounds):
+            best["shard"] = min(best["shard"], per_call(fn, local, args.calls))
+            best["kept"] = min(best["kept"], per_call(fn, xs, args.calls))
+            with KEPT.off():
+                best["walk"] = min(best["walk"], per_call(fn, xs, args.calls))
+        table[name] = {k: v * 1e6 for k, v in best.items()}
+    if dist.get_rank() == 0:
+        print(f"domain={dm.axis_size('domain')}, torch {torch.__version__}, one thread a rank, us per call")
+        print(f"{'op':20s} {'shard alone':>12s} {'kept':>8s} {'walk':>8s} {'kept/walk':>10s}")
+        for name, t in table.items():
+            print(f"{name:20s} {t['shard']:12.1f} {t['kept']:8.1f} {t['walk']:8.1f} {t['kept'] / t['walk']:10.2f}")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"domain": dm.axis_size("domain"), "torch": torch.__version__, "ops": table}, f, indent=1)
+    DistributedManager.shutdown()
+
+
+if __name__ == "__main__":
+    main()
