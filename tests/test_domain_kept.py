@@ -266,6 +266,27 @@ def test_a_convolution_is_kept_with_each_calls_own_weight():
                 assert torch.allclose(outs[0][0], F.conv2d(_local(0), w, b, **kw), rtol=1e-12, atol=1e-13)
 
 
+ALIASED = {
+    "cat": lambda p, q: torch.cat([p, q], 1),
+    "stack": lambda p, q: torch.stack([p, q], 0),
+    "where": lambda p, q: torch.where(p > 0, p, q),
+}
+
+
+@pytest.mark.parametrize("spec", [SPEC, ONE], ids=["middle of 3", "one rank"])
+@pytest.mark.parametrize("name", ALIASED)
+def test_a_tensor_passed_twice_keeps_nothing_a_later_call_could_misread(name, spec):
+    """``f(x, x)`` first, then ``f(a, b)`` of the same signature: a kept step would have put ``a`` in both places (on
+    74012db ``torch.cat([a, b])`` on the middle shard of 3 gave ``cat([a, a])``); against the path off."""
+    g = torch.Generator().manual_seed(11)
+    x, a, b = (wrap(torch.randn(2, 3, 2, 5, dtype=D64, generator=g), spec) for _ in range(3))
+    for p, q in ((x, x), (a, b), (b, a), (a, a), (a, b)):
+        got = ALIASED[name](p, q)
+        with KEPT.off():
+            want = ALIASED[name](p, q)
+        assert torch.equal(got.to_local(), want.to_local()) and got.spec == want.spec, name
+
+
 class _BackwardTypes(TorchDispatchMode):
     """The classes of the tensors each op of a backward receives (the engine hands an op the tensors autograd saved:
     a domain tensor among them would reach ``__torch_function__`` from any mode that calls ops in Python)."""

@@ -197,7 +197,8 @@ class KeptCalls:
             out = dispatch(func, types, args, kwargs)
         finally:
             taken = STEP_TAP.take()
-        self._kept[key] = _kept_step(taken, args, kwargs)
+        if not _aliased(args, kwargs):  # NOTE: (x, x) keeps nothing: a later call of the signature may pass (a, b)
+            self._kept[key] = _kept_step(taken, args, kwargs)
         return out
 
     def _from_step(self, func: Callable, types: tuple, args: tuple, kwargs: dict, kept: _Kept) -> Any:
@@ -263,6 +264,18 @@ def _kept_step(taken: tuple | None, args: tuple, kwargs: dict) -> Any:
             if isinstance(t, DomainTensor):
                 return _Kept(template, journal, t._spec.comm, SETTINGS.value)
     return _DISPATCHER
+
+
+def _aliased(args: tuple, kwargs: dict) -> bool:
+    """Whether one tensor is passed in two places of a call (``x * x``, ``torch.cat([x, x])``)."""
+    seen: set[int] = set()
+    for a in (*args, *kwargs.values()):
+        for t in a if type(a) is tuple or type(a) is list else (a,):
+            if isinstance(t, torch.Tensor):
+                if id(t) in seen:
+                    return True
+                seen.add(id(t))
+    return False
 
 
 def _signature(func: Callable, args: tuple, kwargs: dict) -> tuple:

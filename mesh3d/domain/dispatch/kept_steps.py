@@ -126,15 +126,14 @@ class KeptStep(NamedTuple):
 
 def template_of(step: Step, args: tuple, kwargs: dict) -> KeptStep | None:
     """``step`` (a rule's answer to ``func(*args, **kwargs)``) as a template of the call's tensors, or None where it
-    holds anything else (module docstring)."""
+    holds anything else (module docstring), or where the call passed one tensor in two places."""
     places: dict[int, _At] = {}
     for key, value in (*enumerate(args), *kwargs.items()):
-        if isinstance(value, torch.Tensor):
-            places.setdefault(id(value), _At(key, -1))
-        elif type(value) in (list, tuple):
-            for i, t in enumerate(value):
-                if isinstance(t, torch.Tensor):
-                    places.setdefault(id(t), _At(key, i))
+        for i, t in enumerate(value) if type(value) in (list, tuple) else ((-1, value),):
+            if isinstance(t, torch.Tensor):
+                if id(t) in places:  # NOTE: one tensor passed twice (x, x): which place the step's x came from is
+                    return None  # unknown, and a later call passing two tensors there would get one twice
+                places[id(t)] = _At(key, i)
     try:
         _check_function(step.compute, _DEPTH)
         templates = tuple(_template(a, places, _DEPTH) for a in step.args)
