@@ -51,7 +51,7 @@ from mesh3d.domain.dispatch.dispatcher import dispatch
 from mesh3d.domain.dispatch.executor import STEP_TAP, run_kept, run_parts
 from mesh3d.domain.dispatch.elementwise_plan import ELEMENTWISE_PLANS
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
-from mesh3d.domain.dispatch.kept_steps import KeptStep, plans_from_metadata, template_of
+from mesh3d.domain.dispatch.kept_steps import KeptStep, passes_one_tensor_twice, plans_from_metadata, template_of
 from mesh3d.domain.dispatch.queries import DATA_QUERIES, is_global_size, is_metadata
 from mesh3d.domain.dispatch.registry import (
     RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
@@ -197,7 +197,7 @@ class KeptCalls:
             out = dispatch(func, types, args, kwargs)
         finally:
             taken = STEP_TAP.take()
-        if not _aliased(args, kwargs):  # NOTE: (x, x) keeps nothing: a later call of the signature may pass (a, b)
+        if not passes_one_tensor_twice(args, kwargs):  # NOTE: (x, x) keeps nothing: a later call may pass (a, b)
             self._kept[key] = _kept_step(taken, args, kwargs)
         return out
 
@@ -264,18 +264,6 @@ def _kept_step(taken: tuple | None, args: tuple, kwargs: dict) -> Any:
             if isinstance(t, DomainTensor):
                 return _Kept(template, journal, t._spec.comm, SETTINGS.value)
     return _DISPATCHER
-
-
-def _aliased(args: tuple, kwargs: dict) -> bool:
-    """Whether one tensor is passed in two places of a call (``x * x``, ``torch.cat([x, x])``)."""
-    seen: set[int] = set()
-    for a in (*args, *kwargs.values()):
-        for t in a if type(a) is tuple or type(a) is list else (a,):
-            if isinstance(t, torch.Tensor):
-                if id(t) in seen:
-                    return True
-                seen.add(id(t))
-    return False
 
 
 def _signature(func: Callable, args: tuple, kwargs: dict) -> tuple:

@@ -34,7 +34,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import LayoutSpec
 from mesh3d.domain.dispatch.step import Step
 
-__all__ = ["KeptStep", "METADATA_RULE_MODULES", "metadata_rule", "plans_from_metadata", "template_of"]
+__all__ = ["KeptStep", "METADATA_RULE_MODULES", "metadata_rule", "passes_one_tensor_twice", "plans_from_metadata",
+           "template_of"]
 
 #: The rule modules whose rules plan from their tensors' metadata and the call's other arguments alone.
 METADATA_RULE_MODULES = frozenset({
@@ -131,8 +132,8 @@ def template_of(step: Step, args: tuple, kwargs: dict) -> KeptStep | None:
     for key, value in (*enumerate(args), *kwargs.items()):
         for i, t in enumerate(value) if type(value) in (list, tuple) else ((-1, value),):
             if isinstance(t, torch.Tensor):
-                if id(t) in places:  # NOTE: one tensor passed twice (x, x): which place the step's x came from is
-                    return None  # unknown, and a later call passing two tensors there would get one twice
+                if id(t) in places:  # NOTE: (x, x): which place the step's x came from is unknown (a later call
+                    return None  # passing (a, b) would get one of them twice): ``passes_one_tensor_twice``
                 places[id(t)] = _At(key, i)
     try:
         _check_function(step.compute, _DEPTH)
@@ -143,6 +144,19 @@ def template_of(step: Step, args: tuple, kwargs: dict) -> KeptStep | None:
                         _data(step.out, _DEPTH), step.out_ndim, tuple(_template(t, places, _DEPTH) for t in step.keep))
     except _Unkeepable:
         return None
+
+
+def passes_one_tensor_twice(args: tuple, kwargs: dict) -> bool:
+    """Whether one tensor is passed in two places of a call (``x * x``, ``torch.cat([x, x])``): nothing of such a
+    call is kept, so the next call of its signature keeps its own step."""
+    seen: set[int] = set()
+    for a in (*args, *kwargs.values()):
+        for t in a if type(a) is tuple or type(a) is list else (a,):
+            if isinstance(t, torch.Tensor):
+                if id(t) in seen:
+                    return True
+                seen.add(id(t))
+    return False
 
 
 def _template(value: Any, places: dict[int, _At], depth: int) -> Any:
