@@ -11,7 +11,7 @@ answered is kept; a later call of that signature skips the walk and the rule:
   the call's arguments (``kept_steps``), for the rules that plan from metadata alone (element-wise ops, views,
   convolutions, pooling, norms, reductions ...): a later call binds its tensors into it, and the executor runs it as
   the dispatcher runs a rule's step (its halo exchanges, its journal entry on a multi-rank domain, its peers told of
-  a failure). Views take this path on every domain (their results are recorded as the dispatcher records them).
+  a failure). A view's one-process answer (strides, offset, a refusal) is kept with it on every domain.
 
 A signature is the function, the rule tables' version (a rule registered or dropped since starts afresh), grad mode,
 and every argument: a wrapper tensor's spec, shard shape and strides, its own strides and storage offset, dtype and
@@ -22,8 +22,9 @@ a DTensor, a list of lists, an object) takes the dispatcher; so do blocks, token
 Never kept (each takes the dispatcher every time): a write (``add_``, ``out=``, ``inplace=True``); metadata, sizes and
 gradient calls (answered before); random draws and attention (a rule there draws from mesh3d's streams); a rule of
 the user's own; calls while a ``WindowProbe`` reads what the rules plan (``domain.downsampling_factor``); a tensor
-made as a copied view or having one; on a one-rank domain a result other than tensors or one tuple of them, or whose
-length along its sharded dim is not its spec's (a data-dependent size, as ``nonzero``'s). While torch.compile
+made as a copied view or having one; on a multi-rank domain a call passing one tensor in two places (``(x, x)``:
+the next call of its signature keeps its own step); on a one-rank domain a result other than tensors or one tuple of
+them, or whose length along its sharded dim is not its spec's (a data-dependent size, as ``nonzero``'s). While torch.compile
 traces, the dispatcher runs the rules.
 
 Usage (``mesh3d.domain`` installs it for wrapper tensors)::
