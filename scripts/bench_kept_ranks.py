@@ -38,6 +38,8 @@ def ops(w1: torch.Tensor, w3: torch.Tensor, gn: tuple[torch.Tensor, torch.Tensor
         "reshape": lambda t: t.reshape(1, 4, -1),
         "transpose": lambda t: t.transpose(2, 3),
         "slice": lambda t: t[:, :, 1:],
+        "sum": lambda t: t.sum(),
+        "mean over (2, 3)": lambda t: t.mean((2, 3)),
     }
 
 

@@ -117,6 +117,18 @@ def test_conv_transpose_whose_first_rows_no_input_reaches_after_an_empty_shard(r
             assert err < TOL, (c, err)
 
 
+def test_kernels_that_span_one_row_of_the_sharded_dim_with_empty_shards(ranks):
+    """A kernel one row long along the sharded dim (k=1 in 1-D, 2-D and 3-D, stride 1, no padding) runs torch's
+    kernel on the shard with no window: every layout of 3 ranks, empty shards included, equal to one process."""
+    base = dict(k=1, s=1, d=1, padding=0, mode="zeros", op=0, length=5)
+    cases = [dict(base, nd=2, sharded=0, sizes=sizes) for sizes in ((0, 2, 3), (5, 0, 0), (2, 2, 1))]
+    cases += [dict(base, nd=1, sharded=0, padding="same", sizes=(3, 0, 2)),
+              dict(base, nd=3, sharded=2, padding="valid", sizes=(1, 0, 4))]
+    for rank_errors in ranks.run(3, _conv_body, cases, timeout=60):
+        for c, err in zip(cases, rank_errors):
+            assert err < TOL, (c, err)
+
+
 def _adjoint_body(seed):
     """<G x, y> == <x, G* y> summed over ranks, for random row requests (far ranks, repeats, fills)."""
     import torch.distributed as dist

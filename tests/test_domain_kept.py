@@ -497,3 +497,62 @@ def _edges_body():
 def test_a_wrong_length_and_new_rules_take_the_dispatcher(ranks):
     (out,) = ranks.run(1, _edges_body, timeout=300)
     assert out == {"size": True, "rule": (True, True)}, out
+
+
+REDUCTIONS = {
+    "sum": lambda x: x.sum(),
+    "mean over (2, 3)": lambda x: x.mean((2, 3)),
+    "sum along H, kept": lambda x: torch.sum(x, 2, keepdim=True),
+    "mean along W (local)": lambda x: x.mean(3),
+    "var along H": lambda x: x.var(2),
+    "amax over (1, 2)": lambda x: x.amax((1, 2)),
+    "mse_loss": lambda x: F.mse_loss(x, torch.ones_like(x)),
+}
+
+
+def _reductions_body(sizes):
+    from domain_cases import domain_sum
+
+    from mesh3d import DistributedManager
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    out = {}
+    for dtype in (D64, torch.bfloat16):
+        for name, fn in REDUCTIONS.items():
+            got = {}
+            for kept in (True, False):
+                runs = []
+                for seed in (1, 2, 3):  # NOTE: each call on new values: a step kept with the first's would show
+                    g = torch.Generator().manual_seed(seed)
+                    x = torch.randn(2, 3, sum(sizes), 4, dtype=D64, generator=g).to(dtype).requires_grad_()
+                    before = JOURNAL.count
+                    with contextlib.nullcontext() if kept else KEPT.off():
+                        xs = domain.shard(x, dim=2, sizes=sizes)
+                        hits = KEPT.hits
+                        y = fn(xs)
+                        hit = KEPT.hits > hits
+                        whole = y.full_tensor() if isinstance(y, domain.DomainTensor) else y
+                        (whole.double() * torch.arange(1.0, whole.numel() + 1, dtype=D64).view(whole.shape)).sum().backward()
+                    ref = fn(x.detach().clone().requires_grad_())
+                    (ref.double() * torch.arange(1.0, ref.numel() + 1, dtype=D64).view(ref.shape)).sum().backward()
+                    entries = [e[1:3] for e in list(JOURNAL.entries)[before - JOURNAL.count:]] if JOURNAL.count > before else []
+                    runs.append((whole.detach(), domain_sum(x.grad), ref.detach(), entries))
+                got[kept] = (runs, hit)  # the last call's answer kept
+            (kept_runs, hit), (off_runs, _) = got[True], got[False]
+            tol = 1e-12 if dtype == D64 else 2e-2
+            out[f"{name} {dtype}"] = {
+                "kept": hit or name == "mse_loss",  # NOTE: a composite: its element-wise loss and mean run nested
+                "bitwise as the path off": all(torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[3] == b[3]
+                                               for a, b in zip(kept_runs, off_runs)),
+                "one process": all(torch.allclose(w.double(), r.double(), rtol=tol, atol=tol) for w, _, r, _ in kept_runs),
+            }
+    return out
+
+
+def test_reductions_and_losses_are_kept_on_three_ranks_and_equal_one_process(ranks):
+    """Sums and means declare their shard's part partial (``step.Partial``), combined by the executor: kept on 3 ranks
+    with an empty shard, each call on new values, bitwise the path off (values, gradients, journal entries) and equal
+    to one process in fp64 and bf16; variance and maxima, which combine their own parts, too."""
+    for per_rank in ranks.run(3, _reductions_body, (3, 0, 4), timeout=300):
+        wrong = {k: v for k, v in per_rank.items() if not all(v.values())}
+        assert wrong == {}, wrong

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import functorch_transform_active
-from mesh3d.domain.comm.collectives import sum_grad
+from mesh3d.domain.comm.collectives import all_reduce_max, reduce_to_replicated, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.comm.exchange import gather_rows, report_failure
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
@@ -24,7 +24,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
-from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
+from mesh3d.domain.dispatch.step import Entering, Partial, Resplit, Rows, Step
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
 from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton
@@ -178,10 +178,21 @@ def run_step(step: Step) -> Any:
 
     Usage: ``run_step(Step(torch.relu, (xs,), out=xs.spec))``
     """
-    return run_parts(step.compute, step.args, step.kwargs, step.out, step.out_ndim, step.keep)
+    return run_parts(step.compute, step.args, step.kwargs, step.out, step.out_ndim, step.keep, step.partial)
 
 
-def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim: int | None, keep: tuple) -> Any:
+def _combined(out: Any, partial: Partial, spec: Any) -> Any:
+    """A partial step's local results (``step.Partial``) combined over ``spec``'s domain and finished."""
+    comm = spec.comm
+    if partial.combine == "sum":
+        out = tree_map(lambda o: reduce_to_replicated(o, comm) if isinstance(o, torch.Tensor) else o, out)
+    else:
+        out = tree_map(lambda o: all_reduce_max(o, comm) if isinstance(o, torch.Tensor) else o, out)
+    return out if partial.then is None else partial.then(out)
+
+
+def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim: int | None, keep: tuple,
+              partial: Partial | None = None) -> Any:
     """``run_step`` of a step given as its fields (a kept step's, ``dispatch.kept``: no ``Step`` made per call).
 
     Usage: ``run_parts(torch.relu, (xs,), {}, xs.spec, None, ())``
@@ -197,12 +208,17 @@ def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim:
     else:
         out = compute(*[a._differentiable_local() if type(a) is WrappedDomainTensor else _resolve(a) for a in args],
                       **kwargs)
+    if partial is not None:
+        out = _combined(out, partial, spec)
     if spec is None:
         return out
     # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).
+    # NOTE: a replicated result is not asked: under torch.func, ``adopt`` hands it back plain (``core.wrapped``)
+    sharded = spec.dim is not None
     if isinstance(out, torch.Tensor):
         if out_ndim is None or out.ndim == out_ndim:
-            return replicate_if_singleton(adopt(out, spec, keep))
+            made = adopt(out, spec, keep)
+            return replicate_if_singleton(made) if sharded else made
         return out
-    return tree_map(lambda o: replicate_if_singleton(adopt(o, spec, keep)) if isinstance(o, torch.Tensor)
-                    and (out_ndim is None or o.ndim == out_ndim) else o, out)
+    return tree_map(lambda o: (replicate_if_singleton(adopt(o, spec, keep)) if sharded else adopt(o, spec, keep))
+                    if isinstance(o, torch.Tensor) and (out_ndim is None or o.ndim == out_ndim) else o, out)

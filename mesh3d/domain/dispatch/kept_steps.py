@@ -114,15 +114,17 @@ class KeptStep(NamedTuple):
     out: Any
     out_ndim: int | None
     keep: tuple
+    partial: Any = None
 
     def bind(self, args: tuple, kwargs: dict) -> tuple:
         """The step for a call of the signature this one was kept from, with that call's tensors, as the arguments of
-        ``executor.run_parts``: ``(compute, args, kwargs, out, out_ndim, keep)``."""
+        ``executor.run_parts``: ``(compute, args, kwargs, out, out_ndim, keep, partial)``."""
         bound = list(self.args)
         for i, template in self.slots:
             bound[i] = _bound(template, args, kwargs)
         return (self.compute, bound, {k: _bound(v, args, kwargs) for k, v in self.kwargs} if self.kwargs else {},
-                self.out, self.out_ndim, tuple([_bound(t, args, kwargs) for t in self.keep]) if self.keep else ())
+                self.out, self.out_ndim, tuple([_bound(t, args, kwargs) for t in self.keep]) if self.keep else (),
+                self.partial)
 
 
 def template_of(step: Step, args: tuple, kwargs: dict) -> KeptStep | None:
@@ -141,7 +143,8 @@ def template_of(step: Step, args: tuple, kwargs: dict) -> KeptStep | None:
         slots = tuple((i, t) for i, t in enumerate(templates) if type(t) in _BOUND)
         return KeptStep(step.compute, templates, slots,
                         tuple((k, _template(v, places, _DEPTH)) for k, v in step.kwargs.items()),
-                        _data(step.out, _DEPTH), step.out_ndim, tuple(_template(t, places, _DEPTH) for t in step.keep))
+                        _data(step.out, _DEPTH), step.out_ndim, tuple(_template(t, places, _DEPTH) for t in step.keep),
+                        _data(step.partial, _DEPTH))
     except _Unkeepable:
         return None
 

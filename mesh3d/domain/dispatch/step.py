@@ -11,8 +11,10 @@ Usage (a rule, see docs/domain.md "Adding an op rule")::
 A rule only *declares*: it never communicates and never wraps. The dispatcher
 (``mesh3d.domain.dispatch.dispatcher``) resolves each requirement in ``args`` (halo rows, a row map, a
 layout, a replicated value entering the shards), calls ``compute`` on plain local tensors and
-wraps tensor results with ``out``. Rules that combine partial results across ranks (reductions,
-norm statistics) call ``mesh3d.domain.comm.collectives`` inside ``compute``.
+wraps tensor results with ``out``. A step whose local results are each rank's part of the one-process value (a sum
+over the sharded dim) declares it (``partial=Partial("sum", then)``): the executor combines the parts over the domain,
+then ``then`` finishes the value. Rules not yet written so (variance, norm statistics, extremes with their ties) call
+``mesh3d.domain.comm.collectives`` inside ``compute``.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from mesh3d.domain.comm.rows import RowMap
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["Entering", "Resplit", "Rows", "Step"]
+__all__ = ["Entering", "Partial", "Resplit", "Rows", "Step"]
 
 
 @dataclass(frozen=True)
@@ -63,11 +65,30 @@ class Entering:
 
 
 @dataclass(frozen=True)
+class Partial:
+    """A step's results are partial: each rank's is its part of the one-process value, which the executor makes by
+    combining the parts over the domain (``"sum"``, or ``"max"`` of values with no gradient), in rank order, so every
+    rank holds the same bits; ``then`` (a function of the combined value: a mean's division, a rounding) finishes it.
+    A sum's gradient reaches each rank's part unchanged.
+
+    Usage: ``Step(lambda t: t.sum(dtype=torch.float64), (xs,), out=DomainSpec.replicated(comm), partial=Partial())``
+    """
+
+    combine: str = "sum"
+    then: Callable[[Any], Any] | None = None
+
+    def __post_init__(self) -> None:
+        if self.combine not in ("sum", "max"):
+            raise ValueError(f"Partial(combine={self.combine!r}): combine is 'sum' or 'max'")
+
+
+@dataclass(frozen=True)
 class Step:
     """A rule's declaration: ``compute(*resolved args, **kwargs)`` on local tensors, results laid out as ``out``.
 
     ``out_ndim``: only tensor results of this rank are wrapped (others pass through plain).
     ``keep``: plain tensors the caller may still hold, wrapped as views rather than re-classed.
+    ``partial``: the results are each rank's part of a replicated ``out`` (``Partial``), combined before wrapping.
 
     Usage: ``return Step(torch.relu, (xs,), out=xs.spec)`` from a rule (``domain.register``)
     """
@@ -78,3 +99,4 @@ class Step:
     out: DomainSpec | None = None
     out_ndim: int | None = None
     keep: tuple = ()
+    partial: Partial | None = None

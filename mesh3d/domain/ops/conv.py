@@ -120,15 +120,28 @@ def _conv_rule(func, nd: int):
         plan = plan_window(input.spec.sizes, ks[sp], stride[sp], dilation[sp], *pads[sp])
         mine = plan.out_sizes[input.spec.comm.index]
 
+        def empty(t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            shape = [t.shape[0], weight.shape[0]]
+            for i in range(nd):
+                length = t.shape[2 + i] + (0 if i == sp else sum(pads[i]))
+                shape.append(0 if i == sp else (length - dilation[i] * (ks[i] - 1) - 1) // stride[i] + 1)
+            return connected_zeros(t, shape, t, weight, bias)
+
+        if dilation[sp] * (ks[sp] - 1) == 0 and stride[sp] == 1 and pads[sp] == (0, 0):
+            # NOTE: a window that moves nothing (a 1x1 kernel along the sharded dim): torch's kernel on the shard, as
+            # it is, with no exchange to plan. The choice reads only what every rank shares, so all take the same.
+            def direct(t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+                if mine == 0:
+                    return empty(t, weight, bias)
+                return func(t, weight, bias, stride, padding, dilation, groups)
+
+            return Step(direct, (input, weight, bias), out=input.spec)
+
         # NOTE: the weight and bias are the step's arguments, not values its function closes over: the step holds
         # nothing but the call's tensors, so a later call of the signature binds its own (``dispatch.kept_steps``)
         def compute(ext: Extended, weight: torch.Tensor, bias: torch.Tensor | None):
             if mine == 0:
-                shape = [ext.tensor.shape[0], weight.shape[0]]
-                for i in range(nd):
-                    length = ext.tensor.shape[2 + i] + (0 if i == sp else sum(pads[i]))
-                    shape.append(0 if i == sp else (length - dilation[i] * (ks[i] - 1) - 1) // stride[i] + 1)
-                return connected_zeros(ext.tensor, shape, ext.tensor, weight, bias)
+                return empty(ext.tensor, weight, bias)
             return run_padded(lambda t, p: func(t, weight, bias, stride, p, dilation, groups), ext, pads, sp, nd)
 
         # The kernel may run on row strips (the padding of the sharded dim is then in the strips' rows).

@@ -23,11 +23,13 @@ from mesh3d.domain.comm.collectives import sum_dtype, all_reduce_max, reduce_for
 from mesh3d.domain.ops.composite import call, loss_reduction
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.dispatch.registry import op_name, register
-from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.executor import run_step
+from mesh3d.domain.dispatch.step import Partial, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["amax_over_ranks", "domain_prod", "domain_reduce", "global_softmax", "product_over_ranks", "reduction_rule"]
+__all__ = ["amax_over_ranks", "domain_prod", "domain_reduce", "global_softmax", "product_over_ranks", "reduction_rule",
+           "reduction_step"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -35,12 +37,6 @@ def _dims(x: DomainTensor, dim) -> list[int]:
         return list(range(x.ndim))
     dims = [dim] if isinstance(dim, int) else list(dim)
     return sorted(d % x.ndim for d in dims)
-
-
-def _finish(x: DomainTensor, r: torch.Tensor, dims: list[int], keepdim: bool) -> DomainTensor:
-    if not keepdim:
-        r = r.squeeze(dims) if r.ndim else r
-    return adopt(r, DomainSpec.replicated(x.spec.comm))
 
 
 def amax_over_ranks(local: torch.Tensor, dims: list[int], comm) -> torch.Tensor:
@@ -77,43 +73,59 @@ def product_over_ranks(local: torch.Tensor, dim: int | None, keepdim: bool, comm
     return whole if dim is None or keepdim else whole.squeeze(dim)
 
 
-def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
-    """Reduce ``x`` over ``dim`` (all dims when None): one-process value, no gather."""
-    dims = _dims(x, dim)
-    local = unwrap(x)
-    comm = x.spec.comm
-    if x.spec.dim not in dims:  # the sharded dim survives: a purely local reduction
-        fn = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}.get(kind)
-        if fn is None:
-            r = torch.var(local, dims, correction=correction, keepdim=keepdim)
-            r = r.sqrt() if kind == "std" else r
-        else:
-            r = fn(local, dims, keepdim=keepdim)
-        new_dim = x.spec.dim if keepdim else x.spec.dim - sum(d < x.spec.dim for d in dims)
-        return adopt(r, x.spec.with_sizes(x.spec.sizes, dim=new_dim))
+def reduction_step(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> Step:
+    """The step reducing ``x`` over ``dim`` (all dims when None) to its one-process value, with no gather: local where
+    the sharded dim survives; else a sum or mean declares its shard's sum partial (``step.Partial``: the executor
+    combines the ranks' parts), and the others combine their own parts (the maximum's ties, variance's two passes).
+    The step holds ``x`` and plain data only, so it is kept per call signature (``dispatch.kept_steps``).
+
+    Usage: ``run_step(reduction_step(xs, "mean", (2, 3)))``"""
+    dims, spec = _dims(x, dim), x.spec
+    if spec.dim not in dims:  # the sharded dim survives: a purely local reduction
+        reduce = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}.get(kind)
+
+        def local(t: torch.Tensor) -> torch.Tensor:
+            if reduce is not None:
+                return reduce(t, dims, keepdim=keepdim)
+            r = torch.var(t, dims, correction=correction, keepdim=keepdim)
+            return r.sqrt() if kind == "std" else r
+
+        new_dim = spec.dim if keepdim else spec.dim - sum(d < spec.dim for d in dims)
+        return Step(local, (x,), out=spec.with_sizes(spec.sizes, dim=new_dim))
     count = math.prod([x.global_shape[d] for d in dims])
-    acc = sum_dtype(local.dtype)
-    rounded = (lambda r: r) if acc is None else (lambda r: r.to(local.dtype))  # noqa: E731
+    dtype, comm, replicated = unwrap(x).dtype, spec.comm, DomainSpec.replicated(spec.comm)
+    acc = sum_dtype(dtype)
+    whole = len(dims) == x.ndim and not keepdim  # everything: torch's full reduction kernel, a 0-d result
+
+    def finish(r: torch.Tensor, divide: bool = kind == "mean") -> torch.Tensor:
+        r = r / count if divide else r
+        r = r.squeeze(dims) if not keepdim and r.ndim else r  # a whole sum's is 0-d already
+        return r if acc is None else r.to(dtype)
+
     if kind in ("sum", "mean"):
-        if len(dims) == x.ndim and not keepdim:  # everything: torch's full reduction kernel, a 0-d result
-            r = reduce_to_replicated(local.sum(dtype=acc), comm)
-            return adopt(rounded(r / count if kind == "mean" else r), DomainSpec.replicated(comm))
-        r = reduce_to_replicated(local.sum(dims, keepdim=True, dtype=acc), comm)
-        return _finish(x, rounded(r / count if kind == "mean" else r), dims, keepdim)
+        def part(t: torch.Tensor) -> torch.Tensor:
+            return t.sum(dtype=acc) if whole else t.sum(dims, keepdim=True, dtype=acc)
+        return Step(part, (x,), out=replicated, partial=Partial("sum", finish))
     if kind == "amax":
-        return _finish(x, amax_over_ranks(local, dims, comm), dims, keepdim)
+        return Step(lambda t: finish(amax_over_ranks(t, dims, comm), False), (x,), out=replicated)
     if kind in ("var", "std"):
-        wide = local if acc is None else local.to(acc)
-        mean = reduce_for_local_use(wide.sum(dims, keepdim=True), comm) / count
-        ss = reduce_to_replicated(((wide - mean) ** 2).sum(dims, keepdim=True), comm)
-        r = ss / max(count - correction, 0)
-        return _finish(x, rounded(r.sqrt() if kind == "std" else r), dims, keepdim)
-    raise ValueError(kind)
+        def spread(t: torch.Tensor) -> torch.Tensor:
+            wide = t if acc is None else t.to(acc)
+            mean = reduce_for_local_use(wide.sum(dims, keepdim=True), comm) / count
+            r = reduce_to_replicated(((wide - mean) ** 2).sum(dims, keepdim=True), comm) / max(count - correction, 0)
+            return finish(r.sqrt() if kind == "std" else r, False)
+        return Step(spread, (x,), out=replicated)
+    raise ValueError(f"reduction_step: kind={kind!r} is one of sum, mean, amax, var, std")
+
+
+def domain_reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> torch.Tensor:
+    """Reduce ``x`` over ``dim`` (all dims when None): one-process value, no gather (``reduction_step``, run)."""
+    return run_step(reduction_step(x, kind, dim, keepdim, correction))
 
 
 def reduction_rule(kind: str, reducer=None):
     """The rule of ``torch.<kind>`` / ``Tensor.<kind>``: torch's argument forms parsed, then
-    ``reducer(input, kind, dim, keepdim, correction)`` (``domain_reduce`` unless given: blocks and token grids pass
+    ``reducer(input, kind, dim, keepdim, correction)`` (``reduction_step`` unless given: blocks and token grids pass
     their own).
 
     Usage: ``TOKEN_RULES.register(torch.var, reduction_rule("var", grid_reduce))``
@@ -133,7 +145,7 @@ def reduction_rule(kind: str, reducer=None):
         if dtype is not None:
             input = elementwise(torch.Tensor.to, input, dtype)
         corr = 1.0 if correction is None and unbiased is None else (correction if correction is not None else float(unbiased))
-        return (reducer or domain_reduce)(input, kind, dim, keepdim, corr)
+        return (reducer or reduction_step)(input, kind, dim, keepdim, corr)
 
     return rule
 
@@ -156,7 +168,7 @@ def _extreme_rule(sign: int):
                 "torch.maximum(a, b); arg-indices over a sharded dim are not supported"
             )
         if sign > 0:
-            return domain_reduce(input, "amax")
+            return reduction_step(input, "amax")
         return -domain_reduce(elementwise(torch.neg, input), "amax")
 
     return rule
