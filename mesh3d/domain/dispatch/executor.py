@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import functorch_transform_active
-from mesh3d.domain.comm.collectives import all_reduce_max, reduce_to_replicated, sum_grad
+from mesh3d.domain.comm.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated, sum_grad
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.comm.exchange import gather_rows, report_failure
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
@@ -184,10 +184,9 @@ def run_step(step: Step) -> Any:
 def _combined(out: Any, partial: Partial, spec: Any) -> Any:
     """A partial step's local results (``step.Partial``) combined over ``spec``'s domain and finished."""
     comm = spec.comm
-    if partial.combine == "sum":
-        out = tree_map(lambda o: reduce_to_replicated(o, comm) if isinstance(o, torch.Tensor) else o, out)
-    else:
-        out = tree_map(lambda o: all_reduce_max(o, comm) if isinstance(o, torch.Tensor) else o, out)
+    combine = all_reduce_max if partial.combine == "max" else reduce_for_local_use if partial.for_shards else \
+        reduce_to_replicated
+    out = tree_map(lambda o: combine(o, comm) if isinstance(o, torch.Tensor) else o, out)
     return out if partial.then is None else partial.then(out)
 
 

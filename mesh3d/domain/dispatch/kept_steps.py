@@ -41,7 +41,7 @@ __all__ = ["KeptStep", "METADATA_RULE_MODULES", "metadata_rule", "passes_one_ten
 METADATA_RULE_MODULES = frozenset({
     "mesh3d.domain.ops.pointwise", "mesh3d.domain.ops.reshape", "mesh3d.domain.ops.conv", "mesh3d.domain.ops.pool",
     "mesh3d.domain.ops.norm", "mesh3d.domain.ops.reduce", "mesh3d.domain.ops.unfold", "mesh3d.domain.ops.einsum",
-    "mesh3d.domain.ops.interpolate",
+    "mesh3d.domain.ops.interpolate", "mesh3d.domain.ops.order",
     "mesh3d.domain.ops.vector_norms", "mesh3d.domain.ops.finite_differences"})
 
 _DATA = (int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice, range, torch.dtype, torch.device,

@@ -69,13 +69,15 @@ class Partial:
     """A step's results are partial: each rank's is its part of the one-process value, which the executor makes by
     combining the parts over the domain (``"sum"``, or ``"max"`` of values with no gradient), in rank order, so every
     rank holds the same bits; ``then`` (a function of the combined value: a mean's division, a rounding) finishes it.
-    A sum's gradient reaches each rank's part unchanged.
+    A sum's gradient reaches each rank's part unchanged, as every rank uses the value alike; ``for_shards``: each rank
+    uses it its own way (its rows of a whole), so the gradients of its uses are summed over the domain on the way back.
 
     Usage: ``Step(lambda t: t.sum(dtype=torch.float64), (xs,), out=DomainSpec.replicated(comm), partial=Partial())``
     """
 
     combine: str = "sum"
     then: Callable[[Any], Any] | None = None
+    for_shards: bool = False
 
     def __post_init__(self) -> None:
         if self.combine not in ("sum", "max"):

@@ -20,10 +20,10 @@ from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.comm.rows import Span, runs_from_indices
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.halo.windows import Extended, Window
-from mesh3d.domain.dispatch.step import Rows, Step
-from mesh3d.domain.comm.collectives import reduce_to_replicated, scale_grad
+from mesh3d.domain.dispatch.step import Partial, Rows, Step
+from mesh3d.domain.comm.collectives import scale_grad
 from mesh3d.domain.core.specs import DomainSpec
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.connected import connected_zeros
 
 __all__ = ["as_tuple", "bias_rows", "kernel_padding", "owned_rows", "pad_local", "pad_pairs", "spatial_axis"]
@@ -85,21 +85,26 @@ def run_padded(kernel, ext: Extended, pads: list[tuple[int, int]], sp: int, nd: 
     return kernel(F.pad(ext.tensor, flat), (0,) * nd)
 
 
-def _channels_contracted(func, input: DomainTensor, weight, bias, stride, padding, dilation) -> DomainTensor:
-    """A conv whose input channels are sharded: this rank's channels against its slice of the weight, the partial
-    results summed over the domain (one all-reduce); the result is replicated (every rank holds it whole)."""
+def _channels_contracted(func, input: DomainTensor, weight, bias, stride, padding, dilation) -> Step:
+    """A conv whose input channels are sharded: this rank's channels against its slice of the weight, a partial result
+    the executor sums over the domain (``step.Partial``); the result is replicated (every rank holds it whole)."""
     spec = input.spec
-    rows, local = weight.narrow(1, spec.offset, spec.sizes[spec.comm.index]), unwrap(input)
-    if rows.shape[1]:
-        partial = func(local, rows, None, stride, padding, dilation, 1)
-    else:  # NOTE: torch's conv of zero channels gives zero *output* channels; this rank's share of the sum is zeros
+    offset, size, ranks = spec.offset, spec.sizes[spec.comm.index], spec.comm.size
+
+    def part(local: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = weight.narrow(1, offset, size)
+        if size:
+            return func(local, rows, None, stride, padding, dilation, 1)
+        # NOTE: torch's conv of zero channels gives zero *output* channels; this rank's share of the sum is zeros
         one = func(local.new_zeros(local.shape[0], 1, *local.shape[2:]), weight.detach()[:, :1], None, stride, padding,
                    dilation, 1)
-        partial = connected_zeros(local, one.shape, local, rows)
-    total = reduce_to_replicated(partial, spec.comm)
-    if bias is not None:  # every rank adds it alike to the replicated value: 1/D of its gradient each
-        total = total + scale_grad(bias, 1.0 / spec.comm.size).view(1, -1, *([1] * (total.ndim - 2)))
-    return adopt(total, DomainSpec.replicated(spec.comm))
+        return connected_zeros(local, one.shape, local, rows)
+
+    def biased(total: torch.Tensor) -> torch.Tensor:  # every rank adds it alike: 1/D of its gradient each
+        return total + scale_grad(bias, 1.0 / ranks).view(1, -1, *([1] * (total.ndim - 2)))
+
+    return Step(part, (input, weight), out=DomainSpec.replicated(spec.comm),
+                partial=Partial("sum", None if bias is None else biased))
 
 
 def _conv_rule(func, nd: int):

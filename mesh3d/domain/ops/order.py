@@ -31,8 +31,9 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import BlockSpec, DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name, register
+from mesh3d.domain.dispatch.step import Partial, Step
 
-__all__ = ["whole_along"]
+__all__ = ["whole_along", "whole_part"]
 
 # name -> (the parameters after the input, in torch's order; the default dim; the kind of output)
 # kinds: "keep" (the input's shape: sharded like it), "select" (a few entries along dim), "reduce" (dim removed)
@@ -56,16 +57,24 @@ _OPS: dict[str, tuple[tuple[str, ...], int | None, str]] = {
 _NEED_ROWS = (torch.quantile, torch.Tensor.quantile, torch.nanquantile, torch.Tensor.nanquantile)
 
 
-def whole_along(local: torch.Tensor, dim: int, sizes: tuple[int, ...], comm: DomainComm, for_shards: bool) -> torch.Tensor:
-    """The whole of a tensor sharded along ``dim`` (``sizes`` per rank of ``comm``; ``local`` this rank's rows) on every
-    rank, differentiable: for use by this rank's shard (``for_shards``: its gradient is summed over the ranks) or as a
-    replicated value (passed straight back)."""
-    before, after = sum(sizes[: comm.index]), sum(sizes[comm.index + 1:])
+def whole_part(local: torch.Tensor, dim: int, sizes: tuple[int, ...], index: int) -> torch.Tensor:
+    """This rank's part of the whole of a tensor sharded along ``dim`` (``sizes`` per rank; ``local`` the rows of rank
+    ``index``): its rows at their offset, zeros elsewhere. The parts of all ranks sum to the whole, exactly.
+
+    Usage: ``Step(lambda t: whole_part(t, 2, spec.sizes, i), (xs,), out=replicated, partial=Partial())``"""
+    before, after = sum(sizes[:index]), sum(sizes[index + 1:])
     parts = [local.new_zeros([before if i == dim else s for i, s in enumerate(local.shape)])] if before else []
     parts.append(local)
     if after:
         parts.append(local.new_zeros([after if i == dim else s for i, s in enumerate(local.shape)]))
-    padded = torch.cat(parts, dim) if len(parts) > 1 else local
+    return torch.cat(parts, dim) if len(parts) > 1 else local
+
+
+def whole_along(local: torch.Tensor, dim: int, sizes: tuple[int, ...], comm: DomainComm, for_shards: bool) -> torch.Tensor:
+    """The whole of a tensor sharded along ``dim`` (``sizes`` per rank of ``comm``; ``local`` this rank's rows) on every
+    rank, differentiable: for use by this rank's shard (``for_shards``: its gradient is summed over the ranks) or as a
+    replicated value (passed straight back)."""
+    padded = whole_part(local, dim, sizes, comm.index)
     return (reduce_for_local_use if for_shards else reduce_to_replicated)(padded, comm)
 
 
@@ -141,12 +150,21 @@ def _rule(func: Callable, name: str):
             result = _on_shard(func, unwrap(input), bound, (spec.dim,), dim, kind)
             return _apply(result, lambda t: adopt(t, spec.with_sizes(
                 spec.sizes, dim=_moved(spec.dim, dim, kind, bound, input.ndim, t.ndim))))
-        if kind == "keep":  # the whole along the sharded dim, this rank's rows of the result
-            start, rows = sum(spec.sizes[: comm.index]), spec.sizes[comm.index]
-            result = func(whole_along(unwrap(input), spec.dim, spec.sizes, comm, True), **bound)
-            return _apply(result, lambda t: adopt(t.narrow(spec.dim, start, rows), spec))
-        result = func(whole_along(unwrap(input), spec.dim, spec.sizes, comm, False), **bound)
-        return _apply(result, lambda t: adopt(t, DomainSpec.replicated(comm)))
+        # NOTE: the whole along the sharded dim, as the sum of each rank's part (``step.Partial``, combined by the
+        # executor): this rank's rows of the result (kind "keep"), or the whole result, replicated
+        d, sizes, index = spec.dim, spec.sizes, comm.index
+
+        def part(t: torch.Tensor) -> torch.Tensor:
+            return whole_part(t, d, sizes, index)
+
+        if kind == "keep":
+            start, rows = sum(sizes[:index]), sizes[index]
+
+            def own_rows(whole: torch.Tensor):
+                return _apply(func(whole, **bound), lambda t: t.narrow(d, start, rows))
+            return Step(part, (input,), out=spec, partial=Partial("sum", own_rows, for_shards=True))
+        return Step(part, (input,), out=DomainSpec.replicated(comm),
+                    partial=Partial("sum", lambda whole: func(whole, **bound)))
 
     return rule
 

@@ -28,8 +28,8 @@ from mesh3d.domain.dispatch.step import Partial, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["amax_over_ranks", "domain_prod", "domain_reduce", "global_softmax", "product_over_ranks", "reduction_rule",
-           "reduction_step"]
+__all__ = ["amax_over_ranks", "domain_reduce", "global_softmax", "prod_step", "product_over_ranks",
+           "reduction_rule", "reduction_step"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -178,22 +178,35 @@ register(torch.max, torch.Tensor.max)(_extreme_rule(1))
 register(torch.min, torch.Tensor.min)(_extreme_rule(-1))
 
 
-def domain_prod(x: DomainTensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
-    """``torch.prod(x)`` or ``torch.prod(x, dim, keepdim)``: the one-process product, exact forward and backward.
+def prod_step(x: DomainTensor, dim: int | None = None, keepdim: bool = False) -> Step:
+    """The step of ``torch.prod(x)`` or ``torch.prod(x, dim, keepdim)``: the one-process product, exact forward and
+    backward.
 
-    Along another dim it is local. Along the sharded dim (or over everything) each rank multiplies its own rows, the
-    D partial products are multiplied in rank order (``product_over_ranks``); backward is torch's own, exact with
-    zeros, and the shard's product spreads its slot's gradient over its rows.
+    Along another dim it is local. Along the sharded dim (or over everything) each rank multiplies its own rows into its
+    slot of a (D, ...) stack, zeros in the others': the stacks' sum over the ranks (``step.Partial``) holds every rank's
+    product, multiplied in rank order (``product_over_ranks``'s arithmetic). Backward is torch's own, exact with zeros.
+
+    Usage: ``run_step(prod_step(xs, 2))``
     """
-    local, comm = unwrap(x), x.spec.comm
+    spec = x.spec
     if dim is not None:
         if not -x.ndim <= dim < x.ndim:
             raise IndexError(f"torch.prod: dim={dim} is out of range for a {x.ndim}-D tensor")
         dim %= x.ndim
-        if dim != x.spec.dim:
-            new_dim = x.spec.dim if keepdim or dim > x.spec.dim else x.spec.dim - 1
-            return adopt(torch.prod(local, dim, keepdim=keepdim), x.spec.with_sizes(x.spec.sizes, dim=new_dim))
-    return adopt(product_over_ranks(local, dim, keepdim, comm), DomainSpec.replicated(comm))
+        if dim != spec.dim:
+            new_dim = spec.dim if keepdim or dim > spec.dim else spec.dim - 1
+            return Step(lambda t: torch.prod(t, dim, keepdim=keepdim), (x,), out=spec.with_sizes(spec.sizes, dim=new_dim))
+    index, size = spec.comm.index, spec.comm.size
+
+    def slot(t: torch.Tensor) -> torch.Tensor:
+        part = torch.prod(t) if dim is None else torch.prod(t, dim, keepdim=True)
+        return torch.stack([part if q == index else torch.zeros_like(part) for q in range(size)])
+
+    def product(stack: torch.Tensor) -> torch.Tensor:
+        whole = stack.prod(0)
+        return whole if dim is None or keepdim else whole.squeeze(dim)
+
+    return Step(slot, (x,), out=DomainSpec.replicated(spec.comm), partial=Partial("sum", product))
 
 
 @register(torch.prod, torch.Tensor.prod)
@@ -204,7 +217,7 @@ def _prod(input, dim=None, keepdim=False, *, dtype=None, out=None):
         raise TypeError(f"torch.prod: dim must be one int (torch takes one), got {dim!r}")
     if dtype is not None:
         input = elementwise(torch.Tensor.to, input, dtype)
-    return domain_prod(input, dim, keepdim)
+    return prod_step(input, dim, keepdim)
 
 
 def global_softmax(local: torch.Tensor, dim: int, comm, log: bool) -> torch.Tensor:
