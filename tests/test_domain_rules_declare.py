@@ -23,11 +23,6 @@ import torch.nn.functional as F
 #: Slab rules that still post messages while they plan (issue 66 item 2: each becomes a step with its exchange as a
 #: requirement or its partial result declared). Only ever remove names.
 STILL_TALKING = frozenset({
-    # the sharded dim moved to another dim and back (all-to-all), torch's transform on whole rows
-    "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn", "torch.fft_fftshift", "torch.fft_hfft", "torch.fft_hfft2",
-    "torch.fft_hfftn", "torch.fft_ifft", "torch.fft_ifft2", "torch.fft_ifftn", "torch.fft_ifftshift", "torch.fft_ihfft",
-    "torch.fft_ihfft2", "torch.fft_ihfftn", "torch.fft_irfft", "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft",
-    "torch.fft_rfft2", "torch.fft_rfftn",
     # the sampled rows gathered by what the grid reads; attention's ring
     "torch.nn.functional.grid_sample", "torch.scaled_dot_product_attention",
 })

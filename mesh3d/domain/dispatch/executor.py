@@ -24,10 +24,11 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
-from mesh3d.domain.dispatch.step import Entering, Partial, Resplit, Rows, Step
+from mesh3d.domain.dispatch.step import Entering, Moved, Partial, Resplit, Rows, Step
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
 from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton
+from mesh3d.domain.layouts.transpose import move_rows
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.core.wrapped import WrappedDomainTensor
 
@@ -52,7 +53,7 @@ def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[],
         raise reported from err
 
 
-_MOVES = (Window, Rows, Resplit)
+_MOVES = (Window, Rows, Resplit, Moved)
 
 
 def changes_layout(step: Step, lead: DomainTensor) -> bool:
@@ -131,6 +132,9 @@ def _resolve(req: Any) -> Any:
                            spec.comm, req.fill)
     if isinstance(req, Resplit):
         return redistribute_local(req.x, req.sizes)
+    if isinstance(req, Moved):
+        spec = req.x._spec
+        return move_rows(unwrap(req.x), spec.comm, spec.dim, spec.sizes, req.dim, req.sizes)
     if isinstance(req, Entering):
         plain = unwrap(req.x)
         return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
@@ -178,7 +182,8 @@ def run_step(step: Step) -> Any:
 
     Usage: ``run_step(Step(torch.relu, (xs,), out=xs.spec))``
     """
-    return run_parts(step.compute, step.args, step.kwargs, step.out, step.out_ndim, step.keep, step.partial)
+    return run_parts(step.compute, step.args, step.kwargs, step.out, step.out_ndim, step.keep, step.partial,
+                     step.laid_out_as)
 
 
 def _combined(out: Any, partial: Partial, spec: Any) -> Any:
@@ -191,7 +196,7 @@ def _combined(out: Any, partial: Partial, spec: Any) -> Any:
 
 
 def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim: int | None, keep: tuple,
-              partial: Partial | None = None) -> Any:
+              partial: Partial | None = None, laid_out_as: Any = None) -> Any:
     """``run_step`` of a step given as its fields (a kept step's, ``dispatch.kept``: no ``Step`` made per call).
 
     Usage: ``run_parts(torch.relu, (xs,), {}, xs.spec, None, ())``
@@ -209,6 +214,9 @@ def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim:
                       **kwargs)
     if partial is not None:
         out = _combined(out, partial, spec)
+    if laid_out_as is not None:  # NOTE: moved to ``spec``'s dim and sizes (``step.Moved``'s way back)
+        out = tree_map(lambda o: move_rows(o, spec.comm, laid_out_as.dim, laid_out_as.sizes, spec.dim, spec.sizes)
+                       if isinstance(o, torch.Tensor) else o, out)
     if spec is None:
         return out
     # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).

@@ -41,7 +41,7 @@ __all__ = ["KeptStep", "METADATA_RULE_MODULES", "metadata_rule", "passes_one_ten
 METADATA_RULE_MODULES = frozenset({
     "mesh3d.domain.ops.pointwise", "mesh3d.domain.ops.reshape", "mesh3d.domain.ops.conv", "mesh3d.domain.ops.pool",
     "mesh3d.domain.ops.norm", "mesh3d.domain.ops.reduce", "mesh3d.domain.ops.unfold", "mesh3d.domain.ops.einsum",
-    "mesh3d.domain.ops.interpolate", "mesh3d.domain.ops.order",
+    "mesh3d.domain.ops.interpolate", "mesh3d.domain.ops.order", "mesh3d.domain.ops.spectral",
     "mesh3d.domain.ops.vector_norms", "mesh3d.domain.ops.finite_differences"})
 
 _DATA = (int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice, range, torch.dtype, torch.device,
@@ -115,16 +115,17 @@ class KeptStep(NamedTuple):
     out_ndim: int | None
     keep: tuple
     partial: Any = None
+    laid_out_as: Any = None
 
     def bind(self, args: tuple, kwargs: dict) -> tuple:
         """The step for a call of the signature this one was kept from, with that call's tensors, as the arguments of
-        ``executor.run_parts``: ``(compute, args, kwargs, out, out_ndim, keep, partial)``."""
+        ``executor.run_parts``: ``(compute, args, kwargs, out, out_ndim, keep, partial, laid_out_as)``."""
         bound = list(self.args)
         for i, template in self.slots:
             bound[i] = _bound(template, args, kwargs)
         return (self.compute, bound, {k: _bound(v, args, kwargs) for k, v in self.kwargs} if self.kwargs else {},
                 self.out, self.out_ndim, tuple([_bound(t, args, kwargs) for t in self.keep]) if self.keep else (),
-                self.partial)
+                self.partial, self.laid_out_as)
 
 
 def template_of(step: Step, args: tuple, kwargs: dict) -> KeptStep | None:
@@ -144,7 +145,7 @@ def template_of(step: Step, args: tuple, kwargs: dict) -> KeptStep | None:
         return KeptStep(step.compute, templates, slots,
                         tuple((k, _template(v, places, _DEPTH)) for k, v in step.kwargs.items()),
                         _data(step.out, _DEPTH), step.out_ndim, tuple(_template(t, places, _DEPTH) for t in step.keep),
-                        _data(step.partial, _DEPTH))
+                        _data(step.partial, _DEPTH), _data(step.laid_out_as, _DEPTH))
     except _Unkeepable:
         return None
 

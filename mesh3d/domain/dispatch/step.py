@@ -28,7 +28,7 @@ from mesh3d.domain.comm.rows import RowMap
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["Entering", "Partial", "Resplit", "Rows", "Step"]
+__all__ = ["Entering", "Moved", "Partial", "Resplit", "Rows", "Step"]
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,19 @@ class Resplit:
     """
 
     x: DomainTensor
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Moved:
+    """``x``'s local tensor with the sharding moved to ``dim`` (``sizes`` along it), its own sharded dim whole: an
+    all-to-all the executor runs, differentiable.
+
+    Usage: ``Step(torch.fft.fft2, (Moved(xs, 1, (2, 2)),), out=xs.spec, laid_out_as=DomainSpec(1, (2, 2), comm))``
+    """
+
+    x: DomainTensor
+    dim: int
     sizes: tuple[int, ...]
 
 
@@ -91,6 +104,8 @@ class Step:
     ``out_ndim``: only tensor results of this rank are wrapped (others pass through plain).
     ``keep``: plain tensors the caller may still hold, wrapped as views rather than re-classed.
     ``partial``: the results are each rank's part of a replicated ``out`` (``Partial``), combined before wrapping.
+    ``laid_out_as``: the results are sharded as this spec says (a dim ``Moved`` there): the executor moves them to
+    ``out``'s dim and sizes (an all-to-all) before wrapping.
 
     Usage: ``return Step(torch.relu, (xs,), out=xs.spec)`` from a rule (``domain.register``)
     """
@@ -102,3 +117,4 @@ class Step:
     out_ndim: int | None = None
     keep: tuple = ()
     partial: Partial | None = None
+    laid_out_as: DomainSpec | None = None

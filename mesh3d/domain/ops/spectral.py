@@ -19,9 +19,9 @@ import torch
 
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.core.split import split_sizes
-from mesh3d.domain.dispatch.step import Step
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
-from mesh3d.domain.layouts.transpose import move_sharding
+from mesh3d.domain.dispatch.step import Moved, Step
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 
 __all__: list[str] = []
 
@@ -77,17 +77,18 @@ def on_maybe_empty(local_op: Callable[[torch.Tensor], torch.Tensor], local: torc
     return torch.zeros(meta.shape, dtype=meta.dtype, device=local.device) + connect
 
 
-def _whole_along(x: DomainTensor, dims: list[int], local_op) -> DomainTensor:
-    """``local_op`` on blocks where ``dims`` are whole: the sharding is parked on the largest other dim and moved back
-    (the original sizes when the sharded dim keeps its length, ``torch.chunk`` sizes of its new length otherwise)."""
-    spec = x.spec
-    local = unwrap(x)
-    park = max((d for d in range(x.ndim) if d not in dims), key=lambda d: local.shape[d])
-    moved = move_sharding(x, park)
-    out = on_maybe_empty(local_op, unwrap(moved))  # the parked dim may leave a rank nothing
-    n_out = out.shape[spec.dim]
-    sizes = spec.sizes if n_out == sum(spec.sizes) else split_sizes(n_out, spec.comm.size)
-    return move_sharding(adopt(out, moved.spec), spec.dim, sizes)
+def _whole_along(x: DomainTensor, dims: list[int], local_op) -> Step:
+    """The step of ``local_op`` on blocks where ``dims`` are whole: the sharding parked on the largest other dim
+    (``step.Moved``) and moved back (``laid_out_as``): the original sizes when the sharded dim keeps its length,
+    ``torch.chunk`` sizes of its new length otherwise (read from the op on a meta tensor of the whole's shape)."""
+    spec, shape = x.spec, tuple(size_of(x))
+    comm = spec.comm
+    park = max((d for d in range(x.ndim) if d not in dims), key=lambda d: shape[d])
+    parked = split_sizes(shape[park], comm.size)
+    n_out = local_op(torch.empty(shape, dtype=unwrap(x).dtype, device="meta")).shape[spec.dim]
+    sizes = spec.sizes if n_out == sum(spec.sizes) else split_sizes(n_out, comm.size)
+    return Step(lambda t: on_maybe_empty(local_op, t), (Moved(x, park, parked),), out=DomainSpec(spec.dim, sizes, comm, 1),
+                laid_out_as=DomainSpec(park, parked, comm, 1))  # NOTE: the parked dim may leave a rank nothing
 
 
 def with_fft_signature(kind: int, run):
