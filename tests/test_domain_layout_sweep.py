@@ -48,9 +48,9 @@ def _whole(value):
 
 
 def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...]):
-    from layout_cases import calls, make, plain
+    from layout_cases import plain
+    from rule_watch import RuleWatch
 
-    from mesh3d.domain.comm.divergence import DomainDivergenceError
     from mesh3d.domain.dispatch.layout_registry import LAYOUTS
     from mesh3d.domain.dispatch.registry import load_shipped_rules, op_name
 
@@ -63,6 +63,21 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     sharded = {"strided": 0, "tokens": 1}.get(layout, 2)
     funcs = sorted({f for t in LAYOUTS.tables() for f in t}, key=op_name)  # NOTE: every registered layout's rules
     outcome: dict[str, str] = {}
+    watch = RuleWatch()  # NOTE: which rules post messages while they plan (rule_watch.STILL_TALKING)
+    watch.install()
+    try:
+        _sweep_calls(funcs, layout, sizes, grid, x0, y0, xp, yp, sharded, outcome)
+    finally:
+        watch.remove()
+    return outcome, sorted(watch.talked)
+
+
+def _sweep_calls(funcs, layout, sizes, grid, x0, y0, xp, yp, sharded, outcome) -> None:
+    from layout_cases import calls, make, plain
+
+    from mesh3d.domain.comm.divergence import DomainDivergenceError
+    from mesh3d.domain.dispatch.registry import op_name
+
     for func in funcs:
         for i, call in enumerate(calls(func, xp, yp, sharded)):
             label = f"{op_name(func)}#{i}"
@@ -84,7 +99,6 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
             if int(failed):  # NOTE: a rank that failed alone leaves notices in flight: start the mesh afresh
                 DistributedManager.shutdown()
                 DistributedManager.initialize(batch=1, domain=grid)
-    return outcome
 
 
 def _judge(per_rank: list[dict[str, str]]) -> tuple[list[str], int, int]:
@@ -128,10 +142,17 @@ def test_the_sweep_feeds_every_registered_layout():
 
 @pytest.mark.parametrize("layout, world, grid, shape, sizes", CASES, ids=[c[0] for c in CASES])
 def test_every_rule_answers_or_refuses_by_name_on_every_layout(ranks, layout, world, grid, shape, sizes):
-    per_rank = ranks.run(world, _sweep_body, layout, sizes, grid, shape, timeout=900)
-    failures, equal, refused = _judge(per_rank)
+    results = ranks.run(world, _sweep_body, layout, sizes, grid, shape, timeout=900)
+    failures, equal, refused = _judge([outcome for outcome, _ in results])
     assert failures == [], failures
     assert equal > 100, (equal, refused)
+    from rule_watch import STILL_TALKING
+
+    talked = set().union(*(set(t) for _, t in results))
+    swept = {label.rsplit("#", 1)[0] for outcome, _ in results for label in outcome}
+    listed = STILL_TALKING.get(layout, frozenset()) & swept  # NOTE: a rule of an extra not installed is not swept
+    assert talked - listed == set(), f"{layout}: rules that now post messages while they plan: {sorted(talked - listed)}"
+    assert listed - talked == set(), f"{layout}: rules that stopped (take them off the list): {sorted(listed - talked)}"
 
 
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck), derandomize=False)
@@ -140,5 +161,6 @@ def test_every_rule_answers_or_refuses_by_name_on_every_layout(ranks, layout, wo
 def test_slab_sweep_on_drawn_uneven_sizes(ranks, cut):
     """The slab layout on sizes hypothesis draws for 3 ranks (empty and one-row shards included)."""
     sizes = (cut[0], cut[1] - cut[0], 7 - cut[1])
-    failures, equal, _ = _judge(ranks.run(3, _sweep_body, "slab", sizes, (3,), (2, 3, 7, 4), timeout=900))
+    failures, equal, _ = _judge([outcome for outcome, _ in ranks.run(3, _sweep_body, "slab", sizes, (3,), (2, 3, 7, 4),
+                                                                     timeout=900)])
     assert failures == [] and equal > 100, failures

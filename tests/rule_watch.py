@@ -1,0 +1,146 @@
+"""Which rules post messages to other ranks while they plan (issue 66: a rule only declares; the executor talks).
+
+``RuleWatch`` watches the one point where messages are posted (``comm.stopping.post``): a message posted while a rule
+is planning, and not inside a step the executor runs for it, names that rule. ``STILL_TALKING`` lists, per layout of the
+layout sweep (``test_domain_layout_sweep.py``), the rules that still do; it only shrinks.
+
+Usage (in a rank's body)::
+
+    watch = RuleWatch(); watch.install()
+    try: ...calls...
+    finally: watch.remove()
+    watch.talked   # the names (``op_name``) of the rules that talked while planning
+"""
+
+from __future__ import annotations
+
+import sys
+
+#: Per layout of the layout sweep, the rules that still post messages while they plan (issue 66 item 2: each becomes
+#: a step with its exchange as a requirement or its partial result declared). Only ever remove names.
+STILL_TALKING: dict[str, frozenset[str]] = {
+    # the sampled rows gathered by what the grid reads; attention's ring
+    "slab": frozenset({
+        "torch.nn.functional.grid_sample", "torch.scaled_dot_product_attention"
+    }),
+    # blocks: reductions, views, moves and gathers along a grid line still combine in the rule's body
+    "blocks2": frozenset({
+        "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any", "torch.Tensor.argsort",
+        "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.flip",
+        "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp", "torch.Tensor.max", "torch.Tensor.mean",
+        "torch.Tensor.median", "torch.Tensor.min", "torch.Tensor.nanmean", "torch.Tensor.nanmedian",
+        "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.prod", "torch.Tensor.quantile",
+        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.sum", "torch.Tensor.tile",
+        "torch.Tensor.var", "torch.Tensor.view", "torch._tensor.Tensor.norm", "torch.adaptive_avg_pool1d",
+        "torch.add", "torch.all", "torch.amax", "torch.amin", "torch.any", "torch.argsort", "torch.cat",
+        "torch.concat", "torch.conv2d", "torch.cosine_similarity", "torch.count_nonzero", "torch.cummax",
+        "torch.cummin", "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn", "torch.fft_fftshift", "torch.fft_hfft",
+        "torch.fft_hfft2", "torch.fft_hfftn", "torch.fft_ifft", "torch.fft_ifft2", "torch.fft_ifftn",
+        "torch.fft_ifftshift", "torch.fft_ihfft", "torch.fft_ihfft2", "torch.fft_ihfftn", "torch.fft_irfft",
+        "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft", "torch.fft_rfft2", "torch.fft_rfftn",
+        "torch.flip", "torch.functional.einsum", "torch.functional.norm", "torch.linalg_norm",
+        "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.max", "torch.mean",
+        "torch.median", "torch.min", "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum",
+        "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
+        "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm", "torch.nn.functional.instance_norm",
+        "torch.nn.functional.interpolate", "torch.nn.functional.l1_loss", "torch.nn.functional.layer_norm",
+        "torch.nn.functional.max_pool2d", "torch.nn.functional.mse_loss", "torch.nn.functional.pad",
+        "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
+        "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
+        "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
+        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.prod", "torch.quantile",
+        "torch.reshape", "torch.roll", "torch.sort", "torch.std", "torch.std_mean", "torch.sub", "torch.sum",
+        "torch.tile", "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean",
+        "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
+    }),
+    # as blocks2, on a 3-D grid
+    "blocks3": frozenset({
+        "torch.Tensor.__getitem__", "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any",
+        "torch.Tensor.argsort", "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin",
+        "torch.Tensor.flatten", "torch.Tensor.flip", "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp",
+        "torch.Tensor.max", "torch.Tensor.mean", "torch.Tensor.median", "torch.Tensor.min", "torch.Tensor.nanmean",
+        "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.prod",
+        "torch.Tensor.quantile", "torch.Tensor.reshape", "torch.Tensor.roll", "torch.Tensor.sort",
+        "torch.Tensor.std", "torch.Tensor.sum", "torch.Tensor.tile", "torch.Tensor.var", "torch.Tensor.view",
+        "torch._tensor.Tensor.norm", "torch.all", "torch.amax", "torch.amin", "torch.any", "torch.argsort",
+        "torch.cat", "torch.concat", "torch.cosine_similarity", "torch.count_nonzero", "torch.cummax",
+        "torch.cummin", "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn", "torch.fft_fftshift", "torch.fft_hfft",
+        "torch.fft_hfft2", "torch.fft_hfftn", "torch.fft_ifft", "torch.fft_ifft2", "torch.fft_ifftn",
+        "torch.fft_ifftshift", "torch.fft_ihfft", "torch.fft_ihfft2", "torch.fft_ihfftn", "torch.fft_irfft",
+        "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft", "torch.fft_rfft2", "torch.fft_rfftn",
+        "torch.flip", "torch.functional.einsum", "torch.functional.norm", "torch.linalg_norm",
+        "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.max", "torch.mean",
+        "torch.median", "torch.min", "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum",
+        "torch.nn.functional.l1_loss", "torch.nn.functional.layer_norm", "torch.nn.functional.mse_loss",
+        "torch.nn.functional.pad", "torch.prod", "torch.quantile", "torch.reshape", "torch.roll", "torch.sort",
+        "torch.std", "torch.std_mean", "torch.sub", "torch.sum", "torch.tile", "torch.trapezoid", "torch.trapz",
+        "torch.var", "torch.var_mean"
+    }),
+    # token grids: reductions, losses, softmax, finite differences and matmul combine in the rule's body
+    "tokens": frozenset({
+        "torch.Tensor.amax", "torch.Tensor.diff", "torch.Tensor.matmul", "torch.Tensor.max", "torch.Tensor.mean",
+        "torch.Tensor.min", "torch.Tensor.prod", "torch.Tensor.sum", "torch.amax", "torch.diff", "torch.gradient",
+        "torch.max", "torch.mean", "torch.min", "torch.nn.functional.l1_loss", "torch.nn.functional.log_softmax",
+        "torch.nn.functional.mse_loss", "torch.nn.functional.softmax", "torch.prod",
+        "torch.scaled_dot_product_attention", "torch.sum"
+    }),
+    # graphs: reductions and losses over the items combine in the rule's body
+    "graph": frozenset({
+        "torch.Tensor.amax", "torch.Tensor.max", "torch.Tensor.mean", "torch.Tensor.min", "torch.Tensor.prod",
+        "torch.Tensor.sum", "torch.amax", "torch.max", "torch.mean", "torch.min", "torch.nn.functional.l1_loss",
+        "torch.nn.functional.mse_loss", "torch.prod", "torch.sum"
+    }),
+}
+
+
+class RuleWatch:
+    """Which rules post messages while they plan: ``planning`` is the stack of calls whose rule runs (None where a step
+    runs inside it)."""
+
+    def __init__(self) -> None:
+        self.planning: list = []
+        self.talked: set[str] = set()
+        self.undo: list = []
+
+    def install(self) -> None:
+        from mesh3d.domain.comm import stopping
+        from mesh3d.domain.dispatch import dispatcher, executor
+        from mesh3d.domain.dispatch.registry import op_name
+
+        post, checked, run_parts = stopping.post, dispatcher._run_rule_checked, executor.run_parts
+
+        def watched_post(comm, outgoing, incoming):
+            if self.planning and self.planning[-1] is not None and (outgoing or incoming):
+                self.talked.add(op_name(self.planning[-1]))
+            return post(comm, outgoing, incoming)
+
+        def watched_rule(func, rule, lead, args, kwargs, journal):
+            def planning(*a, **k):
+                self.planning.append(func)
+                try:
+                    return rule(*a, **k)
+                finally:
+                    self.planning.pop()
+            return checked(func, planning, lead, args, kwargs, journal)
+
+        def watched_step(*a, **k):
+            self.planning.append(None)
+            try:
+                return run_parts(*a, **k)
+            finally:
+                self.planning.pop()
+
+        # NOTE: ``post`` is imported by name where it is called: each such module's binding is watched
+        for module in [m for name, m in sys.modules.items() if name.startswith("mesh3d.domain")]:
+            if getattr(module, "post", None) is post:
+                self._set(module, "post", watched_post)
+        self._set(dispatcher, "_run_rule_checked", watched_rule)
+        self._set(executor, "run_parts", watched_step)
+
+    def _set(self, module, name, value) -> None:
+        self.undo.append((module, name, getattr(module, name)))
+        setattr(module, name, value)
+
+    def remove(self) -> None:
+        for module, name, value in reversed(self.undo):
+            setattr(module, name, value)
