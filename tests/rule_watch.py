@@ -23,34 +23,31 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     "slab": frozenset({
         "torch.nn.functional.grid_sample", "torch.scaled_dot_product_attention"
     }),
-    # blocks: reductions, views, moves and gathers along a grid line still combine in the rule's body
+    # blocks: views, moves, gathers, norms and order statistics along a grid line still combine in the rule's body
     "blocks2": frozenset({
         "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any", "torch.Tensor.argsort",
         "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.flip",
-        "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp", "torch.Tensor.max", "torch.Tensor.mean",
-        "torch.Tensor.median", "torch.Tensor.min", "torch.Tensor.nanmean", "torch.Tensor.nanmedian",
-        "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.prod", "torch.Tensor.quantile",
-        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.sum", "torch.Tensor.tile",
-        "torch.Tensor.var", "torch.Tensor.view", "torch._tensor.Tensor.norm", "torch.adaptive_avg_pool1d",
-        "torch.add", "torch.all", "torch.amax", "torch.amin", "torch.any", "torch.argsort", "torch.cat",
-        "torch.concat", "torch.conv2d", "torch.cosine_similarity", "torch.count_nonzero", "torch.cummax",
-        "torch.cummin", "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn", "torch.fft_fftshift", "torch.fft_hfft",
-        "torch.fft_hfft2", "torch.fft_hfftn", "torch.fft_ifft", "torch.fft_ifft2", "torch.fft_ifftn",
-        "torch.fft_ifftshift", "torch.fft_ihfft", "torch.fft_ihfft2", "torch.fft_ihfftn", "torch.fft_irfft",
-        "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft", "torch.fft_rfft2", "torch.fft_rfftn",
-        "torch.flip", "torch.functional.einsum", "torch.functional.norm", "torch.linalg_norm",
-        "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.max", "torch.mean",
-        "torch.median", "torch.min", "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum",
+        "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp", "torch.Tensor.median", "torch.Tensor.nanmean",
+        "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.quantile",
+        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.tile", "torch.Tensor.var",
+        "torch.Tensor.view", "torch._tensor.Tensor.norm", "torch.add", "torch.all", "torch.amin", "torch.any",
+        "torch.argsort", "torch.cat", "torch.concat", "torch.conv2d", "torch.cosine_similarity",
+        "torch.count_nonzero", "torch.cummax", "torch.cummin", "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn",
+        "torch.fft_fftshift", "torch.fft_hfft", "torch.fft_hfft2", "torch.fft_hfftn", "torch.fft_ifft",
+        "torch.fft_ifft2", "torch.fft_ifftn", "torch.fft_ifftshift", "torch.fft_ihfft", "torch.fft_ihfft2",
+        "torch.fft_ihfftn", "torch.fft_irfft", "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft",
+        "torch.fft_rfft2", "torch.fft_rfftn", "torch.flip", "torch.functional.einsum", "torch.functional.norm",
+        "torch.linalg_norm", "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.median",
+        "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum",
         "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
         "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm", "torch.nn.functional.instance_norm",
-        "torch.nn.functional.interpolate", "torch.nn.functional.l1_loss", "torch.nn.functional.layer_norm",
-        "torch.nn.functional.max_pool2d", "torch.nn.functional.mse_loss", "torch.nn.functional.pad",
-        "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
+        "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm", "torch.nn.functional.max_pool2d",
+        "torch.nn.functional.pad", "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
-        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.prod", "torch.quantile",
-        "torch.reshape", "torch.roll", "torch.sort", "torch.std", "torch.std_mean", "torch.sub", "torch.sum",
-        "torch.tile", "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean",
+        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.quantile",
+        "torch.reshape", "torch.roll", "torch.sort", "torch.std", "torch.std_mean", "torch.sub", "torch.tile",
+        "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean",
         "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
     }),
     # as blocks2, on a 3-D grid
@@ -58,37 +55,25 @@ STILL_TALKING: dict[str, frozenset[str]] = {
         "torch.Tensor.__getitem__", "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any",
         "torch.Tensor.argsort", "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin",
         "torch.Tensor.flatten", "torch.Tensor.flip", "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp",
-        "torch.Tensor.max", "torch.Tensor.mean", "torch.Tensor.median", "torch.Tensor.min", "torch.Tensor.nanmean",
-        "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.prod",
-        "torch.Tensor.quantile", "torch.Tensor.reshape", "torch.Tensor.roll", "torch.Tensor.sort",
-        "torch.Tensor.std", "torch.Tensor.sum", "torch.Tensor.tile", "torch.Tensor.var", "torch.Tensor.view",
-        "torch._tensor.Tensor.norm", "torch.all", "torch.amax", "torch.amin", "torch.any", "torch.argsort",
-        "torch.cat", "torch.concat", "torch.cosine_similarity", "torch.count_nonzero", "torch.cummax",
-        "torch.cummin", "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn", "torch.fft_fftshift", "torch.fft_hfft",
+        "torch.Tensor.median", "torch.Tensor.nanmean", "torch.Tensor.nanmedian", "torch.Tensor.nanquantile",
+        "torch.Tensor.nansum", "torch.Tensor.quantile", "torch.Tensor.reshape", "torch.Tensor.roll",
+        "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.tile", "torch.Tensor.var", "torch.Tensor.view",
+        "torch._tensor.Tensor.norm", "torch.all", "torch.amin", "torch.any", "torch.argsort", "torch.cat",
+        "torch.concat", "torch.cosine_similarity", "torch.count_nonzero", "torch.cummax", "torch.cummin",
+        "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn", "torch.fft_fftshift", "torch.fft_hfft",
         "torch.fft_hfft2", "torch.fft_hfftn", "torch.fft_ifft", "torch.fft_ifft2", "torch.fft_ifftn",
         "torch.fft_ifftshift", "torch.fft_ihfft", "torch.fft_ihfft2", "torch.fft_ihfftn", "torch.fft_irfft",
         "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft", "torch.fft_rfft2", "torch.fft_rfftn",
         "torch.flip", "torch.functional.einsum", "torch.functional.norm", "torch.linalg_norm",
-        "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.max", "torch.mean",
-        "torch.median", "torch.min", "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum",
-        "torch.nn.functional.l1_loss", "torch.nn.functional.layer_norm", "torch.nn.functional.mse_loss",
-        "torch.nn.functional.pad", "torch.prod", "torch.quantile", "torch.reshape", "torch.roll", "torch.sort",
-        "torch.std", "torch.std_mean", "torch.sub", "torch.sum", "torch.tile", "torch.trapezoid", "torch.trapz",
-        "torch.var", "torch.var_mean"
+        "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.median", "torch.nanmean",
+        "torch.nanmedian", "torch.nanquantile", "torch.nansum", "torch.nn.functional.layer_norm",
+        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.roll", "torch.sort", "torch.std",
+        "torch.std_mean", "torch.sub", "torch.tile", "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean"
     }),
-    # token grids: reductions, losses, softmax, finite differences and matmul combine in the rule's body
+    # token grids: softmax, finite differences, matmul and the like combine in the rule's body
     "tokens": frozenset({
-        "torch.Tensor.amax", "torch.Tensor.diff", "torch.Tensor.matmul", "torch.Tensor.max", "torch.Tensor.mean",
-        "torch.Tensor.min", "torch.Tensor.prod", "torch.Tensor.sum", "torch.amax", "torch.diff", "torch.gradient",
-        "torch.max", "torch.mean", "torch.min", "torch.nn.functional.l1_loss", "torch.nn.functional.log_softmax",
-        "torch.nn.functional.mse_loss", "torch.nn.functional.softmax", "torch.prod",
-        "torch.scaled_dot_product_attention", "torch.sum"
-    }),
-    # graphs: reductions and losses over the items combine in the rule's body
-    "graph": frozenset({
-        "torch.Tensor.amax", "torch.Tensor.max", "torch.Tensor.mean", "torch.Tensor.min", "torch.Tensor.prod",
-        "torch.Tensor.sum", "torch.amax", "torch.max", "torch.mean", "torch.min", "torch.nn.functional.l1_loss",
-        "torch.nn.functional.mse_loss", "torch.prod", "torch.sum"
+        "torch.Tensor.diff", "torch.Tensor.matmul", "torch.diff", "torch.gradient",
+        "torch.nn.functional.log_softmax", "torch.nn.functional.softmax", "torch.scaled_dot_product_attention"
     }),
 }
 

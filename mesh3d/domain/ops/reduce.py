@@ -28,8 +28,8 @@ from mesh3d.domain.dispatch.step import Partial, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["amax_over_ranks", "domain_reduce", "global_softmax", "prod_step", "product_over_ranks",
-           "reduction_rule", "reduction_step"]
+__all__ = ["amax_over_ranks", "domain_reduce", "global_softmax", "prod_step", "reduction_rule",
+           "reduction_step", "total_step"]
 
 
 def _dims(x: DomainTensor, dim) -> list[int]:
@@ -60,17 +60,42 @@ def amax_over_ranks(local: torch.Tensor, dims: list[int], comm) -> torch.Tensor:
     return top + (picked - picked.detach())
 
 
-def product_over_ranks(local: torch.Tensor, dim: int | None, keepdim: bool, comm) -> torch.Tensor:
-    """The one-process ``torch.prod`` over the dim ``dim`` sharded over ``comm`` (every element when None), replicated,
-    exact forward and backward: each rank's partial product travels in its own slot of a (D, ...) stack (one
-    all-reduce; the same bits on every rank), multiplied in rank order. Backward is torch's own: the stack's product
-    hands each slot the product of the others (zeros included, no division); an empty part's partial is 1.
+def total_step(x: DomainTensor, kind: str, dim, dims: list[int], keepdim: bool, comm, full_kernel: bool) -> Step:
+    """The step of ``sum`` / ``mean`` / ``prod`` / ``amax`` over ``dims`` holding every sharded dim of ``x`` (any layout:
+    blocks, token grids, graphs; ``dim``: as the caller was given it, prod takes one or none): the one-process value,
+    replicated. Sums, means and products declare their parts partial (``step.Partial``: a product's in its slot of a
+    (D, ...) stack, multiplied in rank order); the maximum combines its own (``amax_over_ranks``: its ties' gradient).
+    ``full_kernel``: a sum over every dim uses torch's full reduction (``t.sum()``), as the layout's rule always did.
 
-    Usage: ``product_over_ranks(unwrap(x), None, False, spec.comm)``"""
-    part = torch.prod(local) if dim is None else torch.prod(local, dim, keepdim=True)
-    stack = torch.stack([part if q == comm.index else torch.zeros_like(part) for q in range(comm.size)])
-    whole = reduce_to_replicated(stack, comm).prod(0)
-    return whole if dim is None or keepdim else whole.squeeze(dim)
+    Usage: ``return total_step(xs, "mean", None, [0, 1, 2, 3], False, spec.comm, True)``"""
+    out, dtype = DomainSpec.replicated(comm), unwrap(x).dtype
+    if kind == "amax":
+        return Step(lambda t: amax_over_ranks(t, dims, comm) if keepdim else amax_over_ranks(t, dims, comm).squeeze(dims),
+                    (x,), out=out)
+    if kind == "prod":
+        one, index, size = None if dim is None else dims[0], comm.index, comm.size
+
+        def slot(t: torch.Tensor) -> torch.Tensor:
+            part = torch.prod(t) if one is None else torch.prod(t, one, keepdim=True)
+            return torch.stack([part if q == index else torch.zeros_like(part) for q in range(size)])
+
+        def product(stack: torch.Tensor) -> torch.Tensor:
+            whole = stack.prod(0)
+            return whole if one is None or keepdim else whole.squeeze(one)
+
+        return Step(slot, (x,), out=out, partial=Partial("sum", product))
+    count = math.prod([size_of(x)[d] for d in dims])
+    acc = sum_dtype(dtype)  # float32 partial sums of half shards, rounded once
+    everything = full_kernel and len(dims) == x.ndim and not keepdim
+
+    def part(t: torch.Tensor) -> torch.Tensor:
+        return t.sum(dtype=acc) if everything else t.sum(dims, keepdim=keepdim, dtype=acc)
+
+    def finish(r: torch.Tensor) -> torch.Tensor:
+        r = r / count if kind == "mean" else r
+        return r if acc is None else r.to(dtype)
+
+    return Step(part, (x,), out=out, partial=Partial("sum", finish))
 
 
 def reduction_step(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> Step:
@@ -184,7 +209,7 @@ def prod_step(x: DomainTensor, dim: int | None = None, keepdim: bool = False) ->
 
     Along another dim it is local. Along the sharded dim (or over everything) each rank multiplies its own rows into its
     slot of a (D, ...) stack, zeros in the others': the stacks' sum over the ranks (``step.Partial``) holds every rank's
-    product, multiplied in rank order (``product_over_ranks``'s arithmetic). Backward is torch's own, exact with zeros.
+    product, multiplied in rank order (``total_step``). Backward is torch's own, exact with zeros.
 
     Usage: ``run_step(prod_step(xs, 2))``
     """
@@ -196,17 +221,7 @@ def prod_step(x: DomainTensor, dim: int | None = None, keepdim: bool = False) ->
         if dim != spec.dim:
             new_dim = spec.dim if keepdim or dim > spec.dim else spec.dim - 1
             return Step(lambda t: torch.prod(t, dim, keepdim=keepdim), (x,), out=spec.with_sizes(spec.sizes, dim=new_dim))
-    index, size = spec.comm.index, spec.comm.size
-
-    def slot(t: torch.Tensor) -> torch.Tensor:
-        part = torch.prod(t) if dim is None else torch.prod(t, dim, keepdim=True)
-        return torch.stack([part if q == index else torch.zeros_like(part) for q in range(size)])
-
-    def product(stack: torch.Tensor) -> torch.Tensor:
-        whole = stack.prod(0)
-        return whole if dim is None or keepdim else whole.squeeze(dim)
-
-    return Step(slot, (x,), out=DomainSpec.replicated(spec.comm), partial=Partial("sum", product))
+    return total_step(x, "prod", dim, [] if dim is None else [dim], keepdim, spec.comm, False)
 
 
 @register(torch.prod, torch.Tensor.prod)

@@ -26,18 +26,19 @@ from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
 from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
-from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
+from mesh3d.domain.dispatch.executor import run_step
+from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.norm import normalize, rounded_like
 from mesh3d.domain.ops.composite import loss_reduction
-from mesh3d.domain.ops.reduce import amax_over_ranks, product_over_ranks
+from mesh3d.domain.ops.reduce import total_step
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
-from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["CHANNEL_NORMS", "elementwise_rule", "local_reduction", "reduction_rules", "replicated_reduction",
+__all__ = ["CHANNEL_NORMS", "elementwise_rule", "local_reduction", "reduction_rules",
            "run_elementwise"]
 
 def _spec_of(x: DomainTensor) -> BlockSpec:
@@ -284,19 +285,6 @@ def local_reduction(local: torch.Tensor, kind: str, dims: list[int], keepdim: bo
 _LOCAL_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}
 
 
-def replicated_reduction(local: torch.Tensor, kind: str, dim: Any, dims: list[int], keepdim: bool,
-                         comm: Any) -> DomainTensor:
-    """``prod`` / ``amax`` over ``dims`` holding every sharded dim (``dim``: as the caller was given it; prod takes one
-    or none): the one-process value, replicated (``product_over_ranks``, ``amax_over_ranks``).
-
-    Usage: ``replicated_reduction(unwrap(x), "amax", None, [0, 1, 2], False, spec.comm)``"""
-    if kind == "prod":
-        return adopt(product_over_ranks(local, None if dim is None else dims[0], keepdim, comm),
-                     DomainSpec.replicated(comm))
-    top = amax_over_ranks(local, dims, comm)
-    return adopt(top if keepdim else top.squeeze(dims), DomainSpec.replicated(comm))
-
-
 def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
     spec, local = _spec_of(x), unwrap(x)
     dims = list(range(x.ndim)) if dim is None or dim == [] or dim == () else sorted(
@@ -308,14 +296,13 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
     if not set(spec.dims) <= set(dims):
         raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
                                   f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
-    if kind in ("prod", "amax"):  # prod: over every dim (one dim cannot hold all the block dims)
-        return replicated_reduction(local, kind, dim, dims, keepdim, spec.comm)
-    count = math.prod([x.global_shape[d] for d in dims])
-    acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
-    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc) if len(dims) < x.ndim or keepdim else
-                                 local.sum(dtype=acc), spec.comm)
-    total = total / count if kind == "mean" else total
-    return adopt(total if acc is None else total.to(local.dtype), DomainSpec.replicated(spec.comm))
+    # NOTE: prod over every dim (one dim cannot hold all the block dims); the parts combined by the executor
+    return total_step(x, kind, dim, dims, keepdim, spec.comm, full_kernel=True)
+
+
+def _run(out: Any) -> Any:
+    """A reducer's answer as a value: its step run (``total_step``), else as it is."""
+    return run_step(out) if isinstance(out, Step) else out
 
 
 def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, Callable]:
@@ -354,7 +341,7 @@ def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, 
                     "torch.maximum(a, b) / torch.minimum(a, b); arg-indices over a sharded dim are not supported")
             if sign > 0:
                 return reducer(input, "amax", None, False)
-            return redispatch(torch.neg, reducer(redispatch(torch.neg, input), "amax", None, False))
+            return redispatch(torch.neg, _run(reducer(redispatch(torch.neg, input), "amax", None, False)))
         return rule
 
     def loss(func: Callable, name: str, pointwise: Callable[[torch.Tensor], torch.Tensor]) -> Callable:
@@ -369,7 +356,7 @@ def reduction_rules(reducer: Callable[..., Any], layout: str) -> dict[Callable, 
             # NOTE: the pointwise op on the domain tensor (its own rule), not adopted from the shard: a compiled
             # graph cannot read the spec of a tensor a rule wrapped itself before a __torch_function__ returns it.
             per_element = redispatch(pointwise, difference)
-            return per_element if reduction == "none" else reducer(per_element, reduction)
+            return per_element if reduction == "none" else reducer(per_element, reduction)  # a result or a step
         return rule
 
     return {torch.sum: total, torch.Tensor.sum: total, torch.mean: mean, torch.Tensor.mean: mean,

@@ -6,20 +6,18 @@ Usage (through torch): ``loss = F.mse_loss(pred_nodes, target_nodes)``, ``pooled
 
 from __future__ import annotations
 
-import math
 
-from mesh3d.domain.comm.collectives import sum_dtype
-from mesh3d.domain.core.specs import DomainSpec
-from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
-from mesh3d.domain.layouts.graph_halo import reduce_sum
-from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules, replicated_reduction
+from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules
+from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.ops.reduce import total_step
 from mesh3d.domain.ops.graph.common import graph_spec_of
 
 __all__ = ["reduce_graph"]
 
 
-def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> DomainTensor:
+def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> DomainTensor | Step:
     """``x.sum`` / ``x.mean`` / ``x.prod`` / ``x.amax`` over ``dim`` (all when None): over the items, a replicated total; else local.
 
     Usage: ``reduce_graph(h, "mean", 0)``
@@ -31,13 +29,7 @@ def reduce_graph(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) ->
         shift = 0 if keepdim else sum(d < spec.dim for d in dims)
         return adopt(local_reduction(local, kind, dims, keepdim, dim is None),
                      spec.replaced(dim=spec.dim - shift, endpoint=None))
-    if kind in ("prod", "amax"):
-        return replicated_reduction(local, kind, dim, dims, keepdim, spec.comm)
-    count = math.prod([size_of(x)[d] for d in dims])
-    acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
-    total = reduce_sum(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)
-    total = total / count if kind == "mean" else total
-    return adopt(total if acc is None else total.to(local.dtype), DomainSpec.replicated(spec.comm))
+    return total_step(x, kind, dim, dims, keepdim, spec.comm, full_kernel=False)  # the parts combined by the executor
 
 
 for _f, _rule in reduction_rules(reduce_graph, "a graph layout").items():

@@ -22,16 +22,16 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d._torch_private import linear_not_a_view
-from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype, sum_grad
-from mesh3d.domain.ops.blocks.rules import (CHANNEL_NORMS, local_reduction, reduction_rules, replicated_reduction,
+from mesh3d.domain.comm.collectives import sum_grad
+from mesh3d.domain.ops.blocks.rules import (CHANNEL_NORMS, local_reduction, reduction_rules,
                                             run_elementwise)
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
-from mesh3d.domain.ops.reduce import global_softmax
+from mesh3d.domain.ops.reduce import global_softmax, total_step
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.connected import connected_zeros
-from mesh3d.domain.core.specs import DomainSpec, Layout, sharded_dims
+from mesh3d.domain.core.specs import Layout, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.tokens import gather_all_tokens, tokens_to_blocks
@@ -230,13 +230,7 @@ def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
     if spec.token_dim not in dims:  # every rank reduces its own tokens
         shift = 0 if keepdim else sum(d < spec.token_dim for d in dims)
         return adopt(local_reduction(local, kind, dims, keepdim, dim is None), spec.with_token_dim(spec.token_dim - shift))
-    if kind in ("prod", "amax"):
-        return replicated_reduction(local, kind, dim, dims, keepdim, spec.comm)
-    count = math.prod([x.global_shape[d] for d in dims])
-    acc = sum_dtype(local.dtype)  # float32 partial sums of half shards, rounded once
-    total = reduce_to_replicated(local.sum(dims, keepdim=keepdim, dtype=acc), spec.comm)
-    total = total / count if kind == "mean" else total
-    return adopt(total if acc is None else total.to(local.dtype), DomainSpec.replicated(spec.comm))
+    return total_step(x, kind, dim, dims, keepdim, spec.comm, full_kernel=False)  # the parts combined by the executor
 
 
 def _adaptive_avg_pool1d(input, output_size):
