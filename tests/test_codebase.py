@@ -206,6 +206,41 @@ def test_private_torch_apis_only_in_torch_private():
     assert _private_torch_uses(PACKAGE / "_torch_private" / "kernels.py")  # the check reads real code
 
 
+#: torch.distributed's calls that move data between ranks (collectives and point-to-point)
+_TALKING = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_to_all", "all_to_all_single",
+            "broadcast", "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "scatter",
+            "gather_object", "scatter_object_list", "barrier", "monitored_barrier", "send", "recv", "isend", "irecv",
+            "batch_isend_irecv", "P2POp"}
+
+
+def _talking_calls(path: Path) -> list[str]:
+    """The calls (and ``P2POp`` names) of torch.distributed's data-moving functions in ``path``: ``dist.x``, and
+    ``torch.distributed.x`` or ``torch.distributed._functional_collectives.x`` spelled out."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in _TALKING:
+            base = ast.unparse(node.value)
+            if base in ("dist", "torch.distributed", "funcol") or base.startswith("torch.distributed."):
+                found.append(f"{base}.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found += [f"{node.module}.{a.name}" for a in node.names if a.name in _TALKING]
+    return sorted(set(found))
+
+
+def test_the_talking_check_finds_collectives(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import torch.distributed as dist\nfrom torch.distributed import all_reduce\n"
+                      "dist.broadcast(t, 0)\nops = [dist.P2POp(dist.isend, t, 1)]\nx = dist.get_rank()\n")
+    assert _talking_calls(sample) == ["dist.P2POp", "dist.broadcast", "dist.isend", "torch.distributed.all_reduce"]
+
+
+def test_one_module_of_the_domain_posts_messages():
+    """Issue 66: every message between domain ranks is posted by ``comm/stopping.py`` (the checked point-to-point
+    transport's one post); rules, layouts and the API reach other ranks through the executor and ``comm``."""
+    talking = {str(p.relative_to(ROOT)): c for p in sorted((PACKAGE / "domain").rglob("*.py")) if (c := _talking_calls(p))}
+    assert set(talking) == {"mesh3d/domain/comm/stopping.py"}, talking
+
+
 def test_no_module_imports_another_modules_private_name():
     crossing = []
     for module, path in MODULES.items():

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.layouts.slabs import redistribute_local
 from mesh3d.domain.core.group import DomainComm
-from mesh3d.domain.comm.exchange import gather_rows
+from mesh3d.domain.comm.exchange import exchange_all, gather_rows
 from mesh3d.domain.layouts.blocks import shard_blocks
 from mesh3d.domain.layouts.blocks_local import blocks_from_local
 from mesh3d.domain.comm.rows import plan_exchange
@@ -170,8 +170,8 @@ def scatter(x: torch.Tensor | None, dim: int = 2, src: int = 0, sizes: Sequence[
             raise ValueError(f"domain.scatter: supports up to 8-D tensors of dtype in {_DTYPES}")
         meta[0], meta[1] = x.ndim, _DTYPES.index(x.dtype)
         meta[2:2 + x.ndim] = torch.tensor(x.shape)
-    if comm.size > 1:
-        dist.broadcast(meta, src=comm.ranks[src], group=comm.group)
+    if comm.size > 1:  # NOTE: the src rank's header through the domain's checked transport (its timeout, its journal)
+        meta = exchange_all(meta, comm)[src]
     ndim, dtype = int(meta[0]), _DTYPES[int(meta[1])]
     shape = [int(v) for v in meta[2:2 + ndim]]
     dim = _check_dim("scatter", dim, ndim)
