@@ -21,6 +21,7 @@ from mesh3d.domain.comm.exchange import gather_rows, report_failure
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.comm.rows import ExchangePlan, plan_exchange
 from mesh3d.domain.core.group import DomainComm
+from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
@@ -221,7 +222,7 @@ def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim:
         return out
     # A result whose sharded dim has global length 1 becomes replicated (gather.replicate_if_singleton).
     # NOTE: a replicated result is not asked: under torch.func, ``adopt`` hands it back plain (``core.wrapped``)
-    sharded = spec.dim is not None
+    sharded = type(spec) is DomainSpec and spec.dim is not None  # NOTE: a slab's (blocks and tokens have no such rule)
     if isinstance(out, torch.Tensor):
         if out_ndim is None or out.ndim == out_ndim:
             made = adopt(out, spec, keep)

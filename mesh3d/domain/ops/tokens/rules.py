@@ -28,6 +28,7 @@ from mesh3d.domain.ops.blocks.rules import (CHANNEL_NORMS, local_reduction, redu
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
+from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.ops.reduce import global_softmax, total_step
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.connected import connected_zeros
@@ -216,8 +217,8 @@ def _softmax(func):
         if spec.token_dim == dim % input.ndim:  # over every rank's tokens: the global max and sum (as on slabs)
             if args or kwargs.get("dtype") is not None:
                 raise NotImplementedError(f"{op_name(func)} over the token dim with a dtype: cast first")
-            log = "log_softmax" in op_name(func)
-            return adopt(global_softmax(unwrap(input), spec.token_dim, spec.comm, log), spec)
+            log, d, comm = "log_softmax" in op_name(func), spec.token_dim, spec.comm
+            return Step(lambda t: global_softmax(t, d, comm, log), (input,), out=spec)  # the executor runs it
         return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
     return rule
 
