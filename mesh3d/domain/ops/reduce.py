@@ -100,8 +100,8 @@ def total_step(x: DomainTensor, kind: str, dim, dims: list[int], keepdim: bool, 
 
 def reduction_step(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> Step:
     """The step reducing ``x`` over ``dim`` (all dims when None) to its one-process value, with no gather: local where
-    the sharded dim survives; else a sum or mean declares its shard's sum partial (``step.Partial``: the executor
-    combines the ranks' parts), and the others combine their own parts (the maximum's ties, variance's two passes).
+    the sharded dim survives; else a sum, mean or maximum is ``total_step``'s (a sum's parts declared partial), and
+    variance combines its own two passes.
     The step holds ``x`` and plain data only, so it is kept per call signature (``dispatch.kept_steps``).
 
     Usage: ``run_step(reduction_step(xs, "mean", (2, 3)))``"""
@@ -117,29 +117,22 @@ def reduction_step(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, 
 
         new_dim = spec.dim if keepdim else spec.dim - sum(d < spec.dim for d in dims)
         return Step(local, (x,), out=spec.with_sizes(spec.sizes, dim=new_dim))
-    count = math.prod([x.global_shape[d] for d in dims])
-    dtype, comm, replicated = unwrap(x).dtype, spec.comm, DomainSpec.replicated(spec.comm)
-    acc = sum_dtype(dtype)
-    whole = len(dims) == x.ndim and not keepdim  # everything: torch's full reduction kernel, a 0-d result
-
-    def finish(r: torch.Tensor, divide: bool = kind == "mean") -> torch.Tensor:
-        r = r / count if divide else r
-        r = r.squeeze(dims) if not keepdim and r.ndim else r  # a whole sum's is 0-d already
-        return r if acc is None else r.to(dtype)
-
-    if kind in ("sum", "mean"):
-        def part(t: torch.Tensor) -> torch.Tensor:
-            return t.sum(dtype=acc) if whole else t.sum(dims, keepdim=True, dtype=acc)
-        return Step(part, (x,), out=replicated, partial=Partial("sum", finish))
-    if kind == "amax":
-        return Step(lambda t: finish(amax_over_ranks(t, dims, comm), False), (x,), out=replicated)
+    comm = spec.comm
+    if kind in ("sum", "mean", "amax"):  # NOTE: the layouts' own step: a sum's parts partial, the maximum's ties its own
+        return total_step(x, kind, dim, dims, keepdim, comm, full_kernel=True)
     if kind in ("var", "std"):
+        count = math.prod([x.global_shape[d] for d in dims])
+        dtype = unwrap(x).dtype
+        acc = sum_dtype(dtype)
+
         def spread(t: torch.Tensor) -> torch.Tensor:
             wide = t if acc is None else t.to(acc)
             mean = reduce_for_local_use(wide.sum(dims, keepdim=True), comm) / count
             r = reduce_to_replicated(((wide - mean) ** 2).sum(dims, keepdim=True), comm) / max(count - correction, 0)
-            return finish(r.sqrt() if kind == "std" else r, False)
-        return Step(spread, (x,), out=replicated)
+            r = r.sqrt() if kind == "std" else r
+            r = r.squeeze(dims) if not keepdim else r
+            return r if acc is None else r.to(dtype)
+        return Step(spread, (x,), out=DomainSpec.replicated(comm))
     raise ValueError(f"reduction_step: kind={kind!r} is one of sum, mean, amax, var, std")
 
 
