@@ -15,7 +15,7 @@ import torch
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
-from domain_cases import domain_sum, edge_layouts, max_err, shard_sizes
+from domain_cases import domain_sum, domain_sums, edge_layouts, max_err, shard_sizes, sum_grads_over_domain
 from mesh3d.mesh_shape import grid_factorizations, resolve_domain_grid
 from profiles import examples
 
@@ -78,8 +78,7 @@ def _blocks_body(grid, cases, steps):
             loss.backward()
             worst = max(worst, abs(float(loss) - float(loss_ref)), max_err(ys.full_tensor().to_local(), y),
                         max_err(domain_sum(xi.grad), x.grad))
-            for q in mod.parameters():
-                q.grad.copy_(domain_sum(q.grad))
+            sum_grads_over_domain(mod.parameters())
             opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
         worst = max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
         worst = max(worst, max((max_err(p, q) for p, q in zip(ref.buffers(), mod.buffers())), default=0.0))
@@ -221,8 +220,7 @@ def _unet_body(grid, net, shape, dims, sizes, steps):
         loss.backward()
         worst = max(worst, abs(float(loss) - float(loss_ref)) / abs(float(loss_ref)),
                     max_err(ys.full_tensor().to_local(), y))
-        for q in mod.parameters():
-            q.grad.copy_(domain_sum(q.grad))
+        sum_grads_over_domain(mod.parameters())
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
     return max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))
 
@@ -316,7 +314,7 @@ def _blocks_vs_one_process(ref: torch.nn.Module, shape, dims, sizes) -> float:
     whole = mod(domain.shard(xi, dims=dims, sizes=sizes)).full_tensor()
     (whole * cot).sum().backward()
     return max(max_err(whole.to_local(), y), max_err(domain_sum(xi.grad), x.grad),
-               max((max_err(p.grad, domain_sum(q.grad)) for p, q in zip(ref.parameters(), mod.parameters())),
+               max((max_err(p.grad, g) for p, g in zip(ref.parameters(), domain_sums([q.grad for q in mod.parameters()]))),
                    default=0.0))
 
 

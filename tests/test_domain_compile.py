@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
-from domain_cases import domain_sum, max_err, shard_sizes, with_edge_layouts
+from domain_cases import domain_sum, domain_sums, max_err, shard_sizes, sum_grads_over_domain, with_edge_layouts
 from domain_compose import compose_body
 from domain_models import H, W, GridAttention, GridViT, TinyUNet, TinyViT
 from mesh3d import DistributedManager, domain
@@ -80,8 +80,7 @@ def _train_compiled_body(kind: str, sizes, backend: str, fullgraph: bool, grid: 
                 loss = run()
                 loss.backward()
                 if model is not ref:
-                    for p in model.parameters():
-                        p.grad = domain_sum(p.grad)
+                    sum_grads_over_domain(model.parameters())
                 losses.append(float(loss.detach().to_local() if isinstance(loss, domain.DomainTensor) else loss.detach()))
             errs.append(max(abs(a - losses[0]) for a in losses[1:]))
             errs.extend(max(max_err(p.grad, q.grad) for p, q in zip(ref.parameters(), m.parameters()))
@@ -366,8 +365,7 @@ def _zoo_compiled_body(name: str, sizes: tuple[int, ...]):
         loss = loss_of(domain.shard(x, dim=entry.dim, sizes=sizes))
         loss.backward()
         errs.append(abs(float(loss.detach().to_local()) - float(loss_ref)) / abs(float(loss_ref)))
-        for q in model.parameters():
-            q.grad = domain_sum(q.grad)
+        sum_grads_over_domain(model.parameters())
         scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None)
         errs.extend(max_err(q.grad, p.grad) / scale for p, q in zip(ref.parameters(), model.parameters()))
         for opt in opts:
@@ -406,7 +404,8 @@ def _compiled_stack_body(cases: list[dict]) -> list[float]:
         loss = step(domain.shard(x, dim=2, sizes=case["sizes"]))
         loss.backward()
         errs.append(max([abs(float(loss.detach().to_local()) - float(loss_ref))]
-                        + [max_err(domain_sum(q.grad), p.grad) for p, q in zip(ref.parameters(), model.parameters())]))
+                        + [max_err(g, p.grad) for p, g in zip(ref.parameters(),
+                                                               domain_sums([q.grad for q in model.parameters()]))]))
     return errs
 
 

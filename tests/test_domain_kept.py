@@ -428,7 +428,7 @@ class _UNet(nn.Module):
 
 
 def _training_body(sizes):
-    from domain_cases import domain_sum
+    from domain_cases import sum_grads_over_domain
 
     from mesh3d import DistributedManager
 
@@ -450,8 +450,7 @@ def _training_body(sizes):
             with KEPT.off() if name == "dispatcher" else contextlib.nullcontext():
                 loss = F.mse_loss(model(domain.shard(x, dim=2, sizes=sizes)), domain.shard(t, dim=2, sizes=sizes))
                 loss.backward()
-            for q in model.parameters():  # NOTE: each rank's share of a parameter's gradient, summed over the domain
-                q.grad.copy_(domain_sum(q.grad))
+            sum_grads_over_domain(model.parameters())  # NOTE: each rank's share of a parameter's gradient, summed
             opts[name].step()
         for name, model in models.items():
             for p, q in zip(ref.parameters(), model.parameters()):

@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 
-from domain_cases import domain_sum, max_err
+from domain_cases import domain_sum, max_err, sum_grads_over_domain
 from domain_models import H, W, TinyUNet, TinyViT
 from mesh3d import DistributedManager, domain
 from mesh3d._torch_private import checkpoint_module
@@ -43,8 +43,7 @@ def _train_body(sizes, steps=3, nested_checkpoints=False):
         with domain.window_overlap(not nested_checkpoints):
             loss = torch.nn.functional.mse_loss(model(xs), ts)  # replicated: the one-process value on every rank
         loss.backward()
-        for p in model.parameters():
-            p.grad = domain_sum(p.grad)
+        sum_grads_over_domain(model.parameters())
         # raw gradients too (Adam is scale-invariant: it would hide a gradient off by a factor of D)
         loss_errs.append(max(max_err(p.grad, q.grad) for p, q in zip(ref.parameters(), model.parameters())))
         opt.step()
@@ -128,8 +127,8 @@ def _mesh_train_body(shape, sizes, steps=3):
         opt_ref.step()
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(xs), ts).backward()
+        sum_grads_over_domain(model.parameters())
         for p in model.parameters():
-            p.grad = domain_sum(p.grad)
             if nb > 1:
                 dist.all_reduce(p.grad, group=dm.group("batch"))
                 p.grad /= nb
@@ -160,8 +159,7 @@ def _vit_body(sizes, steps=3):
         opt_ref.step()
         opt.zero_grad()
         torch.nn.functional.mse_loss(model(xs), y).backward()
-        for p in model.parameters():
-            p.grad = domain_sum(p.grad)
+        sum_grads_over_domain(model.parameters())
         opt.step()
     return max(max_err(p, q) for p, q in zip(ref.parameters(), model.parameters()))
 

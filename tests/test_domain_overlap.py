@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from domain_cases import domain_sum, edge_layouts, grads_err, max_err, shard_sizes, with_edge_layouts
+from domain_cases import domain_sum, edge_layouts, grads_err, max_err, shard_sizes, sum_grads_over_domain, with_edge_layouts
 from mesh3d.domain.halo.windows import window_exchange
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.halo.overlap import split_window
@@ -187,9 +187,7 @@ def _training_body(steps: int):
         loss_ref.backward()
         loss = (mod(domain.shard(x, dim=2, sizes=(9, 0, 10))) ** 2).mean()
         loss.backward()
-        for q in mod.parameters():
-            dist_sum = domain_sum(q.grad)
-            q.grad.copy_(dist_sum)
+        sum_grads_over_domain(mod.parameters())
         worst = max(worst, abs(float(loss) - float(loss_ref)))
         opt_ref.step(), opt.step(), opt_ref.zero_grad(), opt.zero_grad()
     worst = max(worst, max(max_err(p, q) for p, q in zip(ref.parameters(), mod.parameters())))

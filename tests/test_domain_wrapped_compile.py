@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._dynamo.testing import CompileCounterWithBackend
 
-from domain_cases import domain_sum, max_err
+from domain_cases import max_err, sum_grads_over_domain
 from test_domain_compile import _check, _train_compiled_body
 
 STEPS = 3
@@ -91,8 +91,7 @@ def _checkpointed_body(sizes: tuple[int, ...], backend: str):
             loss.backward()
         kinds.add(type(loss).__name__)
         errs.append(abs(float(loss.to_local().detach()) - float(loss_ref)))
-        for q in model.parameters():
-            q.grad = domain_sum(q.grad)  # each rank's part of the gradient: summed, as a data-parallel step would
+        sum_grads_over_domain(model.parameters())  # each rank's part of the gradient: summed, as a data-parallel step would
         errs.extend(max_err(q.grad, p.grad) for p, q in zip(ref.parameters(), model.parameters()))
         for opt in opts:
             opt.step()

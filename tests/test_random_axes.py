@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from domain_cases import domain_sum, max_err
+from domain_cases import max_err, sum_grads_over_domain
 from parallel_models import full
 
 TOL = 1e-12
@@ -67,8 +67,7 @@ def _train_against_one_process(dm, ref: nn.Module, model: nn.Module, inputs, sha
         loss = F.mse_loss(run(shard(x)), shard(y))
         loss.backward()
         if not getattr(model, "_mesh3d_parallelized", False):
-            for p in model.parameters():
-                p.grad = domain_sum(p.grad)
+            sum_grads_over_domain(model.parameters())
         torch.manual_seed(seed)
         want = F.mse_loss(run_ref(x), y)
         want.backward()

@@ -48,7 +48,7 @@ def block_sizes_for(entry) -> tuple[tuple[int, ...], ...]:
 
 
 def _one(entry, world: int, blocks: bool = False) -> dict:
-    from domain_cases import domain_sum
+    from domain_cases import domain_sums
     from mesh3d import DistributedManager, domain
 
     torch.manual_seed(0)
@@ -87,8 +87,8 @@ def _one(entry, world: int, blocks: bool = False) -> dict:
     # A gradient that is zero in exact arithmetic (a conv bias followed by a norm, an attention key bias)
     # holds only rounding noise; it is measured against the model's largest gradient, not against itself.
     scale = max(float(p.grad.abs().max()) for p in ref.parameters() if p.grad is not None and p.grad.numel())
-    for (name, p), q in zip(ref.named_parameters(), mod.parameters()):
-        errs[f"grad {name}"] = _rel(domain_sum(q.grad), p.grad, scale)
+    for (name, p), g in zip(ref.named_parameters(), domain_sums([q.grad for q in mod.parameters()])):
+        errs[f"grad {name}"] = _rel(g, p.grad, scale)
     # A running mean that is zero in exact arithmetic (a BatchNorm after a normalized bias-free conv: MobileViT) holds
     # rounding noise alone: buffers are measured against the model's largest buffer, as gradients are.
     floats = [b for b in ref.buffers() if b.is_floating_point() and b.numel()]
