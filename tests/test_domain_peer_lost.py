@@ -56,3 +56,38 @@ def test_a_rank_killed_mid_step_is_named_as_gone_on_every_survivor(ranks, victim
         told = victim == 2 and rank == 0
         assert ("domain rank 1 saw its connection close" in text) == told, text
         assert ("its connection closed while this rank" in text) == (not told), text
+
+
+def _ended_after_an_earlier_loss_body():
+    """Domain rank 2 fails inside a guard (its watch announces it); domain rank 1 ends its own process once it hears
+    that (as a survivor blocked in a collective with a lost rank does: mesh3d/faults/watch.py); domain rank 0, in an
+    exchange with rank 1, sees rank 1's connection close."""
+    from mesh3d import DistributedManager, WatchSettings, domain
+    from mesh3d.faults.attach import WATCH
+
+    dm = DistributedManager.initialize(batch=1, domain=3, watch=WatchSettings(interval=0.25, suspect_after=1.0,
+                                                                                   dead_after=4.0, grace=30.0))
+    torch.manual_seed(0)
+    net = torch.nn.Conv2d(1, 1, 3, padding=1)
+    xs = domain.shard(torch.randn(1, 1, 12, 5), dim=2)
+    me = dm.axis_rank("domain")
+    if me == 2:
+        with dm.guard("a step"):
+            raise RuntimeError("rank 2's own failure")
+    if me == 1:
+        deadline = time.monotonic() + 60
+        while 2 not in WATCH.current.lost and time.monotonic() < deadline:  # its watch thread read the announcement
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGKILL)
+    net(xs).sum().backward()
+
+
+def test_a_peer_that_ended_after_an_earlier_loss_is_named_with_that_loss_first(ranks):
+    """The rank lost first is the cause of what followed: domain rank 0 names rank 1 as gone and rank 2's failure
+    before it, whether or not its own watch thread had read rank 2's announcement yet (it reads it then)."""
+    with pytest.raises(RankFailure) as failure:
+        ranks.run(3, _ended_after_an_earlier_loss_body, timeout=120)
+    text = _outputs(str(failure.value))[0]
+    assert "DomainPeerLostError: rank 1 (batch 0, domain 1, model 0) is gone" in text, text
+    assert re.search(r"Lost before it: rank 2 \(batch 0, domain 2, model 0\), failed with RuntimeError: rank 2's own "
+                     r"failure", text), text

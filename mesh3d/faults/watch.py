@@ -205,6 +205,15 @@ class PeerWatch:
             except (RuntimeError, OSError):
                 pass
 
+    def known_lost(self) -> dict[int, str]:
+        """Every rank known lost, announcements read now: a watch thread starved on a busy machine may not have."""
+        with self._lock:
+            try:
+                self._read_announcements()
+            except (RuntimeError, OSError):
+                pass
+            return dict(self.lost)
+
     def error_of(self, rank: int) -> str:
         """The error ``rank`` published last, or "" (unknown, or the store is gone)."""
         with self._lock:
@@ -367,6 +376,9 @@ class _NoWatch:
 
     def publish_error(self, err: BaseException, during: str) -> None:
         pass
+
+    def known_lost(self) -> dict[int, str]:
+        return {}
 
     def error_of(self, rank: int) -> str:
         return ""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from mesh3d.domain.comm.divergence import recent_ops
 from mesh3d.faults import PeerLostError
+from mesh3d.faults.attach import WATCH
 from mesh3d.faults.errors import WHAT_TO_DO
 from mesh3d.faults.watch import closed_connection
 from mesh3d.manager import DistributedManager
@@ -61,7 +62,10 @@ def lost_peers(works: list, peers: list[int]) -> tuple[list[int], BaseException 
 
 def _who(comm, q: int) -> str:
     """``rank r (batch b, domain d, model m)``: as every PeerLostError names a rank."""
-    rank = comm.ranks[q]
+    return _who_rank(comm.ranks[q])
+
+
+def _who_rank(rank: int) -> str:
     return DistributedManager().describe_rank(rank) if DistributedManager.is_initialized() else f"rank {rank}"
 
 
@@ -75,6 +79,11 @@ def peer_lost_error(comm, lost: list[int], err: BaseException | None, seen_by: i
     else:
         how = (f"domain rank {seen_by} saw its connection close in a domain exchange and told this rank "
                f"(domain rank {comm.index})")
-    return DomainPeerLostError(f"{names} is gone: {how}. {WHAT_TO_DO} Latest here:\n{recent_ops()}",
-                               {comm.ranks[q]: "its connection closed in a domain exchange" for q in lost}, lost)
+    gone = {comm.ranks[q]: "its connection closed in a domain exchange" for q in lost}
+    # NOTE: a survivor blocked in a collective with a lost rank ends its own process (mesh3d/faults/watch.py), and its
+    # domain peers then see its connection close: the rank lost first is the cause, named first (and in ``lost``).
+    before = {r: why for r, why in WATCH.current.known_lost().items() if r not in gone}
+    cause = "".join(f" Lost before it: {_who_rank(r)}, {why}." for r, why in sorted(before.items()))
+    return DomainPeerLostError(f"{names} is gone: {how}.{cause} {WHAT_TO_DO} Latest here:\n{recent_ops()}",
+                               {**before, **gone}, lost)
 
