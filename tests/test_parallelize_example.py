@@ -8,23 +8,16 @@ summation order; the equivalence suite checks fp64 bit-tight elsewhere).
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
-from launch_helpers import clean_env
-
-ROOT = Path(__file__).resolve().parents[1]
+from example_ranks import run_example
 
 
-def test_example_trains_like_one_process():
-    env = clean_env()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(ROOT / "examples" / "train_transformer.py"), "--batch", "2", "--model", "2", "--steps", "2"]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
-    assert done.returncode == 0, done.stdout + done.stderr
-    pairs = [(float(a), float(b)) for a, b in re.findall(r"loss ([\d.]+)\s+one-process ([\d.]+)", done.stdout)]
-    assert len(pairs) == 2, done.stdout
+
+
+def test_example_trains_like_one_process(ranks):
+    out = run_example(ranks, 4, "examples/train_transformer.py", "--batch", "2", "--model", "2", "--steps", "2")
+    pairs = [(float(a), float(b)) for a, b in re.findall(r"loss ([\d.]+)\s+one-process ([\d.]+)", out)]
+    assert len(pairs) == 2, out
     for got, want in pairs:
         assert abs(got - want) <= 1e-4 * want, pairs
     assert pairs[-1][1] < pairs[0][1]  # it trains
