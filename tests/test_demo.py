@@ -1,7 +1,7 @@
 """The README's first command: scripts/demo.sh end to end (train on 8 ranks, resume on 4, export).
 
-One subprocess test (three launches; then the resume once more, on pooled ranks). The demo checks itself and exits non-zero if
-any check fails; this test also reads its figures: every printed parallel loss beside the one-process loss (fp32,
+One subprocess test (three launches; then the resume once more, on pooled ranks). The demo checks itself and exits
+non-zero if any check fails; this test also reads its figures: every printed parallel loss beside the one-process loss (fp32,
 rtol 1e-4: they differ only in summation order), and the exported file, and that its processes exit cleanly (no
 "terminate called" at exit; tests/test_clean_exit.py says why). The resume phase then runs a second time from the
 same checkpoint, on pooled ranks (tests/example_ranks.py), replacing what the first resume and the export wrote and
