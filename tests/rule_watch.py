@@ -26,17 +26,12 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     # blocks: views, moves, gathers, norms and order statistics along a grid line still combine in the rule's body
     "blocks2": frozenset({
         "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any", "torch.Tensor.argsort",
-        "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.flip",
-        "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp", "torch.Tensor.median", "torch.Tensor.nanmean",
-        "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.quantile",
-        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.tile", "torch.Tensor.var",
-        "torch.Tensor.view", "torch._tensor.Tensor.norm", "torch.add", "torch.all", "torch.amin", "torch.any",
-        "torch.argsort", "torch.cat", "torch.concat", "torch.conv2d", "torch.cosine_similarity",
-        "torch.count_nonzero", "torch.cummax", "torch.cummin", "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn",
-        "torch.fft_fftshift", "torch.fft_hfft", "torch.fft_hfft2", "torch.fft_hfftn", "torch.fft_ifft",
-        "torch.fft_ifft2", "torch.fft_ifftn", "torch.fft_ifftshift", "torch.fft_ihfft", "torch.fft_ihfft2",
-        "torch.fft_ihfftn", "torch.fft_irfft", "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft",
-        "torch.fft_rfft2", "torch.fft_rfftn", "torch.flip", "torch.functional.einsum", "torch.functional.norm",
+        "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.logcumsumexp",
+        "torch.Tensor.logsumexp", "torch.Tensor.median", "torch.Tensor.nanmean", "torch.Tensor.nanmedian",
+        "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.quantile", "torch.Tensor.reshape",
+        "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.var", "torch.Tensor.view", "torch._tensor.Tensor.norm",
+        "torch.add", "torch.all", "torch.amin", "torch.any", "torch.argsort", "torch.conv2d", "torch.cosine_similarity",
+        "torch.count_nonzero", "torch.cummax", "torch.cummin", "torch.functional.einsum", "torch.functional.norm",
         "torch.linalg_norm", "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.median",
         "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum",
         "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
@@ -45,35 +40,27 @@ STILL_TALKING: dict[str, frozenset[str]] = {
         "torch.nn.functional.pad", "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
-        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.quantile",
-        "torch.reshape", "torch.roll", "torch.sort", "torch.std", "torch.std_mean", "torch.sub", "torch.tile",
-        "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean",
-        "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
+        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.quantile", "torch.reshape",
+        "torch.sort", "torch.std", "torch.std_mean", "torch.sub", "torch.trapezoid", "torch.trapz", "torch.var",
+        "torch.var_mean", "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
     }),
     # as blocks2, on a 3-D grid
     "blocks3": frozenset({
-        "torch.Tensor.__getitem__", "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any",
-        "torch.Tensor.argsort", "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin",
-        "torch.Tensor.flatten", "torch.Tensor.flip", "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp",
-        "torch.Tensor.median", "torch.Tensor.nanmean", "torch.Tensor.nanmedian", "torch.Tensor.nanquantile",
-        "torch.Tensor.nansum", "torch.Tensor.quantile", "torch.Tensor.reshape", "torch.Tensor.roll",
-        "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.tile", "torch.Tensor.var", "torch.Tensor.view",
-        "torch._tensor.Tensor.norm", "torch.all", "torch.amin", "torch.any", "torch.argsort", "torch.cat",
-        "torch.concat", "torch.cosine_similarity", "torch.count_nonzero", "torch.cummax", "torch.cummin",
-        "torch.fft_fft", "torch.fft_fft2", "torch.fft_fftn", "torch.fft_fftshift", "torch.fft_hfft",
-        "torch.fft_hfft2", "torch.fft_hfftn", "torch.fft_ifft", "torch.fft_ifft2", "torch.fft_ifftn",
-        "torch.fft_ifftshift", "torch.fft_ihfft", "torch.fft_ihfft2", "torch.fft_ihfftn", "torch.fft_irfft",
-        "torch.fft_irfft2", "torch.fft_irfftn", "torch.fft_rfft", "torch.fft_rfft2", "torch.fft_rfftn",
-        "torch.flip", "torch.functional.einsum", "torch.functional.norm", "torch.linalg_norm",
-        "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.median", "torch.nanmean",
-        "torch.nanmedian", "torch.nanquantile", "torch.nansum", "torch.nn.functional.layer_norm",
-        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.roll", "torch.sort", "torch.std",
-        "torch.std_mean", "torch.sub", "torch.tile", "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean"
+        "torch.Tensor.__getitem__", "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any", "torch.Tensor.argsort",
+        "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.flatten",
+        "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp", "torch.Tensor.median", "torch.Tensor.nanmean",
+        "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.quantile",
+        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.var", "torch.Tensor.view",
+        "torch._tensor.Tensor.norm", "torch.all", "torch.amin", "torch.any", "torch.argsort", "torch.cosine_similarity",
+        "torch.count_nonzero", "torch.cummax", "torch.cummin", "torch.functional.einsum", "torch.functional.norm",
+        "torch.linalg_norm", "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.median",
+        "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum", "torch.nn.functional.layer_norm",
+        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.sort", "torch.std", "torch.std_mean",
+        "torch.sub", "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean"
     }),
     # token grids: finite differences, matmul and attention combine in the rule's body
     "tokens": frozenset({
-        "torch.Tensor.diff", "torch.Tensor.matmul", "torch.diff", "torch.gradient",
-        "torch.scaled_dot_product_attention"
+        "torch.Tensor.diff", "torch.Tensor.matmul", "torch.diff", "torch.gradient", "torch.scaled_dot_product_attention"
     }),
 }
 

@@ -25,9 +25,10 @@ from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
-from mesh3d.domain.dispatch.step import Entering, Moved, Partial, Resplit, Rows, Step
+from mesh3d.domain.dispatch.step import Entering, LineRows, Moved, Partial, Pencils, Resplit, Rows, Step
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
+from mesh3d.domain.layouts.blocks import gather_along
 from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton
 from mesh3d.domain.layouts.transpose import move_rows
 from mesh3d.domain.core.trees import tree_map
@@ -54,7 +55,7 @@ def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[],
         raise reported from err
 
 
-_MOVES = (Window, Rows, Resplit, Moved)
+_MOVES = (Window, Rows, Resplit, Moved, Pencils, LineRows)
 
 
 def changes_layout(step: Step, lead: DomainTensor) -> bool:
@@ -136,10 +137,24 @@ def _resolve(req: Any) -> Any:
     if isinstance(req, Moved):
         spec = req.x._spec
         return move_rows(unwrap(req.x), spec.comm, spec.dim, spec.sizes, req.dim, req.sizes)
+    if isinstance(req, LineRows):
+        local, spec = unwrap(req.x), req.x._spec
+        for axis, needs in req.gathers:
+            local = gather_along(local, spec, axis, needs)
+        return local
+    if isinstance(req, Pencils):
+        return _along_lines(unwrap(req.x), req.moves)
     if isinstance(req, Entering):
         plain = unwrap(req.x)
         return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
     return req
+
+
+def _along_lines(local: torch.Tensor, moves: tuple) -> torch.Tensor:
+    """``local`` with ``step.Pencils``' moves run in order, each an all-to-all on its grid line."""
+    for line, src, src_sizes, dst, dst_sizes in moves:
+        local = move_rows(local, line, src, src_sizes, dst, dst_sizes)
+    return local
 
 
 def _window_rows(req: Window, xplan: ExchangePlan, pad: int) -> Extended:
@@ -215,7 +230,9 @@ def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim:
                       **kwargs)
     if partial is not None:
         out = _combined(out, partial, spec)
-    if laid_out_as is not None:  # NOTE: moved to ``spec``'s dim and sizes (``step.Moved``'s way back)
+    if type(laid_out_as) is Pencils:  # NOTE: blocks moved back along their grid lines
+        out = tree_map(lambda o: _along_lines(o, laid_out_as.moves) if isinstance(o, torch.Tensor) else o, out)
+    elif laid_out_as is not None:  # NOTE: moved to ``spec``'s dim and sizes (``step.Moved``'s way back)
         out = tree_map(lambda o: move_rows(o, spec.comm, laid_out_as.dim, laid_out_as.sizes, spec.dim, spec.sizes)
                        if isinstance(o, torch.Tensor) else o, out)
     if spec is None:

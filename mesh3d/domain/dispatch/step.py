@@ -25,10 +25,11 @@ from typing import Any
 
 
 from mesh3d.domain.comm.rows import RowMap
+from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["Entering", "Moved", "Partial", "Resplit", "Rows", "Step"]
+__all__ = ["Entering", "LineRows", "Moved", "Partial", "Pencils", "Resplit", "Rows", "Step"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,33 @@ class Moved:
     x: DomainTensor
     dim: int
     sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LineRows:
+    """Rows of a block tensor ``x`` gathered along its grid lines, one block dim after the other: for each ``(axis,
+    needs)`` in order, ``needs[r]`` (a ``RowMap``) the rows of block dim ``axis`` that rank ``r`` of that grid line
+    reads; resolved to a plain tensor.
+
+    Usage: ``Step(lambda t: torch.flip(t, dims), (LineRows(xs, ((1, mirrored_rows(sizes)),)),), out=xs.spec)``
+    """
+
+    x: DomainTensor
+    gathers: tuple[tuple[int, tuple[RowMap, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Pencils:
+    """Rows moved along grid lines of blocks, one all-to-all per move, in order: ``(line, src_dim, src_sizes, dst_dim,
+    dst_sizes)`` makes ``src_dim`` whole on that grid line and splits ``dst_dim`` as ``dst_sizes`` (a pencil
+    decomposition); differentiable. As an argument: ``x``'s local tensor so moved. As a step's ``laid_out_as`` (``x``
+    None): the step's results are so moved before they are wrapped (the way back).
+
+    Usage: ``Step(fft, (Pencils(xs, there),), out=spec, laid_out_as=Pencils(None, back))``
+    """
+
+    x: DomainTensor | None
+    moves: tuple[tuple[DomainComm, int, tuple[int, ...], int, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.dispatch.executor import run_step
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
-from mesh3d.domain.layouts.blocks import gather_along
+from mesh3d.domain.dispatch.step import Entering, LineRows, Step
 from mesh3d.domain.layouts.relayout import blocks_to_blocks
 from mesh3d.domain.ops.blocks import layout, resample  # noqa: F401  (their rules, wrapped here, registered first)
 from mesh3d.domain.ops.global_index import flipped_dims, mirrored_rows, rolled_rows
@@ -45,26 +45,25 @@ def _roll(input, shifts, dims=None):
     spec = _spec(input)
     shifts_t = (shifts,) if isinstance(shifts, int) else tuple(shifts)
     dims_t = [d % input.ndim for d in ((dims,) if isinstance(dims, int) else dims)]
-    local = unwrap(input)
     others = [(s, d) for s, d in zip(shifts_t, dims_t) if d not in spec.dims]
+    gathers = []
     for axis, d in enumerate(spec.dims):
         along = sum(s for s, e in zip(shifts_t, dims_t) if e == d)
         n = sum(spec.sizes[axis])
         if n and along % n:
-            needs = tuple(rolled_rows(o, c, along, n) for o, c in zip(offsets_of(spec.sizes[axis]), spec.sizes[axis]))
-            local = gather_along(local, spec, axis, needs)
-    if others:
-        local = torch.roll(local, [s for s, _ in others], [d for _, d in others])
-    return adopt(local if local is not unwrap(input) else local.view_as(local), spec)
+            gathers.append((axis, tuple(rolled_rows(o, c, along, n)
+                                        for o, c in zip(offsets_of(spec.sizes[axis]), spec.sizes[axis]))))
+
+    def local_roll(t: torch.Tensor) -> torch.Tensor:
+        return torch.roll(t, [s for s, _ in others], [d for _, d in others]) if others else t.view_as(t)
+
+    return Step(local_roll, (LineRows(input, tuple(gathers)),), out=spec)
 
 
-def _on_other_axes(t: DomainTensor, ref: BlockSpec, axis: int) -> torch.Tensor:
-    """``t``'s local block with its rows of every block dim but ``axis`` laid out as ``ref``'s."""
-    have, local = _spec(t), unwrap(t)
-    for k, (mine, want) in enumerate(zip(have.sizes, ref.sizes)):
-        if k != axis and mine != want:
-            local = gather_along(local, have, k, block_needs(want))
-    return local
+def _other_axes_needs(have: BlockSpec, ref: BlockSpec, axis: int) -> list:
+    """The gathers (``step.LineRows``) that lay a block's rows of every block dim but ``axis`` out as ``ref``'s."""
+    return [(k, block_needs(want)) for k, (mine, want) in enumerate(zip(have.sizes, ref.sizes))
+            if k != axis and mine != want]
 
 
 def _turned_back(t: DomainTensor, spec: BlockSpec, axis: int) -> DomainTensor:
@@ -88,27 +87,36 @@ def cat_along_block_dim(tensors: list, dim: int, ref: DomainTensor) -> DomainTen
     blocks = [_turned_back(t, spec, axis) if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec) else None
               for t in tensors]
     sizes = joined_sizes(lengths, [None if b is None else _spec(b).sizes[axis] for b in blocks], line.size)
-    parts, at = [], 0
+    parts, at = [], 0  # NOTE: per piece, its requirement and what narrows it to this rank's rows (None: nothing)
     for t, b, n in zip(tensors, blocks, lengths):
         needs = piece_needs(sizes, at, n)
         if b is not None:
             if _spec(b).dims != spec.dims:
                 raise NotImplementedError(f"{op_name(torch.cat)} on blocks: pieces with other block dims")
-            parts.append(gather_along(_on_other_axes(b, spec, axis), _spec(b), axis, needs))
+            parts.append((LineRows(b, (*_other_axes_needs(_spec(b), spec, axis), (axis, needs))), None))
         else:
             if isinstance(t, DomainTensor) and t._spec.sharded_dims:
                 raise NotImplementedError(f"{op_name(torch.cat)} on blocks: a piece laid out otherwise than blocks")
-            plain = sum_grad(unwrap(t), spec.comm) if isinstance(t, DomainTensor) and t.requires_grad else unwrap(t)
-            for k, d in enumerate(spec.dims):
-                if k != axis:
-                    plain = plain.narrow(d, spec.offsets[k], spec.local_sizes[k])
             mine = needs[line.index]
-            parts.append(plain.narrow(dim, mine[0].start if mine else 0, len(mine[0]) if mine else 0))
+            cut = [(d, spec.offsets[k], spec.local_sizes[k]) for k, d in enumerate(spec.dims) if k != axis]
+            cut.append((dim, mine[0].start if mine else 0, len(mine[0]) if mine else 0))
+            parts.append((Entering(t) if isinstance(t, DomainTensor) else t, cut))
         at += n
     new = list(spec.sizes)
     new[axis] = sizes
-    return adopt(torch.cat(parts, dim), spec.with_sizes(tuple(new)),
-                 tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+    cuts = [cut for _, cut in parts]
+
+    def joined(*pieces: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p if cut is None else _narrowed(p, cut) for p, cut in zip(pieces, cuts)], dim)
+
+    return run_step(Step(joined, tuple(req for req, _ in parts), out=spec.with_sizes(tuple(new)),
+                         keep=tuple(t for t in tensors if not isinstance(t, DomainTensor))))
+
+
+def _narrowed(t: torch.Tensor, cut: list) -> torch.Tensor:
+    for d, start, length in cut:
+        t = t.narrow(d, start, length)
+    return t
 
 
 _BLOCK_CAT = BLOCK_RULES.get(torch.cat)
@@ -122,13 +130,17 @@ def _cat(tensors, dim=0):
     return _BLOCK_CAT(tensors, dim)
 
 
-def _index_along(x: DomainTensor, dim: int, index: torch.Tensor) -> DomainTensor:
+def _index_along(x: DomainTensor, dim: int, index: torch.Tensor) -> Step:
     spec = _spec(x)
     axis = spec.dims.index(dim)
     sizes, needs = index_plan(global_rows(index, sum(spec.sizes[axis]), dim), spec.sizes[axis], spec.lines[axis].size)
     new = list(spec.sizes)
     new[axis] = sizes
-    return adopt(gather_along(unwrap(x), spec, axis, needs), spec.with_sizes(tuple(new)))
+    return Step(_itself, (LineRows(x, ((axis, needs),)),), out=spec.with_sizes(tuple(new)))
+
+
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 _BLOCK_GETITEM = BLOCK_RULES.get(torch.Tensor.__getitem__)
@@ -142,7 +154,7 @@ def _getitem(x, index):
         at = tensors[0]
         dim = sum(1 for item in items[:at] if item is not None)
         if dim in _spec(x).dims:
-            picked = _index_along(x, dim, torch.as_tensor(items[at]))
+            picked = run_step(_index_along(x, dim, torch.as_tensor(items[at])))
             rest = tuple(slice(None) if i == at else item for i, item in enumerate(items))
             return _BLOCK_GETITEM(picked, rest)
     return _BLOCK_GETITEM(x, index)
@@ -198,11 +210,9 @@ def _flip(input, *dims, **kwargs):
     """A flip along block dims: each rank fetches the mirror image of its rows along each flipped line, then flips
     locally; the sizes stay (a cube-sphere face turned by ``rot90``)."""
     flipped = flipped_dims(dims, kwargs, input.ndim)
-    spec, local = _spec(input), unwrap(input)
-    for axis, d in enumerate(spec.dims):
-        if d in flipped:
-            local = gather_along(local, spec, axis, mirrored_rows(spec.sizes[axis]))
-    return adopt(torch.flip(local, flipped), spec)
+    spec = _spec(input)
+    gathers = tuple((axis, mirrored_rows(spec.sizes[axis])) for axis, d in enumerate(spec.dims) if d in flipped)
+    return Step(lambda t: torch.flip(t, flipped), (LineRows(input, gathers),), out=spec)
 
 
 def _stack(tensors, dim=0, *, out=None):

@@ -21,38 +21,43 @@ from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.ops.spectral import FFT_OPS, transformed_dims, global_sizes, on_maybe_empty, with_fft_signature
 from mesh3d.domain.dispatch.registry import BLOCK_RULES
 from mesh3d.domain.core.split import split_sizes
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
-from mesh3d.domain.layouts.transpose import move_rows
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
+from mesh3d.domain.dispatch.step import Pencils, Step
 
 __all__: list[str] = []
 
 
-def _pencils(x: DomainTensor, dims: list[int], local_op: Callable[[torch.Tensor], torch.Tensor], op: str):
+def _pencils(x: DomainTensor, dims: list[int], local_op: Callable[[torch.Tensor], torch.Tensor], op: str) -> Step:
+    """The step of ``local_op`` with ``dims`` whole: for each grid dim among them, its rows swapped along the grid line
+    with the largest dim outside the transform (``step.Pencils``), and swapped back after (``laid_out_as``). A dim
+    whose length the transform changes (read from the op on a meta tensor of the whole's shape) comes back in
+    ``torch.chunk`` sizes of its new length."""
     spec = x._spec
     assert isinstance(spec, BlockSpec)
     moved = [(axis, d) for axis, d in enumerate(spec.dims) if d in dims]
-    local = unwrap(x)
     if not moved:
-        return adopt(on_maybe_empty(local_op, local), spec)  # NOTE: FFT libraries refuse an empty block
+        return Step(lambda t: on_maybe_empty(local_op, t), (x,), out=spec)  # NOTE: FFT libraries refuse an empty block
     free = [d for d in range(x.ndim) if d not in dims and d not in spec.dims]
     if not free:
         raise NotImplementedError(f"{op} on blocks over dims {dims}: no dim outside the transform and the blocks "
                                   "is left to hold the sharding; keep the batch or channel dim out of dim=")
-    park = max(free, key=lambda d: local.shape[d])
-    parked = []  # (axis, the sizes of the parked dim on its grid line)
-    for axis, d in moved:
+    shape = list(unwrap(x).shape)
+    park = max(free, key=lambda d: shape[d])
+    there = []
+    for axis, d in moved:  # NOTE: with two grid dims the parked dim is split twice, each line splitting what is left
         line = spec.lines[axis]
-        park_sizes = split_sizes(local.shape[park], line.size)
-        local = move_rows(local, line, d, spec.sizes[axis], park, park_sizes)
-        parked.append((axis, park_sizes))
-    out = on_maybe_empty(local_op, local)
+        park_sizes = split_sizes(shape[park], line.size)
+        there.append((line, d, tuple(spec.sizes[axis]), park, park_sizes))
+        shape[d], shape[park] = sum(spec.sizes[axis]), park_sizes[line.index]
+    whole = local_op(torch.empty(tuple(size_of(x)), dtype=unwrap(x).dtype, device="meta")).shape
     new_sizes = list(spec.sizes)
-    for axis, park_sizes in reversed(parked):
-        d, line = spec.dims[axis], spec.lines[axis]
-        n_out = out.shape[d]
-        new_sizes[axis] = spec.sizes[axis] if n_out == sum(spec.sizes[axis]) else split_sizes(n_out, line.size)
-        out = move_rows(out, line, park, park_sizes, d, new_sizes[axis])
-    return adopt(out, spec.with_sizes(tuple(new_sizes)))
+    back = []
+    for line, d, sizes, _, park_sizes in reversed(there):
+        axis = spec.dims.index(d)
+        new_sizes[axis] = sizes if whole[d] == sum(sizes) else split_sizes(whole[d], line.size)
+        back.append((line, park, park_sizes, d, tuple(new_sizes[axis])))
+    return Step(lambda t: on_maybe_empty(local_op, t), (Pencils(x, tuple(there)),),
+                out=spec.with_sizes(tuple(new_sizes)), laid_out_as=Pencils(None, tuple(back)))
 
 
 def _fft_rule(name: str, kind: int) -> Callable:
