@@ -25,42 +25,32 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     }),
     # blocks: views, moves, gathers, norms and order statistics along a grid line still combine in the rule's body
     "blocks2": frozenset({
-        "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any", "torch.Tensor.argsort",
-        "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.logcumsumexp",
-        "torch.Tensor.logsumexp", "torch.Tensor.median", "torch.Tensor.nanmean", "torch.Tensor.nanmedian",
-        "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.quantile", "torch.Tensor.reshape",
-        "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.var", "torch.Tensor.view", "torch._tensor.Tensor.norm",
-        "torch.add", "torch.all", "torch.amin", "torch.any", "torch.argsort", "torch.conv2d", "torch.cosine_similarity",
-        "torch.count_nonzero", "torch.cummax", "torch.cummin", "torch.functional.einsum", "torch.functional.norm",
-        "torch.linalg_norm", "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.median",
-        "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum",
-        "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
-        "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm", "torch.nn.functional.instance_norm",
-        "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm", "torch.nn.functional.max_pool2d",
-        "torch.nn.functional.pad", "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
+        "torch.Tensor.argsort", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.logcumsumexp",
+        "torch.Tensor.median", "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.quantile",
+        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.view", "torch.add", "torch.argsort", "torch.conv2d",
+        "torch.cummax", "torch.cummin", "torch.functional.einsum", "torch.logcumsumexp", "torch.median",
+        "torch.nanmedian", "torch.nanquantile", "torch.nn.functional.adaptive_avg_pool2d",
+        "torch.nn.functional.adaptive_max_pool2d", "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm",
+        "torch.nn.functional.instance_norm", "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm",
+        "torch.nn.functional.max_pool2d", "torch.nn.functional.pad",
+        "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
         "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.quantile", "torch.reshape",
-        "torch.sort", "torch.std", "torch.std_mean", "torch.sub", "torch.trapezoid", "torch.trapz", "torch.var",
-        "torch.var_mean", "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
+        "torch.sort", "torch.sub", "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
     }),
     # as blocks2, on a 3-D grid
     "blocks3": frozenset({
-        "torch.Tensor.__getitem__", "torch.Tensor.all", "torch.Tensor.amin", "torch.Tensor.any", "torch.Tensor.argsort",
-        "torch.Tensor.count_nonzero", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.flatten",
-        "torch.Tensor.logcumsumexp", "torch.Tensor.logsumexp", "torch.Tensor.median", "torch.Tensor.nanmean",
-        "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.nansum", "torch.Tensor.quantile",
-        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.std", "torch.Tensor.var", "torch.Tensor.view",
-        "torch._tensor.Tensor.norm", "torch.all", "torch.amin", "torch.any", "torch.argsort", "torch.cosine_similarity",
-        "torch.count_nonzero", "torch.cummax", "torch.cummin", "torch.functional.einsum", "torch.functional.norm",
-        "torch.linalg_norm", "torch.linalg_vector_norm", "torch.logcumsumexp", "torch.logsumexp", "torch.median",
-        "torch.nanmean", "torch.nanmedian", "torch.nanquantile", "torch.nansum", "torch.nn.functional.layer_norm",
-        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.sort", "torch.std", "torch.std_mean",
-        "torch.sub", "torch.trapezoid", "torch.trapz", "torch.var", "torch.var_mean"
+        "torch.Tensor.__getitem__", "torch.Tensor.argsort", "torch.Tensor.cummax", "torch.Tensor.cummin",
+        "torch.Tensor.flatten", "torch.Tensor.logcumsumexp", "torch.Tensor.median", "torch.Tensor.nanmedian",
+        "torch.Tensor.nanquantile", "torch.Tensor.quantile", "torch.Tensor.reshape", "torch.Tensor.sort",
+        "torch.Tensor.view", "torch.argsort", "torch.cummax", "torch.cummin", "torch.functional.einsum",
+        "torch.logcumsumexp", "torch.median", "torch.nanmedian", "torch.nanquantile", "torch.nn.functional.layer_norm",
+        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.sort", "torch.sub"
     }),
-    # token grids: finite differences, matmul and attention combine in the rule's body
+    # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({
-        "torch.Tensor.diff", "torch.Tensor.matmul", "torch.diff", "torch.gradient", "torch.scaled_dot_product_attention"
+        "torch.Tensor.matmul", "torch.scaled_dot_product_attention"
     }),
 }
 

@@ -62,3 +62,34 @@ def test_the_watch_sees_a_rule_that_talks_and_not_one_that_declares(ranks):
         assert sums["talking"] == sums["declaring"] == float(x.sum()), sums  # both rules gave the whole sum
         assert abs(sums["halo"] - float(F.avg_pool2d(x, 3, 1, 1).sum())) < 1e-9, sums
         assert restored
+
+
+def _nested_refusal_body():
+    """``torch.all`` over one of two block dims on a 2x1 grid: its composite's ``torch.sum`` refuses on every rank."""
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.dispatch import executor
+
+    DistributedManager.initialize(batch=1, domain=(2, 1))
+    xs = domain.shard(torch.randn(2, 3, 7, 5, dtype=torch.float64), dims=(2, 3), sizes=((4, 3), (5,)))
+    told, report = [], executor.report_failure
+
+    def counted(comm, op, err, *args):
+        told.append(op)
+        return report(comm, op, err, *args)
+
+    executor.report_failure = counted
+    try:
+        torch.all(xs, dim=2)
+    except NotImplementedError as err:
+        return told, str(err)
+    finally:
+        executor.report_failure = report
+    return told, None
+
+
+def test_a_refusal_inside_a_composite_is_told_once_naming_the_op_called(ranks):
+    """The peers are told of a failure once, by the dispatcher around the op the user called, not again by each op its
+    rule composes (a rule never talks, its refusals included; it was told twice, the first naming ``torch.sum``)."""
+    for told, message in ranks.run(2, _nested_refusal_body, timeout=120):
+        assert message is not None and "block" in message, message  # refused by name, on every rank
+        assert told == ["torch.all"], told

@@ -9,6 +9,7 @@ Usage (``dispatch.dispatcher`` runs every rule's step here; a rule that composes
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -38,12 +39,26 @@ __all__ = ["STEP_TAP", "StepTap", "changes_layout", "op_label", "run_kept", "run
            "telling_peers_of_failure"]
 
 
+class _Telling(threading.local):
+    """How deep this thread is in ops whose failure is told to peers (``telling_peers_of_failure``)."""
+
+    depth = 0
+
+
+_TELLING = _Telling()
+
+
 def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
     """``run()``; if it fails on this rank, tell every domain peer before raising.
 
     NOTE: a rank that fails alone would leave its peers waiting in their next exchange: tell them, and
     learn whether the failure is a symptom of the ranks taking different paths (then that error is raised).
+    An op a rule calls (a composite's parts) fails through the outermost op's call, which tells the peers once,
+    naming the op the user called: a rule never talks itself, its refusals included.
     """
+    if _TELLING.depth:
+        return run()
+    _TELLING.depth += 1
     try:
         return run()
     except (DomainDivergenceError, DomainPeerLostError):  # its peers were told already
@@ -53,6 +68,8 @@ def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[],
         if reported is err:
             raise
         raise reported from err
+    finally:
+        _TELLING.depth -= 1
 
 
 _MOVES = (Window, Rows, Resplit, Moved, Pencils, LineRows)
