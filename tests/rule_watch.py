@@ -27,7 +27,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     "blocks2": frozenset({
         "torch.Tensor.argsort", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.logcumsumexp",
         "torch.Tensor.median", "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.quantile",
-        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.view", "torch.add", "torch.argsort", "torch.conv2d",
+        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.view", "torch.argsort", "torch.conv2d",
         "torch.cummax", "torch.cummin", "torch.functional.einsum", "torch.logcumsumexp", "torch.median",
         "torch.nanmedian", "torch.nanquantile", "torch.nn.functional.adaptive_avg_pool2d",
         "torch.nn.functional.adaptive_max_pool2d", "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm",
@@ -37,7 +37,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
         "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.quantile", "torch.reshape",
-        "torch.sort", "torch.sub", "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
+        "torch.sort", "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
     }),
     # as blocks2, on a 3-D grid
     "blocks3": frozenset({
@@ -46,7 +46,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
         "torch.Tensor.nanquantile", "torch.Tensor.quantile", "torch.Tensor.reshape", "torch.Tensor.sort",
         "torch.Tensor.view", "torch.argsort", "torch.cummax", "torch.cummin", "torch.functional.einsum",
         "torch.logcumsumexp", "torch.median", "torch.nanmedian", "torch.nanquantile", "torch.nn.functional.layer_norm",
-        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.sort", "torch.sub"
+        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.sort"
     }),
     # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({

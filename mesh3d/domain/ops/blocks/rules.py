@@ -27,7 +27,8 @@ from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.step import LineRows, Step
+from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.norm import normalize, rounded_like
@@ -63,7 +64,7 @@ def elementwise_rule(func: Callable) -> Callable:
             if not isinstance(o, torch.Tensor):
                 return o
             if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches, x.mT)
-                return blocks_in_layout(o, spec)
+                return _in_layout(o, spec)
             if isinstance(o, DomainTensor):  # a replicated value entering the blocks
                 if o._spec.dim is not None:
                     return _slab_in_layout(func, o, ref, spec)
@@ -88,6 +89,18 @@ def elementwise_rule(func: Callable) -> Callable:
     return rule
 
 
+def _in_layout(o: DomainTensor, spec: BlockSpec) -> Any:
+    """``o``'s block laid out as ``spec``: itself, its rows gathered along the grid lines whose sizes differ
+    (``step.LineRows``, for the executor), or (a block turned onto other dims) moved over ``spec``'s dims here."""
+    have = _spec_of(o)
+    if have.dims == spec.dims and have.sizes == spec.sizes:
+        return unwrap(o)
+    if have.dims == spec.dims and [sum(s) for s in have.sizes] == [sum(s) for s in spec.sizes]:
+        pairs = enumerate(zip(have.sizes, spec.sizes))
+        return LineRows(o, tuple((axis, block_needs(want)) for axis, (mine, want) in pairs if mine != want))
+    return blocks_in_layout(o, spec)
+
+
 def _slab_in_layout(func: Callable, o: DomainTensor, ref: DomainTensor, spec: BlockSpec) -> torch.Tensor:
     """This block of a slab operand: a window attention's output (its windows ran on slabs: ``layout``'s
     ``reshape_blocks``) meeting its shortcut."""
@@ -104,14 +117,20 @@ def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[
 
     Usage: ``return run_elementwise(torch.add, args, kwargs, local, ref, "blocks")``
     """
-    out = func(*[local(a) for a in args], **{k: local(v) for k, v in kwargs.items()})
-    if isinstance(out, torch.Tensor) and out.ndim == ref.ndim:
-        keep = tuple(t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
-                     and not isinstance(t, DomainTensor))
-        return adopt(out, ref._spec, keep)
-    if isinstance(out, torch.Tensor):
-        raise NotImplementedError(f"{op_name(func)}: on {layout}, the result must keep the input's dims")
-    return out
+    largs, lkwargs = [local(a) for a in args], {k: local(v) for k, v in kwargs.items()}
+    keep = tuple(t for t in (*args, *kwargs.values())
+                 if isinstance(t, torch.Tensor) and not isinstance(t, DomainTensor))
+
+    def compute(*a: Any, **k: Any) -> Any:
+        out = func(*a, **k)
+        if isinstance(out, torch.Tensor) and out.ndim != ref.ndim:
+            raise NotImplementedError(f"{op_name(func)}: on {layout}, the result must keep the input's dims")
+        return out
+
+    if any(isinstance(a, LineRows) for a in (*largs, *lkwargs.values())):
+        return Step(compute, tuple(largs), lkwargs, out=ref._spec, keep=keep)  # NOTE: rows the executor gathers
+    out = compute(*largs, **lkwargs)
+    return adopt(out, ref._spec, keep) if isinstance(out, torch.Tensor) else out
 
 
 for _f in ELEMENTWISE:
