@@ -27,12 +27,11 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     "blocks2": frozenset({
         "torch.Tensor.argsort", "torch.Tensor.cummax", "torch.Tensor.cummin", "torch.Tensor.logcumsumexp",
         "torch.Tensor.median", "torch.Tensor.nanmedian", "torch.Tensor.nanquantile", "torch.Tensor.quantile",
-        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.view", "torch.argsort", "torch.conv2d",
-        "torch.cummax", "torch.cummin", "torch.functional.einsum", "torch.logcumsumexp", "torch.median",
-        "torch.nanmedian", "torch.nanquantile", "torch.nn.functional.adaptive_avg_pool2d",
-        "torch.nn.functional.adaptive_max_pool2d", "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm",
-        "torch.nn.functional.instance_norm", "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm",
-        "torch.nn.functional.max_pool2d", "torch.nn.functional.pad",
+        "torch.Tensor.reshape", "torch.Tensor.sort", "torch.Tensor.view", "torch.argsort", "torch.cummax",
+        "torch.cummin", "torch.functional.einsum", "torch.logcumsumexp", "torch.median", "torch.nanmedian",
+        "torch.nanquantile", "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
+        "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm", "torch.nn.functional.instance_norm",
+        "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm",
         "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
@@ -46,7 +45,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
         "torch.Tensor.nanquantile", "torch.Tensor.quantile", "torch.Tensor.reshape", "torch.Tensor.sort",
         "torch.Tensor.view", "torch.argsort", "torch.cummax", "torch.cummin", "torch.functional.einsum",
         "torch.logcumsumexp", "torch.median", "torch.nanmedian", "torch.nanquantile", "torch.nn.functional.layer_norm",
-        "torch.nn.functional.pad", "torch.quantile", "torch.reshape", "torch.sort"
+        "torch.quantile", "torch.reshape", "torch.sort"
     }),
     # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({

@@ -24,12 +24,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-from mesh3d.domain.comm.rows import RowMap
+from mesh3d.domain.comm.rows import ExchangePlan, RowMap
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["Entering", "LineRows", "Moved", "Partial", "Pencils", "Resplit", "Rows", "Step"]
+__all__ = ["Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Resplit", "Rows", "Step"]
 
 
 @dataclass(frozen=True)
@@ -79,6 +79,21 @@ class LineRows:
 
     x: DomainTensor
     gathers: tuple[tuple[int, tuple[RowMap, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Boxes:
+    """Rows of a block tensor ``x`` along every block dim, ``plans[k]`` (an ``ExchangePlan`` on grid line ``k``:
+    ``layouts.blocks.box_plans`` or ``window_plans``), every neighbour's box in one round with its corners, or one pass
+    per block dim (``passes``); ``fill`` for rows outside the whole. Resolved to a plain tensor.
+
+    Usage: ``Step(conv, (Boxes(xs, window_plans(spec, 2, k, s, d, pads)[0]),), out=out_spec)``
+    """
+
+    x: DomainTensor
+    plans: tuple[ExchangePlan, ...]
+    fill: float = 0.0
+    passes: bool = False
 
 
 @dataclass(frozen=True)

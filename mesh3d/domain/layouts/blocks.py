@@ -42,8 +42,9 @@ from mesh3d.manager import DistributedManager
 from mesh3d.domain.core.plan_cache import plan_cache
 from mesh3d.domain.core.specs import BlockSpec
 
-__all__ = ["SimulatedGrid", "block_full_tensor", "extend_windows", "gather_along", "gather_boxes", "grid_comms",
-           "halo_rows_only", "in_layout", "replicate_blocks_if_singleton", "shard_blocks", "simulated_grid"]
+__all__ = ["SimulatedGrid", "block_full_tensor", "box_plans", "extend_windows", "gather_along", "gather_boxes",
+           "gather_planned", "grid_comms", "halo_rows_only", "in_layout", "replicate_blocks_if_singleton", "shard_blocks",
+           "simulated_grid", "window_plans"]
 
 
 class SimulatedGrid:
@@ -172,35 +173,60 @@ def halo_rows_only(sizes: tuple[int, ...], plan: WindowPlan, me: int) -> tuple[E
     return plan_exchange(sizes, plan.needs[:me] + (core,) + plan.needs[me + 1:], me), left, right
 
 
-def extend_windows(local: torch.Tensor, spec: BlockSpec, first: int, kernel: Sequence[int], stride: Sequence[int],
-                   dilation: Sequence[int], pads: list[tuple[int, int]]) -> tuple[torch.Tensor, BlockSpec]:
-    """This rank's input rows for a window op on blocks, halos and corners included; ``pads`` (per spatial dim,
-    ``first`` being the first spatial tensor dim) becomes the padding the kernel must still add.
+def window_plans(spec: BlockSpec, first: int, kernel: Sequence[int], stride: Sequence[int], dilation: Sequence[int],
+                 pads: list[tuple[int, int]]) -> tuple[tuple[ExchangePlan, ...], BlockSpec]:
+    """This rank's exchange per block dim for a window op's input rows, halos and corners (``gather_planned``), and the
+    output's layout; ``pads`` (per spatial dim, ``first`` being the first spatial tensor dim) becomes the padding the
+    kernel must still add.
 
-    Usage: ``ext, out_spec = extend_windows(local, spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])``
-
-    NOTE: all neighbours' boxes in one round (``blocks_halo``): it took 0.20-0.80x the time of one pass per
-    grid dim on the 2-core CPU (docs/benchmarks.md). With blocks overlap on, a rank whose level declines to overlap takes this path
-    while its grid-line peers post per-line messages: then this path must send the same ones, one pass per dim.
+    Usage: ``plans, out_spec = window_plans(spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])``
     """
     out_sizes, plans = [], []
     for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
         i = d - first
         plan = plan_window(sizes, kernel[i], stride[i], dilation[i], *pads[i])
         xplan, left, right = halo_rows_only(sizes, plan, line.index)
-        if SETTINGS.value.overlap.blocks:
-            local = gather_rows(local, d, xplan, line)  # the second pass moves extended rows: corners travel
         plans.append(xplan)
         pads[i] = (left, right)
         out_sizes.append(plan.out_sizes)
-    if not SETTINGS.value.overlap.blocks:
-        local = _gather_planned(local, spec, tuple(plans), 0.0)
-    return local, spec.with_sizes(tuple(out_sizes))
+    return tuple(plans), spec.with_sizes(tuple(out_sizes))
 
 
-def _gather_planned(local: torch.Tensor, spec: BlockSpec, plans: tuple[ExchangePlan, ...], fill: float) -> torch.Tensor:
+def extend_windows(local: torch.Tensor, spec: BlockSpec, first: int, kernel: Sequence[int], stride: Sequence[int],
+                   dilation: Sequence[int], pads: list[tuple[int, int]]) -> tuple[torch.Tensor, BlockSpec]:
+    """This rank's input rows for a window op on blocks (``window_plans``, gathered here), and the output's layout.
+
+    Usage: ``ext, out_spec = extend_windows(local, spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])``
+    """
+    plans, out_spec = window_plans(spec, first, kernel, stride, dilation, pads)
+    return gather_planned(local, spec, plans, 0.0, SETTINGS.value.overlap.blocks), out_spec
+
+
+def gather_planned(local: torch.Tensor, spec: BlockSpec, plans: tuple[ExchangePlan, ...], fill: float = 0.0,
+                   passes: bool = False) -> torch.Tensor:
+    """The rows ``plans`` (one ``ExchangePlan`` per block dim) bring: every neighbour's box in one round, corners
+    included, or (``passes``) one pass per block dim, the second moving extended rows (corners travel).
+
+    Usage: ``ext = gather_planned(local, spec, box_plans(spec, [needs_h, needs_w]))``
+
+    NOTE: one round took 0.20-0.80x the time of one pass per grid dim on the 2-core CPU (docs/benchmarks.md). With
+    blocks overlap on, a rank whose level declines to overlap takes a window's plain path while its grid-line peers
+    post per-line messages: then it must send the same ones, one pass per dim (``passes``).
+    """
+    if passes:
+        for d, plan, line in zip(spec.dims, plans, spec.lines):
+            local = gather_rows(local, d, plan, line, fill)
+        return local
     grid = tuple(len(s) for s in spec.sizes)
     return gather_box(local, spec.dims, plans, tuple(line.index for line in spec.lines), grid, spec.comm, fill)
+
+
+def box_plans(spec: BlockSpec, needs: Sequence[tuple]) -> tuple[ExchangePlan, ...]:
+    """This rank's exchange per block dim for rows ``needs[k]`` (one row map per rank of grid line ``k``).
+
+    Usage: ``ext = gather_planned(local, spec, box_plans(spec, [needs_h, needs_w]))``
+    """
+    return tuple(plan_exchange(s, tuple(n), line.index) for s, n, line in zip(spec.sizes, needs, spec.lines))
 
 
 def gather_boxes(local: torch.Tensor, spec: BlockSpec, needs: Sequence[tuple], fill: float = 0.0) -> torch.Tensor:
@@ -208,8 +234,7 @@ def gather_boxes(local: torch.Tensor, spec: BlockSpec, needs: Sequence[tuple], f
 
     Usage: ``ext = gather_boxes(local, spec, [needs_h, needs_w])   # what gather_along twice would give``
     """
-    plans = tuple(plan_exchange(s, tuple(n), line.index) for s, n, line in zip(spec.sizes, needs, spec.lines))
-    return _gather_planned(local, spec, plans, fill)
+    return gather_planned(local, spec, box_plans(spec, needs), fill)
 
 
 def gather_along(local: torch.Tensor, spec: BlockSpec, axis: int, needs: tuple, fill: float = 0.0) -> torch.Tensor:

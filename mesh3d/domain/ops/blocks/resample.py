@@ -24,7 +24,9 @@ from mesh3d._torch_private import PAD_BUILTIN
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
 from mesh3d.domain.layouts.blocks import (
-    extend_windows, gather_along, gather_boxes, replicate_blocks_if_singleton)
+    box_plans, gather_along, gather_boxes, replicate_blocks_if_singleton, window_plans)
+from mesh3d.domain.core.settings import SETTINGS
+from mesh3d.domain.dispatch.step import Boxes, Step
 from mesh3d.domain.comm.collectives import sum_dtype, sum_grad
 from mesh3d.domain.halo.windows import sizes_by_first_index
 from mesh3d.domain.ops.conv import padded_rows, as_tuple, bias_rows, pad_local, transpose_plan
@@ -69,21 +71,25 @@ def _pool(kind: str, nd: int, func: Callable) -> Callable:
             raise NotImplementedError(f"{name}: count_include_pad=False with padding along a block dim (the divisor "
                                       "would depend on the global edge); use count_include_pad=True")
         pads = [(p, p) for p in pd]
-        ext, out_spec = extend_windows(unwrap(input), spec, first, ks, st, dl, pads)
-        if 0 in out_spec.local_sizes:
-            shape = [*ext.shape[:first]] + [(ext.shape[first + i] + sum(pads[i]) - dl[i] * (ks[i] - 1) - 1) // st[i] + 1
-                                            for i in range(nd)]
-            return adopt(_zeros_like_out(ext, shape, out_spec), out_spec)
-        symmetric = all(lo == hi and lo <= ks[i] // 2 for i, (lo, hi) in enumerate(pads))
-        local_pad = tuple(lo for lo, _ in pads) if symmetric else 0
-        if not symmetric:  # edge blocks: the padding their kernel would add, added here (-inf for max)
-            flat = [v for i in reversed(range(nd)) for v in pads[i]]
-            ext = F.pad(ext, flat, value=-math.inf if kind == "max" else 0.0)
-        if kind == "max":
-            return adopt(func(ext, ks, st, local_pad, dl, False), out_spec)
-        if nd == 1:  # F.avg_pool1d has no divisor_override
-            return adopt(func(ext, ks, st, local_pad, False, True), out_spec)
-        return adopt(func(ext, ks, st, local_pad, False, True, divisor_override), out_spec)
+        plans, out_spec = window_plans(spec, first, ks, st, dl, pads)
+
+        def pool(ext: torch.Tensor) -> torch.Tensor:
+            if 0 in out_spec.local_sizes:
+                shape = [*ext.shape[:first]] + [(ext.shape[first + i] + sum(pads[i]) - dl[i] * (ks[i] - 1) - 1)
+                                                // st[i] + 1 for i in range(nd)]
+                return _zeros_like_out(ext, shape, out_spec)
+            symmetric = all(lo == hi and lo <= ks[i] // 2 for i, (lo, hi) in enumerate(pads))
+            local_pad = tuple(lo for lo, _ in pads) if symmetric else 0
+            if not symmetric:  # edge blocks: the padding their kernel would add, added here (-inf for max)
+                flat = [v for i in reversed(range(nd)) for v in pads[i]]
+                ext = F.pad(ext, flat, value=-math.inf if kind == "max" else 0.0)
+            if kind == "max":
+                return func(ext, ks, st, local_pad, dl, False)
+            if nd == 1:  # F.avg_pool1d has no divisor_override
+                return func(ext, ks, st, local_pad, False, True)
+            return func(ext, ks, st, local_pad, False, True, divisor_override)
+
+        return Step(pool, (Boxes(input, plans, 0.0, SETTINGS.value.overlap.blocks),), out=out_spec)
 
     if kind == "max":
         def rule(input, kernel_size, stride=None, padding=0, dilation=1, ceil_mode=False, return_indices=False):
@@ -114,21 +120,21 @@ def _conv_transpose(func: Callable, nd: int) -> Callable:
             me = line.index
             crops.append((d, starts[me] * s - p - offsets_of(outs)[me], outs[me], bool(needs[me])))
             out_sizes.append(outs)
-        local = gather_boxes(unwrap(input), spec, all_needs)  # every source row, all block dims in one round
         out_spec = spec.with_sizes(tuple(out_sizes))
         local_pad = tuple(0 if first + i in spec.dims else padding[i] for i in range(nd))
         local_op = tuple(0 if first + i in spec.dims else output_padding[i] for i in range(nd))
-        if not all(has for *_, has in crops):  # no contributing input rows: only the bias (or an empty block)
-            ref = func(local.new_zeros([*local.shape[:first], *[1] * nd]), weight, None, stride, 0, 0, groups, dilation)
-            shape = list(ref.shape)
-            for i in range(nd):
-                if first + i not in spec.dims:
-                    shape[first + i] = (local.shape[first + i] - 1) * stride[i] - 2 * padding[i] + \
-                        dilation[i] * (weight.shape[2 + i] - 1) + output_padding[i] + 1
-            y = _zeros_like_out(local, shape, out_spec, weight)
-            if bias is not None:
-                y = y + bias.view(1, -1, *([1] * nd))
-        else:
+
+        def transposed(local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+            if not all(has for *_, has in crops):  # no contributing input rows: only the bias (or an empty block)
+                ref = func(local.new_zeros([*local.shape[:first], *[1] * nd]), weight, None, stride, 0, 0, groups,
+                           dilation)
+                shape = list(ref.shape)
+                for i in range(nd):
+                    if first + i not in spec.dims:
+                        shape[first + i] = (local.shape[first + i] - 1) * stride[i] - 2 * padding[i] + \
+                            dilation[i] * (weight.shape[2 + i] - 1) + output_padding[i] + 1
+                y = _zeros_like_out(local, shape, out_spec, weight)
+                return y + bias.view(1, -1, *([1] * nd)) if bias is not None else y
             # NOTE: the bias inside torch's kernel, as one process adds it: one rounding in bf16/fp16, not two.
             y = func(local, weight, bias, stride, local_pad, local_op, groups, dilation)
             for d, start, size, _ in crops:  # where this rank's first output sits in y's rows, per block dim
@@ -136,7 +142,10 @@ def _conv_transpose(func: Callable, nd: int) -> Callable:
                 short = size - y.shape[d] - max(start, 0)
                 if start > 0 or short > 0:  # rows no input reaches: the bias alone
                     y = bias_rows(y, d, max(start, 0), short, bias)
-        return adopt(y, out_spec)
+            return y
+
+        # every source row, all block dims in one round
+        return Step(transposed, (Boxes(input, box_plans(spec, all_needs)), weight, bias), out=out_spec)
 
     return rule
 
@@ -213,8 +222,9 @@ def _pad(input, pad, mode="constant", value=None):
         if 2 * pos + 1 < len(pad):
             pad[2 * pos] = pad[2 * pos + 1] = 0
     # every padded block dim in one round; the fill value fills constant padding's rows (and their corners)
-    local = gather_boxes(unwrap(input), spec, all_needs, 0.0 if value is None else float(value))
-    return adopt(pad_local(local, pad, mode, value), spec.with_sizes(tuple(new_sizes)))
+    return Step(lambda local: pad_local(local, pad, mode, value),
+                (Boxes(input, box_plans(spec, all_needs), 0.0 if value is None else float(value)),),
+                out=spec.with_sizes(tuple(new_sizes)))
 
 
 def _cat(tensors, dim=0):

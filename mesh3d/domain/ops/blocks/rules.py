@@ -21,13 +21,14 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import argument_torch_dropped
 from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.layouts.blocks import extend_windows
+from mesh3d.domain.core.settings import SETTINGS
+from mesh3d.domain.layouts.blocks import window_plans
 from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
 from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import LineRows, Step
+from mesh3d.domain.dispatch.step import Boxes, LineRows, Step
 from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.connected import connected_zeros
@@ -182,8 +183,9 @@ def _conv_rule(func: Callable, nd: int) -> Callable:
         windows = [(ks[d - first], stride[d - first], dilation[d - first], *pads[d - first]) for d in spec.dims]
         out = overlapped_windows(unwrap(input), spec, windows, kernel)
         if out is None:
-            local, out_spec = extend_windows(unwrap(input), spec, first, ks, stride, dilation, pads)
-            return adopt(_local_conv(func, local, weight, bias, stride, pads, dilation, groups, sharded), out_spec)
+            plans, out_spec = window_plans(spec, first, ks, stride, dilation, pads)
+            return Step(lambda local, w, b: _local_conv(func, local, w, b, stride, pads, dilation, groups, sharded),
+                        (Boxes(input, plans, 0.0, SETTINGS.value.overlap.blocks), weight, bias), out=out_spec)
         return adopt(out, spec.with_sizes(tuple(plan_window(s, *w).out_sizes for s, w in zip(spec.sizes, windows))))
 
     return rule
