@@ -223,7 +223,7 @@ def run_step(step: Step) -> Any:
 
 def _combined(out: Any, partial: Partial, spec: Any) -> Any:
     """A partial step's local results (``step.Partial``) combined over ``spec``'s domain and finished."""
-    comm = spec.comm
+    comm = spec.comm if partial.over is None else partial.over
     combine = all_reduce_max if partial.combine == "max" else reduce_for_local_use if partial.for_shards else \
         reduce_to_replicated
     out = tree_map(lambda o: combine(o, comm) if isinstance(o, torch.Tensor) else o, out)

@@ -127,6 +127,7 @@ class Partial:
     rank holds the same bits; ``then`` (a function of the combined value: a mean's division, a rounding) finishes it.
     A sum's gradient reaches each rank's part unchanged, as every rank uses the value alike; ``for_shards``: each rank
     uses it its own way (its rows of a whole), so the gradients of its uses are summed over the domain on the way back.
+    ``over``: the ranks that combine (one grid line of blocks, ``spec.lines[k]``); the domain of ``out`` by default.
 
     Usage: ``Step(lambda t: t.sum(dtype=torch.float64), (xs,), out=DomainSpec.replicated(comm), partial=Partial())``
     """
@@ -134,6 +135,7 @@ class Partial:
     combine: str = "sum"
     then: Callable[[Any], Any] | None = None
     for_shards: bool = False
+    over: DomainComm | None = None
 
     def __post_init__(self) -> None:
         if self.combine not in ("sum", "max"):

@@ -10,14 +10,14 @@ row: each rank puts its shard at its offset in a tensor of the global length alo
 all-reduce of those sums them into the whole (exact: each element has one non-zero term). So this moves the whole
 tensor to every rank (D times the shard's memory for the call): meant for the sizes order statistics are taken
 over (sequence positions, a profile, a loss's quantile), not for a full-resolution field in a training step.
-Gradients follow ``collectives``: an output sharded like the input (``sort``, ``cummax``) gets the whole through
-``reduce_for_local_use`` (each rank's partial gradient of the whole is summed back to the owner of each row); a
-replicated output (``topk``, ``median``) through ``reduce_to_replicated``. Indices are global.
+The parts are a partial result the executor combines (``step.Partial``); gradients: an output sharded like the input
+(``sort``, ``cummax``) uses its rows of the whole (``for_shards``: each rank's partial gradient of the whole is summed
+back to the owner of each row); a replicated output (``topk``, ``median``) is passed straight back. Indices are global.
 
-On blocks the same holds along a block dim (the whole along it from the ranks of this rank's grid line) for the
-orders that keep the shape (``sort``, ``argsort``, the scans) and over everything (``median()``, ``quantile(q)``:
-the whole tensor, replicated); ``topk`` and the reductions along one block dim are refused by name, since blocks
-reduce over all their block dims or none.
+On blocks the same holds along a block dim (the whole along it from the ranks of this rank's grid line: the partial
+result's ``over``) for the orders that keep the shape (``sort``, ``argsort``, the scans) and over everything
+(``median()``, ``quantile(q)``: the whole tensor, replicated); ``topk`` and the reductions along one block dim are
+refused by name, since blocks reduce over all their block dims or none.
 """
 
 from __future__ import annotations
@@ -26,14 +26,12 @@ from collections.abc import Callable
 
 import torch
 
-from mesh3d.domain.comm.collectives import reduce_for_local_use, reduce_to_replicated
-from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import BlockSpec, DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name, register
 from mesh3d.domain.dispatch.step import Partial, Step
 
-__all__ = ["whole_along", "whole_part"]
+__all__ = ["whole_part"]
 
 # name -> (the parameters after the input, in torch's order; the default dim; the kind of output)
 # kinds: "keep" (the input's shape: sharded like it), "select" (a few entries along dim), "reduce" (dim removed)
@@ -68,14 +66,6 @@ def whole_part(local: torch.Tensor, dim: int, sizes: tuple[int, ...], index: int
     if after:
         parts.append(local.new_zeros([after if i == dim else s for i, s in enumerate(local.shape)]))
     return torch.cat(parts, dim) if len(parts) > 1 else local
-
-
-def whole_along(local: torch.Tensor, dim: int, sizes: tuple[int, ...], comm: DomainComm, for_shards: bool) -> torch.Tensor:
-    """The whole of a tensor sharded along ``dim`` (``sizes`` per rank of ``comm``; ``local`` this rank's rows) on every
-    rank, differentiable: for use by this rank's shard (``for_shards``: its gradient is summed over the ranks) or as a
-    replicated value (passed straight back)."""
-    padded = whole_part(local, dim, sizes, comm.index)
-    return (reduce_for_local_use if for_shards else reduce_to_replicated)(padded, comm)
 
 
 def _bind(func: Callable, names: tuple[str, ...], args: tuple, kwargs: dict) -> dict:
@@ -176,13 +166,15 @@ def _block_rule(func: Callable, name: str):
         bound, dim = _parsed(func, name, input, args, kwargs)
         spec = input._spec
         assert isinstance(spec, BlockSpec)
-        local = unwrap(input)
-        if dim is None:  # over everything: the whole tensor, replicated
-            for axis, (d, line) in enumerate(zip(spec.dims, spec.lines)):
-                local = whole_along(local, d, spec.sizes[axis], line, False)
-            return _apply(func(local, **bound), lambda t: adopt(t, DomainSpec.replicated(spec.comm)))
+        if dim is None:  # over everything: the whole tensor, replicated, as the sum of each rank's part of it
+            def parts(t: torch.Tensor) -> torch.Tensor:
+                for d, sizes, line in zip(spec.dims, spec.sizes, spec.lines):
+                    t = whole_part(t, d, sizes, line.index)
+                return t
+            return Step(parts, (input,), out=DomainSpec.replicated(spec.comm),
+                        partial=Partial("sum", lambda whole: func(whole, **bound)))
         if dim not in spec.dims:  # along another dim: this rank's block alone
-            result = _on_shard(func, local, bound, spec.dims, dim, kind)
+            result = _on_shard(func, unwrap(input), bound, spec.dims, dim, kind)
             return _apply(result, lambda t: adopt(t, BlockSpec(
                 tuple(_moved(b, dim, kind, bound, input.ndim, t.ndim) for b in spec.dims), spec.sizes, spec.lines,
                 spec.comm)))
@@ -192,9 +184,13 @@ def _block_rule(func: Callable, name: str):
                 "reduce over all their block dims or none; take it over everything (dim=None where it allows), "
                 "shard as slabs (domain.shard(x, dim=...)), or call .full_tensor() first")
         axis = spec.dims.index(dim)
+        sizes, line = spec.sizes[axis], spec.lines[axis]
         start, rows = spec.offsets[axis], spec.local_sizes[axis]
-        whole = whole_along(local, dim, spec.sizes[axis], spec.lines[axis], True)
-        return _apply(func(whole, **bound), lambda t: adopt(t.narrow(dim, start, rows), spec))
+
+        def own_rows(whole: torch.Tensor):  # NOTE: the whole along this grid line, combined over the line alone
+            return _apply(func(whole, **bound), lambda t: t.narrow(dim, start, rows))
+        return Step(lambda t: whole_part(t, dim, sizes, line.index), (input,), out=spec,
+                    partial=Partial("sum", own_rows, for_shards=True, over=line))
 
     return rule
 
