@@ -25,20 +25,18 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     }),
     # blocks: views, moves, gathers, norms and order statistics along a grid line still combine in the rule's body
     "blocks2": frozenset({
-        "torch.Tensor.reshape", "torch.Tensor.view", "torch.functional.einsum",
-        "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
+        "torch.functional.einsum", "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
         "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm", "torch.nn.functional.instance_norm",
         "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm",
         "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
-        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default", "torch.reshape",
+        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default",
         "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
     }),
     # as blocks2, on a 3-D grid
     "blocks3": frozenset({
-        "torch.Tensor.__getitem__", "torch.Tensor.flatten", "torch.Tensor.reshape", "torch.Tensor.view",
-        "torch.functional.einsum", "torch.nn.functional.layer_norm", "torch.reshape"
+        "torch.Tensor.__getitem__", "torch.functional.einsum", "torch.nn.functional.layer_norm"
     }),
     # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({

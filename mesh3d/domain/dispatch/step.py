@@ -29,7 +29,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Resplit", "Rows", "Step"]
+__all__ = ["Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Relaid", "Resplit", "Rows", "Step"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,21 @@ class Pencils:
 
     x: DomainTensor | None
     moves: tuple[tuple[DomainComm, int, tuple[int, ...], int, tuple[int, ...]], ...]
+
+
+@dataclass(frozen=True)
+class Relaid:
+    """``x``'s local tensor moved between slabs and blocks as ``domain.redistribute(x, dim=, dims=, sizes=)`` moves it
+    (``layouts.relayout.relayout``: slabs to blocks, blocks to slabs along one of their dims, blocks to other sizes or
+    dims), differentiable.
+
+    Usage: ``Step(torch.add, (a, Relaid(b, None, a.spec.dims, a.spec.sizes)), out=a.spec)``
+    """
+
+    x: DomainTensor
+    dim: int | None
+    dims: tuple[int, ...] | None
+    sizes: Any = None
 
 
 @dataclass(frozen=True)

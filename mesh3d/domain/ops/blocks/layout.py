@@ -27,7 +27,10 @@ from mesh3d.domain.ops.idioms import COMPLEX_PARTS, expand_index, slice_sizes
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
-from mesh3d.domain.layouts.relayout import blocks_to_slabs
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.split import split_sizes
+from mesh3d.domain.dispatch.executor import run_step
+from mesh3d.domain.dispatch.step import Relaid, Step
 
 __all__: list[str] = []
 
@@ -79,8 +82,9 @@ def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     # blocks move to slabs along the first block dim (over the whole grid), where a slab or a strided slab runs it
     if view:
         _check_viewable(local, whole, target)
-    slabs = blocks_to_slabs(x, first)
-    slabs = adopt(unwrap(slabs).contiguous(), slabs._spec)  # NOTE: one process views a contiguous tensor here
+    # NOTE: contiguous: one process views a contiguous tensor here
+    slabs = run_step(Step(torch.Tensor.contiguous, (Relaid(x, first, None),),
+                          out=DomainSpec(first, split_sizes(whole[first], spec.comm.size), spec.comm, 1)))
     return mark_copied_view(slabs.view(target), x, op) if view else made_as_copy(slabs.reshape(target))  # copies
 
 

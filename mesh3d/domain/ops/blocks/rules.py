@@ -20,15 +20,15 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d._torch_private import argument_torch_dropped
-from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.core.specs import BlockSpec, Layout
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.layouts.blocks import window_plans
-from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
+from mesh3d.domain.layouts.relayout import blocks_in_layout
 from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import Boxes, LineRows, Step
+from mesh3d.domain.dispatch.step import Boxes, LineRows, Relaid, Step
 from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.connected import connected_zeros
@@ -91,25 +91,29 @@ def elementwise_rule(func: Callable) -> Callable:
 
 
 def _in_layout(o: DomainTensor, spec: BlockSpec) -> Any:
-    """``o``'s block laid out as ``spec``: itself, its rows gathered along the grid lines whose sizes differ
-    (``step.LineRows``, for the executor), or (a block turned onto other dims) moved over ``spec``'s dims here."""
+    """``o``'s block laid out as ``spec``: itself, or what the executor moves: its rows gathered along the grid lines
+    whose sizes differ (``step.LineRows``), or a block turned onto other dims (``x.mT``, rot90) moved over ``spec``'s
+    dims (``step.Relaid``); blocks of other global lengths are refused (``blocks_in_layout`` says how)."""
     have = _spec_of(o)
     if have.dims == spec.dims and have.sizes == spec.sizes:
         return unwrap(o)
     if have.dims == spec.dims and [sum(s) for s in have.sizes] == [sum(s) for s in spec.sizes]:
         pairs = enumerate(zip(have.sizes, spec.sizes))
         return LineRows(o, tuple((axis, block_needs(want)) for axis, (mine, want) in pairs if mine != want))
+    if have.dims != spec.dims and len(have.dims) == len(spec.dims) and max(spec.dims) < o.ndim \
+            and all(o.shape[d] == sum(s) for d, s in zip(spec.dims, spec.sizes)):
+        return Relaid(o, None, spec.dims, spec.sizes)
     return blocks_in_layout(o, spec)
 
 
-def _slab_in_layout(func: Callable, o: DomainTensor, ref: DomainTensor, spec: BlockSpec) -> torch.Tensor:
-    """This block of a slab operand: a window attention's output (its windows ran on slabs: ``layout``'s
-    ``reshape_blocks``) meeting its shortcut."""
-    local = slab_in_blocks(o, spec) if o.ndim == ref.ndim else None
-    if local is None:
+def _slab_in_layout(func: Callable, o: DomainTensor, ref: DomainTensor, spec: BlockSpec) -> Relaid:
+    """This block of a slab operand, moved by the executor: a window attention's output (its windows ran on slabs:
+    ``layout``'s ``reshape_blocks``) meeting its shortcut."""
+    ospec = o._spec
+    if o.ndim != ref.ndim or ospec.layout is not Layout.SLAB or ospec.dim not in spec.dims or ospec.comm != spec.comm:
         raise ValueError(f"{op_name(func)}: a tensor sharded as {o._spec.layout.name.lower()} along dim {o._spec.dim} "
                          f"meets blocks over dims {spec.dims}; shard both as blocks")
-    return local
+    return Relaid(o, None, spec.dims, spec.sizes)
 
 
 def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[Any], Any], ref: DomainTensor,
@@ -128,7 +132,7 @@ def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[
             raise NotImplementedError(f"{op_name(func)}: on {layout}, the result must keep the input's dims")
         return out
 
-    if any(isinstance(a, LineRows) for a in (*largs, *lkwargs.values())):
+    if any(isinstance(a, (LineRows, Relaid)) for a in (*largs, *lkwargs.values())):
         return Step(compute, tuple(largs), lkwargs, out=ref._spec, keep=keep)  # NOTE: rows the executor gathers
     out = compute(*largs, **lkwargs)
     return adopt(out, ref._spec, keep) if isinstance(out, torch.Tensor) else out
