@@ -25,7 +25,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     }),
     # blocks: views, moves, gathers, norms and order statistics along a grid line still combine in the rule's body
     "blocks2": frozenset({
-        "torch.functional.einsum", "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
+        "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
         "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm", "torch.nn.functional.instance_norm",
         "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm",
         "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
@@ -36,7 +36,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     }),
     # as blocks2, on a 3-D grid
     "blocks3": frozenset({
-        "torch.Tensor.__getitem__", "torch.functional.einsum", "torch.nn.functional.layer_norm"
+        "torch.Tensor.__getitem__", "torch.nn.functional.layer_norm"
     }),
     # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.comm.collectives import reduce_for_local_use, reduce_to_replicated, sum_grad
+from mesh3d.domain.comm.collectives import reduce_for_local_use, sum_grad
 from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.layouts.tokens import token_rows
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, TOKEN_RULES, register
 from mesh3d.domain.comm.rows import Span
-from mesh3d.domain.dispatch.step import Entering, Resplit, Rows, Step
+from mesh3d.domain.dispatch.step import Entering, Partial, Resplit, Rows, Step
 from mesh3d.domain.core.specs import DomainSpec, Layout, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
@@ -108,8 +108,7 @@ def _einsum(equation, *operands):
     if kept in output:
         return Step(local_einsum, tuple(reqs), out=spec.with_sizes(spec.sizes, dim=output.index(kept)),
                     keep=tuple(o for o in operands if isinstance(o, torch.Tensor) and not isinstance(o, DomainTensor)))
-    return Step(lambda *ts: reduce_to_replicated(local_einsum(*ts), spec.comm), tuple(reqs),
-                out=DomainSpec.replicated(spec.comm))
+    return Step(local_einsum, tuple(reqs), out=DomainSpec.replicated(spec.comm), partial=Partial("sum"))
 
 
 @register(torch.tensordot)
@@ -168,24 +167,31 @@ def _grid_einsum(equation, *operands):
             local.append(_grid_rows(o, t, spec, dim_of))
         else:
             local.append(o)
-    out = torch.einsum(",".join(terms) + "->" + output, *local)
+    local_equation = ",".join(terms) + "->" + output
+    if not kept and not pencil:  # every grid letter contracted: each rank's part of the sum
+        return Step(lambda *ts: torch.einsum(local_equation, *ts), tuple(local), out=DomainSpec.replicated(spec.comm),
+                    partial=Partial("sum"))
     if pencil:
-        return _pencil(equation, out, output, spec, [ref_term[d] for d in spec.dims])
-    if not kept:
-        return adopt(reduce_to_replicated(out, spec.comm), DomainSpec.replicated(spec.comm))
+        return _pencil(equation, local_equation, local, output, spec, [ref_term[d] for d in spec.dims])
+    out = torch.einsum(local_equation, *local)
     if spec.layout is Layout.TOKENS:
         return adopt(out, spec.with_token_dim(output.index(ref_term[spec.token_dim])))
     return adopt(out, BlockSpec(tuple(output.index(ref_term[d]) for d in spec.dims), spec.sizes, spec.lines, spec.comm))
 
 
-def _pencil(equation: str, out: torch.Tensor, output: str, spec: BlockSpec, axes: list[str]) -> DomainTensor:
+def _pencil(equation: str, local_equation: str, local: list, output: str, spec: BlockSpec,
+            axes: list[str]) -> DomainTensor | Step:
     """Blocks whose einsum contracts some grid letters and keeps others (a Legendre transform: latitudes summed,
     longitude modes kept): each contracted grid line sums its partial products and splits a new letter of the output
     among its ranks (a reduce-scatter: the longest letter the operands do not shard, the last of equals), as Makani's
     distributed SHT moves to pencils. The backward gathers the gradient along that letter (the all-reduce's adjoint
-    of the padded slices)."""
+    of the padded slices). One contracted grid line: a partial result the executor combines over that line."""
+    length: dict[str, int] = {}  # each letter's length in the local product (the largest: size-1 dims broadcast)
+    for term, t in zip(local_equation.split("->")[0].split(","), local):
+        for i, c in enumerate(term if isinstance(t, torch.Tensor) else ""):
+            length[c] = max(length.get(c, 0), t.shape[i])
     free = [c for c in output if c not in axes]
-    dims, sizes = [], []
+    dims, sizes, moves = [], [], []
     for k, letter in enumerate(axes):
         if letter in output:
             dims.append(output.index(letter))
@@ -195,14 +201,22 @@ def _pencil(equation: str, out: torch.Tensor, output: str, spec: BlockSpec, axes
             raise NotImplementedError(f"torch.einsum({equation!r}) contracts the grid letter {letter!r} and keeps "
                                       "others, and its output has no other letter to split over that grid line; "
                                       "call .full_tensor() first")
-        carry = max(reversed(free), key=lambda c: out.shape[output.index(c)])
+        carry = max(reversed(free), key=lambda c: length[c])
         free.remove(carry)
         d, line = output.index(carry), spec.lines[k]
-        shares = split_sizes(out.shape[d], line.size)
-        out = reduce_for_local_use(out, line).narrow(d, offsets_of(shares)[line.index], shares[line.index])
+        shares = split_sizes(length[carry], line.size)
+        moves.append((d, line, offsets_of(shares)[line.index], shares[line.index]))
         dims.append(d)
         sizes.append(shares)
-    return adopt(out, BlockSpec(tuple(dims), tuple(sizes), spec.lines, spec.comm))
+    out_spec = BlockSpec(tuple(dims), tuple(sizes), spec.lines, spec.comm)
+    if len(moves) == 1:
+        d, line, start, share = moves[0]
+        return Step(lambda *ts: torch.einsum(local_equation, *ts), tuple(local), out=out_spec,
+                    partial=Partial("sum", lambda o: o.narrow(d, start, share), for_shards=True, over=line))
+    out = torch.einsum(local_equation, *local)
+    for d, line, start, share in moves:  # NOTE: each line sums what the previous one left
+        out = reduce_for_local_use(out, line).narrow(d, start, share)
+    return adopt(out, out_spec)
 
 
 def _layout(spec) -> tuple:
