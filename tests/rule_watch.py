@@ -36,7 +36,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     }),
     # as blocks2, on a 3-D grid
     "blocks3": frozenset({
-        "torch.Tensor.__getitem__", "torch.nn.functional.layer_norm"
+        "torch.nn.functional.layer_norm"
     }),
     # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({

@@ -27,7 +27,7 @@ from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
 from mesh3d.domain.dispatch.step import (
-    Boxes, Entering, LineRows, Moved, Partial, Pencils, Relaid, Resplit, Rows, Step)
+    Boxes, Entering, LineRows, Moved, Partial, Pencils, Relaid, Resplit, Rows, Step, Whole)
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
 from mesh3d.domain.layouts.blocks import gather_along, gather_planned
@@ -74,7 +74,7 @@ def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[],
         _TELLING.depth -= 1
 
 
-_MOVES = (Window, Rows, Resplit, Moved, Pencils, LineRows, Boxes, Relaid)
+_MOVES = (Window, Rows, Resplit, Moved, Pencils, LineRows, Boxes, Relaid, Whole)
 
 
 def changes_layout(step: Step, lead: DomainTensor) -> bool:
@@ -161,6 +161,8 @@ def _resolve(req: Any) -> Any:
         for axis, needs in req.gathers:
             local = gather_along(local, spec, axis, needs)
         return local
+    if isinstance(req, Whole):
+        return unwrap(req.x.full_tensor())
     if isinstance(req, Relaid):
         return unwrap(relayout(req.x, req.dim, req.dims, req.sizes))
     if isinstance(req, Boxes):

@@ -29,7 +29,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Relaid", "Resplit", "Rows", "Step"]
+__all__ = ["Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Relaid", "Resplit", "Rows", "Step",
+           "Whole"]
 
 
 @dataclass(frozen=True)
@@ -123,6 +124,16 @@ class Relaid:
     dim: int | None
     dims: tuple[int, ...] | None
     sizes: Any = None
+
+
+@dataclass(frozen=True)
+class Whole:
+    """``x``'s whole tensor on every rank, as ``x.full_tensor()`` gives it (its gradient keeps this rank's part).
+
+    Usage: ``Step(lambda t: t.select(2, row), (Whole(xs),), out=DomainSpec.replicated(comm))``
+    """
+
+    x: DomainTensor
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import Relaid, Step
+from mesh3d.domain.dispatch.step import Relaid, Step, Whole
 
 __all__: list[str] = []
 
@@ -148,10 +148,13 @@ def _getitem(x: DomainTensor, index):
         for i, (row, _) in picked.items():  # the row as a slice of one: blocks, the row on the grid line that owns it
             items[i] = slice(row, row + 1)
         rows = _getitem(x, tuple(items))
-        whole = rows.full_tensor()
-        for d in sorted((rows._spec.dims[axis] for _, axis in picked.values()), reverse=True):
-            whole = whole.select(d, 0)
-        return whole
+        at = sorted((rows._spec.dims[axis] for _, axis in picked.values()), reverse=True)
+
+        def selected(whole: torch.Tensor) -> torch.Tensor:
+            for d in at:
+                whole = whole.select(d, 0)
+            return whole
+        return Step(selected, (Whole(rows),), out=DomainSpec.replicated(spec.comm))
     return _slices(x, spec, items)
 
 
