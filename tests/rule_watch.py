@@ -23,20 +23,14 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     "slab": frozenset({
         "torch.nn.functional.grid_sample", "torch.scaled_dot_product_attention"
     }),
-    # blocks: views, moves, gathers, norms and order statistics along a grid line still combine in the rule's body
+    # blocks (a 3-D grid: none left): resampling and the sphere's DISCO and attention kernels gather in the rule
     "blocks2": frozenset({
         "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
-        "torch.nn.functional.batch_norm", "torch.nn.functional.group_norm", "torch.nn.functional.instance_norm",
-        "torch.nn.functional.interpolate", "torch.nn.functional.layer_norm",
-        "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
+        "torch.nn.functional.interpolate", "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
         "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default",
         "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
-    }),
-    # as blocks2, on a 3-D grid
-    "blocks3": frozenset({
-        "torch.nn.functional.layer_norm"
     }),
     # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({

@@ -233,12 +233,14 @@ def _spatial(x: DomainTensor, op: str) -> Any:
 
 def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     spec = _spatial(input, "F.group_norm")
-    local = unwrap(input)
-    n, c = local.shape[:2]
-    count = (c // num_groups) * math.prod(input.global_shape[2:])
-    grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
-    y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm, affine=(weight, bias))
-    return adopt(rounded_like(_affine(y.reshape(local.shape), weight, bias), local), spec)
+    count = (input.shape[1] // num_groups) * math.prod(input.global_shape[2:])
+
+    def norm(local: torch.Tensor) -> torch.Tensor:
+        n, c = local.shape[:2]
+        grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
+        y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm, affine=(weight, bias))
+        return rounded_like(_affine(y.reshape(local.shape), weight, bias), local)
+    return Step(norm, (input,), out=spec)  # NOTE: the statistics combine in compute, as on slabs
 
 
 def _update_running(running, value, momentum) -> None:
@@ -249,36 +251,42 @@ def _update_running(running, value, momentum) -> None:
 
 def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     spec = _spatial(input, "F.batch_norm")
-    local = unwrap(input)
     if not training:
-        return adopt(F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), spec)
+        return Step(lambda local: F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps),
+                    (input,), out=spec)
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
-    y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm, affine=(weight, bias))
-    _update_running(running_mean, mean.flatten(), momentum)
-    _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
-    return adopt(rounded_like(_affine(y, weight, bias), local), spec)
+
+    def norm(local: torch.Tensor) -> torch.Tensor:
+        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm, affine=(weight, bias))
+        _update_running(running_mean, mean.flatten(), momentum)
+        _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
+        return rounded_like(_affine(y, weight, bias), local)
+    return Step(norm, (input,), out=spec)
 
 
 def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
                    momentum=0.1, eps=1e-5):
     spec = _spatial(input, "F.instance_norm")
-    local = unwrap(input)
     if not use_input_stats:
-        return adopt(F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps), spec)
+        return Step(lambda local: F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps),
+                    (input,), out=spec)
     if running_mean is not None or running_var is not None:
         raise NotImplementedError("F.instance_norm with track_running_stats on blocks: use slabs, or "
                                   "track_running_stats=False")
-    y, _, _ = normalize(local, list(range(2, local.ndim)), math.prod(input.global_shape[2:]), eps, spec.comm, affine=(weight, bias))
-    return adopt(rounded_like(_affine(y, weight, bias), local), spec)
+    count = math.prod(input.global_shape[2:])
+
+    def norm(local: torch.Tensor) -> torch.Tensor:
+        y, _, _ = normalize(local, list(range(2, local.ndim)), count, eps, spec.comm, affine=(weight, bias))
+        return rounded_like(_affine(y, weight, bias), local)
+    return Step(norm, (input,), out=spec)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     spec = _spec_of(input)
-    local = unwrap(input)
     first = input.ndim - len(normalized_shape)
     axes = [axis for axis, d in enumerate(spec.dims) if d >= first]
     if not axes:  # the normalized dims are whole here (channels-last tokens): torch's kernel
-        return adopt(F.layer_norm(local, normalized_shape, weight, bias, eps), spec)
+        return Step(lambda local: F.layer_norm(local, normalized_shape, weight, bias, eps), (input,), out=spec)
     if len(axes) == len(spec.dims):
         comm = spec.comm
     elif len(axes) == 1:
@@ -287,14 +295,17 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
         raise NotImplementedError(f"F.layer_norm over {len(axes)} of the {len(spec.dims)} block dims: normalize over "
                                   "one block dim or all of them")
     count = math.prod(input.global_shape[first:])
-    y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm, affine=(weight, bias))
-    # The affine parameters vary along the block dims: this rank's block of them.
-    for d, start, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
-        if d >= first:
-            weight = weight.narrow(d - first, start, rows) if weight is not None else None
-            bias = bias.narrow(d - first, start, rows) if bias is not None else None
-    y = y * weight if weight is not None else y
-    return adopt(rounded_like(y + bias if bias is not None else y, local), spec)
+
+    def norm(local: torch.Tensor) -> torch.Tensor:
+        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm, affine=(weight, bias))
+        w, b = weight, bias  # the affine parameters vary along the block dims: this rank's block of them
+        for d, start, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
+            if d >= first:
+                w = w.narrow(d - first, start, rows) if w is not None else None
+                b = b.narrow(d - first, start, rows) if b is not None else None
+        y = y * w if w is not None else y
+        return rounded_like(y + b if b is not None else y, local)
+    return Step(norm, (input,), out=spec)
 
 
 # ----------------------------------------------------------------------------- reductions and losses
