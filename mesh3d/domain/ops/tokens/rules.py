@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.comm.collectives import sum_grad
-from mesh3d.domain.ops.blocks.rules import (CHANNEL_NORMS, local_reduction, reduction_rules,
-                                            run_elementwise)
+from mesh3d.domain.ops.blocks.norms import CHANNEL_NORMS
+from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules, run_elementwise
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
