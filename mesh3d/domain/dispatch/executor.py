@@ -27,12 +27,13 @@ from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
 from mesh3d.domain.dispatch.step import (
-    Boxes, Entering, LineRows, Moved, Partial, Pencils, Relaid, Resplit, Rows, Step, Whole)
+    AllTokens, Boxes, Entering, LineRows, Moved, Partial, Pencils, Relaid, Resplit, Rows, Step, Whole)
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
 from mesh3d.domain.layouts.blocks import gather_along, gather_planned
 from mesh3d.domain.layouts.relayout import relayout
 from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton
+from mesh3d.domain.layouts.tokens import gather_all_tokens
 from mesh3d.domain.layouts.transpose import move_rows
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.core.wrapped import WrappedDomainTensor
@@ -74,7 +75,7 @@ def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[],
         _TELLING.depth -= 1
 
 
-_MOVES = (Window, Rows, Resplit, Moved, Pencils, LineRows, Boxes, Relaid, Whole)
+_MOVES = (Window, Rows, Resplit, Moved, Pencils, LineRows, Boxes, Relaid, Whole, AllTokens)
 
 
 def changes_layout(step: Step, lead: DomainTensor) -> bool:
@@ -161,6 +162,8 @@ def _resolve(req: Any) -> Any:
         for axis, needs in req.gathers:
             local = gather_along(local, spec, axis, needs)
         return local
+    if isinstance(req, AllTokens):
+        return gather_all_tokens(unwrap(req.x), req.x._spec)
     if isinstance(req, Whole):
         return unwrap(req.x.full_tensor())
     if isinstance(req, Relaid):

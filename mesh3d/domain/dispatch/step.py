@@ -29,8 +29,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Relaid", "Resplit", "Rows", "Step",
-           "Whole"]
+__all__ = ["AllTokens", "Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Relaid", "Resplit", "Rows",
+           "Step", "Whole"]
 
 
 @dataclass(frozen=True)
@@ -124,6 +124,17 @@ class Relaid:
     dim: int | None
     dims: tuple[int, ...] | None
     sizes: Any = None
+
+
+@dataclass(frozen=True)
+class AllTokens:
+    """Every rank's tokens of a token grid ``x``, in domain rank order (``spec.gathered_index`` gives their global
+    indices): the keys of attention scores; the gradient of each rank's use goes back to the owners.
+
+    Usage: ``Step(torch.matmul, (q, AllTokens(kt)), out=q.spec.with_keys(kt.spec, None))``
+    """
+
+    x: DomainTensor
 
 
 @dataclass(frozen=True)

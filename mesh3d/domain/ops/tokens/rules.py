@@ -28,14 +28,14 @@ from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules, run
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
-from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.step import AllTokens, Step
 from mesh3d.domain.ops.reduce import global_softmax, total_step
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import Layout, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
-from mesh3d.domain.layouts.tokens import gather_all_tokens, tokens_to_blocks
+from mesh3d.domain.layouts.tokens import tokens_to_blocks
 from mesh3d.domain.layouts.tokens import slab_as_tokens, token_rows
 
 __all__ = ["elementwise_rule"]
@@ -109,12 +109,13 @@ def _matmul(input, other, *, out=None):
         return adopt(torch.matmul(unwrap(input), unwrap(plain)), spec.moved(lambda d: d + nd - input.ndim))
     right = _spec(other, scores=True)
     if spec.keys is None and spec.token_dim == input.ndim - 2 and right.keys is None and right.token_dim == other.ndim - 1:
-        keys = gather_all_tokens(unwrap(other), right)  # scores: every key, in domain rank order
-        return adopt(torch.matmul(unwrap(input), keys), spec.with_keys(right, None).with_token_dim(nd - 2, nd - 1))
+        # scores: every key, in domain rank order
+        return Step(torch.matmul, (input, AllTokens(other)),
+                    out=spec.with_keys(right, None).with_token_dim(nd - 2, nd - 1))
     if spec.keys is not None and spec.keys_dim == input.ndim - 1 and right.keys is None \
             and right.token_dim == other.ndim - 2 and replace(right, token_dim=0) == spec.keys:
-        values = gather_all_tokens(unwrap(other), right)  # the same order as the scores' keys
-        return adopt(torch.matmul(unwrap(input), values), spec.with_keys(None, None).with_token_dim(nd - 2))
+        # the values in the same order as the scores' keys
+        return Step(torch.matmul, (input, AllTokens(other)), out=spec.with_keys(None, None).with_token_dim(nd - 2))
     raise NotImplementedError("torch.matmul of two token grids: supported are q @ k.transpose(-1, -2) (queries' "
                               "tokens at dim -2, keys' at -1) and scores @ v with v the tokens the keys came from")
 
