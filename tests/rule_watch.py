@@ -25,8 +25,7 @@ STILL_TALKING: dict[str, frozenset[str]] = {
     }),
     # blocks (a 3-D grid: none left): resampling and the sphere's DISCO and attention kernels gather in the rule
     "blocks2": frozenset({
-        "torch.nn.functional.adaptive_avg_pool2d", "torch.nn.functional.adaptive_max_pool2d",
-        "torch.nn.functional.interpolate", "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
+        "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
         "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
         "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
         "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default",

@@ -24,9 +24,11 @@ from mesh3d._torch_private import PAD_BUILTIN
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
 from mesh3d.domain.layouts.blocks import (
-    box_plans, gather_along, gather_boxes, replicate_blocks_if_singleton, window_plans)
+    box_plans, window_plans)
 from mesh3d.domain.core.settings import SETTINGS
-from mesh3d.domain.dispatch.step import Boxes, Step
+from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.dispatch.executor import run_step
+from mesh3d.domain.dispatch.step import Boxes, LineRows, Step, Whole
 from mesh3d.domain.comm.collectives import sum_dtype, sum_grad
 from mesh3d.domain.halo.windows import sizes_by_first_index
 from mesh3d.domain.ops.conv import padded_rows, as_tuple, bias_rows, pad_local, transpose_plan
@@ -179,25 +181,45 @@ def _interpolate(input, size=None, scale_factor=None, mode="nearest", align_corn
     # NOTE: upsampling, the source rows are fewer than the resampled ones: fetch them all in one round. Downsampling,
     # one grid dim after the other sends rows already shrunk along the earlier dims.
     upsampling = all(outs[d - 2] >= sum(sizes) for d, sizes in zip(spec.dims, spec.sizes))
-    local = gather_boxes(unwrap(input), spec, [p[1] for p in per_dim]) if upsampling else unwrap(input)
-    local = local if acc is None else local.to(acc)
-    for axis, (d, needs, i0, i1, lam) in enumerate(per_dim):
-        if not upsampling:
-            local = gather_along(local, spec, axis, needs)
+
+    def along(local: torch.Tensor, d: int, i0, i1, lam) -> torch.Tensor:
         if not i0:
             shape_now = list(local.shape)
             shape_now[d] = 0
-            local = connected_zeros(local, shape_now, local)
-        else:
-            local = lerp_rows(local, d, i0, i1, lam, mode)
-    out_spec = spec.with_sizes(tuple(out_sizes))
-    rest = [local.shape[2 + i] if 2 + i in spec.dims else outs[i] for i in range(nd)]
-    if rest != list(local.shape[2:]):
+            return connected_zeros(local, shape_now, local)
+        return lerp_rows(local, d, i0, i1, lam, mode)
+
+    def rest(local: torch.Tensor) -> torch.Tensor:
+        sizes = [local.shape[2 + i] if 2 + i in spec.dims else outs[i] for i in range(nd)]
+        if sizes == list(local.shape[2:]):
+            return local if acc is None else local.to(input.dtype)
         if local.numel():
-            local = F.interpolate(local, size=rest, mode=mode, align_corners=align_corners)
+            local = F.interpolate(local, size=sizes, mode=mode, align_corners=align_corners)
         else:
-            local = connected_zeros(local, [*local.shape[:2], *rest], local)
-    return adopt(local if acc is None else local.to(input.dtype), out_spec)
+            local = connected_zeros(local, [*local.shape[:2], *sizes], local)
+        return local if acc is None else local.to(input.dtype)
+
+    out_spec = spec.with_sizes(tuple(out_sizes))
+    if upsampling:
+        def resampled(local: torch.Tensor) -> torch.Tensor:
+            local = local if acc is None else local.to(acc)
+            for d, _, i0, i1, lam in per_dim:
+                local = along(local, d, i0, i1, lam)
+            return rest(local)
+        return Step(resampled, (Boxes(input, box_plans(spec, [p[1] for p in per_dim])),), out=out_spec)
+    x, sizes_now = input, list(spec.sizes)
+    for axis, (d, needs, i0, i1, lam) in enumerate(per_dim):
+        sizes_now[axis] = out_sizes[axis]
+
+        def one_dim(local: torch.Tensor, axis=axis, d=d, i0=i0, i1=i1, lam=lam) -> torch.Tensor:
+            local = local.to(acc) if axis == 0 and acc is not None else local
+            local = along(local, d, i0, i1, lam)
+            return rest(local) if axis == len(per_dim) - 1 else local
+        step = Step(one_dim, (LineRows(x, ((axis, needs),)),), out=spec.with_sizes(tuple(sizes_now)))
+        if axis == len(per_dim) - 1:
+            return step
+        x = run_step(step)  # NOTE: the next grid dim sends rows already shrunk along this one
+    raise AssertionError("blocks have at least one grid dim")
 
 
 # ----------------------------------------------------------------------------- padding and cat
@@ -259,6 +281,10 @@ def _cat(tensors, dim=0):
 
 
 # ----------------------------------------------------------------------------- adaptive pooling
+def _itself(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
 def _adaptive_along(local: torch.Tensor, d: int, first: int, count: int, n: int, m: int, kind: str) -> torch.Tensor:
     """Adaptive pooling along dim ``d`` only (avg and max are separable over rectangular windows): this rank's
     outputs ``first .. first + count``, windows [floor(i*n/m), ceil((i+1)*n/m)), from the gathered rows (the
@@ -283,7 +309,7 @@ def _adaptive(kind: str, nd: int) -> Callable:
             raise NotImplementedError(f"{name}(return_indices=True) on blocks")
         first_dim = input.ndim - nd
         outs = [o if o is None else int(o) for o in as_tuple(output_size, nd)]
-        local, out_sizes = unwrap(input), []
+        x, sizes_now = input, list(spec.sizes)
         for axis, (d, sizes, line) in enumerate(zip(spec.dims, spec.sizes, spec.lines)):
             n = sum(sizes)
             m = outs[d - first_dim] if outs[d - first_dim] is not None else n
@@ -291,18 +317,26 @@ def _adaptive(kind: str, nd: int) -> Callable:
             mine = sizes_by_first_index(sizes, m, lambda row, n=n, m=m: -(-(row * m) // n))
             needs = tuple((Span.rows((lo * n) // m, -(-((lo + c) * n) // m)),) if c else ()
                           for lo, c in zip(offsets_of(mine), mine))
-            local = gather_along(local, spec, axis, needs)
-            local = _adaptive_along(local, d, offsets_of(mine)[line.index], mine[line.index], n, m, kind)
-            out_sizes.append(mine)
-        rest = [local.shape[first_dim + i] if first_dim + i in spec.dims or outs[i] is None else outs[i]
-                for i in range(nd)]
-        if rest != list(local.shape[first_dim:]):  # the dims that are whole here: torch's kernel (separable)
+            sizes_now[axis] = mine
+            start, count = offsets_of(mine)[line.index], mine[line.index]
+            # NOTE: one grid dim after the other, each pass sending rows already pooled along the earlier dims
+            x = run_step(Step(lambda t, d=d, start=start, count=count, n=n, m=m: _adaptive_along(t, d, start, count, n,
+                                                                                                   m, kind),
+                              (LineRows(x, ((axis, needs),)),), out=spec.with_sizes(tuple(sizes_now))))
+
+        def rest_pool(local: torch.Tensor) -> torch.Tensor:  # the dims that are whole here: torch's kernel (separable)
+            rest = [local.shape[first_dim + i] if first_dim + i in spec.dims or outs[i] is None else outs[i]
+                    for i in range(nd)]
+            if rest == list(local.shape[first_dim:]):
+                return local.view_as(local)
             if local.numel():
-                pool = getattr(F, f"adaptive_{kind}_pool{nd}d")
-                local = pool(local, rest)
-            else:
-                local = connected_zeros(local, [*local.shape[:first_dim], *rest], local)
-        return replicate_blocks_if_singleton(adopt(local, spec.with_sizes(tuple(out_sizes))))
+                return getattr(F, f"adaptive_{kind}_pool{nd}d")(local, rest)
+            return connected_zeros(local, [*local.shape[:first_dim], *rest], local)
+
+        pooled = Step(rest_pool, (x,), out=x._spec)
+        if not all(sum(s) == 1 for s in sizes_now):
+            return pooled
+        return Step(_itself, (Whole(run_step(pooled)),), out=DomainSpec.replicated(spec.comm))  # global pooling
 
     return rule
 
