@@ -142,40 +142,48 @@ def run_kept(func: Callable, parts: tuple, comm: DomainComm, journal: tuple | No
     return telling_peers_of_failure(comm, func, lambda: run_parts(*parts))
 
 
+def _rows(req: Rows) -> torch.Tensor:
+    spec = req.x._spec
+    return gather_rows(unwrap(req.x), spec.dim, plan_exchange(spec.sizes, req.needs, spec.comm.index), spec.comm,
+                       req.fill)
+
+
+def _line_rows(req: LineRows) -> torch.Tensor:
+    local, spec = unwrap(req.x), req.x._spec
+    for axis, needs in req.gathers:
+        local = gather_along(local, spec, axis, needs)
+    return local
+
+
+def _entering(req: Entering) -> torch.Tensor:
+    plain = unwrap(req.x)
+    return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
+
+
+#: How each requirement of ``step`` resolves to a plain tensor. NOTE: looked up by exact type (the requirements are
+#: final dataclasses): a plain argument (a weight, a bias, a number), the common case, costs one lookup.
+_RESOLVERS: dict[type, Callable[[Any], Any]] = {
+    Window: lambda req: _window_rows(req, *window_exchange(req.x._spec.sizes, req.plan, req.x._spec.comm.index,
+                                                           req.kernel_pads)),
+    Rows: _rows,
+    Resplit: lambda req: redistribute_local(req.x, req.sizes),
+    Moved: lambda req: move_rows(unwrap(req.x), req.x._spec.comm, req.x._spec.dim, req.x._spec.sizes, req.dim,
+                                 req.sizes),
+    LineRows: _line_rows,
+    AllTokens: lambda req: gather_all_tokens(unwrap(req.x), req.x._spec),
+    Whole: lambda req: unwrap(req.x.full_tensor()),
+    Relaid: lambda req: unwrap(relayout(req.x, req.dim, req.dims, req.sizes)),
+    Boxes: lambda req: gather_planned(unwrap(req.x), req.x._spec, req.plans, req.fill, req.passes),
+    Pencils: lambda req: _along_lines(unwrap(req.x), req.moves),
+    Entering: _entering,
+}
+
+
 def _resolve(req: Any) -> Any:
     if isinstance(req, DomainTensor):
         return unwrap(req)
-    if isinstance(req, Window):
-        spec = req.x._spec
-        return _window_rows(req, *window_exchange(spec.sizes, req.plan, spec.comm.index, req.kernel_pads))
-    if isinstance(req, Rows):
-        spec = req.x._spec
-        return gather_rows(unwrap(req.x), spec.dim, plan_exchange(spec.sizes, req.needs, spec.comm.index),
-                           spec.comm, req.fill)
-    if isinstance(req, Resplit):
-        return redistribute_local(req.x, req.sizes)
-    if isinstance(req, Moved):
-        spec = req.x._spec
-        return move_rows(unwrap(req.x), spec.comm, spec.dim, spec.sizes, req.dim, req.sizes)
-    if isinstance(req, LineRows):
-        local, spec = unwrap(req.x), req.x._spec
-        for axis, needs in req.gathers:
-            local = gather_along(local, spec, axis, needs)
-        return local
-    if isinstance(req, AllTokens):
-        return gather_all_tokens(unwrap(req.x), req.x._spec)
-    if isinstance(req, Whole):
-        return unwrap(req.x.full_tensor())
-    if isinstance(req, Relaid):
-        return unwrap(relayout(req.x, req.dim, req.dims, req.sizes))
-    if isinstance(req, Boxes):
-        return gather_planned(unwrap(req.x), req.x._spec, req.plans, req.fill, req.passes)
-    if isinstance(req, Pencils):
-        return _along_lines(unwrap(req.x), req.moves)
-    if isinstance(req, Entering):
-        plain = unwrap(req.x)
-        return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
-    return req
+    resolver = _RESOLVERS.get(type(req))
+    return req if resolver is None else resolver(req)
 
 
 def _along_lines(local: torch.Tensor, moves: tuple) -> torch.Tensor:

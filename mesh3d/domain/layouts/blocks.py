@@ -43,8 +43,8 @@ from mesh3d.domain.core.plan_cache import plan_cache
 from mesh3d.domain.core.specs import BlockSpec
 
 __all__ = ["SimulatedGrid", "block_full_tensor", "box_plans", "extend_windows", "gather_along", "gather_boxes",
-           "gather_planned", "grid_comms", "halo_rows_only", "in_layout", "replicate_blocks_if_singleton", "shard_blocks",
-           "simulated_grid", "window_plans"]
+           "gather_planned", "grid_comms", "halo_rows_only", "in_layout", "layout_gathers",
+           "replicate_blocks_if_singleton", "shard_blocks", "simulated_grid", "window_plans"]
 
 
 class SimulatedGrid:
@@ -257,10 +257,19 @@ def in_layout(x: DomainTensor, spec: BlockSpec) -> torch.Tensor:
         raise ValueError(f"block tensors of different global shapes or block dims ({have.dims}, {have.sizes} vs "
                          f"{spec.dims}, {spec.sizes}) cannot be combined; shard them alike")
     local = unwrap(x)
-    for axis, (mine, want) in enumerate(zip(have.sizes, spec.sizes)):
-        if mine != want:
-            local = gather_along(local, have, axis, block_needs(want))
+    for axis, needs in layout_gathers(have, spec):
+        local = gather_along(local, have, axis, needs)
     return local
+
+
+def layout_gathers(have: BlockSpec, want: BlockSpec, skip: int | None = None) -> tuple[tuple[int, tuple], ...]:
+    """``(axis, needs)`` per grid axis (but ``skip``) whose sizes differ: the gathers along grid lines that lay a block
+    of ``have`` out as ``want`` (the same dims and global lengths), for ``gather_along`` or ``step.LineRows``.
+
+    Usage: ``LineRows(skip_tensor, layout_gathers(skip_tensor.spec, ref.spec))``
+    """
+    return tuple((axis, block_needs(w)) for axis, (mine, w) in enumerate(zip(have.sizes, want.sizes))
+                 if axis != skip and mine != w)
 
 
 def replicate_blocks_if_singleton(x: DomainTensor) -> DomainTensor:

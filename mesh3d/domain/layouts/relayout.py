@@ -30,7 +30,8 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.transpose import move_rows, move_sharding
 
-__all__ = ["blocks_in_layout", "blocks_to_blocks", "blocks_to_slabs", "relayout", "slab_in_blocks", "slabs_to_blocks"]
+__all__ = ["blocks_in_layout", "blocks_to_blocks", "blocks_to_slabs", "relayout", "slab_in_blocks", "slabs_to_blocks",
+           "turned_blocks"]
 
 
 def slabs_to_blocks(x: DomainTensor, dims: Sequence[int], sizes: Sequence[Sequence[int] | None] | None = None
@@ -84,12 +85,22 @@ def blocks_in_layout(t: DomainTensor, spec: BlockSpec) -> torch.Tensor:
 
     Usage: ``local = blocks_in_layout(skip, ref.spec)``
     """
+    if turned_blocks(t, spec):
+        return unwrap(blocks_to_blocks(t, spec.dims, spec.sizes))
+    have = t._spec
+    return unwrap(t) if have.dims == spec.dims and have.sizes == spec.sizes else in_layout(t, spec)
+
+
+def turned_blocks(t: DomainTensor, spec: BlockSpec) -> bool:
+    """Whether block tensor ``t`` is ``spec``'s field with its grid axes on other dims (``x.mT``, a face turned by
+    rot90): as many block dims, the global lengths of ``spec``'s dims, other dims. ``blocks_to_blocks`` moves it.
+
+    Usage: ``if turned_blocks(t, ref.spec): t = blocks_to_blocks(t, ref.spec.dims, ref.spec.sizes)``
+    """
     have = t._spec
     assert isinstance(have, BlockSpec)
-    if have.dims != spec.dims and len(have.dims) == len(spec.dims) and max(spec.dims) < t.ndim \
-            and all(t.shape[d] == sum(s) for d, s in zip(spec.dims, spec.sizes)):
-        return unwrap(blocks_to_blocks(t, spec.dims, spec.sizes))
-    return unwrap(t) if have.dims == spec.dims and have.sizes == spec.sizes else in_layout(t, spec)
+    return have.dims != spec.dims and len(have.dims) == len(spec.dims) and max(spec.dims) < t.ndim \
+        and all(t.shape[d] == sum(s) for d, s in zip(spec.dims, spec.sizes))
 
 
 def blocks_to_slabs(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None) -> DomainTensor:

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.executor import run_step
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.dispatch.step import Entering, LineRows, Step
+from mesh3d.domain.layouts.blocks import layout_gathers
 from mesh3d.domain.layouts.relayout import blocks_to_blocks
 from mesh3d.domain.ops.blocks import layout, resample  # noqa: F401  (their rules, wrapped here, registered first)
 from mesh3d.domain.ops.global_index import flipped_dims, mirrored_rows, rolled_rows
@@ -60,12 +60,6 @@ def _roll(input, shifts, dims=None):
     return Step(local_roll, (LineRows(input, tuple(gathers)),), out=spec)
 
 
-def _other_axes_needs(have: BlockSpec, ref: BlockSpec, axis: int) -> list:
-    """The gathers (``step.LineRows``) that lay a block's rows of every block dim but ``axis`` out as ``ref``'s."""
-    return [(k, block_needs(want)) for k, (mine, want) in enumerate(zip(have.sizes, ref.sizes))
-            if k != axis and mine != want]
-
-
 def _turned_back(t: DomainTensor, spec: BlockSpec, axis: int) -> DomainTensor:
     """``t`` over ``spec``'s block dims. NOTE: a piece turned by rot90 (a cube-sphere face's halo) has its grid axes on
     swapped dims: it moves to ``spec``'s (an all-to-all through slabs), its length along ``axis`` split evenly."""
@@ -93,7 +87,7 @@ def cat_along_block_dim(tensors: list, dim: int, ref: DomainTensor) -> DomainTen
         if b is not None:
             if _spec(b).dims != spec.dims:
                 raise NotImplementedError(f"{op_name(torch.cat)} on blocks: pieces with other block dims")
-            parts.append((LineRows(b, (*_other_axes_needs(_spec(b), spec, axis), (axis, needs))), None))
+            parts.append((LineRows(b, (*layout_gathers(_spec(b), spec, skip=axis), (axis, needs))), None))
         else:
             if isinstance(t, DomainTensor) and t._spec.sharded_dims:
                 raise NotImplementedError(f"{op_name(torch.cat)} on blocks: a piece laid out otherwise than blocks")

@@ -23,8 +23,7 @@ import torch.nn.functional as F
 from mesh3d._torch_private import PAD_BUILTIN
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
-from mesh3d.domain.layouts.blocks import (
-    box_plans, window_plans)
+from mesh3d.domain.layouts.blocks import box_plans, window_plans
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.dispatch.executor import run_step

@@ -21,14 +21,13 @@ import torch.nn.functional as F
 from mesh3d._torch_private import argument_torch_dropped
 from mesh3d.domain.core.specs import BlockSpec, Layout
 from mesh3d.domain.core.settings import SETTINGS
-from mesh3d.domain.layouts.blocks import window_plans
-from mesh3d.domain.layouts.relayout import blocks_in_layout
+from mesh3d.domain.layouts.blocks import layout_gathers, window_plans
+from mesh3d.domain.layouts.relayout import blocks_in_layout, turned_blocks
 from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.executor import run_step
 from mesh3d.domain.dispatch.step import Boxes, LineRows, Relaid, Step
-from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.composite import loss_reduction
@@ -95,10 +94,8 @@ def _in_layout(o: DomainTensor, spec: BlockSpec) -> Any:
     if have.dims == spec.dims and have.sizes == spec.sizes:
         return unwrap(o)
     if have.dims == spec.dims and [sum(s) for s in have.sizes] == [sum(s) for s in spec.sizes]:
-        pairs = enumerate(zip(have.sizes, spec.sizes))
-        return LineRows(o, tuple((axis, block_needs(want)) for axis, (mine, want) in pairs if mine != want))
-    if have.dims != spec.dims and len(have.dims) == len(spec.dims) and max(spec.dims) < o.ndim \
-            and all(o.shape[d] == sum(s) for d, s in zip(spec.dims, spec.sizes)):
+        return LineRows(o, layout_gathers(have, spec))
+    if turned_blocks(o, spec):
         return Relaid(o, None, spec.dims, spec.sizes)
     return blocks_in_layout(o, spec)
 
