@@ -88,6 +88,7 @@ def blocks_in_layout(t: DomainTensor, spec: BlockSpec) -> torch.Tensor:
     if turned_blocks(t, spec):
         return unwrap(blocks_to_blocks(t, spec.dims, spec.sizes))
     have = t._spec
+    assert isinstance(have, BlockSpec)
     return unwrap(t) if have.dims == spec.dims and have.sizes == spec.sizes else in_layout(t, spec)
 
 
