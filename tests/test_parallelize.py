@@ -85,10 +85,10 @@ def _equivalence_matrix(world, modes, kinds):
     return report
 
 
-def _run_matrix(ranks, world):
-    results = ranks.run(world, _equivalence_matrix, world, ["fsdp", "hsdp", "ddp", None], ["transformer", "mlp"], timeout=300)
+def _run_matrix(ranks, world, kinds=("transformer", "mlp")):
+    results = ranks.run(world, _equivalence_matrix, world, ["fsdp", "hsdp", "ddp", None], list(kinds), timeout=300)
     cases = results[0]
-    assert len(cases) == len(divisors(world)) * 3 * 2 + 2
+    assert len(cases) == (len(divisors(world)) * 3 + 1) * len(kinds)
     assert all(r == cases for r in results), "ranks disagree on the errors they measured"
 
 
@@ -102,9 +102,13 @@ def test_equivalence_world_4(ranks):
 
 
 def test_equivalence_world_8(ranks):
-    """Every (batch, 1, model) mesh of 8 ranks x FSDP, HSDP, DDP and none x a transformer and an MLP trains as one
-    process (fp64), every rank measuring the same errors."""
-    _run_matrix(ranks, 8)
+    """Every (batch, 1, model) mesh of 8 ranks x FSDP, HSDP, DDP and none, on the transformer, trains as one process
+    (fp64), every rank measuring the same errors.
+
+    NOTE: the transformer only, which holds the MLP's styles (a colwise then a rowwise Linear, replicated layers
+    around them) and more; the MLP trains on every mesh of 1, 2 and 4 ranks above. On 8 ranks sharing 2 cores it took
+    about 40 % of this test's 95 s (AVX2-only EPYC)."""
+    _run_matrix(ranks, 8, ("transformer",))
 
 
 def _fp32_cases():
