@@ -10,7 +10,7 @@ one column from its neighbour along grid dim 1 and one corner element from its d
 Four ways to build that extended block (``C x (h+1) x (w+1)``) are timed, per rank, the ranks started
 together each iteration (the worst rank's median is reported):
 
-- ``mesh3d``: what the product runs, ``blocks.extend_windows``: one header round on the domain group
+- ``mesh3d``: what the product runs, ``blocks.gather_planned`` of ``window_plans``: one header round on the domain group
   (the peers check they agree), then every neighbour's box in one ``batch_isend_irecv``;
 - ``mesh3d_per_dim``: the same call with blocks overlap on, where it goes one grid dim after the other
   (per dim a header round and the rows on the grid line; the second pass carries the corner);
@@ -61,7 +61,8 @@ def _rank(rank: int, port: int, args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="4")
     torch.set_num_threads(1)
     from mesh3d import DistributedManager, domain
-    from mesh3d.domain.layouts.blocks import extend_windows
+    from mesh3d.domain.core.settings import SETTINGS
+    from mesh3d.domain.layouts.blocks import gather_planned, window_plans
     from mesh3d.domain.core.tensor import unwrap
 
     dm = DistributedManager.initialize(batch=1, domain=(2, 2))
@@ -77,10 +78,11 @@ def _rank(rank: int, port: int, args, queue) -> None:
         local = unwrap(xs).contiguous()
 
         def mesh3d_pattern():
-            return extend_windows(local, xs._spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])[0]
+            plans, _ = window_plans(xs._spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])
+            return gather_planned(local, xs._spec, plans, 0.0, SETTINGS.value.overlap.blocks)
 
         def mesh3d_per_dim():
-            with domain.window_overlap(True):  # extend_windows then sends what overlapped peers send: per grid dim
+            with domain.window_overlap(True):  # gather_planned then sends what overlapped peers send: per grid dim
                 return mesh3d_pattern()
 
         def per_dim():

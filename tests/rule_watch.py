@@ -19,17 +19,9 @@ import sys
 #: Per layout of the layout sweep, the rules that still post messages while they plan (issue 66 item 2: each becomes
 #: a step with its exchange as a requirement or its partial result declared). Only ever remove names.
 STILL_TALKING: dict[str, frozenset[str]] = {
-    # the sampled rows gathered by what the grid reads; attention's ring
+    # attention's ring
     "slab": frozenset({
-        "torch.nn.functional.grid_sample", "torch.scaled_dot_product_attention"
-    }),
-    # blocks (a 3-D grid: none left): resampling and the sphere's DISCO and attention kernels gather in the rule
-    "blocks2": frozenset({
-        "torch.ops.attention_kernels._neighborhood_s2_attention_optimized.default",
-        "torch.ops.disco_kernels._disco_s2_contraction_optimized.default",
-        "torch.ops.disco_kernels._disco_s2_fused_conv_optimized.default",
-        "torch.ops.disco_kernels._disco_s2_transpose_contraction_optimized.default",
-        "torch_harmonics.disco.optimized.disco_optimized._DiscoSaveXConvFn.apply"
+        "torch.scaled_dot_product_attention"
     }),
     # token grids: matmul and attention combine in the rule's body
     "tokens": frozenset({

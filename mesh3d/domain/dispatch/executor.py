@@ -16,18 +16,19 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import functorch_transform_active
-from mesh3d.domain.comm.collectives import all_reduce_max, reduce_for_local_use, reduce_to_replicated, sum_grad
+from mesh3d.domain.comm.collectives import (
+    all_reduce_max, all_reduce_sum, reduce_for_local_use, reduce_to_replicated, sum_grad)
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.comm.exchange import gather_rows, report_failure
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
-from mesh3d.domain.comm.rows import ExchangePlan, plan_exchange
+from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
 from mesh3d.domain.dispatch.step import (
-    AllTokens, Boxes, Entering, LineRows, Moved, Partial, Pencils, Relaid, Resplit, Rows, Step, Whole)
+    AllTokens, Boxes, Entering, LineRows, Moved, Partial, Pencils, Reached, Relaid, Resplit, Rows, Step, Whole)
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
 from mesh3d.domain.layouts.blocks import gather_along, gather_planned
@@ -75,7 +76,7 @@ def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[],
         _TELLING.depth -= 1
 
 
-_MOVES = (Window, Rows, Resplit, Moved, Pencils, LineRows, Boxes, Relaid, Whole, AllTokens)
+_MOVES = (Window, Rows, Reached, Resplit, Moved, Pencils, LineRows, Boxes, Relaid, Whole, AllTokens)
 
 
 def changes_layout(step: Step, lead: DomainTensor) -> bool:
@@ -148,6 +149,16 @@ def _rows(req: Rows) -> torch.Tensor:
                        req.fill)
 
 
+def _reached(req: Reached) -> torch.Tensor:
+    """NOTE: one all-reduce of every rank's (first, last), a rank that reads nothing adding (0, -1): then each knows
+    what its peers read from it."""
+    spec = req.x._spec
+    extents = torch.zeros(spec.comm.size, 2, dtype=torch.int64)
+    extents[spec.comm.index] = torch.tensor([req.first, req.last])
+    needs = tuple((Span.rows(a, b + 1),) if b >= a else () for a, b in all_reduce_sum(extents, spec.comm).tolist())
+    return _rows(Rows(req.x, needs))
+
+
 def _line_rows(req: LineRows) -> torch.Tensor:
     local, spec = unwrap(req.x), req.x._spec
     for axis, needs in req.gathers:
@@ -166,6 +177,7 @@ _RESOLVERS: dict[type, Callable[[Any], Any]] = {
     Window: lambda req: _window_rows(req, *window_exchange(req.x._spec.sizes, req.plan, req.x._spec.comm.index,
                                                            req.kernel_pads)),
     Rows: _rows,
+    Reached: _reached,
     Resplit: lambda req: redistribute_local(req.x, req.sizes),
     Moved: lambda req: move_rows(unwrap(req.x), req.x._spec.comm, req.x._spec.dim, req.x._spec.sizes, req.dim,
                                  req.sizes),

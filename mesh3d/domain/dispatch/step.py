@@ -29,8 +29,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["AllTokens", "Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Relaid", "Resplit", "Rows",
-           "Step", "Whole"]
+__all__ = ["AllTokens", "Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Reached", "Relaid", "Resplit",
+           "Rows", "Step", "Whole"]
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,20 @@ class Rows:
     x: DomainTensor
     needs: tuple[RowMap, ...]
     fill: float = 0.0
+
+
+@dataclass(frozen=True)
+class Reached:
+    """Rows ``first`` to ``last`` of ``x`` along its sharded dim (none where ``last < first``): what this rank's data
+    reaches (a sampling grid's extent), so its peers cannot know it from metadata: the executor tells them (one
+    all-reduce of every rank's pair), then gathers as for ``Rows``. Resolved to a plain tensor from row ``first``.
+
+    Usage: ``Step(compute, (Reached(xs, lo, hi), grid), out=grid.spec)``
+    """
+
+    x: DomainTensor
+    first: int
+    last: int
 
 
 @dataclass(frozen=True)

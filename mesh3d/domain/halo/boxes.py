@@ -16,7 +16,7 @@ when the grid dims go one after the other (``scripts/bench_halo_rounds.py`` meas
 The bytes are the same: each element a rank reads from another crosses once, straight to it.
 The backward is the exact adjoint: gradient boxes go back to their owners, which add them.
 Any row maps whose product is what a rank needs work alike (a fill row along any dim makes its
-cell fill): transposed convolutions and ``F.pad`` use it too (``blocks.gather_boxes``).
+cell fill): transposed convolutions and ``F.pad`` use it too (``blocks.box_plans``).
 """
 
 from __future__ import annotations

@@ -32,7 +32,6 @@ from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.halo.windows import WindowPlan, plan_window
-from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.core.specs import DomainSpec
@@ -42,9 +41,9 @@ from mesh3d.manager import DistributedManager
 from mesh3d.domain.core.plan_cache import plan_cache
 from mesh3d.domain.core.specs import BlockSpec
 
-__all__ = ["SimulatedGrid", "block_full_tensor", "box_plans", "extend_windows", "gather_along", "gather_boxes",
-           "gather_planned", "grid_comms", "halo_rows_only", "in_layout", "layout_gathers",
-           "replicate_blocks_if_singleton", "shard_blocks", "simulated_grid", "window_plans"]
+__all__ = ["SimulatedGrid", "block_full_tensor", "box_plans", "gather_along", "gather_planned", "grid_comms",
+           "halo_rows_only", "in_layout", "layout_gathers", "replicate_blocks_if_singleton", "shard_blocks",
+           "simulated_grid", "window_plans"]
 
 
 class SimulatedGrid:
@@ -192,16 +191,6 @@ def window_plans(spec: BlockSpec, first: int, kernel: Sequence[int], stride: Seq
     return tuple(plans), spec.with_sizes(tuple(out_sizes))
 
 
-def extend_windows(local: torch.Tensor, spec: BlockSpec, first: int, kernel: Sequence[int], stride: Sequence[int],
-                   dilation: Sequence[int], pads: list[tuple[int, int]]) -> tuple[torch.Tensor, BlockSpec]:
-    """This rank's input rows for a window op on blocks (``window_plans``, gathered here), and the output's layout.
-
-    Usage: ``ext, out_spec = extend_windows(local, spec, 2, (3, 3), (1, 1), (1, 1), [(1, 1), (1, 1)])``
-    """
-    plans, out_spec = window_plans(spec, first, kernel, stride, dilation, pads)
-    return gather_planned(local, spec, plans, 0.0, SETTINGS.value.overlap.blocks), out_spec
-
-
 def gather_planned(local: torch.Tensor, spec: BlockSpec, plans: tuple[ExchangePlan, ...], fill: float = 0.0,
                    passes: bool = False) -> torch.Tensor:
     """The rows ``plans`` (one ``ExchangePlan`` per block dim) bring: every neighbour's box in one round, corners
@@ -227,14 +216,6 @@ def box_plans(spec: BlockSpec, needs: Sequence[tuple]) -> tuple[ExchangePlan, ..
     Usage: ``ext = gather_planned(local, spec, box_plans(spec, [needs_h, needs_w]))``
     """
     return tuple(plan_exchange(s, tuple(n), line.index) for s, n, line in zip(spec.sizes, needs, spec.lines))
-
-
-def gather_boxes(local: torch.Tensor, spec: BlockSpec, needs: Sequence[tuple], fill: float = 0.0) -> torch.Tensor:
-    """Rows ``needs[k]`` (one row map per rank of grid line ``k``) along every block dim, in one round.
-
-    Usage: ``ext = gather_boxes(local, spec, [needs_h, needs_w])   # what gather_along twice would give``
-    """
-    return gather_planned(local, spec, box_plans(spec, needs), fill)
 
 
 def gather_along(local: torch.Tensor, spec: BlockSpec, axis: int, needs: tuple, fill: float = 0.0) -> torch.Tensor:

@@ -4,7 +4,7 @@ Usage (a block rule calls it; off unless turned on: ``with domain.window_overlap
 
     out = overlapped_windows(local, spec, windows, kernel)   # None: take the plain path
     if out is None:
-        ext, out_spec = extend_windows(...); out = kernel(ext, pads)
+        Step(kernel, (Boxes(input, window_plans(...)[0]),), ...)   # the plain path: a step
 
 The 1-D engine (``mesh3d.domain.halo.overlap``), nested over the grid dims. Level ``i`` holds rows
 extended along grid dims ``< i`` and its own rows along the others. It posts its grid line's halo
@@ -13,7 +13,7 @@ whose windows along dim ``i`` lie in its own rows), waits, extends the received 
 along the grid dims ``> i`` (one plain exchange per dim: the corners), and computes the two strips
 along dim ``i``. A strip's rows are ``E(L)`` followed by the own rows of ``E(own)`` the interior
 level already extended, so every row crosses each grid line once: the halo bytes are those of
-``blocks.extend_windows`` (the identity ``E(cat(L, own, T)) = cat(E(L), E(own), E(T))``, the
+``blocks.gather_planned`` (the identity ``E(cat(L, own, T)) = cat(E(L), E(own), E(T))``, the
 passes along later dims being row by row). Padding rows never travel: the kernel adds them.
 
 Agreement: a level's choice (overlap or not) depends only on the global sizes along its dim and

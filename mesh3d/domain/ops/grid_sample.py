@@ -9,8 +9,8 @@ Usage: automatic, through torch::
     # volumes alike: (N, C, D, H, W) sharded along D, the grid (N, Do, Ho, Wo, 3) along Do
 
 Where a rank's grid points reach is data: every rank reads its grid's extent along the sharded dim (the taps its
-interpolation reads, border clipping applied), the extents go round in one small all-reduce, and the rows travel
-through the exchange (``Rows``: the backward returns their gradient to the owners). The interpolation then runs on
+interpolation reads, border clipping applied) and declares it (``Reached``): the executor sends the extents round in
+one small all-reduce, and the rows travel through the exchange (the backward returns their gradient to the owners). The interpolation then runs on
 the fetched rows by torch's own formulas with global indices: the unnormalization is the kernel's (the CPU kernel's
 on CPU, the CUDA kernel's on CUDA), so a grid point on an exact row (an identity warp) takes the same taps, and its
 gradient the same side, as in one process. Bilinear (trilinear on volumes) and nearest with zero, border or
@@ -26,12 +26,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import all_reduce_sum
-from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.tensor import DomainTensor, unwrap
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.step import Rows, Step
+from mesh3d.domain.dispatch.step import Reached, Step
 
 __all__: list[str] = []
 
@@ -232,26 +230,20 @@ def _grid_sample(input, grid, mode="bilinear", padding_mode="zeros", align_corne
             f"{_NAME}: the input is sharded along dim {input.spec.dim}; shard a spatial dim (2 and up), or the batch "
             "of both the input and the grid alike")
     _refuse_unless_supported(input, grid, mode, padding_mode)
-    spec, axis = input.spec, input.spec.dim - 2
+    axis = input.spec.dim - 2
     shape = tuple(input.shape[2:])  # global sizes
     local_grid = unwrap(grid)
     kernel = "cuda" if local_grid.device.type == "cuda" else "cpu3d" if input.ndim == 5 else "cpu2d"
     cubic = (shape, padding_mode, align) if mode == "bicubic" else ()
     pos = _positions(local_grid, shape, (padding_mode, align, kernel), mode)
-    lo, hi = _extent(pos, mode, shape, axis, cubic)
-    # NOTE: one all-reduce of every rank's extent (a rank with no points adds (0, -1)); each then knows what its peers
-    # read from it. Every rank reaches here: the checks above read metadata only.
-    extents = torch.zeros(spec.comm.size, 2, dtype=torch.int64)
-    extents[spec.comm.index] = torch.tensor([lo, hi])
-    extents = all_reduce_sum(extents, spec.comm).tolist()
-    needs = tuple((Span.rows(a, b + 1),) if b >= a else () for a, b in extents)
+    lo, hi = _extent(pos, mode, shape, axis, cubic)  # data: the executor tells the peers (``Reached``)
 
     def compute(part: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
-        if not needs[spec.comm.index]:  # no point reads a row of the input: zeros that still reach both in backward
+        if hi < lo:  # no point reads a row of the input: zeros that still reach both in backward
             return connected_zeros(part, [part.shape[0], part.shape[1], *g.shape[1:-1]], part, g)
         return _sample(part, lo, _positions(g, shape, (padding_mode, align, kernel), mode), mode, shape, axis, cubic)
 
-    return Step(compute, (Rows(input, needs), grid), out=_output_spec(grid))
+    return Step(compute, (Reached(input, lo, hi), grid), out=_output_spec(grid))
 
 
 def _output_spec(grid: DomainTensor):

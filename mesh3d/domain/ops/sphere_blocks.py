@@ -27,8 +27,9 @@ from mesh3d.domain.comm.rows import Span, block_needs
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.split import offsets_of
-from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
-from mesh3d.domain.layouts.blocks import gather_boxes
+from mesh3d.domain.core.tensor import DomainTensor
+from mesh3d.domain.dispatch.step import Boxes, Step
+from mesh3d.domain.layouts.blocks import box_plans
 from mesh3d.domain.ops.disco import (
     PsiCuts, contract_local, contraction_args, forward_cut, out_sizes_for, transpose_cut, transpose_local)
 from mesh3d.domain.ops.s2_attention import attention_psi
@@ -52,6 +53,11 @@ def _ring(lon_sizes: tuple[int, ...], n: int) -> tuple:
     return tuple((Span.rows(0, n),) for _ in lon_sizes)
 
 
+def _ring_box(x: Any, spec: BlockSpec, lat_needs: tuple, n: int) -> Boxes:
+    """``x``'s rows ``lat_needs`` (one row map per rank of the latitude line), whole around the longitude ring."""
+    return Boxes(x, box_plans(spec, (lat_needs, _ring(spec.sizes[1], n))))
+
+
 def _keep_columns(y: torch.Tensor, dim: int, out_lon: tuple[int, ...], spec: BlockSpec) -> torch.Tensor:
     me = spec.lines[1].index
     return y.narrow(dim, offsets_of(out_lon)[me], out_lon[me])
@@ -61,18 +67,21 @@ def contraction_block_rule(op: Callable[..., torch.Tensor], name: str, *, with_w
     """The block rule of ``ops.disco.contraction_rule``'s op: (B, C, lat, lon) blocks in and out."""
     cuts = PsiCuts()
 
-    def rule(inp, *args: Any) -> DomainTensor:
+    def rule(inp, *args: Any) -> Step:
         spec = _lat_lon(name, inp, 2)
         psi, tail = contraction_args(args, with_weight)
         nlat_in, nlon_in = inp.shape[2], inp.shape[3]
         out_lat = out_sizes_for(spec.sizes[0], nlat_in, tail[1])
         out_lon = out_sizes_for(spec.sizes[1], nlon_in, tail[2])
         local = forward_cut(cuts, psi, (nlat_in, nlon_in), tail, out_lat, spec.lines[0].index, with_weight)
-        part = gather_boxes(unwrap(inp), spec, (local.needs, _ring(spec.sizes[1], nlon_in)))
-        y = contract_local(op, part, (args[0],) if with_weight else (), local, tail)
         out_dim = 2 if with_weight else 3
-        y = _keep_columns(y, out_dim + 1, out_lon, spec)
-        return adopt(y, BlockSpec((out_dim, out_dim + 1), (out_lat, out_lon), spec.lines, spec.comm))
+
+        def compute(part: torch.Tensor, *weight: torch.Tensor) -> torch.Tensor:
+            return _keep_columns(contract_local(op, part, weight, local, tail), out_dim + 1, out_lon, spec)
+
+        rows = _ring_box(inp, spec, local.needs, nlon_in)
+        return Step(compute, (rows, args[0]) if with_weight else (rows,),
+                    out=BlockSpec((out_dim, out_dim + 1), (out_lat, out_lon), spec.lines, spec.comm))
 
     return rule
 
@@ -81,16 +90,16 @@ def transpose_block_rule(op: Callable[..., torch.Tensor], name: str) -> Callable
     """The block rule of ``ops.disco.transpose_rule``'s op: (B, C, K, lat, lon) blocks in, (B, C, lat, lon) out."""
     cuts = PsiCuts()
 
-    def rule(inp, roff, ker, row, col, vals, kernel_size, nlat_out, nlon_out) -> DomainTensor:
+    def rule(inp, roff, ker, row, col, vals, kernel_size, nlat_out, nlon_out) -> Step:
         spec = _lat_lon(name, inp, 3)
         tail = (kernel_size, nlat_out, nlon_out)
         nlat_in, nlon_in = inp.shape[3], inp.shape[4]
         out_lat = out_sizes_for(spec.sizes[0], nlat_in, nlat_out)
         out_lon = out_sizes_for(spec.sizes[1], nlon_in, nlon_out)
         local = transpose_cut(cuts, (roff, ker, row, col, vals), nlat_in, tail, out_lat, spec.lines[0].index)
-        part = gather_boxes(unwrap(inp), spec, (local.needs, _ring(spec.sizes[1], nlon_in)))
-        y = _keep_columns(transpose_local(op, part, local, tail), 3, out_lon, spec)
-        return adopt(y, BlockSpec((2, 3), (out_lat, out_lon), spec.lines, spec.comm))
+        return Step(lambda part: _keep_columns(transpose_local(op, part, local, tail), 3, out_lon, spec),
+                    (_ring_box(inp, spec, local.needs, nlon_in),),
+                    out=BlockSpec((2, 3), (out_lat, out_lon), spec.lines, spec.comm))
 
     return rule
 
@@ -100,7 +109,7 @@ def attention_block_rule(op: Callable[..., torch.Tensor], name: str) -> Callable
     (B, lat, lon, C) on lat x lon blocks; the output laid out as the queries."""
     cuts = PsiCuts()
 
-    def rule(kw, vw, qw, quad_weights, col_idx, row_off, seg, seg_off, nh, nlon_in, nlat_out, nlon_out) -> DomainTensor:
+    def rule(kw, vw, qw, quad_weights, col_idx, row_off, seg, seg_off, nh, nlon_in, nlat_out, nlon_out) -> Step:
         specs = [_lat_lon(name, t, 1) for t in (kw, vw, qw)]
         if nlon_in % nlon_out:
             raise NotImplementedError(f"{name} (torch-harmonics' neighbourhood attention) upsampling on domain "
@@ -109,14 +118,17 @@ def attention_block_rule(op: Callable[..., torch.Tensor], name: str) -> Callable
         out_lat, me = q_spec.sizes[0], q_spec.lines[0].index
         local = cuts.get((quad_weights, col_idx, row_off), (nlat_in, nlon_in, nlat_out, nlon_out, out_lat, me),
                          lambda: attention_psi(col_idx, row_off, quad_weights, out_lat, me, nlon_in))
-        k, v = (gather_boxes(unwrap(t), s, (local.needs, _ring(s.sizes[1], nlon_in))) for t, s in zip((kw, vw), specs))
-        q = gather_boxes(unwrap(qw), q_spec, (block_needs(out_lat), _ring(q_spec.sizes[1], nlon_out)))
-        if local.rows_in:
-            quad, col, roff, seg_l, seg_off_l = local.psi
-            y = op(k, v, q, quad, col, roff, seg_l, seg_off_l, nh, nlon_in, local.rows_out, nlon_out)
-        else:
-            y = connected_zeros(q, [q.shape[0], local.rows_out, nlon_out, v.shape[3]], k, v, q)
-        return adopt(_keep_columns(y, 2, q_spec.sizes[1], q_spec), q_spec)
+
+        def compute(k: torch.Tensor, v: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+            if local.rows_in:
+                quad, col, roff, seg_l, seg_off_l = local.psi
+                y = op(k, v, q, quad, col, roff, seg_l, seg_off_l, nh, nlon_in, local.rows_out, nlon_out)
+            else:
+                y = connected_zeros(q, [q.shape[0], local.rows_out, nlon_out, v.shape[3]], k, v, q)
+            return _keep_columns(y, 2, q_spec.sizes[1], q_spec)
+
+        keys, values = (_ring_box(t, s, local.needs, nlon_in) for t, s in zip((kw, vw), specs))
+        return Step(compute, (keys, values, _ring_box(qw, q_spec, block_needs(out_lat), nlon_out)), out=q_spec)
 
     return rule
 
@@ -125,12 +137,12 @@ def permute_block_rule(op: Callable[..., torch.Tensor], dims: tuple[int, ...]) -
     """The block rule of the library's channels-last copies: the local copy, the block dims where ``dims`` puts them
     (in their order: latitude before longitude)."""
 
-    def rule(x) -> DomainTensor:
+    def rule(x) -> Step:
         spec = x._spec
         moved = tuple(dims.index(d) for d in spec.dims)
         if list(moved) != sorted(moved):
             raise NotImplementedError(f"torch.ops.attention_kernels copy permuting block dims {spec.dims} out of "
                                       "order has no rule; call .full_tensor() first")
-        return adopt(op(unwrap(x)), BlockSpec(moved, spec.sizes, spec.lines, spec.comm))
+        return Step(op, (x,), out=BlockSpec(moved, spec.sizes, spec.lines, spec.comm))
 
     return rule

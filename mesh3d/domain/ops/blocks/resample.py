@@ -4,12 +4,12 @@ Usage: automatic for ``nn.MaxPool2d(2)(xs)``, ``nn.ConvTranspose2d(8, 8, 2, stri
 ``nn.Upsample(scale_factor=2, mode="bilinear")(xs)``, ``F.pad(xs, (1, 1, 1, 1), mode="circular")`` and
 ``torch.cat([xs, ys], dim=1)`` on block-sharded tensors (``domain.shard(x, dims=(2, 3))``).
 
-Each op does per block dim what its slab rule does along the one sharded dim. Pooling uses the window
-engine (``blocks.extend_windows``); transposed convolution and padding modes gather the source rows their
-outputs read with the slab rules' row formulas, every neighbour's box (corners included) in one round
-(``blocks.gather_boxes``), as does upsampling interpolation. Downsampling interpolation and adaptive
-pooling go one grid dim after the other (``blocks.gather_along``, resampling between passes: the second
-pass moves rows already shrunk along the first dim, and the corners arrive with them).
+Each op does per block dim what its slab rule does along the one sharded dim, and declares the rows it reads
+(``Boxes``, resolved by the executor). Pooling reads its windows (``blocks.window_plans``); transposed convolution
+and padding modes read the source rows their outputs read by the slab rules' row formulas, every neighbour's box
+(corners included) in one round (``blocks.box_plans``), as does upsampling interpolation. Downsampling interpolation
+and adaptive pooling go one grid dim after the other (a step per dim, resampling between them: the second moves rows
+already shrunk along the first dim, and the corners arrive with them).
 """
 
 from __future__ import annotations
