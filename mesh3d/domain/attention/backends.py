@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_efficient_attention, \
     can_use_flash_attention
 
@@ -62,14 +63,14 @@ class BlockKernels:
 
         NOTE: Dynamo cannot trace torch's choice (an op returning an int: a graph break in every compiled attention
         call); while it traces, the rules of torch's default order answer (``kernel_rules``)."""
-        if torch.compiler.is_dynamo_compiling():
+        if is_dynamo_compiling():
             return sdpa_choice(SdpaCall.of(q, k, v, mask, causal))
         return cuda_sdpa_choice(q, k, v, mask, causal, gqa)
 
     def can_use(self, kernel: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                 causal: bool) -> bool:
         """Whether ``kernel`` takes this call (torch's public ``can_use_*`` checks; K/V heads as the queries')."""
-        if torch.compiler.is_dynamo_compiling():
+        if is_dynamo_compiling():
             return kernel_accepts(kernel, SdpaCall.of(q, k, v, mask, causal))
         return bool(_CAN_USE[kernel](SDPAParams(q, k, v, mask, 0.0, causal, False)))
 

@@ -14,6 +14,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 
 __all__ = ["has_copy_marks", "is_made_as_copy", "made_as_copy", "mark_copied_view", "refuse_write_through_copy"]
 
@@ -30,7 +31,7 @@ def made_as_copy(out: Any) -> Any:
 
     Usage: ``return made_as_copy(run_step(step))``
     """
-    if isinstance(out, torch.Tensor) and not torch.compiler.is_compiling():
+    if isinstance(out, torch.Tensor) and not is_compiling():
         setattr(out, _MADE_AS_COPY, True)
     return out
 
@@ -43,7 +44,7 @@ def is_made_as_copy(t: Any) -> bool:
 
 def mark_copied_view(out: Any, base: torch.Tensor, op: str) -> Any:
     """Record that ``out`` (a domain tensor a view op made) holds a copy of ``base``'s rows, not an alias; returns it."""
-    if not isinstance(out, torch.Tensor) or torch.compiler.is_compiling():
+    if not isinstance(out, torch.Tensor) or is_compiling():
         return out  # NOTE: no weak references in a traced graph (its values are not the tensors a user holds)
     setattr(out, _OF, (weakref.ref(base), op))
     copies = getattr(base, _COPIES, None)

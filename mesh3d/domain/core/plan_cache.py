@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
+from torch.compiler import is_compiling, is_dynamo_compiling
 
 from mesh3d._torch_private import outside_dispatch_modes
 
@@ -67,9 +68,9 @@ def plan_cache(maxsize: int, *, run_at_trace_time: bool = False) -> Callable[[F]
 
         @functools.wraps(fn)
         def planned(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_dynamo_compiling() and not run_at_trace_time:
+            if is_dynamo_compiling() and not run_at_trace_time:
                 return fn(*args, **kwargs)  # Dynamo traces the planner itself: its result is a constant
-            if run_at_trace_time and torch.compiler.is_compiling():
+            if run_at_trace_time and is_compiling():
                 # NOTE: a wrapper domain tensor's rule runs under the tracer's fake and functional modes (issue 64):
                 # the planner's own tensors must be real ones, computed now
                 with outside_dispatch_modes():
@@ -106,7 +107,7 @@ class plan_property:  # noqa: N801  (a decorator, named like functools.cached_pr
     def __get__(self, obj: Any, owner: type | None = None) -> Any:
         if obj is None:
             return self
-        if torch.compiler.is_dynamo_compiling():
+        if is_dynamo_compiling():
             return self.fn(obj)
         cache = obj.__dict__
         if self.name not in cache:

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import torch
+from torch.compiler import is_compiling, is_dynamo_compiling
 
 __all__ = ["ATTENTION_KERNELS", "ATTENTION_MODES", "AttentionSettings", "DomainSettings", "OverlapSettings", "SETTINGS",
            "SettingsSlot", "ValueSlot", "refuse_while_traced", "traced"]
@@ -132,10 +132,10 @@ def traced() -> bool:
 
     NOTE: two tracers run the rules: Dynamo, which inlines a storage domain tensor's ``__torch_function__``, and,
     for wrapper tensors (issue 64's switch), Dynamo's fake run of each recorded op and AOTAutograd's trace of the
-    graph, which call the rules on fake shards outside Dynamo (``torch.compiler.is_dynamo_compiling()`` is False
+    graph, which call the rules on fake shards outside Dynamo (``is_dynamo_compiling()`` is False
     there, ``is_compiling()`` True).
     """
-    return torch.compiler.is_dynamo_compiling() or (SETTINGS.value.wrapper and torch.compiler.is_compiling())
+    return is_dynamo_compiling() or (SETTINGS.value.wrapper and is_compiling())
 
 
 def refuse_while_traced(op: str, why: str) -> None:

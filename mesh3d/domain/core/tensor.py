@@ -32,6 +32,7 @@ import copy
 from typing import Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from mesh3d._torch_private import (
     call_without_compiling, disable_torch_function_subclass, functorch_transform_active, never_compiled_alone,
@@ -83,7 +84,7 @@ def adopt(fresh: torch.Tensor, spec: AnySpec, keep: tuple = ()) -> DomainTensor:
     result keeps the op's own autograd node. Tensors a caller may still hold as plain tensors
     (leaves that need grad, parameters, anything in ``keep``) are wrapped as views instead.
     """
-    if SETTINGS.value.wrapper or torch.compiler.is_dynamo_compiling() or type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) \
+    if SETTINGS.value.wrapper or is_dynamo_compiling() or type(fresh) is not torch.Tensor or (fresh.is_leaf and fresh.requires_grad) \
             or any(fresh is k for k in keep):
         # NOTE: Dynamo cannot set ``__class__``; a compiled graph's outputs are fresh tensors of its own anyway.
         return wrap(fresh, spec)
@@ -221,7 +222,7 @@ def unwrap(t: Any) -> Any:
     if isinstance(t, DomainTensor):
         if is_wrapper(t):
             return t._differentiable_local()  # type: ignore[attr-defined]  # a wrapper's method
-        if torch.compiler.is_dynamo_compiling():
+        if is_dynamo_compiling():
             # NOTE: one query through ``__torch_function__`` marks the graph as handling the domain tensor's
             # dispatch itself, so torch runs it with subclass dispatch off (torch 2.13's OutputGraph). A graph
             # whose only use of a domain tensor is this unwrap would otherwise run with it on, and AOTAutograd,
@@ -363,7 +364,7 @@ class DomainTensor(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         # NOTE: traced, every call takes the dispatcher (torch 2.11's Dynamo cannot hash a method-wrapper key)
-        if not torch.compiler.is_dynamo_compiling():
+        if not is_dynamo_compiling():
             # NOTE: eager code never compiles a frame of its own: an op re-run where a compiled trace broke (at an op
             # on a graph tensor, say) would compile the query answers, the dispatcher and the rules as frames, once per
             # op signature, up to Dynamo's recompile limit, for nothing

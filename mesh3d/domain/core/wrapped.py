@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 
 from mesh3d._torch_private import (
     disable_torch_function_subclass, functorch_transform_active as under_torch_func, make_wrapper_tensor,
@@ -90,7 +91,7 @@ class _ToLocal(torch.autograd.Function):
     def forward(ctx: Any, wrapped: WrappedDomainTensor) -> torch.Tensor:
         ctx.set_materialize_grads(False)
         ctx.spec = wrapped._spec
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return wrapped._local.detach()  # NOTE: traced: no marks (Dynamo cannot make weakrefs)
         # NOTE: detach(), not a view: the output is a fresh autograd tensor sharing the shard's memory and version
         # counter, so a rule may write into it in place (a view made inside a Function may not be) and autograd
@@ -148,7 +149,7 @@ def _wrapped_or_owner(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor
     """``wrap``'s answer under the switch: the wrapper tensor whose shard ``local`` is, where a rule handed its input's
     shard back unchanged (``x.contiguous()``, ``x.to(x.dtype)`` are ``x`` in torch: a write into one is a write into
     the other), else a new one (``fresh_wrapper``)."""
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return fresh_wrapper(local, spec)
     owner = SHARD_OWNERS.owner(local)
     if owner is not None and (local is owner._local or local is owner._alias) and \
@@ -171,7 +172,7 @@ def fresh_wrapper(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
         if under_torch_func():  # NOTE: no edge: the transform would wrap it (module docstring)
             return local if spec.layout is Layout.REPLICATED else _made_from(local, spec)
         out = run_autograd_function(_FromLocal, (local, spec), {})
-        if not out._views_domain and not torch.compiler.is_compiling() and SHARD_OWNERS.owner(local) is None:
+        if not out._views_domain and not is_compiling() and SHARD_OWNERS.owner(local) is None:
             # NOTE: a fresh result: rules read ``local`` itself, not an alias through the new tensor's own edge (two
             # Python autograd edges per op, a wrapper gradient made and unmade in backward). Every gradient still meets
             # at ``local`` (hooks, retain_grad: ``shortcut_alias``); the history is this edge (_differentiable_local)
@@ -195,7 +196,7 @@ def shortcut_alias(t: Any) -> torch.Tensor | None:
 
 
 def _made_from(local: torch.Tensor, spec: AnySpec) -> WrappedDomainTensor:
-    if torch.compiler.is_compiling():
+    if is_compiling():
         return WrappedDomainTensor(local, spec)  # NOTE: traced: in-place writes into views are not replayed there
     # NOTE: a view rule's result: its shard is a view of a live wrapper's shard (each wrapper's shard and its
     # differentiable aliases are marked with their owner; read before this one's shard is). A mark whose owner is
@@ -255,7 +256,7 @@ class WrappedDomainTensor(DomainTensor):
         out._whole, out._strides = whole, strides
         if offset or layout is not None:  # NOTE: else the class's (0, dense): an attribute set costs 50 ns a tensor
             out._offset, out._dense = offset, dense_strides(whole, strides)
-        if torch.compiler.is_compiling():
+        if is_compiling():
             out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
             return out
         SHARD_OWNERS.mark(local, out)  # NOTE: read by _wrapped_or_owner, _made_from
@@ -267,7 +268,7 @@ class WrappedDomainTensor(DomainTensor):
 
         NOTE: one alias serves every rule that reads this tensor (autograd sums their gradients at the alias): a
         ``_ToLocal`` per read cost about 10 us per op. An in-place write makes a new one (``_Rebase``)."""
-        if torch.compiler.is_compiling():
+        if is_compiling():
             return _ToLocal.apply(self) if torch.is_grad_enabled() else self._local
         if not torch.is_grad_enabled() or under_torch_func():
             return self._local

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling, is_dynamo_compiling
 from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import (
@@ -61,7 +62,7 @@ def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTenso
     """An op whose leading input is laid out as ``entry`` says: its rule in that layout's table, or a refusal naming it
     on every rank (before any exchange)."""
     spec = lead._spec
-    if not entry.traceable and torch.compiler.is_dynamo_compiling():
+    if not entry.traceable and is_dynamo_compiling():
         # NOTE: the storage subclass, whose rules Dynamo inlines: graph rules plan halos in numpy, which Dynamo cannot
         # trace, so each such op is a graph break, run eagerly. Wrapper tensors' rules run on fake shards instead
         # (docs/domain.md, "Graphs and meshes"); one that must read values refuses there, and Dynamo breaks the graph.
@@ -128,7 +129,7 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
 
     Usage: ``DomainTensor.__torch_function__`` calls ``dispatch(func, types, args, kwargs)``
     """
-    if torch.compiler.is_dynamo_compiling():  # NOTE: wrapper tensors refuse compile (``core.wrapped``)
+    if is_dynamo_compiling():  # NOTE: wrapper tensors refuse compile (``core.wrapped``)
         return _dispatch(func, types, args, kwargs)
     first = args[0] if args else None
     if isinstance(first, DomainTensor) and (first._wraps or has_copy_marks(first)) and writes_into_first(func) and \
@@ -142,7 +143,7 @@ def dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         if answer is not None and answer.error is not None:  # NOTE: on every rank, before the rule: a rank whose
             raise RuntimeError(answer.error)  # shard's strides allow the view would run it where its peers raise
     out = _dispatch(func, types, args, kwargs)
-    if torch.compiler.is_compiling():  # NOTE: AOTAutograd tracing wrapper tensors' rules: a checkpointed region's
+    if is_compiling():  # NOTE: AOTAutograd tracing wrapper tensors' rules: a checkpointed region's
         random_draws_saved_under_traced_checkpoints()  # random draws keep eager's numbers (the function says how)
     return record_views(out, func, args, kwargs, answer) if SETTINGS.value.wrapper else out
 
@@ -159,7 +160,7 @@ def _dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
             with disable_torch_function_subclass():
                 return func(*args, **kwargs)
         func, args, kwargs = operator_target(func, args, kwargs)
-    gradient = None if torch.compiler.is_dynamo_compiling() else GRADIENT_CALLS.get(func)
+    gradient = None if is_dynamo_compiling() else GRADIENT_CALLS.get(func)
     if gradient is not None:  # ``.grad``, ``torch.autograd.grad``/``backward``: answered for the whole tensor
         return gradient(*args, **kwargs)
     if is_metadata(func):
@@ -169,7 +170,7 @@ def _dispatch(func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         with disable_torch_function_subclass():
             return func(*args, **kwargs)
     if is_global_size(func) and isinstance(args[0], DomainTensor):
-        if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling():
+        if is_compiling() and not is_dynamo_compiling():
             # NOTE: torch.compile fakifying the real input sees the shard; traced model code still gets global sizes.
             with disable_torch_function_subclass():
                 return func(*args, **kwargs)

@@ -39,6 +39,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 
 from mesh3d._torch_private import ARGUMENTS_TORCH_DROPS, disable_torch_function_subclass, is_operator
 from mesh3d.domain.core.copied_views import has_copy_marks
@@ -129,7 +130,7 @@ class KeptCalls:
 
     def dispatch(self, func: Callable, types: tuple, args: tuple, kwargs: dict) -> Any:
         """``func(*args, **kwargs)`` on wrapper tensors: from a kept answer where one applies, else the dispatcher."""
-        if not self.enabled or WindowProbe.active or torch.compiler.is_compiling():
+        if not self.enabled or WindowProbe.active or is_compiling():
             # NOTE: a probe (``domain.downsampling_factor``) reads what the rules plan: every call takes them
             return dispatch(func, types, args, kwargs)
         if self._version != RuleTable.changes:  # NOTE: a rule registered or dropped: what was kept may not hold

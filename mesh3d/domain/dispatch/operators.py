@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 import torch.nn.functional as F
 
 from mesh3d._torch_private import OpOverload, function_apply_key, op_schema
@@ -280,7 +281,7 @@ def operator_target(func: Any, args: tuple, kwargs: dict) -> tuple[Callable, tup
         raise NotImplementedError(refusal)
     target = getattr(_WHERE[where], attribute)
     bound = _bind(names, defaults, keyword_only, args, kwargs)
-    if bound is None or (not torch.compiler.is_dynamo_compiling() and not _fits(target, *bound)):
+    if bound is None or (not is_dynamo_compiling() and not _fits(target, *bound)):
         raise NotImplementedError(refusal)
     return target, *bound
 

@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Callable
 
 import torch
+from torch.compiler import is_dynamo_compiling
 import math
 from typing import Any
 from mesh3d.domain.core.tensor import DomainTensor, global_shape_of, global_strides_for, is_wrapper
@@ -95,13 +96,13 @@ if torch.__version__ >= (2, 13):  # NOTE: TorchVersion compares with tuples
 else:
     def is_metadata(func: Callable) -> bool:
         """``func`` is a query answered from the local shard. Usage: ``if is_metadata(func): ...``"""
-        if torch.compiler.is_dynamo_compiling():
+        if is_dynamo_compiling():
             return _equal_to_any(func, _METADATA_LISTED)
         return func in METADATA
 
     def is_global_size(func: Callable) -> bool:
         """``func`` is a size query answered for the whole tensor. Usage: ``if is_global_size(func): ...``"""
-        if torch.compiler.is_dynamo_compiling():
+        if is_dynamo_compiling():
             return _equal_to_any(func, _GLOBAL_SIZES_LISTED)
         return func in GLOBAL_SIZES
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 
 from mesh3d._torch_private import disable_torch_function_subclass
 from mesh3d.domain.core.tensor import DomainTensor
@@ -36,13 +37,13 @@ def _metadata(func: Callable, args: tuple, kwargs: dict | None) -> Any:
 
 
 def _global_size(func: Callable, args: tuple, kwargs: dict | None) -> Any:
-    if not args or type(args[0]) is not DomainTensor or torch.compiler.is_compiling():
+    if not args or type(args[0]) is not DomainTensor or is_compiling():
         return NotImplemented  # NOTE: torch.compile fakifying an input asks for the shard's sizes: the dispatcher's
     return global_size_answer(func, args[0], args[1:], kwargs or {})
 
 
 def _global_size_wrapped(func: Callable, args: tuple, kwargs: dict | None) -> Any:
-    if not args or type(args[0]) is not WrappedDomainTensor or torch.compiler.is_compiling():
+    if not args or type(args[0]) is not WrappedDomainTensor or is_compiling():
         return NotImplemented
     return global_size_answer(func, args[0], args[1:], kwargs or {})
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from mesh3d._torch_private import (
     OpOverload, OpOverloadPacket, builtins_replaced_by, custom_op_overload, function_apply_key, is_operator)
@@ -84,7 +85,7 @@ class RuleTable:
         RuleTable.changes += 1
 
     def get(self, func: Callable) -> Callable | None:
-        if torch.compiler.is_dynamo_compiling():
+        if is_dynamo_compiling():
             at = _rule_index_at_trace_time(self.name, func)
             return None if at < 0 else self._listed[at]
         return self._rules.get(func)

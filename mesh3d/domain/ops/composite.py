@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.compiler import is_compiling
 import torch.nn.functional as F
 
 from mesh3d.domain.core.tensor import DomainTensor, size_of
@@ -74,7 +75,7 @@ def _no_out(out: Any, name: str) -> None:
 
 def _checking() -> bool:
     """Value checks cost a reduction and a host read: eager only (a compiled graph has no host reads)."""
-    return not torch.compiler.is_compiling()
+    return not is_compiling()
 
 
 def count_true(mask: Any, dim: Any = None, keepdim: bool = False) -> Any:
