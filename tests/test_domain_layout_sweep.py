@@ -6,7 +6,8 @@ strided slab, blocks on a 2-D and a 3-D grid (an empty block among them), a toke
 an empty part). The calls
 (``layout_cases.calls``): recipes for the functions whose arguments need shapes (convolutions, pooling, norms,
 interpolation, attention, indexing ...) and argument lists made from the schema of each function's ATen twin. The
-reference is the same call on the whole tensor in one process (fp64). A ``TypeError``, ``IndexError``,
+reference is the same call on the whole tensor in one process (fp64); on blocks each call runs first on other values,
+so the second is answered from what the first kept (``dispatch.kept``). A ``TypeError``, ``IndexError``,
 ``AttributeError``, any other error from inside mesh3d where one process succeeds, or a hang (bounded by the pool's
 timeout) fails the sweep; a peer's notice (``DomainDivergenceError``) is fine where another rank refused.
 """
@@ -51,6 +52,7 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     from layout_cases import plain
     from rule_watch import RuleWatch
 
+    from mesh3d.domain.dispatch.kept import KEPT
     from mesh3d.domain.dispatch.layout_registry import LAYOUTS
     from mesh3d.domain.dispatch.registry import load_shipped_rules, op_name
 
@@ -60,19 +62,24 @@ def _sweep_body(layout: str, sizes, grid: tuple[int, ...], shape: tuple[int, ...
     x0 = torch.randn(shape, dtype=D64, generator=g)
     y0 = torch.randn(shape, dtype=D64, generator=g).abs() + 0.5
     xp, yp = plain(layout, x0), plain(layout, y0)
+    # NOTE: on blocks each call runs first on other values: the second is answered from what the first kept
+    # (``dispatch.kept``), and a kept answer holding the first call's tensors would give their values
+    first = (torch.randn(shape, dtype=D64, generator=g), torch.randn(shape, dtype=D64, generator=g).abs() + 0.5) \
+        if layout.startswith("blocks") else None
     sharded = {"strided": 0, "tokens": 1}.get(layout, 2)
     funcs = sorted({f for t in LAYOUTS.tables() for f in t}, key=op_name)  # NOTE: every registered layout's rules
     outcome: dict[str, str] = {}
     watch = RuleWatch()  # NOTE: which rules post messages while they plan (rule_watch.STILL_TALKING)
     watch.install()
+    hits = KEPT.hits
     try:
-        _sweep_calls(funcs, layout, sizes, grid, x0, y0, xp, yp, sharded, outcome)
+        _sweep_calls(funcs, layout, sizes, grid, (x0, y0), xp, yp, sharded, outcome, first)
     finally:
         watch.remove()
-    return outcome, sorted(watch.talked)
+    return outcome, sorted(watch.talked), KEPT.hits - hits
 
 
-def _sweep_calls(funcs, layout, sizes, grid, x0, y0, xp, yp, sharded, outcome) -> None:
+def _sweep_calls(funcs, layout, sizes, grid, values, xp, yp, sharded, outcome, first) -> None:
     from layout_cases import calls, make, plain
 
     from mesh3d.domain.comm.divergence import DomainDivergenceError
@@ -81,11 +88,14 @@ def _sweep_calls(funcs, layout, sizes, grid, x0, y0, xp, yp, sharded, outcome) -
     for func in funcs:
         for i, call in enumerate(calls(func, xp, yp, sharded)):
             label = f"{op_name(func)}#{i}"
+            x0, y0 = values
             try:
                 expected = call(plain(layout, x0.clone()), plain(layout, y0.clone()))
             except Exception:  # noqa: BLE001  (not a call this function takes)
                 continue
             try:
+                if first is not None:
+                    call(make(layout, first[0].clone(), sizes), make(layout, first[1].clone(), sizes))
                 got = call(make(layout, x0.clone(), sizes), make(layout, y0.clone(), sizes))
                 outcome[label] = "equal" if _same(_whole(got), expected) else "WRONG"
             except NAMED as err:
@@ -143,16 +153,18 @@ def test_the_sweep_feeds_every_registered_layout():
 @pytest.mark.parametrize("layout, world, grid, shape, sizes", CASES, ids=[c[0] for c in CASES])
 def test_every_rule_answers_or_refuses_by_name_on_every_layout(ranks, layout, world, grid, shape, sizes):
     results = ranks.run(world, _sweep_body, layout, sizes, grid, shape, timeout=900)
-    failures, equal, refused = _judge([outcome for outcome, _ in results])
+    failures, equal, refused = _judge([outcome for outcome, *_ in results])
     assert failures == [], failures
     assert equal > 100, (equal, refused)
+    if layout.startswith("blocks"):  # NOTE: the calls kept on the first (other values) answered the second
+        assert min(hits for *_, hits in results) > 100, [hits for *_, hits in results]
     from rule_watch import STILL_TALKING
 
-    talked = set().union(*(set(t) for _, t in results))
+    talked = set().union(*(set(t) for _, t, _ in results))
     listed = STILL_TALKING.get(layout, frozenset())
     assert talked - listed == set(), f"{layout}: rules that now post messages while they plan: {sorted(talked - listed)}"
     # NOTE: only a rule the sweep called by its own name can be seen to stop (not an extra's rule it lacks here)
-    stopped = (listed - talked) & {label.rsplit("#", 1)[0] for outcome, _ in results for label in outcome}
+    stopped = (listed - talked) & {label.rsplit("#", 1)[0] for outcome, *_ in results for label in outcome}
     assert stopped == set(), f"{layout}: rules that stopped (take them off the list): {sorted(stopped)}"
 
 
@@ -162,6 +174,6 @@ def test_every_rule_answers_or_refuses_by_name_on_every_layout(ranks, layout, wo
 def test_slab_sweep_on_drawn_uneven_sizes(ranks, cut):
     """The slab layout on sizes hypothesis draws for 3 ranks (empty and one-row shards included)."""
     sizes = (cut[0], cut[1] - cut[0], 7 - cut[1])
-    failures, equal, _ = _judge([outcome for outcome, _ in ranks.run(3, _sweep_body, "slab", sizes, (3,), (2, 3, 7, 4),
-                                                                     timeout=900)])
+    failures, equal, _ = _judge([outcome for outcome, *_ in ranks.run(3, _sweep_body, "slab", sizes, (3,), (2, 3, 7, 4),
+                                                                      timeout=900)])
     assert failures == [] and equal > 100, failures

@@ -71,7 +71,7 @@ def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTenso
     if rule is None:
         raise NotImplementedError(entry.refusal(op_name(func), spec))
     if STEP_TAP.args is args:  # NOTE: ``dispatch.kept`` asked for this call's step, to keep it
-        rule = STEP_TAP.tapped(rule, lead, entry.journal is None)
+        rule = STEP_TAP.tapped(rule, lead, entry.journal)
     # NOTE: compiled, a rule runs once, at trace time: no journal entry, no telling peers from inside the graph;
     # each exchange in it (mesh3d::exchange_rows) still checks the peers' headers when it runs.
     if traced() and not entry.traceable:

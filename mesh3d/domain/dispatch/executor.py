@@ -107,18 +107,21 @@ class StepTap:
         self.args: tuple | None = None
         self.taken: tuple | None = None
 
-    def tapped(self, rule: Callable, lead: DomainTensor, journaled_by_step: bool) -> Callable:
-        """``rule``, recording what it returns, and the journal entry the dispatcher records for it where
-        ``journaled_by_step`` (a layout whose own entry is made before the rule runs: none here)."""
+    def tapped(self, rule: Callable, lead: DomainTensor, layout_journal: Callable[[Any], tuple] | None) -> Callable:
+        """``rule``, recording what it returns, and the journal entry the dispatcher records for its call: the
+        layout's own (``layout_journal`` of the lead's spec, made before the rule runs: blocks, token grids, graphs),
+        else the step's where it changes the layout (slabs)."""
         self.args = None
 
         def run(*args: Any, **kwargs: Any) -> Any:
             step = rule(*args, **kwargs)
             journal = None
-            if isinstance(step, Step) and journaled_by_step and changes_layout(step, lead):
+            if layout_journal is not None:
+                journal = layout_journal(lead._spec)
+            elif isinstance(step, Step) and changes_layout(step, lead):
                 out = step.out
                 journal = (out.dim, sum(out.sizes)) if out is not None and out.sizes else (None, 0)
-            self.taken = (rule, step, journal, journaled_by_step)
+            self.taken = (rule, step, journal)
             return step
         return run
 

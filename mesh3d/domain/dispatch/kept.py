@@ -17,7 +17,7 @@ A signature is the function, the rule tables' version (a rule registered or drop
 and every argument: a wrapper tensor's spec, shard shape and strides, its own strides and storage offset, dtype and
 ``requires_grad``; a plain tensor's type, shape, strides, dtype, device and ``requires_grad``; any other value as
 itself (ints, floats, strings, dtypes, None, tuples of them). An argument of any other kind (a storage domain tensor,
-a DTensor, a list of lists, an object) takes the dispatcher; so do blocks, token grids and graphs.
+a DTensor, a list of lists, an object) takes the dispatcher; so do token grids and graphs, and blocks on one rank.
 
 Never kept (each takes the dispatcher every time): a write (``add_``, ``out=``, ``inplace=True``); metadata, sizes and
 gradient calls (answered before); random draws and attention (a rule there draws from mesh3d's streams); a rule of
@@ -46,7 +46,7 @@ from mesh3d.domain.core.copied_views import has_copy_marks
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.settings import SETTINGS, DomainSettings
 from mesh3d.domain.core.shard_owners import SHARD_OWNERS
-from mesh3d.domain.core.specs import DomainSpec, Layout
+from mesh3d.domain.core.specs import BlockSpec, DomainSpec, Layout
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.dispatcher import dispatch
@@ -254,8 +254,8 @@ def _kept_step(taken: tuple | None, args: tuple, kwargs: dict) -> Any:
     ``_DISPATCHER``."""
     if taken is None:
         return _DISPATCHER
-    rule, step, journal, by_step = taken
-    if not by_step or type(step) is not Step or not plans_from_metadata(rule, args, kwargs) or \
+    rule, step, journal = taken
+    if type(step) is not Step or not plans_from_metadata(rule, args, kwargs) or \
             any(type(a) is WrappedDomainTensor and has_copy_marks(a) for a in args):
         return _DISPATCHER
     template = template_of(step, args, kwargs)
@@ -292,7 +292,7 @@ def _part(v: Any, key: list) -> None:
     kind = type(v)
     if kind is WrappedDomainTensor:
         spec = v._spec
-        if type(spec) is not DomainSpec:  # NOTE: a slab, strided or replicated: blocks, tokens and graphs take the walk
+        if type(spec) is not DomainSpec and type(spec) is not BlockSpec:  # NOTE: token grids and graphs take the walk
             raise _Unkept
         local = v._local
         key += (kind, spec, local.shape, local.stride(), v._strides, v._offset, local.dtype, v.requires_grad)

@@ -92,7 +92,7 @@ def _in_layout(o: DomainTensor, spec: BlockSpec) -> Any:
     dims (``step.Relaid``); blocks of other global lengths are refused (``blocks_in_layout`` says how)."""
     have = _spec_of(o)
     if have.dims == spec.dims and have.sizes == spec.sizes:
-        return unwrap(o)
+        return o  # NOTE: the call's own tensor, which the executor unwraps: a kept step binds the next call's there
     if have.dims == spec.dims and [sum(s) for s in have.sizes] == [sum(s) for s in spec.sizes]:
         return LineRows(o, layout_gathers(have, spec))
     if turned_blocks(o, spec):
@@ -112,24 +112,23 @@ def _slab_in_layout(func: Callable, o: DomainTensor, ref: DomainTensor, spec: Bl
 
 def run_elementwise(func: Callable, args: tuple, kwargs: dict, local: Callable[[Any], Any], ref: DomainTensor,
                     layout: str) -> Any:
-    """``func`` on the local operands (``local`` maps each argument), its result laid out like ``ref``.
+    """The step of ``func`` on the local operands (``local`` maps each argument: a plain tensor, a domain tensor the
+    executor unwraps, or rows it gathers), its result laid out like ``ref``.
 
     Usage: ``return run_elementwise(torch.add, args, kwargs, local, ref, "blocks")``
     """
     largs, lkwargs = [local(a) for a in args], {k: local(v) for k, v in kwargs.items()}
     keep = tuple(t for t in (*args, *kwargs.values())
                  if isinstance(t, torch.Tensor) and not isinstance(t, DomainTensor))
+    ndim = ref.ndim  # NOTE: not ``ref`` itself in the closure: a kept step holds data only
 
     def compute(*a: Any, **k: Any) -> Any:
         out = func(*a, **k)
-        if isinstance(out, torch.Tensor) and out.ndim != ref.ndim:
+        if isinstance(out, torch.Tensor) and out.ndim != ndim:
             raise NotImplementedError(f"{op_name(func)}: on {layout}, the result must keep the input's dims")
         return out
 
-    if any(isinstance(a, (LineRows, Relaid)) for a in (*largs, *lkwargs.values())):
-        return Step(compute, tuple(largs), lkwargs, out=ref._spec, keep=keep)  # NOTE: rows the executor gathers
-    out = compute(*largs, **lkwargs)
-    return adopt(out, ref._spec, keep) if isinstance(out, torch.Tensor) else out
+    return Step(compute, tuple(largs), lkwargs, out=ref._spec, keep=keep)
 
 
 for _f in ELEMENTWISE:
@@ -224,13 +223,14 @@ _LOCAL_REDUCTIONS = {"sum": torch.sum, "mean": torch.mean, "amax": torch.amax}
 
 
 def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False) -> Any:
-    spec, local = _spec_of(x), unwrap(x)
+    spec = _spec_of(x)
     dims = list(range(x.ndim)) if dim is None or dim == [] or dim == () else sorted(
         d % x.ndim for d in ([dim] if isinstance(dim, int) else dim))
     if not set(spec.dims) & set(dims):  # the blocks survive: a local reduction
         if not keepdim:  # dims reduced away before the block dims move them left
             spec = type(spec)(tuple(b - sum(d < b for d in dims) for b in spec.dims), spec.sizes, spec.lines, spec.comm)
-        return adopt(local_reduction(local, kind, dims, keepdim, dim is None), spec)
+        whole = dim is None
+        return Step(lambda local: local_reduction(local, kind, dims, keepdim, whole), (x,), out=spec)
     if not set(spec.dims) <= set(dims):
         raise NotImplementedError(f"torch.{kind} over dims {dims} covers only some of the block-sharded dims "
                                   f"{spec.dims}: reduce over all of them, or gather with .full_tensor() first")
