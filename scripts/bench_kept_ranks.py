@@ -64,6 +64,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--blocks", action="store_true", help="2x2 blocks over dims 2 and 3 (4 ranks)")
+    parser.add_argument("--ops", default=None, help="comma-separated names of OPS to run (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dm = DistributedManager.initialize(batch=1, domain=(2, 2) if args.blocks else -1)
@@ -75,6 +76,8 @@ def main() -> None:
     local = xs.to_local()
     table = {}
     for name, fn in ops(w1, w3, gn).items():
+        if args.ops and name not in args.ops.split(","):
+            continue
         try:
             fn(xs)
         except NotImplementedError:  # NOTE: refused alike on every rank (by name, before any message)

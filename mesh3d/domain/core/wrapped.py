@@ -23,8 +23,7 @@ function's rule registered for it too (``F.pad``'s: ``_torch_private.PAD_BUILTIN
 Inside ``torch.func``'s transforms (``grad``, ``vjp`` of a function that captures the domain tensor) the shards carry
 the history, as the transform's own wrappers of them, and a wrapper tensor is a holder with none (``fresh_wrapper``,
 ``rebase``); a replicated result is its shard, so a loss reaches the transform as the tensor it tracks. A domain tensor
-passed to the transform is wrapped by it and meets the floor. The default since 2026-12-05; the storage subclass stays
-behind ``MESH3D_DOMAIN_WRAPPER=0`` until the wrapper is measured on a GPU.
+passed to the transform meets the floor. The default since 2026-12-05 (``MESH3D_DOMAIN_WRAPPER=0``: the storage one).
 """
 
 from __future__ import annotations
