@@ -5,6 +5,7 @@ Usage (2 gloo ranks on this machine; the table goes to rank 0's stdout, and ``--
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_kept_ranks.py --json out.json
     python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/bench_kept_ranks.py --blocks  # 2x2 blocks
+    python scripts/bench_kept_ranks.py --plot out.json docs/benchmarks/kept_blocks.png   # kept / walk per op, no ranks
 
 Each op of ``OPS`` runs ``--calls`` times in a loop on a 1x4x16x16 field sharded along dim 2 (8 rows a rank), one
 thread a rank, the ranks in step (a barrier before each loop); the contenders take turns, round by round, and each
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 
 import torch
@@ -58,7 +60,34 @@ def per_call(fn, t: torch.Tensor, n: int) -> float:
     return statistics.median(times) / n
 
 
+def plot(json_path: str, png: str) -> None:
+    """Kept over walk per op from a ``--json`` file, as bars (no file without matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    with open(json_path) as f:
+        run = json.load(f)
+    names = list(run["ops"])
+    ratios = [run["ops"][n]["kept"] / run["ops"][n]["walk"] for n in names]
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    ax.bar(names, ratios, color=["tab:green" if r < 0.9 else "tab:gray" for r in ratios])
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_ylabel("kept / walk (host time per call)")
+    ax.set_title(f"domain={run['domain']}{' (2x2 blocks)' if run.get('blocks') else ''}, torch {run['torch']}")
+    ax.tick_params(axis="x", labelrotation=45, labelsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--plot"]:
+        plot(sys.argv[2], sys.argv[3])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)

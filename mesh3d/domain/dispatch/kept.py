@@ -53,10 +53,11 @@ from mesh3d.domain.dispatch.dispatcher import dispatch
 from mesh3d.domain.dispatch.executor import STEP_TAP, run_kept, run_parts
 from mesh3d.domain.dispatch.elementwise_plan import ELEMENTWISE_PLANS
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
-from mesh3d.domain.dispatch.kept_steps import KeptStep, passes_one_tensor_twice, plans_from_metadata, template_of
+from mesh3d.domain.dispatch.kept_steps import (
+    KeptStep, may_plan_from_metadata, passes_one_tensor_twice, plans_from_metadata, template_of)
 from mesh3d.domain.dispatch.queries import DATA_QUERIES, is_global_size, is_metadata
 from mesh3d.domain.dispatch.registry import (
-    RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
+    BLOCK_RULES, RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process
 from mesh3d.domain.dispatch.writes import record_views
@@ -107,7 +108,7 @@ class KeptCalls:
         self.maxsize = maxsize
         self._kept: dict[tuple, Any] = {}
         self._version = RuleTable.changes
-        self._eligible: dict[Callable, tuple[int, int | None]] = {}
+        self._eligible: dict[Callable, tuple[int, int | None, bool]] = {}
         #: Calls answered from a kept answer since made (tests read it)
         self.hits = 0
         self.enabled = True
@@ -140,7 +141,7 @@ class KeptCalls:
         eligible = self._eligible.get(func)
         if eligible is None:
             eligible = self._eligible[func] = _eligibility(func)
-        mode, inplace_at = eligible
+        mode, inplace_at, on_blocks = eligible
         if mode == _NEVER or (inplace_at is not None and writes_inplace(args, kwargs, inplace_at)):
             return dispatch(func, types, args, kwargs)
         if mode == _ELEMENTWISE:  # NOTE: read from the operands' metadata, cheaper than a signature's look-up
@@ -150,7 +151,7 @@ class KeptCalls:
                 return out
         try:
             with disable_torch_function_subclass():  # NOTE: requires_grad of a wrapper would take the walk
-                key = _signature(func, args, kwargs)
+                key = _signature(func, args, kwargs, on_blocks)
         except _Unkept:
             return dispatch(func, types, args, kwargs)
         kept = self._kept.get(key)
@@ -220,21 +221,22 @@ class KeptCalls:
         return record_views(out, func, args, kwargs, answer)
 
 
-def _eligibility(func: Callable) -> tuple[int, int | None]:
-    """What ``func``'s calls may keep (``_NEVER``, ``_SHARDS``, ``_VIEWS``, ``_ELEMENTWISE``), and where it takes ``inplace``
-    positionally (None: it has no such argument)."""
+def _eligibility(func: Callable) -> tuple[int, int | None, bool]:
+    """What ``func``'s calls may keep (``_NEVER``, ``_SHARDS``, ``_VIEWS``, ``_ELEMENTWISE``), where it takes ``inplace``
+    positionally (None: it has no such argument), and whether its rule on blocks may be kept (else a call on blocks
+    takes the walk without paying for its signature)."""
     if is_operator(func) or func in GRADIENT_CALLS or func in DATA_QUERIES or is_metadata(func) or \
             is_global_size(func) or writes_into_first(func) or func in ARGUMENTS_TORCH_DROPS:
         # NOTE: torch's call on the shard would miss what torch dropped on its way to __torch_function__; the rule
         # reads it back
-        return _NEVER, None
+        return _NEVER, None, False
     mode = _VIEWS if func in VIEW_FUNCTIONS else _ELEMENTWISE if ELEMENTWISE_PLANS.applies(func) else _SHARDS
     for table in (RULES, STRIDED_RULES):
         rule = table.get(func)
         where = getattr(rule, "__module__", None) or ""
         if rule is not None and (not where.startswith("mesh3d.domain.") or where.rsplit(".", 1)[-1] in _NOT_TORCH_ON_THE_SHARD):
-            return _NEVER, None  # NOTE: a rule of the user's own (``domain.register``) always runs
-    return mode, inplace_position(func)
+            return _NEVER, None, False  # NOTE: a rule of the user's own (``domain.register``) always runs
+    return mode, inplace_position(func), may_plan_from_metadata(BLOCK_RULES.get(func))
 
 
 def _one_rank(args: tuple) -> bool:
@@ -268,19 +270,20 @@ def _kept_step(taken: tuple | None, args: tuple, kwargs: dict) -> Any:
     return _DISPATCHER
 
 
-def _signature(func: Callable, args: tuple, kwargs: dict) -> tuple:
+def _signature(func: Callable, args: tuple, kwargs: dict, on_blocks: bool) -> tuple:
     """The call's signature (module docstring), as one flat tuple: each argument's kind first, so no two calls'
-    arguments give the same items (a sequence's length, each keyword's name after a marker, are among them)."""
+    arguments give the same items (a sequence's length, each keyword's name after a marker, are among them);
+    ``_Unkept`` for blocks unless ``on_blocks``."""
     key: list = [func, torch.is_grad_enabled()]
     for v in args:
-        _part(v, key)
+        _part(v, key, on_blocks)
     if kwargs:
         if "out" in kwargs:
             raise _Unkept
         for k, v in kwargs.items():
             key.append(_KEYWORD)
             key.append(k)
-            _part(v, key)
+            _part(v, key, on_blocks)
     return tuple(key)
 
 
@@ -288,12 +291,12 @@ def _signature(func: Callable, args: tuple, kwargs: dict) -> tuple:
 _KEYWORD = object()
 
 
-def _part(v: Any, key: list) -> None:
+def _part(v: Any, key: list, on_blocks: bool) -> None:
     kind = type(v)
     if kind is WrappedDomainTensor:
         spec = v._spec
-        if type(spec) is not DomainSpec and type(spec) is not BlockSpec:  # NOTE: token grids and graphs take the walk
-            raise _Unkept
+        if type(spec) is not DomainSpec and (type(spec) is not BlockSpec or not on_blocks):
+            raise _Unkept  # NOTE: token grids and graphs take the walk; blocks where their rule may be kept
         local = v._local
         key += (kind, spec, local.shape, local.stride(), v._strides, v._offset, local.dtype, v.requires_grad)
     elif kind in _PLAIN:
@@ -303,12 +306,12 @@ def _part(v: Any, key: list) -> None:
     elif kind is tuple or kind is list:
         key += (kind, len(v))
         for x in v:
-            _part(x, key)
+            _part(x, key, on_blocks)
     elif kind is slice:  # NOTE: an index; a slice does not hash before Python 3.12
         key.append(kind)
-        _part(v.start, key)
-        _part(v.stop, key)
-        _part(v.step, key)
+        _part(v.start, key, on_blocks)
+        _part(v.stop, key, on_blocks)
+        _part(v.step, key, on_blocks)
     elif v is Ellipsis:
         key.append(v)
     else:

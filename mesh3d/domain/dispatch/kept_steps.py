@@ -34,8 +34,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import LayoutSpec
 from mesh3d.domain.dispatch.step import Step
 
-__all__ = ["KeptStep", "METADATA_RULE_MODULES", "metadata_rule", "passes_one_tensor_twice", "plans_from_metadata",
-           "template_of"]
+__all__ = ["KeptStep", "METADATA_RULE_MODULES", "may_plan_from_metadata", "metadata_rule", "passes_one_tensor_twice",
+           "plans_from_metadata", "template_of"]
 
 #: The rule modules whose rules plan from their tensors' metadata and the call's other arguments alone.
 METADATA_RULE_MODULES = frozenset({
@@ -78,6 +78,11 @@ _BOUND = (_At, _Seq, _Requirement)
 
 class _Unkeepable(Exception):
     """A step holding something this module cannot read as data: its rule runs on every call."""
+
+
+def may_plan_from_metadata(rule: Callable | None) -> bool:
+    """Whether some call of ``rule`` may plan from metadata alone (``plans_from_metadata`` says which)."""
+    return rule is not None and (getattr(rule, "__module__", None) in METADATA_RULE_MODULES or hasattr(rule, _MARK))
 
 
 def plans_from_metadata(rule: Callable, args: tuple, kwargs: dict) -> bool:

@@ -35,7 +35,8 @@ from mesh3d.domain.dispatch.step import Entering, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap, wrap
 
-__all__ = ["cat_along_sharded", "expand_index", "positions", "replicated_slice", "slice_sizes", "strided_rows"]
+__all__ = ["cat_along_sharded", "expand_index", "index_without_tensors", "positions", "replicated_slice", "slice_sizes",
+           "strided_rows"]
 
 
 def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
@@ -80,14 +81,14 @@ def expand_index(index, ndim: int) -> list:
     return items + [slice(None)] * (ndim - sum(1 for i in items if i is not None))
 
 
-def _index_without_tensors(x: Any, index: Any) -> bool:
+def index_without_tensors(x: Any, index: Any) -> bool:
     """Whether an index reads no tensor's values (ints, slices, None, Ellipsis): its rule plans from metadata."""
     items = index if isinstance(index, tuple) else (index,)
     return not any(isinstance(i, (torch.Tensor, list)) for i in items)
 
 
 @register(torch.Tensor.__getitem__)
-@metadata_rule(when=_index_without_tensors)
+@metadata_rule(when=index_without_tensors)
 def _getitem(x: DomainTensor, index):
     if not isinstance(x, DomainTensor) or x.spec.dim is None:
         raise NotImplementedError(

@@ -15,6 +15,7 @@ else (a reshape splitting the block dims: windows, patches) runs on slabs, the b
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,8 +23,9 @@ import torch.nn.functional as F
 from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.core.copied_views import made_as_copy, mark_copied_view
 from mesh3d.domain.core.specs import BlockSpec
+from mesh3d.domain.dispatch.kept_steps import metadata_rule
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
-from mesh3d.domain.ops.idioms import COMPLEX_PARTS, expand_index, slice_sizes
+from mesh3d.domain.ops.idioms import COMPLEX_PARTS, expand_index, index_without_tensors, slice_sizes
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
@@ -45,21 +47,25 @@ def _moved(spec: BlockSpec, dims: tuple[int, ...]) -> BlockSpec:
     return BlockSpec(dims, spec.sizes, spec.lines, spec.comm)
 
 
-def _transpose(input, dim0, dim1):
+@metadata_rule()
+def _transpose(input, dim0, dim1) -> Step:
     spec = _spec(input)
     d0, d1 = dim0 % input.ndim, dim1 % input.ndim
     swap = {d0: d1, d1: d0}
-    return adopt(torch.transpose(unwrap(input), d0, d1), _moved(spec, tuple(swap.get(d, d) for d in spec.dims)))
+    out = _moved(spec, tuple(swap.get(d, d) for d in spec.dims))
+    return Step(lambda t: torch.transpose(t, d0, d1), (input,), out=out)
 
 
-def _permute(input, *dims):
+@metadata_rule()
+def _permute(input, *dims) -> Step:
     spec = _spec(input)
     order = tuple(d % input.ndim for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims))
-    return adopt(unwrap(input).permute(order), _moved(spec, tuple(order.index(d) for d in spec.dims)))
+    return Step(lambda t: t.permute(order), (input,), out=_moved(spec, tuple(order.index(d) for d in spec.dims)))
 
 
-def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> DomainTensor:
-    """``x`` reshaped keeping its blocks, or with its block dims merged into a token dim; else a refusal.
+def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> Any:
+    """``x`` reshaped keeping its blocks, or with its block dims merged into a token dim (a step: planned from metadata
+    alone), else moved to slabs and reshaped there; else a refusal.
 
     Usage: ``t = reshape_blocks(e, [b, c, -1], "torch.reshape", view=False)  # a token grid``
     """
@@ -68,16 +74,15 @@ def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> D
     first, last = min(spec.dims), max(spec.dims)
     run, global_run = shape[first:last + 1], whole[first:last + 1]
     consecutive = spec.dims == tuple(range(first, last + 1))
-    reshape = local.view if view else local.reshape
     placed = localized(place_run(target, whole, first, last, global_run), run) if consecutive else None
-    if placed is not None:
-        at, full = placed
-        return adopt(reshape(full), _moved(spec, tuple(d - first + at for d in spec.dims)))
-    placed = localized(place_run(target, whole, first, last, [math.prod(global_run)]), [math.prod(run)]) \
-        if consecutive else None
-    if placed is not None:
-        at, full = placed
-        return adopt(reshape(full), TokenSpec(at, spec.sizes, spec.lines, spec.comm))
+    merged = None
+    if placed is None and consecutive:
+        merged = localized(place_run(target, whole, first, last, [math.prod(global_run)]), [math.prod(run)])
+    if placed is not None or merged is not None:
+        at, full = placed if placed is not None else merged
+        out = _moved(spec, tuple(d - first + at for d in spec.dims)) if placed is not None else \
+            TokenSpec(at, spec.sizes, spec.lines, spec.comm)
+        return Step((lambda t: t.view(full)) if view else (lambda t: t.reshape(full)), (x,), out=out)
     # NOTE: a window partition or a patching splits the block dims themselves, which no block can do alone: the
     # blocks move to slabs along the first block dim (over the whole grid), where a slab or a strided slab runs it
     if view:
@@ -134,20 +139,21 @@ def _unbind(input, dim=0):
     return tuple(adopt(t, out) for t in torch.unbind(unwrap(input), d))
 
 
-def _getitem(x: DomainTensor, index):
+@metadata_rule(when=index_without_tensors)
+def _getitem(x: DomainTensor, index) -> Any:
     """Indexing of blocks: anything on the other dims, and slices with a positive step on block dims (each grid line
     keeps its own rows of the slice: the spectrum's modes of an FNO, a crop); an int on a block dim reads that row
     (or plane) whole on every rank, replicated (a pole's ring on a lat x lon grid: one row, gathered)."""
     spec = _spec(x)
     moved = untouched_index(index, x.ndim, spec.dims)
     if moved is not None:
-        return adopt(unwrap(x)[index], _moved(spec, tuple(moved(d) for d in spec.dims)))
+        return Step(lambda t: t[index], (x,), out=_moved(spec, tuple(moved(d) for d in spec.dims)))
     items = expand_index(index, x.ndim)
     picked = _ints_on_block_dims(items, spec)
     if picked:
         for i, (row, _) in picked.items():  # the row as a slice of one: blocks, the row on the grid line that owns it
             items[i] = slice(row, row + 1)
-        rows = _getitem(x, tuple(items))
+        rows = run_step(_getitem(x, tuple(items)))
         at = sorted((rows._spec.dims[axis] for _, axis in picked.values()), reverse=True)
 
         def selected(whole: torch.Tensor) -> torch.Tensor:
@@ -174,7 +180,7 @@ def _ints_on_block_dims(items: list, spec: BlockSpec) -> dict[int, tuple[int, in
     return out
 
 
-def _slices(x: DomainTensor, spec: BlockSpec, items: list) -> DomainTensor:
+def _slices(x: DomainTensor, spec: BlockSpec, items: list) -> Step:
     sizes, seen, out, new_dims = list(spec.sizes), -1, 0, {}
     for i, item in enumerate(items):
         if item is None:
@@ -197,7 +203,8 @@ def _slices(x: DomainTensor, spec: BlockSpec, items: list) -> DomainTensor:
         if not isinstance(item, int):
             out += 1
     out_spec = BlockSpec(tuple(new_dims[d] for d in spec.dims), tuple(sizes), spec.lines, spec.comm)
-    return adopt(unwrap(x)[tuple(items)], out_spec)
+    index = tuple(items)
+    return Step(lambda t: t[index], (x,), out=out_spec)
 
 
 def _narrow(input, dim, start, length):
@@ -238,4 +245,4 @@ for _funcs, _rule in (
     for _f in _funcs:
         BLOCK_RULES.register(_f, _rule if _rule is not None else _softmax(_f))
 for _f, _rule in shape_rules(reshape_blocks).items():
-    BLOCK_RULES.register(_f, _rule)
+    BLOCK_RULES.register(_f, metadata_rule()(_rule))  # NOTE: its move to slabs is no step: nothing kept of it

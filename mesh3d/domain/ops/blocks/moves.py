@@ -21,13 +21,14 @@ from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.executor import run_step
+from mesh3d.domain.dispatch.kept_steps import metadata_rule
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.dispatch.step import Entering, LineRows, Step
 from mesh3d.domain.layouts.blocks import layout_gathers
 from mesh3d.domain.layouts.relayout import blocks_to_blocks
 from mesh3d.domain.ops.blocks import layout, resample  # noqa: F401  (their rules, wrapped here, registered first)
 from mesh3d.domain.ops.global_index import flipped_dims, mirrored_rows, rolled_rows
-from mesh3d.domain.ops.idioms import expand_index
+from mesh3d.domain.ops.idioms import expand_index, index_without_tensors
 from mesh3d.domain.ops.pieces import global_rows, index_plan, joined_sizes, piece_needs
 
 __all__: list[str] = []
@@ -140,6 +141,7 @@ def _itself(t: torch.Tensor) -> torch.Tensor:
 _BLOCK_GETITEM = BLOCK_RULES.get(torch.Tensor.__getitem__)
 
 
+@metadata_rule(when=index_without_tensors)
 def _getitem(x, index):
     """A 1-D index tensor on one block dim (``x[..., lat_idx, :]``): those rows gathered along the grid line."""
     items = expand_index(index, x.ndim)
