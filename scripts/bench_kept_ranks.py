@@ -5,7 +5,7 @@ Usage (2 gloo ranks on this machine; the table goes to rank 0's stdout, and ``--
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_kept_ranks.py --json out.json
     python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/bench_kept_ranks.py --blocks  # 2x2 blocks
-    python scripts/bench_kept_ranks.py --plot out.json docs/benchmarks/kept_blocks.png   # kept / walk per op, no ranks
+    python scripts/bench_kept_ranks.py --plot kept.png run1.json run2.json   # kept / walk per op and run, no ranks
 
 Each op of ``OPS`` runs ``--calls`` times in a loop on a 1x4x16x16 field sharded along dim 2 (8 rows a rank), one
 thread a rank, the ranks in step (a barrier before each loop); the contenders take turns, round by round, and each
@@ -60,8 +60,9 @@ def per_call(fn, t: torch.Tensor, n: int) -> float:
     return statistics.median(times) / n
 
 
-def plot(json_path: str, png: str) -> None:
-    """Kept over walk per op from a ``--json`` file, as bars (no file without matplotlib)."""
+def plot(png: str, json_paths: list[str]) -> None:
+    """Kept over walk per op, a bar per ``--json`` file (runs of the same setting: their spread is the noise), no file
+    without matplotlib."""
     try:
         import matplotlib
 
@@ -69,12 +70,18 @@ def plot(json_path: str, png: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    with open(json_path) as f:
-        run = json.load(f)
-    names = list(run["ops"])
-    ratios = [run["ops"][n]["kept"] / run["ops"][n]["walk"] for n in names]
+    runs = []
+    for path in json_paths:
+        with open(path) as f:
+            runs.append(json.load(f))
+    run, names = runs[0], list(runs[0]["ops"])
+    width = 0.8 / len(runs)
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    ax.bar(names, ratios, color=["tab:green" if r < 0.9 else "tab:gray" for r in ratios])
+    for i, r in enumerate(runs):
+        ratios = [r["ops"][n]["kept"] / r["ops"][n]["walk"] for n in names]
+        ax.bar([k + i * width for k in range(len(names))], ratios, width, label=r.get("label", f"run {i + 1}"))
+    ax.set_xticks([k + 0.4 - width / 2 for k in range(len(names))], names)
+    ax.legend(fontsize=8)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_ylabel("kept / walk (host time per call)")
     ax.set_title(f"domain={run['domain']}{' (2x2 blocks)' if run.get('blocks') else ''}, torch {run['torch']}")
@@ -86,7 +93,7 @@ def plot(json_path: str, png: str) -> None:
 
 def main() -> None:
     if sys.argv[1:2] == ["--plot"]:
-        plot(sys.argv[2], sys.argv[3])
+        plot(sys.argv[2], sys.argv[3:])
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
