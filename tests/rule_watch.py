@@ -17,17 +17,9 @@ from __future__ import annotations
 import sys
 
 #: Per layout of the layout sweep, the rules that still post messages while they plan (issue 66 item 2: each becomes
-#: a step with its exchange as a requirement or its partial result declared). Only ever remove names.
-STILL_TALKING: dict[str, frozenset[str]] = {
-    # attention's ring
-    "slab": frozenset({
-        "torch.scaled_dot_product_attention"
-    }),
-    # token grids: matmul and attention combine in the rule's body
-    "tokens": frozenset({
-        "torch.Tensor.matmul", "torch.scaled_dot_product_attention"
-    }),
-}
+#: a step with its exchange as a requirement or its partial result declared). Only ever remove names: none is left
+#: (attention's modes, the last, plan from metadata and send their messages in the step the executor runs).
+STILL_TALKING: dict[str, frozenset[str]] = {}
 
 
 class RuleWatch:

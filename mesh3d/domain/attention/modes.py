@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -36,13 +36,14 @@ import torch.nn.functional as F
 from mesh3d.domain.attention.score_tiles import MaskRule
 from mesh3d.domain.attention.collect import AttentionCall, gather_attention, local_attention, ulysses_attention
 from mesh3d.domain.attention.row_order import reorder_rows, slab_order, token_order, zigzag_order
-from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.attention.ring import RingPlan, ring_attention
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.settings import ATTENTION_KERNELS, ATTENTION_MODES, SETTINGS, AttentionSettings
 from mesh3d.domain.core.specs import TokenSpec, sharded_dims
+from mesh3d.domain.dispatch.executor import run_step
+from mesh3d.domain.dispatch.step import Entering, Step
 
-__all__ = ["attention", "attention_mode", "sharded_attention"]
+__all__ = ["attention", "attention_mode", "attention_step", "sharded_attention"]
 
 
 @contextlib.contextmanager
@@ -110,55 +111,56 @@ def _layouts(query, key, value, op: str):
     return query._spec.comm, slab_order(query._spec.sizes), slab_order(key._spec.sizes)
 
 
-def _mask(attn_mask, query: DomainTensor, sq: int, sk: int, q4, three: bool, op: str):
-    """(local mask tensor or None, how its rows are read): validated before any communication."""
+def _mask(attn_mask, query: DomainTensor, sq: int, sk: int, q4: tuple, dtype: torch.dtype, three: bool, op: str):
+    """(the step's mask argument or None, how its rows are read): validated from shapes and specs alone, before any
+    communication. A replicated mask enters every shard (``step.Entering``: its gradient summed over the domain)."""
     if attn_mask is None:
         return None, None
-    rows = "global"
+    rows, mask = "global", attn_mask
     if isinstance(attn_mask, DomainTensor):
         dims = sharded_dims(attn_mask._spec)
         local = unwrap(attn_mask)
         if not dims:  # replicated: every shard uses it, so its gradient is summed over the domain
-            mask = sum_grad(local, attn_mask._spec.comm) if local.requires_grad else local
+            mask = Entering(attn_mask)
         elif (dims == (local.ndim - 2,) and not isinstance(query._spec, TokenSpec)
               and not isinstance(attn_mask._spec, TokenSpec) and attn_mask._spec.sizes == query._spec.sizes):
-            mask, rows = local, "local"
+            rows = "local"
         else:
             raise ValueError(f"{op}: a domain-tensor attn_mask must be replicated, or (on slabs) sharded along its "
                              f"rows (dim -2) like the queries {query._spec.sizes}; pass a plain (..., {sq}, {sk}) "
                              "tensor otherwise")
     else:
-        mask = attn_mask
-    if mask.dtype != torch.bool and mask.dtype != q4.dtype:
-        raise ValueError(f"{op}: attn_mask of dtype {mask.dtype}: it must be bool or the query's {q4.dtype}")
-    shape = tuple(mask.shape)
-    if three and mask.ndim == 3:  # (B, S_q, S_k) for (B, S, E) inputs: no head dim
-        mask = mask.unsqueeze(-3)
-    lead = tuple(mask.shape[-4:-2])
-    ok = 2 <= mask.ndim <= 4 and shape[-2] in (1, sq if rows == "global" else shape[-2]) and shape[-1] in (1, sk) \
-        and all(m in (1, n) for m, n in zip(lead[::-1], tuple(q4.shape[:2])[::-1]))
+        local = attn_mask
+    if local.dtype != torch.bool and local.dtype != dtype:
+        raise ValueError(f"{op}: attn_mask of dtype {local.dtype}: it must be bool or the query's {dtype}")
+    shape = tuple(local.shape)
+    four = shape[:-2] + (1,) + shape[-2:] if three and len(shape) == 3 else shape  # (B, S_q, S_k): no head dim
+    lead = four[-4:-2]
+    ok = 2 <= len(four) <= 4 and shape[-2] in (1, sq if rows == "global" else shape[-2]) and shape[-1] in (1, sk) \
+        and all(m in (1, n) for m, n in zip(lead[::-1], q4[:2][::-1]))
     if not ok:
         raise ValueError(f"{op}: attn_mask of shape {shape} does not broadcast to the scores "
-                         f"(B, H, S_q, S_k) = ({q4.shape[0]}, {q4.shape[1]}, {sq}, {sk}) with global lengths; pass a "
+                         f"(B, H, S_q, S_k) = ({q4[0]}, {q4[1]}, {sq}, {sk}) with global lengths; pass a "
                          f"(..., {sq}, {sk}) mask (mesh3d slices it per block)")
     return mask, rows
 
 
-def _heads(q4, k4, v4, enable_gqa: bool, op: str) -> None:
-    if q4.shape[0] != k4.shape[0] or k4.shape[:2] != v4.shape[:2] or q4.shape[-1] != k4.shape[-1]:
-        raise ValueError(f"{op}: query {tuple(q4.shape)}, key {tuple(k4.shape)} and value {tuple(v4.shape)} "
+def _heads(q4: tuple, k4: tuple, v4: tuple, enable_gqa: bool, op: str) -> None:
+    if q4[0] != k4[0] or k4[:2] != v4[:2] or q4[-1] != k4[-1]:
+        raise ValueError(f"{op}: query {q4}, key {k4} and value {v4} "
                          "(local shards) disagree on batch, heads or head size")
-    hq, hkv = q4.shape[1], k4.shape[1]
+    hq, hkv = q4[1], k4[1]
     if (enable_gqa and hq % hkv) or (not enable_gqa and hq != hkv):
         raise ValueError(f"{op}: {hq} query heads and {hkv} key/value heads: they must be equal, or "
                          "enable_gqa=True with the query heads a multiple of the key/value heads")
 
 
-def sharded_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                      enable_gqa=False, *, window=None, mode=None, op="scaled_dot_product_attention"):
-    """SDPA on domain tensors in the mode asked for (``mode``, else ``attention_mode``'s, else auto).
+def attention_step(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                   enable_gqa=False, *, window=None, mode=None, op="scaled_dot_product_attention") -> Step:
+    """SDPA on domain tensors in the mode asked for (``mode``, else ``attention_mode``'s, else auto), as a step: planned
+    from the operands' layouts, shapes and dtypes; the mode's messages are sent when the executor runs it.
 
-    Usage: ``out = sharded_attention(qs, ks, vs, is_causal=True)  # the rule behind F.scaled_dot_product_attention``
+    Usage: ``return attention_step(qs, ks, vs, is_causal=True)  # the rule behind F.scaled_dot_product_attention``
 
     Every check runs before any communication, alike on every rank, so bad input raises everywhere.
     """
@@ -172,10 +174,10 @@ def sharded_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     comm, q_order, kv_order = _layouts(query, key, value, op)
     q, k, v = unwrap(query), unwrap(key), unwrap(value)
     three = q.ndim == 3
-    q4, k4, v4 = (t.unsqueeze(1) for t in (q, k, v)) if three else (q, k, v)
+    q4, k4, v4 = ((t.shape[0], 1, *t.shape[1:]) if three else tuple(t.shape) for t in (q, k, v))
     _heads(q4, k4, v4, enable_gqa, op)
     sq, sk = sum(s.rows for s in q_order), sum(s.rows for s in kv_order)
-    mask, rows = _mask(attn_mask, query, sq, sk, q4, three, op)
+    mask, rows = _mask(attn_mask, query, sq, sk, q4, q.dtype, three, op)
     rule = _window_rule(window, is_causal, mask is not None, op)
     settings = SETTINGS.value.attention
     chosen = mode or settings.mode
@@ -184,32 +186,35 @@ def sharded_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causa
     if chosen == "auto":
         chosen = "ring" if sk >= settings.ring_min_tokens else "gather"
     if chosen == "ulysses" and comm.size > 1:
-        if q4.shape[1] % comm.size or k4.shape[1] % comm.size:
+        if q4[1] % comm.size or k4[1] % comm.size:
             raise ValueError(f"{op}: attention mode 'ulysses' splits the heads over the {comm.size} domain ranks: "
-                             f"the query heads ({q4.shape[1]}) and key/value heads ({k4.shape[1]}) must both divide "
+                             f"the query heads ({q4[1]}) and key/value heads ({k4[1]}) must both divide "
                              f"by {comm.size}; use mode 'ring' (any number of heads)")
         if rows == "local":
             raise ValueError(f"{op}: attention mode 'ulysses' needs a plain (..., S_q, S_k) attn_mask, not one "
                              "sharded like the queries; use mode 'ring' or 'gather'")
-    scale = scale if scale is not None else q4.shape[-1] ** -0.5
+    scale = scale if scale is not None else q4[-1] ** -0.5
     call = AttentionCall(comm, q_order, kv_order, rule, scale, enable_gqa, rows)
-    if comm.size == 1:
-        out = local_attention(call, q4, k4, v4, mask)
-    elif chosen == "gather":
-        out = gather_attention(call, q4, k4, v4, mask)
-    elif chosen == "ulysses":
-        out = ulysses_attention(call, q4, k4, v4, mask)
-    else:
-        out = _ring(call, q4, k4, v4, mask)
-    return adopt(out.squeeze(1) if three else out, query._spec)
+    attend = _Attend(call, "local" if comm.size == 1 else chosen, three, settings)
+    return Step(attend, (query, key, value, mask), out=query._spec)
 
 
-def _ring(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
+def sharded_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                      enable_gqa=False, *, window=None, mode=None, op="scaled_dot_product_attention") -> DomainTensor:
+    """``attention_step``'s step run at once: for callers outside a rule (``domain.attention``, the compiled op).
+
+    Usage: ``out = sharded_attention(qs, ks, vs, is_causal=True)``
+    """
+    step = attention_step(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, window=window,
+                          mode=mode, op=op)
+    return adopt(run_step(replace(step, out=None)), query._spec)
+
+
+def _ring(call: AttentionCall, q, k, v, mask, settings: AttentionSettings) -> torch.Tensor:
     """The ring, in the zigzag layout when causal (queries, keys and values moved there and the output back)."""
     comm, rule = call.comm, call.rule
     qs, kvs = call.q_order, call.kv_order
     rows = sum(s.rows for s in qs)
-    settings = SETTINGS.value.attention
     balance = settings.balance and rule == MaskRule(None, 0, rule.user) and rows == sum(s.rows for s in kvs)
     if balance:
         zig = zigzag_order(rows, comm.size)
@@ -223,6 +228,31 @@ def _ring(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
                     settings.kernel == "math")
     out = ring_attention(plan, q, k, v, mask)
     return reorder_rows(out, 2, qs, call.q_order, comm) if balance else out
+
+
+_MODES = {"local": lambda call, q, k, v, mask, _: local_attention(call, q, k, v, mask),
+          "gather": lambda call, q, k, v, mask, _: gather_attention(call, q, k, v, mask),
+          "ulysses": lambda call, q, k, v, mask, _: ulysses_attention(call, q, k, v, mask),
+          "ring": _ring}
+
+
+@dataclass(frozen=True)
+class _Attend:
+    """An attention step's local function: its mode on this rank's rows, (B, H, rows, E) (``three``: (B, rows, E),
+    given a head dim for the call). The mode's messages are sent here, as the executor runs the step (the ring
+    interleaves them with its blocks)."""
+
+    call: AttentionCall
+    mode: str
+    three: bool
+    settings: AttentionSettings
+
+    def __call__(self, q, k, v, mask):
+        if self.three:
+            q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
+            mask = mask.unsqueeze(-3) if mask is not None and mask.ndim == 3 else mask
+        out = _MODES[self.mode](self.call, q, k, v, mask, self.settings)
+        return out.squeeze(1) if self.three else out
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,

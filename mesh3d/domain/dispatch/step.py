@@ -14,7 +14,8 @@ layout, a replicated value entering the shards), calls ``compute`` on plain loca
 wraps tensor results with ``out``. A step whose local results are each rank's part of the one-process value (a sum
 over the sharded dim) declares it (``partial=Partial("sum", then)``): the executor combines the parts over the domain,
 then ``then`` finishes the value. Rules not yet written so (variance, norm statistics, extremes with their ties) call
-``mesh3d.domain.comm.collectives`` inside ``compute``.
+``mesh3d.domain.comm.collectives`` inside ``compute``; attention's modes send theirs there too (the ring interleaves
+its messages with its blocks).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.attention.modes import sharded_attention
+from mesh3d.domain.attention.modes import attention_step, sharded_attention
 from mesh3d.domain.attention.compiled import compiled_sharded_attention, takes
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.core.connected import connected_zeros
@@ -98,7 +98,7 @@ def sdpa_rule(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
         # NOTE: a mask laid out as blocks keeps the graph break: the attention runs eagerly between graphs.
         return _eager_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # ring, gather or ulysses, per domain.attention_mode (mesh3d/domain/attention/modes.py)
-    return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return attention_step(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 @torch.compiler.disable(reason="mesh3d: attention over a sharded sequence runs eagerly in a compiled model")

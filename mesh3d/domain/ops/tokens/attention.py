@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.attention.modes import sharded_attention
+from mesh3d.domain.attention.modes import attention_step
 from mesh3d.domain.attention.compiled import compiled_sharded_attention, takes
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.layouts.blocks import gather_along
@@ -66,7 +66,7 @@ def _sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, sca
         # NOTE: as on slabs, one custom op pair carries any mode in the graph (mesh3d/domain/attention/compiled.py)
         return compiled_sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     # ring, gather or ulysses over the global token order (mesh3d/domain/attention/modes.py)
-    return sharded_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return attention_step(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
 TOKEN_RULES.register(F.scaled_dot_product_attention, _sdpa)
