@@ -93,3 +93,48 @@ def test_a_refusal_inside_a_composite_is_told_once_naming_the_op_called(ranks):
     for told, message in ranks.run(2, _nested_refusal_body, timeout=120):
         assert message is not None and "block" in message, message  # refused by name, on every rank
         assert told == ["torch.all"], told
+
+
+def _combining_body(sizes):
+    """A rule of the user's (``domain.register``): values centred on their mean over the sharded dim, the mean a
+    statistic its step's compute asks the executor for (``domain.Combining``); forward and gradient."""
+    from rule_watch import RuleWatch
+
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.dispatch.registry import RULES
+
+    DistributedManager.initialize(batch=1, domain=len(sizes))
+    x = torch.linspace(-2, 3, 2 * 3 * sum(sizes) * 4, dtype=torch.float64).view(2, 3, sum(sizes), 4) ** 2
+    saved, watch = RULES.snapshot(), RuleWatch()
+    watch.install()
+    try:
+        @domain.register(F.softsign, override=True)
+        def _centred(t):
+            spec, n = t.spec, t.global_shape[t.spec.dim]
+
+            def compute(local, combine):
+                return local - combine(local.sum(spec.dim, keepdim=True), for_shards=True) / n
+            return domain.Step(compute, (t, domain.Combining(spec.comm)), out=spec)
+
+        xs = domain.shard(x, dim=2, sizes=sizes).requires_grad_()
+        out = F.softsign(xs)
+        (out * out * out).sum().backward()
+        grad = xs.grad.full_tensor() if isinstance(xs.grad, domain.DomainTensor) else xs.grad
+        return out.full_tensor(), grad, sorted(watch.talked)
+    finally:
+        watch.remove()
+        RULES.restore(saved)
+
+
+def test_a_users_rule_combines_a_statistic_through_the_executor_as_one_process(ranks):
+    """``domain.Combining``: the executor combines what a step's compute asks for (uneven ranks, an empty one), the
+    value and its gradient as one process; the rule posts nothing while it plans."""
+    x = torch.linspace(-2, 3, 2 * 3 * 8 * 4, dtype=torch.float64).view(2, 3, 8, 4) ** 2
+    x.requires_grad_(True)
+    ref = x - x.mean(2, keepdim=True)
+    (ref * ref * ref).sum().backward()
+    for sizes in ((5, 0, 3), (8,)):
+        for out, grad, talked in ranks.run(len(sizes), _combining_body, sizes, timeout=120):
+            torch.testing.assert_close(out, ref.detach(), rtol=0, atol=1e-12)
+            torch.testing.assert_close(grad, x.grad, rtol=0, atol=1e-12)
+            assert talked == [], talked

@@ -9,6 +9,7 @@ Usage (``dispatch.dispatcher`` runs every rule's step here; a rule that composes
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -28,18 +29,19 @@ from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
 from mesh3d.domain.dispatch.step import (
-    AllTokens, Boxes, Entering, LineRows, Moved, Partial, Pencils, Reached, Relaid, Resplit, Rows, Step, Whole)
+    AllTokens, Boxes, Combining, Entering, LineRows, Moved, Narrowed, OwnRows, Partial, Pencils, Reached, Relaid, Resplit, Rows,
+    Step, Whole)
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
 from mesh3d.domain.layouts.blocks import gather_along, gather_planned
 from mesh3d.domain.layouts.relayout import relayout
-from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton
+from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton, strided_rows
 from mesh3d.domain.layouts.tokens import gather_all_tokens
 from mesh3d.domain.layouts.transpose import move_rows
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.core.wrapped import WrappedDomainTensor
 
-__all__ = ["STEP_TAP", "StepTap", "changes_layout", "op_label", "run_kept", "run_parts", "run_step",
+__all__ = ["STEP_TAP", "StepTap", "changes_layout", "combine_parts", "op_label", "run_kept", "run_parts", "run_step",
            "telling_peers_of_failure"]
 
 
@@ -174,6 +176,30 @@ def _entering(req: Entering) -> torch.Tensor:
     return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
 
 
+def _narrowed(req: Narrowed) -> torch.Tensor:
+    part = _entering(Entering(req.x)) if isinstance(req.x, DomainTensor) else req.x
+    for dim, start, length in req.cuts:
+        part = part.narrow(dim, start, length)
+    return part
+
+
+def _own_rows(req: OwnRows) -> torch.Tensor:
+    whole = _entering(Entering(req.x)) if isinstance(req.x, DomainTensor) else req.x
+    return strided_rows(whole, req.dim, req.spec)
+
+
+def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_shards: bool = False) -> torch.Tensor:
+    """This rank's ``part`` of a value combined with its peers' over ``comm`` (``step.Combining``, ``step.Partial``).
+
+    Usage: ``total = combine_parts(spec.comm, t.sum(2, keepdim=True), for_shards=True)``
+    """
+    if how == "max":
+        return all_reduce_max(part, comm)
+    if how != "sum":
+        raise ValueError(f"combine: how={how!r} is 'sum' or 'max'")
+    return reduce_for_local_use(part, comm) if for_shards else reduce_to_replicated(part, comm)
+
+
 #: How each requirement of ``step`` resolves to a plain tensor. NOTE: looked up by exact type (the requirements are
 #: final dataclasses): a plain argument (a weight, a bias, a number), the common case, costs one lookup.
 _RESOLVERS: dict[type, Callable[[Any], Any]] = {
@@ -191,6 +217,9 @@ _RESOLVERS: dict[type, Callable[[Any], Any]] = {
     Boxes: lambda req: gather_planned(unwrap(req.x), req.x._spec, req.plans, req.fill, req.passes),
     Pencils: lambda req: _along_lines(unwrap(req.x), req.moves),
     Entering: _entering,
+    OwnRows: _own_rows,
+    Narrowed: _narrowed,
+    Combining: lambda req: functools.partial(combine_parts, req.comm),
 }
 
 
@@ -256,9 +285,8 @@ def run_step(step: Step) -> Any:
 def _combined(out: Any, partial: Partial, spec: Any) -> Any:
     """A partial step's local results (``step.Partial``) combined over ``spec``'s domain and finished."""
     comm = spec.comm if partial.over is None else partial.over
-    combine = all_reduce_max if partial.combine == "max" else reduce_for_local_use if partial.for_shards else \
-        reduce_to_replicated
-    out = tree_map(lambda o: combine(o, comm) if isinstance(o, torch.Tensor) else o, out)
+    out = tree_map(lambda o: combine_parts(comm, o, partial.combine, partial.for_shards)
+                   if isinstance(o, torch.Tensor) else o, out)
     return out if partial.then is None else partial.then(out)
 
 

@@ -13,9 +13,10 @@ A rule only *declares*: it never communicates and never wraps. The dispatcher
 layout, a replicated value entering the shards), calls ``compute`` on plain local tensors and
 wraps tensor results with ``out``. A step whose local results are each rank's part of the one-process value (a sum
 over the sharded dim) declares it (``partial=Partial("sum", then)``): the executor combines the parts over the domain,
-then ``then`` finishes the value. Rules not yet written so (variance, norm statistics, extremes with their ties) call
-``mesh3d.domain.comm.collectives`` inside ``compute``; attention's modes send theirs there too (the ring interleaves
-its messages with its blocks).
+then ``then`` finishes the value. A statistic ``compute`` uses before its result (a variance's mean, a softmax's maximum
+and sum, a maximum's ties) is combined by a function the executor hands it (``Combining``). Norm statistics still call
+``mesh3d.domain.comm.collectives`` inside ``compute``; attention's modes send their messages there too (the ring
+interleaves them with its blocks).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["AllTokens", "Boxes", "Entering", "LineRows", "Moved", "Partial", "Pencils", "Reached", "Relaid", "Resplit",
-           "Rows", "Step", "Whole"]
+__all__ = ["AllTokens", "Boxes", "Combining", "Entering", "LineRows", "Moved", "Narrowed", "OwnRows", "Partial",
+           "Pencils", "Reached", "Relaid", "Resplit", "Rows", "Step", "Whole"]
 
 
 @dataclass(frozen=True)
@@ -170,6 +171,46 @@ class Entering:
     """
 
     x: DomainTensor
+
+
+@dataclass(frozen=True)
+class OwnRows:
+    """This rank's rows of ``x``, a plain or replicated tensor of the global length along ``dim``, cut as ``spec``'s
+    sharded dim is cut (``layouts.slabs.strided_rows``); a replicated ``x`` enters every shard as ``Entering`` does.
+
+    Usage: ``Step(torch.add, (xs, OwnRows(pos_embed, 1, xs.spec)), out=xs.spec)``
+    """
+
+    x: Any
+    dim: int
+    spec: DomainSpec
+
+
+@dataclass(frozen=True)
+class Narrowed:
+    """``x``, a plain or replicated tensor, narrowed along each ``(dim, start, length)`` of ``cuts``: this block's part
+    of a whole operand; a replicated ``x`` enters every shard as ``Entering`` does.
+
+    Usage: ``Step(torch.add, (xs, Narrowed(bias_field, ((2, 4, 3), (3, 0, 5)))), out=xs.spec)``
+    """
+
+    x: Any
+    cuts: tuple[tuple[int, int, int], ...]
+
+
+@dataclass(frozen=True)
+class Combining:
+    """Resolved to ``combine(part, how="sum", for_shards=False)``: ``part``, this rank's part of a value, combined over
+    ``comm`` as ``Partial`` combines a step's results (``"sum"`` in rank order, the same bits on every rank; ``"max"``
+    of values with no gradient; ``for_shards``: each rank uses the value its own way, so the gradients of its uses are
+    summed over the domain on the way back). For statistics ``compute`` uses before its result: the executor
+    combines them, the rule never talks.
+
+    Usage: ``Step(lambda t, combine: t - combine(t.sum(2, keepdim=True), for_shards=True) / n, (xs, Combining(comm)),
+    out=xs.spec)``
+    """
+
+    comm: DomainComm
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.comm.rows import block_needs
 
-__all__ = ["full_tensor", "replicate_if_singleton"]
+__all__ = ["full_tensor", "replicate_if_singleton", "strided_rows"]
 
 
 class _FullTensor(torch.autograd.Function):
@@ -91,3 +91,14 @@ def redistribute_local(x: DomainTensor, sizes: tuple[int, ...]) -> torch.Tensor:
         return unwrap(x)
     return gather_rows(unwrap(x), spec.dim, plan_exchange(spec.sizes, block_needs(tuple(sizes)), spec.comm.index),
                        spec.comm)
+
+
+def strided_rows(t: torch.Tensor, dim: int, spec: DomainSpec) -> torch.Tensor:
+    """This rank's rows of the plain ``t``, which has the global length of ``spec``'s sharded dim along ``dim``.
+
+    Usage: ``mine = strided_rows(mask, 0, xs.spec)``; with a strided layout (``spec.outer > 1``) its rows of each block.
+    """
+    n, offset = spec.sizes[spec.comm.index], spec.offset
+    if spec.outer == 1:
+        return t.narrow(dim, offset, n)
+    return t.unflatten(dim, (spec.outer, sum(spec.sizes))).narrow(dim + 1, offset, n).flatten(dim, dim + 1)

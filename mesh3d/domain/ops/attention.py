@@ -19,7 +19,7 @@ from mesh3d.domain.attention.modes import attention_step, sharded_attention
 from mesh3d.domain.attention.compiled import compiled_sharded_attention, takes
 from mesh3d.domain.dispatch.dispatcher import run_step
 from mesh3d.domain.core.connected import connected_zeros
-from mesh3d.domain.ops.idioms import strided_rows
+from mesh3d.domain.layouts.slabs import strided_rows
 from mesh3d.domain.ops.mixed_attention import mixed_attention
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.comm.rows import Span

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.comm.collectives import reduce_for_local_use, sum_grad
+from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.layouts.tokens import token_rows
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, TOKEN_RULES, register
 from mesh3d.domain.comm.rows import Span
-from mesh3d.domain.dispatch.step import Entering, Partial, Resplit, Rows, Step
+from mesh3d.domain.dispatch.step import Combining, Entering, Partial, Resplit, Rows, Step
 from mesh3d.domain.core.specs import DomainSpec, Layout, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 
@@ -213,10 +213,14 @@ def _pencil(equation: str, local_equation: str, local: list, output: str, spec: 
         d, line, start, share = moves[0]
         return Step(lambda *ts: torch.einsum(local_equation, *ts), tuple(local), out=out_spec,
                     partial=Partial("sum", lambda o: o.narrow(d, start, share), for_shards=True, over=line))
-    out = torch.einsum(local_equation, *local)
-    for d, line, start, share in moves:  # NOTE: each line sums what the previous one left
-        out = reduce_for_local_use(out, line).narrow(d, start, share)
-    return adopt(out, out_spec)
+    n, cuts = len(local), tuple((d, start, share) for d, _, start, share in moves)
+
+    def contract(*args):
+        out = torch.einsum(local_equation, *args[:n])
+        for combine, (d, start, share) in zip(args[n:], cuts):  # NOTE: each line sums what the previous one left
+            out = combine(out, for_shards=True).narrow(d, start, share)
+        return out
+    return Step(contract, (*local, *(Combining(line) for _, line, _, _ in moves)), out=out_spec)
 
 
 def _layout(spec) -> tuple:

@@ -24,19 +24,17 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.dispatch.dispatcher import redispatch, run_step
 from mesh3d.domain.ops.pieces import cat_pieces, index_rows
 from mesh3d.domain.ops.reshape import reshaped, target_shape
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.kept_steps import metadata_rule
 from mesh3d.domain.core.split import offsets_of
-from mesh3d.domain.dispatch.step import Entering, Step
+from mesh3d.domain.dispatch.step import Entering, OwnRows, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap, wrap
 
-__all__ = ["cat_along_sharded", "expand_index", "index_without_tensors", "positions", "replicated_slice", "slice_sizes",
-           "strided_rows"]
+__all__ = ["cat_along_sharded", "expand_index", "index_without_tensors", "positions", "replicated_slice", "slice_sizes"]
 
 
 def positions(x: DomainTensor, dim: int | None = None) -> DomainTensor:
@@ -201,31 +199,19 @@ def cat_along_sharded(tensors: Sequence, dim: int, ref: DomainTensor) -> Step:
                 keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
 
 
-def replicated_slice(o: torch.Tensor, dim: int, ref: DomainTensor) -> torch.Tensor:
-    """This rank's rows of ``o``, a plain or replicated tensor of the global length along the sharded dim.
+def replicated_slice(o: torch.Tensor, dim: int, ref: DomainTensor) -> OwnRows:
+    """This rank's rows of ``o``, a plain or replicated tensor of the global length along the sharded dim, as a step's
+    argument (``step.OwnRows``: the executor cuts them; a replicated value's gradient is summed over the domain).
 
-    Usage: ``pos = replicated_slice(pos_embed, 1, xs)`` (the element-wise rule calls it for ``xs + pos_embed``)
+    Usage: ``Step(torch.add, (xs, replicated_slice(pos_embed, 1, xs)), out=xs.spec)`` (the element-wise rule's)
 
-    A replicated value's gradient is summed over the domain first (each rank contributes its rows). A plain
-    tensor as large as the whole domain tensor is warned about once per line of user code: it costs O(global)
+    A plain tensor as large as the whole domain tensor is warned about once per line of user code: it costs O(global)
     memory on every rank, where ``xs.new_zeros(xs.shape)`` or ``torch.zeros_like(xs)`` hold this rank's rows only.
     """
     spec = ref.spec
     if not isinstance(o, DomainTensor) and spec.comm.size > 1 and o.numel() >= math.prod(size_of(ref)) > 0:
         _warn_whole_size(o, ref)
-    plain = sum_grad(unwrap(o), spec.comm) if isinstance(o, DomainTensor) and o.requires_grad else unwrap(o)
-    return strided_rows(plain, dim, spec)
-
-
-def strided_rows(t: torch.Tensor, dim: int, spec: DomainSpec) -> torch.Tensor:
-    """This rank's rows of the plain ``t``, which has the global length of ``spec``'s sharded dim along ``dim``.
-
-    Usage: ``mine = strided_rows(mask, 0, xs.spec)``; with a strided layout (``spec.outer > 1``) its rows of each block.
-    """
-    n, offset = spec.sizes[spec.comm.index], spec.offset
-    if spec.outer == 1:
-        return t.narrow(dim, offset, n)
-    return t.unflatten(dim, (spec.outer, sum(spec.sizes))).narrow(dim + 1, offset, n).flatten(dim, dim + 1)
+    return OwnRows(o, dim, spec)
 
 
 def _warn_whole_size(o: torch.Tensor, ref: DomainTensor) -> None:

@@ -28,10 +28,9 @@ import math
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import all_reduce_max, reduce_to_replicated, sum_grad
 from mesh3d.domain.core.specs import DomainSpec, TokenSpec, sharded_dims
-from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
-from mesh3d.domain.dispatch.step import Entering, Step
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
+from mesh3d.domain.dispatch.step import Combining, Entering, Step
 from mesh3d.domain.ops.idioms import replicated_slice
 
 __all__ = ["mixed_attention"]
@@ -97,75 +96,67 @@ def mixed_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         "too (or whole); lay them out alike")
 
 
-def _local_whole(t, comm):
-    """A whole operand's local tensor (a replicated one's gradient summed over the domain on the way back)."""
-    if isinstance(t, DomainTensor):
-        local = unwrap(t)
-        return sum_grad(local, comm) if local.requires_grad else local
-    return t
+def _whole_operand(t):
+    """A whole operand as a step argument: a replicated one enters every shard (its gradient summed over the domain)."""
+    return Entering(t) if isinstance(t, DomainTensor) else t
 
 
-def _mask_rows(mask, q: DomainTensor):
-    """A plain/replicated ``(..., S_q, S_k)`` mask's rows of this rank's queries; a mask sharded like q: its rows."""
-    if mask is None:
-        return None
+def _queries_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> Step:
+    positions = _query_positions(query)  # the queries' global indices
+    mask = attn_mask
     if isinstance(mask, DomainTensor) and sharded_dims(mask._spec):
-        if mask._spec != q._spec:
+        if mask._spec != query._spec:
             raise ValueError("scaled_dot_product_attention: a sharded attn_mask must be laid out like the queries")
-        return unwrap(mask)
-    plain = _local_whole(mask, q._spec.comm)
-    if plain.ndim < 2 or plain.shape[-2] == 1:
-        return plain
-    return plain.index_select(plain.ndim - 2, _query_positions(q).to(plain.device))
+    else:
+        mask = _whole_operand(mask)
+    own_rows = isinstance(attn_mask, DomainTensor) and sharded_dims(attn_mask._spec)
+
+    def compute(q, k, v, m):
+        if m is not None and not own_rows and m.ndim >= 2 and m.shape[-2] != 1:  # a whole mask: this rank's rows
+            m = m.index_select(m.ndim - 2, positions.to(m.device))
+        if is_causal:  # top-left aligned, as torch's SDPA: query i sees keys j <= i (global i)
+            m = torch.arange(k.shape[-2], device=q.device)[None, :] <= positions.to(q.device)[:, None]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=enable_gqa)
+
+    return Step(compute, (query, _whole_operand(key), _whole_operand(value), mask), out=query._spec)
 
 
-def _queries_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> DomainTensor:
-    comm = query._spec.comm
-    q, k, v = unwrap(query), _local_whole(key, comm), _local_whole(value, comm)
-    mask = _mask_rows(attn_mask, query)
-    if is_causal:  # top-left aligned, as torch's SDPA: query i sees keys j <= i (global i)
-        mask = torch.arange(k.shape[-2], device=q.device)[None, :] <= _query_positions(query).to(q.device)[:, None]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
-    return adopt(out, query._spec)
-
-
-def _keys_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> DomainTensor:
+def _keys_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> Step:
     spec = key._spec
     comm = spec.comm
     if isinstance(value, DomainTensor) and value._spec != spec:
         raise ValueError("scaled_dot_product_attention: key and value must be sharded alike along the sequence")
     cols = _query_positions(key)  # the keys' global indices
-    q = unwrap(query)
-    if isinstance(query, DomainTensor) and q.requires_grad:
-        q = sum_grad(q, comm)
-    k, v = unwrap(key), unwrap(value)
-    mask = attn_mask
-    if isinstance(mask, DomainTensor):
-        if sharded_dims(mask._spec):
-            raise ValueError("scaled_dot_product_attention: with whole queries over sharded keys, pass a plain or "
-                             "replicated (..., L_q, S_k) attn_mask")
-        mask = sum_grad(unwrap(mask), comm) if mask.requires_grad else unwrap(mask)
-    if mask is not None and mask.shape[-1] != 1:
-        mask = mask.index_select(mask.ndim - 1, cols.to(mask.device))
-    if q.ndim == 4 and k.ndim == 4 and k.shape[1] != q.shape[1]:
-        if not enable_gqa:
-            raise ValueError(f"scaled_dot_product_attention: {q.shape[-3]} query heads and {k.shape[-3]} key heads: "
-                             "pass enable_gqa=True (query heads a multiple of key heads)")
-        k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], -3) for t in (k, v))
-    scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
-    if is_causal:
-        mask = cols.to(q.device)[None, :] <= torch.arange(q.shape[-2], device=q.device)[:, None]
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    # NOTE: the global max only shifts the exponent (it cancels): no gradient through it
-    top = all_reduce_max(scores.detach().amax(-1, keepdim=True) if scores.shape[-1] else
-                         scores.new_full((*scores.shape[:-1], 1), float("-inf")), comm)
-    top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
-    weights = torch.exp(scores - top)
-    total = reduce_to_replicated(weights.sum(-1, keepdim=True), comm)
-    out = reduce_to_replicated(weights @ v, comm)
-    out = torch.where(total > 0, out / torch.where(total > 0, total, torch.ones_like(total)), torch.zeros_like(out))
-    return adopt(out, DomainSpec.replicated(comm))
+    if isinstance(attn_mask, DomainTensor) and sharded_dims(attn_mask._spec):
+        raise ValueError("scaled_dot_product_attention: with whole queries over sharded keys, pass a plain or "
+                         "replicated (..., L_q, S_k) attn_mask")
+    q, mask = _whole_operand(query), _whole_operand(attn_mask)
+    q_shape, k_shape = tuple(size_of(query)), tuple(unwrap(key).shape)
+    if len(q_shape) == 4 and len(k_shape) == 4 and k_shape[1] != q_shape[1] and not enable_gqa:
+        raise ValueError(f"scaled_dot_product_attention: {q_shape[-3]} query heads and {k_shape[-3]} key heads: "
+                         "pass enable_gqa=True (query heads a multiple of key heads)")
+
+    def compute(q, k, v, mask, combine):
+        if mask is not None and mask.shape[-1] != 1:
+            mask = mask.index_select(mask.ndim - 1, cols.to(mask.device))
+        if q.ndim == 4 and k.ndim == 4 and k.shape[1] != q.shape[1]:
+            k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], -3) for t in (k, v))
+        scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else 1.0 / math.sqrt(q.shape[-1]))
+        if is_causal:
+            mask = cols.to(q.device)[None, :] <= torch.arange(q.shape[-2], device=q.device)[:, None]
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        # NOTE: the global max only shifts the exponent (it cancels): no gradient through it
+        top = combine(scores.detach().amax(-1, keepdim=True) if scores.shape[-1] else
+                      scores.new_full((*scores.shape[:-1], 1), float("-inf")), "max")
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        weights = torch.exp(scores - top)
+        total = combine(weights.sum(-1, keepdim=True))
+        out = combine(weights @ v)
+        return torch.where(total > 0, out / torch.where(total > 0, total, torch.ones_like(total)),
+                           torch.zeros_like(out))
+
+    return Step(compute, (q, key, value, mask, Combining(comm)), out=DomainSpec.replicated(comm))
 
 
 def _batch_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> Step:

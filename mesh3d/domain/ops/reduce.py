@@ -14,17 +14,18 @@ shards are float32 until the result is rounded, once (``collectives.sum_dtype``)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from mesh3d._torch_private import argument_torch_dropped
-from mesh3d.domain.comm.collectives import sum_dtype, all_reduce_max, reduce_for_local_use, reduce_to_replicated
+from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.ops.composite import call, loss_reduction
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.dispatch.registry import op_name, register
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import Partial, Step
+from mesh3d.domain.dispatch.step import Combining, Partial, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
@@ -39,23 +40,23 @@ def _dims(x: DomainTensor, dim) -> list[int]:
     return sorted(d % x.ndim for d in dims)
 
 
-def amax_over_ranks(local: torch.Tensor, dims: list[int], comm) -> torch.Tensor:
-    """The one-process ``torch.amax(x, dims, keepdim=True)`` where ``dims`` hold every dim sharded over ``comm``,
-    replicated: each rank's maxima (an empty part's are the lowest value), one all-reduce of the max; the value is
-    exactly the max, the gradient shared among ties on every rank holding one, as torch.amax shares it.
+def amax_over_ranks(local: torch.Tensor, dims: list[int], combine: Callable) -> torch.Tensor:
+    """The one-process ``torch.amax(x, dims, keepdim=True)`` where ``dims`` hold every sharded dim, replicated: each
+    rank's maxima (an empty part's are the lowest value), combined (``combine``: a ``step.Combining``'s) as a max; the
+    value is exactly the max, the gradient shared among ties on every rank holding one, as torch.amax shares it.
 
-    Usage: ``amax_over_ranks(unwrap(x), [2, 3], spec.comm)``"""
+    Usage: ``Step(lambda t, combine: amax_over_ranks(t, [2, 3], combine), (xs, Combining(spec.comm)), out=...)``"""
     shape = [1 if d in dims else s for d, s in enumerate(local.shape)]
     floating = local.is_floating_point()
     lowest = -math.inf if floating else False if local.dtype == torch.bool else torch.iinfo(local.dtype).min
     part = local.amax(dims, keepdim=True) if local.numel() else local.new_full(shape, lowest)  # an empty shard's
-    top = all_reduce_max(part, comm)
+    top = combine(part, "max")
     if not floating:  # no gradient to share among ties, and the dtype stays
         return top
     hit = local == top
-    ties = reduce_to_replicated(hit.to(local.dtype).sum(dims, keepdim=True), comm).detach()
+    ties = combine(hit.to(local.dtype).sum(dims, keepdim=True)).detach()
     # NOTE: where, not local * mask: a -inf beside the maximum (a masked score) times 0 is nan
-    picked = reduce_to_replicated(torch.where(hit, local, 0).sum(dims, keepdim=True), comm) / ties
+    picked = combine(torch.where(hit, local, 0).sum(dims, keepdim=True)) / ties
     # Value exactly the max; gradient shared among ties as torch.amax does.
     return top + (picked - picked.detach())
 
@@ -70,8 +71,8 @@ def total_step(x: DomainTensor, kind: str, dim, dims: list[int], keepdim: bool, 
     Usage: ``return total_step(xs, "mean", None, [0, 1, 2, 3], False, spec.comm, True)``"""
     out, dtype = DomainSpec.replicated(comm), unwrap(x).dtype
     if kind == "amax":
-        return Step(lambda t: amax_over_ranks(t, dims, comm) if keepdim else amax_over_ranks(t, dims, comm).squeeze(dims),
-                    (x,), out=out)
+        return Step(lambda t, combine: amax_over_ranks(t, dims, combine) if keepdim else
+                    amax_over_ranks(t, dims, combine).squeeze(dims), (x, Combining(comm)), out=out)
     if kind == "prod":
         one, index, size = None if dim is None else dims[0], comm.index, comm.size
 
@@ -125,14 +126,14 @@ def reduction_step(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, 
         dtype = unwrap(x).dtype
         acc = sum_dtype(dtype)
 
-        def spread(t: torch.Tensor) -> torch.Tensor:
+        def spread(t: torch.Tensor, combine: Callable) -> torch.Tensor:
             wide = t if acc is None else t.to(acc)
-            mean = reduce_for_local_use(wide.sum(dims, keepdim=True), comm) / count
-            r = reduce_to_replicated(((wide - mean) ** 2).sum(dims, keepdim=True), comm) / max(count - correction, 0)
+            mean = combine(wide.sum(dims, keepdim=True), for_shards=True) / count
+            r = combine(((wide - mean) ** 2).sum(dims, keepdim=True)) / max(count - correction, 0)
             r = r.sqrt() if kind == "std" else r
             r = r.squeeze(dims) if not keepdim else r
             return r if acc is None else r.to(dtype)
-        return Step(spread, (x,), out=DomainSpec.replicated(comm))
+        return Step(spread, (x, Combining(comm)), out=DomainSpec.replicated(comm))
     raise ValueError(f"reduction_step: kind={kind!r} is one of sum, mean, amax, var, std")
 
 
@@ -228,14 +229,17 @@ def _prod(input, dim=None, keepdim=False, *, dtype=None, out=None):
     return prod_step(input, dim, keepdim)
 
 
-def global_softmax(local: torch.Tensor, dim: int, comm, log: bool) -> torch.Tensor:
-    """Softmax along the sharded dim: the global max (for stability) and the global sum of exponentials."""
+def global_softmax(local: torch.Tensor, dim: int, combine: Callable, log: bool) -> torch.Tensor:
+    """Softmax along the sharded dim: the global max (for stability) and the global sum of exponentials, each
+    combined by ``combine`` (a ``step.Combining``'s).
+
+    Usage: ``Step(lambda t, combine: global_softmax(t, 2, combine, False), (xs, Combining(comm)), out=xs.spec)``"""
     shape = [1 if d == dim else s for d, s in enumerate(local.shape)]
     part = local.amax(dim, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
-    top = all_reduce_max(part.detach(), comm)
+    top = combine(part.detach(), "max")
     acc = sum_dtype(local.dtype)
     shifted = local - top if acc is None else local.to(acc) - top
-    total = reduce_for_local_use(shifted.exp().sum(dim, keepdim=True), comm)
+    total = combine(shifted.exp().sum(dim, keepdim=True), for_shards=True)
     out = shifted - total.log() if log else shifted.exp() / total
     return out if acc is None else out.to(local.dtype)
 
@@ -249,7 +253,8 @@ def _softmax_rule(func, log: bool):
             input = elementwise(torch.Tensor.to, input, dtype)
         if d != input.spec.dim or input.spec.comm.size == 1:
             return Step(lambda t: func(t, d), (input,), out=input.spec)
-        return Step(lambda t: global_softmax(t, d, input.spec.comm, log), (input,), out=input.spec)
+        return Step(lambda t, combine: global_softmax(t, d, combine, log), (input, Combining(input.spec.comm)),
+                    out=input.spec)
 
     return rule
 
@@ -304,15 +309,18 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
             f"F.cross_entropy: the target must be sharded like the input: domain.shard(target, dim={want}, "
             f"sizes={input.spec.sizes})"
         )
-    losses = F.cross_entropy(unwrap(input), unwrap(target), weight, ignore_index=ignore_index, reduction="none",
-                             label_smoothing=label_smoothing)
     if reduction != "mean" or probabilities:
+        losses = F.cross_entropy(unwrap(input), unwrap(target), weight, ignore_index=ignore_index, reduction="none",
+                                 label_smoothing=label_smoothing)
         spec = target.spec if not probabilities else input.spec.with_sizes(input.spec.sizes, dim=want - 1)
         return _loss(adopt(losses, spec), reduction)
-    t = unwrap(target)
-    valid = (t != ignore_index).to(losses.dtype)
-    w = valid if weight is None else weight[t.clamp(min=0)] * valid
-    acc = sum_dtype(losses.dtype)
-    denom = reduce_to_replicated(w.sum(dtype=acc), input.spec.comm).detach()
-    total = reduce_to_replicated(losses.sum(dtype=acc), input.spec.comm)
-    return adopt((total / denom).to(losses.dtype), DomainSpec.replicated(input.spec.comm))
+
+    def weighted_mean(x: torch.Tensor, t: torch.Tensor, w: torch.Tensor | None, combine: Callable) -> torch.Tensor:
+        losses = F.cross_entropy(x, t, w, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+        valid = (t != ignore_index).to(losses.dtype)
+        counted = valid if w is None else w[t.clamp(min=0)] * valid
+        acc = sum_dtype(losses.dtype)
+        return (combine(losses.sum(dtype=acc)) / combine(counted.sum(dtype=acc)).detach()).to(losses.dtype)
+
+    return Step(weighted_mean, (input, target, weight, Combining(input.spec.comm)),
+                out=DomainSpec.replicated(input.spec.comm))

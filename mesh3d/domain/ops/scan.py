@@ -11,13 +11,14 @@ An empty shard's total is the neutral element (0, or 1). Along any other dim the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from mesh3d.domain.comm.collectives import reduce_for_local_use
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.dispatch.registry import op_name, register
-from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.step import Combining, Step
 from mesh3d.domain.core.tensor import DomainTensor
 
 __all__ = ["sharded_scan"]
@@ -25,8 +26,12 @@ __all__ = ["sharded_scan"]
 _SCANS = {"cumsum": (torch.cumsum, torch.Tensor.cumsum), "cumprod": (torch.cumprod, torch.Tensor.cumprod)}
 
 
-def sharded_scan(local: torch.Tensor, dim: int, comm: DomainComm, kind: str) -> torch.Tensor:
-    """This rank's rows of the one-process ``cumsum``/``cumprod`` of a tensor sharded along ``dim``."""
+def sharded_scan(local: torch.Tensor, dim: int, comm: DomainComm, kind: str, combine: Callable) -> torch.Tensor:
+    """This rank's rows of the one-process ``cumsum``/``cumprod`` of a tensor sharded along ``dim`` (every rank's last
+    row combined by ``combine``, a ``step.Combining``'s).
+
+    Usage: ``Step(lambda t, combine: sharded_scan(t, 2, comm, "cumsum", combine), (xs, Combining(comm)), out=xs.spec)``
+    """
     scanned = torch.cumsum(local, dim) if kind == "cumsum" else torch.cumprod(local, dim)
     rows = local.shape[dim]
     if rows:
@@ -36,7 +41,7 @@ def sharded_scan(local: torch.Tensor, dim: int, comm: DomainComm, kind: str) -> 
     stack = torch.stack([last if q == comm.index else torch.zeros_like(last) for q in range(comm.size)])
     # NOTE: rank 0 adds the empty sum (multiplies by the empty product) too: every rank must reach the all-reduce's
     # backward, or its peers would wait there for it.
-    before = reduce_for_local_use(stack, comm)[: comm.index]
+    before = combine(stack, for_shards=True)[: comm.index]
     return scanned + before.sum(0) if kind == "cumsum" else scanned * before.prod(0)
 
 
@@ -52,7 +57,7 @@ def _scan_rule(func, kind: str):
         comm = input.spec.comm
         if d != input.spec.dim or comm.size == 1:
             return Step(lambda t: func(t, d), (input,), out=input.spec)
-        return Step(lambda t: sharded_scan(t, d, comm, kind), (input,), out=input.spec)
+        return Step(lambda t, combine: sharded_scan(t, d, comm, kind, combine), (input, Combining(comm)), out=input.spec)
 
     return rule
 

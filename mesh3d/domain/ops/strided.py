@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.ops import global_index, idioms, pointwise, reshape  # noqa: F401  (their rules registered first)
 from mesh3d.domain.ops.attention import sdpa_rule
-from mesh3d.domain.ops.idioms import strided_rows
+from mesh3d.domain.layouts.slabs import strided_rows
 from mesh3d.domain.ops.matmul import matmul_rule
 from mesh3d.domain.ops.random_ops import dropout_mask, own_part
 from mesh3d.domain.dispatch.registry import RULES, STRIDED_RULES, op_name

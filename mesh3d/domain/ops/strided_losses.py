@@ -12,13 +12,16 @@ mean's denominator too: the rows not ignored, weighted by their class weights, a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import reduce_to_replicated, sum_dtype
+from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import STRIDED_RULES
+from mesh3d.domain.dispatch.step import Combining, Step
 from mesh3d.domain.ops.composite import loss_reduction
 from mesh3d.domain.ops.idioms import replicated_slice
 
@@ -48,20 +51,25 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
             "F.cross_entropy on a strided domain tensor takes (N, C) logits whose rows are the merged sharded dim "
             "(logits.view(-1, C)); reshape other shapes back to their unstrided shape first")
     rows = _target_rows(target, input)
-    losses = F.cross_entropy(unwrap(input), rows, weight, ignore_index=ignore_index, reduction="none",
-                             label_smoothing=label_smoothing)
-    if reduction == "none":
-        return adopt(losses, spec)  # NOTE: one loss per row, laid out as the rows
-    acc = sum_dtype(losses.dtype)
-    total = reduce_to_replicated(losses.sum(dtype=acc), spec.comm)
-    if reduction == "mean":
-        if rows.is_floating_point():  # class probabilities: the mean over the rows
-            total = total / size_of(input)[0]
-        else:
-            valid = (rows != ignore_index).to(losses.dtype)
-            counted = valid if weight is None else weight[rows.clamp(min=0)] * valid
-            total = total / reduce_to_replicated(counted.sum(dtype=acc), spec.comm).detach()
-    return adopt(total.to(losses.dtype), DomainSpec.replicated(spec.comm))
+    if reduction == "none":  # NOTE: one loss per row, laid out as the rows
+        return adopt(F.cross_entropy(unwrap(input), rows, weight, ignore_index=ignore_index, reduction="none",
+                                     label_smoothing=label_smoothing), spec)
+    whole_rows = size_of(input)[0]
+
+    def reduced(x: torch.Tensor, t: torch.Tensor, w: torch.Tensor | None, combine: Callable) -> torch.Tensor:
+        losses = F.cross_entropy(x, t, w, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+        acc = sum_dtype(losses.dtype)
+        total = combine(losses.sum(dtype=acc))
+        if reduction == "mean":
+            if t.is_floating_point():  # class probabilities: the mean over the rows
+                total = total / whole_rows
+            else:
+                valid = (t != ignore_index).to(losses.dtype)
+                counted = valid if w is None else w[t.clamp(min=0)] * valid
+                total = total / combine(counted.sum(dtype=acc)).detach()
+        return total.to(losses.dtype)
+
+    return Step(reduced, (input, rows, weight, Combining(spec.comm)), out=DomainSpec.replicated(spec.comm))
 
 
 STRIDED_RULES.register(F.cross_entropy, _cross_entropy)

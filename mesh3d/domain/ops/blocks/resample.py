@@ -21,23 +21,23 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d._torch_private import PAD_BUILTIN
-from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.layouts.relayout import blocks_in_layout, slab_in_blocks
+from mesh3d.domain.core.specs import BlockSpec, Layout
 from mesh3d.domain.layouts.blocks import box_plans, window_plans
 from mesh3d.domain.core.settings import SETTINGS
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import Boxes, LineRows, Step, Whole
-from mesh3d.domain.comm.collectives import sum_dtype, sum_grad
+from mesh3d.domain.dispatch.step import Boxes, LineRows, Narrowed, Relaid, Step, Whole
+from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.halo.windows import sizes_by_first_index
 from mesh3d.domain.ops.conv import padded_rows, as_tuple, bias_rows, pad_local, transpose_plan
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.interpolate import row_plan, lerp_rows
 from mesh3d.domain.ops.weighted_resample import blocks_weighted_interpolate
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
+from mesh3d.domain.ops.blocks.rules import in_block_layout
 from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.split import offsets_of
-from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.core.tensor import DomainTensor, size_of
 from mesh3d.domain.core.specs import sharded_dims
 
 __all__: list[str] = []
@@ -260,23 +260,21 @@ def _cat(tensors, dim=0):
 
     def local(t):
         if isinstance(t, DomainTensor) and isinstance(t._spec, BlockSpec):
-            return blocks_in_layout(t, spec)  # a face turned by rot90 too: its grid axes on other dims
-        moved = slab_in_blocks(t, spec) if isinstance(t, DomainTensor) and t.ndim == len(whole) else None
-        if moved is not None:  # a window attention's output (its windows ran on slabs) joining a skip on blocks
-            return moved
+            return in_block_layout(t, spec)  # a face turned by rot90 too: its grid axes on other dims
+        if isinstance(t, DomainTensor) and t.ndim == len(whole) and t._spec.layout is Layout.SLAB \
+                and t._spec.dim in spec.dims and t._spec.comm == spec.comm:
+            return Relaid(t, None, spec.dims, spec.sizes)  # a window attention's output (its windows ran on slabs)
         if isinstance(t, DomainTensor) and sharded_dims(t._spec) or t.ndim != len(whole):
             raise NotImplementedError(f"{op_name(torch.cat)} on blocks: every input must be a block tensor laid out "
                                       f"alike, or a plain one of the global shape (dims {spec.dims})")
-        plain = sum_grad(unwrap(t), spec.comm) if isinstance(t, DomainTensor) and t.requires_grad else unwrap(t)
-        for k, d in enumerate(spec.dims):  # a plain tensor of the global lengths (coordinates, Fourier features)
-            if plain.shape[d] != whole[d]:
+        for d in spec.dims:  # a plain tensor of the global lengths (coordinates, Fourier features)
+            if size_of(t)[d] != whole[d]:
                 raise NotImplementedError(f"{op_name(torch.cat)} on blocks: a tensor of shape {tuple(t.shape)} next to "
                                           f"blocks of global shape {tuple(whole)}; give it the global lengths")
-            plain = plain.narrow(d, spec.offsets[k], spec.local_sizes[k])
-        return plain
+        return Narrowed(t, tuple((d, spec.offsets[k], spec.local_sizes[k]) for k, d in enumerate(spec.dims)))
 
-    return adopt(torch.cat([local(t) for t in tensors], dim), spec,
-                 tuple(t for t in tensors if not isinstance(t, DomainTensor)))
+    return Step(lambda *ts: torch.cat(ts, dim), tuple(local(t) for t in tensors), out=spec,
+                keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
 
 
 # ----------------------------------------------------------------------------- adaptive pooling

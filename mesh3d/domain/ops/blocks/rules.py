@@ -27,8 +27,7 @@ from mesh3d.domain.layouts.blocks_overlap import overlapped_windows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.dispatch.dispatcher import redispatch
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import Boxes, LineRows, Relaid, Step
-from mesh3d.domain.comm.collectives import sum_grad
+from mesh3d.domain.dispatch.step import Boxes, LineRows, Narrowed, Relaid, Step
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.ops.composite import loss_reduction
 from mesh3d.domain.ops.reduce import total_step
@@ -37,7 +36,7 @@ from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
-__all__ = ["elementwise_rule", "local_reduction", "reduction_rules", "run_elementwise"]
+__all__ = ["elementwise_rule", "in_block_layout", "local_reduction", "reduction_rules", "run_elementwise"]
 
 def _spec_of(x: DomainTensor) -> BlockSpec:
     spec = x._spec
@@ -61,32 +60,27 @@ def elementwise_rule(func: Callable) -> Callable:
             if not isinstance(o, torch.Tensor):
                 return o
             if any(o is b for b in blocks):  # moved to ref's layout where it differs (a U-Net's two branches, x.mT)
-                return _in_layout(o, spec)
-            if isinstance(o, DomainTensor):  # a replicated value entering the blocks
-                if o._spec.dim is not None:
-                    return _slab_in_layout(func, o, ref, spec)
-                plain = unwrap(o)
-                plain = sum_grad(plain, spec.comm) if plain.requires_grad else plain
-            else:
-                plain = o
-            whole = ref.shape
+                return in_block_layout(o, spec)
+            if isinstance(o, DomainTensor) and o._spec.dim is not None:
+                return _slab_in_layout(func, o, ref, spec)
+            shape, whole, cuts = size_of(o), ref.shape, []  # a plain or replicated value entering the blocks
             for k, d in enumerate(spec.dims):
                 aligned = d - (ref.ndim - o.ndim)
-                if aligned < 0 or plain.shape[aligned] == 1:
+                if aligned < 0 or shape[aligned] == 1:
                     continue
-                if plain.shape[aligned] != whole[d]:
+                if shape[aligned] != whole[d]:
                     raise ValueError(
                         f"{op_name(func)}: a tensor of shape {tuple(o.shape)} meets blocks of global shape "
                         f"{tuple(whole)} along the block-sharded dim {d}; give it size 1 or the global length "
                         f"{whole[d]} there (each block then takes its rows), or shard it as blocks too")
-                plain = plain.narrow(aligned, spec.offsets[k], spec.local_sizes[k])  # this block's rows of it
-            return plain
+                cuts.append((aligned, spec.offsets[k], spec.local_sizes[k]))  # this block's rows of it
+            return Narrowed(o, tuple(cuts)) if cuts or isinstance(o, DomainTensor) else o
 
         return run_elementwise(func, args, kwargs, local, ref, "blocks")
     return rule
 
 
-def _in_layout(o: DomainTensor, spec: BlockSpec) -> Any:
+def in_block_layout(o: DomainTensor, spec: BlockSpec) -> Any:
     """``o``'s block laid out as ``spec``: itself, or what the executor moves: its rows gathered along the grid lines
     whose sizes differ (``step.LineRows``), or a block turned onto other dims (``x.mT``, rot90) moved over ``spec``'s
     dims (``step.Relaid``); blocks of other global lengths are refused (``blocks_in_layout`` says how)."""

@@ -18,10 +18,10 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.specs import TokenSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
+from mesh3d.domain.dispatch.step import Entering, Step
 
 __all__: list[str] = []
 
@@ -34,15 +34,15 @@ def _grid(x: DomainTensor, func: Callable) -> TokenSpec:
     return spec
 
 
-def _whole(t, spec: TokenSpec, func: Callable):
-    """A plain operand, or a replicated domain tensor's value: whole on every rank (a replicated one's gradient is
-    summed over the domain, as the token grid's matmul does)."""
+def _whole(t, func: Callable):
+    """A plain operand as a step's argument, or a replicated domain tensor entering every shard (``step.Entering``: its
+    gradient summed over the domain, as the token grid's matmul does)."""
     if not isinstance(t, DomainTensor):
         return t
     if sharded_dims(t._spec):
         raise NotImplementedError(f"{op_name(func)} of a token grid with a tensor sharded otherwise ({t._spec}): "
                                   "gather that one first, or reshape the tokens back to the grid")
-    return sum_grad(unwrap(t), spec.comm) if t.requires_grad else unwrap(t)
+    return Entering(t)
 
 
 def _cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
@@ -55,8 +55,8 @@ def _cdist(x1, x2, p=2.0, compute_mode="use_mm_for_euclid_dist_if_necessary"):
                                   "be the rows (dim -2), not the feature dim summed over")
     shift = max(x1.ndim, x2.ndim) - x1.ndim
     mode = compute_mode or "use_mm_for_euclid_dist_if_necessary"  # aten.cdist's None: torch.cdist's default
-    return adopt(torch.cdist(unwrap(x1), _whole(x2, spec, torch.cdist), p, mode),
-                 spec.with_token_dim(spec.token_dim + shift))
+    return Step(lambda a, b: torch.cdist(a, b, p, mode), (x1, _whole(x2, torch.cdist)),
+                out=spec.with_token_dim(spec.token_dim + shift))
 
 
 def _arg_extreme(func: Callable) -> Callable:
@@ -77,7 +77,8 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
         raise NotImplementedError("F.embedding with max_norm or scale_grad_by_freq of a token grid's indices: both "
                                   "read every rank's indices; call .full_tensor() on the indices first")
     spec = _grid(input, F.embedding)
-    return adopt(F.embedding(unwrap(input), _whole(weight, spec, F.embedding), padding_idx, sparse=sparse), spec)
+    return Step(lambda i, w: F.embedding(i, w, padding_idx, sparse=sparse), (input, _whole(weight, F.embedding)),
+                out=spec)
 
 
 TOKEN_RULES.register(torch.cdist, _cdist)

@@ -22,13 +22,12 @@ import torch
 import torch.nn.functional as F
 
 from mesh3d._torch_private import linear_not_a_view
-from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.ops.blocks.norms import CHANNEL_NORMS
 from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules, run_elementwise
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
-from mesh3d.domain.dispatch.step import AllTokens, Step
+from mesh3d.domain.dispatch.step import AllTokens, Combining, Entering, Step
 from mesh3d.domain.ops.reduce import global_softmax, total_step
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.connected import connected_zeros
@@ -105,8 +104,8 @@ def _matmul(input, other, *, out=None):
                                       "sum runs over every rank's tokens; call .full_tensor() first")
         if isinstance(other, DomainTensor) and sharded_dims(other._spec):
             raise ValueError("torch.matmul: a token grid meets a tensor sharded otherwise; gather that one first")
-        plain = sum_grad(unwrap(other), spec.comm) if isinstance(other, DomainTensor) and other.requires_grad else other
-        return adopt(torch.matmul(unwrap(input), unwrap(plain)), spec.moved(lambda d: d + nd - input.ndim))
+        return Step(torch.matmul, (input, Entering(other) if isinstance(other, DomainTensor) else other),
+                    out=spec.moved(lambda d: d + nd - input.ndim))
     right = _spec(other, scores=True)
     if spec.keys is None and spec.token_dim == input.ndim - 2 and right.keys is None and right.token_dim == other.ndim - 1:
         # scores: every key, in domain rank order
@@ -219,7 +218,7 @@ def _softmax(func):
             if args or kwargs.get("dtype") is not None:
                 raise NotImplementedError(f"{op_name(func)} over the token dim with a dtype: cast first")
             log, d, comm = "log_softmax" in op_name(func), spec.token_dim, spec.comm
-            return Step(lambda t: global_softmax(t, d, comm, log), (input,), out=spec)  # the executor runs it
+            return Step(lambda t, combine: global_softmax(t, d, combine, log), (input, Combining(comm)), out=spec)
         return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
     return rule
 
