@@ -254,7 +254,6 @@ _OPS_STILL_COMMUNICATING = {
     "mesh3d/domain/ops/einsum.py",             # replicated operands cut to the grid (sum_grad)
     "mesh3d/domain/ops/graph/common.py",       # graph ops' failures told to the peers
     "mesh3d/domain/ops/graph/counting.py",     # bincount's length: the largest id over the ranks
-    "mesh3d/domain/ops/norm.py",               # norm statistics inside their autograd Function
     "mesh3d/domain/ops/tokens/prefix.py",      # class tokens read from rank 0
 }
 

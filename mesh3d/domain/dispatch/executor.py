@@ -188,8 +188,10 @@ def _own_rows(req: OwnRows) -> torch.Tensor:
     return strided_rows(whole, req.dim, req.spec)
 
 
-def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_shards: bool = False) -> torch.Tensor:
-    """This rank's ``part`` of a value combined with its peers' over ``comm`` (``step.Combining``, ``step.Partial``).
+def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_shards: bool = False,
+                  grad: bool = True) -> torch.Tensor:
+    """This rank's ``part`` of a value combined with its peers' over ``comm`` (``step.Combining``, ``step.Partial``);
+    ``grad=False``: a plain sum in rank order, no autograd node (inside an autograd Function's forward or backward).
 
     Usage: ``total = combine_parts(spec.comm, t.sum(2, keepdim=True), for_shards=True)``
     """
@@ -197,6 +199,8 @@ def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_sh
         return all_reduce_max(part, comm)
     if how != "sum":
         raise ValueError(f"combine: how={how!r} is 'sum' or 'max'")
+    if not grad:
+        return all_reduce_sum(part, comm)
     return reduce_for_local_use(part, comm) if for_shards else reduce_to_replicated(part, comm)
 
 

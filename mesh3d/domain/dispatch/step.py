@@ -14,9 +14,8 @@ layout, a replicated value entering the shards), calls ``compute`` on plain loca
 wraps tensor results with ``out``. A step whose local results are each rank's part of the one-process value (a sum
 over the sharded dim) declares it (``partial=Partial("sum", then)``): the executor combines the parts over the domain,
 then ``then`` finishes the value. A statistic ``compute`` uses before its result (a variance's mean, a softmax's maximum
-and sum, a maximum's ties) is combined by a function the executor hands it (``Combining``). Norm statistics still call
-``mesh3d.domain.comm.collectives`` inside ``compute``; attention's modes send their messages there too (the ring
-interleaves them with its blocks).
+and sum, a maximum's ties, a norm's moments) is combined by a function the executor hands it (``Combining``).
+Attention's modes send their messages inside ``compute`` (the ring interleaves them with its blocks).
 """
 
 from __future__ import annotations
@@ -200,11 +199,12 @@ class Narrowed:
 
 @dataclass(frozen=True)
 class Combining:
-    """Resolved to ``combine(part, how="sum", for_shards=False)``: ``part``, this rank's part of a value, combined over
-    ``comm`` as ``Partial`` combines a step's results (``"sum"`` in rank order, the same bits on every rank; ``"max"``
-    of values with no gradient; ``for_shards``: each rank uses the value its own way, so the gradients of its uses are
-    summed over the domain on the way back). For statistics ``compute`` uses before its result: the executor
-    combines them, the rule never talks.
+    """Resolved to ``combine(part, how="sum", for_shards=False, grad=True)``: ``part``, this rank's part of a value,
+    combined over ``comm`` as ``Partial`` combines a step's results (``"sum"`` in rank order, the same bits on every
+    rank; ``"max"`` of values with no gradient; ``for_shards``: each rank uses the value its own way, so the gradients
+    of its uses are summed over the domain on the way back; ``grad=False``: no autograd node, for an autograd
+    Function's own forward and backward). For statistics ``compute`` uses before its result: the executor combines
+    them, the rule never talks.
 
     Usage: ``Step(lambda t, combine: t - combine(t.sum(2, keepdim=True), for_shards=True) / n, (xs, Combining(comm)),
     out=xs.spec)``

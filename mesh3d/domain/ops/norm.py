@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mesh3d.domain.comm.collectives import all_reduce_sum, reduce_for_local_use, sum_dtype
+from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.step import Entering, Step
+from mesh3d.domain.dispatch.step import Combining, Entering, Step
 from mesh3d.domain.core.linear import recordable
 from mesh3d.domain.core.tensor import DomainTensor
 
@@ -33,21 +33,21 @@ class _Normalize(torch.autograd.Function):
     conv/GroupNorm step at D=2 to half of one process's peak memory. Without an affine the output is the user's
     tensor, which an in-place op may change (MONAI's InstanceNorm then ``LeakyReLU(inplace=True)``): the input is
     saved then, and the output recomputed in backward. Backward: dx = rstd * (g - mean(g) - xhat * mean(g * xhat)),
-    both means over the whole domain (one all-reduce).
+    both means over the whole domain (one all-reduce). ``combine``: a ``step.Combining``'s (the executor's).
     """
 
     @staticmethod
-    def forward(local, dims, count, eps, comm, save_output):
-        mean = all_reduce_sum(local.sum(dims, keepdim=True), comm) / count
+    def forward(local, dims, count, eps, combine, save_output):
+        mean = combine(local.sum(dims, keepdim=True), grad=False) / count
         centred = local - mean
-        var = all_reduce_sum((centred * centred).sum(dims, keepdim=True), comm) / count
+        var = combine((centred * centred).sum(dims, keepdim=True), grad=False) / count
         rstd = torch.rsqrt(var + eps)
         normalized = centred.mul_(rstd)
         return normalized, mean, var, rstd
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # NOTE: the form torch.func's transforms run
-        local, ctx.dims, ctx.count, _, ctx.comm, ctx.save_output = inputs
+        local, ctx.dims, ctx.count, _, ctx.combine, ctx.save_output = inputs
         normalized, mean, var, rstd = output
         ctx.save_for_backward(normalized if ctx.save_output else local, mean, rstd)
         ctx.mark_non_differentiable(var)
@@ -57,47 +57,48 @@ class _Normalize(torch.autograd.Function):
     def backward(ctx, grad, grad_mean, _grad_var, grad_rstd):
         saved, mean, rstd = ctx.saved_tensors
         normalized = saved if ctx.save_output else (saved - mean) * rstd
-        dims, count, comm = ctx.dims, ctx.count, ctx.comm
+        dims, count, combine = ctx.dims, ctx.count, ctx.combine
         if torch.is_grad_enabled():
             # NOTE: create_graph=True (second derivatives): the same formula in recorded ops on this node's own outputs
             # (normalized, mean, rstd), with all-reduces whose backward sums, so its gradient comes back through here.
-            return _recorded_backward(grad, grad_mean, grad_rstd, normalized, rstd, dims, count, comm), *(None,) * 5
+            return _recorded_backward(grad, grad_mean, grad_rstd, normalized, rstd, dims, count, combine), *(None,) * 5
         out = None
         if grad is not None:
             sums = torch.stack([grad.sum(dims, keepdim=True), (grad * normalized).sum(dims, keepdim=True)])
-            means = all_reduce_sum(sums, comm) / count
+            means = combine(sums, grad=False) / count
             out = rstd * (grad - means[0] - normalized * means[1])
         for g, term in ((grad_mean, 1.0), (grad_rstd, -rstd * rstd * normalized)):  # used directly: rarely
             if g is not None:
-                part = all_reduce_sum(g, comm) / count * term
+                part = combine(g, grad=False) / count * term
                 out = part.expand(normalized.shape) if out is None else out + part
         return out, None, None, None, None, None
 
 
-def _recorded_backward(grad, grad_mean, grad_rstd, normalized, rstd, dims, count, comm):
+def _recorded_backward(grad, grad_mean, grad_rstd, normalized, rstd, dims, count, combine):
     """``_Normalize.backward`` in differentiable ops: dx = rstd (g - M(g) - xhat M(g xhat)) + S(g_mean) / n
     - S(g_rstd) rstd^2 xhat / n, with M a mean and S a sum over the whole domain."""
     grad, grad_mean, grad_rstd = (None if g is None else recordable(g) for g in (grad, grad_mean, grad_rstd))
     out = torch.zeros_like(normalized)
     if grad is not None:
-        means = reduce_for_local_use(torch.stack([grad.sum(dims, keepdim=True),
-                                                  (grad * normalized).sum(dims, keepdim=True)]), comm) / count
+        means = combine(torch.stack([grad.sum(dims, keepdim=True), (grad * normalized).sum(dims, keepdim=True)]),
+                        for_shards=True) / count
         out = rstd * (grad - means[0] - normalized * means[1])
     if grad_mean is not None:
-        out = out + reduce_for_local_use(grad_mean, comm) / count
+        out = out + combine(grad_mean, for_shards=True) / count
     if grad_rstd is not None:
-        out = out - reduce_for_local_use(grad_rstd, comm) / count * rstd * rstd * normalized
+        out = out - combine(grad_rstd, for_shards=True) / count * rstd * rstd * normalized
     return out
 
 
-def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, comm, affine: tuple = ()):
-    """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain; also returns both (no gradient).
+def normalize(local: torch.Tensor, dims: list[int], count: int, eps: float, combine, affine: tuple = ()):
+    """(x - mean) / sqrt(var + eps) with mean/var over ``dims`` of the whole domain (their parts combined by
+    ``combine``, a ``step.Combining``'s); also returns both (no gradient).
 
     ``affine``: the (weight, bias) the caller applies to the result; with either, the result is not user code's tensor.
     A bf16/fp16 ``local`` is normalized in float32 (the result too): the caller applies the affine, then ``_rounded``.
     """
     acc = sum_dtype(local.dtype)
-    return _Normalize.apply(local if acc is None else local.to(acc), dims, count, eps, comm,
+    return _Normalize.apply(local if acc is None else local.to(acc), dims, count, eps, combine,
                             any(p is not None for p in affine))[:3]
 
 
@@ -151,13 +152,13 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Step:
 
     # NOTE: the weight and bias are the step's arguments, never values its function closes over (nor the input): the
     # step holds the call's tensors only where they were passed, so a later call binds its own (``dispatch.kept``)
-    def compute(local, weight, bias):
+    def compute(local, weight, bias, combine):
         n, c = local.shape[:2]
         grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
-        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, comm, affine=(weight, bias))
+        y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y.reshape(local.shape), weight, bias, local.ndim), local)
 
-    return Step(compute, (input, *_entering("F.group_norm", weight, bias)), out=input.spec)
+    return Step(compute, (input, *_entering("F.group_norm", weight, bias), Combining(comm)), out=input.spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -176,14 +177,14 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
     comm = input.spec.comm
 
-    def compute(local, running_mean, running_var, weight, bias):  # NOTE: as group_norm's
-        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, comm, affine=(weight, bias))
+    def compute(local, running_mean, running_var, weight, bias, combine):  # NOTE: as group_norm's
+        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, combine, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
         return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
-    return Step(compute, (input, *_entering("F.batch_norm", running_mean, running_var, weight, bias)),
-                out=input.spec)
+    return Step(compute, (input, *_entering("F.batch_norm", running_mean, running_var, weight, bias),
+                          Combining(comm)), out=input.spec)
 
 
 @register(F.instance_norm)
@@ -196,14 +197,14 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     count = math.prod(input.global_shape[2:])
     comm = input.spec.comm
 
-    def compute(local, running_mean, running_var, weight, bias):  # NOTE: as group_norm's
-        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, comm, affine=(weight, bias))
+    def compute(local, running_mean, running_var, weight, bias, combine):  # NOTE: as group_norm's
+        y, mean, var = normalize(local, list(range(2, local.ndim)), count, eps, combine, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(2).mean(0).flatten(), momentum)
         _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
         return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
-    return Step(compute, (input, *_entering("F.instance_norm", running_mean, running_var, weight, bias)),
-                out=input.spec)
+    return Step(compute, (input, *_entering("F.instance_norm", running_mean, running_var, weight, bias),
+                          Combining(comm)), out=input.spec)
 
 
 @register(F.layer_norm)
@@ -216,8 +217,8 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
     offset, rows = input.offset, input.spec.sizes[input.spec.comm.index]
     comm = input.spec.comm
 
-    def compute(local, weight, bias):  # NOTE: as group_norm's
-        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm, affine=(weight, bias))
+    def compute(local, weight, bias, combine):  # NOTE: as group_norm's
+        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, combine, affine=(weight, bias))
         # The affine parameters vary along the sharded dim: use this rank's slice of them.
         if weight is not None:
             y = y * weight.narrow(at, offset, rows)
@@ -225,4 +226,4 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
             y = y + bias.narrow(at, offset, rows)
         return rounded_like(y, local)
 
-    return Step(compute, (input, *_entering("F.layer_norm", weight, bias)), out=input.spec)
+    return Step(compute, (input, *_entering("F.layer_norm", weight, bias), Combining(comm)), out=input.spec)

@@ -2,12 +2,13 @@
 (over the block dims it normalizes: the whole domain, or one grid line).
 
 Usage: automatic; ``nn.GroupNorm(4, 16)(xs)`` on a tensor from ``domain.shard(x, dims=(2, 3))``. Each rule returns a
-step whose compute normalizes the local block; the statistics combine inside it (``ops.norm.normalize``), as on slabs.
+step whose compute normalizes the local block; the executor combines the statistics (``step.Combining``), as on slabs.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch.nn.functional as F
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.registry import BLOCK_RULES
-from mesh3d.domain.dispatch.step import Step
+from mesh3d.domain.dispatch.step import Combining, Step
 from mesh3d.domain.ops.norm import normalize, rounded_like
 
 __all__ = ["CHANNEL_NORMS"]
@@ -46,12 +47,12 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     spec = _spatial(input, "F.group_norm")
     count = (input.shape[1] // num_groups) * math.prod(input.global_shape[2:])
 
-    def norm(local: torch.Tensor) -> torch.Tensor:
+    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
         n, c = local.shape[:2]
         grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
-        y, _, _ = normalize(grouped, [2, 3], count, eps, spec.comm, affine=(weight, bias))
+        y, _, _ = normalize(grouped, [2, 3], count, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y.reshape(local.shape), weight, bias), local)
-    return Step(norm, (input,), out=spec)  # NOTE: the statistics combine in compute, as on slabs
+    return Step(norm, (input, Combining(spec.comm)), out=spec)  # NOTE: the statistics combine in compute, as on slabs
 
 
 def _update_running(running, value, momentum) -> None:
@@ -67,12 +68,12 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
                     (input,), out=spec)
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
 
-    def norm(local: torch.Tensor) -> torch.Tensor:
-        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, spec.comm, affine=(weight, bias))
+    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
+        y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, combine, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
         return rounded_like(_affine(y, weight, bias), local)
-    return Step(norm, (input,), out=spec)
+    return Step(norm, (input, Combining(spec.comm)), out=spec)
 
 
 def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
@@ -86,10 +87,10 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
                                   "track_running_stats=False")
     count = math.prod(input.global_shape[2:])
 
-    def norm(local: torch.Tensor) -> torch.Tensor:
-        y, _, _ = normalize(local, list(range(2, local.ndim)), count, eps, spec.comm, affine=(weight, bias))
+    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
+        y, _, _ = normalize(local, list(range(2, local.ndim)), count, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y, weight, bias), local)
-    return Step(norm, (input,), out=spec)
+    return Step(norm, (input, Combining(spec.comm)), out=spec)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
@@ -107,8 +108,8 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
                                   "one block dim or all of them")
     count = math.prod(input.global_shape[first:])
 
-    def norm(local: torch.Tensor) -> torch.Tensor:
-        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, comm, affine=(weight, bias))
+    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
+        y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, combine, affine=(weight, bias))
         w, b = weight, bias  # the affine parameters vary along the block dims: this rank's block of them
         for d, start, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
             if d >= first:
@@ -116,7 +117,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
                 b = b.narrow(d - first, start, rows) if b is not None else None
         y = y * w if w is not None else y
         return rounded_like(y + b if b is not None else y, local)
-    return Step(norm, (input,), out=spec)
+    return Step(norm, (input, Combining(comm)), out=spec)
 
 
 for _func, _rule in ((F.group_norm, _group_norm), (F.batch_norm, _batch_norm), (F.instance_norm, _instance_norm),
