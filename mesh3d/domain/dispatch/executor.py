@@ -41,8 +41,8 @@ from mesh3d.domain.layouts.transpose import move_rows
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.core.wrapped import WrappedDomainTensor
 
-__all__ = ["STEP_TAP", "StepTap", "changes_layout", "combine_parts", "op_label", "run_kept", "run_parts", "run_step",
-           "telling_peers_of_failure"]
+__all__ = ["STEP_TAP", "StepTap", "changes_layout", "combine_parts", "op_label", "resolved", "run_kept", "run_parts",
+           "run_step", "telling_peers_of_failure"]
 
 
 class _Telling(threading.local):
@@ -54,7 +54,7 @@ class _Telling(threading.local):
 _TELLING = _Telling()
 
 
-def telling_peers_of_failure(comm: DomainComm, func: Callable, run: Callable[[], Any]) -> Any:
+def telling_peers_of_failure(comm: DomainComm, func: Callable | str, run: Callable[[], Any]) -> Any:
     """``run()``; if it fails on this rank, tell every domain peer before raising.
 
     NOTE: a rank that fails alone would leave its peers waiting in their next exchange: tell them, and
@@ -91,7 +91,9 @@ def changes_layout(step: Step, lead: DomainTensor) -> bool:
 _NAMES: dict[Callable, str] = {}
 
 
-def op_label(func: Callable) -> str:
+def op_label(func: Callable | str) -> str:
+    if type(func) is str:  # NOTE: a name already (a compiled graph's op)
+        return func
     name = _NAMES.get(func)
     if name is None:
         name = _NAMES[func] = op_name(func)
@@ -232,6 +234,15 @@ def _resolve(req: Any) -> Any:
         return unwrap(req)
     resolver = _RESOLVERS.get(type(req))
     return req if resolver is None else resolver(req)
+
+
+def resolved(req: Any) -> Any:
+    """One requirement (``step.Entering``, ``step.Rows``, ...) resolved as a step's argument is: for a rule that writes
+    into a tensor in place, which has no step to run.
+
+    Usage: ``unwrap(target)[index] = resolved(Entering(value))``
+    """
+    return _resolve(req)
 
 
 def _along_lines(local: torch.Tensor, moves: tuple) -> torch.Tensor:

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import torch
 
-from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor, unwrap
+from mesh3d.domain.dispatch.executor import resolved
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
+from mesh3d.domain.dispatch.step import Entering
 from mesh3d.domain.ops.global_index import setitem as plain_target_setitem
 from mesh3d.domain.ops.idioms import expand_index
 
@@ -68,9 +69,9 @@ def _setitem(target, index, value):
         if not isinstance(item, int):
             at += 1
     region = at  # dims of the local region, an int on a block dim kept as a dim of one
-    v = unwrap(value) if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if isinstance(value, DomainTensor):
-        v = sum_grad(v, spec.comm)
+    # NOTE: a replicated value enters every block: its gradient summed over the domain (``step.Entering``)
+    v = resolved(Entering(value)) if isinstance(value, DomainTensor) else value if isinstance(value, torch.Tensor) \
+        else torch.as_tensor(value)
     kept = [p for p in range(region) if p not in ints]  # the region torch sees (the ints' dims dropped)
     if v.ndim > len(kept):
         raise RuntimeError(f"{_NAME}: a value of {v.ndim} dims into a region of {len(kept)}")

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from mesh3d.domain.comm.compiled_exchange import COMMS, comm_key
-from mesh3d.domain.comm.exchange import report_failure
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.settings import traced
 from mesh3d.domain.core.specs import GraphSpec, Layout
 from mesh3d.domain.core.tensor import DomainTensor, unwrap
+from mesh3d.domain.dispatch.executor import telling_peers_of_failure
 from mesh3d.domain.layouts.graph_halo import entering
 from mesh3d.graphs import HaloPlan, Partition
 from mesh3d.graphs.compiled_tables import table as compiled_table
@@ -127,15 +127,11 @@ def graph_rows(ids: torch.Tensor, table: torch.Tensor, owner: torch.Tensor | Non
     """``_rows`` as one op of a compiled graph: node ids are values, known (and checked) only when the graph runs. A
     rank whose ids fail tells its domain peers before raising, as the dispatcher does in eager code."""
     comm = DomainComm(*COMMS[comm_id])
-    try:
-        return _rows(ids, table, owner, comm.index, op, refusal)  # NOTE: table[ids] is a new tensor: no alias
-    except (IndexError, ValueError) as err:
-        if comm.size == 1:
-            raise
-        reported = report_failure(comm, op, err)
-        if reported is err:
-            raise
-        raise reported from err
+    # NOTE: table[ids] is a new tensor: no alias. Inside a compiled graph no dispatcher runs around the op: the
+    # executor's telling_peers_of_failure tells the peers, as the dispatcher's call of it does in eager code.
+    if comm.size == 1:
+        return _rows(ids, table, owner, comm.index, op, refusal)
+    return telling_peers_of_failure(comm, op, lambda: _rows(ids, table, owner, comm.index, op, refusal))
 
 
 @graph_rows.register_fake

@@ -25,8 +25,9 @@ import torch
 from mesh3d.domain.core.settings import refuse_while_traced
 from mesh3d.domain.core.specs import DomainSpec, GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
-from mesh3d.domain.comm.collectives import all_reduce_max
+from mesh3d.domain.dispatch.executor import run_step
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
+from mesh3d.domain.dispatch.step import Partial, Step
 from mesh3d.domain.layouts.graph_halo import entering, gather_varying, global_mask, reduce_sum, scatter_halo
 from mesh3d.domain.ops.graph.common import graph_spec_of, is_graph, lookup, own_rows
 from mesh3d.domain.ops.graph.pointwise import elementwise_rule
@@ -67,6 +68,10 @@ def _counts(idx: torch.Tensor, w: torch.Tensor | None, length: int, dtype: torch
     return out if out.dtype == dtype else out.to(dtype)
 
 
+def _largest(ids: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([int(ids.max()) if ids.numel() else -1], dtype=torch.int64)
+
+
 def bincount(input: Any, weights: Any = None, minlength: int = 0) -> DomainTensor:
     """``torch.bincount(input, weights, minlength)`` of a 1-D integer graph tensor: a node tensor when the result has
     one entry per node of the partition a row of the edge list indexes, else the whole result, replicated.
@@ -91,8 +96,8 @@ def bincount(input: Any, weights: Any = None, minlength: int = 0) -> DomainTenso
     nodes = _node_partition(spec)
     if nodes is not None and minlength >= nodes.n:
         length = int(minlength)
-    else:  # the largest id over every rank: one int each
-        top = all_reduce_max(torch.tensor([int(local.max()) if local.numel() else -1], dtype=torch.int64), comm)
+    else:  # the largest id over every rank: one int each, combined by the executor
+        top = run_step(Step(_largest, (local,), partial=Partial("max", over=comm)))
         length = max(int(minlength), int(top[0]) + 1)
     if nodes is None or length != nodes.n:
         return adopt(reduce_sum(_counts(local, w, length, dtype), comm), DomainSpec.replicated(comm))
