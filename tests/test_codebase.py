@@ -250,7 +250,6 @@ _COMMUNICATING = {"mesh3d.domain.comm.collectives": {"all_reduce_max", "all_redu
 #: ``step.Combining`` the executor runs). Only ever remove names: the test fails when one stops, to take it off.
 _OPS_STILL_COMMUNICATING = {
     "mesh3d/domain/ops/custom.py",             # domain.elementwise/local/window's custom rules
-    "mesh3d/domain/ops/einsum.py",             # replicated operands cut to the grid (sum_grad)
     "mesh3d/domain/ops/tokens/prefix.py",      # class tokens read from rank 0
 }
 

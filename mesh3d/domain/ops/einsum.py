@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from mesh3d.domain.core.specs import BlockSpec
-from mesh3d.domain.comm.collectives import sum_grad
 from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.layouts.tokens import token_rows
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, TOKEN_RULES, register
 from mesh3d.domain.comm.rows import Span
+from mesh3d.domain.dispatch.executor import resolved
 from mesh3d.domain.dispatch.step import Combining, Entering, Partial, Resplit, Rows, Step
 from mesh3d.domain.core.specs import DomainSpec, Layout, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
@@ -231,7 +231,7 @@ def _layout(spec) -> tuple:
 def _grid_rows(o: torch.Tensor, term: str, spec, dim_of: dict[str, int]) -> torch.Tensor:
     """A plain (or replicated) operand's rows for this rank: each sharded letter it holds at the global length cut to
     this rank's block (or, on a token grid, its tokens in order)."""
-    plain = sum_grad(unwrap(o), spec.comm) if isinstance(o, DomainTensor) and o.requires_grad else unwrap(o)
+    plain = resolved(Entering(o)) if isinstance(o, DomainTensor) else o  # a replicated one: its gradient summed
     for position, letter in enumerate(term):
         if letter not in dim_of or plain.shape[position] == 1:
             continue
