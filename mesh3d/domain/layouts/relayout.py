@@ -19,7 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mesh3d.domain.core.specs import BlockSpec, Layout, grid_coords
+from mesh3d.domain.core.specs import BlockSpec, grid_coords
 from mesh3d.domain.layouts.blocks import gather_along, grid_comms, in_layout
 from mesh3d.domain.comm.rows import block_needs
 from mesh3d.domain.comm.exchange import gather_rows
@@ -30,7 +30,7 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.transpose import move_rows, move_sharding
 
-__all__ = ["blocks_in_layout", "blocks_to_blocks", "blocks_to_slabs", "relayout", "slab_in_blocks", "slabs_to_blocks",
+__all__ = ["blocks_in_layout", "blocks_to_blocks", "blocks_to_slabs", "relayout", "slabs_to_blocks",
            "turned_blocks"]
 
 
@@ -62,18 +62,6 @@ def slabs_to_blocks(x: DomainTensor, dims: Sequence[int], sizes: Sequence[Sequen
         if axis != k and count != local.shape[d]:
             local = local.narrow(d, start, count)
     return adopt(local, out)
-
-
-def slab_in_blocks(o: DomainTensor, spec: BlockSpec):
-    """This rank's block (laid out as ``spec``) of ``o`` when ``o`` is a slab along one of ``spec``'s dims on the
-    same domain group (moved by ``slabs_to_blocks``, differentiable); None for anything else.
-
-    Usage: ``local = slab_in_blocks(window_output, shortcut.spec)  # windows ran on slabs, the shortcut on blocks``
-    """
-    ospec = o._spec
-    if ospec.layout is not Layout.SLAB or ospec.dim not in spec.dims or ospec.comm != spec.comm:
-        return None
-    return unwrap(slabs_to_blocks(o, spec.dims, spec.sizes))
 
 
 def blocks_in_layout(t: DomainTensor, spec: BlockSpec) -> torch.Tensor:

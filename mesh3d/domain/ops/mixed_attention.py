@@ -96,11 +96,6 @@ def mixed_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         "too (or whole); lay them out alike")
 
 
-def _whole_operand(t):
-    """A whole operand as a step argument: a replicated one enters every shard (its gradient summed over the domain)."""
-    return Entering(t) if isinstance(t, DomainTensor) else t
-
-
 def _queries_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> Step:
     positions = _query_positions(query)  # the queries' global indices
     mask = attn_mask
@@ -108,7 +103,7 @@ def _queries_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa)
         if mask._spec != query._spec:
             raise ValueError("scaled_dot_product_attention: a sharded attn_mask must be laid out like the queries")
     else:
-        mask = _whole_operand(mask)
+        mask = _whole(mask)
     own_rows = isinstance(attn_mask, DomainTensor) and sharded_dims(attn_mask._spec)
 
     def compute(q, k, v, m):
@@ -118,7 +113,7 @@ def _queries_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa)
             m = torch.arange(k.shape[-2], device=q.device)[None, :] <= positions.to(q.device)[:, None]
         return F.scaled_dot_product_attention(q, k, v, attn_mask=m, scale=scale, enable_gqa=enable_gqa)
 
-    return Step(compute, (query, _whole_operand(key), _whole_operand(value), mask), out=query._spec)
+    return Step(compute, (query, _whole(key), _whole(value), mask), out=query._spec)
 
 
 def _keys_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) -> Step:
@@ -130,7 +125,7 @@ def _keys_sharded(query, key, value, attn_mask, is_causal, scale, enable_gqa) ->
     if isinstance(attn_mask, DomainTensor) and sharded_dims(attn_mask._spec):
         raise ValueError("scaled_dot_product_attention: with whole queries over sharded keys, pass a plain or "
                          "replicated (..., L_q, S_k) attn_mask")
-    q, mask = _whole_operand(query), _whole_operand(attn_mask)
+    q, mask = _whole(query), _whole(attn_mask)
     q_shape, k_shape = tuple(size_of(query)), tuple(unwrap(key).shape)
     if len(q_shape) == 4 and len(k_shape) == 4 and k_shape[1] != q_shape[1] and not enable_gqa:
         raise ValueError(f"scaled_dot_product_attention: {q_shape[-3]} query heads and {k_shape[-3]} key heads: "
