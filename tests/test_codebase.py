@@ -249,7 +249,6 @@ _COMMUNICATING = {"mesh3d.domain.comm.collectives": {"all_reduce_max", "all_redu
 #: Issue 66: the rule modules that still call them (each becomes steps whose requirements, partial results and
 #: ``step.Combining`` the executor runs). Only ever remove names: the test fails when one stops, to take it off.
 _OPS_STILL_COMMUNICATING = {
-    "mesh3d/domain/ops/custom.py",             # domain.elementwise/local/window's custom rules
     "mesh3d/domain/ops/tokens/prefix.py",      # class tokens read from rank 0
 }
 

@@ -37,15 +37,16 @@ from typing import Any
 
 import torch
 
-from mesh3d.domain.comm.collectives import scale_grad, sum_grad
-from mesh3d.domain.comm.exchange import gather_rows
-from mesh3d.domain.comm.rows import Span, plan_exchange
+from mesh3d.domain.comm.collectives import scale_grad
+from mesh3d.domain.comm.rows import Span
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import BlockSpec, DomainSpec, Layout
 from mesh3d.domain.core.split import offsets_of
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.layout_registry import LAYOUTS
+from mesh3d.domain.dispatch.executor import resolved
 from mesh3d.domain.dispatch.registry import op_name
+from mesh3d.domain.dispatch.step import Entering, LineRows, Rows
 from mesh3d.domain.halo.windows import plan_window
 from mesh3d.domain.ops import pointwise, strided
 from mesh3d.domain.ops.blocks import rules as block_rules
@@ -100,9 +101,7 @@ def _plain_args(func: Callable, ref: DomainTensor, args: tuple, kwargs: dict,
                 raise NotImplementedError(f"{op_name(func)}: its domain-tensor arguments must be laid out alike "
                                           f"({o._spec} vs {spec}); shard them alike, or register a full rule")
             return swap(o) if swap is not None else unwrap(o)
-        plain = unwrap(o)
-        if isinstance(o, DomainTensor) and plain.requires_grad and spec.comm.size > 1:
-            plain = sum_grad(plain, spec.comm)
+        plain = resolved(Entering(o)) if isinstance(o, DomainTensor) else o  # a replicated one's gradient summed
         for d in sharded if plain.ndim == ref.ndim else ():  # NOTE: lower-rank tensors are taken as weights
             if size_of(o)[d] != 1 and size_of(o)[d] == size_of(ref)[d]:
                 raise NotImplementedError(
@@ -271,9 +270,7 @@ class _Window(CustomRule):
         k, s, d, pl, pr = self._params(func, args, kwargs)
         plan = _plan(sizes, k, s, d, pl, pr, bool(_value(self.periodic, args, kwargs)))
         me, count = line.index, plan.out_sizes[line.index]
-        xplan = plan_exchange(sizes, plan.needs, me)
-        local_args, local_kwargs = _plain_args(func, ref, args, kwargs,
-                                               swap=lambda o: gather_rows(unwrap(o), dim, xplan, line))
+        local_args, local_kwargs = _plain_args(func, ref, args, kwargs, swap=lambda o: _rows_of(o, dim, plan.needs))
         # NOTE: a rank that owns no output gets no rows; it still joins the exchanges (and their backward)
         out = _call(func, local_args, local_kwargs, ref.ndim, {dim: d * (k - 1) + 1 + pl + pr})
         if count:
@@ -355,12 +352,21 @@ class _WholeDim(CustomRule):
         return {"RULES": slab, "BLOCK_RULES": blocks}
 
 
+def _rows_of(o: DomainTensor, dim: int, needs: tuple) -> torch.Tensor:
+    """Rows ``needs`` (a row map per rank of the grid line along ``dim``) of ``o``, gathered by the executor: a slab's
+    (``step.Rows``), a block tensor's along one grid line (``step.LineRows``)."""
+    spec = o._spec
+    if isinstance(spec, BlockSpec):
+        return resolved(LineRows(o, ((spec.dims.index(dim), needs),)))
+    return resolved(Rows(o, needs))
+
+
 def _whole(func: Callable, args: tuple, kwargs: dict, ref: DomainTensor, dim: int, sizes: tuple[int, ...], line: Any,
            same: Callable[[], Any], reduced: Callable[[], Any]) -> Any:
     """``func`` on every row of ``dim``; this rank's rows of an output of the same length, else the whole output."""
     n = sum(sizes)
-    xplan = plan_exchange(sizes, ((Span.rows(0, n),),) * len(sizes), line.index)
-    local_args, local_kwargs = _plain_args(func, ref, args, kwargs, swap=lambda o: gather_rows(unwrap(o), dim, xplan, line))
+    everything = ((Span.rows(0, n),),) * len(sizes)
+    local_args, local_kwargs = _plain_args(func, ref, args, kwargs, swap=lambda o: _rows_of(o, dim, everything))
     out = _call(func, local_args, local_kwargs, ref.ndim)
     lead = out[0] if isinstance(out, (tuple, list)) else out
     if lead.ndim == ref.ndim and lead.shape[dim] == n:
