@@ -246,23 +246,27 @@ _COMMUNICATING = {"mesh3d.domain.comm.collectives": {"all_reduce_max", "all_redu
                                                      "reduce_to_replicated", "sum_grad"},
                   "mesh3d.domain.comm.exchange": {"exchange_all", "exchange_point", "gather_rows", "start_exchange",
                                                   "run_exchange", "swap", "report_failure", "PendingExchange"}}
-#: Issue 66: the rule modules that still call them (each becomes steps whose requirements, partial results and
-#: ``step.Combining`` the executor runs). Only ever remove names: the test fails when one stops, to take it off.
-_OPS_STILL_COMMUNICATING = {
-    "mesh3d/domain/ops/tokens/prefix.py",      # class tokens read from rank 0
-}
+def _communicating_imports(path: Path) -> list[str]:
+    """The communicating helpers of ``mesh3d.domain.comm`` that ``path`` imports (``_COMMUNICATING``)."""
+    return sorted(a.name for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, ast.ImportFrom)
+                  for a in node.names if a.name in _COMMUNICATING.get(node.module or "", set()))
 
 
-def test_rule_modules_that_still_call_communicating_helpers_only_shrink():
-    """No rule module under ``mesh3d/domain/ops`` imports a communicating helper of ``mesh3d.domain.comm`` but those
-    listed; a listed one that stopped is taken off (issue 66: rules declare, the executor talks)."""
-    calling = set()
-    for path in sorted((PACKAGE / "domain" / "ops").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and {a.name for a in node.names} & _COMMUNICATING.get(node.module, set()):
-                calling.add(str(path.relative_to(ROOT)))
-    assert calling - _OPS_STILL_COMMUNICATING == set(), f"rule modules that now call them: {calling - _OPS_STILL_COMMUNICATING}"
-    assert _OPS_STILL_COMMUNICATING - calling == set(), f"stopped (take them off): {_OPS_STILL_COMMUNICATING - calling}"
+def test_the_communicating_helpers_check_reads_imports(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("from mesh3d.domain.comm.collectives import sum_dtype, sum_grad\n"
+                      "from mesh3d.domain.comm.exchange import gather_rows as g\n")
+    assert _communicating_imports(sample) == ["gather_rows", "sum_grad"]
+
+
+def test_no_rule_module_calls_a_communicating_helper():
+    """Issue 66: rules declare, the executor talks. No rule module under ``mesh3d/domain/ops`` imports a helper of
+    ``mesh3d.domain.comm`` that moves data between ranks: rows, whole operands, partial results and statistics are a
+    step's requirements (``step.Rows``, ``Entering``, ``Partial``, ``Combining``, ...), resolved by the executor (17
+    modules did on 2026-12-07)."""
+    calling = {str(p.relative_to(ROOT)): names for p in sorted((PACKAGE / "domain" / "ops").rglob("*.py"))
+               if (names := _communicating_imports(p))}
+    assert calling == {}, calling
 
 
 def test_no_module_imports_another_modules_private_name():

@@ -29,14 +29,14 @@ from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
 from mesh3d.domain.dispatch.step import (
-    AllTokens, Boxes, Combining, Entering, LineRows, Moved, Narrowed, OwnRows, Partial, Pencils, Reached, Relaid, Resplit, Rows,
-    Step, Whole)
+    AllTokens, Boxes, Combining, Entering, LineRows, Moved, Narrowed, OwnRows, Partial, Pencils, PrefixTokens, Reached,
+    Relaid, Resplit, Rows, Step, Whole)
 from mesh3d.domain.halo.overlap import OVERLAP_STATS, run_overlapped, split_window
 from mesh3d.domain.halo.windows import Extended, Window, WindowProbe, window_exchange
 from mesh3d.domain.layouts.blocks import gather_along, gather_planned
 from mesh3d.domain.layouts.relayout import relayout
 from mesh3d.domain.layouts.slabs import redistribute_local, replicate_if_singleton, strided_rows
-from mesh3d.domain.layouts.tokens import gather_all_tokens
+from mesh3d.domain.layouts.tokens import gather_all_tokens, prefix_tokens
 from mesh3d.domain.layouts.transpose import move_rows
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.core.wrapped import WrappedDomainTensor
@@ -218,6 +218,7 @@ _RESOLVERS: dict[type, Callable[[Any], Any]] = {
                                  req.sizes),
     LineRows: _line_rows,
     AllTokens: lambda req: gather_all_tokens(unwrap(req.x), req.x._spec),
+    PrefixTokens: lambda req: prefix_tokens(unwrap(req.x), req.x._spec, req.start, req.stop),
     Whole: lambda req: unwrap(req.x.full_tensor()),
     Relaid: lambda req: unwrap(relayout(req.x, req.dim, req.dims, req.sizes)),
     Boxes: lambda req: gather_planned(unwrap(req.x), req.x._spec, req.plans, req.fill, req.passes),

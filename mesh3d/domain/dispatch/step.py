@@ -31,7 +31,7 @@ from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
 __all__ = ["AllTokens", "Boxes", "Combining", "Entering", "LineRows", "Moved", "Narrowed", "OwnRows", "Partial",
-           "Pencils", "Reached", "Relaid", "Resplit", "Rows", "Step", "Whole"]
+           "Pencils", "PrefixTokens", "Reached", "Relaid", "Resplit", "Rows", "Step", "Whole"]
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,19 @@ class AllTokens:
     """
 
     x: DomainTensor
+
+
+@dataclass(frozen=True)
+class PrefixTokens:
+    """Global tokens ``start`` to ``stop`` (prefix tokens: class or register tokens, held by domain rank 0) of a token
+    grid ``x`` on every rank, a replicated value (its gradient kept once, by rank 0).
+
+    Usage: ``Step(lambda t: t.select(1, 0), (PrefixTokens(t, 0, 1),), out=DomainSpec.replicated(comm))``
+    """
+
+    x: DomainTensor
+    start: int
+    stop: int
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.comm.collectives import sum_grad
 
-__all__ = ["blocks_to_tokens", "gather_all_tokens", "slab_as_tokens", "token_full_tensor", "token_rows", "tokens_to_blocks"]
+__all__ = ["blocks_to_tokens", "gather_all_tokens", "prefix_tokens", "slab_as_tokens", "token_full_tensor", "token_rows",
+           "tokens_to_blocks"]
 
 
 def blocks_to_tokens(local: torch.Tensor, spec: BlockSpec) -> tuple[torch.Tensor, TokenSpec]:
@@ -140,3 +141,45 @@ def token_rows(o: torch.Tensor, dim: int, spec: TokenSpec, op: str, gathered: bo
         return plain.index_select(dim, (spec.gathered_index if gathered else spec.global_index).to(plain.device))
     raise ValueError(f"{op}: a tensor of shape {tuple(plain.shape)} meets a token grid of {spec.global_tokens} tokens "
                      f"along dim {dim}; give it {spec.global_tokens} rows there (one per token, in global order) or 1")
+
+
+def prefix_tokens(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
+    """Global tokens ``[start, stop)`` (prefix tokens, held by domain rank 0) on every rank, as a replicated value:
+    differentiable, its gradient kept once, by rank 0 (every rank's is the same).
+
+    Usage: ``cls = prefix_tokens(unwrap(t), t.spec, 0, 1)``
+    """
+    return _TakeRows.apply(local, spec, start, stop)
+
+
+class _TakeRows(torch.autograd.Function):
+    """Global tokens ``[start, stop)`` (prefix tokens, on rank 0) on every rank; backward keeps rank 0's share."""
+
+    @staticmethod
+    def forward(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
+        with torch.no_grad():
+            out = _take(local, spec, start, stop)
+        return out.clone() if out is local else out
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.spec, ctx.start, ctx.stop = inputs[1:]
+        ctx.shape = inputs[0].shape
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        spec, start, stop, shape = ctx.spec, ctx.start, ctx.stop, ctx.shape
+        return linear_map(lambda g: _give_back(g, spec, start, shape), lambda g: _take(g, spec, start, stop),
+                          grad), None, None, None
+
+
+def _take(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
+    needs = tuple((Span.rows(start, stop),) for _ in spec.counts)  # rank 0 holds global rows 0.. first
+    return gather_rows(local, spec.token_dim, plan_exchange(spec.counts, needs, spec.comm.index), spec.comm)
+
+
+def _give_back(grad: torch.Tensor, spec: TokenSpec, start: int, shape: torch.Size) -> torch.Tensor:
+    out = grad.new_zeros(shape)
+    if spec.comm.index == 0:  # the value is replicated: its gradient is too, so the owner keeps it once
+        out.narrow(spec.token_dim, start, grad.shape[spec.token_dim]).copy_(grad)
+    return out

@@ -12,16 +12,12 @@ order is the prefix, then the grid row-major, so ``pos_embedding`` of shape ``(1
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
-from mesh3d.domain.core.linear import linear_map
-from mesh3d.domain.comm.collectives import sum_grad
-from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.ops.grid_reshape import untouched_index
 from mesh3d.domain.dispatch.registry import TOKEN_RULES
-from mesh3d.domain.comm.rows import Span, plan_exchange
+from mesh3d.domain.dispatch.step import Entering, PrefixTokens, Step
 from mesh3d.domain.core.specs import DomainSpec, sharded_dims
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
@@ -47,49 +43,17 @@ def _cat(tensors, dim=0):
             "torch.cat along the token dim of a token grid: only whole tensors before ONE token grid (class or "
             "register tokens, torch.cat([cls, t], dim)) are supported; call .full_tensor() first otherwise")
     mine = spec.comm.index == 0
-    parts = []
     for t in tensors[:-1]:
         if isinstance(t, DomainTensor) and sharded_dims(t._spec):
             raise ValueError("torch.cat: a token grid can only be joined with plain or replicated tensors")
-        plain = sum_grad(unwrap(t), spec.comm) if isinstance(t, DomainTensor) and t.requires_grad else unwrap(t)
-        # NOTE: ranks other than 0 take a zero-row slice, so the piece's gradient (and its domain sum) exists there.
-        parts.append(plain if mine else plain.narrow(d, 0, 0))
+
+    def joined(*ts):  # NOTE: ranks other than 0 take a zero-row slice: the piece's gradient (its domain sum) is there
+        return torch.cat([*(t if mine else t.narrow(d, 0, 0) for t in ts[:-1]), ts[-1]], d)
+
     added = sum(t.shape[d] for t in tensors[:-1])
-    keep = tuple(t for t in tensors if not isinstance(t, DomainTensor))
-    return adopt(torch.cat([*parts, unwrap(ref)], d), spec.with_prefix(spec.prefix + added), keep)
-
-
-class _TakeRows(torch.autograd.Function):
-    """Global tokens ``[start, stop)`` (prefix tokens, on rank 0) on every rank; backward keeps rank 0's share."""
-
-    @staticmethod
-    def forward(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
-        with torch.no_grad():
-            out = _take(local, spec, start, stop)
-        return out.clone() if out is local else out
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.spec, ctx.start, ctx.stop = inputs[1:]
-        ctx.shape = inputs[0].shape
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        spec, start, stop, shape = ctx.spec, ctx.start, ctx.stop, ctx.shape
-        return linear_map(lambda g: _give_back(g, spec, start, shape), lambda g: _take(g, spec, start, stop),
-                          grad), None, None, None
-
-
-def _take(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
-    needs = tuple((Span.rows(start, stop),) for _ in spec.counts)  # rank 0 holds global rows 0.. first
-    return gather_rows(local, spec.token_dim, plan_exchange(spec.counts, needs, spec.comm.index), spec.comm)
-
-
-def _give_back(grad: torch.Tensor, spec: TokenSpec, start: int, shape: torch.Size) -> torch.Tensor:
-    out = grad.new_zeros(shape)
-    if spec.comm.index == 0:  # the value is replicated: its gradient is too, so the owner keeps it once
-        out.narrow(spec.token_dim, start, grad.shape[spec.token_dim]).copy_(grad)
-    return out
+    pieces = tuple(Entering(t) if isinstance(t, DomainTensor) else t for t in tensors[:-1])
+    return Step(joined, (*pieces, ref), out=spec.with_prefix(spec.prefix + added),
+                keep=tuple(t for t in tensors if not isinstance(t, DomainTensor)))
 
 
 def _getitem(x: DomainTensor, index):
@@ -119,8 +83,9 @@ def _getitem(x: DomainTensor, index):
         if not 0 <= pos < spec.prefix:
             raise NotImplementedError(f"t[..., {item}] on a token grid: only prefix tokens (positions < {spec.prefix}) "
                                       "can be taken by index; gather grid tokens with .full_tensor()")
-        one = _TakeRows.apply(local, spec, pos, pos + 1).select(spec.token_dim, 0)
-        return adopt(one[lead + rest] if rest else one, DomainSpec.replicated(spec.comm))
+        d = spec.token_dim
+        return Step(lambda taken: taken.select(d, 0)[lead + rest] if rest else taken.select(d, 0),
+                    (PrefixTokens(x, pos, pos + 1),), out=DomainSpec.replicated(spec.comm))
     start, stop, step = item.indices(spec.global_tokens)
     if step != 1 or stop != spec.global_tokens or start > spec.prefix:
         if (start, stop, step) == (0, spec.global_tokens, 1):
