@@ -30,7 +30,9 @@ from mesh3d import DistributedManager, domain
 from mesh3d.domain.dispatch.kept import KEPT
 
 
-def ops(w1: torch.Tensor, w3: torch.Tensor, gn: tuple[torch.Tensor, torch.Tensor]) -> dict:
+def ops(w1: torch.Tensor, w3: torch.Tensor, gn: tuple[torch.Tensor, torch.Tensor], field: torch.Tensor) -> dict:
+    """The ops timed; ``field``: a plain tensor of the global shape (a position embedding: each rank adds its rows;
+    on the shard alone, the same rows sliced)."""
     return {
         "add": lambda t: t + 1.0,
         "relu": torch.relu,
@@ -44,6 +46,9 @@ def ops(w1: torch.Tensor, w3: torch.Tensor, gn: tuple[torch.Tensor, torch.Tensor
         "slice": lambda t: t[:, :, 1:],
         "sum": lambda t: t.sum(),
         "mean over (2, 3)": lambda t: t.mean((2, 3)),
+        "add a whole field": lambda t: t + field[:, :, :t.shape[2], :t.shape[3]],
+        "softmax over dim 2": lambda t: torch.softmax(t, 2),
+        "var over dims 2 and 3": lambda t: t.var((2, 3)),
     }
 
 
@@ -111,7 +116,7 @@ def main() -> None:
     xs = domain.shard(x, dims=(2, 3)) if args.blocks else domain.shard(x, dim=2)
     local = xs.to_local()
     table = {}
-    for name, fn in ops(w1, w3, gn).items():
+    for name, fn in ops(w1, w3, gn, torch.randn(1, 4, 16, 16, generator=g)).items():
         if args.ops and name not in args.ops.split(","):
             continue
         try:
