@@ -25,7 +25,7 @@ from mesh3d.domain.ops.composite import call, loss_reduction
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.dispatch.registry import op_name, register
 from mesh3d.domain.dispatch.executor import run_step
-from mesh3d.domain.dispatch.step import Combining, Partial, Step
+from mesh3d.domain.dispatch.step import Combining, Entering, Partial, Step
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
@@ -322,5 +322,6 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
         acc = sum_dtype(losses.dtype)
         return (combine(losses.sum(dtype=acc)) / combine(counted.sum(dtype=acc)).detach()).to(losses.dtype)
 
-    return Step(weighted_mean, (input, target, weight, Combining(input.spec.comm)),
+    w = Entering(weight) if isinstance(weight, DomainTensor) else weight  # replicated: its gradient summed
+    return Step(weighted_mean, (input, target, w, Combining(input.spec.comm)),
                 out=DomainSpec.replicated(input.spec.comm))

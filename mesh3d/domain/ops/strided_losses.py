@@ -21,7 +21,7 @@ from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import STRIDED_RULES
-from mesh3d.domain.dispatch.step import Combining, Step
+from mesh3d.domain.dispatch.step import Combining, Entering, Step
 from mesh3d.domain.ops.composite import loss_reduction
 from mesh3d.domain.ops.idioms import replicated_slice
 
@@ -69,7 +69,8 @@ def _cross_entropy(input, target, weight=None, size_average=None, ignore_index=-
                 total = total / combine(counted.sum(dtype=acc)).detach()
         return total.to(losses.dtype)
 
-    return Step(reduced, (input, rows, weight, Combining(spec.comm)), out=DomainSpec.replicated(spec.comm))
+    w = Entering(weight) if isinstance(weight, DomainTensor) else weight  # replicated: its gradient summed
+    return Step(reduced, (input, rows, w, Combining(spec.comm)), out=DomainSpec.replicated(spec.comm))
 
 
 STRIDED_RULES.register(F.cross_entropy, _cross_entropy)
