@@ -230,10 +230,7 @@ def _ring(call: AttentionCall, q, k, v, mask, settings: AttentionSettings) -> to
     return reorder_rows(out, 2, qs, call.q_order, comm) if balance else out
 
 
-_MODES = {"local": lambda call, q, k, v, mask, _: local_attention(call, q, k, v, mask),
-          "gather": lambda call, q, k, v, mask, _: gather_attention(call, q, k, v, mask),
-          "ulysses": lambda call, q, k, v, mask, _: ulysses_attention(call, q, k, v, mask),
-          "ring": _ring}
+_MODES = {"local": local_attention, "gather": gather_attention, "ulysses": ulysses_attention}
 
 
 @dataclass(frozen=True)
@@ -251,7 +248,8 @@ class _Attend:
         if self.three:
             q, k, v = q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1)
             mask = mask.unsqueeze(-3) if mask is not None and mask.ndim == 3 else mask
-        out = _MODES[self.mode](self.call, q, k, v, mask, self.settings)
+        out = _ring(self.call, q, k, v, mask, self.settings) if self.mode == "ring" else \
+            _MODES[self.mode](self.call, q, k, v, mask)
         return out.squeeze(1) if self.three else out
 
 

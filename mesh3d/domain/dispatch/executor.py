@@ -173,21 +173,19 @@ def _line_rows(req: LineRows) -> torch.Tensor:
     return local
 
 
-def _entering(req: Entering) -> torch.Tensor:
-    plain = unwrap(req.x)
-    return sum_grad(plain, req.x._spec.comm) if plain.requires_grad else plain
+def _entering(x: Any) -> Any:
+    """A plain operand as it is; a replicated domain tensor's local value, its gradient summed over the domain."""
+    if not isinstance(x, DomainTensor):
+        return x
+    plain = unwrap(x)
+    return sum_grad(plain, x._spec.comm) if plain.requires_grad else plain
 
 
 def _narrowed(req: Narrowed) -> torch.Tensor:
-    part = _entering(Entering(req.x)) if isinstance(req.x, DomainTensor) else req.x
+    part = _entering(req.x)
     for dim, start, length in req.cuts:
         part = part.narrow(dim, start, length)
     return part
-
-
-def _own_rows(req: OwnRows) -> torch.Tensor:
-    whole = _entering(Entering(req.x)) if isinstance(req.x, DomainTensor) else req.x
-    return strided_rows(whole, req.dim, req.spec)
 
 
 def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_shards: bool = False,
@@ -223,27 +221,23 @@ _RESOLVERS: dict[type, Callable[[Any], Any]] = {
     Relaid: lambda req: unwrap(relayout(req.x, req.dim, req.dims, req.sizes)),
     Boxes: lambda req: gather_planned(unwrap(req.x), req.x._spec, req.plans, req.fill, req.passes),
     Pencils: lambda req: _along_lines(unwrap(req.x), req.moves),
-    Entering: _entering,
-    OwnRows: _own_rows,
+    Entering: lambda req: _entering(req.x),
+    OwnRows: lambda req: strided_rows(_entering(req.x), req.dim, req.spec),
     Narrowed: _narrowed,
     Combining: lambda req: functools.partial(combine_parts, req.comm),
 }
 
 
-def _resolve(req: Any) -> Any:
+def resolved(req: Any) -> Any:
+    """One requirement (``step.Entering``, ``step.Rows``, ...) resolved as a step's argument is; the executor's own
+    resolution of every step argument, and for a rule that writes into a tensor in place (no step to run).
+
+    Usage: ``unwrap(target)[index] = resolved(Entering(value))``
+    """
     if isinstance(req, DomainTensor):
         return unwrap(req)
     resolver = _RESOLVERS.get(type(req))
     return req if resolver is None else resolver(req)
-
-
-def resolved(req: Any) -> Any:
-    """One requirement (``step.Entering``, ``step.Rows``, ...) resolved as a step's argument is: for a rule that writes
-    into a tensor in place, which has no step to run.
-
-    Usage: ``unwrap(target)[index] = resolved(Entering(value))``
-    """
-    return _resolve(req)
 
 
 def _along_lines(local: torch.Tensor, moves: tuple) -> torch.Tensor:
@@ -280,8 +274,8 @@ def _overlapped(compute: Callable, req: Window, xplan: ExchangePlan, pad: int, r
         WindowProbe.note(sum(spec.sizes), sum(req.plan.out_sizes))
     OVERLAP_STATS.calls += 1
     if rest or kwargs:
-        rest = tuple(_resolve(a) for a in rest)
-        kwargs = {k: _resolve(v) for k, v in kwargs.items()}
+        rest = tuple(resolved(a) for a in rest)
+        kwargs = {k: resolved(v) for k, v in kwargs.items()}
         strip_compute = compute
 
         def compute(ext: Extended) -> Any:
@@ -313,15 +307,15 @@ def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim:
     Usage: ``run_parts(torch.relu, (xs,), {}, xs.spec, None, ())``
     """
     first = args[0] if args else None
-    kwargs = {k: _resolve(v) for k, v in kwargs.items()} if kwargs else {}
+    kwargs = {k: resolved(v) for k, v in kwargs.items()} if kwargs else {}
     if type(first) is Window:  # NOTE: its exchange planned once, whether the interior overlaps it or not
         x_spec = first.x._spec
         xplan, pad = window_exchange(x_spec.sizes, first.plan, x_spec.comm.index, first.kernel_pads)
         out = _overlapped(compute, first, xplan, pad, args[1:], kwargs)
         if out is None:
-            out = compute(_window_rows(first, xplan, pad), *[_resolve(a) for a in args[1:]], **kwargs)
+            out = compute(_window_rows(first, xplan, pad), *[resolved(a) for a in args[1:]], **kwargs)
     else:
-        out = compute(*[a._differentiable_local() if type(a) is WrappedDomainTensor else _resolve(a) for a in args],
+        out = compute(*[a._differentiable_local() if type(a) is WrappedDomainTensor else resolved(a) for a in args],
                       **kwargs)
     if partial is not None:
         out = _combined(out, partial, spec)
