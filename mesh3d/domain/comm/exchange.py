@@ -41,11 +41,14 @@ WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat say
 
 def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
                  incoming: list[tuple[int, torch.Tensor]], fingerprint: int) -> None:
-    """Swap one fixed-size header with every peer of this exchange; raise on every side of a divergence."""
+    """Swap one fixed-size header with every peer of this exchange; raise on every side of a divergence. Data that
+    fits rides in the headers (``divergence.inlined``): ``incoming``'s such buffers are filled on return."""
     to_peer = {peer: buf.numel() * buf.element_size() for peer, buf in outgoing}
     from_peer = {peer: buf.numel() * buf.element_size() for peer, buf in incoming}
     peers = sorted(set(to_peer) | set(from_peer))
-    mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0)) for q in peers}
+    riding = {peer: buf for peer, buf in outgoing if divergence.inlined(buf)}
+    mine = {q: divergence.header(divergence.KIND_DATA, fingerprint, to_peer.get(q, 0), from_peer.get(q, 0),
+                                 riding.get(q)) for q in peers}
     theirs = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in peers}
     try:  # each wait is bounded by the domain group's timeout (DistributedManager.initialize(timeout=...))
         works = post(comm, list(mine.items()), list(theirs.items()))
@@ -70,7 +73,7 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
         raise peer_lost_error(comm, lost, closed)
     differ: dict[int, str] = {}
     for q in peers:
-        magic, kind, their_print, to_me, from_me = (int(v) for v in theirs[q])
+        magic, kind, their_print, to_me, from_me = divergence.fields(theirs[q])
         if magic == divergence.MAGIC and kind == divergence.KIND_LOST:
             leave(comm, outgoing, incoming, matched_peers(theirs, fingerprint, to_peer, from_peer, skip={q}), [their_print])
             raise peer_lost_error(comm, [their_print], None, seen_by=q)
@@ -91,6 +94,9 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
         elif to_me != from_peer.get(q, 0) or from_me != to_peer.get(q, 0):
             differ[q] = f"rank {q} would send {to_me} bytes where {from_peer.get(q, 0)} are expected"
     if not differ:
+        for q, buf in incoming:
+            if divergence.inlined(buf):
+                divergence.read_inlined(theirs[q], buf)
         return
     entries = list(divergence.JOURNAL.entries)
     journals = swap_journals(comm, sorted(differ), entries)
@@ -148,7 +154,7 @@ class PendingExchange:
                  comm: DomainComm | None = None, peers: list[int] | None = None) -> None:
         self._works, self._sends, self._blocked_s = works, sends, blocked_s  # sends stay alive until done
         self._comm, self._peers = comm, peers or []  # the peer of each work
-        self._counted = bool(works)
+        self._counted = bool(works or sends)
 
     def wait(self) -> None:
         start = time.perf_counter()
@@ -180,11 +186,13 @@ def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
         if sends or recvs:  # counted as a real exchange is: one round when anything would be posted
             TrafficCounter.record(sum(b.numel() * b.element_size() for _, b in sends), len(sends), 0.0)
         return PendingExchange([], [], 0.0)
-    if fingerprint is not None:
-        _check_peers(comm, outgoing, incoming, fingerprint)
-    recvs = [(peer, buf) for peer, buf in incoming if buf.numel()]
-    works = post(comm, sends, recvs)
-    return PendingExchange(works, sends, time.perf_counter() - start, comm, [p for p, _ in sends + recvs])
+    posted, recvs = sends, [(peer, buf) for peer, buf in incoming if buf.numel()]
+    if fingerprint is not None:  # NOTE: data that fits rode in the headers (their round received it)
+        _check_peers(comm, sends, recvs, fingerprint)
+        posted = [(peer, buf) for peer, buf in sends if not divergence.inlined(buf)]
+        recvs = [(peer, buf) for peer, buf in recvs if not divergence.inlined(buf)]
+    works = post(comm, posted, recvs) if posted or recvs else []
+    return PendingExchange(works, sends, time.perf_counter() - start, comm, [p for p, _ in posted + recvs])
 
 
 def run_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],

@@ -70,17 +70,18 @@ def post(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
 def matched_peers(theirs: dict[int, torch.Tensor], fingerprint: int, to_peer: dict[int, int], from_peer: dict[int, int],
              skip: set[int]) -> set[int]:
     """The peers whose header says they will exchange exactly this data (same journal, expected sizes)."""
-    return {q for q, h in theirs.items() if q not in skip and [int(v) for v in h] == list(divergence.header(
-        divergence.KIND_DATA, fingerprint, from_peer.get(q, 0), to_peer.get(q, 0)).tolist())}
+    return {q for q, h in theirs.items() if q not in skip and divergence.fields(h) == [
+        divergence.MAGIC, divergence.KIND_DATA, fingerprint, from_peer.get(q, 0), to_peer.get(q, 0)]}
 
 
 def finish_matched(comm: Any, outgoing: list[tuple[int, torch.Tensor]],
                     incoming: list[tuple[int, torch.Tensor]], matched: set[int]) -> None:
     """Before this rank stops: finish this exchange's data with ``matched`` peers (they posted it and wait for it; a
-    notice sent instead would hang them), so they learn of the stop from the notice that follows, as their next header."""
+    notice sent instead would hang them), so they learn of the stop from the notice that follows, as their next header.
+    Data that rode in the headers is not sent again (``divergence.inlined``): nobody waits for it."""
     try:
-        lost_peers(post(comm, [(q, b) for q, b in outgoing if q in matched and b.numel()],
-                         [(q, b) for q, b in incoming if q in matched and b.numel()]), [])
+        lost_peers(post(comm, [(q, b) for q, b in outgoing if q in matched and b.numel() and not divergence.inlined(b)],
+                         [(q, b) for q, b in incoming if q in matched and b.numel() and not divergence.inlined(b)]), [])
     except RuntimeError:
         pass  # a peer gone too: the notices still go to everyone left
 

@@ -1,0 +1,106 @@
+"""Small data rides in its exchange's header (``comm.divergence.inlined``): one round where there were two.
+
+A domain reduction's partial sums, a norm's statistics and a small halo used to take a header round, then a data
+round; data of at most ``INLINE_BYTES`` on the CPU now travel inside the header. Checked on real gloo ranks: every
+rank receives each peer's values bitwise (the values are rebuilt here from the rank index, not by the code under
+test), for every dtype a step sends, into buffers of any layout; data of one byte over the limit still takes its
+own round; and ranks whose sizes disagree still raise on every side, with no rank left waiting.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rankpool.pool import RankFailure
+
+#: (dtype, element count): at the limit (4096 bytes) and one element over it, an empty-shaped 0-d, odd dtypes
+CASES = [(torch.float32, 1), (torch.float64, 512), (torch.float32, 1025), (torch.complex64, 7), (torch.bool, 33),
+         (torch.bfloat16, 2048), (torch.int64, 513), (torch.complex128, 3)]
+
+
+def _value(rank: int, dtype: torch.dtype, n: int) -> torch.Tensor:
+    """What rank ``rank`` sends: distinct per rank and element, exact in every dtype."""
+    base = torch.arange(n, dtype=torch.float64) * 3 + rank * 1000 + 0.5
+    if dtype is torch.bool:
+        return (torch.arange(n) + rank) % 3 == 0
+    if dtype.is_complex:
+        return torch.complex(base, -base).to(dtype)
+    if dtype is torch.int64:
+        return base.to(torch.int64) * (rank + 1)
+    return base.remainder(250).to(dtype)  # NOTE: bf16 holds these halves exactly
+
+
+def _rounds_body() -> list:
+    from mesh3d import DistributedManager
+    from mesh3d.domain.comm import divergence, exchange
+    from mesh3d.domain.core.group import domain_groups
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    comm = domain_groups()[0]
+    posted: list[list[int]] = []
+    real_post = exchange.post
+
+    def counting_post(c, outgoing, incoming):
+        posted.append([b.numel() * b.element_size() for _, b in [*outgoing, *incoming]])
+        return real_post(c, outgoing, incoming)
+
+    exchange.post = counting_post  # NOTE: the one binding start_exchange calls (restored below; ranks are reused)
+    results = []
+    try:
+        for dtype, n in CASES:
+            posted.clear()
+            mine = _value(comm.index, dtype, n)
+            if n == 1:
+                mine = mine.reshape(())  # a 0-d partial sum, as a reduction's
+            parts = exchange.exchange_all(mine, comm)
+            exact = all(torch.equal(p, _value(q, dtype, n).reshape(mine.shape)) for q, p in enumerate(parts))
+            results.append((str(dtype), n, exact, len(posted), posted[0]))
+        # NOTE: a receive buffer of another layout (a transposed view) is filled through its own strides
+        q = (comm.index + 1) % comm.size
+        frm = (comm.index - 1) % comm.size
+        target = torch.zeros(3, 4, dtype=torch.float64).t()
+        exchange.run_exchange(comm, [(q, _value(comm.index, torch.float64, 12).view(4, 3))], [(frm, target)],
+                              exchange.exchange_point(comm))
+        results.append(("transposed", 12, torch.equal(target, _value(frm, torch.float64, 12).view(4, 3)), len(posted) - 1,
+                        divergence.HEADER_WORDS * 8))
+    finally:
+        exchange.post = real_post
+    return results
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_small_data_rides_in_its_header_and_arrives_bitwise(ranks, world):
+    from mesh3d.domain.comm.divergence import HEADER_WORDS, INLINE_BYTES
+
+    header = HEADER_WORDS * 8
+    for rank, results in enumerate(ranks.run(world, _rounds_body, timeout=60)):
+        for dtype, n, exact, rounds, first in results:
+            assert exact, (rank, dtype, n)
+            if dtype == "transposed":
+                assert rounds == 1, (rank, rounds)
+                continue
+            nbytes = n * torch.empty((), dtype=getattr(torch, dtype.split(".")[1])).element_size()
+            # one round of headers only, to and from each peer; over the limit, a second round of the data
+            assert first == [header] * (2 * (world - 1)), (rank, dtype, n, first)
+            assert rounds == (1 if nbytes <= INLINE_BYTES else 2), (rank, dtype, n, nbytes, rounds)
+
+
+def _disagreeing_body() -> None:
+    from mesh3d import DistributedManager
+    from mesh3d.domain.comm.exchange import exchange_all
+    from mesh3d.domain.core.group import domain_groups
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    comm = domain_groups()[0]
+    exchange_all(torch.ones(3 + 2 * comm.index), comm)  # NOTE: rank 1 sends 20 bytes where rank 0 sends 12
+
+
+def test_ranks_whose_small_data_disagree_in_size_raise_on_every_side(ranks):
+    with pytest.raises(RankFailure) as failure:  # a hang would be a RankTimeout instead
+        ranks.run(2, _disagreeing_body, timeout=30)
+    text = str(failure.value)
+    for rank in (0, 1):
+        part = text[text.find(f"--- rank {rank} ---"):]
+        assert "DomainDivergenceError" in part, text
+    assert "would send 20 bytes where 12 are expected" in text and "would send 12 bytes where 20" in text, text
