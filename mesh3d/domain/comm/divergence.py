@@ -122,7 +122,8 @@ def header(kind: int, fingerprint: int = 0, to_peer: int = 0, from_peer: int = 0
     """A header of ``HEADER_WORDS`` words; ``data`` (``inlined``) rides in its tail."""
     h = torch.cat((torch.tensor([MAGIC, kind, fingerprint, to_peer, from_peer], dtype=torch.int64), _ZEROS))
     if data is not None:
-        h.view(torch.uint8)[8 * _FIELDS:8 * _FIELDS + to_peer].copy_(data.reshape(-1).view(torch.uint8))
+        h.view(torch.uint8)[8 * _FIELDS:8 * _FIELDS + to_peer].copy_(
+            data.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8))
     return h
 
 

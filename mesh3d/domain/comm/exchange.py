@@ -188,7 +188,7 @@ def start_exchange(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
         return PendingExchange([], [], 0.0)
     posted, recvs = sends, [(peer, buf) for peer, buf in incoming if buf.numel()]
     if fingerprint is not None:  # NOTE: data that fits rode in the headers (their round received it)
-        _check_peers(comm, sends, recvs, fingerprint)
+        _check_peers(comm, outgoing, incoming, fingerprint)  # NOTE: a peer owed 0 bytes each way is checked too
         posted = [(peer, buf) for peer, buf in sends if not divergence.inlined(buf)]
         recvs = [(peer, buf) for peer, buf in recvs if not divergence.inlined(buf)]
     works = post(comm, posted, recvs) if posted or recvs else []
