@@ -242,8 +242,8 @@ def test_one_module_of_the_domain_posts_messages():
 
 
 #: The helpers of ``mesh3d.domain.comm`` that move data between ranks (forward, or backward: ``sum_grad``)
-_COMMUNICATING = {"mesh3d.domain.comm.collectives": {"all_reduce_max", "all_reduce_sum", "reduce_for_local_use",
-                                                     "reduce_to_replicated", "sum_grad"},
+_COMMUNICATING = {"mesh3d.domain.comm.collectives": {"all_parts", "all_reduce_max", "all_reduce_sum",
+                                                     "reduce_for_local_use", "reduce_to_replicated", "sum_grad"},
                   "mesh3d.domain.comm.exchange": {"exchange_all", "exchange_point", "gather_rows", "start_exchange",
                                                   "run_exchange", "swap", "report_failure", "PendingExchange"}}
 def _communicating_imports(path: Path) -> list[str]:

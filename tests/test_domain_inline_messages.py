@@ -104,3 +104,42 @@ def test_ranks_whose_small_data_disagree_in_size_raise_on_every_side(ranks):
         part = text[text.find(f"--- rank {rank} ---"):]
         assert "DomainDivergenceError" in part, text
     assert "would send 20 bytes where 12 are expected" in text and "would send 12 bytes where 20" in text, text
+
+
+def _norm_rounds_body(sizes: tuple[int, ...]) -> tuple[int, float, float]:
+    import torch.nn.functional as F
+
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.comm import exchange
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    g = torch.Generator().manual_seed(0)
+    # NOTE: a mean far from zero: statistics merged as E[x^2] - E[x]^2 would lose digits here
+    x = torch.randn(2, 4, sum(sizes), 5, generator=g, dtype=torch.float64) * 3 + 1e4
+    w, b = torch.randn(4, generator=g, dtype=torch.float64), torch.randn(4, generator=g, dtype=torch.float64)
+    xs = domain.shard(x, dim=2, sizes=sizes)
+    posted: list[int] = []
+    real_post = exchange.post
+
+    def counting_post(c, outgoing, incoming):
+        posted.append(len(outgoing))
+        return real_post(c, outgoing, incoming)
+
+    exchange.post = counting_post
+    try:
+        with torch.no_grad():
+            y = F.group_norm(xs, 2, w, b)
+    finally:
+        exchange.post = real_post
+    yb = F.batch_norm(xs, None, None, w, b, training=True)
+    err = lambda a, ref: ((a.full_tensor().to_local() - ref).abs().max() / ref.abs().max()).item()  # noqa: E731
+    return len(posted), err(y, F.group_norm(x, 2, w, b)), err(yb, F.batch_norm(x, None, None, w, b, training=True))
+
+
+@pytest.mark.parametrize("sizes", [(4, 3), (4, 0, 3)], ids=["2 ranks", "3 ranks, one empty"])
+def test_a_norm_combines_its_statistics_in_one_round(ranks, sizes):
+    """A norm's count, mean and spread per rank travel in one exchange (one header round, the data inside), merged
+    as Chan et al.'s parallel variance; it took two (the mean, then the squared deviations from it)."""
+    for rounds, group_err, batch_err in ranks.run(len(sizes), _norm_rounds_body, sizes, timeout=60):
+        assert rounds == 1, rounds
+        assert group_err < 1e-10 and batch_err < 1e-10, (group_err, batch_err)

@@ -24,8 +24,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import exchange_all
 from mesh3d.domain.core.linear import recordable
 
-__all__ = ["sum_dtype", "all_reduce_max", "all_reduce_sum", "reduce_for_local_use", "reduce_to_replicated",
-           "sum_grad"]
+__all__ = ["sum_dtype", "all_parts", "all_reduce_max", "all_reduce_sum", "reduce_for_local_use",
+           "reduce_to_replicated", "sum_grad"]
 
 #: Half-precision dtypes whose partial sums are kept in float32 until the last rounding.
 _HALF = (torch.bfloat16, torch.float16)
@@ -131,6 +131,12 @@ def sum_grad(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
 def all_reduce_sum(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Element-wise sum over the domain in rank order (not differentiable by itself: for autograd functions' use)."""
     return _all_reduce(t, comm)
+
+
+def all_parts(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
+    """Every domain rank's ``t`` (one shape everywhere), stacked in rank order: the same bits on every rank, for a
+    combination a sum cannot express (a variance's parts). Not differentiable by itself."""
+    return torch.stack(exchange_all(t, comm))
 
 
 def all_reduce_max(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:

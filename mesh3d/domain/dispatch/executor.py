@@ -18,7 +18,7 @@ import torch
 
 from mesh3d._torch_private import functorch_transform_active
 from mesh3d.domain.comm.collectives import (
-    all_reduce_max, all_reduce_sum, reduce_for_local_use, reduce_to_replicated, sum_grad)
+    all_parts, all_reduce_max, all_reduce_sum, reduce_for_local_use, reduce_to_replicated, sum_grad)
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
 from mesh3d.domain.comm.exchange import gather_rows, report_failure
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
@@ -191,14 +191,17 @@ def _narrowed(req: Narrowed) -> torch.Tensor:
 def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_shards: bool = False,
                   grad: bool = True) -> torch.Tensor:
     """This rank's ``part`` of a value combined with its peers' over ``comm`` (``step.Combining``, ``step.Partial``);
-    ``grad=False``: a plain sum in rank order, no autograd node (inside an autograd Function's forward or backward).
+    ``grad=False``: a plain sum in rank order, no autograd node (inside an autograd Function's forward or backward);
+    ``how="parts"``: every rank's part stacked in rank order, no autograd node (a variance's count, mean and spread).
 
     Usage: ``total = combine_parts(spec.comm, t.sum(2, keepdim=True), for_shards=True)``
     """
     if how == "max":
         return all_reduce_max(part, comm)
+    if how == "parts":
+        return all_parts(part, comm)
     if how != "sum":
-        raise ValueError(f"combine: how={how!r} is 'sum' or 'max'")
+        raise ValueError(f"combine: how={how!r} is 'sum', 'max' or 'parts'")
     if not grad:
         return all_reduce_sum(part, comm)
     return reduce_for_local_use(part, comm) if for_shards else reduce_to_replicated(part, comm)

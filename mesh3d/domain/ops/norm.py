@@ -1,8 +1,8 @@
 """BatchNorm, GroupNorm, InstanceNorm and LayerNorm with statistics over the whole domain.
 
-Usage: automatic for ``nn.GroupNorm(...)(xs)`` etc. Statistics are sums of the shards' partial
-sums divided by global counts (right for uneven and empty shards), and the variance is two-pass
-(global mean, then the sum of squared deviations): as stable as one process. Running statistics of
+Usage: automatic for ``nn.GroupNorm(...)(xs)`` etc. Statistics are over global counts (right for uneven and empty
+shards): each shard's count, mean and squared deviations, merged in one combine as Chan et al.'s parallel variance
+does: as stable as one process's two passes. Running statistics of
 BatchNorm/InstanceNorm are updated with the global (unbiased) variance, identically on every rank.
 bf16/fp16 inputs are normalized in float32, the affine included, and rounded once, as torch's fused kernels do.
 """
@@ -38,9 +38,8 @@ class _Normalize(torch.autograd.Function):
 
     @staticmethod
     def forward(local, dims, count, eps, combine, save_output):
-        mean = combine(local.sum(dims, keepdim=True), grad=False) / count
+        mean, var = _moments(local, dims, count, combine)
         centred = local - mean
-        var = combine((centred * centred).sum(dims, keepdim=True), grad=False) / count
         rstd = torch.rsqrt(var + eps)
         normalized = centred.mul_(rstd)
         return normalized, mean, var, rstd
@@ -72,6 +71,26 @@ class _Normalize(torch.autograd.Function):
                 part = combine(g, grad=False) / count * term
                 out = part.expand(normalized.shape) if out is None else out + part
         return out, None, None, None, None, None
+
+
+def _moments(local: torch.Tensor, dims: list[int], count: int, combine) -> tuple[torch.Tensor, torch.Tensor]:
+    """The mean and biased variance over ``dims`` of the whole domain, from one combine: each rank's count, mean and
+    sum of squared deviations (one pass, ``torch.var_mean``), merged in rank order as Chan, Golub and LeVeque's parallel
+    variance does, in float64: as stable as two passes, and the same bits on every rank.
+
+    NOTE: a global mean, then the squared deviations from it, took two combines, each a round trip between the ranks
+    (a GroupNorm across 2 gloo ranks: 3.0 ms, 2.0 of them those rounds)."""
+    n = math.prod(local.shape[d] for d in dims)
+    stats = [1 if d in dims else s for d, s in enumerate(local.shape)]
+    if n:
+        var, mean = torch.var_mean(local, dims, correction=0, keepdim=True)
+        mine = torch.stack([mean.new_full(stats, n, dtype=torch.float64), mean.double(), var.double() * n])
+    else:  # NOTE: an empty shard: its mean is 0/0; it adds nothing
+        mine = local.new_zeros((3, *stats), dtype=torch.float64)
+    counts, means, spreads = combine(mine, how="parts", grad=False).unbind(1)
+    mean = (counts * means).sum(0) / count
+    var = (spreads.sum(0) + (counts * (means - mean).square()).sum(0)) / count
+    return mean.to(local.dtype), var.to(local.dtype)
 
 
 def _recorded_backward(grad, grad_mean, grad_rstd, normalized, rstd, dims, count, combine):
