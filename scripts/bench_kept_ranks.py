@@ -6,6 +6,7 @@ Usage (2 gloo ranks on this machine; the table goes to rank 0's stdout, and ``--
     python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_kept_ranks.py --json out.json
     python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/bench_kept_ranks.py --blocks  # 2x2 blocks
     python scripts/bench_kept_ranks.py --plot kept.png run1.json run2.json   # kept / walk per op and run, no ranks
+    python scripts/bench_kept_ranks.py --plot-change change.png before1.json,before2.json after1.json,after2.json
 
 Each op of ``OPS`` runs ``--calls`` times in a loop on a 1x4x16x16 field sharded along dim 2 (8 rows a rank), one
 thread a rank, the ranks in step (a barrier before each loop); the contenders take turns, round by round, and each
@@ -96,9 +97,41 @@ def plot(png: str, json_paths: list[str]) -> None:
     plt.close(fig)
 
 
+def plot_change(png: str, before: list[str], after: list[str]) -> None:
+    """After over before per op (kept steps; the runs of each side summed: two commits run alternately), no file
+    without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    sides = []
+    for paths in (before, after):
+        runs = []
+        for path in paths:
+            with open(path) as f:
+                runs.append(json.load(f))
+        sides.append(runs)
+    names = [n for n in sides[1][0]["ops"] if n in sides[0][0]["ops"]]
+    ratios = [sum(r["ops"][n]["kept"] for r in sides[1]) / sum(r["ops"][n]["kept"] for r in sides[0]) for n in names]
+    fig, ax = plt.subplots(figsize=(7, 3))
+    ax.barh(names, ratios)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("after / before (host time per call, kept step)")
+    ax.set_title(f"domain={sides[1][0]['domain']}, torch {sides[1][0]['torch']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=100)
+    plt.close(fig)
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--plot"]:
         plot(sys.argv[2], sys.argv[3:])
+        return
+    if sys.argv[1:2] == ["--plot-change"]:
+        plot_change(sys.argv[2], sys.argv[3].split(","), sys.argv[4].split(","))
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=500)
