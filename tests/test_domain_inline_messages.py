@@ -143,3 +143,52 @@ def test_a_norm_combines_its_statistics_in_one_round(ranks, sizes):
     for rounds, group_err, batch_err in ranks.run(len(sizes), _norm_rounds_body, sizes, timeout=60):
         assert rounds == 1, rounds
         assert group_err < 1e-10 and batch_err < 1e-10, (group_err, batch_err)
+
+
+def _variance_body(sizes: tuple[int, ...]) -> tuple[int, int, float, float]:
+    from mesh3d import DistributedManager, domain
+    from mesh3d.domain.comm import exchange
+
+    DistributedManager.initialize(batch=1, domain=-1)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, sum(sizes), 4, generator=g, dtype=torch.float64) * 2 + 1e4
+    posted = {"forward": 0, "backward": 0}
+    phase = ["forward"]
+    real_post = exchange.post
+
+    def counting_post(c, outgoing, incoming):
+        posted[phase[0]] += 1
+        return real_post(c, outgoing, incoming)
+
+    xs = domain.shard(x, dim=2, sizes=sizes).requires_grad_()
+    exchange.post = counting_post
+    try:
+        v = xs.var((2, 3))
+        phase[0] = "backward"
+        v.sum().backward()
+    finally:
+        exchange.post = real_post
+    ref = x.clone().requires_grad_()
+    ref.var((2, 3)).sum().backward()
+    grad = xs.grad.full_tensor().to_local()
+    # NOTE: a second derivative through the variance (create_graph): its mean's own gradient is in the graph
+    xs2 = domain.shard(x, dim=2, sizes=sizes).requires_grad_()
+    (gx,) = torch.autograd.grad(xs2.std((2, 3)).sum(), xs2, create_graph=True)
+    (gx * gx.detach().sin()).sum().backward()
+    ref2 = x.clone().requires_grad_()
+    (gr,) = torch.autograd.grad(ref2.std((2, 3)).sum(), ref2, create_graph=True)
+    (gr * gr.detach().sin()).sum().backward()
+    second = ((xs2.grad.full_tensor().to_local() - ref2.grad).abs().max() / ref2.grad.abs().max()).item()
+    value = max(((v.to_local() - ref.var((2, 3))).abs().max() / ref.var((2, 3)).abs().max()).item(),
+                ((grad - ref.grad).abs().max() / ref.grad.abs().max()).item())
+    return posted["forward"], posted["backward"], value, second
+
+
+@pytest.mark.parametrize("sizes", [(4, 3), (4, 0, 3)], ids=["2 ranks", "3 ranks, one empty"])
+def test_a_variance_over_the_sharded_dim_takes_one_round_and_none_back(ranks, sizes):
+    """``var`` over dims that include the sharded one: the ranks' moments in one exchange (it took two, the mean and
+    then the deviations); its gradient is each rank's own rows of the one-process formula, with no exchange; second
+    derivatives (a std's, through create_graph) equal one process."""
+    for forward, backward, value_err, second_err in ranks.run(len(sizes), _variance_body, sizes, timeout=60):
+        assert (forward, backward) == (1, 0), (forward, backward)
+        assert value_err < 1e-10 and second_err < 1e-9, (value_err, second_err)

@@ -192,7 +192,8 @@ def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_sh
                   grad: bool = True) -> torch.Tensor:
     """This rank's ``part`` of a value combined with its peers' over ``comm`` (``step.Combining``, ``step.Partial``);
     ``grad=False``: a plain sum in rank order, no autograd node (inside an autograd Function's forward or backward);
-    ``how="parts"``: every rank's part stacked in rank order, no autograd node (a variance's count, mean and spread).
+    ``how="parts"``: every rank's part stacked in rank order, no autograd node (a variance's count, mean and spread);
+    ``how="enter"``: a replicated ``part`` as it is, entering each rank's shard (its gradient summed over the domain).
 
     Usage: ``total = combine_parts(spec.comm, t.sum(2, keepdim=True), for_shards=True)``
     """
@@ -200,8 +201,10 @@ def combine_parts(comm: DomainComm, part: torch.Tensor, how: str = "sum", for_sh
         return all_reduce_max(part, comm)
     if how == "parts":
         return all_parts(part, comm)
+    if how == "enter":
+        return sum_grad(part, comm)
     if how != "sum":
-        raise ValueError(f"combine: how={how!r} is 'sum', 'max' or 'parts'")
+        raise ValueError(f"combine: how={how!r} is 'sum', 'max', 'parts' or 'enter'")
     if not grad:
         return all_reduce_sum(part, comm)
     return reduce_for_local_use(part, comm) if for_shards else reduce_to_replicated(part, comm)

@@ -215,7 +215,8 @@ class Combining:
     """Resolved to ``combine(part, how="sum", for_shards=False, grad=True)``: ``part``, this rank's part of a value,
     combined over ``comm`` as ``Partial`` combines a step's results (``"sum"`` in rank order, the same bits on every
     rank; ``"max"`` of values with no gradient; ``"parts"``: every rank's part stacked in rank order, with no gradient,
-    for a combination a sum cannot express; ``for_shards``: each rank uses the value its own way, so the gradients
+    for a combination a sum cannot express; ``"enter"``: a replicated value as it is, its gradient summed over the
+    domain (each rank's shard uses it its own way); ``for_shards``: each rank uses the value its own way, so the gradients
     of its uses are summed over the domain on the way back; ``grad=False``: no autograd node, for an autograd
     Function's own forward and backward). For statistics ``compute`` uses before its result: the executor combines
     them, the rule never talks.

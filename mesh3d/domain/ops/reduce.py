@@ -4,8 +4,8 @@ Usage: ``(ys * ys).mean()``, ``ys.sum(dim=(2, 3))``, ``F.mse_loss(ys, ts)`` give
 on every domain rank, as a replicated domain tensor (``sharded_dim is None``).
 
 No tensor is gathered: each rank reduces its shard and one all-reduce of the partial results
-combines them; means divide by the *global* count, so uneven shards weigh correctly. Variance is
-two-pass (global mean first, then the sum of squared deviations), not E[x²]-E[x]².
+combines them; means divide by the *global* count, so uneven shards weigh correctly. Variance merges each
+rank's count, mean and squared deviations in one exchange (``moments.variance``), not E[x²]-E[x]².
 Gradients follow ``collectives``: the result's gradient goes to each shard unchanged, so a rank's
 backward yields exactly its shard's share (no factor of the domain size). Partial sums of bf16/fp16
 shards are float32 until the result is rounded, once (``collectives.sum_dtype``).
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from mesh3d._torch_private import argument_torch_dropped
 from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.ops.composite import call, loss_reduction
+from mesh3d.domain.ops.moments import variance
 from mesh3d.domain.ops.pointwise import elementwise
 from mesh3d.domain.dispatch.registry import op_name, register
 from mesh3d.domain.dispatch.executor import run_step
@@ -102,7 +103,7 @@ def total_step(x: DomainTensor, kind: str, dim, dims: list[int], keepdim: bool, 
 def reduction_step(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, correction: float = 1.0) -> Step:
     """The step reducing ``x`` over ``dim`` (all dims when None) to its one-process value, with no gather: local where
     the sharded dim survives; else a sum, mean or maximum is ``total_step``'s (a sum's parts declared partial), and
-    variance combines its own two passes.
+    variance merges each rank's moments in one exchange (``moments.variance``).
     The step holds ``x`` and plain data only, so it is kept per call signature (``dispatch.kept_steps``).
 
     Usage: ``run_step(reduction_step(xs, "mean", (2, 3)))``"""
@@ -127,9 +128,7 @@ def reduction_step(x: DomainTensor, kind: str, dim=None, keepdim: bool = False, 
         acc = sum_dtype(dtype)
 
         def spread(t: torch.Tensor, combine: Callable) -> torch.Tensor:
-            wide = t if acc is None else t.to(acc)
-            mean = combine(wide.sum(dims, keepdim=True), for_shards=True) / count
-            r = combine(((wide - mean) ** 2).sum(dims, keepdim=True)) / max(count - correction, 0)
+            r = variance(t if acc is None else t.to(acc), dims, count, correction, combine)
             r = r.sqrt() if kind == "std" else r
             r = r.squeeze(dims) if not keepdim else r
             return r if acc is None else r.to(dtype)
