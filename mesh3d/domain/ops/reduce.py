@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -228,17 +229,43 @@ def _prod(input, dim=None, keepdim=False, *, dtype=None, out=None):
     return prod_step(input, dim, keepdim)
 
 
+class _KnownTotal(torch.autograd.Function):
+    """A total over the domain whose value is known (merged from the ranks' parts), recorded as the sum of each rank's
+    ``term``: its gradient reaches every rank's term summed over the domain, to any order (that sum is its own
+    adjoint)."""
+
+    @staticmethod
+    def forward(term, total, combine):
+        return total.clone()
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
+        ctx.combine = inputs[2]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.combine(grad, for_shards=True, grad=torch.is_grad_enabled()), None, None
+
+
 def global_softmax(local: torch.Tensor, dim: int, combine: Callable, log: bool) -> torch.Tensor:
-    """Softmax along the sharded dim: the global max (for stability) and the global sum of exponentials, each
-    combined by ``combine`` (a ``step.Combining``'s).
+    """Softmax along the sharded dim from one exchange (``combine``: a ``step.Combining``'s): each rank's maximum and
+    its sum of exponentials shifted by it, merged in rank order (the global maximum M, the total sum of exp(x - M)).
+    A global maximum, then a global sum, took two exchanges.
 
     Usage: ``Step(lambda t, combine: global_softmax(t, 2, combine, False), (xs, Combining(comm)), out=xs.spec)``"""
     shape = [1 if d == dim else s for d, s in enumerate(local.shape)]
-    part = local.amax(dim, keepdim=True) if local.numel() else local.new_full(shape, -math.inf)
-    top = combine(part.detach(), "max")
     acc = sum_dtype(local.dtype)
-    shifted = local - top if acc is None else local.to(acc) - top
-    total = combine(shifted.exp().sum(dim, keepdim=True), for_shards=True)
+    wide = local if acc is None else local.to(acc)
+    top = wide.detach().amax(dim, keepdim=True) if local.numel() else wide.new_full(shape, -math.inf)
+    shift = torch.where(top == -math.inf, 0.0, top)  # NOTE: a part all -inf (masked): its terms are 0, not nan
+    own = (wide - shift).exp().sum(dim, keepdim=True)
+    tops, sums = combine(torch.stack([top, own.detach()]).double(), how="parts", grad=False).unbind(1)
+    peak = tops.amax(0)
+    total = (sums * (tops - peak).exp()).sum(0).to(wide.dtype)
+    peak = peak.to(wide.dtype)
+    if own.requires_grad:  # NOTE: the maximum is a shift softmax does not depend on: only the sums carry gradients
+        total = _KnownTotal.apply(own * (shift - peak).exp(), total, combine)
+    shifted = wide - peak
     out = shifted - total.log() if log else shifted.exp() / total
     return out if acc is None else out.to(local.dtype)
 
