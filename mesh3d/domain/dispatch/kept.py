@@ -17,7 +17,7 @@ A signature is the function, the rule tables' version (a rule registered or drop
 and every argument: a wrapper tensor's spec, shard shape and strides, its own strides and storage offset, dtype and
 ``requires_grad``; a plain tensor's type, shape, strides, dtype, device and ``requires_grad``; any other value as
 itself (ints, floats, strings, dtypes, None, tuples of them). An argument of any other kind (a storage domain tensor,
-a DTensor, a list of lists, an object) takes the dispatcher; so do token grids and graphs, and blocks on one rank.
+a DTensor, a list of lists, an object) takes the dispatcher; so do graphs, and blocks and token grids on one rank.
 
 Never kept (each takes the dispatcher every time): a write (``add_``, ``out=``, ``inplace=True``); metadata, sizes and
 gradient calls (answered before); random draws and attention (a rule there draws from mesh3d's streams); a rule of
@@ -46,18 +46,19 @@ from mesh3d.domain.core.copied_views import has_copy_marks
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.settings import SETTINGS, DomainSettings
 from mesh3d.domain.core.shard_owners import SHARD_OWNERS
-from mesh3d.domain.core.specs import BlockSpec, DomainSpec, Layout
+from mesh3d.domain.core.specs import DomainSpec, Layout
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.dispatcher import dispatch
 from mesh3d.domain.dispatch.executor import STEP_TAP, run_kept, run_parts
 from mesh3d.domain.dispatch.elementwise_plan import ELEMENTWISE_PLANS
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
+from mesh3d.domain.dispatch.layout_registry import LAYOUTS
 from mesh3d.domain.dispatch.kept_steps import (
     KeptStep, may_plan_from_metadata, passes_one_tensor_twice, plans_from_metadata, template_of)
 from mesh3d.domain.dispatch.queries import DATA_QUERIES, is_global_size, is_metadata
 from mesh3d.domain.dispatch.registry import (
-    BLOCK_RULES, RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
+    RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process
 from mesh3d.domain.dispatch.writes import record_views
@@ -70,6 +71,7 @@ __all__ = ["KEPT", "KeptCalls"]
 _NOT_TORCH_ON_THE_SHARD = ("random_ops", "random_fills", "attention", "mixed_attention", "multihead")
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+_NOT_GRIDS = (Layout.SLAB, Layout.STRIDED, Layout.REPLICATED, Layout.GRAPH)  # NOTE: graph rules read edges' values
 #: The layouts a kept result may take (a strided result's rows are not its shard's dim: not checked here)
 _KEPT = (Layout.SLAB, Layout.REPLICATED)
 #: A kept signature whose calls take the dispatcher every time.
@@ -141,7 +143,7 @@ class KeptCalls:
         eligible = self._eligible.get(func)
         if eligible is None:
             eligible = self._eligible[func] = _eligibility(func)
-        mode, inplace_at, on_blocks = eligible
+        mode, inplace_at, grids = eligible
         if mode == _NEVER or (inplace_at is not None and writes_inplace(args, kwargs, inplace_at)):
             return dispatch(func, types, args, kwargs)
         if mode == _ELEMENTWISE:  # NOTE: read from the operands' metadata, cheaper than a signature's look-up
@@ -151,7 +153,7 @@ class KeptCalls:
                 return out
         try:
             with disable_torch_function_subclass():  # NOTE: requires_grad of a wrapper would take the walk
-                key = _signature(func, args, kwargs, on_blocks)
+                key = _signature(func, args, kwargs, grids)
         except _Unkept:
             return dispatch(func, types, args, kwargs)
         kept = self._kept.get(key)
@@ -221,22 +223,23 @@ class KeptCalls:
         return record_views(out, func, args, kwargs, answer)
 
 
-def _eligibility(func: Callable) -> tuple[int, int | None, bool]:
+def _eligibility(func: Callable) -> tuple[int, int | None, frozenset]:
     """What ``func``'s calls may keep (``_NEVER``, ``_SHARDS``, ``_VIEWS``, ``_ELEMENTWISE``), where it takes ``inplace``
-    positionally (None: it has no such argument), and whether its rule on blocks may be kept (else a call on blocks
-    takes the walk without paying for its signature)."""
+    positionally (None: it has no such argument), and the grid layouts (blocks, token grids) whose rule for it may be
+    kept (a call on another takes the walk without paying for its signature)."""
     if is_operator(func) or func in GRADIENT_CALLS or func in DATA_QUERIES or is_metadata(func) or \
             is_global_size(func) or writes_into_first(func) or func in ARGUMENTS_TORCH_DROPS:
         # NOTE: torch's call on the shard would miss what torch dropped on its way to __torch_function__; the rule
         # reads it back
-        return _NEVER, None, False
+        return _NEVER, None, frozenset()
     mode = _VIEWS if func in VIEW_FUNCTIONS else _ELEMENTWISE if ELEMENTWISE_PLANS.applies(func) else _SHARDS
     for table in (RULES, STRIDED_RULES):
         rule = table.get(func)
         where = getattr(rule, "__module__", None) or ""
         if rule is not None and (not where.startswith("mesh3d.domain.") or where.rsplit(".", 1)[-1] in _NOT_TORCH_ON_THE_SHARD):
-            return _NEVER, None, False  # NOTE: a rule of the user's own (``domain.register``) always runs
-    return mode, inplace_position(func), may_plan_from_metadata(BLOCK_RULES.get(func))
+            return _NEVER, None, frozenset()  # NOTE: a rule of the user's own (``domain.register``) always runs
+    return mode, inplace_position(func), frozenset(
+        e.layout for e in LAYOUTS if e.layout not in _NOT_GRIDS and may_plan_from_metadata(e.rules.get(func)))
 
 
 def _one_rank(args: tuple) -> bool:
@@ -270,20 +273,20 @@ def _kept_step(taken: tuple | None, args: tuple, kwargs: dict) -> Any:
     return _DISPATCHER
 
 
-def _signature(func: Callable, args: tuple, kwargs: dict, on_blocks: bool) -> tuple:
+def _signature(func: Callable, args: tuple, kwargs: dict, grids: frozenset) -> tuple:
     """The call's signature (module docstring), as one flat tuple: each argument's kind first, so no two calls'
     arguments give the same items (a sequence's length, each keyword's name after a marker, are among them);
-    ``_Unkept`` for blocks unless ``on_blocks``."""
+    ``_Unkept`` for a grid layout (blocks, a token grid) not among ``grids``."""
     key: list = [func, torch.is_grad_enabled()]
     for v in args:
-        _part(v, key, on_blocks)
+        _part(v, key, grids)
     if kwargs:
         if "out" in kwargs:
             raise _Unkept
         for k, v in kwargs.items():
             key.append(_KEYWORD)
             key.append(k)
-            _part(v, key, on_blocks)
+            _part(v, key, grids)
     return tuple(key)
 
 
@@ -291,12 +294,12 @@ def _signature(func: Callable, args: tuple, kwargs: dict, on_blocks: bool) -> tu
 _KEYWORD = object()
 
 
-def _part(v: Any, key: list, on_blocks: bool) -> None:
+def _part(v: Any, key: list, grids: frozenset) -> None:
     kind = type(v)
     if kind is WrappedDomainTensor:
         spec = v._spec
-        if type(spec) is not DomainSpec and (type(spec) is not BlockSpec or not on_blocks):
-            raise _Unkept  # NOTE: token grids and graphs take the walk; blocks where their rule may be kept
+        if type(spec) is not DomainSpec and spec.layout not in grids:
+            raise _Unkept  # NOTE: graphs take the walk; blocks and token grids where their rule may be kept
         local = v._local
         key += (kind, spec, local.shape, local.stride(), v._strides, v._offset, local.dtype, v.requires_grad)
     elif kind in _PLAIN:
@@ -306,12 +309,12 @@ def _part(v: Any, key: list, on_blocks: bool) -> None:
     elif kind is tuple or kind is list:
         key += (kind, len(v))
         for x in v:
-            _part(x, key, on_blocks)
+            _part(x, key, grids)
     elif kind is slice:  # NOTE: an index; a slice does not hash before Python 3.12
         key.append(kind)
-        _part(v.start, key, on_blocks)
-        _part(v.stop, key, on_blocks)
-        _part(v.step, key, on_blocks)
+        _part(v.start, key, grids)
+        _part(v.stop, key, grids)
+        _part(v.step, key, grids)
     elif v is Ellipsis:
         key.append(v)
     else:

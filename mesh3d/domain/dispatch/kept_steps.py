@@ -43,7 +43,8 @@ METADATA_RULE_MODULES = frozenset({
     "mesh3d.domain.ops.norm", "mesh3d.domain.ops.reduce", "mesh3d.domain.ops.unfold", "mesh3d.domain.ops.einsum",
     "mesh3d.domain.ops.interpolate", "mesh3d.domain.ops.order", "mesh3d.domain.ops.spectral",
     "mesh3d.domain.ops.vector_norms", "mesh3d.domain.ops.finite_differences", "mesh3d.domain.ops.blocks.rules",
-    "mesh3d.domain.ops.blocks.resample", "mesh3d.domain.ops.blocks.norms", "mesh3d.domain.ops.blocks.spectral"})
+    "mesh3d.domain.ops.blocks.resample", "mesh3d.domain.ops.blocks.norms", "mesh3d.domain.ops.blocks.spectral",
+    "mesh3d.domain.ops.tokens.rules"})
 
 _DATA = (int, float, bool, complex, str, bytes, type(None), type(Ellipsis), slice, range, torch.dtype, torch.device,
          torch.memory_format, torch.layout, torch.Size, LayoutSpec, DomainComm)

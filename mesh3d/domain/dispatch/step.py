@@ -30,7 +30,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["AllTokens", "Boxes", "Combining", "Entering", "LineRows", "Moved", "Narrowed", "OwnRows", "Partial",
+__all__ = ["AllTokens", "Boxes", "Combining", "Entering", "whole_operand", "LineRows", "Moved", "Narrowed", "OwnRows", "Partial",
            "Pencils", "PrefixTokens", "Reached", "Relaid", "Resplit", "Rows", "Step", "Whole"]
 
 
@@ -183,6 +183,21 @@ class Entering:
     """
 
     x: DomainTensor
+
+
+def whole_operand(t: Any, op: str) -> Any:
+    """An operand every shard uses whole (a weight, a bias) as a step takes it: a plain tensor or other value as it is;
+    a replicated domain tensor as ``Entering``; a sharded one refused by name (its shard is not the whole).
+
+    Usage: ``Step(F.linear, (xs, whole_operand(w, "F.linear"), whole_operand(b, "F.linear")), out=xs.spec)``
+    """
+    if not isinstance(t, DomainTensor):
+        return t
+    spec = t._spec
+    if type(spec) is not DomainSpec or spec.dim is not None:
+        raise NotImplementedError(f"{op} with a weight sharded over the domain ({spec}): every shard needs the whole "
+                                  "of it; gather it first (.full_tensor())")
+    return Entering(t)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.comm.collectives import sum_grad
 
 __all__ = ["blocks_to_tokens", "gather_all_tokens", "prefix_tokens", "slab_as_tokens", "token_full_tensor", "token_rows",
-           "tokens_to_blocks"]
+           "tokens_to_blocks", "blocks_spec"]
 
 
 def blocks_to_tokens(local: torch.Tensor, spec: BlockSpec) -> tuple[torch.Tensor, TokenSpec]:
@@ -54,9 +54,13 @@ def tokens_to_blocks(local: torch.Tensor, spec: TokenSpec) -> tuple[torch.Tensor
 
     Usage: ``g, bspec = tokens_to_blocks(unwrap(t), t.spec)``
     """
+    return local.unflatten(spec.token_dim, spec.local_grid), blocks_spec(spec)
+
+
+def blocks_spec(spec: TokenSpec) -> BlockSpec:
+    """The blocks a token grid's tokens unflatten into (``tokens_to_blocks``)."""
     d = spec.token_dim
-    dims = tuple(range(d, d + len(spec.sizes)))
-    return local.unflatten(d, spec.local_grid), BlockSpec(dims, spec.sizes, spec.lines, spec.comm)
+    return BlockSpec(tuple(range(d, d + len(spec.sizes))), spec.sizes, spec.lines, spec.comm)
 
 
 def gather_all_tokens(local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:

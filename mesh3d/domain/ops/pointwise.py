@@ -23,7 +23,7 @@ from mesh3d.domain.ops.idioms import cat_along_sharded, replicated_slice
 from mesh3d.domain.dispatch.registry import (
     BLOCK_RULES, RULES, STRIDED_RULES, TOKEN_RULES, op_name, register, writes_into_first)
 from mesh3d.domain.dispatch.elementwise_plan import plan_elementwise
-from mesh3d.domain.dispatch.step import Entering, Resplit, Step
+from mesh3d.domain.dispatch.step import Entering, Resplit, Step, whole_operand
 from mesh3d.domain.core.tensor import DomainTensor, detach_in_place, size_of
 from mesh3d.domain.layouts.transpose import move_sharding
 
@@ -190,7 +190,8 @@ def local_unless_sharded(func, x: DomainTensor, dims, what: str, *args, **kwargs
 @register(F.linear)
 def _linear(input, weight, bias=None) -> Step:
     # NOTE: the local product is not a view (``linear_not_a_view`` says why: FSDP2's hook on a Linear unit's output)
-    step = local_unless_sharded(F.linear, input, [-1], "Linear mixes the last dim", weight, bias)
+    step = local_unless_sharded(F.linear, input, [-1], "Linear mixes the last dim", whole_operand(weight, "F.linear"),
+                                whole_operand(bias, "F.linear"))
     return replace(step, compute=linear_not_a_view)
 
 

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.core.copied_views import made_as_copy, mark_copied_view
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.dispatch.kept_steps import metadata_rule
+from mesh3d.domain.ops.grid_local import LocalGrid, local_rules
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules, untouched_index
 from mesh3d.domain.ops.idioms import COMPLEX_PARTS, expand_index, index_without_tensors, slice_sizes
 from mesh3d.domain.dispatch.registry import BLOCK_RULES, op_name
-from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.split import split_sizes
@@ -45,22 +45,6 @@ def _spec(x: DomainTensor) -> BlockSpec:
 
 def _moved(spec: BlockSpec, dims: tuple[int, ...]) -> BlockSpec:
     return BlockSpec(dims, spec.sizes, spec.lines, spec.comm)
-
-
-@metadata_rule()
-def _transpose(input, dim0, dim1) -> Step:
-    spec = _spec(input)
-    d0, d1 = dim0 % input.ndim, dim1 % input.ndim
-    swap = {d0: d1, d1: d0}
-    out = _moved(spec, tuple(swap.get(d, d) for d in spec.dims))
-    return Step(lambda t: torch.transpose(t, d0, d1), (input,), out=out)
-
-
-@metadata_rule()
-def _permute(input, *dims) -> Step:
-    spec = _spec(input)
-    order = tuple(d % input.ndim for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims))
-    return Step(lambda t: t.permute(order), (input,), out=_moved(spec, tuple(order.index(d) for d in spec.dims)))
 
 
 def reshape_blocks(x: DomainTensor, target: list[int], op: str, view: bool) -> Any:
@@ -113,30 +97,12 @@ def _local_unless_block(op: str, x: DomainTensor, dims: list[int]) -> BlockSpec:
     return spec
 
 
-def _linear(input, weight, bias=None):
-    spec = _local_unless_block("torch.nn.functional.linear", input, [-1])  # NOTE: checked before the local product
-    return adopt(linear_not_a_view(unwrap(input), weight, bias), spec)
-
-
 def _softmax(func):
-    def rule(input, dim=None, *args, **kwargs):
+    @metadata_rule()
+    def rule(input, dim=None, *args, **kwargs) -> Step:
         spec = _local_unless_block("softmax", input, [dim])
-        return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
+        return Step(lambda t: func(t, dim, *args, **kwargs), (input,), out=spec)
     return rule
-
-
-def _splitter(func, name: str):
-    def rule(input, split_size_or_sections, dim=0):
-        spec = _local_unless_block(name, input, [dim])
-        return tuple(adopt(t, spec) for t in func(unwrap(input), split_size_or_sections, dim))
-    return rule
-
-
-def _unbind(input, dim=0):
-    spec = _local_unless_block("torch.unbind", input, [dim])
-    d = dim % input.ndim
-    out = _moved(spec, tuple(b - (d < b) for b in spec.dims))
-    return tuple(adopt(t, out) for t in torch.unbind(unwrap(input), d))
 
 
 @metadata_rule(when=index_without_tensors)
@@ -217,12 +183,13 @@ def _narrow(input, dim, start, length):
 def _complex_part(func):
     """Real and imaginary parts, conjugate, angle, ``view_as_real``: element by element (``view_as_real`` adds a last
     dim, ``view_as_complex`` takes one away: not a block dim)."""
-    def rule(input):
+    @metadata_rule()
+    def rule(input) -> Step:
         spec = _spec(input)
         if func is torch.view_as_complex and input.ndim - 1 in spec.dims:
             raise NotImplementedError("torch.view_as_complex of blocks split along their last dim (the (real, imag) "
                                       "pairs); call .full_tensor() first")
-        return adopt(func(unwrap(input)), spec)
+        return Step(func, (input,), out=spec)
 
     return rule
 
@@ -231,18 +198,16 @@ for _f in COMPLEX_PARTS:
     BLOCK_RULES.register(_f, _complex_part(_f))
 
 
+for _f, _rule in local_rules(LocalGrid(_spec, _local_unless_block,
+                                        lambda spec, new: _moved(spec, tuple(new(d) for d in spec.dims)), "blocks")).items():
+    BLOCK_RULES.register(_f, _rule)
 for _funcs, _rule in (
     ((torch.Tensor.__getitem__,), _getitem),
     ((torch.narrow, torch.Tensor.narrow), _narrow),
-    ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
-    ((torch.permute, torch.Tensor.permute), _permute),
-    ((F.linear,), _linear),
-    ((torch.chunk, torch.Tensor.chunk), _splitter(torch.chunk, "torch.chunk")),
-    ((torch.split, torch.Tensor.split), _splitter(torch.split, "torch.split")),
-    ((torch.unbind, torch.Tensor.unbind), _unbind),
-    ((F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax), None),
 ):
     for _f in _funcs:
-        BLOCK_RULES.register(_f, _rule if _rule is not None else _softmax(_f))
+        BLOCK_RULES.register(_f, _rule)
+for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
+    BLOCK_RULES.register(_f, _softmax(_f))
 for _f, _rule in shape_rules(reshape_blocks).items():
     BLOCK_RULES.register(_f, metadata_rule()(_rule))  # NOTE: its move to slabs is no step: nothing kept of it

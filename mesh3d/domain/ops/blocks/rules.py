@@ -129,19 +129,6 @@ for _f in ELEMENTWISE:
     BLOCK_RULES.register(_f, elementwise_rule(_f))
 
 
-def _view_as(input, other):
-    # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input to hook its backward: exact on an identically
-    # laid out block of the same shape; anything else would reinterpret rows across blocks.
-    if isinstance(input, DomainTensor) and isinstance(other, DomainTensor) and input._spec == other._spec \
-            and size_of(input) == size_of(other):
-        return adopt(unwrap(input).view_as(unwrap(other)), _spec_of(input))
-    raise NotImplementedError("torch.Tensor.view_as on blocks: only onto an identically laid out block tensor of "
-                              "the same shape; call .full_tensor() first")
-
-
-BLOCK_RULES.register(torch.Tensor.view_as, _view_as)
-
-
 # ----------------------------------------------------------------------------- convolution
 def _ints(v, n: int) -> tuple[int, ...]:
     return tuple(v) if isinstance(v, (tuple, list)) else (v,) * n

@@ -21,20 +21,21 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.ops.blocks.norms import CHANNEL_NORMS
 from mesh3d.domain.ops.blocks.rules import local_reduction, reduction_rules, run_elementwise
+from mesh3d.domain.ops.grid_local import LocalGrid, local_rules
 from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
+from mesh3d.domain.dispatch.kept_steps import metadata_rule
 from mesh3d.domain.dispatch.step import AllTokens, Combining, Entering, Step
 from mesh3d.domain.ops.reduce import global_softmax, total_step
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import Layout, sharded_dims
-from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
 from mesh3d.domain.core.specs import TokenSpec
-from mesh3d.domain.layouts.tokens import tokens_to_blocks
+from mesh3d.domain.layouts.tokens import blocks_spec
 from mesh3d.domain.layouts.tokens import slab_as_tokens, token_rows
 
 __all__ = ["elementwise_rule"]
@@ -70,7 +71,7 @@ def elementwise_rule(func: Callable) -> Callable:
 
         def local(o):
             if not isinstance(o, torch.Tensor) or _is_grid(o):
-                return unwrap(o)
+                return o  # NOTE: the call's own tensor, which the executor unwraps: a kept step binds the next call's
             if isinstance(o, DomainTensor) and o._spec.layout is Layout.SLAB and o.ndim == ref.ndim \
                     and o._spec.dim == spec.token_dim and spec.keys is None and o._spec.comm == spec.comm:
                 return slab_as_tokens(o, spec)  # a Swin's window output (its windows ran on slabs) meets its shortcut
@@ -119,14 +120,6 @@ def _matmul(input, other, *, out=None):
                               "tokens at dim -2, keys' at -1) and scores @ v with v the tokens the keys came from")
 
 
-def _view_as(input, other):
-    # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input: exact on an identically laid out grid.
-    if _is_grid(input) and _is_grid(other) and input._spec == other._spec and size_of(input) == size_of(other):
-        return adopt(unwrap(input).view_as(unwrap(other)), input._spec)
-    raise NotImplementedError("torch.Tensor.view_as on a token grid: only onto an identically laid out token grid "
-                              "of the same shape; call .full_tensor() first")
-
-
 # ----------------------------------------------------------------------------- dims and shapes
 def _local_unless_tokens(op: str, x: DomainTensor, dims) -> TokenSpec:
     spec = _spec(x)
@@ -136,62 +129,31 @@ def _local_unless_tokens(op: str, x: DomainTensor, dims) -> TokenSpec:
     return spec
 
 
-def _transpose(input, dim0, dim1):
-    d0, d1 = dim0 % input.ndim, dim1 % input.ndim
-    swap = {d0: d1, d1: d0}
-    return adopt(torch.transpose(unwrap(input), d0, d1), _spec(input, scores=True).moved(lambda d: swap.get(d, d)))
-
-
-def _permute(input, *dims):
-    order = tuple(d % input.ndim for d in (dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims))
-    return adopt(unwrap(input).permute(order), _spec(input, scores=True).moved(order.index))
-
-
-def reshape_tokens(x: DomainTensor, target: list[int], op: str, view: bool) -> DomainTensor:
+def reshape_tokens(x: DomainTensor, target: list[int], op: str, view: bool) -> Step:
     """``x`` reshaped keeping its token dim, or with the tokens split back into this rank's block; else a refusal.
 
-    Usage: ``g = reshape_tokens(t, [b, c, h, w], "torch.reshape", view=False)  # blocks again``
+    Usage: ``g = run_step(reshape_tokens(t, [b, c, h, w], "torch.reshape", view=False))  # blocks again``
     """
-    spec, local = _spec(x), unwrap(x)
-    shape, whole, d = list(local.shape), list(size_of(x)), spec.token_dim
-    reshape = local.view if view else local.reshape
-    grid = list(spec.local_grid)
-    placed = localized(place_run(target, whole, d, d, list(spec.grid_shape)), grid) \
+    spec = _spec(x)
+    shape, whole, d = list(unwrap(x).shape), list(size_of(x)), spec.token_dim
+    grid = spec.local_grid
+    placed = localized(place_run(target, whole, d, d, list(spec.grid_shape)), list(grid)) \
         if len(grid) > 1 and not spec.prefix else None
     if placed is not None:
         at, full = placed
-        blocks, bspec = tokens_to_blocks(reshape([*full[:at], math.prod(grid), *full[at + len(grid):]]),
-                                         spec.with_token_dim(at))
-        return adopt(blocks, bspec)
+        merged = [*full[:at], math.prod(grid), *full[at + len(grid):]]
+        return Step((lambda t: t.view(merged).unflatten(at, grid)) if view else
+                    (lambda t: t.reshape(merged).unflatten(at, grid)), (x,), out=blocks_spec(spec.with_token_dim(at)))
     placed = localized(place_run(target, whole, d, d, [whole[d]]), [shape[d]])
     if placed is not None:
         at, full = placed
-        return adopt(reshape(full), spec.with_token_dim(at))
+        return Step((lambda t: t.view(full)) if view else (lambda t: t.reshape(full)), (x,), out=spec.with_token_dim(at))
     raise NotImplementedError(
         f"{op}{tuple(target)} of a token grid of shape {tuple(whole)} (tokens along dim {d}, this rank's "
         f"block {tuple(grid)}{f', {spec.prefix} prefix tokens' if spec.prefix else ''}) would mix tokens with other "
         "dims. Keep the token dim (split and merge the others), or split it into this rank's block, "
         "reshape(b, c, h, w) with h, w from the patch embedding's .shape (drop prefix tokens first: t[:, 1:]); "
         "call .full_tensor() otherwise")
-
-
-def _unbind(input, dim=0):
-    spec = _local_unless_tokens("torch.unbind", input, [dim])
-    d = dim % input.ndim
-    out_spec = spec.with_token_dim(spec.token_dim - (d < spec.token_dim))
-    return tuple(adopt(t, out_spec) for t in torch.unbind(unwrap(input), d))
-
-
-def _splitter(func: Callable, name: str) -> Callable:
-    def rule(input, split_size_or_sections, dim=0):
-        spec = _local_unless_tokens(name, input, [dim])
-        return tuple(adopt(t, spec) for t in func(unwrap(input), split_size_or_sections, dim))
-    return rule
-
-
-def _linear(input, weight, bias=None):
-    spec = _local_unless_tokens("torch.nn.functional.linear", input, [-1])  # NOTE: checked before the local product
-    return adopt(linear_not_a_view(unwrap(input), weight, bias), spec)
 
 
 def _pointwise_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -202,13 +164,13 @@ def _pointwise_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1,
         raise NotImplementedError("F.conv1d on a token grid: only kernel size 1, stride 1, no padding (channel "
                                   "mixing per token) is supported; reshape the tokens back to the grid for a "
                                   "spatial convolution")
-    return adopt(F.conv1d(unwrap(input), weight, bias, 1, 0, 1, groups), spec)
+    return Step(lambda t, w, b: F.conv1d(t, w, b, 1, 0, 1, groups), (input, weight, bias), out=spec)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     dims = range(input.ndim - len(normalized_shape), input.ndim)
     spec = _local_unless_tokens("torch.nn.functional.layer_norm", input, dims)
-    return adopt(F.layer_norm(unwrap(input), normalized_shape, weight, bias, eps), spec)
+    return Step(lambda t, w, b: F.layer_norm(t, normalized_shape, w, b, eps), (input, weight, bias), out=spec)
 
 
 def _softmax(func):
@@ -219,30 +181,33 @@ def _softmax(func):
                 raise NotImplementedError(f"{op_name(func)} over the token dim with a dtype: cast first")
             log, d, comm = "log_softmax" in op_name(func), spec.token_dim, spec.comm
             return Step(lambda t, combine: global_softmax(t, d, combine, log), (input, Combining(comm)), out=spec)
-        return adopt(func(unwrap(input), dim, *args, **kwargs), spec)
+        return Step(lambda t: func(t, dim, *args, **kwargs), (input,), out=spec)
     return rule
 
 
 # ----------------------------------------------------------------------------- reductions and losses
 def _reduce(x: DomainTensor, kind: str, dim=None, keepdim: bool = False):
-    spec, local = _spec(x), unwrap(x)
+    spec = _spec(x)
     dims = list(range(x.ndim)) if dim is None or dim == [] or dim == () else sorted(
         d % x.ndim for d in ([dim] if isinstance(dim, int) else dim))
     if spec.token_dim not in dims:  # every rank reduces its own tokens
-        shift = 0 if keepdim else sum(d < spec.token_dim for d in dims)
-        return adopt(local_reduction(local, kind, dims, keepdim, dim is None), spec.with_token_dim(spec.token_dim - shift))
+        shift, whole = 0 if keepdim else sum(d < spec.token_dim for d in dims), dim is None
+        return Step(lambda t: local_reduction(t, kind, dims, keepdim, whole), (x,),
+                    out=spec.with_token_dim(spec.token_dim - shift))
     return total_step(x, kind, dim, dims, keepdim, spec.comm, full_kernel=False)  # the parts combined by the executor
 
 
 def _adaptive_avg_pool1d(input, output_size):
     """A pooler over the tokens (Hugging Face Swin's ``AdaptiveAvgPool1d(1)`` on (B, C, N)): their mean; over another
     dim, local. Other output sizes along the tokens would pool runs of the global token order: refused."""
-    spec, local = _spec(input), unwrap(input)
+    spec = _spec(input)
     size = output_size[0] if isinstance(output_size, (tuple, list)) else output_size
     if spec.token_dim != input.ndim - 1:
-        if local.numel() == 0:  # NOTE: torch's backward refuses an empty batch-like dim (an empty block's tokens)
-            return adopt(connected_zeros(local, [*local.shape[:-1], size], local), spec)
-        return adopt(F.adaptive_avg_pool1d(local, output_size), spec)
+        def pooled(t: torch.Tensor) -> torch.Tensor:
+            if t.numel() == 0:  # NOTE: torch's backward refuses an empty batch-like dim (an empty block's tokens)
+                return connected_zeros(t, [*t.shape[:-1], size], t)
+            return F.adaptive_avg_pool1d(t, output_size)
+        return Step(pooled, (input,), out=spec)
     if size != 1:
         raise NotImplementedError(
             f"torch.adaptive_avg_pool1d to {size} outputs along the tokens of a token grid: each output would pool a "
@@ -252,15 +217,11 @@ def _adaptive_avg_pool1d(input, output_size):
 
 for _f in ELEMENTWISE:
     TOKEN_RULES.register(_f, elementwise_rule(_f))
+for _f, _rule in local_rules(LocalGrid(lambda x: _spec(x, scores=True), _local_unless_tokens,
+                                        lambda spec, new: spec.moved(new), "a token grid")).items():
+    TOKEN_RULES.register(_f, _rule)
 for _funcs, _rule in (
-    ((torch.Tensor.view_as,), _view_as),
     ((torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__), _matmul),
-    ((torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes), _transpose),
-    ((torch.permute, torch.Tensor.permute), _permute),
-    ((torch.unbind, torch.Tensor.unbind), _unbind),
-    ((torch.chunk, torch.Tensor.chunk), _splitter(torch.chunk, "torch.chunk")),
-    ((torch.split, torch.Tensor.split), _splitter(torch.split, "torch.split")),
-    ((F.linear,), _linear),
     ((F.layer_norm,), _layer_norm),
     ((F.conv1d,), _pointwise_conv1d),
     ((F.adaptive_avg_pool1d, torch.adaptive_avg_pool1d), _adaptive_avg_pool1d),
@@ -272,6 +233,6 @@ for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Ten
 for _f, _rule in reduction_rules(_reduce, "a token grid").items():
     TOKEN_RULES.register(_f, _rule)
 for _f, _rule in shape_rules(reshape_tokens).items():
-    TOKEN_RULES.register(_f, _rule)
+    TOKEN_RULES.register(_f, metadata_rule()(_rule))
 for _f, _rule in CHANNEL_NORMS.items():
     TOKEN_RULES.register(_f, _rule)
