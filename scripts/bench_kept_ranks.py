@@ -5,6 +5,7 @@ Usage (2 gloo ranks on this machine; the table goes to rank 0's stdout, and ``--
 
     python -m torch.distributed.run --standalone --nproc-per-node 2 scripts/bench_kept_ranks.py --json out.json
     python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/bench_kept_ranks.py --blocks  # 2x2 blocks
+    python -m torch.distributed.run --standalone --nproc-per-node 4 scripts/bench_kept_ranks.py --tokens  # a token grid
     python scripts/bench_kept_ranks.py --plot kept.png run1.json run2.json   # kept / walk per op and run, no ranks
     python scripts/bench_kept_ranks.py --plot-change change.png before1.json,before2.json after1.json,after2.json
 
@@ -12,7 +13,8 @@ Each op of ``OPS`` runs ``--calls`` times in a loop on a 1x4x16x16 field sharded
 thread a rank, the ranks in step (a barrier before each loop); the contenders take turns, round by round, and each
 keeps its best round's median (the machine may be shared). A halo exchange's own cost (messages between the ranks) is
 in both; what differs is the walk and the rule's planning. ``--blocks``: the field as 2x2 blocks over dims 2 and 3 (4
-ranks); an op the blocks refuse is left out.
+ranks); an op the blocks refuse is left out. ``--tokens``: those blocks flattened into a token grid (1, 256, 4), timed
+on a ViT block's ops (``token_ops``).
 """
 
 from __future__ import annotations
@@ -53,16 +55,31 @@ def ops(w1: torch.Tensor, w3: torch.Tensor, gn: tuple[torch.Tensor, torch.Tensor
     }
 
 
-def per_call(fn, t: torch.Tensor, n: int) -> float:
+def token_ops(w: torch.Tensor, ln: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """The ops timed on a token grid (``--tokens``): a ViT block's, between its patch embedding and its head."""
+    return {
+        "add": lambda t: t + 1.0,
+        "gelu": F.gelu,
+        "linear": lambda t: F.linear(t, w),
+        "layer_norm": lambda t: F.layer_norm(t, (t.shape[-1],), *ln),
+        "transpose": lambda t: t.transpose(1, 2),
+        "softmax over channels": lambda t: torch.softmax(t, -1),
+        "chunk": lambda t: t.chunk(2, -1),
+        "sum over channels": lambda t: t.sum(-1),
+        "mean over tokens": lambda t: t.mean(1),
+    }
+
+
+def per_call(fn, t: torch.Tensor, n: int, clock=time.perf_counter) -> float:
     for _ in range(n // 4):
         fn(t)
     times = []
     for _ in range(3):
         dist.barrier()
-        start = time.perf_counter()
+        start = clock()
         for _ in range(n):
             fn(t)
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
     return statistics.median(times) / n
 
 
@@ -138,18 +155,25 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", default=None)
     parser.add_argument("--blocks", action="store_true", help="2x2 blocks over dims 2 and 3 (4 ranks)")
+    parser.add_argument("--tokens", action="store_true", help="the 2x2 blocks flattened into a token grid (4 ranks)")
+    parser.add_argument("--cpu", action="store_true", help="time this thread's CPU (more ranks than cores: the host "
+                        "cost without the waits for a core; a message's wait on its peer is left out too)")
     parser.add_argument("--ops", default=None, help="comma-separated names of OPS to run (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    dm = DistributedManager.initialize(batch=1, domain=(2, 2) if args.blocks else -1)
+    grid = args.blocks or args.tokens
+    dm = DistributedManager.initialize(batch=1, domain=(2, 2) if grid else -1)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 4, 16, 16, generator=g)
     w1, w3 = torch.randn(4, 4, 1, 1, generator=g), torch.randn(4, 4, 3, 3, generator=g)
     gn = (torch.randn(4, generator=g), torch.randn(4, generator=g))
-    xs = domain.shard(x, dims=(2, 3)) if args.blocks else domain.shard(x, dim=2)
-    local = xs.to_local()
+    xs = domain.shard(x, dims=(2, 3)) if grid else domain.shard(x, dim=2)
+    timed = ops(w1, w3, gn, torch.randn(1, 4, 16, 16, generator=g))
+    if args.tokens:  # NOTE: (1, 256 tokens, 4 channels), 64 tokens a rank
+        xs, timed = xs.flatten(2).transpose(1, 2), token_ops(torch.randn(4, 4, generator=g), gn)
+    local, clock = xs.to_local(), time.thread_time if args.cpu else time.perf_counter
     table = {}
-    for name, fn in ops(w1, w3, gn, torch.randn(1, 4, 16, 16, generator=g)).items():
+    for name, fn in timed.items():
         if args.ops and name not in args.ops.split(","):
             continue
         try:
@@ -158,19 +182,22 @@ def main() -> None:
             continue
         best = {"shard": float("inf"), "kept": float("inf"), "walk": float("inf")}
         for _ in range(args.rounds):
-            best["shard"] = min(best["shard"], per_call(fn, local, args.calls))
-            best["kept"] = min(best["kept"], per_call(fn, xs, args.calls))
+            best["shard"] = min(best["shard"], per_call(fn, local, args.calls, clock))
+            best["kept"] = min(best["kept"], per_call(fn, xs, args.calls, clock))
             with KEPT.off():
-                best["walk"] = min(best["walk"], per_call(fn, xs, args.calls))
+                best["walk"] = min(best["walk"], per_call(fn, xs, args.calls, clock))
         table[name] = {k: v * 1e6 for k, v in best.items()}
     if dist.get_rank() == 0:
-        print(f"domain={dm.axis_size('domain')}{' (2x2 blocks)' if args.blocks else ''}, torch {torch.__version__}, one thread a rank, us per call")
+        kind = " (a token grid of 2x2 blocks)" if args.tokens else " (2x2 blocks)" if args.blocks else ""
+        print(f"domain={dm.axis_size('domain')}{kind}, torch {torch.__version__}, one thread a rank, us per call"
+              f"{' (CPU time)' if args.cpu else ''}")
         print(f"{'op':20s} {'shard alone':>12s} {'kept':>8s} {'walk':>8s} {'kept/walk':>10s}")
         for name, t in table.items():
             print(f"{name:20s} {t['shard']:12.1f} {t['kept']:8.1f} {t['walk']:8.1f} {t['kept'] / t['walk']:10.2f}")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"domain": dm.axis_size("domain"), "blocks": args.blocks, "torch": torch.__version__, "ops": table}, f, indent=1)
+                json.dump({"domain": dm.axis_size("domain"), "blocks": args.blocks, "tokens": args.tokens, "cpu": args.cpu,
+                       "torch": torch.__version__, "ops": table}, f, indent=1)
     DistributedManager.shutdown()
 
 
