@@ -205,39 +205,3 @@ def test_neighbourhood_attention_on_plain_tensors_is_the_windowed_softmax():
     with pytest.raises(ValueError, match="one per grid dim"):
         neighbourhood_attention(q, k, v, radius=(1, 2, 3), grid=(3, 4))
 
-
-def _computed_weight_body():
-    """A Linear whose weight is computed from the domain (a replicated domain tensor) on tokens, channels-last blocks
-    and slabs, called twice (the second from the step kept of the first, ``dispatch.kept``): values and the gradients of
-    the input and of the leaf weight against one process."""
-    from mesh3d import DistributedManager, domain
-    from mesh3d.domain.dispatch.kept import KEPT
-
-    DistributedManager.initialize(batch=1, domain=(2, 2))
-    layouts = {"tokens": lambda e: e.flatten(2).transpose(1, 2), "channels-last blocks": lambda e: e.permute(0, 2, 3, 1),
-               "channels-last slabs": lambda e: e.permute(0, 2, 3, 1)}
-    errors, hits = {}, KEPT.hits
-    for name, arrange in layouts.items():
-        for call in range(2):
-            g = torch.Generator().manual_seed(call)
-            x, w = torch.randn(2, 3, 6, 4, dtype=torch.float64, generator=g), torch.randn(5, 3, dtype=torch.float64)
-            x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
-            ref = F.linear(arrange(x1), w1 * x1.mean())
-            (ref ** 2).sum().backward()
-            xs = domain.shard(x, dim=2, sizes=(2, 0, 3, 1)) if "slabs" in name else \
-                domain.shard(x, dims=(2, 3), sizes=((5, 1), (0, 4)))
-            xs, wd = xs.requires_grad_(), w.clone().requires_grad_()
-            got = F.linear(arrange(xs), wd * xs.mean())
-            (got ** 2).sum().backward()
-            errors[f"{name} #{call}"] = max(max_err(got.full_tensor().to_local(), ref),
-                                            max_err(xs.grad.full_tensor().to_local(), x1.grad),
-                                            max_err(domain_sum(wd.grad), w1.grad))
-    return errors, KEPT.hits - hits
-
-
-def test_a_weight_computed_from_the_domain_enters_every_token_block_and_slab(ranks):
-    """The replicated weight's gradient is summed over the domain on its way back (``step.Entering``), as one process
-    sums it over every token; its second call is kept and equal too."""
-    for errors, hits in ranks.run(4, _computed_weight_body):
-        assert max(errors.values()) < TOL, errors
-        assert hits > 0

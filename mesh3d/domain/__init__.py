@@ -33,7 +33,7 @@ from mesh3d.domain.dispatch.elementwise_plan import ELEMENTWISE_PLANS
 from mesh3d.domain.dispatch.kept import KEPT
 from mesh3d.domain.dispatch.query_answers import QUERIES, WRAPPED_QUERIES
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.step import Combining, Entering, Moved, Partial, Resplit, Rows, Step
+from mesh3d.domain.dispatch.step import Combining, Entering, Moved, Partial, Resplit, Rows, Step, whole_operand
 from mesh3d.domain.graph import edge_index, nodes_from_local, nodes_from_tokens, shard_edges, shard_nodes, tokens_from_nodes
 from mesh3d.domain.halo.overlap import window_overlap
 from mesh3d.domain.halo.windows import Extended, Window, plan_window
@@ -113,6 +113,7 @@ __all__ = [
     "split_sizes",
     "tokens_from_nodes",
     "whole_dim",
+    "whole_operand",
     "window",
     "window_overlap",
 ]

@@ -195,8 +195,9 @@ def whole_operand(t: Any, op: str) -> Any:
         return t
     spec = t._spec
     if type(spec) is not DomainSpec or spec.dim is not None:
-        raise NotImplementedError(f"{op} with a weight sharded over the domain ({spec}): every shard needs the whole "
-                                  "of it; gather it first (.full_tensor())")
+        raise NotImplementedError(f"{op}: a weight, bias or running statistic sharded over the domain ({spec}); every "
+                                  "shard needs the whole of it: pass a plain tensor (the module's own), or "
+                                  ".full_tensor() of it")
     return Entering(t)
 
 

@@ -30,7 +30,7 @@ from mesh3d.domain.ops.reshape import reshaped, target_shape
 from mesh3d.domain.dispatch.registry import register
 from mesh3d.domain.dispatch.kept_steps import metadata_rule
 from mesh3d.domain.core.split import offsets_of
-from mesh3d.domain.dispatch.step import Entering, OwnRows, Step
+from mesh3d.domain.dispatch.step import Entering, OwnRows, Step, whole_operand
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap, wrap
 
@@ -244,8 +244,8 @@ def _embedding(input, weight, padding_idx=None, max_norm=None, norm_type=2.0, sc
         )
     if not isinstance(input, DomainTensor) or input.spec.dim is None:
         raise NotImplementedError("F.embedding with a domain-sharded weight is not supported; shard the ids")
-    return Step(lambda ids, w: F.embedding(ids, w, padding_idx, None, norm_type, False, sparse), (input, weight),
-                out=input.spec)
+    return Step(lambda ids, w: F.embedding(ids, w, padding_idx, None, norm_type, False, sparse),
+                (input, whole_operand(weight, "F.embedding")), out=input.spec)
 
 
 def _shifted(x: DomainTensor, new_ndim: int) -> DomainSpec:

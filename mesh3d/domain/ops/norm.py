@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.step import Combining, Entering, Step
+from mesh3d.domain.dispatch.step import Combining, Step, whole_operand
 from mesh3d.domain.core.linear import recordable
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.ops.moments import merged_moments
@@ -123,11 +123,7 @@ def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
 def _entering(op: str, *params: Any) -> tuple:
     """A norm's weight, bias or running statistics as its step's arguments: a plain tensor as it is; a replicated domain
     tensor entering every rank's shard (its gradient summed over the domain, ``Entering``)."""
-    for p in params:
-        if isinstance(p, DomainTensor) and p.spec.dim is not None:
-            raise NotImplementedError(f"{op}: a weight, bias or running statistic sharded over the domain; pass a plain "
-                                      "tensor (the module's parameter), or x.full_tensor() of it")
-    return tuple(Entering(p) if isinstance(p, DomainTensor) else p for p in params)
+    return tuple(whole_operand(p, op) for p in params)
 
 
 def _check(op: str, x: DomainTensor) -> None:
@@ -212,7 +208,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> Step:
     first = input.ndim - len(normalized_shape)
     if input.spec.dim < first or input.spec.comm.size == 1:
-        return Step(F.layer_norm, (input, normalized_shape, weight, bias, eps), out=input.spec)
+        return Step(F.layer_norm, (input, normalized_shape, *_entering("F.layer_norm", weight, bias), eps), out=input.spec)
     count = math.prod(input.global_shape[first:])
     at = input.spec.dim - first
     offset, rows = input.offset, input.spec.sizes[input.spec.comm.index]

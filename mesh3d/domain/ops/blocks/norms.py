@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.registry import BLOCK_RULES
-from mesh3d.domain.dispatch.step import Combining, Step
+from mesh3d.domain.dispatch.step import Combining, Step, whole_operand
 from mesh3d.domain.ops.norm import normalize, rounded_like
 
 __all__ = ["CHANNEL_NORMS"]
@@ -35,6 +35,12 @@ def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
     return y + bias.view(shape) if bias is not None else y
 
 
+def _whole(op: str, *params: Any) -> tuple:
+    """The weight, bias and running statistics as step arguments (``step.whole_operand``): never captured by the
+    step's function, so a weight computed from the domain enters with its gradient summed and the step is kept."""
+    return tuple(whole_operand(p, op) for p in params)
+
+
 def _spatial(x: DomainTensor, op: str) -> Any:
     """Blocks, or a token grid ``(N, C, tokens)`` (the norms are the same: statistics over the whole domain)."""
     spec = x._spec
@@ -47,12 +53,13 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
     spec = _spatial(input, "F.group_norm")
     count = (input.shape[1] // num_groups) * math.prod(input.global_shape[2:])
 
-    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
+    def norm(local: torch.Tensor, weight: Any, bias: Any, combine: Callable) -> torch.Tensor:
         n, c = local.shape[:2]
         grouped = local.reshape(n, num_groups, c // num_groups, math.prod(local.shape[2:]))
         y, _, _ = normalize(grouped, [2, 3], count, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y.reshape(local.shape), weight, bias), local)
-    return Step(norm, (input, Combining(spec.comm)), out=spec)  # NOTE: the statistics combine in compute, as on slabs
+    # NOTE: the statistics combine in compute, as on slabs
+    return Step(norm, (input, *_whole("F.group_norm", weight, bias), Combining(spec.comm)), out=spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -63,42 +70,45 @@ def _update_running(running, value, momentum) -> None:
 
 def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     spec = _spatial(input, "F.batch_norm")
+    params = _whole("F.batch_norm", running_mean, running_var, weight, bias)
     if not training:
-        return Step(lambda local: F.batch_norm(local, running_mean, running_var, weight, bias, False, momentum, eps),
-                    (input,), out=spec)
+        return Step(lambda local, rm, rv, w, b: F.batch_norm(local, rm, rv, w, b, False, momentum, eps),
+                    (input, *params), out=spec)
     count = input.global_shape[0] * math.prod(input.global_shape[2:])
 
-    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
+    def norm(local: torch.Tensor, running_mean: Any, running_var: Any, weight: Any, bias: Any,
+             combine: Callable) -> torch.Tensor:
         y, mean, var = normalize(local, [0, *range(2, local.ndim)], count, eps, combine, affine=(weight, bias))
         _update_running(running_mean, mean.flatten(), momentum)
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
         return rounded_like(_affine(y, weight, bias), local)
-    return Step(norm, (input, Combining(spec.comm)), out=spec)
+    return Step(norm, (input, *params, Combining(spec.comm)), out=spec)
 
 
 def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias=None, use_input_stats=True,
                    momentum=0.1, eps=1e-5):
     spec = _spatial(input, "F.instance_norm")
     if not use_input_stats:
-        return Step(lambda local: F.instance_norm(local, running_mean, running_var, weight, bias, False, momentum, eps),
-                    (input,), out=spec)
+        return Step(lambda local, rm, rv, w, b: F.instance_norm(local, rm, rv, w, b, False, momentum, eps),
+                    (input, *_whole("F.instance_norm", running_mean, running_var, weight, bias)), out=spec)
     if running_mean is not None or running_var is not None:
         raise NotImplementedError("F.instance_norm with track_running_stats on blocks: use slabs, or "
                                   "track_running_stats=False")
     count = math.prod(input.global_shape[2:])
 
-    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
+    def norm(local: torch.Tensor, weight: Any, bias: Any, combine: Callable) -> torch.Tensor:
         y, _, _ = normalize(local, list(range(2, local.ndim)), count, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y, weight, bias), local)
-    return Step(norm, (input, Combining(spec.comm)), out=spec)
+    return Step(norm, (input, *_whole("F.instance_norm", weight, bias), Combining(spec.comm)), out=spec)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     spec = _spec_of(input)
     first = input.ndim - len(normalized_shape)
     axes = [axis for axis, d in enumerate(spec.dims) if d >= first]
+    params = _whole("F.layer_norm", weight, bias)
     if not axes:  # the normalized dims are whole here (channels-last tokens): torch's kernel
-        return Step(lambda local: F.layer_norm(local, normalized_shape, weight, bias, eps), (input,), out=spec)
+        return Step(lambda local, w, b: F.layer_norm(local, normalized_shape, w, b, eps), (input, *params), out=spec)
     if len(axes) == len(spec.dims):
         comm = spec.comm
     elif len(axes) == 1:
@@ -108,7 +118,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
                                   "one block dim or all of them")
     count = math.prod(input.global_shape[first:])
 
-    def norm(local: torch.Tensor, combine: Callable) -> torch.Tensor:
+    def norm(local: torch.Tensor, weight: Any, bias: Any, combine: Callable) -> torch.Tensor:
         y, _, _ = normalize(local, list(range(first, local.ndim)), count, eps, combine, affine=(weight, bias))
         w, b = weight, bias  # the affine parameters vary along the block dims: this rank's block of them
         for d, start, rows in zip(spec.dims, spec.offsets, spec.local_sizes):
@@ -117,7 +127,7 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
                 b = b.narrow(d - first, start, rows) if b is not None else None
         y = y * w if w is not None else y
         return rounded_like(y + b if b is not None else y, local)
-    return Step(norm, (input, Combining(comm)), out=spec)
+    return Step(norm, (input, *params, Combining(comm)), out=spec)
 
 
 for _func, _rule in ((F.group_norm, _group_norm), (F.batch_norm, _batch_norm), (F.instance_norm, _instance_norm),

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from mesh3d._torch_private import linear_not_a_view
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES, op_name
+from mesh3d.domain.dispatch.step import Step, whole_operand
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.graph.common import VALUE_KEEPING, graph_spec_of, is_graph, rows_for, sharded_at
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
@@ -67,12 +68,15 @@ def _features_only(op: str, x: DomainTensor, dims) -> None:
 
 def _linear(input, weight, bias=None):
     _features_only("torch.nn.functional.linear", input, [-1])
-    return adopt(linear_not_a_view(unwrap(input), unwrap(weight), unwrap(bias)), graph_spec_of(input).replaced(endpoint=None))
+    return Step(linear_not_a_view, (input, whole_operand(weight, "F.linear"), whole_operand(bias, "F.linear")),
+                out=graph_spec_of(input).replaced(endpoint=None))
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     _features_only("torch.nn.functional.layer_norm", input, range(input.ndim - len(normalized_shape), input.ndim))
-    return adopt(F.layer_norm(unwrap(input), normalized_shape, weight, bias, eps), graph_spec_of(input))
+    return Step(lambda t, w, b: F.layer_norm(t, normalized_shape, w, b, eps),
+                (input, whole_operand(weight, "F.layer_norm"), whole_operand(bias, "F.layer_norm")),
+                out=graph_spec_of(input))
 
 
 def _softmax(func: Callable) -> Callable:

@@ -14,6 +14,7 @@ An op without a rule here raises naming it (``registry.TOKEN_RULES``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import replace
@@ -28,7 +29,7 @@ from mesh3d.domain.ops.grid_reshape import localized, place_run, shape_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
 from mesh3d.domain.dispatch.kept_steps import metadata_rule
-from mesh3d.domain.dispatch.step import AllTokens, Combining, Entering, Step
+from mesh3d.domain.dispatch.step import AllTokens, Combining, Entering, Step, whole_operand
 from mesh3d.domain.ops.reduce import global_softmax, total_step
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.connected import connected_zeros
@@ -164,13 +165,21 @@ def _pointwise_conv1d(input, weight, bias=None, stride=1, padding=0, dilation=1,
         raise NotImplementedError("F.conv1d on a token grid: only kernel size 1, stride 1, no padding (channel "
                                   "mixing per token) is supported; reshape the tokens back to the grid for a "
                                   "spatial convolution")
-    return Step(lambda t, w, b: F.conv1d(t, w, b, 1, 0, 1, groups), (input, weight, bias), out=spec)
+    return Step(functools.partial(_conv1d_tokens, groups=groups), (input, whole_operand(weight, "F.conv1d"),
+                                                                  whole_operand(bias, "F.conv1d")), out=spec)
+
+
+def _conv1d_tokens(t: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, groups: int) -> torch.Tensor:
+    if t.shape[-1] == 0:  # NOTE: an empty block's tokens: torch's conv1d refuses a length-0 input
+        return connected_zeros(t, [*t.shape[:-2], w.shape[0], 0], t, w, b)
+    return F.conv1d(t, w, b, 1, 0, 1, groups)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     dims = range(input.ndim - len(normalized_shape), input.ndim)
     spec = _local_unless_tokens("torch.nn.functional.layer_norm", input, dims)
-    return Step(lambda t, w, b: F.layer_norm(t, normalized_shape, w, b, eps), (input, weight, bias), out=spec)
+    return Step(lambda t, w, b: F.layer_norm(t, normalized_shape, w, b, eps),
+                (input, whole_operand(weight, "F.layer_norm"), whole_operand(bias, "F.layer_norm")), out=spec)
 
 
 def _softmax(func):
