@@ -24,7 +24,7 @@ from mesh3d.domain.comm.exchange import gather_rows, report_failure
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.core.group import DomainComm
-from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.specs import DomainSpec, Layout
 from mesh3d.domain.core.settings import SETTINGS, traced
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.dispatch.registry import op_name
@@ -306,6 +306,16 @@ def _combined(out: Any, partial: Partial, spec: Any) -> Any:
     return out if partial.then is None else partial.then(out)
 
 
+def _operand(a: Any, entering: bool) -> Any:
+    """A step argument as its function takes it (``run_parts``' NOTE on a replicated one)."""
+    if type(a) is WrappedDomainTensor:
+        spec = a._spec
+        return _entering(a) if entering and type(spec) is DomainSpec and spec.dim is None else a._differentiable_local()
+    if entering and isinstance(a, DomainTensor) and a._spec.layout is Layout.REPLICATED:
+        return _entering(a)
+    return resolved(a)
+
+
 def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim: int | None, keep: tuple,
               partial: Partial | None = None, laid_out_as: Any = None) -> Any:
     """``run_step`` of a step given as its fields (a kept step's, ``dispatch.kept``: no ``Step`` made per call).
@@ -313,16 +323,19 @@ def run_parts(compute: Callable, args: tuple, kwargs: dict, spec: Any, out_ndim:
     Usage: ``run_parts(torch.relu, (xs,), {}, xs.spec, None, ())``
     """
     first = args[0] if args else None
-    kwargs = {k: resolved(v) for k, v in kwargs.items()} if kwargs else {}
+    # NOTE: a replicated domain tensor passed as it is to the step of a sharded or partial result is used whole by
+    # every rank's part of it: it enters as ``Entering`` (its gradient summed over the domain, as one process sums it
+    # over every row), whether or not the rule said so. A replicated result is each rank's whole: nothing to sum.
+    entering = partial is not None or (spec is not None and spec.layout is not Layout.REPLICATED)
+    kwargs = {k: _operand(v, entering) for k, v in kwargs.items()} if kwargs else {}
     if type(first) is Window:  # NOTE: its exchange planned once, whether the interior overlaps it or not
         x_spec = first.x._spec
         xplan, pad = window_exchange(x_spec.sizes, first.plan, x_spec.comm.index, first.kernel_pads)
         out = _overlapped(compute, first, xplan, pad, args[1:], kwargs)
         if out is None:
-            out = compute(_window_rows(first, xplan, pad), *[resolved(a) for a in args[1:]], **kwargs)
+            out = compute(_window_rows(first, xplan, pad), *[_operand(a, entering) for a in args[1:]], **kwargs)
     else:
-        out = compute(*[a._differentiable_local() if type(a) is WrappedDomainTensor else resolved(a) for a in args],
-                      **kwargs)
+        out = compute(*[_operand(a, entering) for a in args], **kwargs)
     if partial is not None:
         out = _combined(out, partial, spec)
     if type(laid_out_as) is Pencils:  # NOTE: blocks moved back along their grid lines
