@@ -34,7 +34,7 @@ from mesh3d.domain.ops.reduce import global_softmax, total_step
 from mesh3d.domain.dispatch.registry import TOKEN_RULES, op_name
 from mesh3d.domain.core.connected import connected_zeros
 from mesh3d.domain.core.specs import Layout, sharded_dims
-from mesh3d.domain.core.tensor import DomainTensor, size_of, unwrap
+from mesh3d.domain.core.tensor import DomainTensor, local_shape, size_of
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.layouts.tokens import blocks_spec
 from mesh3d.domain.layouts.tokens import slab_as_tokens, token_rows
@@ -136,7 +136,7 @@ def reshape_tokens(x: DomainTensor, target: list[int], op: str, view: bool) -> S
     Usage: ``g = run_step(reshape_tokens(t, [b, c, h, w], "torch.reshape", view=False))  # blocks again``
     """
     spec = _spec(x)
-    shape, whole, d = list(unwrap(x).shape), list(size_of(x)), spec.token_dim
+    shape, whole, d = list(local_shape(x)), list(size_of(x)), spec.token_dim  # NOTE: no alias made to read it
     grid = spec.local_grid
     placed = localized(place_run(target, whole, d, d, list(spec.grid_shape)), list(grid)) \
         if len(grid) > 1 and not spec.prefix else None
