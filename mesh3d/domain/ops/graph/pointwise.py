@@ -13,10 +13,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from mesh3d._torch_private import linear_not_a_view
+from mesh3d.domain.core.specs import GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 from mesh3d.domain.dispatch.registry import GRAPH_RULES, op_name
 from mesh3d.domain.dispatch.step import Step, whole_operand
+from mesh3d.domain.ops.grid_local import LocalGrid, local_rules
 from mesh3d.domain.ops import pointwise
 from mesh3d.domain.ops.graph.common import VALUE_KEEPING, graph_spec_of, is_graph, rows_for, sharded_at
 from mesh3d.domain.ops.pointwise import ELEMENTWISE
@@ -66,12 +67,6 @@ def _features_only(op: str, x: DomainTensor, dims) -> None:
                                   "scatter_reduce, or call .full_tensor() first")
 
 
-def _linear(input, weight, bias=None):
-    _features_only("torch.nn.functional.linear", input, [-1])
-    return Step(linear_not_a_view, (input, whole_operand(weight, "F.linear"), whole_operand(bias, "F.linear")),
-                out=graph_spec_of(input).replaced(endpoint=None))
-
-
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     _features_only("torch.nn.functional.layer_norm", input, range(input.ndim - len(normalized_shape), input.ndim))
     return Step(lambda t, w, b: F.layer_norm(t, normalized_shape, w, b, eps),
@@ -102,14 +97,6 @@ def _along_features(func: Callable) -> Callable:
 
 
 _NORMS = (torch.norm, torch.Tensor.norm, torch.linalg.vector_norm, torch.linalg.norm)
-
-
-def _view_as(input, other):
-    # NOTE: FSDP2 calls ``x.view_as(x)`` on every forward input: exact on an identically laid out tensor.
-    if is_graph(other) and graph_spec_of(other) == graph_spec_of(input) and size_of(input) == size_of(other):
-        return adopt(unwrap(input).view_as(unwrap(other)), graph_spec_of(input))
-    raise NotImplementedError("torch.Tensor.view_as on a graph tensor: only onto an identically laid out tensor of the "
-                              "same shape; use view / reshape with the global sizes")
 
 
 def _dropout(input, p=0.5, training=True, inplace=False):
@@ -211,19 +198,6 @@ def _squeeze(input, dim=None):
     return adopt(unwrap(input).squeeze(tuple(dims)), spec.replaced(dim=spec.dim - sum(d < spec.dim for d in dims)))
 
 
-def _transpose(input, dim0, dim1):
-    spec = graph_spec_of(input)
-    d0, d1 = dim0 % input.ndim, dim1 % input.ndim
-    swap = {d0: d1, d1: d0}
-    return adopt(torch.transpose(unwrap(input), d0, d1), spec.replaced(dim=swap.get(spec.dim, spec.dim)))
-
-
-def _permute(input, *dims):
-    order = [d % input.ndim for d in _shape_args(dims)]
-    spec = graph_spec_of(input)
-    return adopt(unwrap(input).permute(order), spec.replaced(dim=order.index(spec.dim)))
-
-
 def _flatten(input, start_dim=0, end_dim=-1):
     spec = graph_spec_of(input)
     s, e = start_dim % input.ndim, end_dim % input.ndim
@@ -241,15 +215,27 @@ for _f in ELEMENTWISE:
     if _f is not torch.where:  # NOTE: where(condition) alone is nonzero: counting.py's rule, which calls this one
         GRAPH_RULES.register(_f, elementwise_rule(_f))
 for _funcs, _rule in (
-    ((F.linear,), _linear), ((F.layer_norm,), _layer_norm), ((F.dropout,), _dropout),
+    ((F.layer_norm,), _layer_norm), ((F.dropout,), _dropout),
     ((torch.Tensor.view,), reshape_rule(True)), ((torch.reshape, torch.Tensor.reshape), reshape_rule(False)),
     ((torch.Tensor.expand,), _expand), ((torch.Tensor.expand_as,), _expand_as),
     ((torch.unsqueeze, torch.Tensor.unsqueeze), _unsqueeze), ((torch.squeeze, torch.Tensor.squeeze), _squeeze),
-    ((torch.transpose, torch.Tensor.transpose), _transpose), ((torch.permute, torch.Tensor.permute), _permute),
-    ((torch.flatten, torch.Tensor.flatten), _flatten), ((torch.Tensor.view_as,), _view_as),
+    ((torch.flatten, torch.Tensor.flatten), _flatten),
 ):
     for _f in _funcs:
         GRAPH_RULES.register(_f, _rule)
+
+
+def _local_along_features(op: str, x: DomainTensor, dims: list) -> GraphSpec:
+    _features_only(op, x, dims)
+    return graph_spec_of(x).replaced(endpoint=None)  # NOTE: a Linear's output holds no node ids
+
+
+_GRID = LocalGrid(graph_spec_of, _local_along_features, lambda spec, new: spec.replaced(dim=new(spec.dim)),
+                  "a graph tensor")
+_LOCAL_RULES = local_rules(_GRID)
+for _f in (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes, torch.permute,
+           torch.Tensor.permute, torch.Tensor.view_as, F.linear):  # NOTE: chunk, split, unbind: graph/pieces.py's
+    GRAPH_RULES.register(_f, _LOCAL_RULES[_f])
 for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
     GRAPH_RULES.register(_f, _softmax(_f))
 # NOTE: amax is graph/reduce.py's (over the items too, through reduction_rules); amin stays along the features.
