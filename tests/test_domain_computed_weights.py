@@ -94,6 +94,24 @@ def _embedding() -> float:
     return max(max_err(xs.grad.full_tensor().to_local(), x1.grad), max_err(domain_sum(td.grad), t1.grad))
 
 
+def _custom_op() -> float:
+    """A library's custom op (tests/custom_ops.py) under a rule the user wrote as a step, passing its weight as it is;
+    the weight computed from the domain: the executor enters it (the rule does not say so)."""
+    import custom_ops  # noqa: F401 - defines torch.ops.m3test.mix
+
+    from mesh3d import domain
+
+    mix = torch.ops.m3test.mix
+    domain.register(mix, rule=lambda x, w: domain.Step(mix, (x, w), out=x.spec), override=True)  # NOTE: the pool
+    g = torch.Generator()  # drops a body's rules after it.manual_seed(11)
+    x, w = torch.randn(2, 4, 6, 3, dtype=torch.float64, generator=g), torch.randn(5, 4, dtype=torch.float64, generator=g)
+    x1, w1 = x.clone().requires_grad_(), w.clone().requires_grad_()
+    torch.ops.m3test.mix(x1, w1 * x1.mean()).square().sum().backward()
+    xs, wd = domain.shard(x, dim=2, sizes=(2, 0, 3, 1)).requires_grad_(), w.clone().requires_grad_()
+    torch.ops.m3test.mix(xs, wd * xs.mean()).square().sum().backward()
+    return max(max_err(xs.grad.full_tensor().to_local(), x1.grad), max_err(domain_sum(wd.grad), w1.grad))
+
+
 def _body():
     from mesh3d import DistributedManager, domain
     from mesh3d.domain.dispatch.kept import KEPT
@@ -105,6 +123,7 @@ def _body():
             for call in range(2):
                 errors[f"{layout} {name} #{call}"] = _case(layout, name, call)
     errors["slabs embedding"] = _embedding()
+    errors["slabs custom op, the user's rule"] = _custom_op()
     xs = domain.shard(torch.randn(2, 4, 6, 4, dtype=torch.float64), dim=2, sizes=(2, 0, 3, 1))
     refusals = []
     for attempt in (lambda: F.linear(_channels_last(xs), domain.shard(torch.randn(5, 4), dim=0, sizes=(2, 1, 1, 1))),
