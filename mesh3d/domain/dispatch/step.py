@@ -30,8 +30,9 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor
 
-__all__ = ["AllTokens", "Boxes", "Combining", "Entering", "whole_operand", "LineRows", "Moved", "Narrowed", "OwnRows", "Partial",
-           "Pencils", "PrefixTokens", "Reached", "Relaid", "Resplit", "Rows", "Step", "Whole"]
+__all__ = ["AllTokens", "Boxes", "Combining", "Entering", "LineRows", "Moved", "Narrowed", "OwnRows", "Partial",
+           "Pencils", "PrefixTokens", "Reached", "Relaid", "Resplit", "Rows", "Step", "Whole", "whole_operand",
+           "whole_operands"]
 
 
 @dataclass(frozen=True)
@@ -199,6 +200,14 @@ def whole_operand(t: Any, op: str) -> Any:
                                   "shard needs the whole of it: pass a plain tensor (the module's own), or "
                                   ".full_tensor() of it")
     return Entering(t)
+
+
+def whole_operands(op: str, *params: Any) -> tuple:
+    """``whole_operand`` of each of ``params`` (a norm's weight, bias and running statistics).
+
+    Usage: ``Step(norm, (xs, *whole_operands("F.group_norm", weight, bias), Combining(comm)), out=xs.spec)``
+    """
+    return tuple(whole_operand(p, op) for p in params)
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.comm.collectives import sum_grad
 
-__all__ = ["blocks_to_tokens", "gather_all_tokens", "prefix_tokens", "slab_as_tokens", "token_full_tensor", "token_rows",
-           "tokens_to_blocks", "blocks_spec"]
+__all__ = ["blocks_spec", "blocks_to_tokens", "gather_all_tokens", "prefix_tokens", "slab_as_tokens",
+           "token_full_tensor", "token_rows", "tokens_to_blocks"]
 
 
 def blocks_to_tokens(local: torch.Tensor, spec: BlockSpec) -> tuple[torch.Tensor, TokenSpec]:

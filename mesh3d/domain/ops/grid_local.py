@@ -80,9 +80,8 @@ def local_rules(grid: LocalGrid) -> dict[Callable, Callable]:
             return Step(lambda t: func(t, split_size_or_sections, dim), (input,), out=spec)
         return rule
 
+    chunk, split = splitter(torch.chunk, "torch.chunk"), splitter(torch.split, "torch.split")
     return {torch.transpose: transpose, torch.Tensor.transpose: transpose, torch.swapaxes: transpose,
             torch.Tensor.swapaxes: transpose, torch.permute: permute, torch.Tensor.permute: permute,
             torch.Tensor.view_as: view_as, F.linear: linear, torch.unbind: unbind, torch.Tensor.unbind: unbind,
-            torch.chunk: splitter(torch.chunk, "torch.chunk"), torch.Tensor.chunk: splitter(torch.chunk, "torch.chunk"),
-            torch.split: splitter(torch.split, "torch.split"), torch.Tensor.split: splitter(torch.split, "torch.split")}
-
+            torch.chunk: chunk, torch.Tensor.chunk: chunk, torch.split: split, torch.Tensor.split: split}

@@ -10,14 +10,13 @@ bf16/fp16 inputs are normalized in float32, the affine included, and rounded onc
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mesh3d.domain.comm.collectives import sum_dtype
 from mesh3d.domain.dispatch.registry import register
-from mesh3d.domain.dispatch.step import Combining, Step, whole_operand
+from mesh3d.domain.dispatch.step import Combining, Step, whole_operands
 from mesh3d.domain.core.linear import recordable
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.ops.moments import merged_moments
@@ -120,12 +119,6 @@ def _affine(y: torch.Tensor, weight, bias, ndim: int) -> torch.Tensor:
     return y
 
 
-def _entering(op: str, *params: Any) -> tuple:
-    """A norm's weight, bias or running statistics as its step's arguments: a plain tensor as it is; a replicated domain
-    tensor entering every rank's shard (its gradient summed over the domain, ``Entering``)."""
-    return tuple(whole_operand(p, op) for p in params)
-
-
 def _check(op: str, x: DomainTensor) -> None:
     if x.spec.dim is None or x.spec.dim < 2:
         raise NotImplementedError(f"{op}: shard a spatial dim (>= 2) of the (N, C, ...) input, not N or C")
@@ -155,7 +148,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5) -> Step:
         y, _, _ = normalize(grouped, [2, 3], (c // num_groups) * count_rest, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y.reshape(local.shape), weight, bias, local.ndim), local)
 
-    return Step(compute, (input, *_entering("F.group_norm", weight, bias), Combining(comm)), out=input.spec)
+    return Step(compute, (input, *whole_operands("F.group_norm", weight, bias), Combining(comm)), out=input.spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -180,7 +173,7 @@ def _batch_norm(input, running_mean, running_var, weight=None, bias=None, traini
         _update_running(running_var, var.flatten() * count / max(count - 1, 1), momentum)
         return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
-    return Step(compute, (input, *_entering("F.batch_norm", running_mean, running_var, weight, bias),
+    return Step(compute, (input, *whole_operands("F.batch_norm", running_mean, running_var, weight, bias),
                           Combining(comm)), out=input.spec)
 
 
@@ -200,7 +193,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
         _update_running(running_var, (var * count / max(count - 1, 1)).flatten(2).mean(0).flatten(), momentum)
         return rounded_like(_affine(y, weight, bias, local.ndim), local)
 
-    return Step(compute, (input, *_entering("F.instance_norm", running_mean, running_var, weight, bias),
+    return Step(compute, (input, *whole_operands("F.instance_norm", running_mean, running_var, weight, bias),
                           Combining(comm)), out=input.spec)
 
 
@@ -208,7 +201,8 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> Step:
     first = input.ndim - len(normalized_shape)
     if input.spec.dim < first or input.spec.comm.size == 1:
-        return Step(F.layer_norm, (input, normalized_shape, *_entering("F.layer_norm", weight, bias), eps), out=input.spec)
+        return Step(F.layer_norm, (input, normalized_shape, *whole_operands("F.layer_norm", weight, bias), eps),
+                    out=input.spec)
     count = math.prod(input.global_shape[first:])
     at = input.spec.dim - first
     offset, rows = input.offset, input.spec.sizes[input.spec.comm.index]
@@ -223,4 +217,4 @@ def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5) -> St
             y = y + bias.narrow(at, offset, rows)
         return rounded_like(y, local)
 
-    return Step(compute, (input, *_entering("F.layer_norm", weight, bias), Combining(comm)), out=input.spec)
+    return Step(compute, (input, *whole_operands("F.layer_norm", weight, bias), Combining(comm)), out=input.spec)

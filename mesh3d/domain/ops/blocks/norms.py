@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from mesh3d.domain.core.specs import BlockSpec
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.dispatch.registry import BLOCK_RULES
-from mesh3d.domain.dispatch.step import Combining, Step, whole_operand
+from mesh3d.domain.dispatch.step import Combining, Step, whole_operands
 from mesh3d.domain.ops.norm import normalize, rounded_like
 
 __all__ = ["CHANNEL_NORMS"]
@@ -33,12 +33,6 @@ def _affine(y: torch.Tensor, weight, bias) -> torch.Tensor:
     shape = (1, -1, *([1] * (y.ndim - 2)))
     y = y * weight.view(shape) if weight is not None else y
     return y + bias.view(shape) if bias is not None else y
-
-
-def _whole(op: str, *params: Any) -> tuple:
-    """The weight, bias and running statistics as step arguments (``step.whole_operand``): never captured by the
-    step's function, so a weight computed from the domain enters with its gradient summed and the step is kept."""
-    return tuple(whole_operand(p, op) for p in params)
 
 
 def _spatial(x: DomainTensor, op: str) -> Any:
@@ -59,7 +53,7 @@ def _group_norm(input, num_groups, weight=None, bias=None, eps=1e-5):
         y, _, _ = normalize(grouped, [2, 3], count, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y.reshape(local.shape), weight, bias), local)
     # NOTE: the statistics combine in compute, as on slabs
-    return Step(norm, (input, *_whole("F.group_norm", weight, bias), Combining(spec.comm)), out=spec)
+    return Step(norm, (input, *whole_operands("F.group_norm", weight, bias), Combining(spec.comm)), out=spec)
 
 
 def _update_running(running, value, momentum) -> None:
@@ -70,7 +64,7 @@ def _update_running(running, value, momentum) -> None:
 
 def _batch_norm(input, running_mean, running_var, weight=None, bias=None, training=False, momentum=0.1, eps=1e-5):
     spec = _spatial(input, "F.batch_norm")
-    params = _whole("F.batch_norm", running_mean, running_var, weight, bias)
+    params = whole_operands("F.batch_norm", running_mean, running_var, weight, bias)
     if not training:
         return Step(lambda local, rm, rv, w, b: F.batch_norm(local, rm, rv, w, b, False, momentum, eps),
                     (input, *params), out=spec)
@@ -90,7 +84,7 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     spec = _spatial(input, "F.instance_norm")
     if not use_input_stats:
         return Step(lambda local, rm, rv, w, b: F.instance_norm(local, rm, rv, w, b, False, momentum, eps),
-                    (input, *_whole("F.instance_norm", running_mean, running_var, weight, bias)), out=spec)
+                    (input, *whole_operands("F.instance_norm", running_mean, running_var, weight, bias)), out=spec)
     if running_mean is not None or running_var is not None:
         raise NotImplementedError("F.instance_norm with track_running_stats on blocks: use slabs, or "
                                   "track_running_stats=False")
@@ -99,14 +93,14 @@ def _instance_norm(input, running_mean=None, running_var=None, weight=None, bias
     def norm(local: torch.Tensor, weight: Any, bias: Any, combine: Callable) -> torch.Tensor:
         y, _, _ = normalize(local, list(range(2, local.ndim)), count, eps, combine, affine=(weight, bias))
         return rounded_like(_affine(y, weight, bias), local)
-    return Step(norm, (input, *_whole("F.instance_norm", weight, bias), Combining(spec.comm)), out=spec)
+    return Step(norm, (input, *whole_operands("F.instance_norm", weight, bias), Combining(spec.comm)), out=spec)
 
 
 def _layer_norm(input, normalized_shape, weight=None, bias=None, eps=1e-5):
     spec = _spec_of(input)
     first = input.ndim - len(normalized_shape)
     axes = [axis for axis, d in enumerate(spec.dims) if d >= first]
-    params = _whole("F.layer_norm", weight, bias)
+    params = whole_operands("F.layer_norm", weight, bias)
     if not axes:  # the normalized dims are whole here (channels-last tokens): torch's kernel
         return Step(lambda local, w, b: F.layer_norm(local, normalized_shape, w, b, eps), (input, *params), out=spec)
     if len(axes) == len(spec.dims):
