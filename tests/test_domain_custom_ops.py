@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from domain_cases import domain_sum, max_err
 from mesh3d import DistributedManager, domain
@@ -142,8 +143,10 @@ def test_custom_ops_on_a_block_grid_equal_one_process(ranks):
         assert max(errors.values()) < TOL, (rank, errors)
 
 
-def _failing_block_body():
+def _failing_block_body(journaled: bool):
     from datetime import timedelta
+
+    from mesh3d.domain.comm.divergence import JOURNAL
 
     import custom_ops
 
@@ -154,6 +157,9 @@ def _failing_block_body():
     x = torch.zeros(1, 2, 4, 6, dtype=D64)
     x[..., 3, 5] = 1000.0  # in the block of domain rank 3 only
     xs = domain.shard(x, dims=(2, 3))
+    if journaled:  # NOTE: a halo'd op first: its journal entry makes the fingerprint the peers' answers carry non-zero
+        xs = F.avg_pool2d(xs, 3, stride=1, padding=1) * 9
+        assert JOURNAL.fingerprint != 0
     try:
         y = custom_ops.fragile(xs)
         y.full_tensor()  # the others go on to exchange along their grid lines with the rank that failed
@@ -162,10 +168,12 @@ def _failing_block_body():
     return dm.axis_rank("domain"), None, None
 
 
-def test_a_custom_op_failing_on_one_block_fails_every_rank(ranks):
+@pytest.mark.parametrize("journaled", [False, True], ids=["first op", "after a halo op"])
+def test_a_custom_op_failing_on_one_block_fails_every_rank(ranks, journaled):
     """The failing rank tells its grid-line peers too (they wait in a line exchange, not on the domain group): every
-    rank raises, none waits for the group timeout (the body's own timeout bounds a hang)."""
-    results = ranks.run(4, _failing_block_body, timeout=90)
+    rank raises, none waits for the group timeout (the body's own timeout bounds a hang). The failing rank raises its
+    own error: the stop notices its peers pass on (no journal in them) are not read as ranks that ran other ops."""
+    results = ranks.run(4, _failing_block_body, journaled, timeout=90)
     failed = re.compile(r"domain rank 3 (\(rank 3 \([^)]*\)\) )?failed in a domain op")
     assert [message is not None and bool(failed.search(message)) for _, _, message in results] == [
         False, True, True, False]  # its grid-line peers heard from it; rank 0 from them

@@ -14,7 +14,6 @@ receiver) pair, all in one ``batch_isend_irecv``; fill rows hold a constant. The
 from __future__ import annotations
 
 import time
-from datetime import timedelta
 
 import torch
 
@@ -25,7 +24,7 @@ from mesh3d.domain.comm.compiled_exchange import EAGER_EXCHANGE, comm_key, excha
 from mesh3d.domain.comm.notices import NOTICES, PendingNotices
 from mesh3d.domain.comm.peer_lost import lost_peers, peer_lost_error
 from mesh3d.domain.comm.rows import ExchangePlan, Piece
-from mesh3d.domain.comm.stopping import abort, finish_matched, leave, matched_peers, post, swap_journals, tell_other_groups
+from mesh3d.domain.comm.stopping import abort, report_failure, finish_matched, leave, matched_peers, post, swap_journals
 from mesh3d.domain.comm.traffic import TrafficCounter, count_traffic, dry_run, dry_run_observer
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.linear import linear_map
@@ -106,42 +105,6 @@ def _check_peers(comm: DomainComm, outgoing: list[tuple[int, torch.Tensor]],
     raise divergence.DomainDivergenceError(
         divergence.describe_divergence(comm.domain_index(comm.index), comm.domain_index(q), entries, journals.get(q),
                                        differ[q]))
-
-
-def report_failure(comm: DomainComm, op: str, err: Exception, wait_s: float = 5.0) -> Exception:
-    """An op failed on this rank: tell every domain peer (none may wait on us forever) and learn whether
-    they ran the same ops. Returns the error to raise: a ``DomainDivergenceError`` when a peer's op journal
-    differs (the failure is a symptom of ranks taking different paths), else ``err`` itself.
-
-    Ranks that fail together swap these notices and carry on raising at once; a peer waiting for us in an
-    exchange answers with its fingerprint; a peer busy elsewhere is given ``wait_s`` seconds.
-    """
-    WATCH.current.publish_error(err, op)  # before the notice: a peer that reads it can say why we stopped
-    fingerprint = divergence.JOURNAL.fingerprint
-    notice = divergence.header(divergence.KIND_ERROR, fingerprint)
-    others = [q for q in range(comm.size) if q != comm.index]
-    replies = {q: torch.empty(divergence.HEADER_WORDS, dtype=torch.int64) for q in others}
-    works = post(comm, [(q, notice) for q in others], list(replies.items()))
-    deadline = time.monotonic() + wait_s
-    landed = 0
-    for work in works:  # NOTE: gloo's p2p works report completion only through wait(), which takes a timeout
-        try:
-            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
-            break
-        landed += 1
-    # NOTE: only the works not seen to land are held: gloo's wait on a send or receive that has completed waits for a
-    # next one, so the teardown's settle timed out on each, and gloo closed the pair ("Application timeout caused
-    # pair closure"): every shutdown after ranks refused an op together warned that peers missed its barrier
-    NOTICES.keep(works[landed:])
-    tell_other_groups(comm, notice)
-    differ = [q for q, h in replies.items() if int(h[0]) == divergence.MAGIC and int(h[2]) != fingerprint]
-    if not differ:
-        return err
-    return divergence.DomainDivergenceError(
-        f"domain rank {comm.index} failed in {op} ({type(err).__name__}: {err}), and domain ranks {differ} had run "
-        "different domain ops before it: the ranks took different paths. Latest here:\n" + divergence.recent_ops()
-        + "\n" + divergence.LIKELY_CAUSE)
 
 
 class PendingExchange:

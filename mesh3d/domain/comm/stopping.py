@@ -13,6 +13,8 @@ others with ``KIND_LOST`` (``leave``); both sides of a divergence swap journals 
 from __future__ import annotations
 
 import json
+import time
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -23,10 +25,11 @@ from mesh3d.domain.comm.notices import NOTICES
 from mesh3d.domain.comm.peer_lost import lost_peers
 from mesh3d.domain.comm.traffic import dry_run_observer
 from mesh3d.domain.core.group import domain_groups
+from mesh3d.faults.attach import WATCH
 from mesh3d.faults.beat import WAITING
 from mesh3d.faults.watch import closed_connection
 
-__all__ = ["ClosedWork", "abort", "finish_matched", "leave", "matched_peers", "post", "swap_journals", "tell_other_groups"]
+__all__ = ["ClosedWork", "abort", "finish_matched", "leave", "matched_peers", "post", "report_failure", "swap_journals", "tell_other_groups"]
 
 WAITING.add(__file__)  # NOTE: its frames wait on other ranks (the heartbeat says so: mesh3d/faults/beat.py)
 
@@ -135,3 +138,61 @@ def tell_other_groups(comm: Any, notice: torch.Tensor) -> None:
             NOTICES.keep(post(other, [(q, notice) for q in peers], answers))
         except RuntimeError:  # a peer that left already (its connection closed): the others still hear
             continue
+
+
+def report_failure(comm: Any, op: str, err: Exception, wait_s: float = 5.0) -> Exception:
+    """An op failed on this rank: tell every domain peer (none may wait on us forever) and learn whether
+    they ran the same ops. Returns the error to raise: a ``DomainDivergenceError`` when a peer's op journal
+    differs (the failure is a symptom of ranks taking different paths), else ``err`` itself.
+
+    Usage: ``reported = report_failure(comm, "torch.nn.functional.conv2d", err); raise reported``
+
+    Ranks that fail together swap these notices and carry on raising at once; a peer waiting for us in an
+    exchange answers with its fingerprint; a peer busy elsewhere is given ``wait_s`` seconds.
+    """
+    WATCH.current.publish_error(err, op)  # before the notice: a peer that reads it can say why we stopped
+    fingerprint = divergence.JOURNAL.fingerprint
+    notice = divergence.header(divergence.KIND_ERROR, fingerprint)
+    others = [q for q in range(comm.size) if q != comm.index]
+    # NOTE: zeros, not empty: a reply that never lands must not read as a header (a recycled header's bytes did)
+    replies = {q: torch.zeros(divergence.HEADER_WORDS, dtype=torch.int64) for q in others}
+    works = post(comm, [(q, notice) for q in others], list(replies.items()))
+    # NOTE: the grid lines' peers are told before we wait: on a domain grid a peer may wait for us in a line exchange,
+    # and answers on this group (its stop notice) only once it heard from us on the line's
+    tell_other_groups(comm, notice)
+    split = len(others) if len(works) == 2 * len(others) else 0  # gloo: one work per message; NCCL: one for all
+    landed = _landed(works[split:], time.monotonic() + wait_s)
+    sent = _landed(works[:split], time.monotonic())  # NOTE: a send lands once its peer posts the receive: never waited
+    # NOTE: only the works not seen to land are held: gloo's wait on a send or receive that has completed waits for a
+    # next one, so the teardown's settle timed out on each, and gloo closed the pair ("Application timeout caused
+    # pair closure"): every shutdown after ranks refused an op together warned that peers missed its barrier
+    NOTICES.keep([w for w, ok in zip(works, sent + landed) if not ok])
+    heard = landed if split else [bool(works) and all(landed)] * len(others)
+    differ = [q for q, ok in zip(others, heard) if ok and _journal_of(replies[q]) not in (None, fingerprint)]
+    if not differ:
+        return err
+    return divergence.DomainDivergenceError(
+        f"domain rank {comm.index} failed in {op} ({type(err).__name__}: {err}), and domain ranks {differ} had run "
+        "different domain ops before it: the ranks took different paths. Latest here:\n" + divergence.recent_ops()
+        + "\n" + divergence.LIKELY_CAUSE)
+
+
+def _journal_of(reply: torch.Tensor) -> int | None:
+    """The fingerprint a peer's reply or failure notice carries; None for anything else (a stop notice, from a peer
+    that heard of us on a grid line or of another rank's stop, carries none)."""
+    magic, kind, fingerprint = divergence.fields(reply)[:3]
+    return fingerprint if magic == divergence.MAGIC and kind in (divergence.KIND_DATA, divergence.KIND_ERROR) else None
+
+
+def _landed(works: list, deadline: float) -> list[bool]:
+    """Whether each work landed by ``deadline`` (each given at least a millisecond).
+
+    NOTE: gloo's p2p works report completion only through ``wait()``, which takes a timeout."""
+    landed = []
+    for work in works:
+        try:
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            landed.append(True)
+        except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
+            landed.append(False)
+    return landed

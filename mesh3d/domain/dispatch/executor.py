@@ -20,7 +20,8 @@ from mesh3d._torch_private import functorch_transform_active
 from mesh3d.domain.comm.collectives import (
     all_parts, all_reduce_max, all_reduce_sum, reduce_for_local_use, reduce_to_replicated, sum_grad)
 from mesh3d.domain.comm.divergence import JOURNAL, DomainDivergenceError
-from mesh3d.domain.comm.exchange import gather_rows, report_failure
+from mesh3d.domain.comm.exchange import gather_rows
+from mesh3d.domain.comm.stopping import report_failure
 from mesh3d.domain.comm.peer_lost import DomainPeerLostError
 from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.core.group import DomainComm
