@@ -157,18 +157,22 @@ def report_failure(comm: Any, op: str, err: Exception, wait_s: float = 5.0) -> E
     # NOTE: zeros, not empty: a reply that never lands must not read as a header (a recycled header's bytes did)
     replies = {q: torch.zeros(divergence.HEADER_WORDS, dtype=torch.int64) for q in others}
     works = post(comm, [(q, notice) for q in others], list(replies.items()))
-    # NOTE: the grid lines' peers are told before we wait: on a domain grid a peer may wait for us in a line exchange,
-    # and answers on this group (its stop notice) only once it heard from us on the line's
-    tell_other_groups(comm, notice)
-    split = len(others) if len(works) == 2 * len(others) else 0  # gloo: one work per message; NCCL: one for all
-    landed = _landed(works[split:], time.monotonic() + wait_s)
-    sent = _landed(works[:split], time.monotonic())  # NOTE: a send lands once its peer posts the receive: never waited
+    deadline = time.monotonic() + wait_s
+    landed = 0
+    for work in works:  # NOTE: gloo's p2p works report completion only through wait(), which takes a timeout
+        try:
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
+            break  # NOTE: no more waits: gloo closes the pair of a wait that timed out
+        landed += 1
     # NOTE: only the works not seen to land are held: gloo's wait on a send or receive that has completed waits for a
     # next one, so the teardown's settle timed out on each, and gloo closed the pair ("Application timeout caused
     # pair closure"): every shutdown after ranks refused an op together warned that peers missed its barrier
-    NOTICES.keep([w for w, ok in zip(works, sent + landed) if not ok])
-    heard = landed if split else [bool(works) and all(landed)] * len(others)
-    differ = [q for q, ok in zip(others, heard) if ok and _journal_of(replies[q]) not in (None, fingerprint)]
+    NOTICES.keep(works[landed:])
+    tell_other_groups(comm, notice)
+    # NOTE: the replies that landed (gloo: one work per message, the sends first; NCCL: one work for all)
+    heard = [q for i, q in enumerate(others) if (len(others) + i if len(works) > 1 else 0) < landed]
+    differ = [q for q in heard if _journal_of(replies[q]) not in (None, fingerprint)]
     if not differ:
         return err
     return divergence.DomainDivergenceError(
@@ -183,16 +187,3 @@ def _journal_of(reply: torch.Tensor) -> int | None:
     magic, kind, fingerprint = divergence.fields(reply)[:3]
     return fingerprint if magic == divergence.MAGIC and kind in (divergence.KIND_DATA, divergence.KIND_ERROR) else None
 
-
-def _landed(works: list, deadline: float) -> list[bool]:
-    """Whether each work landed by ``deadline`` (each given at least a millisecond).
-
-    NOTE: gloo's p2p works report completion only through ``wait()``, which takes a timeout."""
-    landed = []
-    for work in works:
-        try:
-            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            landed.append(True)
-        except RuntimeError:  # a peer busy elsewhere: it hears from us at its next exchange with us
-            landed.append(False)
-    return landed
