@@ -48,9 +48,9 @@ __all__ = [
 ]
 
 #: Every public name and the module it comes from, loaded on first use. NOTE: ``import mesh3d`` imports nothing
-#: else, so ``mesh3d --version``, ``--help`` and ``info`` answer without torch's compiler stack (torch._dynamo, which
-#: the manager's DeviceMesh and DTensor pull in: seconds); ``from mesh3d import DistributedManager`` loads the
-#: manager then. The subpackages load on first use too (``mesh3d.checkpoint.save`` works after ``import mesh3d``).
+#: else, so ``mesh3d --version`` and ``--help`` answer without torch (2 s); ``from mesh3d import DistributedManager``
+#: loads the manager then, and neither it nor ``mesh3d.domain`` loads torch's compiler stack or DTensor (2.5 s more:
+#: ``mesh3d._torch_private.compile`` says how). The subpackages load on first use too (``mesh3d.checkpoint.save`` works after ``import mesh3d``).
 _LAZY = {
     "AXES": "mesh3d.mesh_shape", "resolve_mesh_shape": "mesh3d.mesh_shape",
     "CollectiveTimeoutError": "mesh3d.faults", "PEER_LOST_EXIT_CODE": "mesh3d.faults", "PeerLostError": "mesh3d.faults",

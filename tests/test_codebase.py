@@ -117,7 +117,8 @@ def test_no_import_cycles():
 
 
 def test_imports_are_at_the_top():
-    """Function-level imports hide cycles; only optional dependencies (with a noqa saying why) may be imported late."""
+    """Function-level imports hide cycles; only optional dependencies, and torch's own modules deferred for their import
+    time (mesh3d._torch_private: Dynamo's Python half, DTensor), may be imported late, with a noqa saying why."""
     late = []
     for module, path in MODULES.items():
         lines = path.read_text().splitlines()
@@ -127,6 +128,8 @@ def test_imports_are_at_the_top():
                 continue
             if "noqa: PLC0415" in lines[lineno - 1] and "optional" in lines[lineno - 1]:
                 continue
+            if "noqa: PLC0415" in lines[lineno - 1] and "deferred" in lines[lineno - 1] and not targets:
+                continue  # NOTE: no mesh3d module: no cycle to hide
             late.append(f"{path.relative_to(ROOT)}:{lineno}: {text}")
     assert late == []
 

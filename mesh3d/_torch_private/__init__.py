@@ -13,8 +13,9 @@ from mesh3d._torch_private.autograd import (
     linear_not_a_view, outside_transforms, own_output, patch_checkpoint_recomputation, route_autograd_function_calls,
     run_autograd_function, run_backward_from, run_grad_from, unpatch_checkpoint_recomputation, unroute_autograd_function_calls)
 from mesh3d._torch_private.compile import (
-    DATA_DEPENDENT_ERRORS, PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, keep_in_program_order,
-    let_compiled_graphs_take_function_subclasses, never_compiled_alone, random_draws_saved_under_traced_checkpoints,
+    PAD_BUILTIN, autograd_inside_custom_op, call_without_compiling, constant_in_compiled_graphs, data_dependent_errors,
+    keep_in_program_order, let_compiled_graphs_take_function_subclasses, never_compiled_alone, never_traced,
+    random_draws_saved_under_traced_checkpoints,
     run_compiled_graphs_without_subclass_dispatch, saved_under_traced_checkpoints,
     traced_graph_input_with_history)
 from mesh3d._torch_private.kernels import (
@@ -28,7 +29,6 @@ from mesh3d._torch_private.dispatch import (
 
 __all__ = [
     "ARGUMENTS_TORCH_DROPS",
-    "DATA_DEPENDENT_ERRORS",
     "argument_torch_dropped",
     "PAD_BUILTIN",
     "OpOverload",
@@ -38,6 +38,7 @@ __all__ = [
     "builtins_replaced_by",
     "autograd_inside_custom_op",
     "call_without_compiling",
+    "constant_in_compiled_graphs",
     "checkpoint_module",
     "clear_dtensor_caches",
     "cpu_flash_attention",
@@ -53,6 +54,7 @@ __all__ = [
     "cuda_flash_forward",
     "cuda_sdpa_choice",
     "custom_op_overload",
+    "data_dependent_errors",
     "default_store",
     "disable_torch_function_subclass",
     "efficient_lse_rows",
@@ -66,6 +68,7 @@ __all__ = [
     "let_compiled_graphs_take_function_subclasses",
     "linear_not_a_view",
     "never_compiled_alone",
+    "never_traced",
     "outside_transforms",
     "live_process_groups",
     "make_wrapper_tensor",

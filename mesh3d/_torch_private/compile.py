@@ -1,34 +1,35 @@
 """Private torch.compile APIs: subclasses in compiled graphs, ordered custom ops, autograd inside custom ops.
 
 Each function says which private name it touches and why no public API serves.
+
+NOTE: nothing here imports Dynamo's Python half (``torch._dynamo``) or the tracing stack (fake tensors, proxy tensors,
+symbolic shapes, sympy) at import: that took 1.1 s of every process that imports mesh3d (every rank, launcher and CLI
+call), most of which never compile. Its C half (``torch._C._dynamo``) is loaded with torch; the rest is imported
+where a trace is running, and so loaded already.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
-from torch._C._dynamo.eval_frame import set_eval_frame
-from torch._dynamo.eval_frame import set_code_exec_strategy
-from torch._dynamo.output_graph import OutputGraph
-from torch._dynamo.types import FrameAction, FrameExecStrategy
-from torch._library.effects import EffectType
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
-from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-from torch.utils.checkpoint import CheckpointPolicy
+from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy, set_eval_frame
 
 __all__ = [
     "PAD_BUILTIN",
     "autograd_inside_custom_op",
     "call_without_compiling",
+    "constant_in_compiled_graphs",
+    "data_dependent_errors",
     "keep_in_program_order",
     "let_compiled_graphs_take_function_subclasses",
     "never_compiled_alone",
+    "never_traced",
     "random_draws_saved_under_traced_checkpoints",
     "run_compiled_graphs_without_subclass_dispatch",
     "saved_under_traced_checkpoints",
@@ -51,8 +52,10 @@ def let_compiled_graphs_take_function_subclasses(take: bool = True) -> bool:
     turns that debug check off; mesh3d's one custom op (``mesh3d::exchange_rows``) returns fresh buffers only.
     ``take=False`` turns it back on. Returns whether it was off before.
     """
-    before = not torch._functorch.config.check_custom_op_aliasing
-    torch._functorch.config.check_custom_op_aliasing = not take
+    from torch._functorch import config  # noqa: PLC0415 (deferred)
+
+    before = not config.check_custom_op_aliasing
+    config.check_custom_op_aliasing = not take
     return before
 
 
@@ -63,13 +66,25 @@ def keep_in_program_order(op: Any) -> None:
     (a rank that receives nothing) must still send. ``CustomOpDef.register_effect`` is public, but the only effect
     type it takes, ``EffectType.ORDERED``, lives in the private ``torch._library.effects``.
     """
+    from torch._library.effects import EffectType  # noqa: PLC0415 (deferred)
+
     op.register_effect(EffectType.ORDERED)
 
 
-#: What fake tensors raise where an op needs its inputs' values (``int(t.max())``, a ``bool`` of a comparison) or has
-#: an output whose size depends on them (``nonzero``, ``bincount``), while ``torch.compile`` traces on them.
-#: Why private: the exception types of ``torch._subclasses.fake_tensor``; torch has no public name for them.
-DATA_DEPENDENT_ERRORS = (GuardOnDataDependentSymNode, DataDependentOutputException, DynamicOutputShapeException)
+def data_dependent_errors() -> tuple[type[Exception], ...]:
+    """What fake tensors raise where an op needs its inputs' values (``int(t.max())``, a ``bool`` of a comparison) or
+    has an output whose size depends on them (``nonzero``, ``bincount``), while ``torch.compile`` traces on them.
+
+    Usage (while a trace runs: the tracing stack is loaded): ``except data_dependent_errors() as e:``
+
+    Why private: the exception types of ``torch._subclasses.fake_tensor``; torch has no public name for them.
+    """
+    from torch._subclasses import fake_tensor  # noqa: PLC0415 (deferred)
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode  # noqa: PLC0415 (deferred)
+
+    return (GuardOnDataDependentSymNode, fake_tensor.DataDependentOutputException,
+            fake_tensor.DynamicOutputShapeException)
+
 
 def traced_graph_input_with_history(t: torch.Tensor) -> bool:
     """Whether ``t``, met while Dynamo traces, is its fake of a graph input that is not a leaf: one with a gradient
@@ -93,7 +108,60 @@ def never_compiled_alone(fn: Any) -> Any:
     what the eval-frame callback does with one code object's frames without touching inlining (``torch._dynamo.skip``
     does the same but marks the function, which stops the inlining too).
     """
-    set_code_exec_strategy(getattr(fn, "__func__", fn).__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.DEFAULT))
+    set_code_exec_strategy(getattr(fn, "__func__", fn).__code__,
+                           _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
+    return fn
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def never_traced(reason: str) -> Callable[[_F], _F]:
+    """``torch.compiler.disable(fn, reason=reason)``: a compiled model's trace breaks at a call of ``fn``, which runs
+    eagerly, Dynamo off for every frame it runs (unless one calls a ``torch.compile``d function).
+
+    Usage: ``@never_traced("mesh3d: runs eagerly")`` on a module-level function.
+
+    Why private: ``torch.compiler.disable`` imports Dynamo's Python half (``torch._dynamo``, 0.7 s) when it decorates,
+    at mesh3d's import. This is what it does for a function, from the C half: a wrapper that turns the eval-frame
+    callback off (``set_eval_frame``), whose own frames Dynamo skips (``set_code_exec_strategy``), marked with the
+    attributes Dynamo reads to break its trace there (``_torchdynamo_disable``, its message, the original callable).
+    """
+    def wrap(fn: _F) -> _F:
+        run = _eagerly(fn)
+        run._torchdynamo_disable = True  # type: ignore[attr-defined]
+        run._torchdynamo_disable_msg = reason  # type: ignore[attr-defined]
+        run._torchdynamo_orig_callable = fn  # type: ignore[attr-defined]
+        return run
+
+    return wrap
+
+
+def _eagerly(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        prior = set_eval_frame(None)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            set_eval_frame(prior)
+
+    return run
+
+
+never_compiled_alone(_eagerly(lambda: None))  # NOTE: every wrapper's frames share this code: Dynamo skips them
+
+
+def constant_in_compiled_graphs(fn: _F) -> _F:
+    """``torch.compiler.assume_constant_result(fn)``: a compiled graph takes what ``fn`` returns at trace time as a
+    constant. Returns ``fn``.
+
+    Usage: ``@constant_in_compiled_graphs`` on a function whose result depends on its arguments' metadata alone.
+
+    Why private: ``torch.compiler.assume_constant_result`` imports ``torch._dynamo`` (0.7 s) to set one attribute on
+    ``fn``, ``_dynamo_marked_constant``, which Dynamo reads when it meets a call of ``fn``.
+    """
+    fn._dynamo_marked_constant = True  # type: ignore[attr-defined]
     return fn
 
 
@@ -143,6 +211,8 @@ def run_compiled_graphs_without_subclass_dispatch() -> bool:
     time with a torch function the rules already handled at trace time. The graph comes back from Dynamo's private
     ``OutputGraph.call_user_compiler``; this wraps what it returns.
     """
+    from torch._dynamo.output_graph import OutputGraph  # noqa: PLC0415 (deferred)
+
     if torch.__version__ >= (2, 13) or getattr(OutputGraph.call_user_compiler, "_mesh3d_wrapped", False):
         return False
     call_user_compiler = OutputGraph.call_user_compiler
@@ -174,10 +244,12 @@ def saved_under_traced_checkpoints() -> Iterator[None]:
     Outside a trace, or a traced region without checkpointing, nothing changes.
     """
     # NOTE: not while Dynamo traces (the storage subclass's rules): no graph of nodes is being built then
-    proxy = get_proxy_mode() if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling() else None
+    proxy = _proxy_mode()
     if proxy is None:
         yield
         return
+    from torch.utils.checkpoint import CheckpointPolicy  # noqa: PLC0415 (deferred)
+
     graph = proxy.tracer.graph
     before = len(graph.nodes)
     yield
@@ -202,9 +274,11 @@ def random_draws_saved_under_traced_checkpoints() -> None:
     steps, and equals it when a selective checkpoint policy saves the random ops. A domain tensor's compiled step is
     held to eager's draws, so mesh3d saves them; nodes outside checkpoints, and Dynamo's own tracing, are left alone.
     """
-    proxy = get_proxy_mode() if torch.compiler.is_compiling() and not torch.compiler.is_dynamo_compiling() else None
+    proxy = _proxy_mode()
     if proxy is None:
         return
+    from torch.utils.checkpoint import CheckpointPolicy  # noqa: PLC0415 (deferred)
+
     graph = proxy.tracer.graph
     seen = _RANDOM_SCANNED.get(graph)
     for node in reversed(graph.nodes):
@@ -215,3 +289,13 @@ def random_draws_saved_under_traced_checkpoints() -> None:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE
     if len(graph.nodes):
         _RANDOM_SCANNED[graph] = next(iter(reversed(graph.nodes)))
+
+
+def _proxy_mode() -> Any:
+    """The proxy mode of the graph AOTAutograd or ``make_fx`` is tracing now, else None (Dynamo's own trace builds no
+    graph of nodes)."""
+    if not torch.compiler.is_compiling() or torch.compiler.is_dynamo_compiling():
+        return None
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode  # noqa: PLC0415 (deferred)
+
+    return get_proxy_mode()

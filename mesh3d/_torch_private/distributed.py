@@ -5,13 +5,12 @@ Each function says which private name it touches and why no public API serves.
 
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-from torch.distributed.tensor import DTensor, _redistribute
 
 __all__ = [
     "clear_dtensor_caches",
@@ -84,6 +83,8 @@ def local_shape_and_global_offset(
     DTensor itself and DCP's planner use. The checkpointer double-checks its answer
     against the local tensor's shape on every save and load.
     """
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415 (deferred)
+
     shape, offset = compute_local_shape_and_global_offset(global_shape, mesh, placements)
     return tuple(int(n) for n in shape), tuple(int(o) for o in offset)
 
@@ -97,7 +98,14 @@ def clear_dtensor_caches() -> None:
     saw. After ``DistributedManager.shutdown()`` and a new mesh of the same shape, those results
     point at destroyed groups ("Could not resolve the process group registered under the
     name 9"). No public API clears them.
+
+    NOTE: DTensor (0.8 s to import) is loaded by whatever made one (FSDP2, tensor parallelism, the checkpointer): where
+    it is not loaded, nothing was cached.
     """
+    if "torch.distributed.tensor" not in sys.modules:
+        return
+    from torch.distributed.tensor import DTensor, _redistribute  # noqa: PLC0415 (deferred)
+
     propagator = DTensor._op_dispatcher.sharding_propagator
     for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
         fn = getattr(propagator, name, None)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.autograd.function import BackwardCFunction
 
-from mesh3d._torch_private import disable_torch_function_subclass, view_base
+from mesh3d._torch_private import disable_torch_function_subclass, never_traced, view_base
 from mesh3d.domain.dispatch.compile_guards import guard_filter
 from mesh3d.domain.core.trees import tree_map
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
@@ -84,7 +84,7 @@ def _with_guard_filter(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "options": {"guard_filter_fn": guard_filter, **options.get("options", {})}}
 
 
-@torch.compiler.disable(reason="mesh3d: re-makes a compiled block's outputs as fresh domain tensors, eagerly")
+@never_traced("mesh3d: re-makes a compiled block's outputs as fresh domain tensors, eagerly")
 def _fresh_domain_outputs(module: nn.Module, args: Any, output: Any) -> Any:
     """The compiled block's domain-tensor outputs as fresh tensors, not alias views of the graph's outputs.
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import autograd_inside_custom_op, keep_in_program_order
+from mesh3d._torch_private import autograd_inside_custom_op, constant_in_compiled_graphs, keep_in_program_order
 from mesh3d.domain.attention.modes import sharded_attention
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.compiled_exchange import COMMS
@@ -68,7 +68,7 @@ def _spec(fields: tuple) -> DomainSpec | TokenSpec:
     return DomainSpec(dim, sizes, DomainComm(*comm), outer)
 
 
-@torch.compiler.assume_constant_result
+@constant_in_compiled_graphs
 def _call_key(fields: tuple) -> int:
     """The key of this call's layouts and options, interned for real while Dynamo traces (see ``comm_key``)."""
     return COMMS.key(("sdpa", fields))

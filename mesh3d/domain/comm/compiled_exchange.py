@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import keep_in_program_order
+from mesh3d._torch_private import constant_in_compiled_graphs, keep_in_program_order
 
 __all__ = ["COMMS", "EAGER_EXCHANGE", "comm_key", "exchange_rows", "received_shape"]
 
@@ -60,7 +60,7 @@ COMMS = _Interned()
 EAGER_EXCHANGE = _EagerExchange()
 
 
-@torch.compiler.assume_constant_result
+@constant_in_compiled_graphs
 def comm_key(axis: str | None, ranks: tuple[int, ...], index: int, mesh_epoch: int) -> int:
     """The key in ``COMMS`` of the domain comm with these fields, interned for real while Dynamo traces.
 

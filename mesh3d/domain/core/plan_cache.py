@@ -8,8 +8,9 @@ Usage::
 A domain rule plans its exchanges from the spec alone (every rank's sizes, kernel, stride, padding): plain ints in,
 a frozen plan out, the same plan every time. Eager calls hit an ``lru_cache``. Under ``torch.compile``, Dynamo
 would otherwise trace the planner's Python line by line (and break the graph on builtins it cannot trace, such as
-``bisect``); ``torch.compiler.assume_constant_result`` makes it call the planner once, with the concrete
-arguments, and bake the plan into the graph as a constant.
+``bisect``); ``torch.compiler.assume_constant_result`` (``constant_in_compiled_graphs``, which does the same
+without importing Dynamo) makes it call the planner once, with the concrete arguments, and bake the plan into the
+graph as a constant.
 
 NOTE: only for functions whose result depends on their arguments alone (no tensors, no global state), which is
 what the ``lru_cache`` already assumed. Dynamo guards on the arguments through the specs it reads them from, so a
@@ -22,10 +23,9 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import torch
 from torch.compiler import is_compiling, is_dynamo_compiling
 
-from mesh3d._torch_private import outside_dispatch_modes
+from mesh3d._torch_private import constant_in_compiled_graphs, outside_dispatch_modes
 
 __all__ = ["PLAN_CACHES", "PlanCaches", "plan_cache"]
 
@@ -81,7 +81,7 @@ def plan_cache(maxsize: int, *, run_at_trace_time: bool = False) -> Callable[[F]
         planned.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
         planned.cache_info = cached.cache_info  # type: ignore[attr-defined]
         if run_at_trace_time:
-            return torch.compiler.assume_constant_result(planned)
+            return constant_in_compiled_graphs(planned)
         return planned
 
     return decorate

@@ -15,16 +15,16 @@ only, the op itself (every rank holds the same value, so any op is right); other
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.compiler import is_compiling, is_dynamo_compiling
-from torch.distributed.tensor import DTensor, Replicate
 
 from mesh3d._torch_private import (
-    DATA_DEPENDENT_ERRORS, disable_torch_function_subclass, is_operator, random_draws_saved_under_traced_checkpoints,
-    run_autograd_function, running_compiled_backward)
+    data_dependent_errors, disable_torch_function_subclass, is_operator, never_traced,
+    random_draws_saved_under_traced_checkpoints, run_autograd_function, running_compiled_backward)
 from mesh3d.domain.comm.collectives import scale_grad
 from mesh3d.domain.comm.divergence import JOURNAL
 from mesh3d.domain.core.copied_views import has_copy_marks, refuse_write_through_copy
@@ -53,9 +53,16 @@ def _replicated_dtensor_to_local(o: Any) -> Any:
     backward hands the gradient back as a ``Replicate`` DTensor. Sharded DTensors are left alone:
     the op then fails loudly rather than computing with a shard as if it were whole.
     """
-    if isinstance(o, DTensor) and all(isinstance(p, Replicate) for p in o.placements):
+    if _is_dtensor(o) and all(p.is_replicate() for p in o.placements):
         return o.to_local()
     return o
+
+
+def _is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor. NOTE: looked up, not imported: DTensor's module (0.8 s to import) is loaded by
+    whatever made one, and a process that never does (a domain-only run, a launcher) does not pay for it."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
 
 
 def _dispatch_ruled(func: Callable, args: tuple, kwargs: dict, lead: DomainTensor, entry: RegisteredLayout) -> Any:
@@ -90,13 +97,13 @@ def _run_on_fake_shards(func: Callable, rule: Callable, args: tuple, kwargs: dic
     fake shard does not hold, a ``NotImplementedError`` (Dynamo breaks the graph and runs the op eagerly)."""
     try:
         result = rule(*args, **kwargs)
-    except DATA_DEPENDENT_ERRORS as e:
+    except data_dependent_errors() as e:
         raise NotImplementedError(f"{op_name(func)} under torch.compile reads values of its tensors, which a trace on "
                                   "fake shards cannot: it runs eagerly (a graph break)") from e
     return run_step(result) if isinstance(result, Step) else result
 
 
-@torch.compiler.disable(reason="mesh3d: an op on a domain tensor whose rules do not trace runs eagerly")
+@never_traced("mesh3d: an op on a domain tensor whose rules do not trace runs eagerly")
 def _eager(func: Callable, args: tuple, kwargs: dict, lead: DomainTensor, entry: RegisteredLayout) -> Any:
     return _dispatch_ruled(func, args, kwargs, lead, entry)
 
@@ -113,7 +120,7 @@ def _scan(args: tuple, kwargs: dict) -> tuple[list[DomainTensor], DomainTensor |
             for t in items:
                 if isinstance(t, DomainTensor):
                     found.append(t)
-                elif isinstance(t, DTensor):
+                elif _is_dtensor(t):
                     dtensor = True
     lead, rank = None, 0
     priority = LAYOUTS.priority

@@ -33,7 +33,7 @@ import torch
 from torch.compiler import is_dynamo_compiling
 import torch.nn.functional as F
 
-from mesh3d._torch_private import OpOverload, function_apply_key, op_schema
+from mesh3d._torch_private import OpOverload, constant_in_compiled_graphs, function_apply_key, op_schema
 from mesh3d.domain.dispatch.queries import GLOBAL_SIZES, METADATA
 from mesh3d.domain.dispatch.layout_registry import LAYOUTS
 from mesh3d.domain.dispatch.registry import RuleTable, load_shipped_rules, op_name, rules_for
@@ -212,7 +212,7 @@ def _make_plan(func: Any) -> OperatorPlan:
             tuple(a.name for a in schema.arguments if a.kwarg_only), _refusal_text(func, why, target))
 
 
-@torch.compiler.assume_constant_result  # NOTE: a fact about the operator and the rules registered: a graph constant
+@constant_in_compiled_graphs  # NOTE: a fact about the operator and the rules registered: a graph constant
 def operator_plan(func: Any, changes: int) -> OperatorPlan:
     """How ``func`` runs on domain tensors (see ``OperatorPlan``), made once per operator and state of the rule tables
     (``changes``). Constants only, so a compiled graph carries it.

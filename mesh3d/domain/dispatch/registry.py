@@ -24,7 +24,8 @@ import torch
 from torch.compiler import is_dynamo_compiling
 
 from mesh3d._torch_private import (
-    OpOverload, OpOverloadPacket, builtins_replaced_by, custom_op_overload, function_apply_key, is_operator)
+    OpOverload, OpOverloadPacket, builtins_replaced_by, constant_in_compiled_graphs, custom_op_overload,
+    function_apply_key, is_operator)
 
 __all__ = ["BLOCK_RULES", "GRAPH_RULES", "RULES", "RuleTable", "STRIDED_RULES", "TOKEN_RULES", "load_shipped_rules",
            "inplace_position", "op_name", "register", "rules_for", "writes_inplace", "writes_into_first"]
@@ -100,7 +101,7 @@ class RuleTable:
         return len(self._rules)
 
 
-@torch.compiler.assume_constant_result
+@constant_in_compiled_graphs
 def _rule_index_at_trace_time(table_name: str, func: Callable) -> int:
     """Where the table ``table_name``'s rule for ``func`` sits in its ``_listed`` (-1: none), looked up once while
     Dynamo traces.
@@ -187,7 +188,7 @@ def rules_for(func: Callable) -> list[Callable]:
     return [t._rules[func] for t in _TABLES.values() if func in t._rules]
 
 
-@torch.compiler.assume_constant_result  # NOTE: a fact about the function alone: a constant in a compiled graph
+@constant_in_compiled_graphs  # NOTE: a fact about the function alone: a constant in a compiled graph
 def op_name(func: Callable) -> str:
     """A readable name such as ``torch.flip``, ``torch.Tensor.add``, ``torch.nn.functional.conv2d`` or
     ``torch.ops.aten.sum.default``.
@@ -216,7 +217,7 @@ _INPLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itrued
                     "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"}
 
 
-@torch.compiler.assume_constant_result  # NOTE: a fact about the function alone: a constant in a compiled graph
+@constant_in_compiled_graphs  # NOTE: a fact about the function alone: a constant in a compiled graph
 def writes_into_first(func: Callable) -> bool:
     """Whether ``func`` writes into its first argument (``add_``, ``copy_``, ``x[i] = v``, ``x += y``).
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from mesh3d._torch_private import never_traced
 from mesh3d.domain.attention.modes import attention_step, sharded_attention
 from mesh3d.domain.attention.compiled import compiled_sharded_attention, takes
 from mesh3d.domain.dispatch.dispatcher import run_step
@@ -101,7 +102,7 @@ def sdpa_rule(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
     return attention_step(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
 
 
-@torch.compiler.disable(reason="mesh3d: attention over a sharded sequence runs eagerly in a compiled model")
+@never_traced("mesh3d: attention over a sharded sequence runs eagerly in a compiled model")
 def _eager_sharded_attention(*args):
     return sharded_attention(*args)
 
