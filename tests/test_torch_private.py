@@ -68,3 +68,58 @@ def test_constant_in_compiled_graphs_folds_the_result_as_assume_constant_result_
     assert torch.equal(ours[0], torch.full((2,), 12.0)) and torch.equal(theirs[0], ours[0])
     # the call ran once, at trace time (a constant in the graph); inlined, its side effect is replayed on every call
     assert ours[1:] == theirs[1:] == (1, 1) and inlined[2] == 2, (ours[1:], theirs[1:], inlined)
+
+
+class _Scale(torch.autograd.Function):
+    """A Function of the setup_context form with a defaulted argument (torch binds it to fill the default in)."""
+
+    @staticmethod
+    def forward(x, factor, shift=0.0):
+        return x * factor + shift
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.factor = inputs[1]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None, None
+
+
+class _Pair(torch.autograd.Function):
+    """All positional, and ``*rest``: the calls the routed apply runs without binding them to the signature."""
+
+    @staticmethod
+    def forward(x, factor, *rest):
+        return x * factor + sum(rest)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.factor, ctx.extra = inputs[1], len(inputs) - 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad * ctx.factor, None, *([None] * ctx.extra))
+
+
+def test_functions_run_alike_while_mesh3d_routes_function_apply():
+    """While domain tensors live, mesh3d routes ``Function.apply`` (a library's Function on a domain tensor reaches its
+    rules), and runs a call whose arguments are all given positionally without torch's signature binding: every form
+    of call still gives the values and gradients the Function defines, inside ``torch.func.grad`` too."""
+    from mesh3d import domain
+    from mesh3d._torch_private.autograd import _positional_arity
+
+    x = torch.arange(4.0, dtype=torch.float64)
+    keep = domain.shard(torch.zeros(2, 3), dim=0)  # noqa: F841 - a live domain tensor: the routing is installed
+    assert getattr(torch.autograd.Function.apply, "_mesh3d_routed", False)
+    assert _positional_arity(_Pair) == (2, True) and _positional_arity(_Scale) == (-1, False)
+    for call, value, slope in ((lambda t: _Pair.apply(t, 3.0), 3 * x, 3.0),
+                               (lambda t: _Pair.apply(t, 3.0, 1.0, 2.0), 3 * x + 3, 3.0),
+                               (lambda t: _Scale.apply(t, 2.0), 2 * x, 2.0),
+                               (lambda t: _Scale.apply(t, 2.0, 5.0), 2 * x + 5, 2.0),
+                               (lambda t: _Scale.apply(t, 2.0, shift=1.0), 2 * x + 1, 2.0)):
+        leaf = x.clone().requires_grad_()
+        out = call(leaf)
+        out.sum().backward()
+        assert torch.equal(out.detach(), value) and torch.equal(leaf.grad, torch.full_like(x, slope))
+        assert torch.equal(torch.func.grad(lambda t: call(t).sum())(x), torch.full_like(x, slope))
