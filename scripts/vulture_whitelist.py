@@ -66,3 +66,9 @@ _.seekable
 _._with_store
 # PEP 562: dir(mesh3d) lists the lazily loaded public names too (mesh3d/__init__.py).
 __dir__
+# The attributes Dynamo reads on a function it meets in a trace (mesh3d/_torch_private/compile.py: never_traced,
+# constant_in_compiled_graphs, set from Dynamo's C half where torch.compiler's decorators would import its Python half).
+_._torchdynamo_disable
+_._torchdynamo_disable_msg
+_._torchdynamo_orig_callable
+_._dynamo_marked_constant
