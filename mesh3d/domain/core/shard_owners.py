@@ -19,33 +19,43 @@ from typing import Any
 
 import torch
 
-from mesh3d._torch_private import never_compiled_alone
 
 __all__ = ["SHARD_OWNERS", "ShardOwners", "version_of"]
 
 
 class _Mark(weakref.ref):
-    """A weak reference to a marked shard, carrying its key and a weak reference to its owner."""
+    """A weak reference to a marked shard, carrying a weak reference to its owner."""
 
-    __slots__ = ("key", "owner")
-    key: int
+    __slots__ = ("owner",)
     owner: weakref.ref
+
+
+#: How many marks the table holds before its first sweep of the marks of dead shards
+_FIRST_SWEEP = 4096
 
 
 class ShardOwners:
     """The marks of the shards of live wrapper tensors, by the shard's identity (module docstring).
 
     Usage: ``SHARD_OWNERS.mark(local, out); SHARD_OWNERS.owner(local) is out``
+
+    NOTE: a dead shard's mark stays until the table doubles, then a sweep drops every dead one. A callback per mark
+    (the weak reference's) cost a Python call each time a shard died, on every op; a dead mark answers as no mark
+    (its reference is None, never the tensor asked about, though that tensor may reuse the dead one's id).
     """
 
     def __init__(self) -> None:
         self._marks: dict[int, _Mark] = {}
+        self._sweep_at = _FIRST_SWEEP
 
     def mark(self, local: torch.Tensor, owner: Any) -> None:
         """``local`` belongs to ``owner`` (replacing any earlier mark of it)."""
-        mark = _Mark(local, self._forget)
-        mark.key, mark.owner = id(local), weakref.ref(owner)
-        self._marks[mark.key] = mark
+        mark = _Mark(local)
+        mark.owner = weakref.ref(owner)
+        marks = self._marks
+        marks[id(local)] = mark
+        if len(marks) > self._sweep_at:
+            self._sweep()
 
     def owner(self, local: Any) -> Any:
         """The live wrapper tensor ``local`` was marked for, else None."""
@@ -66,14 +76,16 @@ class ShardOwners:
         """
         return local._base is None and not self.marked(local)
 
-    def _forget(self, mark: _Mark) -> None:
-        if self._marks.get(mark.key) is mark:  # NOTE: not a later tensor's mark that took the same id
-            del self._marks[mark.key]
+    def __len__(self) -> int:
+        """The marks held, of dead shards too until the next sweep."""
+        return len(self._marks)
 
+    def _sweep(self) -> None:
+        marks = self._marks
+        for key in [key for key, mark in marks.items() if mark() is None]:
+            del marks[key]
+        self._sweep_at = max(_FIRST_SWEEP, 2 * len(marks))
 
-# NOTE: a weak reference's callback runs wherever the shard's last reference goes, a frame Dynamo evaluates included:
-# it would compile ``_forget`` as a frame of its own (tests/test_domain_graph_autograd.py counts the frames compiled)
-never_compiled_alone(ShardOwners._forget)
 
 #: The marks of this process's wrapper tensors.
 SHARD_OWNERS = ShardOwners()

@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.compiler import is_dynamo_compiling
 
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.plan_cache import plan_property
@@ -99,6 +100,19 @@ class DomainSpec(LayoutSpec):
     @plan_property
     def offset(self) -> int:
         return offsets_of(self.sizes)[self.comm.index] if self.sizes else 0
+
+    def __hash__(self) -> int:
+        # NOTE: kept once computed: a kept call's signature (``dispatch.kept``) hashes its specs on every call (0.36 us
+        # each). Not pickled (``__getstate__``: a string's hash differs between processes); traced, computed afresh
+        if is_dynamo_compiling():
+            return hash((self.dim, self.sizes, self.comm, self.outer))
+        known = self.__dict__.get("_hash")
+        if known is None:
+            known = self.__dict__["_hash"] = hash((self.dim, self.sizes, self.comm, self.outer))
+        return known
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @staticmethod
     def replicated(comm: DomainComm) -> DomainSpec:
