@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
+from mesh3d._torch_private import make_wrapper_tensor
+from mesh3d.domain.core.shard_owners import SHARD_OWNERS, version_of
 
-__all__ = ["ENGINE_OPS", "alike_result", "elementwise_aten", "empty_in_order", "laid_out_alike", "same_layout"]
+__all__ = ["ENGINE_OPS", "alike_result", "elementwise_aten", "empty_in_order", "laid_out_alike", "same_layout",
+           "wrapper_like"]
 
 
 _aten = torch.ops.aten
@@ -65,6 +68,22 @@ def alike_result(cls: type, func: Any, out: Any, like: Any) -> Any:
         return tuple(cls(o, like._spec, like=like) for o in out)
     raise NotImplementedError(f"{func} answered an element-wise op on domain tensors with something other than "
                               "tensors of their shards' shape: mesh3d refuses it; call it on x.full_tensor()")
+
+
+def wrapper_like(cls: type, local: torch.Tensor, like: Any) -> Any:
+    """``cls(local, like._spec, like=like)``, eagerly, for an element-wise result ``local`` of ``like``'s shard shape
+    (its operand's): the same tensor, made without the constructor's other cases; None where ``like`` is not dense or
+    ``local`` is strided otherwise than ``like``'s shard (the constructor answers those).
+
+    Usage: ``made = wrapper_like(WrappedDomainTensor, out, xs) or WrappedDomainTensor(out, xs.spec)``
+    """
+    if not like._dense or local.stride() != like._local.stride():
+        return None
+    out = make_wrapper_tensor(cls, like._whole, like._strides, local)
+    out._whole, out._strides = like._whole, like._strides
+    SHARD_OWNERS.mark(local, out)  # NOTE: as the constructor does, eager (``core.wrapped``)
+    out._local, out._spec, out._alias, out._seen_version = local, like._spec, None, version_of(local)
+    return out
 
 
 def laid_out_alike(args: tuple, cls: Any) -> Any:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from mesh3d._torch_private import disable_torch_function_subclass
-from mesh3d.domain.core.shard_owners import SHARD_OWNERS
+from mesh3d.domain.core.alike_ops import wrapper_like
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.registry import RULES, op_name
@@ -62,21 +62,23 @@ class ElementwisePlans:
     def run(self, func: Callable, args: tuple, kwargs: dict) -> Any:
         """torch's op on the shards, laid out as its operands; ``NotImplemented`` where the plan does not apply."""
         like = None
-        recorded = False  # whether autograd records the call (a wrapper argument requires grad, grad mode on)
-        grad_on = torch.is_grad_enabled()
         for a in args:
             if isinstance(a, _Tensor):
                 if type(a) is not WrappedDomainTensor:
                     return NotImplemented
                 if like is None:
                     like = a
-                elif (a._spec is not like._spec and a._spec != like._spec) or a._local.shape != like._local.shape:
-                    return NotImplemented
-                if grad_on and not recorded:
-                    with disable_torch_function_subclass():  # NOTE: a wrapper's flag read through the dispatcher
-                        recorded = a.requires_grad
+                elif (a._spec is not like._spec and a._spec != like._spec) or a._whole != like._whole:
+                    return NotImplemented  # NOTE: one spec and one whole shape: one shard shape
         if like is None:
             return NotImplemented
+        recorded = False  # whether autograd records the call (a wrapper argument requires grad, grad mode on)
+        if torch.is_grad_enabled():
+            with disable_torch_function_subclass():  # NOTE: a wrapper's flag read through the dispatcher
+                for a in args:
+                    if type(a) is WrappedDomainTensor and a.requires_grad:
+                        recorded = True
+                        break
         if kwargs:
             for v in kwargs.values():
                 if isinstance(v, _Tensor):
@@ -90,20 +92,22 @@ class ElementwisePlans:
         # result's one edge, as a rule's step is (``fresh_wrapper``), so its backward runs on plain shards; else
         # without any edge. Recorded on the wrappers instead, below autograd, each op cost a round trip through the
         # floor forward and one per backward formula (12-15 us each on the CPU)
+        shards = [(a._differentiable_local() if recorded else a._local) if type(a) is WrappedDomainTensor else a
+                  for a in args]
         try:
-            if recorded:
-                out = func(*[a._differentiable_local() if type(a) is WrappedDomainTensor else a for a in args],
-                           **kwargs)
-            else:
-                out = func(*[a._local if type(a) is WrappedDomainTensor else a for a in args], **kwargs)
+            out = func(*shards, **kwargs)
         except Exception:  # noqa: BLE001 - NOTE: the dispatcher runs it again, raising the error and telling the peers
             return NotImplemented
-        if type(out) is not _Tensor or out.shape != like._local.shape or not SHARD_OWNERS.fresh(out):
-            return NotImplemented  # NOTE: not a fresh result (``x.float()`` of a float x is x): the dispatcher's
+        if type(out) is not _Tensor or out.shape != like._local.shape or out._base is not None:
+            return NotImplemented
+        for a in shards:
+            if a is out:  # NOTE: not a fresh result (``x.float()`` of a float x is x): the dispatcher's
+                return NotImplemented
         if not recorded:
-            made = WrappedDomainTensor(out, spec, like=like)
-            if made._strides is like._strides:  # NOTE: laid out as its operand (the one-process layout of an
-                return made  # element-wise result of a dense one): nothing left open
+            made = wrapper_like(WrappedDomainTensor, out, like)
+            if made is not None:  # NOTE: laid out as its operand (the one-process layout of an element-wise result
+                return made  # of a dense one): nothing left open
+            made = WrappedDomainTensor(out, spec)
         else:
             made = fresh_wrapper(out, spec)
         return made if made._local.shape == made._whole else fresh_layout(made, func, args, kwargs)

@@ -59,6 +59,7 @@ from mesh3d.domain.dispatch.kept_steps import (
 from mesh3d.domain.dispatch.queries import DATA_QUERIES, is_global_size, is_metadata
 from mesh3d.domain.dispatch.registry import (
     RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
+from mesh3d.domain.dispatch.signatures import PLAIN, Unkept, signature
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process
 from mesh3d.domain.dispatch.writes import record_views
@@ -69,8 +70,6 @@ __all__ = ["KEPT", "KeptCalls"]
 #: Rules whose answer on a one-rank domain is not torch's call on the shard: random draws (mesh3d's streams) and
 #: attention (its dropout draws there too), by the module that holds them.
 _NOT_TORCH_ON_THE_SHARD = ("random_ops", "random_fills", "attention", "mixed_attention", "multihead")
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
-_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
 _NOT_GRIDS = (Layout.SLAB, Layout.STRIDED, Layout.REPLICATED, Layout.GRAPH)  # NOTE: graph rules read edges' values
 #: The layouts a kept result may take (a strided result's rows are not its shard's dim: not checked here)
 _KEPT = (Layout.SLAB, Layout.REPLICATED)
@@ -79,10 +78,6 @@ _DISPATCHER = object()
 #: What a function's calls may keep: nothing; a one-rank layout, else a step; the same for a view (its one-process
 #: answer kept too); the same, where the element-wise plan (``dispatch.elementwise_plan``) does not answer first
 _NEVER, _SHARDS, _VIEWS, _ELEMENTWISE = 0, 1, 2, 3
-
-
-class _Unkept(Exception):
-    """An argument or result outside what a kept layout covers."""
 
 
 class _Kept:
@@ -153,8 +148,8 @@ class KeptCalls:
                 return out
         try:
             with disable_torch_function_subclass():  # NOTE: requires_grad of a wrapper would take the walk
-                key = _signature(func, args, kwargs, grids)
-        except _Unkept:
+                key = signature(func, args, kwargs, grids)
+        except Unkept:
             return dispatch(func, types, args, kwargs)
         kept = self._kept.get(key)
         if kept is None:
@@ -168,7 +163,7 @@ class KeptCalls:
             answer = self._view_answer(func, args, kwargs, kept)
             if answer is _DISPATCHER:
                 return dispatch(func, types, args, kwargs)
-        out, fresh = _on_shards(func, args, kwargs, kept[0])
+        out, fresh = _on_shards(func, args, kwargs, kept[0], kept[2])
         if out is NotImplemented:  # NOTE: torch's result is not what the rule's was (a data-dependent size)
             self._kept[key] = _DISPATCHER
             return dispatch(func, types, args, kwargs)
@@ -195,7 +190,8 @@ class KeptCalls:
         if _one_rank(args):
             out = dispatch(func, types, args, kwargs)
             layout = _layout_of(out)
-            self._kept[key] = layout if layout is _DISPATCHER else [layout, _UNASKED]  # NOTE: [specs, view answer]
+            # NOTE: [specs, view answer, whether an input wrapper requires grad] (the signature holds each one's flag)
+            self._kept[key] = layout if layout is _DISPATCHER else [layout, _UNASKED, _any_requires_grad(args, kwargs)]
             return out
         STEP_TAP.args = args  # NOTE: the dispatcher hands this call's rule and step back (``executor.StepTap``)
         try:
@@ -273,54 +269,6 @@ def _kept_step(taken: tuple | None, args: tuple, kwargs: dict) -> Any:
     return _DISPATCHER
 
 
-def _signature(func: Callable, args: tuple, kwargs: dict, grids: frozenset) -> tuple:
-    """The call's signature (module docstring), as one flat tuple: each argument's kind first, so no two calls'
-    arguments give the same items (a sequence's length, each keyword's name after a marker, are among them);
-    ``_Unkept`` for a grid layout (blocks, a token grid) not among ``grids``."""
-    key: list = [func, torch.is_grad_enabled()]
-    for v in args:
-        _part(v, key, grids)
-    if kwargs:
-        if "out" in kwargs:
-            raise _Unkept
-        for k, v in kwargs.items():
-            key.append(_KEYWORD)
-            key.append(k)
-            _part(v, key, grids)
-    return tuple(key)
-
-
-#: What stands before a keyword argument's name in a signature
-_KEYWORD = object()
-
-
-def _part(v: Any, key: list, grids: frozenset) -> None:
-    kind = type(v)
-    if kind is WrappedDomainTensor:
-        spec = v._spec
-        if type(spec) is not DomainSpec and spec.layout not in grids:
-            raise _Unkept  # NOTE: graphs take the walk; blocks and token grids where their rule may be kept
-        local = v._local
-        key += (kind, spec, local.shape, local.stride(), v._strides, v._offset, local.dtype, v.requires_grad)
-    elif kind in _PLAIN:
-        key += (kind, v.shape, v.stride(), v.dtype, v.device, v.requires_grad)
-    elif kind in _VALUES:
-        key += (kind, v)  # NOTE: the type too: 1, 1.0 and True are one key otherwise
-    elif kind is tuple or kind is list:
-        key += (kind, len(v))
-        for x in v:
-            _part(x, key, grids)
-    elif kind is slice:  # NOTE: an index; a slice does not hash before Python 3.12
-        key.append(kind)
-        _part(v.start, key, grids)
-        _part(v.stop, key, grids)
-        _part(v.step, key, grids)
-    elif v is Ellipsis:
-        key.append(v)
-    else:
-        raise _Unkept
-
-
 def _leaves(out: Any) -> list | None:
     """The tensors of a result (one, or one tuple or list of them), else None."""
     if isinstance(out, torch.Tensor):
@@ -342,20 +290,22 @@ def _layout_of(out: Any) -> Any:
             if type(spec) is not DomainSpec or spec.layout not in _KEPT:
                 return _DISPATCHER
             layout.append(spec)
-        elif type(o) in _PLAIN:
+        elif type(o) in PLAIN:
             layout.append(None)
         else:
             return _DISPATCHER  # a storage domain tensor or another subclass: not what this path makes
     return tuple(layout)
 
 
-def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple) -> tuple[Any, bool]:
-    """(torch's call on the shards laid out as kept, or NotImplemented; whether every result is fresh memory)."""
+def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple, aliased: bool = True) -> tuple[Any, bool]:
+    """(torch's call on the shards laid out as kept, or NotImplemented; whether every result is fresh memory).
+    ``aliased``: whether some wrapper argument requires grad (the others' alias is their shard)."""
     recorded = torch.is_grad_enabled()  # NOTE: without grad mode, no shard is read through its alias
-    local = [(a._differentiable_local() if recorded else a._local) if type(a) is WrappedDomainTensor else
-             _shard(a, recorded) if type(a) is tuple or type(a) is list else a for a in args]
+    aliased = aliased and recorded
+    local = [(a._differentiable_local() if aliased else a._local) if type(a) is WrappedDomainTensor else
+             _shard(a, aliased) if type(a) is tuple or type(a) is list else a for a in args]
     try:
-        out = func(*local, **{k: _shard(v, recorded) for k, v in kwargs.items()}) if kwargs else func(*local)
+        out = func(*local, **{k: _shard(v, aliased) for k, v in kwargs.items()}) if kwargs else func(*local)
     except Exception:  # noqa: BLE001 - torch refuses what the rule answered (torch.all of floats): the rule's answer
         return NotImplemented, False
     if type(out) is torch.Tensor and len(layout) == 1:  # NOTE: the common case, one result: no list made
@@ -385,6 +335,13 @@ def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple) -> tupl
     if isinstance(out, torch.Tensor):
         return made[0], fresh
     return type(out)(made), fresh
+
+
+def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
+    """Whether a wrapper tensor among the arguments (or in a list of them) requires grad."""
+    with disable_torch_function_subclass():  # NOTE: the flag read through the dispatcher would take the walk
+        return any(type(t) is WrappedDomainTensor and t.requires_grad for a in (*args, *kwargs.values())
+                   for t in (a if type(a) is tuple or type(a) is list else (a,)))
 
 
 def _shard(a: Any, recorded: bool) -> Any:
