@@ -141,3 +141,15 @@ def test_a_rank_importing_the_manager_and_domain_loads_no_compiler_stack_and_no_
     out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip().splitlines()[-1] == "IMPORTED", out.stdout
+
+
+def test_a_domain_tensor_alive_at_exit_leaves_no_error_behind():
+    """A script that ends with a domain tensor in a reference cycle (collected while the interpreter tears its modules
+    down) and no ``shutdown()``: the process hooks came out with an import there, which printed "Exception ignored
+    ... sys.meta_path is None" at the end of every such script and of every pytest worker (2026-12-07)."""
+    code = ("import torch\nfrom mesh3d import DistributedManager, domain\nDistributedManager.initialize(batch=1, domain=1)\n"
+            "class Holder: pass\nh = Holder()\nh.x, h.me = domain.shard(torch.ones(4, 3), dim=0), h\n"
+            "print(float((h.x * 2).sum()))")
+    out = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "24.0", (out.stdout, out.stderr)
+    assert "Exception ignored" not in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -22,6 +22,8 @@ tensor); ``LiveComms`` in ``core/group.py`` counts them.
 
 from __future__ import annotations
 
+import sys
+
 from mesh3d._torch_private import (
     let_compiled_graphs_take_function_subclasses, route_autograd_function_calls, unpatch_checkpoint_recomputation,
     unroute_autograd_function_calls)
@@ -52,7 +54,9 @@ class ProcessHooks:
         self.installed = True
 
     def remove(self) -> None:
-        if not self.installed:
+        if not self.installed or sys.is_finalizing():
+            # NOTE: at exit (a domain tensor in a reference cycle, collected as the interpreter tears its modules
+            # down) nothing is left to undo, and an import there printed "Exception ignored ... sys.meta_path is None"
             return
         unpatch_checkpoint_recomputation()
         unroute_autograd_function_calls()
