@@ -17,7 +17,10 @@ A signature is the function, the rule tables' version (a rule registered or drop
 and every argument: a wrapper tensor's spec, shard shape and strides, its own strides and storage offset, dtype and
 ``requires_grad``; a plain tensor's type, shape, strides, dtype, device and ``requires_grad``; any other value as
 itself (ints, floats, strings, dtypes, None, tuples of them). An argument of any other kind (a storage domain tensor,
-a DTensor, a list of lists, an object) takes the dispatcher; so do graphs, and blocks and token grids on one rank.
+a DTensor, a list of lists, an object) takes the dispatcher; so do blocks and token grids on one rank, and graphs on
+more than one (their rules read the edges' values). On one rank a graph call is kept where its rule declares its
+results' layout to follow from metadata (``kept_steps.layout_rule``: gathers, views, element-wise ops, reductions,
+factories; not masks, whose kept items follow from their values, nor counts).
 
 Never kept (each takes the dispatcher every time): a write (``add_``, ``out=``, ``inplace=True``); metadata, sizes and
 gradient calls (answered before); random draws and attention (a rule there draws from mesh3d's streams); a rule of
@@ -46,7 +49,7 @@ from mesh3d.domain.core.copied_views import has_copy_marks
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.settings import SETTINGS, DomainSettings
 from mesh3d.domain.core.shard_owners import SHARD_OWNERS
-from mesh3d.domain.core.specs import DomainSpec, Layout
+from mesh3d.domain.core.specs import Layout
 from mesh3d.domain.core.tensor import DomainTensor
 from mesh3d.domain.core.wrapped import WrappedDomainTensor, fresh_wrapper
 from mesh3d.domain.dispatch.dispatcher import dispatch
@@ -55,11 +58,12 @@ from mesh3d.domain.dispatch.elementwise_plan import ELEMENTWISE_PLANS
 from mesh3d.domain.dispatch.grads import GRADIENT_CALLS
 from mesh3d.domain.dispatch.layout_registry import LAYOUTS
 from mesh3d.domain.dispatch.kept_steps import (
-    KeptStep, may_plan_from_metadata, passes_one_tensor_twice, plans_from_metadata, template_of)
+    KeptStep, keeps_layout, may_keep_layout, may_plan_from_metadata, passes_one_tensor_twice, plans_from_metadata,
+    template_of)
 from mesh3d.domain.dispatch.queries import DATA_QUERIES, is_global_size, is_metadata
 from mesh3d.domain.dispatch.registry import (
     RULES, STRIDED_RULES, RuleTable, inplace_position, writes_inplace, writes_into_first)
-from mesh3d.domain.dispatch.signatures import PLAIN, Unkept, signature
+from mesh3d.domain.dispatch.signatures import ONE_RANK_GRAPHS, PLAIN, Unkept, signature
 from mesh3d.domain.dispatch.step import Step
 from mesh3d.domain.dispatch.view_semantics import VIEW_FUNCTIONS, one_process
 from mesh3d.domain.dispatch.writes import record_views
@@ -71,8 +75,9 @@ __all__ = ["KEPT", "KeptCalls"]
 #: attention (its dropout draws there too), by the module that holds them.
 _NOT_TORCH_ON_THE_SHARD = ("random_ops", "random_fills", "attention", "mixed_attention", "multihead")
 _NOT_GRIDS = (Layout.SLAB, Layout.STRIDED, Layout.REPLICATED, Layout.GRAPH)  # NOTE: graph rules read edges' values
-#: The layouts a kept result may take (a strided result's rows are not its shard's dim: not checked here)
-_KEPT = (Layout.SLAB, Layout.REPLICATED)
+#: The layouts a kept result may take (a strided result's rows are not its shard's dim: not checked here; a graph's
+#: where its rule declares its layout from metadata, ``kept_steps.layout_rule``)
+_KEPT = (Layout.SLAB, Layout.REPLICATED, Layout.GRAPH)
 #: A kept signature whose calls take the dispatcher every time.
 _DISPATCHER = object()
 #: What a function's calls may keep: nothing; a one-rank layout, else a step; the same for a view (its one-process
@@ -189,7 +194,9 @@ class KeptCalls:
             self._kept.clear()
         if _one_rank(args):
             out = dispatch(func, types, args, kwargs)
-            layout = _layout_of(out)
+            graphs = _graph_led(args, kwargs)  # NOTE: then the graph rule answered: kept where it declares its layout
+            layout = _DISPATCHER if graphs and not keeps_layout(LAYOUTS.of(Layout.GRAPH).rules.get(func), args, kwargs) \
+                else _layout_of(out, graphs)
             # NOTE: [specs, view answer, whether an input wrapper requires grad] (the signature holds each one's flag)
             self._kept[key] = layout if layout is _DISPATCHER else [layout, _UNASKED, _any_requires_grad(args, kwargs)]
             return out
@@ -234,8 +241,18 @@ def _eligibility(func: Callable) -> tuple[int, int | None, frozenset]:
         where = getattr(rule, "__module__", None) or ""
         if rule is not None and (not where.startswith("mesh3d.domain.") or where.rsplit(".", 1)[-1] in _NOT_TORCH_ON_THE_SHARD):
             return _NEVER, None, frozenset()  # NOTE: a rule of the user's own (``domain.register``) always runs
-    return mode, inplace_position(func), frozenset(
-        e.layout for e in LAYOUTS if e.layout not in _NOT_GRIDS and may_plan_from_metadata(e.rules.get(func)))
+    grids = {e.layout for e in LAYOUTS if e.layout not in _NOT_GRIDS and may_plan_from_metadata(e.rules.get(func))}
+    rule = LAYOUTS.of(Layout.GRAPH).rules.get(func)
+    where = getattr(rule, "__module__", None) or ""
+    if may_keep_layout(rule) and where.startswith("mesh3d.domain.") and where.rsplit(".", 1)[-1] not in _NOT_TORCH_ON_THE_SHARD:
+        grids.add(ONE_RANK_GRAPHS)  # NOTE: a graph's rules read its edges' values: kept on one rank only, as a layout
+    return mode, inplace_position(func), frozenset(grids)
+
+
+def _graph_led(args: tuple, kwargs: dict) -> bool:
+    """Whether a graph tensor is among the arguments (then the graph rule answered the call)."""
+    return any(type(t) is WrappedDomainTensor and t._spec.layout is Layout.GRAPH for a in (*args, *kwargs.values())
+               for t in (a if type(a) is tuple or type(a) is list else (a,)))
 
 
 def _one_rank(args: tuple) -> bool:
@@ -278,8 +295,9 @@ def _leaves(out: Any) -> list | None:
     return None
 
 
-def _layout_of(out: Any) -> Any:
-    """Each result tensor's spec (None: a plain tensor), as the rule laid it out; ``_DISPATCHER`` where not kept."""
+def _layout_of(out: Any, graphs: bool = False) -> Any:
+    """Each result tensor's spec (None: a plain tensor), as the rule laid it out; ``_DISPATCHER`` where not kept (a
+    graph's spec only where ``graphs``: a graph rule's, declaring its layout from metadata)."""
     leaves = _leaves(out)
     if leaves is None:
         return _DISPATCHER
@@ -287,7 +305,7 @@ def _layout_of(out: Any) -> Any:
     for o in leaves:
         if type(o) is WrappedDomainTensor:
             spec = o._spec
-            if type(spec) is not DomainSpec or spec.layout not in _KEPT:
+            if spec.layout not in _KEPT or (spec.layout is Layout.GRAPH and not graphs):
                 return _DISPATCHER
             layout.append(spec)
         elif type(o) in PLAIN:

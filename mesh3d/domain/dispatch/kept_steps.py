@@ -34,8 +34,8 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.specs import LayoutSpec
 from mesh3d.domain.dispatch.step import Step
 
-__all__ = ["KeptStep", "METADATA_RULE_MODULES", "may_plan_from_metadata", "metadata_rule", "passes_one_tensor_twice",
-           "plans_from_metadata", "template_of"]
+__all__ = ["KeptStep", "METADATA_RULE_MODULES", "keeps_layout", "layout_rule", "may_keep_layout", "may_plan_from_metadata",
+           "metadata_rule", "passes_one_tensor_twice", "plans_from_metadata", "template_of"]
 
 #: The rule modules whose rules plan from their tensors' metadata and the call's other arguments alone.
 METADATA_RULE_MODULES = frozenset({
@@ -108,6 +108,37 @@ def metadata_rule(when: Callable[..., bool] | None = None) -> Callable[[Callable
         setattr(rule, _MARK, True if when is None else when)
         return rule
     return mark
+
+
+def layout_rule(when: Callable[..., bool] | None = None) -> Callable[[Callable], Callable]:
+    """Declare a rule whose results' layout follows from its call's metadata alone, though its answer may read values
+    (a graph gather maps node ids to rows): on a one-rank domain, where the rank's items are all the items in their
+    global order, its answer is torch's on the shards, and ``dispatch.kept`` keeps that layout (for the calls ``when``
+    accepts, if given: not a mask, whose kept items follow from its values).
+
+    Usage: ``GRAPH_RULES.register(torch.index_select, layout_rule()(_index_select))``
+    """
+    def mark(rule: Callable) -> Callable:
+        setattr(rule, _LAYOUT_MARK, True if when is None else when)
+        return rule
+    return mark
+
+
+def may_keep_layout(rule: Callable | None) -> bool:
+    """Whether some one-rank call of ``rule`` may keep its layout (``keeps_layout`` says which)."""
+    return may_plan_from_metadata(rule) or hasattr(rule, _LAYOUT_MARK)
+
+
+def keeps_layout(rule: Callable | None, args: tuple, kwargs: dict) -> bool:
+    """Whether the layout ``rule`` gave this call follows from its metadata alone (``layout_rule``): a rule planning
+    from metadata, or one declared so for calls like this one."""
+    if rule is None:
+        return False
+    when = getattr(rule, _LAYOUT_MARK, None)
+    return plans_from_metadata(rule, args, kwargs) or (when is not None and (when is True or when(*args, **kwargs)))
+
+
+_LAYOUT_MARK = "__mesh3d_layout_from_metadata__"
 
 
 class KeptStep(NamedTuple):

@@ -17,11 +17,13 @@ from typing import Any
 
 import torch
 
-from mesh3d.domain.core.specs import DomainSpec
+from mesh3d.domain.core.specs import DomainSpec, Layout
 from mesh3d.domain.core.wrapped import WrappedDomainTensor
 
-__all__ = ["PLAIN", "Unkept", "signature"]
+__all__ = ["ONE_RANK_GRAPHS", "PLAIN", "Unkept", "signature"]
 
+#: Among a function's kept grids: graph tensors on a one-rank domain are keyed too (``dispatch.kept``)
+ONE_RANK_GRAPHS = "graphs on one rank"
 #: Plain tensor types, keyed by their metadata
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 _VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
@@ -59,8 +61,9 @@ def _part(v: Any, key: list, grids: frozenset) -> None:
     kind = type(v)
     if kind is WrappedDomainTensor:
         spec = v._spec
-        if type(spec) is not DomainSpec and spec.layout not in grids:
-            raise Unkept  # NOTE: graphs take the walk; blocks and token grids where their rule may be kept
+        if type(spec) is not DomainSpec and spec.layout not in grids and \
+                (ONE_RANK_GRAPHS not in grids or spec.layout is not Layout.GRAPH or spec.comm.size != 1):
+            raise Unkept  # NOTE: blocks and token grids where their rule may be kept; graphs on one rank
         local = v._local
         key += (kind, spec, local.shape, local.stride(), v._strides, v._offset, local.dtype, v.requires_grad)
     elif kind in PLAIN:

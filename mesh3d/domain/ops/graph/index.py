@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.dispatch.kept_steps import layout_rule
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
 from mesh3d.domain.layouts.graph_halo import gather_halo, global_mask, shared_mask
 from mesh3d.domain.ops.graph.common import graph_spec_of, is_graph, lookup, own_rows, rows_for
@@ -284,14 +285,23 @@ def _setitem(target, key, value):
         "edge list: graphs.Graph(to_undirected(edge_index), part); or call .full_tensor() first")
 
 
+def _not_a_mask(self, index) -> bool:
+    """Whether ``x[index]`` takes no boolean mask (whose kept items follow from its values)."""
+    return not any(isinstance(i, torch.Tensor) and i.dtype == torch.bool
+                   for i in (index if isinstance(index, tuple) else (index,)))
+
+
+# NOTE: a gather, a row, a selection, a cat (of its pieces' partitions) and a factory lay their results out from
+# metadata alone (kept on one rank); a mask's items follow from its values
 for _funcs, _rule in (
     ((torch.Tensor.__setitem__,), _setitem),
-    ((torch.index_select, torch.Tensor.index_select), _index_select),
-    ((torch.Tensor.__getitem__,), _getitem), ((torch.select, torch.Tensor.select), _select),
-    ((torch.cat, torch.concat, torch.concatenate), _cat), ((torch.stack,), _stack),
+    ((torch.index_select, torch.Tensor.index_select), layout_rule()(_index_select)),
+    ((torch.Tensor.__getitem__,), layout_rule(_not_a_mask)(_getitem)),
+    ((torch.select, torch.Tensor.select), layout_rule()(_select)),
+    ((torch.cat, torch.concat, torch.concatenate), layout_rule()(_cat)), ((torch.stack,), layout_rule()(_stack)),
     ((torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.item), None),
 ):
     for _f in _funcs:
         GRAPH_RULES.register(_f, _rule if _rule is not None else _as_local_plain(_f))
 for _f in (torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_empty, torch.Tensor.new_full):
-    GRAPH_RULES.register(_f, _factory(_f, _f is torch.Tensor.new_full))
+    GRAPH_RULES.register(_f, layout_rule()(_factory(_f, _f is torch.Tensor.new_full)))

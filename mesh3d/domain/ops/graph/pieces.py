@@ -24,6 +24,7 @@ import torch
 
 from mesh3d.domain.core.specs import GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
+from mesh3d.domain.dispatch.kept_steps import layout_rule
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
 from mesh3d.domain.ops.graph.common import graph_spec_of
 
@@ -111,6 +112,6 @@ for _funcs, _rule in (
     ((torch.t, torch.Tensor.t), _t), ((torch.Tensor.T.__get__,), _big_t),  # type: ignore[attr-defined]
 ):
     for _f in _funcs:
-        GRAPH_RULES.register(_f, _rule)
+        GRAPH_RULES.register(_f, layout_rule()(_rule))  # NOTE: laid out from metadata alone: kept on one rank
 for _f in (torch.split, torch.Tensor.split, torch.chunk, torch.Tensor.chunk):
-    GRAPH_RULES.register(_f, _cutter(_f))
+    GRAPH_RULES.register(_f, layout_rule()(_cutter(_f)))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from mesh3d.domain.core.specs import GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.dispatch.kept_steps import layout_rule
 from mesh3d.domain.dispatch.registry import GRAPH_RULES, op_name
 from mesh3d.domain.dispatch.step import Step, whole_operand
 from mesh3d.domain.ops.grid_local import LocalGrid, local_rules
@@ -211,18 +212,20 @@ def _flatten(input, start_dim=0, end_dim=-1):
     return adopt(torch.flatten(unwrap(input), s, e), spec.replaced(dim=spec.dim - (max(e - s, 0) if spec.dim > e else 0)))
 
 
+# NOTE: every rule here but dropout's (a draw) lays its results out from metadata alone: kept on one rank
 for _f in ELEMENTWISE:
     if _f is not torch.where:  # NOTE: where(condition) alone is nonzero: counting.py's rule, which calls this one
-        GRAPH_RULES.register(_f, elementwise_rule(_f))
+        GRAPH_RULES.register(_f, layout_rule()(elementwise_rule(_f)))
+GRAPH_RULES.register(F.dropout, _dropout)
 for _funcs, _rule in (
-    ((F.layer_norm,), _layer_norm), ((F.dropout,), _dropout),
+    ((F.layer_norm,), _layer_norm),
     ((torch.Tensor.view,), reshape_rule(True)), ((torch.reshape, torch.Tensor.reshape), reshape_rule(False)),
     ((torch.Tensor.expand,), _expand), ((torch.Tensor.expand_as,), _expand_as),
     ((torch.unsqueeze, torch.Tensor.unsqueeze), _unsqueeze), ((torch.squeeze, torch.Tensor.squeeze), _squeeze),
     ((torch.flatten, torch.Tensor.flatten), _flatten),
 ):
     for _f in _funcs:
-        GRAPH_RULES.register(_f, _rule)
+        GRAPH_RULES.register(_f, layout_rule()(_rule))
 
 
 def _local_along_features(op: str, x: DomainTensor, dims: list) -> GraphSpec:
@@ -235,9 +238,9 @@ _GRID = LocalGrid(graph_spec_of, _local_along_features, lambda spec, new: spec.r
 _LOCAL_RULES = local_rules(_GRID)
 for _f in (torch.transpose, torch.Tensor.transpose, torch.swapaxes, torch.Tensor.swapaxes, torch.permute,
            torch.Tensor.permute, torch.Tensor.view_as, F.linear):  # NOTE: chunk, split, unbind: graph/pieces.py's
-    GRAPH_RULES.register(_f, _LOCAL_RULES[_f])
+    GRAPH_RULES.register(_f, layout_rule()(_LOCAL_RULES[_f]))
 for _f in (F.softmax, F.log_softmax, torch.softmax, torch.log_softmax, torch.Tensor.softmax, torch.Tensor.log_softmax):
-    GRAPH_RULES.register(_f, _softmax(_f))
+    GRAPH_RULES.register(_f, layout_rule()(_softmax(_f)))
 # NOTE: amax is graph/reduce.py's (over the items too, through reduction_rules); amin stays along the features.
 for _f in (*_NORMS, torch.amin, torch.Tensor.amin):
-    GRAPH_RULES.register(_f, _along_features(_f))
+    GRAPH_RULES.register(_f, layout_rule()(_along_features(_f)))

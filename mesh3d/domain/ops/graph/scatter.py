@@ -25,6 +25,7 @@ from mesh3d._torch_private import disable_torch_function_subclass, view_base
 from mesh3d.domain.core.settings import refuse_while_traced, traced
 from mesh3d.domain.core.specs import GraphSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
+from mesh3d.domain.dispatch.kept_steps import layout_rule
 from mesh3d.domain.dispatch.registry import GRAPH_RULES
 from mesh3d.domain.layouts.graph_halo import scatter_halo
 from mesh3d.domain.ops.graph.common import graph_spec_of, is_graph, lookup, own_rows, rows_for
@@ -167,5 +168,5 @@ for _funcs, _make in (((torch.Tensor.scatter_add, torch.scatter_add), _scatter_a
                       ((torch.Tensor.index_add_,), _index_add(True)),
                       ((torch.Tensor.scatter_reduce, torch.scatter_reduce), _scatter_reduce(False)),
                       ((torch.Tensor.scatter_reduce_,), _scatter_reduce(True))):
-    for _f in _funcs:
-        GRAPH_RULES.register(_f, _make)
+    for _f in _funcs:  # NOTE: a result laid out as the target, from metadata alone: kept on one rank (not a write)
+        GRAPH_RULES.register(_f, _make if _f.__name__.endswith("_") else layout_rule()(_make))
