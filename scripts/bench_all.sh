@@ -12,9 +12,9 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 if [ "${QUICK:-0}" = 1 ]; then
   p=(--rounds 5 --warmup 1); d=(--size 256 --domains 1 2 4); c=(--size-mb 256); l=(--rounds 1 --steps 5)
   b=(--size 256 --steps 3 --rounds 1); h=(--sides 32 128 --iters 50); a=(--seq 1024 --steps 1)
-  s=(--repeats 2 --out /tmp/startup_quick.json)
+  s=(--repeats 2 --out /tmp/startup_quick.json); g=(--sides 8 40 --steps 5 --rounds 1 --out /tmp/graph_one_rank_quick.json)
 else
-  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024); l=(); b=(); h=(); a=(); s=()
+  p=(); d=(--domains 1 2 4 8); c=(--size-mb 1024); l=(); b=(); h=(); a=(); s=(); g=()
 fi
 echo "== 1/5 parallelize vs hand-written fully_shard + parallelize_module (4 ranks)"
 "$PY" scripts/bench_parallelize.py --nproc 4 "${p[@]}"
@@ -47,6 +47,8 @@ echo "== planner: mesh3d plan at 4096 ranks vs simulating every domain rank, and
 "$PY" scripts/bench_plan.py
 echo "== start-up: a fresh rank against import torch, and an autograd Function call routed or not"
 "$PY" scripts/bench_startup.py "${s[@]}"
+echo "== graphs at domain=1: a MeshGraphNet step against plain torch, kept answers on and off"
+"$PY" scripts/bench_graph_one_rank.py "${g[@]}"
 if "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
   echo "== GPU: the nccl/CUDA paths on one GPU and a 1 GB checkpoint vs DCP"
   "$PY" scripts/gpu_check.py --out docs/benchmarks
