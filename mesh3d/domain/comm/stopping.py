@@ -170,8 +170,7 @@ def report_failure(comm: Any, op: str, err: Exception, wait_s: float = 5.0) -> E
     # pair closure"): every shutdown after ranks refused an op together warned that peers missed its barrier
     NOTICES.keep(works[landed:])
     tell_other_groups(comm, notice)
-    # NOTE: the replies that landed (gloo: one work per message, the sends first; NCCL: one work for all)
-    heard = [q for i, q in enumerate(others) if (len(others) + i if len(works) > 1 else 0) < landed]
+    heard = _replies_landed(others, works, landed)
     differ = [q for q in heard if _journal_of(replies[q]) not in (None, fingerprint)]
     if not differ:
         return err
@@ -179,6 +178,15 @@ def report_failure(comm: Any, op: str, err: Exception, wait_s: float = 5.0) -> E
         f"domain rank {comm.index} failed in {op} ({type(err).__name__}: {err}), and domain ranks {differ} had run "
         "different domain ops before it: the ranks took different paths. Latest here:\n" + divergence.recent_ops()
         + "\n" + divergence.LIKELY_CAUSE)
+
+
+def _replies_landed(others: list[int], works: list, landed: int) -> list[int]:
+    """The peers whose reply was seen to land, the first ``landed`` of ``works`` having completed: gloo posts one work
+    per message, the sends to ``others`` first, then their replies in that order (peer ``others[i]``'s reply is work
+    ``len(others) + i``); NCCL posts one work for every message."""
+    if len(works) == 1:
+        return list(others) if landed else []
+    return [q for i, q in enumerate(others) if len(others) + i < landed]
 
 
 def _journal_of(reply: torch.Tensor) -> int | None:

@@ -251,20 +251,21 @@ def _eligibility(func: Callable) -> tuple[int, int | None, frozenset]:
 
 def _graph_led(args: tuple, kwargs: dict) -> bool:
     """Whether a graph tensor is among the arguments (then the graph rule answered the call)."""
-    return any(type(t) is WrappedDomainTensor and t._spec.layout is Layout.GRAPH for a in (*args, *kwargs.values())
-               for t in (a if type(a) is tuple or type(a) is list else (a,)))
+    return any(t._spec.layout is Layout.GRAPH for t in _wrappers(args, kwargs))
+
+
+def _wrappers(args: tuple, kwargs: dict) -> Iterator[WrappedDomainTensor]:
+    """The wrapper tensors among a call's arguments and in lists of them, in order."""
+    for a in (*args, *kwargs.values()):
+        for t in a if type(a) is tuple or type(a) is list else (a,):
+            if type(t) is WrappedDomainTensor:
+                yield t
 
 
 def _one_rank(args: tuple) -> bool:
     """Whether the call's domain tensors are of a one-rank domain (its first one's, as every other's is the same)."""
-    for a in args:
-        if type(a) is WrappedDomainTensor:
-            return a._spec.comm.size == 1
-        if type(a) is tuple or type(a) is list:
-            for t in a:
-                if type(t) is WrappedDomainTensor:
-                    return t._spec.comm.size == 1
-    return True
+    first = next(_wrappers(args, {}), None)
+    return first is None or first._spec.comm.size == 1
 
 
 def _kept_step(taken: tuple | None, args: tuple, kwargs: dict) -> Any:
@@ -358,8 +359,7 @@ def _on_shards(func: Callable, args: tuple, kwargs: dict, layout: tuple, aliased
 def _any_requires_grad(args: tuple, kwargs: dict) -> bool:
     """Whether a wrapper tensor among the arguments (or in a list of them) requires grad."""
     with disable_torch_function_subclass():  # NOTE: the flag read through the dispatcher would take the walk
-        return any(type(t) is WrappedDomainTensor and t.requires_grad for a in (*args, *kwargs.values())
-                   for t in (a if type(a) is tuple or type(a) is list else (a,)))
+        return any(t.requires_grad for t in _wrappers(args, kwargs))
 
 
 def _shard(a: Any, recorded: bool) -> Any:
