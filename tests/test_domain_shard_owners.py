@@ -76,3 +76,17 @@ def test_a_slab_specs_hash_is_its_fields_hash_and_is_not_pickled():
     state = pickle.loads(pickle.dumps(spec)).__dict__
     assert "_hash" not in state and state["sizes"] == (3, 4, 5)
     assert pickle.loads(pickle.dumps(spec)) == spec
+
+
+def test_a_call_torch_answers_with_its_input_answers_the_domain_tensor_itself():
+    """``x.double()`` of a float64 ``x``, ``x.contiguous()``, ``x.to(x.dtype)`` are ``x`` in torch: the domain tensor
+    itself, on the dispatcher's first call and from kept answers after, so a write into the result is a write into
+    ``x``."""
+    from mesh3d import domain
+
+    xs = domain.shard(torch.zeros(4, 3, dtype=torch.float64), dim=0) + 0.0  # NOTE: a shard of its own, no view
+    for _ in range(3):
+        for same in (xs.double(), xs.contiguous(), xs.to(torch.float64), xs.type_as(xs)):
+            assert same is xs
+    xs.double().add_(1.0)
+    assert float(xs.sum()) == 12.0
