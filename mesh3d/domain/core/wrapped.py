@@ -258,7 +258,7 @@ class WrappedDomainTensor(DomainTensor):
         if is_compiling():
             out._local, out._spec, out._alias, out._seen_version = local, spec, None, 0
             return out
-        SHARD_OWNERS.mark(local, out)  # NOTE: read by _wrapped_or_owner, _made_from
+        SHARD_OWNERS.mark(local, out)  # NOTE: read by _wrapped_or_owner, _made_from; alike_ops.wrapper_like as here
         out._local, out._spec, out._alias, out._seen_version = local, spec, None, version_of(local)
         return out
 

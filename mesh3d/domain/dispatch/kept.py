@@ -236,17 +236,19 @@ def _eligibility(func: Callable) -> tuple[int, int | None, frozenset]:
         # reads it back
         return _NEVER, None, frozenset()
     mode = _VIEWS if func in VIEW_FUNCTIONS else _ELEMENTWISE if ELEMENTWISE_PLANS.applies(func) else _SHARDS
-    for table in (RULES, STRIDED_RULES):
-        rule = table.get(func)
-        where = getattr(rule, "__module__", None) or ""
-        if rule is not None and (not where.startswith("mesh3d.domain.") or where.rsplit(".", 1)[-1] in _NOT_TORCH_ON_THE_SHARD):
-            return _NEVER, None, frozenset()  # NOTE: a rule of the user's own (``domain.register``) always runs
+    if any(rule is not None and not _torch_on_the_shard(rule) for rule in (RULES.get(func), STRIDED_RULES.get(func))):
+        return _NEVER, None, frozenset()  # NOTE: a rule of the user's own (``domain.register``) always runs
     grids = {e.layout for e in LAYOUTS if e.layout not in _NOT_GRIDS and may_plan_from_metadata(e.rules.get(func))}
     rule = LAYOUTS.of(Layout.GRAPH).rules.get(func)
-    where = getattr(rule, "__module__", None) or ""
-    if may_keep_layout(rule) and where.startswith("mesh3d.domain.") and where.rsplit(".", 1)[-1] not in _NOT_TORCH_ON_THE_SHARD:
+    if may_keep_layout(rule) and _torch_on_the_shard(rule):
         grids.add(ONE_RANK_GRAPHS)  # NOTE: a graph's rules read its edges' values: kept on one rank only, as a layout
     return mode, inplace_position(func), frozenset(grids)
+
+
+def _torch_on_the_shard(rule: Callable) -> bool:
+    """Whether ``rule`` is mesh3d's own and answers, on one rank, what torch's call on the shard does (no draw)."""
+    where = getattr(rule, "__module__", None) or ""
+    return where.startswith("mesh3d.domain.") and where.rsplit(".", 1)[-1] not in _NOT_TORCH_ON_THE_SHARD
 
 
 def _graph_led(args: tuple, kwargs: dict) -> bool:
