@@ -32,7 +32,7 @@ from mesh3d.domain.attention.backends import BLOCK_KERNELS
 from mesh3d.domain.attention.fused import heads_view
 from mesh3d.domain.attention.score_tiles import MaskRule, Tile, Segment, tile_mask
 from mesh3d.domain.attention.row_order import RowOrder
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import exchange_point, gather_rows, start_exchange
 from mesh3d.domain.comm.rows import Span, plan_exchange
@@ -180,21 +180,10 @@ def _swap(comm: DomainComm, tensors: list[torch.Tensor], rows: list[tuple[int, .
     return results
 
 
-class _SwapHeadsRows(torch.autograd.Function):
-    @staticmethod
-    def forward(comm: DomainComm, rows: list[tuple[int, ...]], to_heads: bool, *tensors):
-        return tuple(_swap(comm, list(tensors), rows, to_heads))
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: tuple) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.comm, ctx.rows, ctx.to_heads = inputs[:3]
-
-    @staticmethod
-    def backward(ctx, *grads):
-        comm, rows, to_heads = ctx.comm, ctx.rows, ctx.to_heads
-        swapped = linear_map(lambda *g: tuple(_swap(comm, list(g), rows, not to_heads)),
-                             lambda *g: tuple(_swap(comm, list(g), rows, to_heads)), *grads)
-        return (None, None, None, *swapped)
+def _swap_heads_rows(comm: DomainComm, rows: list[tuple[int, ...]], to_heads: bool, *tensors: torch.Tensor) -> tuple:
+    """``_swap`` of ``tensors`` (differentiable: the swap back)."""
+    return linear_op(lambda *t: tuple(_swap(comm, list(t), rows, to_heads)),
+                     lambda *g: tuple(_swap(comm, list(g), rows, not to_heads)), *tensors)
 
 
 def ulysses_attention(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
@@ -205,12 +194,12 @@ def ulysses_attention(call: AttentionCall, q, k, v, mask) -> torch.Tensor:
     comm = call.comm
     q_rows = tuple(seg.rows for seg in call.q_order)
     kv_rows = tuple(seg.rows for seg in call.kv_order)
-    qh, kh, vh = _SwapHeadsRows.apply(comm, [q_rows, kv_rows, kv_rows], True, q, k, v)
+    qh, kh, vh = _swap_heads_rows(comm, [q_rows, kv_rows, kv_rows], True, q, k, v)
     heads = q.shape[1] // comm.size
     if mask is not None and mask.ndim >= 3 and mask.shape[-3] != 1:
         mask = mask[..., comm.index * heads:(comm.index + 1) * heads, :, :]
     out = _attend(call, qh, kh, vh, mask, _all_rows(call.q_order), _all_rows(call.kv_order), None)
-    (back,) = _SwapHeadsRows.apply(comm, [q_rows], False, out)
+    (back,) = _swap_heads_rows(comm, [q_rows], False, out)
     return back
 
 

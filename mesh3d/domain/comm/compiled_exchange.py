@@ -9,7 +9,7 @@ are Python and gloo calls), and breaking the graph at every exchange would cost 
 ``torch.library.custom_op`` it is opaque to Dynamo and Inductor: the graph holds one call per exchange, whose
 fake implementation knows the received shapes from the plan alone, and the real implementation is the eager one,
 header check and all (compile_anchors.md, design (c): torch's flex context parallel does the same). Its
-autograd is the caller's: ``_GatherRows`` runs the op forward and the reversed op backward, and Dynamo traces
+autograd is the caller's: ``gather_rows`` runs the op forward and the reversed op backward, and Dynamo traces
 both through the autograd function.
 
 NOTE: a custom op takes tensors, ints and lists of them, not a ``DomainComm``. ``COMMS`` interns each comm under a

@@ -27,7 +27,7 @@ from mesh3d.domain.comm.rows import ExchangePlan, Piece
 from mesh3d.domain.comm.stopping import abort, report_failure, finish_matched, leave, matched_peers, post, swap_journals
 from mesh3d.domain.comm.traffic import TrafficCounter, count_traffic, dry_run, dry_run_observer
 from mesh3d.domain.core.group import DomainComm
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.manager import DistributedManager
 from mesh3d.faults.beat import WAITING
 from mesh3d.domain.core.settings import traced
@@ -238,7 +238,7 @@ def _assemble(local: torch.Tensor, dim: int, pieces: tuple[Piece, ...], received
 
 def _gather(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float,
             fingerprint: int | None) -> torch.Tensor:
-    """The rows of ``plan`` (not differentiable by itself: ``_GatherRows`` is)."""
+    """The rows of ``plan`` (not differentiable by itself: ``gather_rows`` is)."""
     outgoing = [(peer, rows_of(local, dim, runs)) for peer, runs in plan.send]
     received = swap(comm, outgoing, local, (dim,), [(q, (n,)) for q, n in plan.recv], fingerprint)
     return _assemble(local, dim, plan.pieces, received, fill)
@@ -277,26 +277,6 @@ def _scatter(grad: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm,
     return grad_local
 
 
-class _GatherRows(torch.autograd.Function):
-    @staticmethod
-    def forward(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float, fingerprint):
-        return _gather(local, dim, plan, comm, fill, fingerprint)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # NOTE: the form torch.func's transforms run
-        local, ctx.dim, ctx.plan, ctx.comm = inputs[:4]
-        ctx.local_shape = local.shape
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        dim, plan, comm, shape = ctx.dim, ctx.plan, ctx.comm, ctx.local_shape
-        # NOTE: with create_graph=True the adjoint is recorded too (its own gradient is this gather, fill 0):
-        # second derivatives through halos.
-        return linear_map(lambda g: _scatter(g, dim, plan, comm, shape),
-                          lambda g: _gather(g, dim, plan, comm, 0.0, exchange_point(comm)),
-                          grad), None, None, None, None, None
-
-
 def gather_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm, fill: float = 0.0) -> torch.Tensor:
     """This rank's needed rows along ``dim`` (per ``plan``), fetched from their owners; differentiable.
 
@@ -310,7 +290,12 @@ def gather_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainC
         if plan.is_local_view:
             return local
         return _assemble(local, dim, plan.pieces, {}, fill)
-    return _GatherRows.apply(local, dim, plan, comm, fill, exchange_point(comm))
+    point, shape = exchange_point(comm), local.shape
+    # NOTE: with create_graph=True the adjoint is recorded too (its own gradient is this gather, fill 0):
+    # second derivatives through halos.
+    return linear_op(lambda t: _gather(t, dim, plan, comm, fill, point),
+                     lambda g: _scatter(g, dim, plan, comm, shape), local,
+                     again=lambda g: _gather(g, dim, plan, comm, 0.0, exchange_point(comm)))
 
 
 def check_local_rows(local: torch.Tensor, dim: int, plan: ExchangePlan, comm: DomainComm) -> None:

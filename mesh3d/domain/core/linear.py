@@ -3,7 +3,8 @@ backward is the map again.
 
 Usage::
 
-    out = linear_map(lambda g: gather(g), lambda g: scatter_add(g), local)   # forward: gather; backward: scatter
+    whole = linear_op(gather, keep_own, local)             # a move of rows in a forward: its gradient the adjoint
+    out = linear_map(lambda g: gather(g), lambda g: scatter_add(g), local)   # in a backward: recorded to any order
 
 Every move of rows between domain ranks (a halo, a gather, a transpose) is linear, and its gradient is the adjoint
 move. An ``autograd.Function`` whose backward computes that adjoint with no-grad code gives first derivatives only:
@@ -22,7 +23,7 @@ import torch
 
 from mesh3d._torch_private import functorch_transform_active
 
-__all__ = ["linear_map", "recordable"]
+__all__ = ["linear_map", "linear_op", "recordable"]
 
 
 def _tuple(out: Any) -> tuple:
@@ -30,8 +31,10 @@ def _tuple(out: Any) -> tuple:
 
 
 class _LinearMap(torch.autograd.Function):
+    """``apply(*tensors)``; backward ``adjoint``, whose own backward is ``again``."""
+
     @staticmethod
-    def forward(apply: Callable, adjoint: Callable, *tensors: torch.Tensor):
+    def forward(apply: Callable, adjoint: Callable, again: Callable, *tensors: torch.Tensor):
         with torch.no_grad():
             out = apply(*tensors)
         outs = tuple(o.view_as(o) if any(o is t for t in tensors) else o for o in _tuple(out))
@@ -39,12 +42,12 @@ class _LinearMap(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: torch.func's transforms run only this form
-        ctx.maps = inputs[:2]
+        ctx.maps = inputs[1:3]
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):
-        apply, adjoint = ctx.maps
-        return (None, None, *_tuple(linear_map(adjoint, apply, *grads)))
+        adjoint, again = ctx.maps
+        return (None, None, None, *_tuple(linear_map(adjoint, again, *grads)))
 
 
 def recordable(t: torch.Tensor) -> torch.Tensor:
@@ -71,4 +74,18 @@ def linear_map(apply: Callable[..., Any], adjoint: Callable[..., Any], *tensors:
     if not torch.is_grad_enabled():
         with torch.no_grad():
             return apply(*tensors)
-    return _LinearMap.apply(apply, adjoint, *(recordable(t) for t in tensors))
+    return _LinearMap.apply(apply, adjoint, apply, *(recordable(t) for t in tensors))
+
+
+def linear_op(apply: Callable[..., Any], adjoint: Callable[..., Any], *tensors: torch.Tensor,
+              again: Callable[..., Any] | None = None) -> Any:
+    """``apply(*tensors)`` in a forward (a move of rows between ranks: a halo, a gather, a transpose), recorded where
+    a tensor requires grad: its gradient is ``adjoint(*grads)``, whose own gradient is ``again`` (``apply`` unless
+    the forward differs from the map it stands for: a gather whose fill rows hold a value), to any order.
+
+    Usage: ``whole = linear_op(lambda t: gather_whole(t, spec), lambda g: own_block(g, spec), local)``
+
+    NOTE: one autograd Function for every move (there was one per move, each a copy of this): ``apply``, ``adjoint``
+    and ``again`` close over plans and specs, never over tensors.
+    """
+    return _LinearMap.apply(apply, adjoint, again or apply, *tensors)

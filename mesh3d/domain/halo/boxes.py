@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import exchange_point, rows_of, swap
 from mesh3d.domain.comm.compiled_exchange import received_shape
@@ -136,7 +136,7 @@ def _runs_boxes(runs: tuple[Runs, ...]):
 
 def _gather_box(local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
                 fingerprint) -> torch.Tensor:
-    """The box of ``plan`` (not differentiable by itself: ``_GatherBox`` is)."""
+    """The box of ``plan`` (not differentiable by itself: ``gather_box`` is)."""
     outgoing = [(peer, _pack(local, dims, runs)) for peer, runs in plan.send]
     received = swap(comm, outgoing, local, dims, list(plan.recv), fingerprint)
     out = local.new_empty(received_shape(local, dims, plan.shape))
@@ -166,26 +166,6 @@ def _scatter_box(grad: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm:
     return grad_local
 
 
-class _GatherBox(torch.autograd.Function):
-    @staticmethod
-    def forward(local: torch.Tensor, dims: tuple[int, ...], plan: BoxPlan, comm: DomainComm, fill: float,
-                fingerprint):
-        return _gather_box(local, dims, plan, comm, fill, fingerprint)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:  # NOTE: the form torch.func's transforms run
-        local, ctx.dims, ctx.plan, ctx.comm = inputs[:4]
-        ctx.local_shape = local.shape
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        dims, plan, comm, shape = ctx.dims, ctx.plan, ctx.comm, ctx.local_shape
-        # NOTE: recorded with create_graph=True (second derivatives): its own gradient is the gather, fill 0.
-        return linear_map(lambda g: _scatter_box(g, dims, plan, comm, shape),
-                          lambda g: _gather_box(g, dims, plan, comm, 0.0, exchange_point(comm)),
-                          grad), None, None, None, None, None
-
-
 def gather_box(local: torch.Tensor, dims: tuple[int, ...], plans: tuple[ExchangePlan, ...], coords: tuple[int, ...],
                grid: tuple[int, ...], comm: DomainComm, fill: float = 0.0) -> torch.Tensor:
     """This rank's rows of ``plans`` (one 1-D plan per grid dim ``dims``; fill rows hold ``fill``), in one round.
@@ -195,4 +175,8 @@ def gather_box(local: torch.Tensor, dims: tuple[int, ...], plans: tuple[Exchange
     plan = plan_box(plans, coords, grid)
     if not plan.send and not plan.recv and len(plan.cells) == 1 and plan.cells[0][0] == OWN:
         return _box(local, dims, plan.cells[0][1][1])  # nothing moves: a view of the shard
-    return _GatherBox.apply(local, dims, plan, comm, fill, exchange_point(comm))
+    point, shape = exchange_point(comm), local.shape
+    # NOTE: recorded with create_graph=True (second derivatives): the adjoint's own gradient is the gather, fill 0
+    return linear_op(lambda t: _gather_box(t, dims, plan, comm, fill, point),
+                     lambda g: _scatter_box(g, dims, plan, comm, shape), local,
+                     again=lambda g: _gather_box(g, dims, plan, comm, 0.0, exchange_point(comm)))

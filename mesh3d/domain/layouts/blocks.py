@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-from typing import Any
 
 import torch
 
@@ -35,7 +34,7 @@ from mesh3d.domain.halo.windows import WindowPlan, plan_window
 from mesh3d.domain.comm.rows import ExchangePlan, Span, plan_exchange
 from mesh3d.domain.core.split import split_sizes
 from mesh3d.domain.core.specs import DomainSpec
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap, wrap_anew
 from mesh3d.manager import DistributedManager
 from mesh3d.domain.core.plan_cache import plan_cache
@@ -123,23 +122,6 @@ def gather_whole(local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
     return local
 
 
-class _BlockFullTensor(torch.autograd.Function):
-    @staticmethod
-    def forward(local: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
-        with torch.no_grad():
-            whole = gather_whole(local, spec)
-        return whole.view_as(whole) if whole is local else whole
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.spec = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec
-        return linear_map(lambda g: _own_block(g, spec), lambda g: gather_whole(g, spec), grad), None
-
-
 def _own_block(whole: torch.Tensor, spec: BlockSpec) -> torch.Tensor:
     for d, start, count in zip(spec.dims, spec.offsets, spec.local_sizes):
         whole = whole.narrow(d, start, count)
@@ -153,7 +135,8 @@ def block_full_tensor(x: DomainTensor) -> DomainTensor:
     """
     spec = x._spec
     assert isinstance(spec, BlockSpec)
-    return adopt(_BlockFullTensor.apply(unwrap(x), spec), DomainSpec.replicated(spec.comm))
+    whole = linear_op(lambda t: gather_whole(t, spec), lambda g: _own_block(g, spec), unwrap(x))
+    return adopt(whole, DomainSpec.replicated(spec.comm))
 
 
 @plan_cache(maxsize=1024)

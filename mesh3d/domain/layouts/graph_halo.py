@@ -22,7 +22,6 @@ import math
 import zlib
 
 import numpy as np
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ from mesh3d.domain.comm.exchange import exchange_all, exchange_point, gather_row
 from mesh3d.domain.comm.rows import Span, plan_exchange
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.core.settings import refuse_while_traced
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.graphs import HaloPlan, Partition
 from mesh3d.graphs.compiled_tables import table
 
@@ -58,24 +57,6 @@ def _scatter(ext: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) -> t
     return own
 
 
-class _HaloMove(torch.autograd.Function):
-    @staticmethod
-    def forward(local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm, gather: bool):
-        return (_gather if gather else _scatter)(local, dim, plan, comm)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        dim, plan, comm, gather = ctx.args
-        there, back = (_scatter, _gather) if gather else (_gather, _scatter)
-        # NOTE: recorded with create_graph=True too (its own gradient is the forward move): second derivatives.
-        return linear_map(lambda g: there(g, dim, plan, comm), lambda g: back(g, dim, plan, comm), grad), \
-            None, None, None, None
-
-
 def gather_halo(local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) -> torch.Tensor:
     """``[local; the halo rows]`` along ``dim``, the halo fetched from its owners; backward sums the halo's gradient
     back into the owners' rows.
@@ -85,7 +66,8 @@ def gather_halo(local: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm)
     if plan.moves_nothing:
         return local
     if local.requires_grad and torch.is_grad_enabled():
-        return _HaloMove.apply(local, dim, plan, comm, True)
+        # NOTE: recorded with create_graph=True too (its own gradient is the forward move): second derivatives
+        return linear_op(lambda t: _gather(t, dim, plan, comm), lambda g: _scatter(g, dim, plan, comm), local)
     return _gather(local, dim, plan, comm)
 
 
@@ -97,7 +79,7 @@ def scatter_halo(ext: torch.Tensor, dim: int, plan: HaloPlan, comm: DomainComm) 
     if plan.moves_nothing:
         return ext
     if ext.requires_grad and torch.is_grad_enabled():
-        return _HaloMove.apply(ext, dim, plan, comm, False)
+        return linear_op(lambda t: _scatter(t, dim, plan, comm), lambda g: _gather(g, dim, plan, comm), ext)
     return _scatter(ext, dim, plan, comm)
 
 
@@ -113,23 +95,6 @@ def _whole(local: torch.Tensor, dim: int, items: Partition, comm: DomainComm) ->
     return gathered.index_select(dim, _position_in_gather(items).to(local.device))
 
 
-class _GatherAll(torch.autograd.Function):
-    @staticmethod
-    def forward(local: torch.Tensor, dim: int, items: Partition, comm: DomainComm):
-        with torch.no_grad():
-            return _whole(local, dim, items, comm)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        dim, items, comm = ctx.args  # a replicated value's gradient is the same everywhere: this rank's items of it
-        own = lambda g: g.index_select(dim, items.tensor("items", comm.index).to(g.device))
-        return linear_map(own, lambda g: _whole(g, dim, items, comm), grad), None, None, None
-
-
 def gather_all(local: torch.Tensor, dim: int, items: Partition, comm: DomainComm) -> torch.Tensor:
     """Every rank's items in global order along ``dim`` (replicated; backward keeps this rank's items' gradient).
 
@@ -137,7 +102,9 @@ def gather_all(local: torch.Tensor, dim: int, items: Partition, comm: DomainComm
     """
     if comm.size == 1:
         return local
-    return _GatherAll.apply(local, dim, items, comm)
+    # a replicated value's gradient is the same everywhere: this rank's items of it
+    own = lambda g: g.index_select(dim, items.tensor("items", comm.index).to(g.device))  # noqa: E731
+    return linear_op(lambda t: _whole(t, dim, items, comm), own, local)
 
 
 def global_mask(mask: torch.Tensor, items: Partition, comm: DomainComm) -> np.ndarray:

@@ -14,38 +14,17 @@ value, on which any op runs as is. Backward follows ``full_tensor``: every rank 
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
 
 from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.comm.rows import Span, plan_exchange
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.domain.core.specs import DomainSpec
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.comm.rows import block_needs
 
 __all__ = ["full_tensor", "replicate_if_singleton", "strided_rows"]
-
-
-class _FullTensor(torch.autograd.Function):
-    @staticmethod
-    def forward(local, spec: DomainSpec, plan):
-        with torch.no_grad():
-            whole = gather_rows(local, spec.dim, plan, spec.comm)
-        return whole.view_as(whole) if whole is local else whole
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.spec, ctx.plan = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, grad):
-        spec, plan = ctx.spec, ctx.plan
-        # The whole tensor is replicated, so each rank's gradient is the whole gradient: keep my slice (and, with
-        # create_graph=True, record it: its own gradient is the gather again).
-        return linear_map(lambda g: g.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]),
-                          lambda g: gather_rows(g, spec.dim, plan, spec.comm), grad), None, None
 
 
 def full_tensor(x: DomainTensor) -> DomainTensor:
@@ -67,7 +46,10 @@ def full_tensor(x: DomainTensor) -> DomainTensor:
     # NOTE: planned here, not in the autograd function: Dynamo traces its forward with the spec's ints as symbols
     everything = (Span.rows(0, sum(spec.sizes)),)  # O(D) to plan, whatever the length
     plan = plan_exchange(spec.sizes, (everything,) * len(spec.sizes), spec.comm.index)
-    return adopt(_FullTensor.apply(unwrap(x), spec, plan), DomainSpec.replicated(spec.comm))
+    # The whole tensor is replicated, so each rank's gradient is the whole gradient: keep my slice
+    whole = linear_op(lambda t: gather_rows(t, spec.dim, plan, spec.comm),
+                      lambda g: g.narrow(spec.dim, spec.offset, spec.sizes[spec.comm.index]), unwrap(x))
+    return adopt(whole, DomainSpec.replicated(spec.comm))
 
 
 def replicate_if_singleton(x: DomainTensor) -> DomainTensor:

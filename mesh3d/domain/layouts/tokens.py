@@ -22,7 +22,6 @@ from __future__ import annotations
 
 
 
-from typing import Any
 
 import torch
 
@@ -31,7 +30,7 @@ from mesh3d.domain.layouts.blocks import block_full_tensor
 from mesh3d.domain.comm.exchange import gather_rows
 from mesh3d.domain.comm.rows import Span, plan_exchange, runs_from_indices
 from mesh3d.domain.core.specs import DomainSpec
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.domain.core.tensor import DomainTensor, adopt, unwrap
 from mesh3d.domain.core.specs import TokenSpec
 from mesh3d.domain.comm.collectives import sum_grad
@@ -75,7 +74,7 @@ def gather_all_tokens(local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
 
 
 def _whole_tokens(local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
-    """Every token in global order (not differentiable by itself: ``_TokenFullTensor`` is)."""
+    """Every token in global order (not differentiable by itself: ``token_full_tensor`` is)."""
     if spec.keys is not None:  # scores: the keys dim to the global order first
         local = local.index_select(spec.keys_dim, torch.argsort(spec.keys.gathered_index).to(local.device))
     if spec.prefix == 0:  # the blocks' gather, then one reshape: no permutation needed
@@ -92,22 +91,6 @@ def _own_tokens(grad: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
     if spec.keys is not None:  # and back to the gathered order of the keys
         grad = grad.index_select(spec.keys_dim, spec.keys.gathered_index.to(grad.device))
     return grad
-
-
-class _TokenFullTensor(torch.autograd.Function):
-    @staticmethod
-    def forward(local: torch.Tensor, spec: TokenSpec) -> torch.Tensor:
-        with torch.no_grad():
-            return _whole_tokens(local, spec)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.spec = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        spec = ctx.spec  # with create_graph=True recorded too: its own gradient is the gather
-        return linear_map(lambda g: _own_tokens(g, spec), lambda g: _whole_tokens(g, spec), grad), None
 
 
 def slab_as_tokens(o: DomainTensor, spec: TokenSpec) -> torch.Tensor:
@@ -128,7 +111,8 @@ def token_full_tensor(x: DomainTensor) -> DomainTensor:
     """
     spec = x._spec
     assert isinstance(spec, TokenSpec)
-    return adopt(_TokenFullTensor.apply(unwrap(x), spec), DomainSpec.replicated(spec.comm))
+    whole = linear_op(lambda t: _whole_tokens(t, spec), lambda g: _own_tokens(g, spec), unwrap(x))
+    return adopt(whole, DomainSpec.replicated(spec.comm))
 
 
 def token_rows(o: torch.Tensor, dim: int, spec: TokenSpec, op: str, gathered: bool = False) -> torch.Tensor:
@@ -153,33 +137,14 @@ def prefix_tokens(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -
 
     Usage: ``cls = prefix_tokens(unwrap(t), t.spec, 0, 1)``
     """
-    return _TakeRows.apply(local, spec, start, stop)
-
-
-class _TakeRows(torch.autograd.Function):
-    """Global tokens ``[start, stop)`` (prefix tokens, on rank 0) on every rank; backward keeps rank 0's share."""
-
-    @staticmethod
-    def forward(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
-        with torch.no_grad():
-            out = _take(local, spec, start, stop)
-        return out.clone() if out is local else out
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.spec, ctx.start, ctx.stop = inputs[1:]
-        ctx.shape = inputs[0].shape
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        spec, start, stop, shape = ctx.spec, ctx.start, ctx.stop, ctx.shape
-        return linear_map(lambda g: _give_back(g, spec, start, shape), lambda g: _take(g, spec, start, stop),
-                          grad), None, None, None
+    shape = local.shape  # NOTE: backward keeps rank 0's share
+    return linear_op(lambda t: _take(t, spec, start, stop), lambda g: _give_back(g, spec, start, shape), local)
 
 
 def _take(local: torch.Tensor, spec: TokenSpec, start: int, stop: int) -> torch.Tensor:
     needs = tuple((Span.rows(start, stop),) for _ in spec.counts)  # rank 0 holds global rows 0.. first
-    return gather_rows(local, spec.token_dim, plan_exchange(spec.counts, needs, spec.comm.index), spec.comm)
+    out = gather_rows(local, spec.token_dim, plan_exchange(spec.counts, needs, spec.comm.index), spec.comm)
+    return out.clone() if out is local else out  # NOTE: memory of its own, as a replicated value's is
 
 
 def _give_back(grad: torch.Tensor, spec: TokenSpec, start: int, shape: torch.Size) -> torch.Tensor:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from typing import Any
 
 import torch
 
@@ -26,7 +25,7 @@ from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import run_exchange, exchange_point
 from mesh3d.domain.core.split import offsets_of, split_sizes
 from mesh3d.domain.core.specs import DomainSpec
-from mesh3d.domain.core.linear import linear_map
+from mesh3d.domain.core.linear import linear_op
 from mesh3d.domain.core.tensor import DomainTensor, adopt, size_of, unwrap
 
 __all__ = ["move_local", "move_rows", "move_sharding"]
@@ -65,23 +64,6 @@ def move_local(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: S
     return torch.cat(pieces, src_dim)
 
 
-class _Move(torch.autograd.Function):
-    @staticmethod
-    def forward(local, comm, src_dim, src_sizes, dst_dim, dst_sizes):
-        return move_local(local, comm, src_dim, src_sizes, dst_dim, dst_sizes)
-
-    @staticmethod
-    def setup_context(ctx, inputs: tuple, output: Any) -> None:  # NOTE: the form torch.func's transforms run
-        ctx.args = inputs[1:]
-
-    @staticmethod
-    def backward(ctx, grad):
-        comm, src_dim, src_sizes, dst_dim, dst_sizes = ctx.args
-        return linear_map(lambda g: move_local(g, comm, dst_dim, dst_sizes, src_dim, src_sizes),
-                          lambda g: move_local(g, comm, src_dim, src_sizes, dst_dim, dst_sizes),
-                          grad), None, None, None, None, None
-
-
 def move_rows(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: Sequence[int], dst_dim: int,
               dst_sizes: Sequence[int]) -> torch.Tensor:
     """Differentiable ``move_local``: ``src_dim`` (sharded as ``src_sizes``) made whole, ``dst_dim`` sharded as
@@ -91,7 +73,9 @@ def move_rows(local: torch.Tensor, comm: DomainComm, src_dim: int, src_sizes: Se
     """
     if comm.size == 1:
         return local
-    return _Move.apply(local, comm, src_dim, tuple(src_sizes), dst_dim, tuple(dst_sizes))
+    src, dst = tuple(src_sizes), tuple(dst_sizes)
+    return linear_op(lambda t: move_local(t, comm, src_dim, src, dst_dim, dst),
+                     lambda g: move_local(g, comm, dst_dim, dst, src_dim, src), local)
 
 
 def move_sharding(x: DomainTensor, dim: int, sizes: Sequence[int] | None = None) -> DomainTensor:
