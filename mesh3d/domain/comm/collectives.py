@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from mesh3d.domain.core.group import DomainComm
 from mesh3d.domain.comm.exchange import exchange_all
-from mesh3d.domain.core.linear import recordable
+from mesh3d.domain.core.linear import linear_op
 
 __all__ = ["sum_dtype", "all_parts", "all_reduce_max", "all_reduce_sum", "reduce_for_local_use",
            "reduce_to_replicated", "sum_grad"]
@@ -57,75 +57,31 @@ def _all_reduce(t: torch.Tensor, comm: DomainComm, op=dist.ReduceOp.SUM) -> torc
     return out
 
 
-class _ReduceToReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(t, comm):
-        return _all_reduce(t, comm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
-        ctx.comm = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        # NOTE: the replicated gradient enters every shard: recorded with create_graph=True, its own gradient is the
-        # sum over the domain (second derivatives through reductions and losses).
-        if torch.is_grad_enabled():
-            return _SumGrad.apply(recordable(grad), ctx.comm), None
-        return grad, None
-
-
-class _ReduceForLocalUse(torch.autograd.Function):
-    @staticmethod
-    def forward(t, comm):
-        return _all_reduce(t, comm)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
-        ctx.comm = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph=True: the sum is self-adjoint
-            return _ReduceForLocalUse.apply(recordable(grad), ctx.comm), None
-        return _all_reduce(grad, ctx.comm), None
-
-
-class _SumGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(t, comm):
-        return t.view_as(t)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
-        ctx.comm = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():  # create_graph=True: a replicated sum, whose gradient enters
-            return _ReduceToReplicated.apply(recordable(grad), ctx.comm), None
-        return _all_reduce(grad, ctx.comm), None
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def reduce_to_replicated(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Sum of every rank's ``t``; backward hands the (replicated) gradient to each rank unchanged."""
     if comm.size == 1:  # nothing to add: no copy, no autograd node
         return t
-    return _ReduceToReplicated.apply(t, comm)
+    # NOTE: the replicated gradient enters every shard: recorded with create_graph=True, its own gradient is the
+    # sum over the domain (second derivatives through reductions and losses).
+    return linear_op(lambda x: _all_reduce(x, comm), _same, t)
 
 
 def reduce_for_local_use(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Sum of every rank's ``t`` for use by every shard; backward sums the shards' partial gradients."""
     if comm.size == 1:
         return t
-    return _ReduceForLocalUse.apply(t, comm)
+    return linear_op(lambda x: _all_reduce(x, comm), lambda g: _all_reduce(g, comm), t)  # the sum is self-adjoint
 
 
 def sum_grad(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     """Identity whose backward sums gradients over the domain (a replicated value entering the shards)."""
     if comm.size == 1:
         return t
-    return _SumGrad.apply(t, comm)
+    return linear_op(_same, lambda g: _all_reduce(g, comm), t)
 
 
 def all_reduce_sum(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
@@ -144,20 +100,6 @@ def all_reduce_max(t: torch.Tensor, comm: DomainComm) -> torch.Tensor:
     return _all_reduce(t, comm, dist.ReduceOp.MAX)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(t, factor):
-        return t.view_as(t)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):  # NOTE: torch.func's transforms run only this form
-        ctx.factor = inputs[1]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad * ctx.factor, None
-
-
 def scale_grad(t: torch.Tensor, factor: float) -> torch.Tensor:
     """Identity whose backward multiplies the gradient by ``factor``.
 
@@ -165,4 +107,4 @@ def scale_grad(t: torch.Tensor, factor: float) -> torch.Tensor:
     every domain rank computes the same thing, so each contributes 1/D of the parameter's gradient
     and the domain sum of parameter gradients is the one-process gradient.
     """
-    return _ScaleGrad.apply(t, factor)
+    return linear_op(_same, lambda g: g * factor, t, again=lambda g: g * factor)

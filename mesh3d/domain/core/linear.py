@@ -53,7 +53,7 @@ class _LinearMap(torch.autograd.Function):
 def recordable(t: torch.Tensor) -> torch.Tensor:
     """``t``, made to require grad if it does not (a detached leaf): a recorded exchange then exists on every rank.
 
-    Usage: ``_SumGrad.apply(recordable(grad), comm)`` in a backward that runs with ``create_graph=True``
+    Usage: ``_LinearMap.apply(apply, adjoint, apply, recordable(grad))`` in a backward run with ``create_graph=True``
 
     NOTE: whether a gradient requires grad can differ between ranks (an empty shard's is often a constant zero).
     A node recorded on some ranks only would run its exchange on those ranks alone in the next backward, so the
