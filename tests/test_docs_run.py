@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -105,13 +106,17 @@ def _normalized(line: str) -> str:
 
 def _in_process(argv: list[str], workdir: Path) -> tuple[int, str, str]:
     """``mesh3d.cli.main(argv[1:])`` in ``workdir``: its exit status and what it printed (``mesh3d check``'s ranks fork
-    from this process's forkserver, the rank pool's)."""
+    from this process's forkserver, the rank pool's). ``mesh3d plan`` simulates its domain classes in this process:
+    forking pytest's (tests/README.md: its threads may hold locks) hung a whole run once (tests/test_plan_fanout.py
+    forks on a rank)."""
     from mesh3d.cli import main
+    from mesh3d.planner import cli as plan_cli
 
     out, err, cwd = io.StringIO(), io.StringIO(), os.getcwd()
     os.chdir(workdir)
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                mock.patch.object(plan_cli, "default_workers", lambda: 1):
             try:
                 code = main(argv[1:])
             except SystemExit as exc:  # argparse's exit for a bad argument
