@@ -7,6 +7,7 @@ and pytest's process is never forked (tests/README.md).
 
 from __future__ import annotations
 
+import gc
 import os
 
 import torch
@@ -139,8 +140,6 @@ class _FinalizedWhere:
 
 
 def _parents_garbage(path: str) -> dict:
-    import gc
-
     from mesh3d.planner.fanout import Forked
 
     gc.disable()  # NOTE: so the cycle is still garbage, uncollected, when the child is forked

@@ -60,16 +60,16 @@ class Forked(Generic[T]):
         # job's or a notebook's earlier run) waits in its destructor on threads a forked child does not have, and
         # the child, collecting it, hung for good (seen in a whole test run: `mesh3d plan` in a process that had
         # used gloo). Frozen, what exists now is left out of the child's collections; the parent thaws at once.
+        parent = os.getpid()
         gc.freeze()
         try:
             pid = os.fork()
-        except BaseException:
-            gc.unfreeze()
-            raise
+        finally:
+            if os.getpid() == parent:
+                gc.unfreeze()
         if pid == 0:  # pragma: no cover - the child ends in os._exit
             os.close(read)
             _child(write, fn)
-        gc.unfreeze()
         os.close(write)
         self._child = (read, pid)
 

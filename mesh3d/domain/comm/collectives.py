@@ -107,4 +107,5 @@ def scale_grad(t: torch.Tensor, factor: float) -> torch.Tensor:
     every domain rank computes the same thing, so each contributes 1/D of the parameter's gradient
     and the domain sum of parameter gradients is the one-process gradient.
     """
-    return linear_op(_same, lambda g: g * factor, t, again=lambda g: g * factor)
+    scaled = lambda g: g * factor  # noqa: E731 - its own adjoint: the gradient's gradient is scaled too
+    return linear_op(_same, scaled, t, again=scaled)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 
-
 import torch
 
 from mesh3d.domain.halo.boxes import gather_box

@@ -14,7 +14,6 @@ value, on which any op runs as is. Backward follows ``full_tensor``: every rank 
 
 from __future__ import annotations
 
-
 import torch
 
 from mesh3d.domain.comm.exchange import gather_rows

@@ -20,9 +20,6 @@ channels, unmasked softmax attention, sums) run on the local tokens as they are.
 
 from __future__ import annotations
 
-
-
-
 import torch
 
 from mesh3d.domain.core.specs import BlockSpec

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-
 import torch
 
 from mesh3d.domain.core.group import DomainComm
